@@ -1,0 +1,3 @@
+"""Strata: serve large Mixture-of-Experts GGUF models on one small GPU."""
+
+__version__ = "0.1.0"
