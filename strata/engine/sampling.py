@@ -1,0 +1,146 @@
+"""Choosing the next token from logits: greedy, or sampled with temperature, top-k and top-p.
+
+The sampled chain follows llama.cpp's default order: logit bias, top-k, top-p (on the
+untempered distribution), temperature, then one draw from a seeded generator. Temperature 0 is
+greedy. Every function is pure apart from the draw consuming the generator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata.errors import ConfigError
+
+_MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens.
+
+    temperature: >= 0; 0 means greedy. top_k: >= 0; 0 keeps every token. top_p: in (0, 1]; 1
+    keeps every token. seed: None draws fresh entropy. max_tokens: >= 1. stop: strings that end
+    the generated text (not included in it). logit_bias: token id -> added logit (-inf bans).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+               "temperature", "a finite number >= 0 (0 means greedy)", self.temperature)
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)", self.top_k)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= _MAX_SEED),
+               "seed", f"null or an integer in [0, {_MAX_SEED}]", self.seed)
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _check(all(isinstance(s, str) and s for s in stop), "stop", "a list of non-empty strings", self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _check(is_ok: bool, name: str, allowed: str, value: object) -> None:
+    if not is_ok:
+        raise ConfigError(f"sampling parameter {name} must be {allowed}, got {value!r}")
+
+
+def _checked_bias(bias: Mapping[int, float]) -> dict[int, float]:
+    _check(isinstance(bias, Mapping), "logit_bias", "a mapping of token id to number", bias)
+    checked = {}
+    for token, value in bias.items():
+        token_id = int(token) if isinstance(token, str) and token.lstrip("-").isdigit() else token
+        _check(_is_int(token_id) and token_id >= 0, "logit_bias", "keyed by token ids >= 0", token)
+        _check(_is_number(value) and not math.isnan(value) and value != math.inf,
+               "logit_bias", "values that are numbers or -inf (ban)", value)
+        checked[int(token_id)] = float(value)
+    return checked
+
+
+def make_rng(seed: int | None) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(seed))
+
+
+def greedy(logits: np.ndarray) -> int:
+    """The highest logit; the lowest token id among equals. logits [V] -> token id."""
+    return int(np.argmax(logits))
+
+
+def apply_logit_bias(logits: np.ndarray, bias: Mapping[int, float]) -> np.ndarray:
+    """logits [V] -> a float32 copy with bias[token] added. A token id >= V is a ConfigError."""
+    out = np.array(logits, dtype=np.float32)
+    if not bias:
+        return out
+    ids = np.fromiter(bias.keys(), dtype=np.int64)
+    if ids.max() >= out.shape[0]:
+        raise ConfigError(f"sampling parameter logit_bias names token {int(ids.max())}, "
+                          f"but the vocabulary has {out.shape[0]} tokens (ids 0..{out.shape[0] - 1})")
+    out[ids] += np.fromiter(bias.values(), dtype=np.float32)
+    return out
+
+
+def top_k_mask(logits: np.ndarray, k: int) -> np.ndarray:
+    """Keep the k highest logits (ties to the lower id), the rest become -inf. k = 0 keeps all."""
+    if k == 0 or k >= logits.shape[0]:
+        return logits
+    kept = np.argsort(-logits, kind="stable")[:k]
+    out = np.full_like(logits, -np.inf)
+    out[kept] = logits[kept]
+    return out
+
+
+def top_p_mask(logits: np.ndarray, p: float) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose probability sums to >= p; others -inf."""
+    if p >= 1.0:
+        return logits
+    order = np.argsort(-logits, kind="stable")
+    probs = _softmax64(logits[order])
+    num_kept = int(np.searchsorted(np.cumsum(probs), p)) + 1  # first prefix reaching p
+    out = np.full_like(logits, -np.inf)
+    kept = order[:num_kept]
+    out[kept] = logits[kept]
+    return out
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token from logits [V] under params; greedy when temperature is 0."""
+    biased = apply_logit_bias(logits, params.logit_bias)
+    if params.is_greedy:
+        return greedy(biased)
+    masked = top_p_mask(top_k_mask(biased, params.top_k), params.top_p)
+    probs = _softmax64(masked / params.temperature)
+    return _draw(probs, rng)
+
+
+def _softmax64(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    e = np.exp(x - np.max(x))
+    return e / np.sum(e)
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw: one uniform number per token, so a seed fixes the whole sequence."""
+    cdf = np.cumsum(probs)
+    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return min(index, int(np.flatnonzero(probs)[-1]))
