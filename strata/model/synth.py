@@ -1,0 +1,174 @@
+"""Synthetic qwen3moe GGUF files: any shape, random weights, a small real BPE vocabulary.
+
+Tensors are streamed to disk in chunks of random quant blocks (see `synth_blocks`), so a
+30B-A3B-shape Q4_0 model (~17 GB) is written at disk speed without holding it in memory. The
+tensor list comes from `spec.tensor_shapes`, the same schema the loader checks. Like llama.cpp's
+quantizer, 1-D tensors and the routers (`ffn_gate_inp`) stay F32, and a k-quant falls back to a
+32-element format for rows that are not a multiple of 256. A model without MTP and without shared
+experts is a plain llama.cpp qwen3moe file; the MTP block and shared experts are extensions
+llama.cpp's qwen3moe loader does not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFWriter, LlamaFileType
+
+from strata.model import quants
+from strata.model.gguf_file import GgufModel
+from strata.model.spec import ModelSpec, tensor_shapes
+from strata.model.synth_blocks import SUPPORTED_QTYPES, norm_weight, random_tensor_chunks
+from strata.model.synth_vocab import SynthVocab, build_vocab
+
+ARCH = "qwen3moe"
+_K_QUANT_FALLBACK = {QType.Q4_K: QType.Q5_0, QType.Q6_K: QType.Q8_0}
+_FILE_TYPES = {QType.F32: LlamaFileType.ALL_F32, QType.Q4_K: LlamaFileType.MOSTLY_Q4_K_M}
+
+
+@dataclass(frozen=True)
+class SynthShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_used: int
+    expert_ffn_size: int
+    vocab_size: int
+    shared_expert_ffn_size: int = 0
+    context_length: int = 40960
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    is_output_tied: bool = False
+
+    def spec(self, with_mtp: bool = False) -> ModelSpec:
+        """The spec the loader will build from the written file."""
+        return ModelSpec(
+            arch=ARCH, num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, num_rope_dims=self.head_dim,
+            vocab_size=self.vocab_size, context_length=self.context_length, rope_theta=float(self.rope_theta),
+            is_rope_neox=True, rms_norm_eps=float(np.float32(self.rms_norm_eps)), dense_ffn_size=0,
+            num_experts=self.num_experts, num_experts_used=self.num_experts_used,
+            expert_ffn_size=self.expert_ffn_size, shared_expert_ffn_size=self.shared_expert_ffn_size,
+            has_shared_expert_gate=self.shared_expert_ffn_size > 0, is_expert_weights_normalized=True,
+            has_qk_norm=True, is_output_tied=self.is_output_tied, num_nextn_layers=int(with_mtp),
+        )
+
+
+PRESETS: dict[str, SynthShape] = {
+    "tiny": SynthShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
+                       num_experts_used=2, expert_ffn_size=32, vocab_size=512, context_length=4096),
+    "qwen3-30b-a3b": SynthShape(num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=128,
+                                num_experts=128, num_experts_used=8, expert_ffn_size=768, vocab_size=151936),
+}
+
+
+def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype: QType, seed: int,
+                          with_mtp: bool = False) -> Path:
+    """Write the model to `path` (through a temporary file, renamed when complete)."""
+    path, qtype = Path(path), QType(qtype)
+    if qtype not in SUPPORTED_QTYPES:
+        raise ValueError(f"synthetic models support {', '.join(t.name for t in SUPPORTED_QTYPES)}, not {qtype.name}")
+    spec = shape.spec(with_mtp)
+    plan = tensor_plan(spec, qtype)
+    tmp = path.with_name(path.name + ".partial")
+    writer = GGUFWriter(tmp, ARCH)
+    _add_metadata(writer, shape, spec, qtype, build_vocab(shape.vocab_size))
+    for name, (tensor_shape, tensor_qtype) in plan.items():
+        nbytes = int(np.prod(tensor_shape[:-1], dtype=np.int64)) * quants.row_nbytes(tensor_qtype, tensor_shape[-1])
+        writer.add_tensor_info(name, tensor_shape, np.dtype(np.float32), nbytes, raw_dtype=tensor_qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    fout = writer.fout[0]
+    for index, (name, (tensor_shape, tensor_qtype)) in enumerate(plan.items()):
+        rng = np.random.default_rng([seed, index])
+        fout.write(bytes(-fout.tell() % writer.data_alignment))
+        for chunk in _tensor_chunks(rng, name, tensor_shape, tensor_qtype, spec):
+            chunk.tofile(fout)
+    writer.close()
+    os.replace(tmp, path)
+    return path
+
+
+def tensor_plan(spec: ModelSpec, qtype: QType) -> dict[str, tuple[tuple[int, ...], QType]]:
+    """Every tensor to write, in file order (embedding, layers, head), with its shape and type."""
+    required, optional = tensor_shapes(spec)
+    shapes = dict(required)
+    if not spec.is_output_tied:
+        shapes["output.weight"] = optional["output.weight"]
+    for i in range(spec.num_layers, spec.num_layers + spec.num_nextn_layers):
+        name = f"blk.{i}.nextn.shared_head_norm.weight"
+        shapes[name] = optional[name]
+    head = ("output_norm.weight", "output.weight")
+    ordered = sorted(shapes, key=lambda n: (n in head, _layer_index(n), n))
+    return {name: (shapes[name], _tensor_qtype(name, shapes[name], qtype)) for name in ordered}
+
+
+def _tensor_qtype(name: str, shape: tuple[int, ...], qtype: QType) -> QType:
+    if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):
+        return QType.F32
+    for candidate in (qtype, _K_QUANT_FALLBACK.get(qtype, QType.F16), QType.F16):
+        if shape[-1] % quants.block_layout(candidate)[0] == 0:
+            return candidate
+    return QType.F32
+
+
+def _tensor_chunks(rng: np.random.Generator, name: str, shape: tuple[int, ...], qtype: QType, spec: ModelSpec):
+    if len(shape) == 1 and "norm" in name:
+        yield norm_weight(rng, shape[0]).view(np.uint8)
+        return
+    # unit-variance inputs give unit-variance outputs; the router's logits get std ~1, which
+    # keeps top-k selection spread over the experts
+    std = 1.0 if name == "token_embd.weight" else 1.0 / np.sqrt(shape[-1])
+    yield from random_tensor_chunks(rng, qtype, shape, std)
+
+
+def _layer_index(name: str) -> int:
+    return int(name.split(".")[1]) if name.startswith("blk.") else -1
+
+
+def _add_metadata(writer: GGUFWriter, shape: SynthShape, spec: ModelSpec, qtype: QType, vocab: SynthVocab) -> None:
+    writer.add_name(f"synthetic {ARCH} {spec.num_layers}x{spec.num_experts}x{spec.expert_ffn_size}")
+    file_type = _FILE_TYPES[qtype] if qtype in _FILE_TYPES else LlamaFileType[f"MOSTLY_{qtype.name}"]
+    writer.add_file_type(int(file_type))
+    writer.add_quantization_version(2)
+    writer.add_block_count(spec.num_layers + spec.num_nextn_layers)
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(spec.hidden_size)
+    writer.add_feed_forward_length(spec.expert_ffn_size * spec.num_experts_used)
+    writer.add_head_count(spec.num_heads)
+    writer.add_head_count_kv(spec.num_kv_heads)
+    writer.add_key_length(spec.head_dim)
+    writer.add_value_length(spec.head_dim)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    writer.add_expert_count(spec.num_experts)
+    writer.add_expert_used_count(spec.num_experts_used)
+    writer.add_expert_feed_forward_length(spec.expert_ffn_size)
+    if spec.shared_expert_ffn_size:
+        writer.add_expert_shared_feed_forward_length(spec.shared_expert_ffn_size)
+    if spec.num_nextn_layers:
+        writer.add_nextn_predict_layers(spec.num_nextn_layers)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    writer.add_bos_token_id(vocab.bos_id)
+    writer.add_eos_token_id(vocab.eos_id)
+    writer.add_pad_token_id(vocab.pad_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(vocab.chat_template)
+
+
+def with_overrides(shape: SynthShape, **overrides) -> SynthShape:
+    """`shape` with the given (not None) fields replaced."""
+    return dataclasses.replace(shape, **{k: v for k, v in overrides.items() if v is not None})
