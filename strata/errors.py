@@ -26,7 +26,11 @@ class ModelFormatError(StrataError):
     """A GGUF file is truncated, malformed, or holds something Strata does not support."""
 
 
-class VramBudgetError(StrataError):
+class AllocationError(StrataError):
+    """Device memory could not be allocated; the loan retries a smaller prefill geometry on this."""
+
+
+class VramBudgetError(AllocationError):
     """An allocation would exceed the VRAM budget. Names the owner, the request and what is resident."""
 
     def __init__(self, owner: str, requested_bytes: int, free_bytes: int, resident_by_owner: dict):

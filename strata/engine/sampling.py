@@ -144,3 +144,36 @@ def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(probs)
     index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     return min(index, int(np.flatnonzero(probs)[-1]))
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back only text that could still
+    turn out to be the start of one."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self._stop = stop
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was reached)."""
+        buffered = self._pending + text
+        starts = [buffered.find(s) for s in self._stop if s in buffered]
+        if starts:
+            self._pending = ""
+            return buffered[: min(starts)], True
+        num_held = max((_overlap(buffered, s) for s in self._stop), default=0)
+        self._pending = buffered[len(buffered) - num_held:]
+        return buffered[: len(buffered) - num_held], False
+
+    def flush(self) -> str:
+        """Held-back text, once the stream has ended without reaching a stop string."""
+        text, self._pending = self._pending, ""
+        return text
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of stop."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,61 @@
+"""``strata --config FILE [command]``: the main job (serve) and the tools around it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from strata.errors import StrataError
+
+# command → (module, needs a config, help). Each module has add_arguments(parser) and run(args[, config]).
+COMMANDS = {
+    "plugins": ("strata.plugin_list", True, "list installed plugins, where each came from and its hooks"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description=__doc__)
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration (see configs/)")
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    for name, (module_name, _, help_text) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text)
+        command_parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                                    help="TOML configuration (may also come before the command)")
+        _module(module_name).add_arguments(command_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        if "serve" not in COMMANDS:
+            parser.error("give a command: " + ", ".join(COMMANDS))
+        args = parser.parse_args([*argv, "serve"])
+    command = args.command
+    module_name, needs_config, _ = COMMANDS[command]
+    module = _module(module_name)
+    try:
+        if not needs_config:
+            return module.run(args)
+        if not args.config:
+            parser.error(f"{command} needs --config FILE (for example configs/demo.toml)")
+        from strata.config import load_config
+
+        return module.run(args, load_config(args.config))
+    except StrataError as exc:
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _module(name: str):
+    return importlib.import_module(name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

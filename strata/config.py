@@ -1,0 +1,190 @@
+"""The TOML configuration: read, validated, frozen.
+
+Tables: ``[model]``, ``[runtime]``, ``[planner]``, ``[serve]``, ``[loan]`` and one ``[loan.<plugin>]``
+table per loan plugin. Plugin tables are validated once the plugins are loaded, against the
+schema each plugin declares (``strata_config_tables``); until then they are kept as raw tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from strata.errors import ConfigError
+from strata.schema import build_table, option, unknown_key_error
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MIB = 1 << 20
+KV_TYPES = ("f16", "q8_0", "q4_0")
+BACKENDS = ("auto", "cuda", "cudasim", "numpy")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    path: Path = option(doc='GGUF file; "package:<module>/<file>" finds a file shipped inside an installed package',
+                        kind="path")
+    expert_pack: Path | None = option(None, doc="expert pack written by `strata pack` (default: pack in memory)",
+                                      kind="path")
+    name: str = option("", doc="model id served by the API (default: the GGUF file's stem)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    backend: str = option("auto", doc="ops backend; auto picks cuda when a GPU is present, else numpy",
+                          choices=BACKENDS)
+    device: int = option(0, doc="CUDA device ordinal", min=0)
+    context_tokens: int = option(4096, doc="context length in tokens", min=16, max=1 << 22)
+    kv_type: str = option("f16", doc="KV cache element format", choices=KV_TYPES)
+    kv_resident_cells: int = option(0, doc="KV cells kept in VRAM (0: the whole context)", min=0)
+    vram_budget_bytes: int = option(0, key="vram_budget", kind="bytes",
+                                    doc='VRAM the engine may use, e.g. "8GiB" (0: the device\'s free memory)')
+    vram_elastic: bool = option(False, doc="elastic expert cache on CUDA virtual-memory segments")
+    vmm_segment_bytes: int = option(64 * MIB, key="vmm_segment", kind="bytes",
+                                    doc='segment size of the elastic expert cache, e.g. "64MiB"', min=2 * MIB)
+    serve: bool = option(False, doc="serve the OpenAI-compatible HTTP API (the main job)")
+    mtp: bool = option(False, doc="multi-token-prediction speculative decoding with the model's MTP block")
+    spec_depth: int = option(0, doc="draft tokens per MTP speculation step (0: off)", min=0, max=16)
+    batch_slots: int = option(0, doc="concurrent batch sessions (0: serialized requests)", min=0, max=256)
+    pipeline_windows: int = option(0, doc="pipelined prefill windows (0: off)", min=0, max=64)
+    layer_split: tuple[float, ...] = option((), doc="share of layers per device; more than one entry splits layers")
+    helper_cache: bool = option(False, doc="helper-process expert cache")
+    remote_cache: str = option("", doc="address of a remote expert cache ('' : none)")
+    peer_cache: bool = option(False, doc="peer-GPU expert cache")
+    prefill_head_alias: bool = option(False, doc="reuse the output-head allocation as prompt workspace")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerConfig:
+    chunk_quantum_tokens: int = option(256, doc="prefill chunks are multiples of this", min=16, max=4096)
+    max_chunk_tokens: int = option(16384, doc="largest prefill chunk considered", min=16, max=1 << 20)
+    min_ring_slots: int = option(2, doc="smallest staging ring (expert slots)", min=1)
+    max_ring_slots: int = option(512, doc="largest staging ring (expert slots)", min=1, max=65536)
+    max_retries: int = option(4, doc="smaller geometries tried after an allocation failure", min=0, max=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    host: str = option("127.0.0.1", doc="address to listen on")
+    port: int = option(8080, doc="TCP port", min=0, max=65535)
+    api_key: str = option("", doc="bearer token required from clients ('' : none)")
+    max_queue: int = option(16, doc="requests waiting for the engine before 503", min=1, max=4096)
+    max_body_bytes: int = option(4 * MIB, kind="bytes", doc="largest request body", min=1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoanConfig:
+    enabled: bool = option(False, doc="master switch of the request-scoped prefill VRAM loan")
+    plugins: tuple[str, ...] = option((), doc="loan plugins to enable, in release order (the allow-list)")
+    # [loan.<plugin>] tables: raw until the plugins load, then validated instances of their schemas
+    tables: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    runtime: RuntimeConfig
+    planner: PlannerConfig
+    serve: ServeConfig
+    loan: LoanConfig
+    source: Path | None = None
+
+    def plugin_options(self, name: str) -> Any:
+        """The validated ``[loan.<name>]`` table of a loaded plugin."""
+        return self.loan.tables[name]
+
+
+_SECTIONS = {"model": ModelConfig, "runtime": RuntimeConfig, "planner": PlannerConfig, "serve": ServeConfig}
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return parse_config(data, base_dir=path.parent.resolve(), source=path)
+
+
+def parse_config(data: Mapping[str, Any], base_dir: Path | None = None, source: Path | None = None) -> Config:
+    valid = [*_SECTIONS, "loan"]
+    for key in data:
+        if key not in valid:
+            raise unknown_key_error(key, "", valid)
+    if "model" not in data:
+        raise ConfigError("[model] is required: set model.path to a GGUF file")
+    sections = {name: build_table(cls, data.get(name, {}), name, base_dir) for name, cls in _SECTIONS.items()}
+    config = Config(**sections, loan=_parse_loan(data.get("loan", {})), source=source)
+    verify_config(config)
+    return config
+
+
+def _parse_loan(table: Mapping[str, Any]) -> LoanConfig:
+    if not isinstance(table, Mapping):
+        raise ConfigError("loan must be a table")
+    scalars = {k: v for k, v in table.items() if not isinstance(v, Mapping)}
+    raw_tables = {k: v for k, v in table.items() if isinstance(v, Mapping)}
+    for key in scalars:
+        if key not in ("enabled", "plugins"):
+            raise unknown_key_error(key, "loan", ["enabled", "plugins", "<plugin name> (a table)"])
+    base = build_table(LoanConfig, {k: v for k, v in scalars.items()}, "loan")
+    duplicates = {p for p in base.plugins if base.plugins.count(p) > 1}
+    if duplicates:
+        raise ConfigError(f"loan.plugins lists {', '.join(sorted(duplicates))} more than once; list each plugin once")
+    return dataclasses.replace(base, tables=MappingProxyType(dict(raw_tables)))
+
+
+def verify_config(config: Config) -> None:
+    """Cross-field checks that hold whether or not a loan is enabled; each names both options."""
+    rt = config.runtime
+    if rt.spec_depth and not rt.mtp:
+        raise ConfigError(f"runtime.spec_depth = {rt.spec_depth} needs runtime.mtp = true; "
+                          "set runtime.mtp = true or set runtime.spec_depth = 0")
+    if rt.kv_resident_cells > rt.context_tokens:
+        raise ConfigError(f"runtime.kv_resident_cells = {rt.kv_resident_cells} exceeds runtime.context_tokens = "
+                          f"{rt.context_tokens}; lower kv_resident_cells or raise context_tokens")
+    if any(share <= 0 for share in rt.layer_split):
+        raise ConfigError(f"runtime.layer_split = {list(rt.layer_split)}: every share must be > 0")
+    pl = config.planner
+    if pl.min_ring_slots > pl.max_ring_slots:
+        raise ConfigError(f"planner.min_ring_slots = {pl.min_ring_slots} exceeds planner.max_ring_slots = "
+                          f"{pl.max_ring_slots}; lower min_ring_slots or raise max_ring_slots")
+    if pl.max_chunk_tokens < pl.chunk_quantum_tokens:
+        raise ConfigError(f"planner.max_chunk_tokens = {pl.max_chunk_tokens} is below planner.chunk_quantum_tokens"
+                          f" = {pl.chunk_quantum_tokens}; raise max_chunk_tokens")
+    if config.loan.plugins and not config.loan.enabled:
+        raise ConfigError(f"loan.plugins = {list(config.loan.plugins)} has no effect without loan.enabled = true; "
+                          "set loan.enabled = true or remove loan.plugins")
+
+
+def bind_plugin_tables(config: Config, schemas: Mapping[str, type], available: list[str]) -> Config:
+    """Validate every ``[loan.<name>]`` table against the schema its plugin declared.
+
+    Enabled plugins without a table get the schema's defaults. A table for a name that no installed
+    plugin provides is an error listing the available plugins.
+    """
+    tables: dict[str, Any] = {}
+    for name, raw in config.loan.tables.items():
+        if name not in available:
+            raise ConfigError(f"[loan.{name}] configures no installed plugin; available plugins: "
+                              f"{', '.join(sorted(available)) or 'none'}")
+        schema = schemas.get(name)
+        if schema is None:
+            if raw:
+                raise ConfigError(f"[loan.{name}] has keys but plugin {name} declares no options; remove the table")
+            continue
+        tables[name] = build_table(schema, raw, f"loan.{name}")
+    for name in config.loan.plugins:
+        if name not in tables and name in schemas:
+            tables[name] = build_table(schemas[name], {}, f"loan.{name}")
+    return dataclasses.replace(config, loan=dataclasses.replace(config.loan, tables=MappingProxyType(tables)))

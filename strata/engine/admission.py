@@ -1,0 +1,70 @@
+"""Startup admission of the prefill VRAM loan: the core's rules, then every plugin's.
+
+The loan is admitted only on the serialized, one-GPU serve path with the segmented elastic
+expert cache. Every rejection names the option, its value and the fix; all are reported together
+and startup fails before any resource is deferred.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from strata.config import Config
+from strata.errors import AdmissionError
+from strata.hooktypes import Rejection, ResourceView
+from strata.plugins import PluginHost
+
+MIN_VMM_SEGMENT_BYTES = 64 << 20
+_OFF = "or set loan.enabled = false"
+
+
+def core_rejections(config: Config) -> list[Rejection]:
+    rt = config.runtime
+    rules = [
+        (not rt.serve, "runtime.serve", rt.serve, "the loan runs only on the serialized serve path",
+         f"set runtime.serve = true {_OFF}"),
+        (not rt.vram_elastic, "runtime.vram_elastic", rt.vram_elastic,
+         "the loan grows the elastic expert cache, which is off", f"set runtime.vram_elastic = true {_OFF}"),
+        (rt.vmm_segment_bytes < MIN_VMM_SEGMENT_BYTES, "runtime.vmm_segment", f"{rt.vmm_segment_bytes >> 20}MiB",
+         "the loan needs virtual-memory segments of at least 64 MiB", f'set runtime.vmm_segment = "64MiB" {_OFF}'),
+        (rt.batch_slots > 0, "runtime.batch_slots", rt.batch_slots,
+         "concurrent batch sessions cannot share one request-scoped loan", f"set runtime.batch_slots = 0 {_OFF}"),
+        (rt.pipeline_windows > 0, "runtime.pipeline_windows", rt.pipeline_windows,
+         "pipelined prefill windows overlap requests", f"set runtime.pipeline_windows = 0 {_OFF}"),
+        (len(rt.layer_split) > 1, "runtime.layer_split", list(rt.layer_split),
+         "the loan is admitted on one GPU only", f"remove runtime.layer_split {_OFF}"),
+        (rt.helper_cache, "runtime.helper_cache", rt.helper_cache,
+         "a helper-process cache holds experts the loan cannot account for", f"set runtime.helper_cache = false {_OFF}"),
+        (bool(rt.remote_cache), "runtime.remote_cache", rt.remote_cache,
+         "a remote expert cache is not coordinated with the loan", f'set runtime.remote_cache = "" {_OFF}'),
+        (rt.peer_cache, "runtime.peer_cache", rt.peer_cache,
+         "a peer-GPU cache is not coordinated with the loan", f"set runtime.peer_cache = false {_OFF}"),
+        (rt.prefill_head_alias, "runtime.prefill_head_alias", rt.prefill_head_alias,
+         "the head alias already lends the output head to the prompt workspace",
+         f"set runtime.prefill_head_alias = false {_OFF}"),
+    ]
+    return [Rejection(option, value, problem, fix) for failed, option, value, problem, fix in rules if failed]
+
+
+def admit(config: Config, plugins: PluginHost, resources: Mapping[str, ResourceView]) -> None:
+    """Raise ``AdmissionError`` listing every rule the configuration breaks. No-op with the loan off."""
+    if not config.loan.enabled:
+        return
+    rejections = core_rejections(config)
+    for _, found in plugins.call_in_order("strata_loan_admit", config=config, resources=resources):
+        rejections.extend(found or ())
+    if rejections:
+        raise AdmissionError(rejections)
+
+
+def mtp_rejections(config: Config, plugin: str) -> list[Rejection]:
+    """The rule shared by the MTP and head loans: MTP speculation on, depth at least 2."""
+    rt = config.runtime
+    drop = f"or remove {plugin} from loan.plugins"
+    if not rt.mtp:
+        return [Rejection("runtime.mtp", rt.mtp, f"{plugin} defers decode resources that exist only with MTP",
+                          f"set runtime.mtp = true and runtime.spec_depth >= 2 {drop}")]
+    if rt.spec_depth < 2:
+        return [Rejection("runtime.spec_depth", rt.spec_depth, f"{plugin} needs MTP speculation depth >= 2",
+                          f"set runtime.spec_depth = 2 or more {drop}")]
+    return []

@@ -1,0 +1,225 @@
+"""The request-scoped prefill VRAM loan: one transaction around every prefill.
+
+decide → release in plugin order → grow the elastic expert cache → adjust the planner budget →
+plan → allocate the workspace (smaller geometries on failure, bounded) → prefill → finally:
+free the workspace, shrink the cache, restore resources in reverse order, put back the runtime
+state, run the restore hooks, and check that the ledger and state equal what they were before.
+
+With ``loan.enabled`` false the same object plans and allocates, and no hook runs: the plan is the
+one a build without plugins makes. The sequence of hooks is documented in ``strata.hooks``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Protocol, TypeVar
+
+from strata.config import Config
+from strata.engine.planner import Planner
+from strata.engine.resources import ElasticCache, Resource
+from strata.engine.runtime_state import RuntimeState
+from strata.errors import AllocationError, LoanRestoreError, PluginError
+from strata.gpu.ledger import VramLedger
+from strata.hooktypes import Geometry, LoanContext, LoanRequest, LoanVote, PlannerBudget
+from strata.plugins import PluginHost
+
+T = TypeVar("T")
+RESTORE_ATTEMPTS = 3
+
+
+class Workspace(Protocol):
+    """The prompt workspace and staging ring of one prefill."""
+
+    def allocate(self, geometry: Geometry) -> None:
+        """Take the memory for ``geometry`` or raise ``AllocationError`` having taken nothing."""
+
+    def free(self) -> None:
+        """Give it back; a no-op when nothing is allocated."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoanReport:
+    is_taken: bool
+    reason: str
+    geometry: Geometry | None
+    released: tuple[str, ...] = ()
+    released_bytes: int = 0
+    grown_bytes: int = 0
+    num_retries: int = 0
+
+    def summary(self) -> str:
+        if not self.is_taken:
+            return f"loan off ({self.reason})"
+        return (f"loan on ({self.reason}; released {', '.join(self.released) or 'nothing'}: "
+                f"{self.released_bytes / 2**20:.1f} MiB; cache +{self.grown_bytes / 2**20:.1f} MiB; "
+                f"retries {self.num_retries})")
+
+
+class LoanTransaction:
+    def __init__(self, *, config: Config, plugins: PluginHost, ledger: VramLedger,
+                 resources: Mapping[str, Resource], cache: ElasticCache | None, planner: Planner,
+                 workspace: Workspace, state: RuntimeState):
+        self.config = config
+        self.plugins = plugins
+        self.ledger = ledger
+        self.resources = dict(resources)
+        self.cache = cache
+        self.planner = planner
+        self.workspace = workspace
+        self.state = state
+        self.startup_geometry: Geometry | None = None
+        self.last_report: LoanReport | None = None
+        self._deferred: list[str] = []
+        self._num_requests = 0
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.config.loan.enabled
+
+    def start(self) -> None:
+        """Load every resource except those the startup loan defers; plan the startup geometry.
+
+        Call after admission: nothing is deferred before every rule has passed.
+        """
+        if self.is_enabled:
+            ctx = self._context(LoanRequest(0, 0, 0, is_startup_loan=True))
+            self._deferred = self._release_names(ctx, already=[])
+        for name, resource in self.resources.items():
+            if name not in self._deferred:
+                resource.restore()
+        self.startup_geometry = self.planner.plan(self._budget())
+
+    def run(self, prompt_tokens: int, unread_tokens: int, prefill: Callable[[Geometry], T]) -> tuple[T, LoanReport]:
+        request = LoanRequest(self._num_requests, prompt_tokens, unread_tokens,
+                              is_startup_loan=self.is_enabled and self._num_requests == 0)
+        self._num_requests += 1
+        ctx = self._context(request)
+        vote = self._decide(ctx)
+        before = self.ledger.snapshot()
+        expected = dict(before.by_owner)
+        for name in self._deferred:
+            expected[name] = expected.get(name, 0) + self.resources[name].num_bytes
+        captured = self.state.capture()
+        cache_bytes_before = self.cache.mapped_bytes if self.cache else 0
+        released, self._deferred = list(self._deferred), []
+        report = LoanReport(vote.is_run, vote.reason, None)
+        try:
+            if vote.is_run:
+                for name in self._release_names(ctx, already=released):
+                    self.resources[name].release()
+                    released.append(name)
+                grown = self.cache.grow(self.ledger.free_bytes) if self.cache else 0
+                report = dataclasses.replace(report, released=tuple(released), grown_bytes=grown,
+                                             released_bytes=sum(self.resources[n].num_bytes for n in released))
+            else:
+                self._restore_all(released)  # a vetoed startup loan gives everything back first
+                released = []
+            geometry = self._plan(ctx, vote.is_run)
+            geometry, num_retries = self._allocate(geometry)
+            report = dataclasses.replace(report, geometry=geometry, num_retries=num_retries)
+            return prefill(geometry), report
+        finally:
+            self.last_report = report
+            self._close(ctx, vote.is_run, released, captured, cache_bytes_before, expected)
+
+    def plan_preview(self, is_loan: bool) -> Geometry:
+        """The geometry an unbounded prompt would get now, without or with the loan's release."""
+        budget = self._budget()
+        if is_loan and self.is_enabled:
+            names = self._release_names(self._context(LoanRequest(0, 0, 0, is_startup_loan=True)), already=[])
+            freed = sum(self.resources[n].num_bytes for n in names if self.resources[n].is_resident)
+            budget = dataclasses.replace(budget, free_bytes=budget.free_bytes + freed)
+        return self.planner.plan(budget)
+
+    def _context(self, request: LoanRequest) -> LoanContext:
+        return LoanContext(self.config, request, self.resources, self.startup_geometry)
+
+    def _decide(self, ctx: LoanContext) -> LoanVote:
+        if not self.is_enabled:
+            return LoanVote(False, "loan.enabled is false")
+        votes = [v for _, v in self.plugins.call_in_order("strata_loan_decide", ctx=ctx) if v is not None]
+        skips = [v.reason for v in votes if not v.is_run]
+        runs = [v.reason for v in votes if v.is_run]
+        if skips:
+            return LoanVote(False, "; ".join(skips))
+        if runs:
+            return LoanVote(True, "; ".join(runs))
+        if ctx.request.is_startup_loan:
+            return LoanVote(True, "startup loan")
+        return LoanVote(False, "no plugin asked for a repeat loan")
+
+    def _release_names(self, ctx: LoanContext, already: list[str]) -> list[str]:
+        names: list[str] = []
+        for plugin, asked in self.plugins.call_in_order("strata_prefill_release", ctx=ctx):
+            for name in asked or ():
+                if name not in self.resources:
+                    raise PluginError(f"plugin {plugin!r} asked to release {name!r}, which this engine does not "
+                                      f"offer (offered: {', '.join(self.resources) or 'nothing'})")
+                if name not in names and name not in already:
+                    names.append(name)
+        return names
+
+    def _budget(self, adjust_bytes: int = 0) -> PlannerBudget:
+        borrowable = self.cache.borrowable_bytes() if self.cache else 0
+        return PlannerBudget(self.ledger.free_bytes, borrowable, adjust_bytes)
+
+    def _plan(self, ctx: LoanContext, is_loan: bool) -> Geometry:
+        if not is_loan:
+            return self.planner.plan(self._budget(), ctx.request.unread_tokens)
+        deltas = self.plugins.call_in_order("strata_planner_budget", ctx=ctx, budget=self._budget())
+        budget = self._budget(sum(d for _, d in deltas if d))
+        geometry = self.planner.plan(budget, ctx.request.unread_tokens)
+        for _, chosen in self.plugins.call_in_order("strata_planner_geometry", ctx=ctx, geometry=geometry):
+            if chosen is not None:
+                return chosen
+        return geometry
+
+    def _allocate(self, geometry: Geometry) -> tuple[Geometry, int]:
+        for num_retries in range(self.config.planner.max_retries + 1):
+            try:
+                self.workspace.allocate(geometry)
+                return geometry, num_retries
+            except AllocationError:
+                smaller = self.planner.smaller(geometry)
+                if smaller is None or num_retries == self.config.planner.max_retries:
+                    raise
+                geometry = smaller
+        raise AssertionError("unreachable")
+
+    def _close(self, ctx: LoanContext, is_loan: bool, released: list[str], captured, cache_bytes_before: int,
+               expected: dict[str, int]) -> None:
+        failures: list[str] = []
+        for step, action in (("free the workspace", self.workspace.free),
+                             ("shrink the expert cache", lambda: self.cache and self.cache.shrink_to(cache_bytes_before))):
+            try:
+                action()
+            except Exception as exc:
+                failures.append(f"{step}: {exc!r}")
+        failures.extend(self._restore_all(released, raise_now=False))
+        self.state.put_back(captured)
+        if is_loan:
+            failures.extend(f"restore hook of {p}: {e!r}" for p, e in
+                            self.plugins.call_reversed("strata_prefill_restore", ctx=ctx))
+        after = self.ledger.snapshot()
+        if dict(after.by_owner) != {k: v for k, v in expected.items() if v}:
+            diff = {o: after.by_owner.get(o, 0) - expected.get(o, 0) for o in set(after.by_owner) | set(expected)}
+            failures.append(f"ledger differs from before the loan: {({o: d for o, d in diff.items() if d})}")
+        if self.state.capture() != captured:
+            failures.append("runtime state differs from before the loan")
+        if failures:
+            raise LoanRestoreError("the loan could not put everything back: " + "; ".join(failures)
+                                   + ". The engine is unhealthy; restart it.")
+
+    def _restore_all(self, released: list[str], raise_now: bool = True) -> list[str]:
+        failures = []
+        for name in reversed(released):
+            for attempt in range(RESTORE_ATTEMPTS):
+                try:
+                    self.resources[name].restore()
+                    break
+                except Exception as exc:
+                    if attempt == RESTORE_ATTEMPTS - 1:
+                        failures.append(f"restore {name}: {exc!r}")
+        if failures and raise_now:
+            raise LoanRestoreError("; ".join(failures))
+        return failures

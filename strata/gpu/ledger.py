@@ -1,0 +1,130 @@
+"""The VRAM ledger: every device byte the engine holds, charged to a named owner, under one budget.
+
+The ledger is pure bookkeeping; the backends charge it for each allocation they make (the CUDA
+backend from its memory manager, the numpy backend for host buffers standing in for VRAM), so
+the same accounting holds on the GPU, in the simulator and on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import itertools
+import threading
+from types import MappingProxyType
+from typing import Iterator, Mapping
+
+from strata.errors import VramBudgetError
+
+UNCHARGED_OWNER = "unattributed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Charge:
+    """One allocation: the receipt that ``discharge`` takes back."""
+
+    charge_id: int
+    owner: str
+    num_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerSnapshot:
+    budget_bytes: int
+    by_owner: Mapping[str, int]
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.by_owner.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.used_bytes)
+
+    def diff(self, other: LedgerSnapshot) -> dict[str, int]:
+        """Owners whose bytes differ, as ``other - self``."""
+        owners = set(self.by_owner) | set(other.by_owner)
+        deltas = {o: other.by_owner.get(o, 0) - self.by_owner.get(o, 0) for o in owners}
+        return {o: d for o, d in sorted(deltas.items()) if d}
+
+
+class VramLedger:
+    """Thread-safe: device allocations may be made from any thread (a memory manager's callback)."""
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes <= 0:
+            raise ValueError(f"a VRAM budget must be positive, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._charges: dict[int, Charge] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._owner: contextvars.ContextVar[str] = contextvars.ContextVar("vram_owner", default=UNCHARGED_OWNER)
+
+    def charge(self, owner: str, num_bytes: int) -> Charge:
+        """Record an allocation, or raise ``VramBudgetError`` naming owner, request and residents."""
+        if num_bytes < 0:
+            raise ValueError(f"{owner}: cannot charge {num_bytes} bytes")
+        with self._lock:
+            free = self.budget_bytes - self._used_locked()
+            if num_bytes > free:
+                raise VramBudgetError(owner, num_bytes, max(0, free), self._by_owner_locked())
+            charge = Charge(next(self._ids), owner, num_bytes)
+            self._charges[charge.charge_id] = charge
+            return charge
+
+    def discharge(self, charge: Charge) -> None:
+        with self._lock:
+            if self._charges.pop(charge.charge_id, None) is None:
+                raise ValueError(f"charge {charge.charge_id} of {charge.owner} was already discharged")
+
+    def can_charge(self, num_bytes: int) -> bool:
+        return num_bytes <= self.free_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used_locked()
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.used_bytes)
+
+    def owner_bytes(self, owner: str) -> int:
+        return self.snapshot().by_owner.get(owner, 0)
+
+    def snapshot(self) -> LedgerSnapshot:
+        with self._lock:
+            return LedgerSnapshot(self.budget_bytes, MappingProxyType(self._by_owner_locked()))
+
+    @contextlib.contextmanager
+    def owner(self, name: str) -> Iterator[None]:
+        """Charge allocations made inside this block (by a memory manager) to ``name``."""
+        token = self._owner.set(name)
+        try:
+            yield
+        finally:
+            self._owner.reset(token)
+
+    @property
+    def current_owner(self) -> str:
+        return self._owner.get()
+
+    def _used_locked(self) -> int:
+        return sum(c.num_bytes for c in self._charges.values())
+
+    def _by_owner_locked(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for c in self._charges.values():
+            totals[c.owner] = totals.get(c.owner, 0) + c.num_bytes
+        return {k: v for k, v in sorted(totals.items()) if v}
+
+    def format(self) -> str:
+        """A table of what is resident, by owner, in MiB and as a share of the budget."""
+        snap = self.snapshot()
+        rows = [f"  {'owner':<24}{'MiB':>12}{'share':>9}"]
+        for owner, num_bytes in snap.by_owner.items():
+            rows.append(f"  {owner:<24}{num_bytes / 2**20:>12.1f}{num_bytes / snap.budget_bytes:>9.1%}")
+        rows.append(f"  {'free':<24}{snap.free_bytes / 2**20:>12.1f}{snap.free_bytes / snap.budget_bytes:>9.1%}")
+        rows.append(f"  {'budget':<24}{snap.budget_bytes / 2**20:>12.1f}")
+        return "\n".join(rows)

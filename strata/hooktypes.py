@@ -1,0 +1,99 @@
+"""Values that cross the plugin contract. Plugins import these; they hold no engine internals."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Mapping, Protocol
+
+if TYPE_CHECKING:
+    from strata.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The prefill geometry the planner picks: tokens per chunk and expert slots in the staging ring."""
+
+    chunk_tokens: int
+    ring_slots: int
+
+    def __str__(self) -> str:
+        return f"{self.chunk_tokens:,} / {self.ring_slots}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerBudget:
+    """Bytes the planner may spend on prompt workspace and staging ring.
+
+    ``free_bytes`` is free under the VRAM budget; ``borrowable_cache_bytes`` is expert-cache storage
+    the prompt workspace may borrow; ``adjust_bytes`` is the sum of what loan plugins added (> 0)
+    or withheld (< 0) through ``strata_planner_budget``.
+    """
+
+    free_bytes: int
+    borrowable_cache_bytes: int
+    adjust_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return max(0, self.free_bytes + self.borrowable_cache_bytes + self.adjust_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoanRequest:
+    """One request as the loan sees it.
+
+    ``index`` counts requests since startup (0 is the first). ``unread_tokens`` are the prompt
+    tokens prefill must process (the rest reuse the previous request's KV prefix).
+    ``is_startup_loan`` is true for the first request when resources were deferred at startup:
+    its prompt length was unknown when the loan began, so no prompt-length threshold applies.
+    """
+
+    index: int
+    prompt_tokens: int
+    unread_tokens: int
+    is_startup_loan: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LoanVote:
+    """A plugin's answer to ``strata_loan_decide``: run the loan or skip it, and why."""
+
+    is_run: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    """Why a plugin (or the core) cannot run in this configuration: the option, its value and the fix."""
+
+    option: str
+    value: object
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.option} = {self.value!r}: {self.problem}; {self.fix}"
+
+
+class ResourceView(Protocol):
+    """What admission and plugins may read of a decode-only resource."""
+
+    name: str
+    num_bytes: int
+    is_resident: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LoanContext:
+    """Passed to the per-request loan hooks.
+
+    :ivar config: the frozen configuration (``config.plugin_options(name)`` is a plugin's table).
+    :ivar request: the request being prefilled.
+    :ivar resources: the decode-only resources the engine offers for release, by name.
+    :ivar startup_geometry: the geometry the planner chose at startup (None before it exists).
+    """
+
+    config: Config
+    request: LoanRequest
+    resources: Mapping[str, ResourceView]
+    startup_geometry: Geometry | None

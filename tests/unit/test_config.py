@@ -1,0 +1,111 @@
+import dataclasses
+from pathlib import Path
+
+import pytest
+from loan_setup import config_dict, make_config, make_host
+
+from strata.config import load_config, parse_config
+from strata.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_toml_is_the_reference_configuration():
+    config = load_config(ROOT / "configs" / "serve.toml")
+    rt = config.runtime
+    assert (rt.context_tokens, rt.kv_type, rt.kv_resident_cells) == (65536, "q4_0", 24576)
+    assert rt.vram_budget_bytes == 8 << 30 and rt.vmm_segment_bytes == 64 << 20
+    assert rt.serve and rt.vram_elastic and rt.mtp and rt.spec_depth == 4
+    assert config.loan.enabled
+    assert config.loan.plugins == ("loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan")
+    assert config.loan.tables["repeat_loan"] == {"min_tokens": 50000}
+
+
+def test_config_is_frozen():
+    config = make_config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.runtime.serve = False
+
+
+@pytest.mark.parametrize("section, key, nearest", [
+    ("runtime", "vram_budgte", "runtime.vram_budget"),
+    ("runtime", "kv_typ", "runtime.kv_type"),
+    ("serve", "prot", "serve.port"),
+    ("loan", "enable", "loan.enabled"),
+])
+def test_unknown_key_names_path_and_nearest_key(section, key, nearest):
+    with pytest.raises(ConfigError, match=f"unknown key {section}.{key}: did you mean {nearest}"):
+        parse_config(config_dict(**{section: {key: 1}}))
+
+
+def test_unknown_section_names_the_valid_ones():
+    data = config_dict()
+    data["runtme"] = {}
+    with pytest.raises(ConfigError, match="unknown key runtme: did you mean runtime"):
+        parse_config(data)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("kv_type", "q5_1", "runtime.kv_type = 'q5_1': allowed values are 'f16', 'q8_0', 'q4_0'"),
+    ("backend", "hip", "runtime.backend = 'hip': allowed values are 'auto', 'cuda', 'cudasim', 'numpy'"),
+    ("context_tokens", 8, r"runtime.context_tokens = 8: must be in the range \[16, 4194304\]"),
+    ("serve", "yes", "runtime.serve = 'yes': expected true or false"),
+    ("spec_depth", 2.5, "runtime.spec_depth = 2.5: expected an integer"),
+    ("vram_budget", "8 gigs", 'runtime.vram_budget = \'8 gigs\': expected a size such as "8GiB"'),
+    ("vmm_segment", True, "runtime.vmm_segment = True: expected a size"),
+])
+def test_bad_value_names_key_and_allowed_values(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(config_dict(runtime={key: value}))
+
+
+@pytest.mark.parametrize("text, num_bytes", [("8GiB", 8 << 30), ("64MiB", 64 << 20), ("1.5GiB", 3 << 29),
+                                             (1024, 1024), ("2GB", 2 * 10**9)])
+def test_sizes(text, num_bytes):
+    assert parse_config(config_dict(runtime={"vram_budget": text})).runtime.vram_budget_bytes == num_bytes
+
+
+def test_repeat_threshold_under_its_minimum_is_an_error_not_a_clamp():
+    with pytest.raises(ConfigError, match=r"loan.repeat_loan.min_tokens = 255: must be in the range >= 256"):
+        make_host(make_config(loan={"repeat_loan": {"min_tokens": 255}}))
+    _, config = make_host(make_config(loan={"repeat_loan": {"min_tokens": 256}}))
+    assert config.plugin_options("repeat_loan").min_tokens == 256
+
+
+def test_repeat_threshold_defaults_to_1024():
+    assert make_host(make_config())[1].plugin_options("repeat_loan").min_tokens == 1024
+
+
+def test_unknown_plugin_table_key():
+    with pytest.raises(ConfigError, match="unknown key loan.repeat_loan.min_token: did you mean "
+                                          "loan.repeat_loan.min_tokens"):
+        make_host(make_config(loan={"repeat_loan": {"min_token": 2000}}))
+
+
+def test_cross_field_error_names_both_options_and_the_fix():
+    with pytest.raises(ConfigError, match="runtime.spec_depth = 4 needs runtime.mtp = true; set runtime.mtp = true "
+                                          "or set runtime.spec_depth = 0"):
+        parse_config(config_dict(runtime={"mtp": False}))
+    with pytest.raises(ConfigError, match="loan.plugins .* has no effect without loan.enabled = true"):
+        parse_config(config_dict(loan={"enabled": False}))
+
+
+def test_plugin_listed_twice():
+    with pytest.raises(ConfigError, match="loan.plugins lists loan_mtp more than once"):
+        parse_config(config_dict(loan={"plugins": ["loan_mtp", "loan_mtp"]}))
+
+
+def test_model_section_required_and_paths_resolve_against_the_config(tmp_path):
+    (tmp_path / "a.toml").write_text('[model]\npath = "m/x.gguf"\n')
+    assert load_config(tmp_path / "a.toml").model.path == tmp_path / "m" / "x.gguf"
+    (tmp_path / "b.toml").write_text("[runtime]\nserve = true\n")
+    with pytest.raises(ConfigError, match=r"\[model\] is required"):
+        load_config(tmp_path / "b.toml")
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    (tmp_path / "c.toml").write_text("[model\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "c.toml")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.toml")

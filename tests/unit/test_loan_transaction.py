@@ -1,0 +1,277 @@
+import pytest
+from fakes import MIB, FakeEngine
+from loan_setup import ALL_RESOURCES_MIB, make_config, make_host
+
+from strata.engine.runtime_state import RuntimeSettings
+from strata.errors import AllocationError, LoanRestoreError, PluginError
+from strata.hooks import hookimpl
+
+RELEASE_ORDER = ["mtp_experts", "mtp_draft_head", "verifier", "output_head"]
+
+
+def started(runtime=None, loan=None, extra=None, **engine_args):
+    host, config = make_host(make_config(runtime=runtime or {}, loan=loan or {}), extra)
+    engine = FakeEngine(config, host, ALL_RESOURCES_MIB, **engine_args)
+    engine.loan.start()
+    return engine
+
+
+def idle_ledger(engine):
+    """The ledger with every resource resident, the cache at its base and no workspace."""
+    by_owner = {"dense_weights": 2048 * MIB, "expert_cache": engine.cache.base_bytes}
+    by_owner.update({name: mib * MIB for name, mib in ALL_RESOURCES_MIB.items()})
+    return by_owner
+
+
+def assert_back_to_idle(engine):
+    assert dict(engine.ledger.snapshot().by_owner) == idle_ledger(engine)
+    assert engine.state.settings == RuntimeSettings()
+    assert all(r.is_resident for r in engine.resources.values())
+    assert engine.cache.mapped_bytes == engine.cache.base_bytes
+
+
+class Recorder:
+    """Records every loan hook it sees."""
+
+    def __init__(self):
+        self.calls = []
+
+    @hookimpl
+    def strata_loan_decide(self, ctx):
+        self.calls.append("decide")
+
+    @hookimpl
+    def strata_prefill_release(self, ctx):
+        self.calls.append("release")
+
+    @hookimpl
+    def strata_planner_budget(self, ctx, budget):
+        self.calls.append("budget")
+
+    @hookimpl
+    def strata_planner_geometry(self, ctx, geometry):
+        self.calls.append("geometry")
+
+    @hookimpl
+    def strata_prefill_restore(self, ctx):
+        self.calls.append("restore")
+
+
+def test_master_switch_off_runs_no_hook_and_plans_as_without_plugins():
+    recorder = Recorder()
+    off = started(loan={"enabled": False, "plugins": None})
+    off.loan.plugins.pm.register(recorder, name="recorder")  # even a registered plugin is never called
+    bare = started(loan={"enabled": False, "plugins": None})
+    geometry, report = off.prefill(100_000)
+    assert recorder.calls == [] and not report.is_taken and report.reason == "loan.enabled is false"
+    assert geometry == bare.prefill(100_000)[0]
+    assert "release:" not in " ".join(off.history)
+    assert_back_to_idle(off)
+
+
+def test_startup_defers_in_plugin_order_and_the_first_request_restores_in_reverse():
+    engine = started()
+    assert engine.history == []  # deferred resources were never loaded
+    assert [n for n, r in engine.resources.items() if r.is_resident] == []
+    geometry, report = engine.prefill(40_000)
+    assert report.is_taken and report.reason == "startup loan"
+    assert report.released == tuple(RELEASE_ORDER)
+    restores = [h.split(":")[1] for h in engine.history if h.startswith("restore:")]
+    assert restores == RELEASE_ORDER[::-1]
+    assert engine.history.index("free") < engine.history.index(f"shrink:{engine.cache.base_bytes // MIB}MiB") \
+        < engine.history.index("restore:output_head")
+    assert_back_to_idle(engine)
+
+
+def test_loan_plan_is_larger_than_the_plan_without_it():
+    loan = started()
+    loan_geometry, _ = loan.prefill(100_000)
+    plain = started(loan={"enabled": False, "plugins": None})
+    plain_geometry, _ = plain.prefill(100_000)
+    assert loan_geometry.chunk_tokens > plain_geometry.chunk_tokens
+    assert loan.loan.plan_preview(is_loan=False) == plain_geometry
+
+
+def test_later_requests_repeat_only_at_the_threshold():
+    engine = started()
+    engine.prefill(10)  # first request: the startup loan runs whatever its length
+    engine.history.clear()
+    _, short = engine.prefill(5_000, unread_tokens=1_023)
+    assert not short.is_taken and short.reason == "1,023 unread tokens < repeat threshold 1,024"
+    assert not any(h.startswith("release:") for h in engine.history)
+    _, long = engine.prefill(5_000, unread_tokens=1_024)
+    assert long.is_taken and long.reason == "repeat loan: 1,024 unread tokens >= 1,024"
+    releases = [h.split(":")[1] for h in engine.history if h.startswith("release:")]
+    restores = [h.split(":")[1] for h in engine.history if h.startswith("restore:")]
+    assert releases == RELEASE_ORDER and restores == RELEASE_ORDER[::-1]
+    assert_back_to_idle(engine)
+
+
+@pytest.mark.parametrize("unread, is_taken", [(255, False), (256, True)])
+def test_repeat_threshold_at_its_minimum(unread, is_taken):
+    engine = started(loan={"repeat_loan": {"min_tokens": 256}})
+    engine.prefill(10)
+    assert engine.prefill(10_000, unread_tokens=unread)[1].is_taken is is_taken
+
+
+@pytest.mark.parametrize("unread, is_taken", [(1_023, False), (1_024, True)])
+def test_repeat_threshold_default(unread, is_taken):
+    engine = started()
+    engine.prefill(10)
+    assert engine.prefill(10_000, unread_tokens=unread)[1].is_taken is is_taken
+
+
+def test_without_repeat_loan_later_requests_never_loan():
+    engine = started(loan={"plugins": ["loan_mtp", "loan_head"]})
+    assert engine.prefill(100)[1].is_taken
+    _, report = engine.prefill(90_000)
+    assert not report.is_taken and report.reason == "no plugin asked for a repeat loan"
+
+
+def test_retain_startup_chunk_keeps_the_startup_geometry_for_the_first_request():
+    retained = started()
+    geometry, _ = retained.prefill(300)
+    assert geometry == retained.loan.startup_geometry and geometry.chunk_tokens > 512
+    replanned = started(loan={"plugins": ["loan_mtp", "loan_head", "repeat_loan"]})
+    assert replanned.prefill(300)[0].chunk_tokens == 512  # capped at the prompt, in quanta
+
+
+def test_runtime_state_changed_by_prefill_is_put_back():
+    engine = started()
+    engine.state.update(logit_bias=((7, 2.0),), mtp_draft_sampling=True)
+    before = engine.state.settings
+    engine.prefill(2_000)
+    assert engine.state.settings == before
+
+
+def test_budget_adjustments_are_summed():
+    class Give:
+        @hookimpl
+        def strata_planner_budget(self, budget):
+            return 256 * MIB
+
+    class Take:
+        @hookimpl
+        def strata_planner_budget(self, ctx, budget):
+            return -1024 * MIB
+
+    plain = started(loan={"plugins": []})
+    adjusted = started(loan={"plugins": ["give", "take"]}, extra={"give": Give(), "take": Take()})
+    delta = plain.prefill(100_000)[0].chunk_tokens - adjusted.prefill(100_000)[0].chunk_tokens
+    assert delta * plain.costs.bytes_per_chunk_token == pytest.approx(768 * MIB, abs=256 * 512 * 1024)
+
+
+def test_allocation_failures_retry_smaller_geometries_bounded():
+    engine = started()
+    expected = engine.loan.plan_preview(is_loan=True)
+    engine.faults.arm("allocate", times=3, error=AllocationError)
+    geometry, report = engine.prefill(100_000)
+    assert report.num_retries == 3
+    assert geometry.chunk_tokens <= expected.chunk_tokens - 3 * 256
+    assert_back_to_idle(engine)
+
+
+def test_allocation_failures_beyond_the_bound_fail_the_request_and_restore():
+    engine = started()
+    engine.faults.arm("allocate", times=engine.loan.config.planner.max_retries + 1, error=AllocationError)
+    with pytest.raises(AllocationError):
+        engine.prefill(100_000)
+    assert_back_to_idle(engine)
+    assert engine.prefill(100_000)[1].is_taken  # the next request is served, repeating the loan
+    assert_back_to_idle(engine)
+
+
+FAULT_POINTS = ["release:mtp_experts", "release:output_head", "grow", "plan", "allocate", "prefill",
+                "budget", "geometry"]
+
+
+@pytest.mark.parametrize("point", FAULT_POINTS)
+def test_a_fault_at_any_step_restores_everything(point):
+    class Faulty:
+        @hookimpl
+        def strata_planner_budget(self, ctx, budget):
+            engine.faults.check("budget")
+
+        @hookimpl
+        def strata_planner_geometry(self, ctx, geometry):
+            engine.faults.check("geometry")
+
+    engine = started(loan={"plugins": ["loan_mtp", "loan_head", "repeat_loan", "faulty"]}, extra={"faulty": Faulty()})
+    engine.prefill(10)  # the startup loan
+    real_plan = engine.planner.plan
+
+    def plan(*args):
+        engine.faults.check("plan")
+        return real_plan(*args)
+
+    engine.planner.plan = plan
+    engine.faults.arm(point, times=1)
+    with pytest.raises((RuntimeError, PluginError)):
+        engine.prefill(50_000)
+    assert_back_to_idle(engine)
+    _, report = engine.prefill(50_000)  # the next request is served, with the loan
+    assert report.is_taken
+    assert_back_to_idle(engine)
+
+
+@pytest.mark.parametrize("name", RELEASE_ORDER)
+def test_a_failed_restore_is_retried(name):
+    engine = started()
+    engine.faults.arm(f"restore:{name}", times=2)
+    engine.prefill(3_000)
+    assert_back_to_idle(engine)
+
+
+@pytest.mark.parametrize("name", RELEASE_ORDER)
+def test_a_restore_that_keeps_failing_restores_the_rest_and_says_the_engine_is_unhealthy(name):
+    engine = started()
+    engine.faults.arm(f"restore:{name}", times=99)
+    with pytest.raises(LoanRestoreError, match=f"restore {name}.*ledger differs.*restart it"):
+        engine.prefill(3_000)
+    others = [r for n, r in engine.resources.items() if n != name]
+    assert all(r.is_resident for r in others) and not engine.resources[name].is_resident
+    assert engine.state.settings == RuntimeSettings()
+
+
+def test_a_failing_restore_hook_does_not_stop_the_others():
+    class Broken:
+        @hookimpl
+        def strata_prefill_restore(self, ctx):
+            raise ValueError("boom")
+
+    recorder = Recorder()
+    engine = started(loan={"plugins": ["recorder", "broken"]}, extra={"recorder": recorder, "broken": Broken()})
+    with pytest.raises(LoanRestoreError, match="restore hook of broken: ValueError"):
+        engine.prefill(1_000)
+    assert recorder.calls[-1] == "restore"
+
+
+def test_hooks_run_in_allow_list_order_and_restore_in_reverse():
+    order = []
+
+    def plugin(tag):
+        class P:
+            @hookimpl
+            def strata_prefill_release(self, ctx):
+                order.append(f"release {tag}")
+
+            @hookimpl
+            def strata_prefill_restore(self, ctx):
+                order.append(f"restore {tag}")
+        return P()
+
+    started(loan={"plugins": ["b", "a", "c"]}, extra={n: plugin(n) for n in "abc"}).prefill(1_000)
+    # start() asks release hooks once for the startup loan, then the request asks again.
+    assert order == ["release b", "release a", "release c"] * 2 + ["restore c", "restore a", "restore b"]
+
+
+def test_unknown_resource_named_by_a_plugin():
+    class Greedy:
+        @hookimpl
+        def strata_prefill_release(self, ctx):
+            return ["kv_cache"]
+
+    host, config = make_host(make_config(loan={"plugins": ["greedy"]}), {"greedy": Greedy()})
+    engine = FakeEngine(config, host, ALL_RESOURCES_MIB)
+    with pytest.raises(PluginError, match="plugin 'greedy' asked to release 'kv_cache'.*offered: verifier"):
+        engine.loan.start()
