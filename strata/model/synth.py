@@ -11,8 +11,11 @@ llama.cpp's qwen3moe loader does not read.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +24,18 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFWriter, LlamaFileType
 
 from strata.model import quants
-from strata.model.gguf_file import GgufModel
+from strata.model.gguf_file import open_gguf
 from strata.model.spec import ModelSpec, tensor_shapes
+from strata.model.synth_check import format_histogram, is_spread, routing_histogram
 from strata.model.synth_blocks import SUPPORTED_QTYPES, norm_weight, random_tensor_chunks
-from strata.model.synth_vocab import SynthVocab, build_vocab
+from strata.model.synth_vocab import SynthVocab, build_vocab, train_tokenizer
 
 ARCH = "qwen3moe"
+ATTN_OUTPUT_SCALE = 0.25
+SAMPLE_PROMPT = (
+    "Tell me a short story about a lighthouse keeper who finds a message in a bottle. It should be "
+    "about 200 words long, written for children, and end with the keeper writing back: 42 words, no more."
+)
 _K_QUANT_FALLBACK = {QType.Q4_K: QType.Q5_0, QType.Q6_K: QType.Q8_0}
 _FILE_TYPES = {QType.F32: LlamaFileType.ALL_F32, QType.Q4_K: LlamaFileType.MOSTLY_Q4_K_M}
 
@@ -47,6 +56,18 @@ class SynthShape:
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
     is_output_tied: bool = False
+
+    def __post_init__(self) -> None:
+        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "int"}
+        bad = [f"{name}={value}" for name, value in sizes.items() if value < (0 if name.startswith("shared") else 1)]
+        if bad:
+            raise ValueError(f"synthetic shape needs positive sizes, got {', '.join(bad)}")
+        if self.num_heads % self.num_kv_heads or self.num_experts_used > self.num_experts or self.head_dim % 2:
+            raise ValueError(
+                f"synthetic shape: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}), num_experts_used ({self.num_experts_used}) at most num_experts "
+                f"({self.num_experts}), head_dim ({self.head_dim}) even"
+            )
 
     def spec(self, with_mtp: bool = False) -> ModelSpec:
         """The spec the loader will build from the written file."""
@@ -125,9 +146,13 @@ def _tensor_chunks(rng: np.random.Generator, name: str, shape: tuple[int, ...], 
     if len(shape) == 1 and "norm" in name:
         yield norm_weight(rng, shape[0]).view(np.uint8)
         return
-    # unit-variance inputs give unit-variance outputs; the router's logits get std ~1, which
-    # keeps top-k selection spread over the experts
+    # Unit-variance inputs give unit-variance outputs, and router logits of std ~1 spread the
+    # top-k over the experts. Attention of random weights averages over the context and adds the
+    # same vector to every token; at full strength that shared part grows with depth until every
+    # token routes to the same experts (seen from layer ~5 on), so its output is scaled down.
     std = 1.0 if name == "token_embd.weight" else 1.0 / np.sqrt(shape[-1])
+    if name.endswith("attn_output.weight"):
+        std *= ATTN_OUTPUT_SCALE
     yield from random_tensor_chunks(rng, qtype, shape, std)
 
 
@@ -172,3 +197,57 @@ def _add_metadata(writer: GGUFWriter, shape: SynthShape, spec: ModelSpec, qtype:
 def with_overrides(shape: SynthShape, **overrides) -> SynthShape:
     """`shape` with the given (not None) fields replaced."""
     return dataclasses.replace(shape, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# --- command line: `strata synth` ---------------------------------------------------------
+
+_SHAPE_FLAGS = {  # flag -> SynthShape field
+    "layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
+    "head_dim": "head_dim", "experts": "num_experts", "experts_used": "num_experts_used",
+    "expert_ffn": "expert_ffn_size", "shared_expert_ffn": "shared_expert_ffn_size", "vocab": "vocab_size",
+    "context": "context_length",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, metavar="OUT.gguf", help="file to write")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="base shape (default tiny); the size flags below override its fields")
+    for flag, field in _SHAPE_FLAGS.items():
+        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, metavar="N", help=field)
+    parser.add_argument("--qtype", default="Q4_0", help=f"weight type: {', '.join(t.name for t in SUPPORTED_QTYPES)}")
+    parser.add_argument("--mtp", action="store_true", help="add one MTP (nextn) block after the last layer")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--check", action="store_true",
+                        help="load the file back and print the routing histogram of a sample prompt; "
+                             "exit 1 if routing collapses onto a few experts")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        shape = with_overrides(PRESETS[args.preset], **{f: getattr(args, k) for k, f in _SHAPE_FLAGS.items()})
+        qtype = QType[args.qtype.upper()]
+    except (ValueError, KeyError) as exc:
+        print(f"strata synth: error: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        path = write_synthetic_model(args.out, shape, qtype, args.seed, with_mtp=args.mtp)
+    except ValueError as exc:
+        print(f"strata synth: error: {exc}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - started
+    num_bytes = path.stat().st_size
+    print(f"wrote {path}: {num_bytes / 1e9:.3f} GB in {seconds:.1f} s ({num_bytes / 1e6 / seconds:.0f} MB/s), "
+          f"{shape.num_layers} layers{' + MTP' if args.mtp else ''}, {qtype.name}, seed {args.seed}")
+    if not args.check:
+        return 0
+    model = open_gguf(path)
+    counts = routing_histogram(model, sample_prompt_tokens(shape.vocab_size))
+    print(format_histogram(counts, shape.num_experts_used))
+    return 0 if is_spread(counts, shape.num_experts_used) else 1
+
+
+def sample_prompt_tokens(vocab_size: int) -> list[int]:
+    """The check prompt, tokenized with the vocabulary `write_synthetic_model` writes."""
+    return train_tokenizer(vocab_size).encode(SAMPLE_PROMPT).ids
