@@ -5,6 +5,7 @@ import pytest
 
 from strata.engine.sampling import (
     SamplingParams,
+    StopMatcher,
     apply_logit_bias,
     greedy,
     make_rng,
@@ -122,3 +123,32 @@ def test_invalid_parameters_name_the_parameter(kwargs, name):
 
 def test_a_single_stop_string_becomes_a_tuple():
     assert SamplingParams(stop="\n\n").stop == ("\n\n",)
+
+
+def _stream(pieces, stop):
+    matcher = StopMatcher(stop)
+    emitted, is_stopped = [], False
+    for piece in pieces:
+        text, is_stopped = matcher.feed(piece)
+        emitted.append(text)
+        if is_stopped:
+            break
+    if not is_stopped:
+        emitted.append(matcher.flush())
+    return "".join(emitted), is_stopped, emitted
+
+
+def test_stop_string_split_across_pieces_is_cut_and_not_emitted():
+    text, is_stopped, emitted = _stream(["Hello", " wor", "ld\n", "\nmore"], ("\n\n",))
+    assert (text, is_stopped) == ("Hello world", True)
+    assert emitted[2] == "ld"  # the first newline was held back until it was known
+
+
+def test_text_without_a_stop_string_comes_through_whole():
+    text, is_stopped, _ = _stream(["ab", "c<", "|e", "nd"], ("<|end|>",))
+    assert (text, is_stopped) == ("abc<|end", False)
+
+
+def test_earliest_of_several_stop_strings_wins():
+    text, is_stopped, _ = _stream(["x END y STOP"], ("STOP", "END"))
+    assert (text, is_stopped) == ("x ", True)

@@ -314,3 +314,26 @@ def test_weights_are_fetched_once():
     model.forward(np.array([1, 2]), 0, KVCache.for_spec(LLAMA, 8))
     model.forward(np.array([3]), 2, KVCache.for_spec(LLAMA, 8))
     assert len(calls) == len(set(calls))
+
+
+def test_tiny_synthetic_gguf_with_mtp_runs_through_the_loader(tmp_path):
+    from gguf import GGMLQuantizationType
+
+    from strata.model.gguf_file import open_gguf
+    from strata.model.synth import PRESETS, write_synthetic_model
+
+    path = write_synthetic_model(tmp_path / "tiny.gguf", PRESETS["tiny"], GGMLQuantizationType.Q4_0, seed=3, with_mtp=True)
+    gguf = open_gguf(path)
+    spec = gguf.spec
+    model = ReferenceModel.from_gguf(gguf)
+    tokens = np.random.default_rng(0).integers(0, spec.vocab_size, size=9)
+
+    kv = KVCache.for_spec(spec, 16)
+    hidden = np.concatenate([model.forward_hidden(tokens[:4], 0, kv), model.forward_hidden(tokens[4:8], 4, kv)])
+    one_shot = model.forward_hidden(tokens[:8], 0, KVCache.for_spec(spec, 16))
+    assert _rel_err(hidden, one_shot) <= 1e-5
+
+    drafts = model.mtp_forward(hidden, tokens[1:9], 0, kv)
+    assert drafts.shape == (8, spec.vocab_size) and np.all(np.isfinite(drafts))
+    stepwise = np.concatenate([model.mtp_forward(hidden[i:i + 1], tokens[i + 1:i + 2], i, kv) for i in range(8)])
+    assert _rel_err(stepwise, drafts) <= 1e-5
