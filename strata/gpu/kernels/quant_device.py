@@ -1,0 +1,173 @@
+"""Device functions that dequantize one octet (8 consecutive elements) of a packed matrix row.
+
+Every format shares one signature, so a kernel is compiled per format by closing over the
+function `dequant8_for(fmt)` returns:
+
+    device_dequant8_<fmt>(quants, scales, extra, row, octet, out, out_off)
+        writes elements [8*octet, 8*octet + 8) of `row` as float32 into out[out_off : out_off + 8]
+
+An octet of any format reads at most two uint32 words per quant plane plus one scale, so
+neighbouring threads taking neighbouring octets read neighbouring words (coalesced), and the
+values never leave registers when the caller's `out` is a local array.
+
+Small integers become floats through the exponent trick (bits 0x4B000000 | q is the float
+2^23 + q): on sm_90 an int-to-float conversion issues at 16 per clock per SM, an eighth of the
+FMA rate, and a 4-bit GEMV at HBM speed needs more conversions than that. The bitcast is free
+on the GPU (libdevice `int_as_float`); the simulator gets the same bitcast through NumPy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from ._common import IS_SIMULATOR
+
+if IS_SIMULATOR:
+
+    def _int_as_float(bits):
+        return np.uint32(bits).view(np.float32)
+
+else:
+    from numba.cuda.libdevice import int_as_float as _int_as_float
+
+_MAGIC_BITS = 0x4B000000  # float 2^23: OR-ing a small integer into its mantissa adds it
+_TWO_23 = np.float32(8388608.0)
+_TWO_23_PLUS_8 = np.float32(8388616.0)  # nibble - 8 (Q4_0)
+_TWO_23_PLUS_32 = np.float32(8388640.0)  # 6-bit - 32 (Q6_K)
+_TWO_23_PLUS_128 = np.float32(8388736.0)  # byte with flipped sign bit - 128 = int8 (Q8_0)
+
+
+@cuda.jit(device=True)
+def device_small_int_to_float(q, bias):
+    """float(q) - (bias - 2^23) for 0 <= q < 2^23, without an int-to-float conversion."""
+    return _int_as_float(np.int32(_MAGIC_BITS | q)) - bias
+
+
+@cuda.jit(device=True)
+def device_sign_extend_byte(b):
+    v = np.int32(b)
+    return v - ((v & 0x80) << 1)
+
+
+@cuda.jit(device=True)
+def device_dequant8_q4_0(quants, scales, extra, row, octet, out, out_off):
+    # block = 16 bytes of nibbles: byte j holds element j (low) and element j + 16 (high)
+    block = octet // 4
+    sub = octet % 4
+    word = block * 4 + (sub % 2) * 2
+    shift = (sub // 2) * 4
+    d = np.float32(scales[row, block])
+    w0 = quants[row, word]
+    w1 = quants[row, word + 1]
+    for i in range(4):
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, _TWO_23_PLUS_8)
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, _TWO_23_PLUS_8)
+
+
+@cuda.jit(device=True)
+def device_dequant8_q4_1(quants, scales, extra, row, octet, out, out_off):
+    block = octet // 4
+    sub = octet % 4
+    word = block * 4 + (sub % 2) * 2
+    shift = (sub // 2) * 4
+    d = np.float32(scales[row, 2 * block])
+    m = np.float32(scales[row, 2 * block + 1])
+    w0 = quants[row, word]
+    w1 = quants[row, word + 1]
+    for i in range(4):
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, _TWO_23) + m
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, _TWO_23) + m
+
+
+@cuda.jit(device=True)
+def device_dequant8_q8_0(quants, scales, extra, row, octet, out, out_off):
+    block = octet // 4
+    word = block * 8 + (octet % 4) * 2
+    d = np.float32(scales[row, block])
+    w0 = quants[row, word] ^ 0x80808080  # int8 -> offset binary, so each byte is q + 128
+    w1 = quants[row, word + 1] ^ 0x80808080
+    for i in range(4):
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i)) & 0xFF, _TWO_23_PLUS_128)
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i)) & 0xFF, _TWO_23_PLUS_128)
+
+
+@cuda.jit(device=True)
+def device_q4_k_scale_min(extra, row, base, j):
+    """6-bit scale and min of sub-block j (0..7) from the 12 packed bytes at extra[row, base:]."""
+    if j < 4:
+        sc = extra[row, base + j] & 63
+        mn = extra[row, base + j + 4] & 63
+    else:
+        sc = (extra[row, base + j + 4] & 0xF) | ((extra[row, base + j - 4] >> 6) << 4)
+        mn = (extra[row, base + j + 4] >> 4) | ((extra[row, base + j] >> 6) << 4)
+    return np.float32(np.int32(sc)), np.float32(np.int32(mn))
+
+
+@cuda.jit(device=True)
+def device_dequant8_q4_k(quants, scales, extra, row, octet, out, out_off):
+    # super-block of 256 = 8 sub-blocks of 32; bytes 32c..32c+31 hold sub-block 2c (low) and 2c+1 (high)
+    sb = octet // 32
+    s = octet % 32
+    j = s // 4
+    word = sb * 32 + (j // 2) * 8 + (s % 4) * 2
+    shift = (j % 2) * 4
+    sc, mn = device_q4_k_scale_min(extra, row, sb * 12, j)
+    d = np.float32(scales[row, 2 * sb]) * sc
+    m = np.float32(scales[row, 2 * sb + 1]) * mn
+    w0 = quants[row, word]
+    w1 = quants[row, word + 1]
+    for i in range(4):
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, _TWO_23) - m
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, _TWO_23) - m
+
+
+@cuda.jit(device=True)
+def device_dequant8_q6_k(quants, scales, extra, row, octet, out, out_off):
+    # per half n of 128: element 32q + l takes ql[64n + 32(q%2) + l] nibble q//2, qh[32n + l] bits 2q
+    sb = octet // 32
+    e = (octet % 32) * 8
+    n = e // 128
+    q = (e % 128) // 32
+    l0 = e % 32
+    ql_word = sb * 48 + n * 16 + (q % 2) * 8 + l0 // 4
+    qh_word = sb * 48 + 32 + n * 8 + l0 // 4
+    lo_shift = (q // 2) * 4
+    hi_shift = q * 2
+    d = np.float32(scales[row, sb]) * np.float32(device_sign_extend_byte(extra[row, sb * 16 + n * 8 + q * 2 + l0 // 16]))
+    lo0 = quants[row, ql_word]
+    lo1 = quants[row, ql_word + 1]
+    hi0 = quants[row, qh_word]
+    hi1 = quants[row, qh_word + 1]
+    for i in range(4):
+        q0 = ((lo0 >> (8 * i + lo_shift)) & 0xF) | (((hi0 >> (8 * i + hi_shift)) & 3) << 4)
+        q1 = ((lo1 >> (8 * i + lo_shift)) & 0xF) | (((hi1 >> (8 * i + hi_shift)) & 3) << 4)
+        out[out_off + i] = d * device_small_int_to_float(q0, _TWO_23_PLUS_32)
+        out[out_off + 4 + i] = d * device_small_int_to_float(q1, _TWO_23_PLUS_32)
+
+
+@cuda.jit(device=True)
+def device_dequant8_float(quants, scales, extra, row, octet, out, out_off):
+    """F16 and F32: `quants` holds the values themselves."""
+    base = octet * 8
+    for i in range(8):
+        out[out_off + i] = np.float32(quants[row, base + i])
+
+
+_DEQUANT8 = {
+    "Q4_0": device_dequant8_q4_0,
+    "Q4_1": device_dequant8_q4_1,
+    "Q8_0": device_dequant8_q8_0,
+    "Q4_K": device_dequant8_q4_k,
+    "Q6_K": device_dequant8_q6_k,
+    "F16": device_dequant8_float,
+    "F32": device_dequant8_float,
+}
+
+
+def dequant8_for(fmt: str):
+    """The octet dequantizer of format `fmt` (a name from packing.FORMATS)."""
+    try:
+        return _DEQUANT8[fmt]
+    except KeyError:
+        raise ValueError(f"no device dequantizer for format {fmt!r}; supported: {', '.join(_DEQUANT8)}") from None

@@ -1,0 +1,69 @@
+"""Seeded inputs for the kernel tests: random GGUF blocks of every format, device round trips."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize as gguf_dequantize
+from numba import cuda
+
+from strata.gpu.kernels.packing import FORMATS, PackedMatrix, pack, to_device
+
+ALL_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "F16", "F32")
+# absolute tolerance of a dot product over K products of O(1) values with float32 accumulation,
+# relative to sqrt(K): the kernels and NumPy sum in different orders
+DOT_RTOL = 2e-5
+
+
+def random_gguf_bytes(fmt: str, num_rows: int, num_cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[num_rows, row_bytes] uint8: random quants, fp16 scales drawn small so values stay O(1)."""
+    f = FORMATS[fmt]
+    if f.is_float:
+        values = rng.standard_normal((num_rows, num_cols)).astype(np.float32 if fmt == "F32" else np.float16)
+        return values.view(np.uint8)
+    num_blocks = num_rows * num_cols // f.block_elems
+    blocks = rng.integers(0, 256, size=(num_blocks, f.block_bytes), dtype=np.uint8)
+    scale_fields = [(start, end) for plane, start, end in f.fields if plane == "scales"]
+    for start, end in scale_fields:
+        num_halves = (end - start) // 2
+        if fmt in ("Q4_K", "Q6_K"):
+            magnitude = 1.0 / 64 if fmt == "Q4_K" else 1.0 / 1024  # times 6-bit / int8 sub-scales
+        else:
+            magnitude = 1.0 / 8
+        halves = (rng.uniform(-1.0, 1.0, size=(num_blocks, num_halves)) * magnitude).astype(np.float16)
+        blocks[:, start:end] = halves.view(np.uint8)
+    return blocks.reshape(num_rows, -1)
+
+
+def reference_dequant(raw: np.ndarray, fmt: str) -> np.ndarray:
+    """gguf-py's dequantization of GGUF bytes: [rows, row_bytes] -> [rows, cols] float32."""
+    return np.asarray(gguf_dequantize(raw, QType[fmt]), dtype=np.float32)
+
+
+def random_matrix(fmt: str, num_rows: int, num_cols: int, seed: int) -> tuple[PackedMatrix, np.ndarray]:
+    """A packed matrix on the device and its float32 values per gguf-py."""
+    raw = random_gguf_bytes(fmt, num_rows, num_cols, np.random.default_rng(seed))
+    return to_device(pack(raw, fmt)), reference_dequant(raw, fmt)
+
+
+def dev(a: np.ndarray):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def host(a) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else a.copy_to_host()
+
+
+def cols_around_blocks(fmt: str, num_blocks: int) -> tuple[int, ...]:
+    """Column counts one block below, at and above num_blocks blocks of the format."""
+    elems = 32 if FORMATS[fmt].is_float else FORMATS[fmt].block_elems
+    return tuple(elems * n for n in (num_blocks - 1, num_blocks, num_blocks + 1))
+
+
+def assert_dot_close(out: np.ndarray, ref: np.ndarray, magnitude: np.ndarray, rtol: float = 1e-5, atol: float = 1e-6):
+    """Float32 sums of many products, compared with an error bound relative to sum |w x| per output."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    bound = rtol * np.asarray(magnitude, np.float64) + atol
+    worst = np.max(np.abs(out - ref) - bound) if out.size else 0.0
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert worst <= 0, f"max excess error {worst:.3g} (max |diff| {np.max(np.abs(out - ref)):.3g})"
