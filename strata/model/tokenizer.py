@@ -1,0 +1,257 @@
+"""Byte-level BPE tokenization from a GGUF's own metadata, matching llama.cpp token for token.
+
+HF `tokenizers` runs the BPE: the metadata's vocabulary and merges, llama.cpp's pre-tokenizer
+regexes, then the byte-level mapping. Special tokens are split out of the text here rather than by
+HF's added-token matcher, because llama.cpp's rule differs: longer special texts are tried first
+over the whole text, and user-defined tokens are split out even when special tokens are not parsed.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from tokenizers import Regex
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+
+from strata.errors import ModelFormatError
+from strata.model.pretokenize import PreTokenizer, pre_tokenizer_for
+from strata.model.special_tokens import SpecialTokens, TokenAttr, attrs_from_types, resolve_special_tokens
+
+SUPPORTED_MODELS = ("gpt2",)
+_RENDERED_AS_TEXT = TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED
+_SPECIAL = TokenAttr.UNKNOWN | TokenAttr.CONTROL
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the others for 256 + n."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+_TO_LATIN1 = str.maketrans({c: chr(b) for c, b in _BYTE_OF_CHAR.items()})
+_NOT_BYTE_CHAR = re.compile("[^" + "".join(re.escape(c) for c in _BYTE_OF_CHAR) + "]")
+
+
+class Tokenizer:
+    """Encode and decode with one GGUF vocabulary. Build it with `Tokenizer.from_metadata`."""
+
+    def __init__(self, hf: HFTokenizer, texts: Sequence[str], special: SpecialTokens, *, is_add_bos: bool,
+                 is_add_eos: bool, chat_template: str | None):
+        self._hf = hf
+        self._texts = tuple(texts)
+        self._attrs = special.attrs
+        self._special = special
+        self._pieces = tuple(_piece(t, a) for t, a in zip(self._texts, self._attrs))
+        self._split_table = _split_table(self._texts, self._attrs)
+        self.is_add_bos = is_add_bos
+        self.is_add_eos = is_add_eos
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        model = metadata.get("tokenizer.ggml.model")
+        if model not in SUPPORTED_MODELS:
+            raise ModelFormatError(
+                f"tokenizer.ggml.model is {model!r}, which Strata does not support; supported: "
+                f"{', '.join(SUPPORTED_MODELS)} (byte-level BPE)"
+            )
+        pre = pre_tokenizer_for(metadata.get("tokenizer.ggml.pre"))
+        texts = [t or f"[EMPTY_{i}]" for i, t in enumerate(_required(metadata, "tokenizer.ggml.tokens"))]
+        types = attrs_from_types(metadata.get("tokenizer.ggml.token_type"), len(texts))
+        special = resolve_special_tokens(metadata, texts, types)
+        hf = _bpe(texts, _required(metadata, "tokenizer.ggml.merges"), pre)
+        return cls(
+            hf, texts, special,
+            is_add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", pre.is_add_bos)),
+            is_add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=metadata.get("tokenizer.chat_template"),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._texts)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._special.bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._special.eos_id
+
+    @property
+    def eot_id(self) -> int | None:
+        return self._special.eot_id
+
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        return self._special.eog_ids
+
+    def is_eog(self, token_id: int) -> bool:
+        return token_id in self._special.eog_ids
+
+    def is_special(self, token_id: int) -> bool:
+        """A control or unknown token: rendered as its text by `decode` unless `skip_special`."""
+        return bool(self._attrs[self._checked(token_id)] & _SPECIAL)
+
+    def encode(self, text: str, *, add_bos: bool | None = None, add_eos: bool | None = None,
+               parse_special: bool = False) -> list[int]:
+        """Token ids of `text`. `add_bos`/`add_eos` None follow the metadata's rule; `parse_special`
+        turns control-token texts such as `<|im_start|>` into their tokens instead of plain text."""
+        fragments = _split_special(text, self._split_table, parse_special)
+        raw = [f for f in fragments if isinstance(f, str)]
+        encoded = iter(self._hf.encode_batch(raw, add_special_tokens=False) if raw else ())
+        ids = [self._required_id(self.bos_id, "BOS")] if _pick(add_bos, self.is_add_bos) else []
+        for fragment in fragments:
+            ids.extend(next(encoded).ids if isinstance(fragment, str) else (fragment,))
+        if _pick(add_eos, self.is_add_eos):
+            ids.append(self._required_id(self.eos_id, "EOS"))
+        return ids
+
+    def token_piece(self, token_id: int) -> bytes:
+        """The bytes this token stands for; a special token's piece is its text."""
+        return self._pieces[self._checked(token_id)]
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        """Text of the ids; bytes that are not valid UTF-8 become U+FFFD."""
+        return b"".join(self._decoded_piece(i, skip_special) for i in ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, *, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special=skip_special)
+
+    def _decoded_piece(self, token_id: int, skip_special: bool) -> bytes:
+        piece = self.token_piece(token_id)
+        return b"" if skip_special and self._attrs[token_id] & _SPECIAL else piece
+
+    def _checked(self, token_id: int) -> int:
+        if not 0 <= token_id < len(self._texts):
+            raise ModelFormatError(f"token id {token_id} is outside the vocabulary (0..{len(self._texts) - 1})")
+        return token_id
+
+    def _required_id(self, token_id: int | None, name: str) -> int:
+        if token_id is None:
+            raise ModelFormatError(f"a {name} token was requested but the vocabulary has none")
+        return token_id
+
+
+class StreamDecoder:
+    """Token ids in, text out as soon as it is complete UTF-8: a character split over several tokens
+    is held back until its last byte arrives. `flush` at the end releases what is left."""
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer._decoded_piece(token_id, self._skip_special))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def _pick(requested: bool | None, rule: bool) -> bool:
+    return rule if requested is None else requested
+
+
+def _required(metadata: Mapping[str, Any], key: str) -> list[Any]:
+    value = metadata.get(key)
+    if not isinstance(value, list):
+        raise ModelFormatError(f"{key} is missing or not an array; a gpt2 (BPE) vocabulary needs it")
+    return value
+
+
+def _bpe(texts: Sequence[str], merges: Sequence[str], pre: PreTokenizer) -> HFTokenizer:
+    # a token text that is not valid UTF-8 (kept by surrogateescape) can never be produced by BPE
+    vocab = {t: i for i, t in enumerate(texts) if _is_utf8(t)}
+    model = models.BPE(vocab=vocab, merges=_merge_pairs(merges, vocab), ignore_merges=pre.is_ignore_merges)
+    hf = HFTokenizer(model)
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+    hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return hf
+
+
+def _merge_pairs(merges: Sequence[str], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """llama.cpp splits a merge at the first space after position 0, and the first rank of a pair wins.
+    HF refuses pairs whose parts or result are not in the vocabulary; such a merge could only yield
+    a symbol with no token id, so it is left out."""
+    pairs, seen = [], set()
+    for merge in merges:
+        cut = merge.find(" ", 1)
+        pair = (merge[:cut], merge[cut + 1:])
+        if cut < 0 or pair in seen:
+            continue
+        seen.add(pair)
+        if pair[0] in vocab and pair[1] in vocab and pair[0] + pair[1] in vocab:
+            pairs.append(pair)
+    return pairs
+
+
+def _split_table(texts: Sequence[str], attrs: Sequence[TokenAttr]) -> tuple[tuple[str, int, bool], ...]:
+    """(text, id, is_special) of the tokens split out of text before BPE, longest text (in bytes) first."""
+    ids = [i for i, a in enumerate(attrs) if a & _RENDERED_AS_TEXT]
+    ids.sort(key=lambda i: (-len(texts[i].encode("utf-8", "surrogateescape")), i))
+    return tuple((texts[i], i, bool(attrs[i] & _SPECIAL)) for i in ids)
+
+
+def _split_special(text: str, table: Sequence[tuple[str, int, bool]], parse_special: bool) -> list[str | int]:
+    """Raw-text fragments and special token ids, in order. Control and unknown tokens only count
+    when `parse_special`; user-defined tokens always do."""
+    fragments: list[str | int] = [text] if text else []
+    for special_text, token_id, is_special in table:
+        if is_special and not parse_special:
+            continue
+        if any(isinstance(f, str) and special_text in f for f in fragments):
+            fragments = [part for f in fragments for part in _split_at(f, special_text, token_id)]
+    return fragments
+
+
+def _split_at(fragment: str | int, special_text: str, token_id: int) -> list[str | int]:
+    if not isinstance(fragment, str):
+        return [fragment]
+    first, *rest = fragment.split(special_text)
+    parts: list[str | int] = [first] if first else []
+    for part in rest:
+        parts.append(token_id)
+        if part:
+            parts.append(part)
+    return parts
+
+
+def _piece(text: str, attr: TokenAttr) -> bytes:
+    """llama.cpp's `token_to_piece` with specials rendered: text of special and user-defined tokens,
+    byte-level decoding of normal ones, the byte of a `<0xXX>` byte token, nothing for the rest."""
+    if attr & _RENDERED_AS_TEXT:
+        return text.encode("utf-8", "surrogateescape")
+    if attr & TokenAttr.NORMAL:
+        return _byte_level_decode(text)
+    if attr & TokenAttr.BYTE:
+        if not re.fullmatch("<0x[0-9A-Fa-f]{2}>", text):
+            raise ModelFormatError(f"byte token {text!r} is not of the form <0xXX>")
+        return bytes([int(text[3:5], 16)])
+    return b""
+
+
+def _byte_level_decode(text: str) -> bytes:
+    if not _NOT_BYTE_CHAR.search(text):
+        return text.translate(_TO_LATIN1).encode("latin-1")
+    # llama.cpp's rendering of a character outside the byte-level alphabet
+    return b"".join(
+        bytes([_BYTE_OF_CHAR[c]]) if c in _BYTE_OF_CHAR
+        else b"[UNK_BYTE_0x" + c.encode("utf-8", "surrogateescape").hex().encode() + text.encode("utf-8", "surrogateescape") + b"]"
+        for c in text
+    )
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

