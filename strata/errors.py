@@ -59,3 +59,7 @@ class EngineError(StrataError):
 
 def _mib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 20):.1f} MiB"
+
+
+class RequestError(StrataError):
+    """A request the engine cannot take as given (a prompt longer than the context, say)."""

@@ -28,17 +28,24 @@ class WorkspaceCosts:
     bytes_per_chunk_token: int
     bytes_per_ring_slot: int
     fixed_bytes: int = 0
-    target_ring_slots: int = 256
+    target_ring_slots: int = 256  # 0: a dense model, nothing to stream
+    is_ring_in_cache: bool = False  # ring slots must be borrowed expert-cache slots
 
     def workspace_bytes(self, geometry: Geometry) -> int:
-        return (self.fixed_bytes + geometry.chunk_tokens * self.bytes_per_chunk_token
-                + geometry.ring_slots * self.bytes_per_ring_slot)
+        return self.workspace_bytes_for(geometry.chunk_tokens, geometry.ring_slots)
+
+    def workspace_bytes_for(self, chunk_tokens: int, ring_slots: int) -> int:
+        return self.fixed_bytes + chunk_tokens * self.bytes_per_chunk_token + ring_slots * self.bytes_per_ring_slot
 
 
 class Planner:
-    def __init__(self, costs: WorkspaceCosts, config: PlannerConfig):
+    def __init__(self, costs: WorkspaceCosts, config: PlannerConfig, context_tokens: int | None = None):
         self.costs = costs
         self.config = config
+        self.max_chunk_tokens = config.max_chunk_tokens
+        if context_tokens:
+            quantum = config.chunk_quantum_tokens
+            self.max_chunk_tokens = min(self.max_chunk_tokens, max(quantum, _round_up(context_tokens, quantum)))
 
     def plan(self, budget: PlannerBudget, unread_tokens: int | None = None) -> Geometry:
         """The largest geometry that fits ``budget``; a chunk never exceeds the unread prompt.
@@ -48,29 +55,39 @@ class Planner:
         quantum = self.config.chunk_quantum_tokens
         costs = self.costs
         total = budget.total_bytes - costs.fixed_bytes
-        smallest_chunk_bytes = quantum * costs.bytes_per_chunk_token
-        ring_cap = min(self.config.max_ring_slots, max(self.config.min_ring_slots, costs.target_ring_slots))
-        ring = min(ring_cap, max(0, total - smallest_chunk_bytes) // max(1, costs.bytes_per_ring_slot))
-        if ring < self.config.min_ring_slots:
-            need = costs.workspace_bytes(Geometry(quantum, self.config.min_ring_slots))
+        ring = self._ring_slots(budget, total - quantum * costs.bytes_per_chunk_token)
+        if ring < 0 or total < quantum * costs.bytes_per_chunk_token:
+            min_ring = self.config.min_ring_slots if costs.target_ring_slots else 0
+            need = costs.workspace_bytes(Geometry(quantum, min_ring))
             raise AllocationError(
                 f"the prefill budget of {budget.total_bytes / 2**20:.1f} MiB cannot hold the smallest geometry "
-                f"({quantum} tokens, {self.config.min_ring_slots} ring slots: {need / 2**20:.1f} MiB); "
+                f"({quantum} tokens, {min_ring} ring slots: {need / 2**20:.1f} MiB); "
                 "raise runtime.vram_budget or lower planner.chunk_quantum_tokens"
             )
-        chunk_cap = self.config.max_chunk_tokens
+        chunk_cap = self.max_chunk_tokens
         if unread_tokens is not None:
             chunk_cap = min(chunk_cap, _round_up(max(1, unread_tokens), quantum))
         room = total - ring * costs.bytes_per_ring_slot
         chunk = min(chunk_cap, room // max(1, costs.bytes_per_chunk_token)) // quantum * quantum
         return Geometry(chunk_tokens=max(quantum, chunk), ring_slots=int(ring))
 
+    def _ring_slots(self, budget: PlannerBudget, room_bytes: int) -> int:
+        """Ring slots for this budget, or -1 when not even the smallest ring fits."""
+        costs = self.costs
+        if not costs.target_ring_slots:
+            return 0
+        cap = min(self.config.max_ring_slots, max(self.config.min_ring_slots, costs.target_ring_slots))
+        if costs.is_ring_in_cache:
+            room_bytes = min(room_bytes, budget.borrowable_cache_bytes)
+        ring = min(cap, max(0, room_bytes) // max(1, costs.bytes_per_ring_slot))
+        return ring if ring >= self.config.min_ring_slots else -1
+
     def smaller(self, geometry: Geometry) -> Geometry | None:
         """The next geometry to try after an allocation failure: one quantum less, then half the ring."""
         quantum = self.config.chunk_quantum_tokens
         if geometry.chunk_tokens > quantum:
             return dataclasses.replace(geometry, chunk_tokens=geometry.chunk_tokens - quantum)
-        if geometry.ring_slots > self.config.min_ring_slots:
+        if self.costs.target_ring_slots and geometry.ring_slots > self.config.min_ring_slots:
             return dataclasses.replace(geometry, ring_slots=max(self.config.min_ring_slots, geometry.ring_slots // 2))
         return None
 

@@ -1,0 +1,58 @@
+"""Cumulative figures across requests, for the metrics endpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from strata.engine.request import RequestStats
+
+
+@dataclasses.dataclass
+class EngineCounters:
+    num_requests: int = 0
+    num_failed_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_unread_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_loans_taken: int = 0
+    num_loans_skipped: int = 0
+    num_loans_failed: int = 0
+    released_bytes: int = 0
+    restored_bytes: int = 0
+    streamed_bytes: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    last_prefill_tokens_per_s: float = 0.0
+    last_decode_tokens_per_s: float = 0.0
+
+    def record(self, stats: RequestStats) -> None:
+        self.num_requests += 1
+        self.num_prompt_tokens += stats.prompt_tokens
+        self.num_unread_tokens += stats.unread_tokens
+        self.num_generated_tokens += stats.generated_tokens
+        self._record_loan(stats.loan, is_failed=False)
+        self.streamed_bytes += stats.streamed_bytes
+        self.cache_hits += stats.cache_hits
+        self.cache_misses += stats.cache_misses
+        self.prefill_seconds += stats.prefill_seconds
+        self.decode_seconds += stats.decode_seconds
+        self.last_prefill_tokens_per_s = stats.prefill_tokens_per_s
+        self.last_decode_tokens_per_s = stats.decode_tokens_per_s
+
+    def record_failure(self, loan) -> None:
+        self.num_requests += 1
+        self.num_failed_requests += 1
+        self._record_loan(loan, is_failed=True)
+
+    def _record_loan(self, loan, is_failed: bool) -> None:
+        if loan is None:
+            return
+        if not loan.is_taken:
+            self.num_loans_skipped += 1
+            return
+        self.num_loans_taken += 1
+        self.num_loans_failed += int(is_failed)
+        self.released_bytes += loan.released_bytes
+        self.restored_bytes += loan.released_bytes  # the transaction restores all it released, or raises

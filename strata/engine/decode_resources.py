@@ -1,0 +1,77 @@
+"""The engine's decode-only resources: what a loan may release during prefill.
+
+``output_head`` (the native head, re-uploaded from the GGUF's bytes), ``mtp_draft_head`` and
+``mtp_experts`` (the MTP block's dense and routed tensors), and the ``verifier`` arena (scratch for
+checking speculated tokens). Each charges the ledger under its own name while resident; release
+and restore are atomic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strata.engine.ops import Ops, QTensor
+from strata.model.gguf_file import TensorRef
+
+
+class TensorsResource:
+    """Weights uploaded from host copies; ``tensors[name]`` is a QTensor while resident."""
+
+    def __init__(self, name: str, ops: Ops, sources: dict[str, TensorRef]):
+        self.name = name
+        self.ops = ops
+        self.sources = sources
+        self.num_bytes = sum(ref.nbytes for ref in sources.values())
+        self.tensors: dict[str, QTensor] | None = None
+
+    @property
+    def is_resident(self) -> bool:
+        return self.tensors is not None
+
+    def release(self) -> None:
+        if self.tensors is None:
+            return
+        for tensor in self.tensors.values():
+            self.ops.free(tensor.data)
+        self.tensors = None
+
+    def restore(self) -> None:
+        if self.tensors is not None:
+            return
+        uploaded: dict[str, QTensor] = {}
+        try:
+            for key, ref in self.sources.items():
+                uploaded[key] = upload_tensor(self.ops, self.name, ref)
+        except BaseException:
+            for tensor in uploaded.values():
+                self.ops.free(tensor.data)
+            raise
+        self.tensors = uploaded
+
+
+class ArenaResource:
+    """A scratch arena of fixed size (the speculative verifier's), re-created on restore."""
+
+    def __init__(self, name: str, ops: Ops, num_bytes: int):
+        self.name = name
+        self.ops = ops
+        self.num_bytes = num_bytes
+        self.buffer = None
+
+    @property
+    def is_resident(self) -> bool:
+        return self.buffer is not None
+
+    def release(self) -> None:
+        if self.buffer is not None:
+            self.ops.free(self.buffer)
+            self.buffer = None
+
+    def restore(self) -> None:
+        if self.buffer is None:
+            self.buffer = self.ops.alloc(self.name, (self.num_bytes,), np.uint8)
+
+
+def upload_tensor(ops: Ops, owner: str, ref: TensorRef) -> QTensor:
+    data = ops.upload(owner, np.ascontiguousarray(ref.data.reshape(-1, ref.data.shape[-1])))
+    return QTensor(data=data, qtype=ref.qtype, shape=ref.shape, num_bytes=ref.nbytes)

@@ -1,0 +1,122 @@
+"""The elastic expert cache: expert slots over one reserved range, mapped in segments.
+
+Slot ``i`` occupies bytes ``[i * slot_bytes, (i + 1) * slot_bytes)`` of the range, so kernels
+address every resident expert as one array. Growth maps segments at the end; shrink unmaps them
+and evicts the experts whose slots lie beyond the new end: no resident expert ever moves.
+
+During prefill the prompt workspace (staging ring and activations) borrows the top slots of the
+mapped range (``lend``), evicting what they held; ``min_cache_slots`` stay for cached experts.
+
+Policy: decode inserts every streamed expert (least recently used evicted); prefill streams
+misses through the ring without inserting them, since one prompt chunk touches nearly every expert
+of a layer once and would only churn the cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from strata.engine.ops import ExpertLayout, Ops
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class ExpertCache:
+    def __init__(self, ops: Ops, layout: ExpertLayout, *, segment_bytes: int, reserved_bytes: int,
+                 base_bytes: int, min_cache_slots: int = 0, owner: str = "expert_cache"):
+        self.ops = ops
+        self.layout = layout
+        self.segment_bytes = segment_bytes
+        self.min_cache_slots = min_cache_slots
+        reserved = max(segment_bytes, reserved_bytes // segment_bytes * segment_bytes)
+        self.storage = ops.arena(owner, reserved, segment_bytes)
+        self.storage.map_segments(min(reserved, base_bytes // segment_bytes * segment_bytes))
+        self.base_bytes = self.storage.mapped_bytes
+        self._lru: OrderedDict[Key, int] = OrderedDict()  # key → slot, least recently used first
+        self._key_of: dict[int, Key] = {}
+        self._free: set[int] = set(range(self.num_slots))
+        self._lent_slots = 0
+        self.num_hits = 0
+        self.num_misses = 0
+
+    # --- the elastic range (ElasticCache protocol) ----------------------------------------
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.storage.mapped_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self.mapped_bytes // self.layout.slot_bytes
+
+    def borrowable_bytes(self) -> int:
+        free_slots = self.num_slots - self._lent_slots - self.min_cache_slots
+        return max(0, free_slots) * self.layout.slot_bytes
+
+    def grow(self, max_bytes: int) -> int:
+        room = self.storage.reserved_bytes - self.mapped_bytes
+        num_bytes = min(room, max_bytes) // self.segment_bytes * self.segment_bytes
+        if num_bytes > 0:
+            before = self.num_slots
+            self.storage.map_segments(num_bytes)
+            self._free.update(range(before, self.num_slots))
+        return num_bytes
+
+    def shrink_to(self, num_bytes: int) -> None:
+        if self._lent_slots:
+            raise RuntimeError("the expert cache cannot shrink while the workspace borrows its slots")
+        self.storage.unmap_to(num_bytes)
+        for slot in [s for s in self._key_of if s >= self.num_slots]:
+            del self._lru[self._key_of.pop(slot)]
+        self._free = {s for s in self._free if s < self.num_slots}
+
+    # --- lending to the prompt workspace ---------------------------------------------------
+
+    def lend(self, num_bytes: int) -> tuple[int, int]:
+        """Lend the top slots covering ``num_bytes``; returns (first slot, byte offset) of the range."""
+        num_slots = -(-num_bytes // self.layout.slot_bytes)
+        if num_slots * self.layout.slot_bytes > self.borrowable_bytes():
+            raise ValueError("lend beyond the borrowable slots")
+        self._lent_slots += num_slots
+        first = self.num_slots - self._lent_slots
+        for slot in range(first, first + num_slots):
+            self._evict_slot(slot)
+            self._free.discard(slot)
+        return first, first * self.layout.slot_bytes
+
+    def take_back(self) -> None:
+        self._free.update(range(self.num_slots - self._lent_slots, self.num_slots))
+        self._lent_slots = 0
+
+    # --- the cache --------------------------------------------------------------------------
+
+    def lookup(self, layer: int, expert: int) -> int:
+        """The expert's slot (marked recently used), or -1."""
+        slot = self._lru.get((layer, expert), -1)
+        if slot >= 0:
+            self._lru.move_to_end((layer, expert))
+        return slot
+
+    def insert(self, layer: int, expert: int, protected: set[int]) -> int:
+        """A slot for the expert: a free one, else the least recently used outside ``protected``."""
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next((k for k, s in self._lru.items() if s not in protected), None)
+            if victim is None:
+                return -1
+            slot = self._lru.pop(victim)
+            del self._key_of[slot]
+        self._lru[(layer, expert)] = slot
+        self._key_of[slot] = (layer, expert)
+        return slot
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    def _evict_slot(self, slot: int) -> None:
+        key = self._key_of.pop(slot, None)
+        if key is not None:
+            del self._lru[key]
+            self._free.add(slot)

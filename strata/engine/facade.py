@@ -1,0 +1,146 @@
+"""The engine facade: load → generate, one request at a time. Serve and bench call only this.
+
+``Engine.load`` opens the GGUF, loads and admits the loan plugins (startup fails here, before
+anything is deferred or uploaded), places dense weights, KV cache and the expert cache under the
+budget, packs the experts into host memory and starts the loan transaction. ``generate`` reuses
+the KV prefix shared with the previous request, prefills only the unread tokens inside the loan
+transaction, and decodes token by token.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence
+
+from strata.config import Config
+from strata.engine.admission import admit
+from strata.engine.counters import EngineCounters
+from strata.engine.decode_resources import ArenaResource, TensorsResource
+from strata.engine.expert_cache import ExpertCache
+from strata.engine.expert_pack import ExpertPack, expert_layout
+from strata.engine.generation import Generation
+from strata.engine.loan import LoanTransaction
+from strata.engine.ops import make_ops, select_backend
+from strata.engine.placement import Placement, plan_placement
+from strata.engine.planner import Planner
+from strata.engine.resources import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
+from strata.engine.runner import DeviceWeights, ModelRunner
+from strata.engine.runtime_state import RuntimeState
+from strata.engine.sampling import SamplingParams
+from strata.engine.workspace import PromptWorkspace
+from strata.gpu.ledger import LedgerSnapshot, VramLedger
+from strata.model.gguf_file import GgufModel, open_gguf
+from strata.model.locate import resolve_model_path
+from strata.model.tokenizer import Tokenizer
+from strata.plugins import load_plugins
+
+NUMPY_DEFAULT_BUDGET_BYTES = 8 << 30
+
+
+class Engine:
+    def __init__(self, **parts):
+        self.__dict__.update(parts)
+        self.counters = EngineCounters()
+        self.kv_tokens: list[int] = []  # tokens whose K and V are in the cache, in order
+
+    @classmethod
+    def load(cls, config: Config, *, show_progress: bool = True) -> Engine:
+        model = open_gguf(resolve_model_path(config.model.path))
+        tokenizer = Tokenizer.from_metadata(model.metadata)
+        plugins, config = load_plugins(config)
+        backend = select_backend(config)
+        ledger = VramLedger(_budget_bytes(config, backend))
+        ops = make_ops(backend, ledger, config.runtime.device)
+        spec = model.spec
+        layout = expert_layout(model) if spec.is_moe else None
+        placement = plan_placement(config, model, layout, ledger.budget_bytes)
+        resources = _decode_resources(config, model, ops, placement)
+        admit(config, plugins, resources)
+        weights = DeviceWeights(ops, model)
+        kv = ops.kv_cache("kv_cache", spec.num_layers, placement.kv_cells, spec.num_kv_heads, spec.head_dim,
+                          config.runtime.kv_type)
+        decode_ws = ops.alloc("decode_workspace", (placement.decode_workspace_bytes,), "uint8")
+        pack = _expert_pack(config, model, ops, show_progress) if layout else None
+        cache = ExpertCache(ops, layout, segment_bytes=config.runtime.vmm_segment_bytes,
+                            reserved_bytes=placement.cache_reserved_bytes, base_bytes=placement.cache_base_bytes,
+                            min_cache_slots=spec.num_experts_used) if layout else None
+        planner = Planner(placement.costs, config.planner, placement.kv_cells)
+        workspace = PromptWorkspace(ops, cache, placement.costs)
+        state = RuntimeState()
+        loan = LoanTransaction(config=config, plugins=plugins, ledger=ledger, resources=resources, cache=cache,
+                               planner=planner, workspace=workspace, state=state)
+        loan.start()
+        expected = dict(ledger.snapshot().by_owner)
+        for resource in resources.values():
+            if not resource.is_resident:
+                expected[resource.name] = expected.get(resource.name, 0) + resource.num_bytes
+        runner = ModelRunner(spec, ops, weights, kv, cache, pack)
+        return cls(config=config, model=model, spec=spec, tokenizer=tokenizer, plugins=plugins, backend=backend,
+                   ledger=ledger, ops=ops, placement=placement, resources=resources, weights=weights, kv=kv,
+                   decode_workspace=decode_ws, pack=pack, cache=cache, planner=planner, workspace=workspace,
+                   state=state, loan=loan, runner=runner,
+                   idle_ledger=LedgerSnapshot(ledger.budget_bytes, dict(sorted(expected.items()))),
+                   model_name=config.model.name or model.path.stem,
+                   context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
+
+    def generate(self, prompt_tokens: Sequence[int], params: SamplingParams,
+                 is_cancelled: Callable[[], bool] = lambda: False) -> Generation:
+        """Tokens for ``prompt_tokens``; iterate the result. Raises ``RequestError`` for a prompt that
+        leaves no room in the context."""
+        return Generation(self, list(prompt_tokens), params, is_cancelled)
+
+    def format_placement(self) -> str:
+        return f"placement on {self.backend} ({self.ledger.budget_bytes / 2**30:.2f} GiB budget):\n" + self.ledger.format()
+
+    def format_plan(self) -> str:
+        lines = [f"startup plan (chunk / ring): {self.loan.startup_geometry}"]
+        if self.config.loan.enabled:
+            lines.append(f"plan without the loan: {self.loan.plan_preview(is_loan=False)}; "
+                         f"with it: {self.loan.plan_preview(is_loan=True)}")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        self.ops.synchronize()
+
+
+def _budget_bytes(config: Config, backend: str) -> int:
+    if config.runtime.vram_budget_bytes:
+        return config.runtime.vram_budget_bytes
+    if backend == "numpy":
+        return NUMPY_DEFAULT_BUDGET_BYTES
+    from strata.gpu.device import free_device_bytes
+
+    return int(free_device_bytes(config.runtime.device) * 0.9)
+
+
+def _decode_resources(config: Config, model: GgufModel, ops, placement: Placement) -> dict:
+    spec, rt = model.spec, config.runtime
+    resources = {}
+    if rt.mtp and rt.spec_depth:
+        resources[VERIFIER] = ArenaResource(VERIFIER, ops, placement.verifier_bytes)
+    if "output.weight" in model.tensors:
+        resources[OUTPUT_HEAD] = TensorsResource(OUTPUT_HEAD, ops, {"output": model.tensors["output.weight"]})
+    if rt.mtp and spec.num_nextn_layers:
+        prefix = f"blk.{spec.num_layers}."
+        block = {n: r for n, r in model.tensors.items() if n.startswith(prefix)}
+        experts = {n: r for n, r in block.items() if "_exps." in n}
+        resources[MTP_DRAFT_HEAD] = TensorsResource(MTP_DRAFT_HEAD, ops,
+                                                    {n: r for n, r in block.items() if n not in experts})
+        resources[MTP_EXPERTS] = TensorsResource(MTP_EXPERTS, ops, experts)
+    return resources
+
+
+def _expert_pack(config: Config, model: GgufModel, ops, show_progress: bool) -> ExpertPack:
+    if config.model.expert_pack is not None:
+        return ExpertPack.read(config.model.expert_pack, model, ops.host_buffer)
+    progress = None
+    if show_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=model.spec.num_layers, desc="packing experts", unit="layer", file=sys.stderr)
+        progress = lambda done: bar.update(done - bar.n)  # noqa: E731
+    try:
+        return ExpertPack.from_gguf(model, ops.host_buffer, progress)
+    finally:
+        if show_progress:
+            bar.close()

@@ -1,0 +1,134 @@
+"""One request: reuse the KV prefix, prefill the unread tokens inside the loan, then decode."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import numpy as np
+
+from strata.engine.request import RequestStats, TokenEvent
+from strata.engine.runner import StreamStats
+from strata.engine.sampling import SamplingParams, StopMatcher, make_rng, sample
+from strata.errors import RequestError
+from strata.hooktypes import Geometry
+
+if TYPE_CHECKING:
+    from strata.engine.facade import Engine
+
+log = logging.getLogger("strata.engine")
+FLUSH_TOKEN_ID = -1  # a TokenEvent with this id carries text released at the end of the stream
+
+
+class Generation:
+    """Iterate for TokenEvents; ``stats`` is set once the iteration ends (also when it is closed early)."""
+
+    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, is_cancelled: Callable[[], bool]):
+        _check_prompt(prompt, engine.context_tokens, engine.spec.vocab_size)
+        self.engine = engine
+        self.prompt = prompt
+        self.params = params
+        self.is_cancelled = is_cancelled
+        self.stats: RequestStats | None = None
+        self._events = self._run()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self._events
+
+    def _run(self) -> Iterator[TokenEvent]:
+        engine, prompt, params = self.engine, self.prompt, self.params
+        reuse = _common_prefix(engine.kv_tokens, prompt)
+        unread = np.asarray(prompt[reuse:], dtype=np.int64)
+        engine.kv_tokens = prompt[:reuse]
+        stream = StreamStats()
+        started = time.perf_counter()
+        try:
+            hidden, report = engine.loan.run(len(prompt), len(unread),
+                                             lambda geometry: self._prefill(unread, reuse, geometry, stream))
+            logits = self._logits(hidden)  # after the loan: the output head is back
+        except BaseException:
+            engine.counters.record_failure(engine.loan.last_report)
+            raise
+        engine.kv_tokens = list(prompt)
+        prefill_seconds = time.perf_counter() - started
+        generated, finish, is_stop_string, decode_started = 0, "length", False, time.perf_counter()
+        decoder, stop, rng = engine.tokenizer.stream_decoder(), StopMatcher(params.stop), make_rng(params.seed)
+        try:
+            while True:
+                token = sample(logits, params, rng)
+                if engine.tokenizer.is_eog(token):
+                    finish = "stop"
+                    break
+                generated += 1
+                text, is_stop_string = stop.feed(decoder.feed(token))
+                yield TokenEvent(token, text)
+                if is_stop_string:
+                    finish = "stop"
+                    break
+                if generated >= params.max_tokens or len(engine.kv_tokens) >= engine.context_tokens:
+                    break
+                if self.is_cancelled():
+                    finish = "cancelled"
+                    break
+                hidden = engine.runner.forward(np.array([token]), len(engine.kv_tokens), None, stream)
+                engine.kv_tokens.append(token)
+                logits = self._logits(hidden)
+            if not is_stop_string:
+                tail, is_stop_string = stop.feed(decoder.flush())
+                tail += "" if is_stop_string else stop.flush()
+                if tail:
+                    yield TokenEvent(FLUSH_TOKEN_ID, tail)
+        except GeneratorExit:
+            finish = "cancelled"
+            raise
+        finally:
+            self._finish(report, len(unread), generated, finish, prefill_seconds,
+                         time.perf_counter() - decode_started, stream)
+
+    def _prefill(self, unread: np.ndarray, start: int, geometry: Geometry, stream: StreamStats):
+        runner, hidden = self.engine.runner, None
+        for first in range(0, len(unread), geometry.chunk_tokens):
+            chunk = unread[first:first + geometry.chunk_tokens]
+            hidden = runner.forward(chunk, start + first, self.engine.workspace, stream)
+            stream.num_chunks += 1
+        return hidden
+
+    def _logits(self, hidden) -> np.ndarray:
+        engine = self.engine
+        head = engine.resources.get("output_head")
+        head_tensor = head.tensors["output"] if head is not None else engine.weights.matrices["token_embd"]
+        logits = engine.ops.logits(hidden, engine.weights.vectors["output_norm"], head_tensor,
+                                   engine.spec.rms_norm_eps)
+        for token, bias in engine.state.settings.logit_bias:
+            logits[token] += bias
+        return logits
+
+    def _finish(self, report, num_unread, generated, finish, prefill_seconds, decode_seconds, stream) -> None:
+        self.stats = RequestStats(
+            prompt_tokens=len(self.prompt), unread_tokens=num_unread, generated_tokens=generated,
+            geometry=report.geometry, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
+            streamed_bytes=stream.streamed_bytes, num_chunks=stream.num_chunks,
+            cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish)
+        self.engine.counters.record(self.stats)
+        log.info("%s", self.stats.timing_line())
+
+
+def _common_prefix(cached: list[int], prompt: list[int]) -> int:
+    """Tokens of ``prompt`` whose KV can be reused; at least one token is always prefilled."""
+    limit = min(len(cached), len(prompt) - 1)
+    num = 0
+    while num < limit and cached[num] == prompt[num]:
+        num += 1
+    return num
+
+
+def _check_prompt(prompt: list[int], context_tokens: int, vocab_size: int) -> None:
+    if not prompt:
+        raise RequestError("the prompt is empty; send at least one token")
+    if len(prompt) >= context_tokens:
+        raise RequestError(f"the prompt has {len(prompt)} tokens but the context holds {context_tokens}, "
+                           "and generation needs at least one more; shorten the prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")

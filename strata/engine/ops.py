@@ -1,0 +1,125 @@
+"""The ops backend: the memory and compute primitives the engine is written over, once.
+
+Three implementations: ``numpy`` (the reference ops on host memory that the ledger treats as
+device memory; CI runs whole requests on it), ``cuda`` (Numba kernels on the GPU) and ``cudasim``
+(the same kernels under the CUDA simulator). The engine never touches a backend array directly:
+it passes them back to the ops that made them. Every allocation is charged to the ledger under an
+owner; ``to_host`` is the only way data comes back.
+
+Shapes: T tokens, D hidden size, Hq/Hk query/KV heads of E dims, N experts, k experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from strata.config import Config
+from strata.errors import ConfigError
+from strata.gpu.ledger import VramLedger
+
+
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A weight on the backend in its GGUF bytes: ``data`` [rows, row_bytes] uint8, logical ``shape``."""
+
+    data: Any
+    qtype: QType
+    shape: tuple[int, ...]
+    num_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """Where an expert's three matrices sit inside its slot (byte offsets, each 256-byte aligned)."""
+
+    qtypes: tuple[QType, QType, QType]  # gate, up, down
+    shapes: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]  # [F, D], [F, D], [D, F]
+    offsets: tuple[int, int, int]
+    sizes: tuple[int, int, int]
+    slot_bytes: int
+
+
+class ArenaStorage(Protocol):
+    """A reserved address range of expert slots, mapped in segments (CUDA virtual memory on the GPU)."""
+
+    reserved_bytes: int
+    mapped_bytes: int
+
+    def map_segments(self, num_bytes: int) -> None: ...
+
+    def unmap_to(self, num_bytes: int) -> None: ...
+
+
+class Ops(Protocol):
+    name: str
+    ledger: VramLedger
+
+    # memory
+    def alloc(self, owner: str, shape: tuple[int, ...], dtype: Any) -> Any: ...
+    def upload(self, owner: str, host: np.ndarray) -> Any: ...
+    def free(self, array: Any) -> None: ...
+    def to_host(self, array: Any) -> np.ndarray: ...
+    def host_buffer(self, num_bytes: int) -> np.ndarray: ...
+    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int) -> ArenaStorage: ...
+    def arena_view(self, storage: ArenaStorage, offset: int, shape: tuple[int, ...], dtype: Any) -> Any: ...
+    def stage_expert(self, storage: ArenaStorage, slot: int, slot_bytes: int, host: np.ndarray) -> None:
+        """Copy one expert from host memory into a slot. May run asynchronously (a copy stream): the
+        backend orders it after every earlier ``moe`` that read the slot and before every later one."""
+    def synchronize(self) -> None: ...
+
+    # compute
+    def embed(self, table: QTensor, tokens: np.ndarray) -> Any: ...  # [T] host ids -> [T, D]
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any: ...
+    def matmul(self, x: Any, weight: QTensor) -> Any: ...  # [T, K] x [N, K] -> [T, N]
+    def qk_norm_rope(self, q: Any, k: Any, q_norm: Any | None, k_norm: Any | None, positions: np.ndarray,
+                     num_rope_dims: int, theta: float, is_neox: bool, eps: float,
+                     freq_factors: np.ndarray | None = None) -> None: ...
+    def kv_cache(self, owner: str, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int,
+                 kv_type: str) -> Any: ...
+    def kv_write(self, kv: Any, layer: int, start: int, k: Any, v: Any) -> None: ...
+    def attention(self, q: Any, kv: Any, layer: int, start: int) -> Any: ...  # [T, Hq, E] -> [T, Hq*E]
+    def route(self, x: Any, router: QTensor, num_used: int, is_norm: bool) -> tuple[np.ndarray, Any]: ...
+    def moe(self, out: Any, x: Any, ids: np.ndarray, weights: Any, storage: ArenaStorage,
+            slot_of_expert: np.ndarray, layout: ExpertLayout) -> None: ...
+    def moe_accumulator(self, num_tokens: int, hidden: int) -> Any: ...  # zeroed [T, D]
+    def ffn(self, x: Any, gate: QTensor, up: QTensor, down: QTensor) -> Any: ...
+    def shared_expert_add(self, acc: Any, shared: Any, h: Any, gate_inp: Any | None) -> None: ...
+    def add(self, x: Any, y: Any) -> None: ...  # x += y
+    def logits(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray: ...  # last row -> [V] host
+
+
+def select_backend(config: Config) -> str:
+    """The backend name for ``runtime.backend``; ``auto`` is cuda when a GPU is present, else numpy."""
+    wanted = config.runtime.backend
+    if wanted != "auto":
+        return wanted
+    return "cuda" if _has_cuda_device() else "numpy"
+
+
+def make_ops(name: str, ledger: VramLedger, device: int = 0) -> Ops:
+    if name == "numpy":
+        from strata.engine.ops_numpy import NumpyOps
+
+        return NumpyOps(ledger)
+    if name in ("cuda", "cudasim"):
+        try:
+            from strata.gpu.ops_cuda import CudaOps
+        except ImportError as exc:
+            raise ConfigError(f"runtime.backend = {name!r} is not available in this build ({exc}); "
+                              'use runtime.backend = "numpy"') from exc
+        return CudaOps(ledger, device=device, is_simulator=name == "cudasim")
+    raise ConfigError(f"runtime.backend = {name!r}: allowed values are 'auto', 'cuda', 'cudasim', 'numpy'")
+
+
+def _has_cuda_device() -> bool:
+    try:
+        from numba import config as numba_config
+        from numba import cuda
+
+        return not numba_config.ENABLE_CUDASIM and bool(cuda.is_available())
+    except Exception:  # no driver, no toolkit: the CPU it is
+        return False

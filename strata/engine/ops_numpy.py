@@ -1,0 +1,204 @@
+"""The numpy ops backend: the reference ops over host arrays that the ledger treats as VRAM.
+
+It runs the engine's real logic (placement, expert cache and staging, planner, loan, KV cache in
+its configured format) on the CPU, so CI serves whole requests. Dense weights are dequantized once
+and kept off the ledger (a CPU convenience); experts are decoded from their slot bytes on every use,
+as a kernel would read them. Accumulation of expert outputs is float64 so that the order in which
+cached and streamed experts are summed does not change the result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strata.engine.ops import ExpertLayout, QTensor
+from strata.gpu.ledger import Charge, VramLedger
+from strata.model import quants
+from strata.model import reference_ops as ref
+
+_KV_QTYPES = {"q8_0": quants.QType.Q8_0, "q4_0": quants.QType.Q4_0}
+
+
+class NumpyArena:
+    """Reserved range as one lazily committed host buffer; mapped segments are charged to the ledger."""
+
+    def __init__(self, ledger: VramLedger, owner: str, reserved_bytes: int, segment_bytes: int):
+        self.reserved_bytes = reserved_bytes
+        self.segment_bytes = segment_bytes
+        self.buffer = np.zeros(reserved_bytes, dtype=np.uint8)  # pages are committed on first touch
+        self._ledger = ledger
+        self._owner = owner
+        self._charges: list[Charge] = []
+
+    @property
+    def mapped_bytes(self) -> int:
+        return len(self._charges) * self.segment_bytes
+
+    def map_segments(self, num_bytes: int) -> None:
+        count = num_bytes // self.segment_bytes
+        if self.mapped_bytes + count * self.segment_bytes > self.reserved_bytes:
+            raise ValueError("mapping beyond the reserved range")
+        for _ in range(count):
+            self._charges.append(self._ledger.charge(self._owner, self.segment_bytes))
+
+    def unmap_to(self, num_bytes: int) -> None:
+        while self.mapped_bytes > num_bytes:
+            self._ledger.discharge(self._charges.pop())
+
+
+class NumpyKv:
+    """Per layer K and V [cells, Hk, E] in f16, or GGUF Q8_0/Q4_0 rows of E values."""
+
+    def __init__(self, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int, kv_type: str):
+        self.kv_type = kv_type
+        self.head_dim = head_dim
+        if kv_type == "f16":
+            shape, dtype = (num_layers, 2, num_cells, num_kv_heads, head_dim), np.float16
+        else:
+            row = quants.row_nbytes(_KV_QTYPES[kv_type], head_dim)
+            shape, dtype = (num_layers, 2, num_cells, num_kv_heads, row), np.uint8
+        self.data = np.zeros(shape, dtype=dtype)
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        if self.kv_type == "f16":
+            return x.astype(np.float16)
+        return (quants.quantize_q8_0 if self.kv_type == "q8_0" else quants.quantize_q4_0)(x)
+
+    def decode(self, layer: int, which: int, end: int) -> np.ndarray:
+        stored = self.data[layer, which, :end]
+        if self.kv_type == "f16":
+            return stored.astype(np.float32)
+        shape = (*stored.shape[:-1], self.head_dim)
+        return quants.dequantize(np.ascontiguousarray(stored), _KV_QTYPES[self.kv_type], shape)
+
+
+class NumpyOps:
+    name = "numpy"
+
+    def __init__(self, ledger: VramLedger):
+        self.ledger = ledger
+        self._charges: dict[int, tuple[np.ndarray, Charge]] = {}
+        self._dense: dict[int, tuple[object, np.ndarray]] = {}
+
+    # --- memory ---------------------------------------------------------------------------
+
+    def alloc(self, owner: str, shape, dtype) -> np.ndarray:
+        return self._track(owner, np.zeros(shape, dtype=dtype))
+
+    def upload(self, owner: str, host: np.ndarray) -> np.ndarray:
+        return self._track(owner, np.array(host, copy=True))
+
+    def free(self, array) -> None:
+        array = array.data if isinstance(array, QTensor) else array
+        self._dense.pop(id(array), None)
+        tracked = self._charges.pop(id(array), None)
+        if tracked is None:
+            raise ValueError("free of an array this backend did not allocate (or freed twice)")
+        self.ledger.discharge(tracked[1])
+
+    def to_host(self, array) -> np.ndarray:
+        return np.asarray(array)
+
+    def host_buffer(self, num_bytes: int) -> np.ndarray:
+        return np.empty(num_bytes, dtype=np.uint8)
+
+    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int) -> NumpyArena:
+        return NumpyArena(self.ledger, owner, reserved_bytes, segment_bytes)
+
+    def arena_view(self, storage: NumpyArena, offset: int, shape, dtype) -> np.ndarray:
+        num_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return storage.buffer[offset:offset + num_bytes].view(dtype).reshape(shape)
+
+    def stage_expert(self, storage: NumpyArena, slot: int, slot_bytes: int, host: np.ndarray) -> None:
+        storage.buffer[slot * slot_bytes:slot * slot_bytes + host.size] = host
+
+    def synchronize(self) -> None:
+        pass
+
+    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type) -> NumpyKv:
+        kv = NumpyKv(num_layers, num_cells, num_kv_heads, head_dim, kv_type)
+        self._track(owner, kv.data)
+        return kv
+
+    def _track(self, owner: str, array: np.ndarray) -> np.ndarray:
+        charge = self.ledger.charge(owner, array.nbytes)
+        self._charges[id(array)] = (array, charge)
+        return array
+
+    def _dequantized(self, weight: QTensor) -> np.ndarray:
+        key = id(weight.data)
+        if key not in self._dense:
+            self._dense[key] = (weight.data, quants.dequantize(weight.data, weight.qtype, weight.shape))
+        return self._dense[key][1]
+
+    # --- compute --------------------------------------------------------------------------
+
+    def embed(self, table: QTensor, tokens: np.ndarray) -> np.ndarray:
+        rows = np.ascontiguousarray(table.data[tokens])  # [T, row_bytes]
+        return quants.dequantize(rows, table.qtype, (len(tokens), table.shape[1]))
+
+    def rms_norm(self, x, weight, eps: float) -> np.ndarray:
+        return ref.rms_norm(x, weight, eps)
+
+    def matmul(self, x, weight: QTensor) -> np.ndarray:
+        return (x @ self._dequantized(weight).T).astype(np.float32)
+
+    def qk_norm_rope(self, q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
+                     freq_factors=None) -> None:
+        if q_norm is not None:
+            q[...] = ref.rms_norm(q, q_norm, eps)
+            k[...] = ref.rms_norm(k, k_norm, eps)
+        cos, sin = ref.rope_angles(positions, num_rope_dims, theta, freq_factors)
+        q[...] = ref.rope(q, cos, sin, is_neox)
+        k[...] = ref.rope(k, cos, sin, is_neox)
+
+    def kv_write(self, kv: NumpyKv, layer: int, start: int, k, v) -> None:
+        end = start + k.shape[0]
+        kv.data[layer, 0, start:end] = kv.encode(k)
+        kv.data[layer, 1, start:end] = kv.encode(v)
+
+    def attention(self, q, kv: NumpyKv, layer: int, start: int) -> np.ndarray:
+        end = start + q.shape[0]
+        out = ref.attention(q, kv.decode(layer, 0, end), kv.decode(layer, 1, end), start)  # [T, Hq, E]
+        return out.reshape(q.shape[0], -1)
+
+    def route(self, x, router: QTensor, num_used: int, is_norm: bool):
+        logits = x.astype(np.float64) @ self._dequantized(router).T.astype(np.float64)  # [T, N]
+        ids, weights = ref.route(logits, num_used, is_norm)
+        return ids, weights
+
+    def moe(self, out, x, ids, weights, storage: NumpyArena, slot_of_expert, layout: ExpertLayout) -> None:
+        for expert in np.unique(ids):
+            slot = int(slot_of_expert[expert])
+            if slot < 0:
+                continue
+            gate, up, down = _expert_matrices(storage.buffer, slot, layout)
+            rows, ranks = np.nonzero(ids == expert)  # token, place in its top-k
+            y = ref.ffn(x[rows], gate, up, down)  # [t, D]
+            out[rows] += y.astype(np.float64) * weights[rows, ranks, None]
+
+    def moe_accumulator(self, num_tokens: int, hidden: int) -> np.ndarray:
+        return np.zeros((num_tokens, hidden), dtype=np.float64)
+
+    def ffn(self, x, gate: QTensor, up: QTensor, down: QTensor) -> np.ndarray:
+        return ref.ffn(x, self._dequantized(gate), self._dequantized(up), self._dequantized(down))
+
+    def shared_expert_add(self, acc, shared, h, gate_inp) -> None:
+        if gate_inp is not None:
+            shared = shared * ref.sigmoid(h @ gate_inp.reshape(-1, 1))  # [T, 1] gate
+        acc += shared
+
+    def add(self, x, y) -> None:
+        x += y.astype(x.dtype, copy=False)
+
+    def logits(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
+        return ref.output_head(x[-1:], norm, self._dequantized(head), eps)[0]
+
+
+def _expert_matrices(buffer: np.ndarray, slot: int, layout: ExpertLayout) -> list[np.ndarray]:
+    base = slot * layout.slot_bytes
+    mats = []
+    for qtype, shape, offset, size in zip(layout.qtypes, layout.shapes, layout.offsets, layout.sizes):
+        raw = buffer[base + offset:base + offset + size].reshape(shape[0], -1)
+        mats.append(quants.dequantize(raw, qtype, shape))
+    return mats

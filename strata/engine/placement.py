@@ -1,0 +1,117 @@
+"""Placement under the VRAM budget: what each owner holds, in bytes, before anything is allocated.
+
+Owners: ``dense_weights`` (embeddings, attention, norms, routers, shared experts), ``output_head``
+(the native head; absent when tied to the embeddings), ``kv_cache``, ``decode_workspace``, the
+decode-only ``verifier`` / ``mtp_draft_head`` / ``mtp_experts`` (with MTP), and the elastic
+``expert_cache``, which takes what is left after a reserve for the smallest prefill geometry.
+Routed experts of the main layers always live in the host expert pack; the cache holds copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from strata.config import Config
+from strata.engine.ops import ExpertLayout
+from strata.engine.planner import WorkspaceCosts
+from strata.errors import ConfigError
+from strata.model.gguf_file import GgufModel
+from strata.model.spec import ModelSpec
+
+_KV_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    budget_bytes: int
+    dense_bytes: int
+    output_head_bytes: int  # 0: tied to token_embd, no separate head
+    kv_bytes: int
+    kv_cells: int
+    decode_workspace_bytes: int
+    verifier_bytes: int
+    mtp_head_bytes: int
+    mtp_expert_bytes: int
+    cache_base_bytes: int
+    cache_reserved_bytes: int
+    costs: WorkspaceCosts
+
+    def by_owner(self) -> dict[str, int]:
+        owners = {"dense_weights": self.dense_bytes, "output_head": self.output_head_bytes,
+                  "kv_cache": self.kv_bytes, "decode_workspace": self.decode_workspace_bytes,
+                  "verifier": self.verifier_bytes, "mtp_draft_head": self.mtp_head_bytes,
+                  "mtp_experts": self.mtp_expert_bytes, "expert_cache": self.cache_base_bytes}
+        return {k: v for k, v in owners.items() if v}
+
+
+def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None, budget_bytes: int) -> Placement:
+    spec, rt = model.spec, config.runtime
+    mtp_layers = range(spec.num_layers, spec.num_layers + spec.num_nextn_layers) if rt.mtp else range(0)
+    dense = mtp_head = mtp_experts = 0
+    for name, ref in model.tensors.items():
+        layer = _layer_of(name)
+        if name == "output.weight" or (layer is not None and layer >= spec.num_layers and layer not in mtp_layers):
+            continue
+        if layer in mtp_layers:
+            if any(t in name for t in _EXPERT_TENSORS):
+                mtp_experts += ref.nbytes
+            else:
+                mtp_head += ref.nbytes
+        elif not any(t in name for t in _EXPERT_TENSORS):
+            dense += ref.nbytes
+    head = model.tensors["output.weight"].nbytes if "output.weight" in model.tensors else 0
+    kv_cells = rt.kv_resident_cells or rt.context_tokens
+    kv_bytes = int(kv_cells * _kv_values_per_cell(spec) * _KV_BYTES_PER_VALUE[rt.kv_type])
+    decode_ws = _bytes_per_token(spec) * (1 + rt.spec_depth) + 4 * spec.vocab_size * (1 + rt.spec_depth)
+    verifier = _bytes_per_token(spec) * (1 + rt.spec_depth) * 2 if rt.mtp else 0
+    costs = workspace_costs(spec, layout, config)
+    fixed = dense + head + kv_bytes + decode_ws + verifier + mtp_head + mtp_experts
+    min_ring = config.planner.min_ring_slots if layout else 0
+    smallest = costs.workspace_bytes_for(config.planner.chunk_quantum_tokens, min_ring)
+    cache_base = budget_bytes - fixed - smallest
+    if cache_base < 0 or (layout and cache_base < rt.vmm_segment_bytes):
+        raise ConfigError(
+            f"runtime.vram_budget = {budget_bytes / 2**30:.2f} GiB cannot hold this model: dense weights "
+            f"{dense / 2**20:.0f} MiB, output head {head / 2**20:.0f} MiB, KV cache {kv_bytes / 2**20:.0f} MiB "
+            f"({kv_cells} cells of {rt.kv_type}), MTP {(mtp_head + mtp_experts) / 2**20:.0f} MiB, smallest prefill "
+            f"workspace {smallest / 2**20:.0f} MiB, one {rt.vmm_segment_bytes >> 20} MiB cache segment; raise "
+            "runtime.vram_budget, lower runtime.kv_resident_cells or use a smaller runtime.kv_type"
+        )
+    if not layout:
+        cache_base = 0
+    reserved = budget_bytes if layout else 0  # address space only: room to grow into all a loan frees
+    return Placement(budget_bytes=budget_bytes, dense_bytes=dense, output_head_bytes=head, kv_bytes=kv_bytes,
+                     kv_cells=kv_cells, decode_workspace_bytes=decode_ws, verifier_bytes=verifier,
+                     mtp_head_bytes=mtp_head, mtp_expert_bytes=mtp_experts, cache_base_bytes=cache_base,
+                     cache_reserved_bytes=reserved, costs=costs)
+
+
+def workspace_costs(spec: ModelSpec, layout: ExpertLayout | None, config: Config) -> WorkspaceCosts:
+    slot = layout.slot_bytes if layout else 0
+    return WorkspaceCosts(bytes_per_chunk_token=_bytes_per_token(spec), bytes_per_ring_slot=slot,
+                          fixed_bytes=0, target_ring_slots=spec.num_experts if layout else 0,
+                          is_ring_in_cache=layout is not None)
+
+
+def _bytes_per_token(spec: ModelSpec) -> int:
+    """Activations of one prompt token through one layer at a time, float32.
+
+    x and the normed h [D]; q, k, v and the attention output; the MoE accumulator [D]; router
+    logits [N]; routing ids and weights [k]; the k experts' gate and up products [k, F] (or the
+    dense FFN's [F]); plus the output of the shared expert.
+    """
+    ffn = spec.num_experts_used * spec.expert_ffn_size * 2 if spec.is_moe else spec.dense_ffn_size * 2
+    values = (3 * spec.hidden_size + 2 * spec.q_size + 2 * spec.kv_size + spec.num_experts
+              + 2 * spec.num_experts_used + ffn + 2 * spec.shared_expert_ffn_size)
+    return 4 * values
+
+
+def _kv_values_per_cell(spec: ModelSpec) -> int:
+    return 2 * spec.kv_size * spec.num_layers  # K and V of every main layer
+
+
+def _layer_of(name: str) -> int | None:
+    if not name.startswith("blk."):
+        return None
+    return int(name.split(".")[1])

@@ -1,0 +1,63 @@
+"""What one request gives the engine and what it gets back."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from strata.engine.loan import LoanReport
+from strata.hooktypes import Geometry
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it completes (empty while a UTF-8 sequence or a possible
+    stop string is still open)."""
+
+    token_id: int
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestStats:
+    """The request's timing line, and the figures the metrics endpoint sums."""
+
+    prompt_tokens: int
+    unread_tokens: int
+    generated_tokens: int
+    geometry: Geometry | None
+    prefill_seconds: float
+    decode_seconds: float
+    streamed_bytes: int
+    num_chunks: int
+    cache_hits: int
+    cache_misses: int
+    loan: LoanReport | None
+    finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled"
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.unread_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # the first token comes from prefill's logits; decode steps produce the rest
+        steps = max(0, self.generated_tokens - 1)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        total = self.cache_hits + self.cache_misses
+        return self.cache_hits / total if total else 1.0
+
+    def timing_line(self) -> str:
+        plan = str(self.geometry) if self.geometry else "-"
+        loan = self.loan.summary() if self.loan else "loan off"
+        return (f"prompt {self.prompt_tokens} tok, unread {self.unread_tokens}, generated {self.generated_tokens} "
+                f"({self.finish_reason}) | plan {plan} in {self.num_chunks} chunk(s) | "
+                f"PP {self.prefill_tokens_per_s:.1f} tok/s, TG {self.decode_tokens_per_s:.1f} tok/s | "
+                f"streamed {self.streamed_bytes / 2**20:.1f} MiB, expert-cache hit rate {self.cache_hit_rate:.1%} | "
+                f"{loan}")
+
+
+IsCancelled = Callable[[], bool]
