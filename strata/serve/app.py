@@ -1,0 +1,75 @@
+"""The ASGI application: ``create_app(engine_loader, config)``.
+
+The app starts loading the engine in the background when it starts, answers every error in the
+OpenAI error shape (including the framework's own 404/405), and closes the engine on shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from strata.config import Config
+from strata.serve.errors import ApiError, INVALID_REQUEST, SERVER_ERROR, error_body
+from strata.serve.routes import router
+from strata.serve.state import ServeState
+
+log = logging.getLogger("strata.serve")
+
+
+def create_app(engine_loader: Callable[[], Any], config: Config) -> FastAPI:
+    """``engine_loader`` builds the engine (``Engine.load``); it runs on a background thread."""
+    state = ServeState(config, engine_loader)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        state.start_loading()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(state.close)
+
+    app = FastAPI(title="Strata", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.include_router(router)
+    return app
+
+
+async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}; see /v1/completions, /v1/chat/completions, " \
+                  "/v1/models, /health, /metrics"
+    else:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+    error_type = SERVER_ERROR if exc.status_code >= 500 else INVALID_REQUEST
+    return JSONResponse(error_body(message, error_type, None, _http_code(exc.status_code)),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    return ApiError(400, f"invalid request: {exc}", code="invalid_request").response()
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return ApiError(500, f"internal error ({type(exc).__name__}): {exc}", code="internal_error").response()
+
+
+def _http_code(status: int) -> str:
+    return {404: "not_found", 405: "method_not_allowed"}.get(status, f"http_{status}")

@@ -1,0 +1,61 @@
+"""Reading a request body: bounded while it arrives, strict UTF-8, a JSON object."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from strata.serve.errors import ApiError, bad_request
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body parsed as one JSON object; 413 past ``max_bytes``, 400 for anything not JSON."""
+    return parse_json_object(await read_limited(request, max_bytes))
+
+
+async def read_limited(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    chunks, num_bytes = [], 0
+    try:
+        async for chunk in request.stream():
+            num_bytes += len(chunk)
+            if num_bytes > max_bytes:  # a body sent without Content-Length, or longer than declared
+                raise _too_large(num_bytes, max_bytes, is_partial=True)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(400, "the client disconnected while sending the body", code="client_disconnected") from None
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})",
+                          code="invalid_encoding") from None
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                          code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _too_large(num_bytes: int, max_bytes: int, is_partial: bool = False) -> ApiError:
+    size = f"more than {max_bytes:,}" if is_partial else f"{num_bytes:,}"
+    return ApiError(413, f"the request body has {size} bytes; the limit is {max_bytes:,} (serve.max_body_bytes)",
+                    code="request_too_large")

@@ -1,0 +1,98 @@
+"""One generation request, from body to response: check, tokenize, queue, wait, answer.
+
+Everything that can be refused is refused before the request takes a place in the queue. The
+status line goes out only once the engine has produced the first event, so a request whose
+prefill fails still gets a 500 even when it asked for a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from strata.errors import ConfigError
+from strata.serve import sse
+from strata.serve.body import read_json_object
+from strata.serve.errors import ApiError, bad_request, busy
+from strata.serve.responses import ResponseShapes
+from strata.serve.schemas import Kind, parse_request
+from strata.serve.worker import DONE, ERROR, TOKEN, Job, QueueFullError, WorkerStoppedError
+
+RETRY_AFTER_S = 1
+_ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
+
+
+async def handle_generation(request: Request, kind: Kind) -> Response:
+    state = request.app.state.serve
+    ready = state.require_ready()
+    body = await read_json_object(request, state.config.serve.max_body_bytes)
+    parsed = parse_request(body, kind)
+    if parsed.model != ready.model_name:
+        raise ApiError(404, f"the model '{parsed.model}' does not exist; this server serves '{ready.model_name}'",
+                       param="model", code="model_not_found")
+    prepared = await run_in_threadpool(ready.prompts.prepare, parsed)
+
+    request_id = _ID_PREFIX[kind] + uuid.uuid4().hex[:24]
+    channel = sse.JobChannel(asyncio.get_running_loop())
+    job = Job(request_id, request.url.path, prepared.tokens, prepared.params, channel.sink)
+    try:
+        ready.worker.submit(job)
+    except QueueFullError as exc:
+        raise busy(f"the server is busy: {exc}; retry later", "queue_full", RETRY_AFTER_S) from None
+    except WorkerStoppedError as exc:
+        raise busy(str(exc), "shutting_down", RETRY_AFTER_S) from None
+
+    headers = {"x-request-id": request_id}
+    if parsed.ignored_params:
+        headers["x-strata-ignored-params"] = ",".join(parsed.ignored_params)[:1024]
+    shapes = ResponseShapes(kind, request_id, ready.model_name, parsed.is_usage_streamed)
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+    try:
+        first = await channel.get()
+        if first[0] == ERROR:
+            raise to_api_error(first[1])
+        if parsed.is_stream:
+            stream = sse.event_stream(channel, first, job, shapes, to_api_error)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={**headers, **sse.HEADERS})
+        text, stats = await _collect(channel, first)
+        return JSONResponse(shapes.complete(text, stats), headers=headers)
+    except BaseException:
+        job.cancel()
+        raise
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+def to_api_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, ConfigError):
+        return bad_request(str(exc))
+    if isinstance(exc, WorkerStoppedError):
+        return busy(str(exc), "shutting_down", RETRY_AFTER_S)
+    return ApiError(500, f"the engine failed on this request ({type(exc).__name__}: {exc}); its loaned resources "
+                         "were restored and the next request is served", code="engine_error")
+
+
+async def _collect(channel: sse.JobChannel, first: tuple[str, Any]) -> tuple[str, Any]:
+    parts = []
+    kind, payload = first
+    while kind == TOKEN:
+        parts.append(payload.text)
+        kind, payload = await channel.get()
+    if kind != DONE:
+        raise to_api_error(payload)
+    return "".join(parts), payload
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """The body has been read, so the next ASGI message is the client going away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()

@@ -1,0 +1,99 @@
+"""From a checked request to what the engine takes: prompt token ids and sampling parameters.
+
+Chat prompts are the GGUF's own chat template rendered with the generation prompt, then encoded
+with special tokens parsed. The whole conversation is sent every time; the engine reuses the KV
+prefix it already holds, so a follow-up turn only prefills its new tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from strata.engine.sampling import SamplingParams
+from strata.errors import ConfigError, ModelFormatError
+from strata.model.chat import ChatTemplate
+from strata.model.tokenizer import Tokenizer
+from strata.serve.errors import bad_request
+from strata.serve.schemas import GenerationRequest
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the rest of the context
+_PARAM_IN_MESSAGE = re.compile(r"sampling parameter (\w+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedPrompt:
+    tokens: tuple[int, ...]
+    params: SamplingParams
+
+
+class PromptBuilder:
+    """Per engine: the tokenizer, the compiled chat template and the context length."""
+
+    def __init__(self, tokenizer: Tokenizer, context_tokens: int):
+        self._tokenizer = tokenizer
+        self._context_tokens = context_tokens
+        self._template = ChatTemplate(tokenizer.chat_template) if tokenizer.chat_template else None
+
+    def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        tokens = self._chat_tokens(request) if request.kind == "chat" else self._completion_tokens(request)
+        if not tokens:
+            raise bad_request("the prompt is empty (0 tokens); send some text", param=_prompt_param(request))
+        max_tokens = self._max_tokens(request, len(tokens))
+        bias = request.sampling.get("logit_bias", {})
+        outside = sorted(t for t in bias if t >= self._tokenizer.vocab_size)
+        if outside:
+            raise bad_request(f"'logit_bias' names token {outside[0]}, but the vocabulary has "
+                              f"{self._tokenizer.vocab_size} tokens (ids 0..{self._tokenizer.vocab_size - 1})",
+                              param="logit_bias")
+        try:
+            params = SamplingParams(max_tokens=max_tokens, **request.sampling)
+        except ConfigError as exc:
+            match = _PARAM_IN_MESSAGE.search(str(exc))
+            raise bad_request(str(exc), param=match.group(1) if match else None) from None
+        return PreparedPrompt(tuple(tokens), params)
+
+    def _completion_tokens(self, request: GenerationRequest) -> list[int]:
+        if isinstance(request.prompt, str):
+            return self._tokenizer.encode(request.prompt)
+        tokens = list(request.prompt or ())
+        outside = [t for t in tokens if not 0 <= t < self._tokenizer.vocab_size]
+        if outside:
+            raise bad_request(f"'prompt' holds token id {outside[0]}, outside the vocabulary "
+                              f"(ids 0..{self._tokenizer.vocab_size - 1})", param="prompt")
+        return tokens
+
+    def _chat_tokens(self, request: GenerationRequest) -> list[int]:
+        if self._template is None:
+            raise bad_request("the model's GGUF has no chat template (tokenizer.chat_template); "
+                              "use /v1/completions with a formatted prompt", code="no_chat_template")
+        try:
+            text = self._template.render(request.messages or (), add_generation_prompt=True,
+                                         bos_token=self._token_text(self._tokenizer.bos_id),
+                                         eos_token=self._token_text(self._tokenizer.eos_id))
+        except ModelFormatError as exc:
+            raise bad_request(f"the messages do not fit the model's chat template: {exc}", param="messages") from None
+        return self._tokenizer.encode(text, parse_special=True)
+
+    def _max_tokens(self, request: GenerationRequest, num_prompt: int) -> int:
+        context = self._context_tokens
+        room = context - num_prompt
+        if room < 1:
+            raise bad_request(f"the prompt has {num_prompt:,} tokens but the context holds {context:,} "
+                              f"(runtime.context_tokens), leaving no room to generate; shorten the prompt",
+                              param=_prompt_param(request), code="context_length_exceeded")
+        if request.max_tokens is None:
+            return min(room, DEFAULT_COMPLETION_MAX_TOKENS) if request.kind == "completion" else room
+        if request.max_tokens > room:
+            param = "max_completion_tokens" if request.kind == "chat" else "max_tokens"
+            raise bad_request(f"the context holds {context:,} tokens; the prompt has {num_prompt:,} and "
+                              f"{param} asks for {request.max_tokens:,} more (at most {room:,} fit)",
+                              param=param, code="context_length_exceeded")
+        return request.max_tokens
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self._tokenizer.token_piece(token_id).decode("utf-8", errors="replace")
+
+
+def _prompt_param(request: GenerationRequest) -> str:
+    return "messages" if request.kind == "chat" else "prompt"

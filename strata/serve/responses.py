@@ -1,0 +1,73 @@
+"""OpenAI response bodies: whole completions and streamed chunks, for both routes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from strata.serve.schemas import Kind
+
+# the engine's "cancelled" only ever reaches a client that has gone; report it as a cut-off
+_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "length"}
+
+
+def usage(stats: Any) -> dict[str, int]:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+
+
+def finish_reason(stats: Any) -> str:
+    return _FINISH_REASONS.get(stats.finish_reason, "stop")
+
+
+class ResponseShapes:
+    """The bodies of one request: same id, model and creation time in every chunk."""
+
+    def __init__(self, kind: Kind, request_id: str, model: str, is_usage_streamed: bool = False):
+        self.kind = kind
+        self.is_usage_streamed = is_usage_streamed
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def complete(self, text: str, stats: Any) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason(stats)}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(stats)}
+        return {**self._head("chat.completion" if self.kind == "chat" else "text_completion"),
+                "choices": [choice], "usage": usage(stats)}
+
+    def opening_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant's role; completion streams have no opening."""
+        if self.kind != "chat":
+            return None
+        return self._chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+
+    def text_chunk(self, text: str) -> dict[str, Any]:
+        if self.kind == "chat":
+            return self._chunk({"delta": {"content": text}, "finish_reason": None})
+        return self._chunk({"text": text, "finish_reason": None})
+
+    def final_chunk(self, stats: Any) -> dict[str, Any]:
+        if self.kind == "chat":
+            return self._chunk({"delta": {}, "finish_reason": finish_reason(stats)})
+        return self._chunk({"text": "", "finish_reason": finish_reason(stats)})
+
+    def usage_chunk(self, stats: Any) -> dict[str, Any]:
+        return {**self._head(self._chunk_object), "choices": [], "usage": usage(stats)}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {**self._head(self._chunk_object), "choices": [{"index": 0, "logprobs": None, **choice}]}
+        if self.is_usage_streamed:  # the OpenAI API's rule: null in every chunk but the last
+            chunk["usage"] = None
+        return chunk
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}

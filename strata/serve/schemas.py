@@ -1,0 +1,208 @@
+"""The request bodies of /v1/completions and /v1/chat/completions, checked field by field.
+
+Parameters this server does not implement are ignored, whatever their value, as the OpenAI API
+ignores many (``user``, ``presence_penalty``, ``logprobs``, ``tools`` ...); their names come back in
+the ``x-strata-ignored-params`` response header so a client can see what had no effect. Known
+parameters are checked strictly: a wrong type or value is a 400 naming the parameter. ``null``
+means "not given" for every optional parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal, Mapping
+
+from strata.serve.errors import bad_request, invalid_type
+
+Kind = Literal["completion", "chat"]
+
+MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 100.0
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+           "logit_bias", "n")
+KNOWN_PARAMS: Mapping[Kind, frozenset[str]] = {
+    "completion": frozenset((*_COMMON, "prompt")),
+    "chat": frozenset((*_COMMON, "messages", "max_completion_tokens")),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    kind: Kind
+    model: str
+    prompt: str | tuple[int, ...] | None
+    messages: tuple[dict[str, str], ...] | None
+    max_tokens: int | None  # None: the route's default, decided once the prompt length is known
+    sampling: Mapping[str, Any]  # SamplingParams keywords other than max_tokens
+    is_stream: bool
+    is_usage_streamed: bool
+    ignored_params: tuple[str, ...]
+
+
+def parse_request(body: Mapping[str, Any], kind: Kind) -> GenerationRequest:
+    fields = {k: v for k, v in body.items() if v is not None}
+    model = fields.get("model")
+    if model is None:
+        raise bad_request("'model' is required; GET /v1/models lists the served model", param="model",
+                          code="missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise invalid_type("model", "a non-empty string", model)
+    n = _integer(fields, "n", 1, default=1)
+    if n != 1:
+        raise bad_request(f"'n' must be 1: this server generates one choice per request, got {n}", param="n")
+    max_tokens = _integer(fields, "max_tokens", 1, default=None)
+    if kind == "chat":
+        max_tokens = _integer(fields, "max_completion_tokens", 1, default=max_tokens)
+    is_stream = _boolean(fields, "stream", default=False)
+    return GenerationRequest(
+        kind=kind, model=model,
+        prompt=_prompt(fields) if kind == "completion" else None,
+        messages=_messages(fields) if kind == "chat" else None,
+        max_tokens=max_tokens, sampling=_sampling(fields), is_stream=is_stream,
+        is_usage_streamed=is_stream and _include_usage(fields),
+        ignored_params=tuple(sorted(k for k in body if k not in KNOWN_PARAMS[kind])),
+    )
+
+
+def _sampling(fields: Mapping[str, Any]) -> dict[str, Any]:
+    sampling: dict[str, Any] = {}
+    if "temperature" in fields:
+        sampling["temperature"] = _number(fields, "temperature", 0.0, 2.0)
+    if "top_p" in fields:
+        sampling["top_p"] = _number(fields, "top_p", 0.0, 1.0)
+    if "top_k" in fields:
+        sampling["top_k"] = _integer(fields, "top_k", 0)
+    if "seed" in fields:
+        sampling["seed"] = _integer(fields, "seed", 0)
+    if "stop" in fields:
+        sampling["stop"] = _stop(fields["stop"])
+    if "logit_bias" in fields:
+        sampling["logit_bias"] = _logit_bias(fields["logit_bias"])
+    return sampling
+
+
+def _prompt(fields: Mapping[str, Any]) -> str | tuple[int, ...]:
+    if "prompt" not in fields:
+        raise bad_request("'prompt' is required: a string or an array of token ids", param="prompt",
+                          code="missing_required_parameter")
+    prompt = fields["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # the batch form with a single prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request(f"'prompt' holds {len(prompt)} prompts; this server takes one per request",
+                          param="prompt")
+    raise invalid_type("prompt", "a string or an array of token ids", prompt)
+
+
+def _messages(fields: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
+    if "messages" not in fields:
+        raise bad_request("'messages' is required: an array of {role, content} objects", param="messages",
+                          code="missing_required_parameter")
+    messages = fields["messages"]
+    if not isinstance(messages, list):
+        raise invalid_type("messages", "an array of {role, content} objects", messages)
+    if not messages:
+        raise bad_request("'messages' is empty; send at least one message", param="messages")
+    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+
+
+def _message(message: Any, where: str) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise invalid_type(where, "an object with 'role' and 'content'", message)
+    role = message.get("role")
+    if role not in ROLES:
+        raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+    content = _content(message.get("content"), role, f"{where}.content")
+    result = {"role": "system" if role == "developer" else role, "content": content}
+    if isinstance(message.get("name"), str):
+        result["name"] = message["name"]
+    return result
+
+
+def _content(content: Any, role: str, where: str) -> str:
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        for i, part in enumerate(content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"'{where}[{i}]' must be {{\"type\": \"text\", \"text\": string}}: this server "
+                                  "reads text only", param=f"{where}[{i}]")
+        return "".join(part["text"] for part in content)
+    raise invalid_type(where, "a string or an array of text parts", content)
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid_type("stop", "a string or an array of strings", stop)
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise bad_request(f"'stop' takes 1 to {MAX_STOP_STRINGS} non-empty strings, got {stops!r}"[:300],
+                          param="stop")
+    return tuple(stops)
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise invalid_type("logit_bias", "an object mapping token ids to numbers", bias)
+    checked = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise bad_request(f"'logit_bias' keys must be token ids (decimal strings), got {key!r}",
+                              param="logit_bias")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
+                              param="logit_bias")
+        checked[int(key)] = float(value)
+    return checked
+
+
+def _include_usage(fields: Mapping[str, Any]) -> bool:
+    options = fields.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise invalid_type("stream_options", "an object", options)
+    return _boolean(options, "include_usage", default=False, where="stream_options.include_usage")
+
+
+def _boolean(fields: Mapping[str, Any], name: str, default: bool, where: str | None = None) -> bool:
+    value = fields.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid_type(where or name, "true or false", value)
+    return value
+
+
+def _integer(fields: Mapping[str, Any], name: str, minimum: int, default: int | None) -> int | None:
+    value = fields.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid_type(name, "an integer", value)
+    if value < minimum:
+        raise bad_request(f"'{name}' must be an integer >= {minimum}, got {value}", param=name)
+    return value
+
+
+def _number(fields: Mapping[str, Any], name: str, low: float, high: float) -> float:
+    value = fields[name]
+    if not _is_number(value):
+        raise invalid_type(name, "a number", value)
+    if not low <= value <= high:
+        raise bad_request(f"'{name}' must be a number in [{low:g}, {high:g}], got {value}", param=name)
+    return float(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

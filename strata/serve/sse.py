@@ -1,0 +1,70 @@
+"""Server-sent events: the engine's tokens as OpenAI stream chunks, ``data: {...}`` frames ending in
+``data: [DONE]``.
+
+The stream is the only place a client disconnect is seen once streaming has begun (Starlette
+cancels the body iterator), so leaving the iterator early cancels the job: the engine stops at its
+next token and takes the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator
+
+from strata.serve.errors import ApiError
+from strata.serve.responses import ResponseShapes
+from strata.serve.worker import ERROR, TOKEN, Job
+
+DONE_FRAME = b"data: [DONE]\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def frame(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+class JobChannel:
+    """Carries a job's events from the engine thread to the request's coroutine."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def sink(self, kind: str, payload: Any) -> None:
+        """Called on the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop has closed: the server is gone, nobody is listening
+            pass
+
+    async def get(self) -> tuple[str, Any]:
+        return await self._queue.get()
+
+
+async def event_stream(channel: JobChannel, first: tuple[str, Any], job: Job, shapes: ResponseShapes,
+                       to_api_error) -> AsyncIterator[bytes]:
+    """The frames of one stream, starting from the job's first event (already received)."""
+    is_finished = False
+    try:
+        opening = shapes.opening_chunk()
+        if opening is not None:
+            yield frame(opening)
+        kind, payload = first
+        while kind == TOKEN:
+            if payload.text:
+                yield frame(shapes.text_chunk(payload.text))
+            kind, payload = await channel.get()
+        is_finished = True
+        if kind == ERROR:
+            # the status line has gone out already: the error travels as an event, as the OpenAI API sends it
+            error: ApiError = to_api_error(payload)
+            yield frame(error.body())
+            return
+        yield frame(shapes.final_chunk(payload))
+        if shapes.is_usage_streamed:
+            yield frame(shapes.usage_chunk(payload))
+        yield DONE_FRAME
+    finally:
+        if not is_finished:
+            job.cancel()

@@ -1,0 +1,94 @@
+"""The server's life: loading in the background, ready with an engine and its worker, or failed.
+
+The HTTP server answers from the first moment (``/health`` says 503 while the model loads), so a
+supervisor sees the process alive during a load that takes minutes for a large model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from strata.config import Config
+from strata.serve.errors import busy
+from strata.serve.prompts import PromptBuilder
+from strata.serve.worker import EngineWorker
+
+log = logging.getLogger("strata.serve")
+
+LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
+LOADING_RETRY_AFTER_S = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    engine: Any
+    worker: EngineWorker
+    prompts: PromptBuilder
+    model_name: str
+
+
+class ServeState:
+    def __init__(self, config: Config, engine_loader: Callable[[], Any]):
+        self.config = config
+        self._engine_loader = engine_loader
+        self._lock = threading.Lock()
+        self.phase = LOADING
+        self.started_at = time.time()
+        self.load_error: str | None = None
+        self._ready: Ready | None = None
+        self._thread = threading.Thread(target=self._load, name="strata-load", daemon=True)
+
+    def start_loading(self) -> None:
+        self._thread.start()
+
+    @property
+    def ready(self) -> Ready | None:
+        return self._ready
+
+    def require_ready(self) -> Ready:
+        ready = self._ready
+        if ready is not None:
+            return ready
+        if self.phase == FAILED:
+            raise busy(f"the model failed to load: {self.load_error}", "model_load_failed", LOADING_RETRY_AFTER_S)
+        raise busy(f"the model is {self.phase}; retry shortly (GET /health says when it is ready)",
+                   "model_loading" if self.phase == LOADING else "shutting_down", LOADING_RETRY_AFTER_S)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, None
+            self.phase = STOPPED
+        if ready is not None:
+            ready.worker.stop(timeout_s)
+            ready.engine.close()
+
+    def _load(self) -> None:
+        try:
+            engine = self._engine_loader()
+        except BaseException as exc:  # noqa: BLE001 -- reported through /health and the log
+            with self._lock:
+                self.phase, self.load_error = FAILED, f"{type(exc).__name__}: {exc}"
+            log.error("loading the model failed: %s", self.load_error)
+            return
+        try:
+            log.info("placement:\n%s", engine.format_placement())
+            log.info("plan:\n%s", engine.format_plan())
+            ready = Ready(engine, EngineWorker(engine, self.config.serve.max_queue),
+                          PromptBuilder(engine.tokenizer, engine.context_tokens), engine.model_name)
+        except BaseException as exc:  # noqa: BLE001
+            engine.close()
+            with self._lock:
+                self.phase, self.load_error = FAILED, f"{type(exc).__name__}: {exc}"
+            log.error("the loaded model cannot be served: %s", self.load_error)
+            return
+        with self._lock:
+            if self.phase != LOADING:  # shut down while loading
+                engine.close()
+                return
+            ready.worker.start()
+            self._ready, self.phase = ready, READY
+        log.info("serving model '%s' (context %d tokens)", ready.model_name, engine.context_tokens)

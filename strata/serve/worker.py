@@ -1,0 +1,137 @@
+"""Serialized execution: one engine thread runs requests one at a time, in arrival order.
+
+Requests wait in a bounded queue; a full queue refuses the newcomer at once (the route answers 503
+with Retry-After) instead of letting waits grow without bound. A job cancelled while it waits is
+dropped when its turn comes; a job cancelled while it runs stops at the engine's next token.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from strata.engine.sampling import SamplingParams
+from strata.errors import ConfigError
+
+log = logging.getLogger("strata.serve")
+
+# what a job's sink receives, from the engine thread
+TOKEN, DONE, ERROR = "token", "done", "error"
+Sink = Callable[[str, Any], None]
+
+
+class QueueFullError(Exception):
+    pass
+
+
+class WorkerStoppedError(Exception):
+    pass
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    request_id: str
+    route: str
+    prompt_tokens: Sequence[int]
+    params: SamplingParams
+    sink: Sink
+    _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def is_cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class EngineWorker:
+    """Owns the engine's only caller thread. ``submit`` is called from the event loop."""
+
+    def __init__(self, engine: Any, max_queue: int):
+        self._engine = engine
+        self._max_queue = max_queue
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._lock = threading.Condition()
+        self._running: Job | None = None
+        self._is_stopping = False
+        self.num_rejected = 0
+        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    @property
+    def is_busy(self) -> bool:
+        with self._lock:
+            return self._running is not None
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._is_stopping:
+                raise WorkerStoppedError("the server is shutting down")
+            if len(self._waiting) >= self._max_queue:
+                self.num_rejected += 1
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (serve.max_queue = "
+                                     f"{self._max_queue})")
+            self._waiting.append(job)
+            self._lock.notify()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Refuse new jobs, drop waiting ones, cancel the running one and wait for the thread."""
+        with self._lock:
+            self._is_stopping = True
+            dropped = list(self._waiting)
+            self._waiting.clear()
+            if self._running is not None:
+                self._running.cancel()
+            self._lock.notify_all()
+        for job in dropped:
+            job.cancel()
+            job.sink(ERROR, WorkerStoppedError("the server is shutting down"))
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (job := self._next()) is not None:
+            try:
+                if job.is_cancelled():
+                    log.info("%s %s cancelled while waiting in the queue", job.request_id, job.route)
+                    job.sink(ERROR, WorkerStoppedError("cancelled before it started"))
+                else:
+                    self._execute(job)
+            finally:
+                with self._lock:
+                    self._running = None
+
+    def _next(self) -> Job | None:
+        with self._lock:
+            while not self._waiting and not self._is_stopping:
+                self._lock.wait()
+            if self._is_stopping:
+                return None
+            self._running = self._waiting.popleft()
+            return self._running
+
+    def _execute(self, job: Job) -> None:
+        started = time.perf_counter()
+        try:
+            generation = self._engine.generate(job.prompt_tokens, job.params, job.is_cancelled)
+            for event in generation:
+                job.sink(TOKEN, event)
+            stats = generation.stats
+        except Exception as exc:  # the engine restored its resources; this request alone fails
+            log.error("%s %s failed after %.3f s: %s: %s", job.request_id, job.route, time.perf_counter() - started,
+                      type(exc).__name__, exc, exc_info=not isinstance(exc, ConfigError))
+            job.sink(ERROR, exc)
+            return
+        log.info("%s %s %s", job.request_id, job.route, stats.timing_line())
+        job.sink(DONE, stats)
