@@ -173,7 +173,8 @@ def _bpe(texts: Sequence[str], merges: Sequence[str], pre: PreTokenizer) -> HFTo
     model = models.BPE(vocab=vocab, merges=_merge_pairs(merges, vocab), ignore_merges=pre.is_ignore_merges)
     hf = HFTokenizer(model)
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-    hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     return hf
 
 
@@ -241,10 +242,11 @@ def _piece(text: str, attr: TokenAttr) -> bytes:
 def _byte_level_decode(text: str) -> bytes:
     if not _NOT_BYTE_CHAR.search(text):
         return text.translate(_TO_LATIN1).encode("latin-1")
+    raw = text.encode("utf-8", "surrogateescape")
     # llama.cpp's rendering of a character outside the byte-level alphabet
     return b"".join(
         bytes([_BYTE_OF_CHAR[c]]) if c in _BYTE_OF_CHAR
-        else b"[UNK_BYTE_0x" + c.encode("utf-8", "surrogateescape").hex().encode() + text.encode("utf-8", "surrogateescape") + b"]"
+        else b"[UNK_BYTE_0x" + c.encode("utf-8", "surrogateescape").hex().encode() + raw + b"]"
         for c in text
     )
 

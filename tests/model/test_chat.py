@@ -74,7 +74,9 @@ def test_trim_and_lstrip_blocks():
 
 
 def test_variables_reach_the_template():
-    template = "{{ bos_token }}{{ messages[0].content }}{% if add_generation_prompt %}>{% endif %}{{ eos_token }}{{ mode }}"
+    template = (
+        "{{ bos_token }}{{ messages[0].content }}{% if add_generation_prompt %}>{% endif %}{{ eos_token }}{{ mode }}"
+    )
     messages = [{"role": "user", "content": "q"}]
     assert render_chat(template, messages, bos_token="<s>", eos_token="</s>", mode="!") == "<s>q></s>!"
     assert render_chat(template, messages, add_generation_prompt=False) == "q"
@@ -93,7 +95,10 @@ def test_strftime_now():
 
 
 def test_generation_blocks_and_loop_controls():
-    template = "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    template = (
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    )
     messages = [{"role": "user", "content": c} for c in "abc"]
     assert render_chat(template, messages) == "ab"
 
@@ -107,7 +112,9 @@ def test_compiled_template_renders_many_times():
 
 
 def test_raise_exception_becomes_a_model_format_error():
-    template = "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with the user') }}{% endif %}"
+    template = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with the user') }}{% endif %}"
+    )
     with pytest.raises(ModelFormatError, match="failed on these messages: Conversation must start with the user"):
         render_chat(template, [{"role": "assistant", "content": "x"}])
 

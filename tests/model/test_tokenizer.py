@@ -30,8 +30,9 @@ OTHER_MODEL_VOCABS = {
 
 CORPUS = [
     "", " ", "    ", "\t", "\t\t x", "\n", "\n\n\n", " \n \r\n\t ", "a  b   c    d", "trailing   ",
-    "7", "1234567890", "3.14159, 2,718 and 1e-9; 00042", "你好，世界！", "日本語のテキストです。", "안녕하세요",
-    "🦙🚀 👨‍👩‍👧‍👦 🙂🙂🙂", "naïve café résumé Ελληνικά Ĳssel Cửa Việt", "e\u0301 zero\u200bwidth \u00a0\u2009\u3000",
+    "7", "1234567890", "3.14159, 2,718 and 1e-9; 00042",
+    "你好，世界！", "日本語のテキストです。", "안녕하세요", "🦙🚀 👨‍👩‍👧‍👦 🙂🙂🙂",
+    "naïve café résumé Ελληνικά Ĳssel Cửa Việt", "e\u0301 zero\u200bwidth \u00a0\u2009\u3000",
     "def f(x):\n    return x ** 2  # square\n", "if (a != b) { return a->c[i] >> 2; }", "y'all don't 'S 'LL",
     "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|>", "<s></s>", "\x00\x01\x7f", "a" * 300,
 ]
@@ -132,7 +133,8 @@ def test_pre_tokenizer_table_matches_llama_cpp_source(llama_cpp):
 def test_smollm2_special_tokens_and_bos_rule(smollm2, smollm2_metadata):
     assert smollm2_metadata["tokenizer.ggml.pre"] == "smollm"
     assert smollm2.vocab_size == 49152
-    assert (smollm2.token_piece(smollm2.bos_id), smollm2.token_piece(smollm2.eos_id)) == (b"<|im_start|>", b"<|im_end|>")
+    assert smollm2.token_piece(smollm2.bos_id) == b"<|im_start|>"
+    assert smollm2.token_piece(smollm2.eos_id) == b"<|im_end|>"
     # <|endoftext|> and <|im_end|> by text; <reponame> because llama.cpp takes it for the FIM repo token
     assert smollm2.eog_ids == {0, 2, 4}
     assert not smollm2.is_add_bos
@@ -190,6 +192,17 @@ def test_text_rules_for_special_ids():
     assert (tokenizer.bos_id, tokenizer.eos_id) == (11, 11)
     keyed = Tokenizer.from_metadata(_tiny_metadata(**{"tokenizer.ggml.eos_token_id": 260}))
     assert keyed.eos_id == 260 and keyed.eog_ids == {260, im_end}
+
+
+def test_pieces_of_unusual_tokens():
+    metadata = _tiny_metadata()
+    base = len(metadata["tokenizer.ggml.tokens"])
+    metadata["tokenizer.ggml.tokens"] += ["a\nb", "<0x41>", "<unused0>", ""]
+    metadata["tokenizer.ggml.token_type"] += [1, 6, 5, 1]
+    tokenizer = Tokenizer.from_metadata(metadata)
+    pieces = [tokenizer.token_piece(base + k) for k in range(4)]
+    # a raw newline is outside the byte-level alphabet: llama.cpp spells the character out
+    assert pieces == [b"a[UNK_BYTE_0x0aa\nb]b", b"A", b"", f"[EMPTY_{base + 3}]".encode()]
 
 
 @pytest.mark.parametrize(

@@ -132,7 +132,7 @@ def _download_sdist(dest: Path) -> Path:
         raise VectorsUnavailable(f"pip download of llama-cpp-python failed: {error}") from error
     found = sorted(dest.glob("llama_cpp_python-*.tar.gz"))
     if done.returncode != 0 or not found:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        tail = ((done.stderr or done.stdout).strip().splitlines() or [""])[-1][:300]
         raise VectorsUnavailable(f"pip download of llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} failed: {tail}")
     return found[0]
 
