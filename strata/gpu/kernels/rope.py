@@ -1,0 +1,133 @@
+"""Per-head RMSNorm and rotary position embedding of q and k, in place, in one launch.
+
+Qwen3 normalizes every q and k head over its head_dim (attn_q_norm / attn_k_norm) and then
+rotates it: one block per (token, head) does both while the head sits in registers, for q and k
+together, so the step costs one launch instead of four. Either part can be switched off: with
+rope_mode=None it is the per-head norm alone (norm.head_rms_norm), without norm weights it is
+RoPE alone.
+
+RoPE: pair i (i < rope_dims / 2) turns by position * base^(-2i / rope_dims). NeoX ordering
+(qwen3moe) pairs x[i] with x[i + rope_dims / 2]; normal ordering (llama) pairs x[2i], x[2i+1];
+dims from rope_dims on pass through. The angle and its sine and cosine are computed in float64:
+in float32 a position in the tens of thousands loses ~1e-3 rad, and this is one sincos per pair.
+
+Launch config: grid (num_tokens, num_q_heads + num_k_heads), block head_dim / 2 threads (one
+pair each); shared memory head_dim / 2 float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda
+
+from ._common import check_array, check_positive, dummy, is_finite_number
+from .block_reduce import device_block_sum
+
+ROPE_MODES = ("neox", "normal")
+
+
+@functools.cache
+def _head_kernel(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm: bool):
+    num_pairs = head_dim // 2
+    half_rot = rope_dims // 2
+    is_neox = rope_mode == "neox"
+    has_rope = rope_mode is not None
+
+    @cuda.jit
+    def head_norm_rope_kernel(q, k, num_q_heads, q_norm_w, k_norm_w, positions, eps, freq_base):
+        # q [T, Hq * d], k [T, Hk * d], in place
+        t = cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        i = cuda.threadIdx.x
+        red = cuda.shared.array(num_pairs, np.float32)
+        is_q = head < num_q_heads
+        base = (head if is_q else head - num_q_heads) * head_dim
+        if has_rope and i < half_rot:
+            a = i if is_neox else 2 * i
+            b = i + half_rot if is_neox else 2 * i + 1
+        else:
+            a = 2 * i
+            b = 2 * i + 1
+        xa = q[t, base + a] if is_q else k[t, base + a]
+        xb = q[t, base + b] if is_q else k[t, base + b]
+        if has_norm:
+            sum_sq = device_block_sum(xa * xa + xb * xb, red, i, num_pairs)
+            inv_rms = np.float32(1.0) / np.float32(math.sqrt(sum_sq / np.float32(head_dim) + eps))
+            xa = xa * inv_rms * (q_norm_w[a] if is_q else k_norm_w[a])
+            xb = xb * inv_rms * (q_norm_w[b] if is_q else k_norm_w[b])
+        if has_rope and i < half_rot:
+            angle = np.float64(positions[t]) * math.pow(freq_base, -2.0 * i / rope_dims)
+            c = np.float32(math.cos(angle))
+            s = np.float32(math.sin(angle))
+            xa, xb = xa * c - xb * s, xa * s + xb * c
+        if is_q:
+            q[t, base + a] = xa
+            q[t, base + b] = xb
+        else:
+            k[t, base + a] = xa
+            k[t, base + b] = xb
+
+    return head_norm_rope_kernel
+
+
+def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=None, k_norm_weight=None,
+                   eps: float = 1e-6, rope_mode: str | None = "neox", freq_base: float = 1e6,
+                   rope_dims: int | None = None):
+    """In place: per-head RMSNorm (when norm weights are given) then RoPE (unless rope_mode=None).
+
+    q: [T, Hq * head_dim] float32; k: [T, Hk * head_dim] float32 or None; positions: [T] int32
+    (needed with RoPE); q_norm_weight / k_norm_weight: [head_dim] float32, both or neither (only
+    q's when k is None). Returns (q, k).
+    """
+    check_positive("head_dim", head_dim)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    rope_dims = head_dim if rope_dims is None else rope_dims
+    if rope_dims % 2 or not 0 < rope_dims <= head_dim:
+        raise ValueError(f"rope_dims must be even and in (0, head_dim], got {rope_dims}")
+    if rope_mode is not None and rope_mode not in ROPE_MODES:
+        raise ValueError(f"rope_mode must be one of {ROPE_MODES} or None, got {rope_mode!r}")
+    if not is_finite_number(eps) or eps < 0 or not is_finite_number(freq_base) or freq_base <= 0:
+        raise ValueError(f"eps must be >= 0 and freq_base > 0, got eps={eps}, freq_base={freq_base}")
+    check_array("q", q, dtypes=np.float32, ndim=2)
+    num_tokens = q.shape[0]
+    if q.shape[1] % head_dim:
+        raise ValueError(f"q width {q.shape[1]} is not a whole number of {head_dim}-wide heads")
+    if k is not None:
+        check_array("k", k, dtypes=np.float32, shape=(num_tokens, None))
+        if k.shape[1] % head_dim:
+            raise ValueError(f"k width {k.shape[1]} is not a whole number of {head_dim}-wide heads")
+    has_norm = q_norm_weight is not None
+    if has_norm:
+        check_array("q_norm_weight", q_norm_weight, dtypes=np.float32, shape=(head_dim,))
+        if k is not None:
+            if k_norm_weight is None:
+                raise ValueError("k_norm_weight is required when q_norm_weight and k are given")
+            check_array("k_norm_weight", k_norm_weight, dtypes=np.float32, shape=(head_dim,))
+    elif k_norm_weight is not None:
+        raise ValueError("k_norm_weight without q_norm_weight: pass both or neither")
+    if rope_mode is not None:
+        if positions is None:
+            raise ValueError("positions are required for RoPE")
+        check_array("positions", positions, dtypes=np.int32, shape=(num_tokens,))
+    num_q_heads = q.shape[1] // head_dim
+    num_k_heads = 0 if k is None else k.shape[1] // head_dim
+    if num_tokens == 0 or not has_norm and rope_mode is None:
+        return q, k
+    f32 = dummy(np.float32, q)
+    args = (
+        q,
+        f32 if k is None else k,
+        num_q_heads,
+        q_norm_weight if has_norm else f32.reshape(1),
+        k_norm_weight if has_norm and k is not None else f32.reshape(1),
+        positions if positions is not None else dummy(np.int32, q).reshape(1),
+        np.float32(eps),
+        float(freq_base),
+    )
+    kernel = _head_kernel(head_dim, rope_dims, rope_mode, has_norm)
+    kernel[(num_tokens, num_q_heads + num_k_heads), head_dim // 2](*args)
+    return q, k

@@ -1,0 +1,73 @@
+import numpy as np
+import pytest
+
+from kernel_data import dev, host
+from strata.gpu.kernels.norm import head_rms_norm, rms_norm
+from strata.gpu.kernels.rope import head_norm_rope
+from strata.model import reference_ops
+
+HEAD_DIM = 16
+
+
+def _heads(x, head_dim=HEAD_DIM):
+    return x.reshape(x.shape[0], -1, head_dim)
+
+
+def test_rms_norm_rows_float32_and_float16():
+    rng = np.random.default_rng(50)
+    weight = rng.uniform(0.5, 1.5, 70).astype(np.float32)
+    for dtype in (np.float32, np.float16):
+        x = (rng.standard_normal((3, 70)) * 4).astype(dtype)
+        out = host(rms_norm(dev(x), dev(weight), 1e-6, threads=32))
+        np.testing.assert_allclose(out, reference_ops.rms_norm(x.astype(np.float32), weight, 1e-6), rtol=2e-6, atol=1e-6)
+
+
+def test_head_rms_norm_in_place():
+    rng = np.random.default_rng(51)
+    x = rng.standard_normal((2, 3 * HEAD_DIM)).astype(np.float32)
+    weight = rng.uniform(0.5, 1.5, HEAD_DIM).astype(np.float32)
+    x_dev = dev(x)
+    head_rms_norm(x_dev, dev(weight), HEAD_DIM, eps=1e-6)
+    ref = reference_ops.rms_norm(_heads(x), weight, 1e-6).reshape(x.shape)
+    np.testing.assert_allclose(host(x_dev), ref, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["neox", "normal"])
+def test_qk_norm_then_rope_matches_reference(mode):
+    rng = np.random.default_rng(52)
+    num_tokens, num_q_heads, num_k_heads = 3, 4, 2
+    q = rng.standard_normal((num_tokens, num_q_heads * HEAD_DIM)).astype(np.float32)
+    k = rng.standard_normal((num_tokens, num_k_heads * HEAD_DIM)).astype(np.float32)
+    q_w, k_w = (rng.uniform(0.5, 1.5, HEAD_DIM).astype(np.float32) for _ in range(2))
+    positions = np.array([0, 7, 4093], dtype=np.int32)  # far positions check the angle precision
+    q_dev, k_dev = dev(q), dev(k)
+    head_norm_rope(q_dev, k_dev, dev(positions), head_dim=HEAD_DIM, q_norm_weight=dev(q_w), k_norm_weight=dev(k_w),
+                   eps=1e-6, rope_mode=mode, freq_base=10000.0)
+    cos, sin = reference_ops.rope_angles(positions, HEAD_DIM, 10000.0)
+    for got, x, w in ((q_dev, q, q_w), (k_dev, k, k_w)):
+        ref = reference_ops.rope(reference_ops.rms_norm(_heads(x), w, 1e-6), cos, sin, is_neox=mode == "neox")
+        np.testing.assert_allclose(host(got), ref.reshape(x.shape), rtol=1e-5, atol=2e-6)
+
+
+def test_partial_rope_passes_the_tail_through():
+    rng = np.random.default_rng(53)
+    q = rng.standard_normal((2, 2 * HEAD_DIM)).astype(np.float32)
+    positions = np.array([3, 11], dtype=np.int32)
+    q_dev = dev(q)
+    head_norm_rope(q_dev, None, dev(positions), head_dim=HEAD_DIM, rope_mode="neox", freq_base=1e6, rope_dims=8)
+    cos, sin = reference_ops.rope_angles(positions, 8, 1e6)
+    ref = reference_ops.rope(_heads(q), cos, sin, is_neox=True).reshape(q.shape)
+    np.testing.assert_allclose(host(q_dev), ref, rtol=1e-5, atol=2e-6)
+    assert not np.allclose(ref, q)  # the rotation did something to compare against
+
+
+def test_rope_rejects_bad_arguments():
+    q = np.zeros((2, 32), np.float32)
+    with pytest.raises(ValueError, match="positions are required"):
+        head_norm_rope(q, head_dim=16)
+    with pytest.raises(ValueError, match="rope_mode"):
+        head_norm_rope(q, positions=np.zeros(2, np.int32), head_dim=16, rope_mode="yarn")
+    with pytest.raises(ValueError, match="whole number of 12-wide heads"):
+        head_norm_rope(q, positions=np.zeros(2, np.int32), head_dim=12)
+    with pytest.raises(ValueError, match="k_norm_weight is required"):
+        head_norm_rope(q, q, np.zeros(2, np.int32), head_dim=16, q_norm_weight=np.ones(16, np.float32))
