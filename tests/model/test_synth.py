@@ -1,0 +1,163 @@
+"""Synthetic models: they load, have the preset's shapes, zero-mean weights, a real vocabulary and spread routing."""
+
+import argparse
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from strata.model import quants
+from strata.model.gguf_file import open_gguf
+from strata.model.synth import (
+    PRESETS, SynthShape, add_arguments, routing_histogram, run, sample_prompt_tokens, tensor_plan,
+    write_synthetic_model,
+)
+from strata.model.synth_blocks import SUPPORTED_QTYPES, random_rows
+from strata.model.synth_check import format_histogram, is_spread
+from strata.model.synth_vocab import SPECIAL_TOKENS, build_vocab, train_tokenizer
+
+TINY = PRESETS["tiny"]
+# rows of 256 keep the k-quants as they are (the tiny preset's 64-wide rows fall back)
+K_SHAPE = SynthShape(num_layers=1, hidden_size=256, num_heads=2, num_kv_heads=1, head_dim=128, num_experts=4,
+                     num_experts_used=2, expert_ffn_size=256, vocab_size=300)
+DEEP = SynthShape(num_layers=8, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=32,
+                  num_experts_used=4, expert_ffn_size=32, vocab_size=512)
+
+
+def test_presets_have_the_documented_shapes():
+    big = PRESETS["qwen3-30b-a3b"]
+    assert (big.num_layers, big.hidden_size, big.num_heads, big.num_kv_heads, big.head_dim) == (48, 2048, 32, 4, 128)
+    assert (big.num_experts, big.num_experts_used, big.expert_ffn_size, big.vocab_size) == (128, 8, 768, 151936)
+    assert (big.rope_theta, big.context_length) == (1e6, 40960)
+    plan = tensor_plan(big.spec(), Q.Q4_0)
+    num_bytes = sum(int(np.prod(s[:-1])) * quants.row_nbytes(t, s[-1]) for s, t in plan.values())
+    assert 16.5e9 < num_bytes < 17.5e9  # ~17 GB in Q4_0, as llama.cpp's file of this shape
+    assert (TINY.num_layers, TINY.hidden_size, TINY.num_experts, TINY.num_experts_used) == (2, 64, 8, 2)
+
+
+@pytest.mark.parametrize("with_mtp", [False, True], ids=["plain", "mtp"])
+def test_tiny_model_loads_with_the_preset_spec(tmp_path, with_mtp):
+    model = open_gguf(write_synthetic_model(tmp_path / "m.gguf", TINY, Q.Q4_0, seed=0, with_mtp=with_mtp))
+    assert model.spec == TINY.spec(with_mtp)
+    assert model.tensors["blk.0.ffn_gate_exps.weight"].shape == (8, 32, 64)
+    assert model.tensors["output.weight"].shape == (512, 64)
+    assert model.tensors["blk.0.ffn_gate_inp.weight"].qtype == Q.F32  # routers stay F32, as llama.cpp keeps them
+    assert ("blk.2.nextn.eh_proj.weight" in model.tensors) == with_mtp
+    assert ("blk.2.attn_q.weight" in model.tensors) == with_mtp
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_every_qtype_writes_and_keeps_its_type_where_rows_fit(tmp_path, qtype):
+    model = open_gguf(write_synthetic_model(tmp_path / "k.gguf", K_SHAPE, qtype, seed=0))
+    assert model.tensors["blk.0.ffn_down_exps.weight"].qtype == qtype
+    assert model.tensors["token_embd.weight"].qtype == qtype
+    weights = model.dequantize("blk.0.ffn_up_exps.weight")  # [4, 256, 256]
+    assert np.isfinite(weights).all()
+    assert abs(weights.mean()) < 0.02 * weights.std()
+    assert 0.7 < weights.std() * np.sqrt(256) < 1.3  # std ~ 1 / sqrt(fan_in)
+
+
+def test_k_quants_fall_back_on_narrow_rows_like_llama_cpp(tmp_path):
+    model = open_gguf(write_synthetic_model(tmp_path / "t.gguf", TINY, Q.Q4_K, seed=0))
+    assert model.tensors["blk.0.attn_q.weight"].qtype == Q.Q5_0
+    model = open_gguf(write_synthetic_model(tmp_path / "t.gguf", TINY, Q.Q6_K, seed=0))
+    assert model.tensors["blk.0.attn_q.weight"].qtype == Q.Q8_0
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_random_blocks_are_zero_mean_row_by_row(qtype):
+    rng = np.random.default_rng(0)
+    values = quants.dequantize(random_rows(rng, qtype, 256, 2048, std=0.02), qtype, (256, 2048))
+    assert 0.018 < values.std() < 0.022
+    # a row's mean is noise of size std / sqrt(cols), not a bias shared by all rows
+    row_means = values.mean(axis=1)
+    assert abs(row_means.mean()) < 3 * 0.02 / np.sqrt(2048 * 256)
+    assert row_means.std() < 1.5 * 0.02 / np.sqrt(2048)
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
+    a = write_synthetic_model(tmp_path / "a.gguf", TINY, Q.Q4_0, seed=5).read_bytes()
+    b = write_synthetic_model(tmp_path / "b.gguf", TINY, Q.Q4_0, seed=5).read_bytes()
+    c = write_synthetic_model(tmp_path / "c.gguf", TINY, Q.Q4_0, seed=6).read_bytes()
+    assert a == b and len(a) == len(c) and a != c
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_vocabulary_is_a_real_padded_byte_level_bpe(tmp_path):
+    shape = dataclasses.replace(TINY, vocab_size=2000)  # more than the corpus trains: padded
+    model = open_gguf(write_synthetic_model(tmp_path / "v.gguf", shape, Q.Q4_0, seed=0))
+    meta = model.metadata
+    tokens, types, merges = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"], meta["tokenizer.ggml.merges"]
+    assert (meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
+    assert len(tokens) == len(types) == 2000 == model.tensors["output.weight"].shape[0]
+    assert tokens[meta["tokenizer.ggml.bos_token_id"]] == "<|endoftext|>"
+    assert tokens[meta["tokenizer.ggml.eos_token_id"]] == "<|im_end|>"
+    first_special = tokens.index(SPECIAL_TOKENS[0])
+    assert set(types[:first_special]) == {gguf.TokenType.NORMAL}
+    assert types[first_special:first_special + 3] == [gguf.TokenType.CONTROL] * 3
+    assert set(types[first_special + 3:]) == {gguf.TokenType.UNUSED} and tokens[-1] == f"[PAD{len(tokens) - 1}]"
+    assert len(merges) > 100
+    for merge in merges:
+        left, right = merge.split(" ")
+        assert left in tokens and right in tokens and left + right in tokens
+    assert "<|im_start|>" in meta["tokenizer.chat_template"]
+
+
+def test_the_trained_tokenizer_round_trips_and_matches_the_written_ids():
+    tokenizer = train_tokenizer(TINY.vocab_size)
+    text = "The capital of France is Paris. 12 cafés, naïve 東京 🙂\n\tdef f(x): return x"
+    encoding = tokenizer.encode(text)
+    assert tokenizer.decode(encoding.ids) == text
+    vocab = build_vocab(TINY.vocab_size)
+    assert [vocab.tokens[i] for i in encoding.ids] == encoding.tokens
+    assert max(sample_prompt_tokens(TINY.vocab_size)) < vocab.bos_id
+
+
+def test_routing_histogram_counts_every_pick_and_is_spread(tmp_path):
+    model = open_gguf(write_synthetic_model(tmp_path / "r.gguf", TINY, Q.Q4_0, seed=0))
+    tokens = sample_prompt_tokens(TINY.vocab_size)
+    counts = routing_histogram(model, tokens)
+    assert counts.shape == (2, 8)
+    assert (counts.sum(axis=1) == len(tokens) * 2).all()
+    assert (counts > 0).all() and is_spread(counts, 2)
+
+
+def test_routing_stays_spread_through_depth(tmp_path):
+    model = open_gguf(write_synthetic_model(tmp_path / "d.gguf", DEEP, Q.Q4_0, seed=3))
+    counts = routing_histogram(model, sample_prompt_tokens(DEEP.vocab_size))  # [8, 32]
+    uniform = counts[0].sum() / 32
+    assert ((counts > 0).sum(axis=1) >= 28).all(), counts
+    assert (counts.max(axis=1) <= 4 * uniform).all(), counts
+
+
+def test_collapsed_routing_is_reported():
+    spread = np.full((3, 8), 10)
+    collapsed = spread.copy()
+    collapsed[2] = [40, 40, 0, 0, 0, 0, 0, 0]  # every token to the same two experts
+    assert is_spread(spread, 2) and not is_spread(collapsed, 2)
+    text = format_histogram(collapsed, 2)
+    assert "layer   2:    2/8 experts hit" in text and "COLLAPSED" in text and "NOT spread" in text
+
+
+def test_cli_writes_checks_and_reports(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "cli.gguf"
+    assert run(parser.parse_args([str(out), "--preset", "tiny", "--layers", "3", "--qtype", "q8_0", "--mtp",
+                                  "--seed", "4", "--check"])) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and "3 layers + MTP, Q8_0, seed 4" in printed
+    assert "layer   2:" in printed and "routing is spread" in printed
+    model = open_gguf(out)
+    assert model.spec.num_layers == 3 and model.spec.num_nextn_layers == 1
+
+
+def test_cli_rejects_bad_input(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args([str(tmp_path / "x.gguf"), "--qtype", "IQ2_XXS"])) == 2
+    assert run(parser.parse_args([str(tmp_path / "x.gguf"), "--heads", "3"])) == 2
+    assert "num_heads (3) must be a multiple of num_kv_heads (2)" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()
