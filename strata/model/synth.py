@@ -105,18 +105,25 @@ def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype
     for name, (tensor_shape, tensor_qtype) in plan.items():
         nbytes = int(np.prod(tensor_shape[:-1], dtype=np.int64)) * quants.row_nbytes(tensor_qtype, tensor_shape[-1])
         writer.add_tensor_info(name, tensor_shape, np.dtype(np.float32), nbytes, raw_dtype=tensor_qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    fout = writer.fout[0]
-    for index, (name, (tensor_shape, tensor_qtype)) in enumerate(plan.items()):
-        rng = np.random.default_rng([seed, index])
-        fout.write(bytes(-fout.tell() % writer.data_alignment))
-        for chunk in _tensor_chunks(rng, name, tensor_shape, tensor_qtype, spec):
-            chunk.tofile(fout)
-    writer.close()
-    os.replace(tmp, path)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        _write_tensor_data(writer.fout[0], plan, seed, writer.data_alignment)
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def _write_tensor_data(fout, plan: dict[str, tuple[tuple[int, ...], QType]], seed: int, alignment: int) -> None:
+    for index, (name, (tensor_shape, tensor_qtype)) in enumerate(plan.items()):
+        rng = np.random.default_rng([seed, index])  # per tensor: its bytes do not depend on the others
+        fout.write(bytes(-fout.tell() % alignment))
+        for chunk in _tensor_chunks(rng, name, tensor_shape, tensor_qtype):
+            chunk.tofile(fout)
 
 
 def tensor_plan(spec: ModelSpec, qtype: QType) -> dict[str, tuple[tuple[int, ...], QType]]:
@@ -142,7 +149,7 @@ def _tensor_qtype(name: str, shape: tuple[int, ...], qtype: QType) -> QType:
     return QType.F32
 
 
-def _tensor_chunks(rng: np.random.Generator, name: str, shape: tuple[int, ...], qtype: QType, spec: ModelSpec):
+def _tensor_chunks(rng: np.random.Generator, name: str, shape: tuple[int, ...], qtype: QType):
     if len(shape) == 1 and "norm" in name:
         yield norm_weight(rng, shape[0]).view(np.uint8)
         return
