@@ -161,3 +161,15 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert run(parser.parse_args([str(tmp_path / "x.gguf"), "--heads", "3"])) == 2
     assert "num_heads (3) must be a multiple of num_kv_heads (2)" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_the_project_tokenizer_reads_the_written_vocabulary(tmp_path):
+    from strata.model.tokenizer import Tokenizer
+
+    model = open_gguf(write_synthetic_model(tmp_path / "t.gguf", TINY, Q.Q4_0, seed=0))
+    tokenizer = Tokenizer.from_metadata(model.metadata)
+    trained = train_tokenizer(TINY.vocab_size)
+    for text in ["Hello  world\n\n  12345 naïve 東京 🙂 don't", "The capital of France is Paris."]:
+        ids = tokenizer.encode(text)
+        assert ids == trained.encode(text).ids
+        assert tokenizer.decode(ids) == text
