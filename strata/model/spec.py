@@ -138,7 +138,7 @@ def tensor_shapes(spec: ModelSpec) -> tuple[dict[str, Shape], dict[str, Shape]]:
     for i in range(spec.num_layers, spec.num_layers + spec.num_nextn_layers):
         required.update({f"blk.{i}.nextn.eh_proj.weight": (H, 2 * H)})
         required.update({f"blk.{i}.nextn.{n}.weight": (H,) for n in ("enorm", "hnorm")})
-        optional.update({f"blk.{i}.nextn.embed_tokens.weight": (V, H), f"blk.{i}.nextn.shared_head_head.weight": (V, H)})
+        optional.update({f"blk.{i}.nextn.{n}.weight": (V, H) for n in ("embed_tokens", "shared_head_head")})
         optional.update({f"blk.{i}.nextn.shared_head_norm.weight": (H,)})
     return required, optional
 
@@ -179,22 +179,21 @@ def _vocab_size(metadata: Mapping[str, Any], arch: str, source: str) -> int:
 
 
 def _check_consistent(spec: ModelSpec, source: str) -> None:
-    arch = spec.arch
-    checks = [
-        (spec.num_heads > 0, "attention.head_count", "> 0"),
+    checks = [  # (holds, key, value, expected)
+        (spec.num_heads > 0, "attention.head_count", spec.num_heads, "> 0"),
         (spec.num_kv_heads > 0 and spec.num_heads % spec.num_kv_heads == 0, "attention.head_count_kv",
-         f"a divisor of attention.head_count ({spec.num_heads})"),
+         spec.num_kv_heads, f"a divisor of attention.head_count ({spec.num_heads})"),
         (0 < spec.num_rope_dims <= spec.head_dim and spec.num_rope_dims % 2 == 0, "rope.dimension_count",
-         f"even and at most the head size ({spec.head_dim})"),
+         spec.num_rope_dims, f"even and at most the head size ({spec.head_dim})"),
         (not spec.is_moe or 0 < spec.num_experts_used <= spec.num_experts, "expert_used_count",
-         f"1..expert_count ({spec.num_experts})"),
-        (not spec.is_moe or spec.expert_ffn_size > 0, "expert_feed_forward_length", "> 0"),
-        (spec.is_moe or spec.dense_ffn_size > 0, "feed_forward_length", "> 0"),
-        (spec.rms_norm_eps > 0, "attention.layer_norm_rms_epsilon", "> 0"),
+         spec.num_experts_used, f"1..expert_count ({spec.num_experts})"),
+        (not spec.is_moe or spec.expert_ffn_size > 0, "expert_feed_forward_length", spec.expert_ffn_size, "> 0"),
+        (spec.is_moe or spec.dense_ffn_size > 0, "feed_forward_length", spec.dense_ffn_size, "> 0"),
+        (spec.rms_norm_eps > 0, "attention.layer_norm_rms_epsilon", spec.rms_norm_eps, "> 0"),
     ]
-    for ok, name, expected in checks:
-        if not ok:
-            raise ModelFormatError(f"{source}: key {arch}.{name} is inconsistent with the other keys; expected {expected}")
+    for holds, name, value, expected in checks:
+        if not holds:
+            raise ModelFormatError(f"{source}: key {spec.arch}.{name} is {value}, expected {expected}")
 
 
 def _get(metadata: Mapping[str, Any], name: str, kind: type, source: str, default: Any = None) -> Any:

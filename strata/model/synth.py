@@ -245,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     seconds = time.perf_counter() - started
     num_bytes = path.stat().st_size
-    print(f"wrote {path}: {num_bytes / 1e9:.3f} GB in {seconds:.1f} s ({num_bytes / 1e6 / seconds:.0f} MB/s), "
+    size = f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.2f} MB"
+    print(f"wrote {path}: {size} in {seconds:.1f} s ({num_bytes / 1e6 / seconds:.0f} MB/s), "
           f"{shape.num_layers} layers{' + MTP' if args.mtp else ''}, {qtype.name}, seed {args.seed}")
     if not args.check:
         return 0

@@ -29,7 +29,8 @@ def tiny_mtp_path(tmp_path_factory):
     return write_synthetic_model(tmp_path_factory.mktemp("mtp") / "mtp.gguf", TINY, Q.Q8_0, seed=2, with_mtp=True)
 
 
-def _rewrite(src, dst, *, arch=None, drop_keys=(), drop_tensors=(), retype=None, reshape=None, extra=None):
+def _rewrite(src, dst, *, arch=None, drop_keys=(), set_keys=None, drop_tensors=(), retype=None, reshape=None,
+             extra=None):
     """Copy a GGUF through gguf-py's writer, changing one thing."""
     reader = gguf.GGUFReader(src)
     metadata = read_metadata(reader)
@@ -40,7 +41,7 @@ def _rewrite(src, dst, *, arch=None, drop_keys=(), drop_tensors=(), retype=None,
             continue
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         key = name.replace(f"{old_arch}.", f"{arch}.", 1) if arch else name
-        writer.add_key_value(key, metadata[name], field.types[0], sub_type=sub_type)
+        writer.add_key_value(key, (set_keys or {}).get(name, metadata[name]), field.types[0], sub_type=sub_type)
     tensors = {t.name: (t.tensor_type, tuple(reversed(t.shape.tolist()))) for t in reader.tensors}
     for name, (qtype, shape) in {**tensors, **(extra or {})}.items():
         if name in drop_tensors:
@@ -226,3 +227,10 @@ def test_missing_metadata_key(tiny_path, tmp_path):
     _raises(bad, "required metadata key qwen3moe.embedding_length is missing")
     bad = _rewrite(tiny_path, tmp_path / "experts.gguf", drop_keys={"qwen3moe.expert_count"})
     _raises(bad, "qwen3moe.expert_count", "expected > 0")
+
+
+def test_inconsistent_metadata_key(tiny_path, tmp_path):
+    bad = _rewrite(tiny_path, tmp_path / "kv.gguf", set_keys={"qwen3moe.attention.head_count_kv": 3})
+    _raises(bad, "key qwen3moe.attention.head_count_kv is 3, expected a divisor of attention.head_count (4)")
+    bad = _rewrite(tiny_path, tmp_path / "used.gguf", set_keys={"qwen3moe.expert_used_count": 9})
+    _raises(bad, "key qwen3moe.expert_used_count is 9, expected 1..expert_count (8)")

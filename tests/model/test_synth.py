@@ -89,7 +89,8 @@ def test_vocabulary_is_a_real_padded_byte_level_bpe(tmp_path):
     shape = dataclasses.replace(TINY, vocab_size=2000)  # more than the corpus trains: padded
     model = open_gguf(write_synthetic_model(tmp_path / "v.gguf", shape, Q.Q4_0, seed=0))
     meta = model.metadata
-    tokens, types, merges = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"], meta["tokenizer.ggml.merges"]
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    merges = meta["tokenizer.ggml.merges"]
     assert (meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
     assert len(tokens) == len(types) == 2000 == model.tensors["output.weight"].shape[0]
     assert tokens[meta["tokenizer.ggml.bos_token_id"]] == "<|endoftext|>"
