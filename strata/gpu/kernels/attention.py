@@ -1,0 +1,251 @@
+"""Causal grouped-query attention over a KV cache (F16, Q8_0, Q4_0), prefill and decode.
+
+One kernel serves both. A block owns `tokens_per_block` query tokens times the `group` query
+heads that share one KV head, so every K/V tile it stages (dequantized from the cache into
+shared memory) is used by all of them: for decode that is the whole GQA group of one token. Per
+KV tile: scores into shared memory, the online-softmax update (running max m, running sum l),
+then O += P V; `threads_per_row` threads share a query row, splitting the tile's keys for the
+scores and the head dims for O. Query token t sits at q_positions[t] and sees cache rows
+0..q_positions[t]; a chunked prefill simply has its earlier chunks in the cache.
+
+For long contexts and few query rows (decode) the KV range is cut into `num_splits` slices, one
+block each; blocks write unnormalized partials (O, m, l) and a second launch combines them.
+
+This is the FFMA path the simulator runs; on the GPU the score and P V products of a tile are
+where tensor-core fragments go (same staging, same softmax bookkeeping).
+
+Launch config: attention: grid (ceil(T / tokens_per_block), num_kv_heads, num_splits), block
+tokens_per_block * group * threads_per_row threads; shared memory (rows * head_dim +
+kv_tile * (2 * head_dim + 1) + rows * kv_tile + 2 * threads) float32, rows = tokens_per_block *
+group. combine: grid (T, num_q_heads), block head_dim threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda
+
+from ._common import OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty, is_device_array
+from .block_reduce import NEG_INF
+from .kvcache import KV_FORMATS
+from .packing import PackedMatrix, check_packed
+from .quant_device import dequant8_for
+
+
+class AttentionConfig(NamedTuple):
+    tokens_per_block: int = 2
+    threads_per_row: int = 8
+    kv_tile: int = 32
+
+
+DECODE_CONFIG = AttentionConfig(tokens_per_block=1, threads_per_row=16, kv_tile=32)
+_MAX_STATIC_SHARED_BYTES = 48 * 1024  # static shared arrays; more needs a dynamic opt-in
+
+
+def _shared_bytes(head_dim: int, group: int, config: AttentionConfig) -> int:
+    rows = config.tokens_per_block * group
+    threads = rows * config.threads_per_row
+    floats = rows * head_dim + config.kv_tile * (2 * head_dim + 1) + rows * config.kv_tile + 2 * threads
+    return 4 * floats
+
+
+@functools.cache
+def _attention_kernel(fmt: str, head_dim: int, group: int, config: AttentionConfig, is_split: bool):
+    dequant8 = dequant8_for(fmt)
+    bt, tpr, bkv = config
+    rows = bt * group
+    threads = rows * tpr
+    k_stride = head_dim + 1  # pad K rows: lanes reading different keys hit different banks
+    octets_per_row = head_dim // OCTET
+    dims_per_thread = head_dim // tpr
+    keys_per_thread = bkv // tpr
+    qs_size, ks_size, vs_size, ps_size = rows * head_dim, bkv * k_stride, bkv * head_dim, rows * bkv
+
+    @cuda.jit
+    def attention_kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len,
+                         split_len, scale, out, o_part, m_part, l_part):
+        tid = cuda.threadIdx.x
+        r = tid // tpr
+        lane = tid % tpr
+        kvh = cuda.blockIdx.y
+        split = cuda.blockIdx.z
+        num_tokens = q.shape[0]
+        t = cuda.blockIdx.x * bt + r // group
+        h = kvh * group + r % group
+        qs = cuda.shared.array(qs_size, np.float32)
+        ks = cuda.shared.array(ks_size, np.float32)
+        vs = cuda.shared.array(vs_size, np.float32)
+        ps = cuda.shared.array(ps_size, np.float32)
+        red_max = cuda.shared.array(threads, np.float32)
+        red_sum = cuda.shared.array(threads, np.float32)
+        wl = cuda.local.array(OCTET, np.float32)
+        o = cuda.local.array(dims_per_thread, np.float32)
+        q_pos = q_positions[t] if t < num_tokens else -1
+        last_pos = -1
+        for i in range(bt):
+            ti = cuda.blockIdx.x * bt + i
+            if ti < num_tokens:
+                last_pos = max(last_pos, q_positions[ti])
+        for idx in range(tid, qs_size, threads):
+            ti = cuda.blockIdx.x * bt + idx // head_dim // group
+            hi = kvh * group + (idx // head_dim) % group
+            qs[idx] = q[ti, hi * head_dim + idx % head_dim] * scale if ti < num_tokens else np.float32(0.0)
+        for c in range(dims_per_thread):
+            o[c] = np.float32(0.0)
+        m_i = NEG_INF
+        l_i = np.float32(0.0)
+        start = split * split_len
+        end = min(start + split_len, kv_len, last_pos + 1)
+        for j0 in range(start, end, bkv):
+            cuda.syncthreads()  # the previous tile's readers are done with ks, vs, ps
+            for idx in range(tid, bkv * octets_per_row, threads):
+                jj = idx // octets_per_row
+                oc = idx % octets_per_row
+                if j0 + jj < end:
+                    dequant8(k_quants, k_scales, k_extra, j0 + jj, kvh * octets_per_row + oc, wl, 0)
+                    for i in range(OCTET):
+                        ks[jj * k_stride + oc * OCTET + i] = wl[i]
+                    dequant8(v_quants, v_scales, v_extra, j0 + jj, kvh * octets_per_row + oc, wl, 0)
+                    for i in range(OCTET):
+                        vs[jj * head_dim + oc * OCTET + i] = wl[i]
+                else:
+                    for i in range(OCTET):
+                        ks[jj * k_stride + oc * OCTET + i] = np.float32(0.0)
+                        vs[jj * head_dim + oc * OCTET + i] = np.float32(0.0)
+            cuda.syncthreads()
+            tile_max = NEG_INF
+            for kk in range(keys_per_thread):
+                jj = lane + kk * tpr
+                s = NEG_INF
+                if j0 + jj < end and j0 + jj <= q_pos:
+                    s = np.float32(0.0)
+                    for c in range(head_dim):
+                        s += qs[r * head_dim + c] * ks[jj * k_stride + c]
+                ps[r * bkv + jj] = s
+                tile_max = max(tile_max, s)
+            red_max[tid] = tile_max
+            cuda.syncthreads()
+            m_new = m_i
+            for i in range(tpr):
+                m_new = max(m_new, red_max[r * tpr + i])
+            part_sum = np.float32(0.0)
+            for kk in range(keys_per_thread):
+                jj = lane + kk * tpr
+                s = ps[r * bkv + jj]
+                p = np.float32(math.exp(s - m_new)) if s != NEG_INF else np.float32(0.0)
+                ps[r * bkv + jj] = p
+                part_sum += p
+            red_sum[tid] = part_sum
+            cuda.syncthreads()
+            alpha = np.float32(math.exp(m_i - m_new)) if m_i != NEG_INF else np.float32(0.0)
+            tile_sum = np.float32(0.0)
+            for i in range(tpr):
+                tile_sum += red_sum[r * tpr + i]
+            l_i = l_i * alpha + tile_sum
+            for cc in range(dims_per_thread):
+                o[cc] *= alpha
+            for jj in range(bkv):  # dims innermost: the unrolled loop keeps o in registers
+                p = ps[r * bkv + jj]
+                for cc in range(dims_per_thread):
+                    o[cc] += p * vs[jj * head_dim + lane + cc * tpr]
+            m_i = m_new
+        if t >= num_tokens:
+            return
+        if is_split:
+            for cc in range(dims_per_thread):
+                o_part[split, t, h, lane + cc * tpr] = o[cc]
+            if lane == 0:
+                m_part[split, t, h] = m_i
+                l_part[split, t, h] = l_i
+        else:
+            inv_l = np.float32(1.0) / l_i if l_i > 0 else np.float32(0.0)
+            for cc in range(dims_per_thread):
+                out[t, h * head_dim + lane + cc * tpr] = o[cc] * inv_l
+
+    return attention_kernel
+
+
+@cuda.jit
+def _combine_kernel(o_part, m_part, l_part, out):  # o_part [S, T, Hq, d] -> out [T, Hq * d]
+    t = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    head_dim = o_part.shape[3]
+    m = NEG_INF
+    for s in range(o_part.shape[0]):
+        m = max(m, m_part[s, t, h])
+    for c in range(cuda.threadIdx.x, head_dim, cuda.blockDim.x):
+        total_l = np.float32(0.0)
+        acc = np.float32(0.0)
+        for s in range(o_part.shape[0]):
+            if m_part[s, t, h] != NEG_INF:
+                w = np.float32(math.exp(m_part[s, t, h] - m))
+                total_l += l_part[s, t, h] * w
+                acc += o_part[s, t, h, c] * w
+        out[t, h * head_dim + c] = acc / total_l if total_l > 0 else np.float32(0.0)
+
+
+def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
+              num_kv_heads: int, head_dim: int, kv_len: int | None = None, scale: float | None = None,
+              num_splits: int = 1, config: AttentionConfig = AttentionConfig(), workspace=None):
+    """softmax(q k^T * scale + causal mask) v per query head; q, out [T, num_q_heads * head_dim] float32.
+
+    k_cache / v_cache: [num_positions, num_kv_heads * head_dim] in F16, Q8_0 or Q4_0 (kvcache.py).
+    q_positions: [T] int32. kv_len: cache rows in use (> every position); needed when q_positions
+    is on the device. num_splits > 1 splits the KV range over blocks and combines (decode);
+    workspace: optional preallocated (o_part [S, T, Hq, d], m_part [S, T, Hq], l_part [S, T, Hq]).
+    """
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("num_splits", num_splits)):
+        check_positive(name, value)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    bt, tpr, bkv = config
+    for name, value in zip(AttentionConfig._fields, config):
+        check_power_of_two(name, value)
+    if head_dim % OCTET or head_dim % tpr or bkv % tpr:
+        raise ValueError(f"head_dim {head_dim} and kv_tile {bkv} must be multiples of threads_per_row {tpr} and of 8")
+    num_shared_bytes = _shared_bytes(head_dim, group, config)
+    if num_shared_bytes > _MAX_STATIC_SHARED_BYTES:
+        raise ValueError(f"this config needs {num_shared_bytes} bytes of shared memory per block (limit "
+                         f"{_MAX_STATIC_SHARED_BYTES}): lower tokens_per_block or kv_tile")
+    width = num_kv_heads * head_dim
+    check_packed("k_cache", k_cache, num_cols=width, formats=KV_FORMATS)
+    check_packed("v_cache", v_cache, num_cols=width, formats=(k_cache.fmt,))
+    check_array("q", q, dtypes=np.float32, shape=(None, num_q_heads * head_dim))
+    num_tokens = q.shape[0]
+    check_array("q_positions", q_positions, dtypes=np.int32, shape=(num_tokens,))
+    if kv_len is None:
+        if is_device_array(q_positions):
+            raise ValueError("kv_len is required when q_positions is a device array")
+        kv_len = int(q_positions.max()) + 1 if num_tokens else 0
+    if not 0 <= kv_len <= k_cache.num_rows:
+        raise ValueError(f"kv_len must lie in [0, {k_cache.num_rows}], got {kv_len}")
+    if out is None:
+        out = empty((num_tokens, num_q_heads * head_dim), np.float32, q, k_cache.quants)
+    check_array("out", out, dtypes=np.float32, shape=(num_tokens, num_q_heads * head_dim))
+    if num_tokens == 0:
+        return out
+    split_len = ceil_div(ceil_div(max(kv_len, 1), num_splits), bkv) * bkv
+    is_split = num_splits > 1
+    if is_split:
+        shapes = ((num_splits, num_tokens, num_q_heads, head_dim), (num_splits, num_tokens, num_q_heads),
+                  (num_splits, num_tokens, num_q_heads))
+        if workspace is None:
+            workspace = tuple(empty(shape, np.float32, q) for shape in shapes)
+        for name, part, shape in zip(("o_part", "m_part", "l_part"), workspace, shapes):
+            check_array(f"workspace {name}", part, dtypes=np.float32, shape=shape)
+    else:
+        workspace = (out.reshape(1, 1, 1, -1), out.reshape(1, 1, -1), out.reshape(1, 1, -1))  # never written
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    kernel = _attention_kernel(k_cache.fmt, head_dim, group, config, is_split)
+    grid = (ceil_div(num_tokens, bt), num_kv_heads, num_splits)
+    kernel[grid, bt * group * tpr](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants, v_cache.scales,
+                                   v_cache.extra, q_positions, kv_len, split_len, np.float32(scale), out, *workspace)
+    if is_split:
+        _combine_kernel[(num_tokens, num_q_heads), min(head_dim, 128)](*workspace, out)
+    return out

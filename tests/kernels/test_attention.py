@@ -1,0 +1,78 @@
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import quantize as gguf_quantize
+
+from kernel_data import dev, host, reference_dequant
+from strata.gpu.kernels.attention import AttentionConfig, attention
+from strata.gpu.kernels.packing import pack, to_device
+from strata.model import reference_ops
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 32
+WIDTH = NUM_KV_HEADS * HEAD_DIM
+TINY = AttentionConfig(tokens_per_block=2, threads_per_row=4, kv_tile=8)  # 2 tokens x 2 heads x 4 = 16 threads
+TOLERANCE = dict(rtol=1e-5, atol=2e-6)
+
+
+def _cache(fmt, num_positions, seed):
+    """A (K, V) cache pair on the device and the float values attention must see."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for _ in range(2):
+        values = rng.standard_normal((num_positions, WIDTH)).astype(np.float32)
+        raw = gguf_quantize(values, QType[fmt]).view(np.uint8).reshape(num_positions, -1)
+        pairs.append((to_device(pack(raw, fmt)), reference_dequant(raw, fmt)))
+    return pairs
+
+
+def _reference(q, k_values, v_values, start_pos):
+    q3 = q.reshape(q.shape[0], NUM_Q_HEADS, HEAD_DIM)
+    k3, v3 = (a.reshape(a.shape[0], NUM_KV_HEADS, HEAD_DIM) for a in (k_values, v_values))
+    return reference_ops.attention(q3, k3, v3, start_pos).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
+def test_prefill_chunk_over_a_cache_with_history(fmt):
+    start_pos, num_tokens = 5, 6  # keys 0..10: two 8-key tiles, the last one partly masked
+    (k_cache, k_values), (v_cache, v_values) = _cache(fmt, 16, seed=70)
+    q = np.random.default_rng(71).standard_normal((num_tokens, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
+    positions = (start_pos + np.arange(num_tokens)).astype(np.int32)
+    out = attention(dev(q), k_cache, v_cache, dev(positions), num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS,
+                    head_dim=HEAD_DIM, kv_len=start_pos + num_tokens, config=TINY)
+    np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, start_pos), **TOLERANCE)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_one_token_split_over_the_context(num_splits):
+    kv_len = 38
+    (k_cache, k_values), (v_cache, v_values) = _cache("Q8_0", 40, seed=72)
+    q = np.random.default_rng(73).standard_normal((1, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
+    config = AttentionConfig(tokens_per_block=1, threads_per_row=8, kv_tile=8)
+    out = attention(dev(q), k_cache, v_cache, np.array([kv_len - 1], np.int32), num_q_heads=NUM_Q_HEADS,
+                    num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, num_splits=num_splits, config=config)
+    np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, kv_len - 1), **TOLERANCE)
+
+
+def test_split_prefill_with_custom_scale_equals_unsplit():
+    (k_cache, _), (v_cache, _) = _cache("Q4_0", 24, seed=74)
+    q = np.random.default_rng(75).standard_normal((3, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
+    positions = np.array([17, 18, 19], np.int32)
+    args = dict(num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, scale=0.3, config=TINY)
+    whole = host(attention(dev(q), k_cache, v_cache, positions, **args))
+    split = host(attention(dev(q), k_cache, v_cache, positions, num_splits=2, **args))
+    np.testing.assert_allclose(split, whole, **TOLERANCE)
+
+
+def test_attention_rejects_bad_shapes():
+    (k_cache, _), (v_cache, _) = _cache("F16", 8, seed=76)
+    q = np.zeros((1, NUM_Q_HEADS * HEAD_DIM), np.float32)
+    args = dict(num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        attention(q, k_cache, v_cache, np.zeros(1, np.int32), num_q_heads=3, **args)
+    with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 8\]"):
+        attention(q, k_cache, v_cache, np.zeros(1, np.int32), num_q_heads=NUM_Q_HEADS, kv_len=9, **args)
+    with pytest.raises(ValueError, match="kv_len is required"):
+        attention(q, k_cache, v_cache, dev(np.zeros(1, np.int32)), num_q_heads=NUM_Q_HEADS, **args)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        attention(q, k_cache, v_cache, np.zeros(1, np.int32), num_q_heads=NUM_Q_HEADS,
+                  config=AttentionConfig(tokens_per_block=64, threads_per_row=4, kv_tile=64), **args)
