@@ -22,7 +22,7 @@ from strata.model.reference_ops import (  # noqa: F401  the reference's vocabula
     attention, embed, ffn, moe, output_head, rms_norm, rope, rope_angles, route, shared_expert, softmax,
 )
 from strata.model.gguf_file import GgufModel
-from strata.model.spec import ModelSpec
+from strata.model.spec import ModelSpec, tensor_shapes
 
 GetWeight = Callable[[str], np.ndarray]
 
@@ -91,6 +91,14 @@ class ReferenceModel:
             except KeyError:
                 self._weights[name] = None
         return self._weights[name]
+
+    def preload(self, is_mtp_included: bool = False) -> None:
+        """Fetch every weight the forward uses now, so that later timing excludes dequantization."""
+        required, optional = tensor_shapes(self.spec)
+        for name in [*required, *optional]:
+            is_mtp = name.startswith("blk.") and int(name.split(".")[1]) >= self.spec.num_layers
+            if is_mtp_included or not is_mtp:
+                self.optional_weight(name)
 
     def forward(self, tokens: np.ndarray, start_pos: int, kv: KVCache) -> np.ndarray:
         """Logits of every token of the batch. tokens [T] at positions start_pos.. -> [T, V]."""

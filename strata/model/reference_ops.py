@@ -79,14 +79,13 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start_pos
     num_seen = start_pos + num_tokens
     k = k_cache[:num_seen].astype(np.float64)  # [S, K, E]
     v = v_cache[:num_seen].astype(np.float64)  # [S, K, E]
-    qg = q.astype(np.float64).reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, K, G, E]
-    scores = np.einsum("tkge,ske->kgts", qg, k) / np.sqrt(head_dim)  # [K, G, T, S]
+    qg = q.astype(np.float64).reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # [K, G, T, E]
+    scores = qg @ k.transpose(1, 2, 0)[:, None] / np.sqrt(head_dim)  # [K, G, T, S]
     query_pos = start_pos + np.arange(num_tokens)
     is_future = np.arange(num_seen)[None, :] > query_pos[:, None]  # [T, S]
     scores[..., is_future] = -np.inf
-    probs = softmax(scores)  # [K, G, T, S]
-    out = np.einsum("kgts,ske->tkge", probs, v)  # [T, K, G, E]
-    return out.reshape(num_tokens, num_heads, head_dim).astype(np.float32)
+    out = softmax(scores) @ v.transpose(1, 0, 2)[:, None]  # [K, G, T, E]
+    return out.transpose(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim).astype(np.float32)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

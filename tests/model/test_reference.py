@@ -337,3 +337,23 @@ def test_tiny_synthetic_gguf_with_mtp_runs_through_the_loader(tmp_path):
     assert drafts.shape == (8, spec.vocab_size) and np.all(np.isfinite(drafts))
     stepwise = np.concatenate([model.mtp_forward(hidden[i:i + 1], tokens[i + 1:i + 2], i, kv) for i in range(8)])
     assert _rel_err(stepwise, drafts) <= 1e-5
+
+
+def test_preload_fetches_the_main_model_and_optionally_the_mtp_block():
+    weights = _weights(QWEN, with_optional=("output.weight",))
+    fetched = []
+
+    def get(name):
+        fetched.append(name)
+        if name not in weights:
+            raise KeyError(name)
+        return weights[name]
+
+    model = ReferenceModel(QWEN, get)
+    model.preload()
+    main = {n for n in weights if not n.startswith(f"blk.{QWEN.num_layers}.")}
+    assert set(fetched) & set(weights) == main
+    model.forward(np.array([1, 2]), 0, KVCache.for_spec(QWEN, 4))
+    assert set(fetched) & set(weights) == main  # nothing left to fetch
+    model.preload(is_mtp_included=True)
+    assert set(fetched) & set(weights) == set(weights)
