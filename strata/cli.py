@@ -11,7 +11,11 @@ from strata.errors import StrataError
 
 # command → (module, needs a config, help). Each module has add_arguments(parser) and run(args[, config]).
 COMMANDS = {
+    "serve": ("strata.serve.main", True, "serve the OpenAI-compatible API (the default command)"),
+    "check": ("strata.engine.check", True, "print admission, placement by owner and the plan with and without the loan"),
     "plugins": ("strata.plugin_list", True, "list installed plugins, where each came from and its hooks"),
+    "generate": ("strata.generate", True, "generate text from a prompt in this process"),
+    "synth": ("strata.model.synth", False, "write a synthetic qwen3moe GGUF with random weights"),
 }
 
 

@@ -67,6 +67,8 @@ class PlannerConfig:
     min_ring_slots: int = option(2, doc="smallest staging ring (expert slots)", min=1)
     max_ring_slots: int = option(512, doc="largest staging ring (expert slots)", min=1, max=65536)
     max_retries: int = option(4, doc="smaller geometries tried after an allocation failure", min=0, max=64)
+    cache_keep_share: float = option(0.5, doc="share of the startup expert cache the prompt workspace may not "
+                                              "borrow (cache grown by a loan is all borrowable)", min=0.0, max=1.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,7 @@ class ExpertCache:
         self._key_of: dict[int, Key] = {}
         self._free: set[int] = set(range(self.num_slots))
         self._lent_slots = 0
-        self.num_hits = 0
-        self.num_misses = 0
+        self.num_evictions = 0
 
     # --- the elastic range (ElasticCache protocol) ----------------------------------------
 
@@ -107,6 +106,7 @@ class ExpertCache:
                 return -1
             slot = self._lru.pop(victim)
             del self._key_of[slot]
+            self.num_evictions += 1
         self._lru[(layer, expert)] = slot
         self._key_of[slot] = (layer, expert)
         return slot

@@ -21,6 +21,7 @@ from strata.engine.expert_pack import ExpertPack, expert_layout
 from strata.engine.generation import Generation
 from strata.engine.loan import LoanTransaction
 from strata.engine.ops import make_ops, select_backend
+from strata.engine.ops_numpy import DryRunOps
 from strata.engine.placement import Placement, plan_placement
 from strata.engine.planner import Planner
 from strata.engine.resources import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
@@ -44,13 +45,14 @@ class Engine:
         self.kv_tokens: list[int] = []  # tokens whose K and V are in the cache, in order
 
     @classmethod
-    def load(cls, config: Config, *, show_progress: bool = True) -> Engine:
+    def load(cls, config: Config, *, show_progress: bool = True, is_dry_run: bool = False) -> Engine:
+        """Load for serving; ``is_dry_run`` charges the ledger as a load would and allocates nothing."""
         model = open_gguf(resolve_model_path(config.model.path))
         tokenizer = Tokenizer.from_metadata(model.metadata)
         plugins, config = load_plugins(config)
         backend = select_backend(config)
         ledger = VramLedger(_budget_bytes(config, backend))
-        ops = make_ops(backend, ledger, config.runtime.device)
+        ops = DryRunOps(ledger) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
         spec = model.spec
         layout = expert_layout(model) if spec.is_moe else None
         placement = plan_placement(config, model, layout, ledger.budget_bytes)
@@ -60,10 +62,10 @@ class Engine:
         kv = ops.kv_cache("kv_cache", spec.num_layers, placement.kv_cells, spec.num_kv_heads, spec.head_dim,
                           config.runtime.kv_type)
         decode_ws = ops.alloc("decode_workspace", (placement.decode_workspace_bytes,), "uint8")
-        pack = _expert_pack(config, model, ops, show_progress) if layout else None
+        pack = _expert_pack(config, model, ops, show_progress) if layout and not is_dry_run else None
         cache = ExpertCache(ops, layout, segment_bytes=config.runtime.vmm_segment_bytes,
                             reserved_bytes=placement.cache_reserved_bytes, base_bytes=placement.cache_base_bytes,
-                            min_cache_slots=spec.num_experts_used) if layout else None
+                            min_cache_slots=_min_cache_slots(config, placement, layout, spec)) if layout else None
         planner = Planner(placement.costs, config.planner, placement.kv_cells)
         workspace = PromptWorkspace(ops, cache, placement.costs)
         state = RuntimeState()
@@ -101,6 +103,14 @@ class Engine:
 
     def close(self) -> None:
         self.ops.synchronize()
+
+
+def _min_cache_slots(config: Config, placement: Placement, layout, spec) -> int:
+    """Slots the prompt workspace may never borrow: a share of the startup cache (leaving the smallest
+    staging ring borrowable), and at least one token's experts, which decode needs together."""
+    base_slots = placement.cache_base_bytes // layout.slot_bytes
+    keep = int(base_slots * config.planner.cache_keep_share)
+    return max(spec.num_experts_used, min(keep, base_slots - config.planner.min_ring_slots))
 
 
 def _budget_bytes(config: Config, backend: str) -> int:

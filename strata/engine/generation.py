@@ -88,6 +88,10 @@ class Generation:
 
     def _prefill(self, unread: np.ndarray, start: int, geometry: Geometry, stream: StreamStats):
         runner, hidden = self.engine.runner, None
+        # prefill streams whole layers (balanced, overlapped, synchronized before each layer's
+        # launch) and samples nothing; the loan transaction puts the decode settings back
+        self.engine.state.update(pcie_balancing=True, adaptive_overlap=geometry.ring_slots > 1,
+                                 residency_prelaunch_sync=True, logit_bias=(), mtp_draft_sampling=False)
         for first in range(0, len(unread), geometry.chunk_tokens):
             chunk = unread[first:first + geometry.chunk_tokens]
             hidden = runner.forward(chunk, start + first, self.engine.workspace, stream)

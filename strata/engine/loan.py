@@ -123,13 +123,15 @@ class LoanTransaction:
             self._close(ctx, vote.is_run, released, captured, cache_bytes_before, expected)
 
     def plan_preview(self, is_loan: bool) -> Geometry:
-        """The geometry an unbounded prompt would get now, without or with the loan's release."""
+        """The geometry an unbounded prompt gets from the idle engine (every resource resident),
+        without the loan or with its release."""
         budget = self._budget()
+        idle_free = budget.free_bytes - sum(r.num_bytes for r in self.resources.values() if not r.is_resident)
+        freed = 0
         if is_loan and self.is_enabled:
             names = self._release_names(self._context(LoanRequest(0, 0, 0, is_startup_loan=True)), already=[])
-            freed = sum(self.resources[n].num_bytes for n in names if self.resources[n].is_resident)
-            budget = dataclasses.replace(budget, free_bytes=budget.free_bytes + freed)
-        return self.planner.plan(budget)
+            freed = sum(self.resources[n].num_bytes for n in names)
+        return self.planner.plan(dataclasses.replace(budget, free_bytes=max(0, idle_free + freed)))
 
     def _context(self, request: LoanRequest) -> LoanContext:
         return LoanContext(self.config, request, self.resources, self.startup_geometry)

@@ -22,10 +22,12 @@ _KV_QTYPES = {"q8_0": quants.QType.Q8_0, "q4_0": quants.QType.Q4_0}
 class NumpyArena:
     """Reserved range as one lazily committed host buffer; mapped segments are charged to the ledger."""
 
-    def __init__(self, ledger: VramLedger, owner: str, reserved_bytes: int, segment_bytes: int):
+    def __init__(self, ledger: VramLedger, owner: str, reserved_bytes: int, segment_bytes: int,
+                 is_backed: bool = True):
         self.reserved_bytes = reserved_bytes
         self.segment_bytes = segment_bytes
-        self.buffer = np.zeros(reserved_bytes, dtype=np.uint8)  # pages are committed on first touch
+        # pages are committed on first touch; a dry run only counts
+        self.buffer = np.zeros(reserved_bytes if is_backed else 0, dtype=np.uint8)
         self._ledger = ledger
         self._owner = owner
         self._charges: list[Charge] = []
@@ -202,3 +204,27 @@ def _expert_matrices(buffer: np.ndarray, slot: int, layout: ExpertLayout) -> lis
         raw = buffer[base + offset:base + offset + size].reshape(shape[0], -1)
         mats.append(quants.dequantize(raw, qtype, shape))
     return mats
+
+
+class DryRunOps(NumpyOps):
+    """Charges the ledger exactly as a real load would and allocates nothing: for ``strata check``."""
+
+    name = "dry-run"
+
+    def alloc(self, owner: str, shape, dtype) -> np.ndarray:
+        return self._track_placeholder(owner, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+
+    def upload(self, owner: str, host: np.ndarray) -> np.ndarray:
+        return self._track_placeholder(owner, host.nbytes)
+
+    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int) -> NumpyArena:
+        return NumpyArena(self.ledger, owner, reserved_bytes, segment_bytes, is_backed=False)
+
+    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type):
+        probe = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type)
+        return self._track_placeholder(owner, probe.data.nbytes * num_layers * num_cells)
+
+    def _track_placeholder(self, owner: str, num_bytes: int) -> np.ndarray:
+        placeholder = np.empty(0, dtype=np.uint8)
+        self._charges[id(placeholder)] = (placeholder, self.ledger.charge(owner, num_bytes))
+        return placeholder

@@ -78,8 +78,7 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
             f"workspace {smallest / 2**20:.0f} MiB, one {rt.vmm_segment_bytes >> 20} MiB cache segment; raise "
             "runtime.vram_budget, lower runtime.kv_resident_cells or use a smaller runtime.kv_type"
         )
-    if not layout:
-        cache_base = 0
+    cache_base = cache_base // rt.vmm_segment_bytes * rt.vmm_segment_bytes if layout else 0
     reserved = budget_bytes if layout else 0  # address space only: room to grow into all a loan frees
     return Placement(budget_bytes=budget_bytes, dense_bytes=dense, output_head_bytes=head, kv_bytes=kv_bytes,
                      kv_cells=kv_cells, decode_workspace_bytes=decode_ws, verifier_bytes=verifier,

@@ -57,5 +57,6 @@ def _reject_constant(name: str) -> Any:
 
 def _too_large(num_bytes: int, max_bytes: int, is_partial: bool = False) -> ApiError:
     size = f"more than {max_bytes:,}" if is_partial else f"{num_bytes:,}"
+    # closing the connection stops the upload; otherwise the server would have to drain the rest to keep it alive
     return ApiError(413, f"the request body has {size} bytes; the limit is {max_bytes:,} (serve.max_body_bytes)",
-                    code="request_too_large")
+                    code="request_too_large", headers={"Connection": "close"})

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from strata.errors import ConfigError
+from strata.errors import ConfigError, RequestError
 from strata.serve import sse
 from strata.serve.body import read_json_object
 from strata.serve.errors import ApiError, bad_request, busy
@@ -72,7 +72,7 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
 
 
 def to_api_error(exc: BaseException) -> ApiError:
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, (ConfigError, RequestError)):
         return bad_request(str(exc))
     if isinstance(exc, WorkerStoppedError):
         return busy(str(exc), "shutting_down", RETRY_AFTER_S)

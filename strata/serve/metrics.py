@@ -16,8 +16,8 @@ ENGINE_METRICS = (
     ("strata_requests_total", "counter", "requests the engine ran", "num_requests"),
     ("strata_requests_failed_total", "counter", "requests that failed inside the engine", "num_failed_requests"),
     ("strata_prompt_tokens_total", "counter", "prompt tokens of every request", "num_prompt_tokens"),
-    ("strata_prefill_tokens_total", "counter", "prompt tokens prefilled (not reused from the KV prefix)",
-     "num_prefill_tokens"),
+    ("strata_unread_tokens_total", "counter", "prompt tokens prefilled, i.e. not reused from the KV prefix",
+     "num_unread_tokens"),
     ("strata_generated_tokens_total", "counter", "tokens generated", "num_generated_tokens"),
     ("strata_prefill_tokens_per_second", "gauge", "prefill rate of the last request", "last_prefill_tokens_per_s"),
     ("strata_decode_tokens_per_second", "gauge", "decode rate of the last request", "last_decode_tokens_per_s"),
@@ -28,6 +28,9 @@ ENGINE_METRICS = (
     ("strata_loan_restored_bytes_total", "counter", "bytes restored after loans", "restored_bytes"),
     ("strata_expert_cache_hits_total", "counter", "expert lookups served from the VRAM cache", "cache_hits"),
     ("strata_expert_cache_misses_total", "counter", "expert lookups streamed from host memory", "cache_misses"),
+    ("strata_expert_streamed_bytes_total", "counter", "expert bytes streamed from host memory", "streamed_bytes"),
+    ("strata_prefill_seconds_total", "counter", "time spent in prefill", "prefill_seconds"),
+    ("strata_decode_seconds_total", "counter", "time spent in decode", "decode_seconds"),
 )
 
 

@@ -73,9 +73,9 @@ def _sampling(fields: Mapping[str, Any]) -> dict[str, Any]:
     if "top_p" in fields:
         sampling["top_p"] = _number(fields, "top_p", 0.0, 1.0)
     if "top_k" in fields:
-        sampling["top_k"] = _integer(fields, "top_k", 0)
+        sampling["top_k"] = _integer(fields, "top_k", 0, default=None)
     if "seed" in fields:
-        sampling["seed"] = _integer(fields, "seed", 0)
+        sampling["seed"] = _integer(fields, "seed", 0, default=None)
     if "stop" in fields:
         sampling["stop"] = _stop(fields["stop"])
     if "logit_bias" in fields:

@@ -75,8 +75,8 @@ class ServeState:
             log.error("loading the model failed: %s", self.load_error)
             return
         try:
-            log.info("placement:\n%s", engine.format_placement())
-            log.info("plan:\n%s", engine.format_plan())
+            log.info("%s", engine.format_placement())
+            log.info("%s", engine.format_plan())
             ready = Ready(engine, EngineWorker(engine, self.config.serve.max_queue),
                           PromptBuilder(engine.tokenizer, engine.context_tokens), engine.model_name)
         except BaseException as exc:  # noqa: BLE001

@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from strata.engine.sampling import SamplingParams
-from strata.errors import ConfigError
+from strata.errors import ConfigError, RequestError
 
 log = logging.getLogger("strata.serve")
 
@@ -130,7 +130,7 @@ class EngineWorker:
             stats = generation.stats
         except Exception as exc:  # the engine restored its resources; this request alone fails
             log.error("%s %s failed after %.3f s: %s: %s", job.request_id, job.route, time.perf_counter() - started,
-                      type(exc).__name__, exc, exc_info=not isinstance(exc, ConfigError))
+                      type(exc).__name__, exc, exc_info=not isinstance(exc, (ConfigError, RequestError)))
             job.sink(ERROR, exc)
             return
         log.info("%s %s %s", job.request_id, job.route, stats.timing_line())

@@ -1,0 +1,253 @@
+"""MoE expert products: out[t] += sum_j w_tj * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j].
+
+Expert weights are packed expert stacks: gate and up [E * F, H], down [E * H, F] (expert e's
+row n is row e * F + n, resp. e * H + n), in any format; the kernels index the slot a resident
+expert occupies, never a copy.
+
+Prefill (moe_experts_prefill), two launches over the tiles of moe_route.moe_group:
+    gate_up: per (tile of block_m grouped pairs, block_n columns of F) the GEMM main loop runs
+        over the gate and the up rows of the tile's expert, with the X rows gathered by
+        pair_token; the epilogue writes silu(g) * u to hidden [P, F] (float32 or float16).
+    down: per (tile, block_n columns of H): hidden rows x down rows; the epilogue scales by
+        pair_weight and atomically adds into out[pair_token] (out is the residual stream). The
+        k experts of a token land in any order, so the float sum is not bitwise reproducible.
+Decode (moe_experts_decode), two launches, GEMV-shaped (a few tokens):
+    gate_up: grid (F row blocks, T * k pairs), optionally with the FFN RMSNorm fused in;
+    down: grid (H row blocks, T); each row group loops over the token's k experts and adds
+        sum_j w_j * (W_down_e h_j) into out without atomics.
+
+Launch config: prefill as gemm.py, grid (ceil(F or H / block_n), max_tiles); tiles beyond
+num_tiles exit at once. Decode as gemv.py, grid (ceil(rows / rows_per_block), T * k or T).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda
+
+from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number
+from .gemm import BLOCK_K, GemmConfig, mainloop_device
+from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
+from .moe_route import MoeGroups
+from .packing import PackedMatrix, check_packed
+
+
+@cuda.jit(device=True)
+def device_silu_mul(g, u):
+    e = np.float32(math.exp(-abs(g)))  # never overflows
+    sigmoid = np.float32(1.0) / (np.float32(1.0) + e) if g >= 0 else e / (np.float32(1.0) + e)
+    return g * sigmoid * u
+
+
+@functools.cache
+def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemmConfig):
+    bm, bn, tm, tn = config
+    cols_n, stride_m, stride_n = bn // tn, bm // tm, bn // tn
+    xs_size, ws_size, acc_size = BLOCK_K * bm, BLOCK_K * bn, tm * tn
+    gate_loop, up_loop = mainloop_device(fmt_gate, config), mainloop_device(fmt_up, config)
+    down_loop = mainloop_device(fmt_down, config)
+
+    @cuda.jit
+    def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles, hidden):
+        tile = cuda.blockIdx.y
+        if tile >= num_tiles[0]:
+            return
+        tid = cuda.threadIdx.x
+        ffn = hidden.shape[1]
+        expert, start, rows = tile_expert[tile], tile_start[tile], tile_rows[tile]
+        x_rows = cuda.shared.array(bm, np.int32)
+        xs = cuda.shared.array(xs_size, np.float32)
+        ws = cuda.shared.array(ws_size, np.float32)
+        if tid < bm:
+            x_rows[tid] = pair_token[start + tid] if tid < rows else -1
+        acc_g = cuda.local.array(acc_size, np.float32)
+        acc_u = cuda.local.array(acc_size, np.float32)
+        for i in range(acc_size):
+            acc_g[i] = np.float32(0.0)
+            acc_u[i] = np.float32(0.0)
+        cuda.syncthreads()
+        n0 = cuda.blockIdx.x * bn
+        gate_loop(x, x_rows, gq, gs, ge, expert * ffn + n0, expert * ffn + ffn, xs, ws, acc_g, tid)
+        up_loop(x, x_rows, uq, us, ue, expert * ffn + n0, expert * ffn + ffn, xs, ws, acc_u, tid)
+        for i in range(tm):
+            m = tid // cols_n + i * stride_m
+            for j in range(tn):
+                n = n0 + tid % cols_n + j * stride_n
+                if m < rows and n < ffn:
+                    hidden[start + m, n] = device_silu_mul(acc_g[i * tn + j], acc_u[i * tn + j])
+
+    @cuda.jit
+    def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles, out):
+        tile = cuda.blockIdx.y
+        if tile >= num_tiles[0]:
+            return
+        tid = cuda.threadIdx.x
+        dim = out.shape[1]
+        expert, start, rows = tile_expert[tile], tile_start[tile], tile_rows[tile]
+        x_rows = cuda.shared.array(bm, np.int32)
+        xs = cuda.shared.array(xs_size, np.float32)
+        ws = cuda.shared.array(ws_size, np.float32)
+        if tid < bm:
+            x_rows[tid] = start + tid if tid < rows else -1
+        acc = cuda.local.array(acc_size, np.float32)
+        for i in range(acc_size):
+            acc[i] = np.float32(0.0)
+        cuda.syncthreads()
+        n0 = cuda.blockIdx.x * bn
+        down_loop(hidden, x_rows, dq, ds, de, expert * dim + n0, expert * dim + dim, xs, ws, acc, tid)
+        for i in range(tm):
+            m = tid // cols_n + i * stride_m
+            if m < rows:
+                token, weight = pair_token[start + m], pair_weight[start + m]
+                for j in range(tn):
+                    n = n0 + tid % cols_n + j * stride_n
+                    if n < dim:
+                        cuda.atomic.add(out, (token, n), weight * acc[i * tn + j])
+
+    return gate_up_kernel, down_kernel
+
+
+def _check_experts(gate, up, down, num_experts, dim):
+    check_positive("num_experts", num_experts)
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        check_packed(name, w)
+        if w.num_rows % num_experts:
+            raise ValueError(f"{name} has {w.num_rows} rows, not a whole stack of {num_experts} experts")
+    ffn = gate.num_rows // num_experts
+    if gate.num_cols != dim or up.num_cols != dim or up.num_rows != gate.num_rows:
+        raise ValueError(f"gate and up must both be [{num_experts} * F, {dim}]")
+    if down.num_rows != num_experts * dim or down.num_cols != ffn:
+        raise ValueError(f"down must be [{num_experts} * {dim}, {ffn}], got [{down.num_rows}, {down.num_cols}]")
+    if dim % BLOCK_K or ffn % BLOCK_K:
+        raise ValueError(f"hidden size {dim} and FFN size {ffn} must be multiples of {BLOCK_K}")
+    return ffn
+
+
+def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
+                        num_experts: int, hidden=None, hidden_dtype=np.float32, config: GemmConfig = GemmConfig()):
+    """out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
+
+    groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
+    scratch (P = T * k) of hidden_dtype (float32 or float16).
+    """
+    config = config.validate()
+    check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
+    num_tokens, dim = x.shape
+    ffn = _check_experts(gate, up, down, num_experts, dim)
+    check_array("out", out, dtypes=np.float32, shape=(num_tokens, dim))
+    if groups.block_m != config.block_m:
+        raise ValueError(f"groups were tiled by {groups.block_m} pairs but the GEMM tile is {config.block_m}")
+    num_pairs = groups.pair_token.shape[0]
+    if hidden is None:
+        hidden = empty((num_pairs, ffn), hidden_dtype, x)
+    check_array("hidden", hidden, dtypes=(np.float32, np.float16), shape=(num_pairs, ffn))
+    gate_up_kernel, down_kernel = _prefill_kernels(gate.fmt, up.fmt, down.fmt, config)
+    tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
+    gate_up_kernel[(ceil_div(ffn, config.block_n), groups.max_tiles), config.threads](
+        x, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, groups.pair_token, *tiles, hidden)
+    down_kernel[(ceil_div(dim, config.block_n), groups.max_tiles), config.threads](
+        hidden, down.quants, down.scales, down.extra, groups.pair_token, groups.pair_weight, *tiles, out)
+    return out
+
+
+@functools.cache
+def _decode_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemvConfig, has_norm: bool):
+    threads, lanes, num_rows = config.threads, config.lanes_per_row, config.rows_per_group
+    rows_per_block, red_size = config.rows_per_block, threads * num_rows
+    gate_dot = rows_dot_device(fmt_gate, lanes, num_rows, has_norm)
+    up_dot = rows_dot_device(fmt_up, lanes, num_rows, has_norm)
+    down_dot = rows_dot_device(fmt_down, lanes, num_rows, False)
+    lane_sum = lane_sum_device(lanes, num_rows)
+
+    @cuda.jit
+    def gate_up_kernel(x, norm_w, eps, ids, gq, gs, ge, uq, us, ue, hidden):  # hidden [T * k, F]
+        tid = cuda.threadIdx.x
+        lane, group = tid % lanes, tid // lanes
+        pair = cuda.blockIdx.y
+        token = pair // ids.shape[1]
+        ffn = hidden.shape[1]
+        expert = ids[token, pair % ids.shape[1]]
+        red = cuda.shared.array(red_size, np.float32)
+        inv_rms = np.float32(1.0)
+        if has_norm:
+            inv_rms = device_inv_rms(x, token, eps, red, tid, threads)
+            cuda.syncthreads()
+        n0 = cuda.blockIdx.x * rows_per_block + group * num_rows
+        acc_g = cuda.local.array(num_rows, np.float32)
+        acc_u = cuda.local.array(num_rows, np.float32)
+        for r in range(num_rows):
+            acc_g[r] = np.float32(0.0)
+            acc_u[r] = np.float32(0.0)
+        num_octets = x.shape[1] // OCTET
+        row0, row_end = expert * ffn + n0, expert * ffn + ffn
+        gate_dot(gq, gs, ge, row0, row_end, x, token, norm_w, inv_rms, num_octets, lane, acc_g)
+        up_dot(uq, us, ue, row0, row_end, x, token, norm_w, inv_rms, num_octets, lane, acc_u)
+        g = lane_sum(acc_g, red, group, lane)
+        cuda.syncthreads()
+        u = lane_sum(acc_u, red, group, lane)
+        if lane < num_rows and n0 + lane < ffn:
+            hidden[pair, n0 + lane] = device_silu_mul(g, u)
+
+    @cuda.jit
+    def down_kernel(hidden, ids, weights, dq, ds, de, out):  # out [T, H] +=
+        tid = cuda.threadIdx.x
+        lane, group = tid % lanes, tid // lanes
+        token = cuda.blockIdx.y
+        top_k = ids.shape[1]
+        dim = out.shape[1]
+        red = cuda.shared.array(red_size, np.float32)
+        n0 = cuda.blockIdx.x * rows_per_block + group * num_rows
+        acc = cuda.local.array(num_rows, np.float32)
+        part = cuda.local.array(num_rows, np.float32)
+        for r in range(num_rows):
+            acc[r] = np.float32(0.0)
+        num_octets = hidden.shape[1] // OCTET
+        for j in range(top_k):
+            expert = ids[token, j]
+            for r in range(num_rows):
+                part[r] = np.float32(0.0)
+            down_dot(dq, ds, de, expert * dim + n0, expert * dim + dim, hidden, token * top_k + j, hidden[0],
+                     np.float32(1.0), num_octets, lane, part)
+            for r in range(num_rows):
+                acc[r] += weights[token, j] * part[r]
+        total = lane_sum(acc, red, group, lane)
+        if lane < num_rows and n0 + lane < dim:
+            out[token, n0 + lane] += total
+
+    return gate_up_kernel, down_kernel
+
+
+def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
+                       num_experts: int, norm_weight=None, eps: float = 1e-6, hidden=None,
+                       config: GemvConfig = GemvConfig()):
+    """out [T, H] += routed experts for a few tokens; x [T, H] float32 (RMSNorm-ed here when
+    norm_weight [H] is given), ids/weights [T, k] from moe_route (ids must lie in [0, num_experts));
+    hidden: optional [T * k, F] float32 scratch."""
+    config = config.validate()
+    check_array("x", x, dtypes=np.float32, ndim=2)
+    num_tokens, dim = x.shape
+    ffn = _check_experts(gate, up, down, num_experts, dim)
+    check_array("ids", ids, dtypes=np.int32, shape=(num_tokens, None))
+    top_k = ids.shape[1]
+    check_array("weights", weights, dtypes=np.float32, shape=(num_tokens, top_k))
+    check_array("out", out, dtypes=np.float32, shape=(num_tokens, dim))
+    has_norm = norm_weight is not None
+    if has_norm:
+        check_array("norm_weight", norm_weight, dtypes=np.float32, shape=(dim,))
+        if not is_finite_number(eps) or eps < 0:
+            raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    if hidden is None:
+        hidden = empty((num_tokens * top_k, ffn), np.float32, x)
+    check_array("hidden", hidden, dtypes=np.float32, shape=(num_tokens * top_k, ffn))
+    if num_tokens == 0:
+        return out
+    gate_up_kernel, down_kernel = _decode_kernels(gate.fmt, up.fmt, down.fmt, config, has_norm)
+    norm_w = norm_weight if has_norm else x[0]  # never read without the norm
+    gate_up_kernel[(ceil_div(ffn, config.rows_per_block), num_tokens * top_k), config.threads](
+        x, norm_w, np.float32(eps), ids, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, hidden)
+    down_kernel[(ceil_div(dim, config.rows_per_block), num_tokens), config.threads](
+        hidden, ids, weights, down.quants, down.scales, down.extra, out)
+    return out

@@ -1,0 +1,222 @@
+"""MoE routing (softmax, top-k, renormalised weights) and grouping of routed tokens by expert.
+
+Routing is llama.cpp's qwen3moe gating: p = softmax(router logits) over all experts, the k most
+probable experts (ties to the lower id), their p divided by max(sum, 6.1e-5) when the model
+normalizes weights. One thread routes one token: 128 experts x 8 picks is ~1k comparisons, and a
+prefill chunk has thousands of tokens to spread over the GPU.
+
+Grouping turns the T*k (token, expert) pairs into one contiguous segment per expert, in pair
+order within a segment (deterministic, no atomics on global memory), plus a list of row tiles of
+`block_m` pairs that the expert GEMMs (moe.py) take one block each:
+    count   per chunk of pairs, an expert histogram (shared-memory atomics, exact counts);
+    scan    one block: segment offsets, each chunk's write base per expert, the tile list;
+    scatter per chunk, each pair's rank among earlier same-expert pairs of its chunk.
+
+Launch config:
+    route: grid ceil(T / threads), block `threads` (default 128).
+    count and scatter: grid ceil(P / chunk), block `threads`, chunk = 4 * threads pairs;
+    scan: grid 1, block `threads`. Default threads 256.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+from numba import cuda
+
+from ._common import ceil_div, check_array, check_positive, check_power_of_two, empty
+from .block_reduce import NEG_INF
+
+WEIGHT_SUM_FLOOR = np.float32(6.103515625e-5)  # llama.cpp clamps the top-k sum to the smallest f16 normal
+_POS_INF = np.float32(np.inf)
+_PAIRS_PER_THREAD = 4
+
+
+@functools.cache
+def _route_kernel(top_k: int, is_norm: bool):
+    @cuda.jit
+    def route_kernel(logits, ids, weights):  # logits [T, E] -> ids, weights [T, k]
+        t = cuda.grid(1)
+        if t >= logits.shape[0]:
+            return
+        num_experts = logits.shape[1]
+        top = NEG_INF
+        for e in range(num_experts):
+            top = max(top, logits[t, e])
+        total = np.float32(0.0)
+        for e in range(num_experts):
+            total += np.float32(math.exp(logits[t, e] - top))
+        prev, prev_id = _POS_INF, -1
+        picked_sum = np.float32(0.0)
+        for j in range(top_k):
+            best, best_id = NEG_INF, -1
+            for e in range(num_experts):
+                v = logits[t, e]
+                is_after = v < prev or (v == prev and e > prev_id)  # order: logit down, id up
+                if is_after and (best_id < 0 or v > best):
+                    best, best_id = v, e
+            p = np.float32(math.exp(best - top)) / total
+            ids[t, j] = best_id
+            weights[t, j] = p
+            picked_sum += p
+            prev, prev_id = best, best_id
+        if is_norm:
+            denom = max(picked_sum, WEIGHT_SUM_FLOOR)
+            for j in range(top_k):
+                weights[t, j] = weights[t, j] / denom
+
+    return route_kernel
+
+
+def moe_route(logits, top_k: int, *, norm_weights: bool = True, ids=None, weights=None, threads: int = 128):
+    """Top-k experts per token: logits [T, E] float32 -> ids [T, k] int32, weights [T, k] float32."""
+    check_array("logits", logits, dtypes=np.float32, ndim=2)
+    num_tokens, num_experts = logits.shape
+    check_positive("top_k", top_k)
+    if top_k > num_experts:
+        raise ValueError(f"top_k {top_k} exceeds the {num_experts} experts")
+    check_power_of_two("threads", threads)
+    ids = empty((num_tokens, top_k), np.int32, logits) if ids is None else ids
+    weights = empty((num_tokens, top_k), np.float32, logits) if weights is None else weights
+    check_array("ids", ids, dtypes=np.int32, shape=(num_tokens, top_k))
+    check_array("weights", weights, dtypes=np.float32, shape=(num_tokens, top_k))
+    if num_tokens:
+        _route_kernel(top_k, bool(norm_weights))[ceil_div(num_tokens, threads), threads](logits, ids, weights)
+    return ids, weights
+
+
+class MoeGroups(NamedTuple):
+    """Routed pairs grouped by expert (all device or all host arrays, int32 unless noted).
+
+    counts [E]; offsets [E + 1]; pair_token [P] (token of the p-th grouped pair); pair_weight [P]
+    float32 (its routing weight); tile_expert, tile_start, tile_rows [max_tiles] (a tile is up to
+    block_m consecutive grouped pairs of one expert); num_tiles [1] (tiles in use).
+    """
+
+    block_m: int
+    counts: Any
+    offsets: Any
+    pair_token: Any
+    pair_weight: Any
+    tile_expert: Any
+    tile_start: Any
+    tile_rows: Any
+    num_tiles: Any
+
+    @property
+    def max_tiles(self) -> int:
+        return self.tile_expert.shape[0]
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of sum_e ceil(count_e / block_m) over any routing of num_pairs pairs."""
+    return ceil_div(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+@functools.cache
+def _group_kernels(num_experts: int, threads: int, top_k: int):
+    chunk = threads * _PAIRS_PER_THREAD
+
+    @cuda.jit
+    def count_kernel(pair_expert, chunk_counts):  # [P] -> [C, E]
+        c = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        hist = cuda.shared.array(num_experts, np.int32)
+        for e in range(tid, num_experts, threads):
+            hist[e] = 0
+        cuda.syncthreads()
+        for i in range(_PAIRS_PER_THREAD):
+            p = c * chunk + i * threads + tid
+            if p < pair_expert.shape[0] and 0 <= pair_expert[p] < num_experts:  # foreign ids are dropped
+                cuda.atomic.add(hist, pair_expert[p], 1)
+        cuda.syncthreads()
+        for e in range(tid, num_experts, threads):
+            chunk_counts[c, e] = hist[e]
+
+    @cuda.jit
+    def scan_kernel(chunk_counts, block_m, counts, offsets, chunk_base, tile_expert, tile_start, tile_rows, num_tiles):
+        tid = cuda.threadIdx.x
+        for e in range(tid, num_experts, threads):
+            running = 0
+            for c in range(chunk_counts.shape[0]):
+                chunk_base[c, e] = running
+                running += chunk_counts[c, e]
+            counts[e] = running
+        cuda.syncthreads()
+        if tid == 0:
+            offsets[0] = 0
+            tiles = 0
+            for e in range(num_experts):
+                offsets[e + 1] = offsets[e] + counts[e]
+                for s in range(0, counts[e], block_m):
+                    tile_expert[tiles] = e
+                    tile_start[tiles] = offsets[e] + s
+                    tile_rows[tiles] = min(block_m, counts[e] - s)
+                    tiles += 1
+            num_tiles[0] = tiles
+        cuda.syncthreads()
+        for e in range(tid, num_experts, threads):
+            for c in range(chunk_counts.shape[0]):
+                chunk_base[c, e] += offsets[e]
+
+    @cuda.jit
+    def scatter_kernel(pair_expert, pair_weight_in, chunk_base, pair_token, pair_weight):
+        c = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        cursor = cuda.shared.array(num_experts, np.int32)
+        batch = cuda.shared.array(threads, np.int32)
+        for e in range(tid, num_experts, threads):
+            cursor[e] = chunk_base[c, e]
+        for i in range(_PAIRS_PER_THREAD):
+            p = c * chunk + i * threads + tid
+            e = pair_expert[p] if p < pair_expert.shape[0] else -1
+            e = e if e < num_experts else -1
+            batch[tid] = e
+            cuda.syncthreads()
+            rank = 0
+            for j in range(tid):
+                if batch[j] == e:
+                    rank += 1
+            if e >= 0:
+                dest = cursor[e] + rank
+                pair_token[dest] = p // top_k
+                pair_weight[dest] = pair_weight_in[p]
+            cuda.syncthreads()
+            if e >= 0:
+                cuda.atomic.add(cursor, e, 1)
+            cuda.syncthreads()
+
+    return count_kernel, scan_kernel, scatter_kernel
+
+
+def moe_group(ids, weights, num_experts: int, block_m: int, *, threads: int = 256) -> MoeGroups:
+    """Group the pairs of ids/weights [T, k] by expert into tiles of block_m (the GEMM's block_m)."""
+    check_array("ids", ids, dtypes=np.int32, ndim=2)
+    num_tokens, top_k = ids.shape
+    check_array("weights", weights, dtypes=np.float32, shape=(num_tokens, top_k))
+    check_positive("num_experts", num_experts)
+    check_power_of_two("block_m", block_m)
+    check_power_of_two("threads", threads)
+    num_pairs = num_tokens * top_k
+    num_chunks = max(1, ceil_div(num_pairs, threads * _PAIRS_PER_THREAD))
+    n_tiles = max(1, max_tiles(num_pairs, num_experts, block_m))
+
+    def alloc(shape, dtype=np.int32):
+        return empty(shape, dtype, ids)
+
+    groups = MoeGroups(block_m, alloc(num_experts), alloc(num_experts + 1), alloc(max(num_pairs, 1)),
+                       alloc(max(num_pairs, 1), np.float32), alloc(n_tiles), alloc(n_tiles), alloc(n_tiles), alloc(1))
+    chunk_counts, chunk_base = alloc((num_chunks, num_experts)), alloc((num_chunks, num_experts))
+    count_kernel, scan_kernel, scatter_kernel = _group_kernels(num_experts, threads, top_k)
+    if num_pairs:
+        pair_expert, pair_weight_in = ids.reshape(num_pairs), weights.reshape(num_pairs)
+    else:
+        pair_expert, pair_weight_in = alloc(0), alloc(0, np.float32)
+    count_kernel[num_chunks, threads](pair_expert, chunk_counts)
+    scan_kernel[1, threads](chunk_counts, block_m, groups.counts, groups.offsets, chunk_base, groups.tile_expert,
+                            groups.tile_start, groups.tile_rows, groups.num_tiles)
+    scatter_kernel[num_chunks, threads](pair_expert, pair_weight_in, chunk_base, groups.pair_token, groups.pair_weight)
+    return groups

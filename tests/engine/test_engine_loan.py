@@ -1,0 +1,119 @@
+"""The loan transaction on the engine's own resources (numpy backend)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy, write_small_moe
+
+from strata.engine.facade import Engine
+from strata.engine.runtime_state import RuntimeSettings
+
+ALL_PLUGINS = ["loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan"]
+PROMPTS = [[int(t) for t in np.random.default_rng(seed).integers(3, 500, size=n)]
+           for seed, n in ((1, 300), (2, 40), (3, 400))]
+
+
+@pytest.fixture(scope="module")
+def mtp_path(tmp_path_factory):
+    return write_small_moe(tmp_path_factory.mktemp("models") / "small-moe-mtp.gguf", with_mtp=True)
+
+
+def loan_engine(path, is_loan=True, planner=None, **runtime):
+    loan = {"enabled": True, "plugins": ALL_PLUGINS, "repeat_loan": {"min_tokens": 256}} if is_loan else None
+    config = engine_config(path, runtime={**LOAN_RUNTIME, **runtime},
+                           planner={"max_chunk_tokens": 64, **(planner or {})}, loan=loan)
+    return Engine.load(config, show_progress=False)
+
+
+def test_startup_loan_defers_decode_resources_and_the_first_request_restores_them(mtp_path):
+    engine = loan_engine(mtp_path)
+    assert set(engine.resources) == {"verifier", "output_head", "mtp_draft_head", "mtp_experts"}
+    assert not any(r.is_resident for r in engine.resources.values())
+    _, stats = greedy(engine, PROMPTS[0], 4)
+    assert stats.loan.is_taken and stats.loan.reason == "startup loan"
+    assert stats.loan.released == ("mtp_experts", "mtp_draft_head", "verifier", "output_head")
+    assert all(r.is_resident for r in engine.resources.values())
+    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+
+
+def test_output_with_the_loan_equals_output_without_at_equal_geometry(mtp_path):
+    with_loan, without = loan_engine(mtp_path), loan_engine(mtp_path, is_loan=False)
+    expected = reference_greedy(mtp_path, PROMPTS[0], 6)
+    for prompt in PROMPTS:
+        a, a_stats = greedy(with_loan, prompt, 6)
+        b, b_stats = greedy(without, prompt, 6)
+        assert a == b and a_stats.geometry == b_stats.geometry
+    assert [s for s in (a_stats.loan.is_taken, b_stats.loan.is_taken)] == [True, False]
+    assert greedy(loan_engine(mtp_path), PROMPTS[0], 6)[0] == expected
+    assert dict(with_loan.ledger.snapshot().by_owner) == dict(with_loan.idle_ledger.by_owner)
+
+
+def test_repeat_loan_only_for_long_unread_prompts(mtp_path):
+    engine = loan_engine(mtp_path)
+    reasons = [greedy(engine, prompt, 2)[1].loan.reason for prompt in PROMPTS]
+    assert reasons == ["startup loan", "40 unread tokens < repeat threshold 256",
+                       "repeat loan: 400 unread tokens >= 256"]
+
+
+def test_the_plan_with_the_loan_is_larger_when_memory_limits_the_chunk(mtp_path):
+    # the whole startup cache is kept (keep share 1), so only free memory feeds the workspace
+    planner = {"max_chunk_tokens": 8192, "cache_keep_share": 1.0}
+    probe = loan_engine(mtp_path, planner=planner, context_tokens=8192)
+    deferred = sum(r.num_bytes for r in probe.resources.values())
+    assert deferred > 16 * probe.placement.costs.bytes_per_chunk_token  # more than a quantum's bytes
+    without = probe.loan.plan_preview(is_loan=False)
+    with_loan = probe.loan.plan_preview(is_loan=True)
+    assert with_loan.chunk_tokens > without.chunk_tokens
+    _, stats = greedy(probe, PROMPTS[2] * 20, 1)
+    assert stats.loan.is_taken and stats.geometry.chunk_tokens >= with_loan.chunk_tokens
+
+
+def test_runtime_state_is_put_back_before_the_first_decoded_token(mtp_path):
+    engine = loan_engine(mtp_path)
+    forced = 123
+    engine.state.update(logit_bias=((forced, 1e4),), mtp_draft_sampling=True, pcie_balancing=False)
+    before = engine.state.settings
+    seen = []
+
+    def prefill_then_check(*args, **kwargs):
+        result = real_forward(*args, **kwargs)
+        seen.append(engine.state.settings)
+        return result
+
+    real_forward = engine.runner.forward
+    engine.runner.forward = prefill_then_check
+    tokens, _ = greedy(engine, PROMPTS[0], 2)
+    assert seen[0] != before  # prefill ran with its own settings ...
+    assert seen[-1] == before and engine.state.settings == before  # ... and decode with the captured ones
+    assert tokens[0] == forced  # the logit bias was back for the first token
+
+
+def test_a_failure_mid_prefill_restores_every_resource_and_the_next_request_is_served(mtp_path):
+    engine = loan_engine(mtp_path)
+    expected, _ = greedy(loan_engine(mtp_path), PROMPTS[0], 4)
+    real_forward = engine.runner.forward
+    calls = []
+
+    def failing(tokens, start, workspace, stats):
+        calls.append(start)
+        if len(calls) == 3:
+            raise RuntimeError("injected kernel failure")
+        return real_forward(tokens, start, workspace, stats)
+
+    engine.runner.forward = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        greedy(engine, PROMPTS[0], 4)
+    assert all(r.is_resident for r in engine.resources.values())
+    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+    assert engine.state.settings == RuntimeSettings()
+    assert engine.counters.num_failed_requests == 1 and engine.counters.num_loans_failed == 1
+    tokens, stats = greedy(engine, PROMPTS[0], 4)
+    assert tokens == expected and stats.unread_tokens == len(PROMPTS[0])
+
+
+def test_admission_fails_before_anything_is_loaded(mtp_path):
+    from strata.errors import AdmissionError
+
+    with pytest.raises(AdmissionError, match="runtime.batch_slots = 2"):
+        loan_engine(mtp_path, batch_slots=2)
