@@ -67,3 +67,12 @@ def assert_dot_close(out: np.ndarray, ref: np.ndarray, magnitude: np.ndarray, rt
     worst = np.max(np.abs(out - ref) - bound) if out.size else 0.0
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert worst <= 0, f"max excess error {worst:.3g} (max |diff| {np.max(np.abs(out - ref)):.3g})"
+
+
+def assert_close_to_scale(out: np.ndarray, ref: np.ndarray, rel: float):
+    """|out - ref| <= rel * max|ref| everywhere: for long chains of float32 sums (MoE, whole layers)."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    scale = np.max(np.abs(ref))
+    worst = np.max(np.abs(out - ref))
+    assert worst <= rel * scale, f"max |diff| {worst:.3g} exceeds {rel:g} x max |ref| {scale:.3g}"

@@ -1,0 +1,53 @@
+import numpy as np
+import pytest
+
+from kernel_data import dev, host
+from strata.gpu.kernels.moe_route import moe_group, moe_route
+from strata.model import reference_ops
+
+
+@pytest.mark.parametrize("norm_weights", [True, False])
+def test_route_matches_llama_softmax_top_k(norm_weights):
+    rng = np.random.default_rng(80)
+    logits = rng.standard_normal((7, 12)).astype(np.float32)
+    logits[3, 4] = logits[3, 9] = logits[3].max() + 1  # a tie goes to the lower expert id
+    ids, weights = moe_route(dev(logits), 4, norm_weights=norm_weights, threads=4)
+    ref_ids, ref_weights = reference_ops.route(logits, 4, is_norm_weights=norm_weights)
+    np.testing.assert_array_equal(host(ids), ref_ids)
+    np.testing.assert_allclose(host(weights), ref_weights, rtol=2e-6, atol=1e-7)
+    assert host(ids)[3, 0] == 4
+
+
+def _reference_groups(ids, weights, num_experts, block_m):
+    pair_expert = ids.reshape(-1)
+    order = np.argsort(pair_expert, kind="stable")  # by expert, pair order within
+    counts = np.bincount(pair_expert, minlength=num_experts)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    tiles = [(e, offsets[e] + s, min(block_m, counts[e] - s)) for e in range(num_experts)
+             for s in range(0, counts[e], block_m)]
+    return counts, offsets, order // ids.shape[1], weights.reshape(-1)[order], np.array(tiles).reshape(-1, 3)
+
+
+def test_group_makes_one_segment_per_expert_in_pair_order():
+    rng = np.random.default_rng(81)
+    num_tokens, top_k, num_experts, block_m = 13, 4, 6, 4
+    ids = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(num_tokens)]).astype(np.int32)
+    ids[:8, 0] = 5  # one crowded expert spans several tiles
+    weights = rng.uniform(size=(num_tokens, top_k)).astype(np.float32)
+    groups = moe_group(dev(ids), dev(weights), num_experts, block_m, threads=8)  # 52 pairs: two 32-pair chunks
+    counts, offsets, pair_token, pair_weight, tiles = _reference_groups(ids, weights, num_experts, block_m)
+    np.testing.assert_array_equal(host(groups.counts), counts)
+    np.testing.assert_array_equal(host(groups.offsets), offsets)
+    np.testing.assert_array_equal(host(groups.pair_token), pair_token)
+    np.testing.assert_array_equal(host(groups.pair_weight), pair_weight)
+    num_tiles = int(host(groups.num_tiles)[0])
+    assert num_tiles == len(tiles) <= groups.max_tiles
+    got_tiles = np.stack([host(a)[:num_tiles] for a in (groups.tile_expert, groups.tile_start, groups.tile_rows)], 1)
+    np.testing.assert_array_equal(got_tiles, tiles)
+
+
+def test_route_rejects_top_k_above_the_expert_count():
+    with pytest.raises(ValueError, match="top_k 9 exceeds the 8 experts"):
+        moe_route(np.zeros((2, 8), np.float32), 9)
+    with pytest.raises(ValueError, match="weights must have shape"):
+        moe_group(np.zeros((2, 4), np.int32), np.zeros((2, 3), np.float32), 8, 4)
