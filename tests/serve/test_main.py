@@ -1,0 +1,84 @@
+"""``strata --config FILE``: the main job from the command line."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from strata.cli import main
+
+
+def write_config(path, model, runtime="", loan=""):
+    path.write_text(f'[model]\npath = "{model}"\n\n[runtime]\nbackend = "numpy"\nserve = true\ncontext_tokens = 512\n'
+                    f'{runtime}\n[serve]\nport = 0\n{loan}')
+    return path
+
+
+@pytest.fixture
+def no_binding(monkeypatch):
+    async def startup(self, sockets=None):
+        raise AssertionError("the server bound a port")
+
+    monkeypatch.setattr(uvicorn.Server, "startup", startup)
+
+
+def test_admission_failure_exits_before_binding(tiny_model, tmp_path, capsys, no_binding):
+    config = write_config(tmp_path / "batch.toml", tiny_model, runtime="vram_elastic = true\nbatch_slots = 4\n",
+                          loan='[loan]\nenabled = true\nplugins = ["repeat_loan"]\n')
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "not admitted" in err and "runtime.batch_slots" in err and "set runtime.batch_slots = 0" in err
+
+
+def test_a_config_without_serve_is_refused(tiny_model, tmp_path, capsys, no_binding):
+    config = write_config(tmp_path / "off.toml", tiny_model)
+    config.write_text(config.read_text().replace("serve = true", "serve = false"))
+    assert main(["--config", str(config)]) == 2
+    assert "runtime.serve = false" in capsys.readouterr().err
+
+
+def test_strata_config_serves_until_interrupted(tiny_model, tmp_path):
+    config = write_config(tmp_path / "serve.toml", tiny_model)
+    process = subprocess.Popen([sys.executable, "-m", "strata.cli", "--config", str(config)], stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
+    reader.start()
+    try:
+        url = _wait_for_url(lines, process)
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
+            time.sleep(0.05)
+        response = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3})
+        assert response.status_code == 200, response.text
+        request_id = response.headers["x-request-id"]
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 130  # a graceful shutdown, then the shell's code for Ctrl-C
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(10)
+    log = "".join(lines)
+    assert "placement on numpy" in log and "startup plan" in log and "Waiting for application shutdown" in log
+    timing = [line for line in lines if request_id in line]
+    assert len(timing) == 1 and "/v1/completions prompt " in timing[0] and "tok/s" in timing[0]
+
+
+def _wait_for_url(lines, process) -> str:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", "".join(lines))
+        if found:
+            return found.group(1)
+        assert process.poll() is None, "".join(lines)
+        time.sleep(0.02)
+    raise AssertionError("the server did not report its address:\n" + "".join(lines))

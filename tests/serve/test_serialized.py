@@ -1,0 +1,138 @@
+"""Loading in the background, the bounded queue, arrival order and client disconnects."""
+
+import concurrent.futures
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+from serve_harness import ControlledEngine, RunningServer, engine_loader, error_of, make_config, metric_values
+
+COMPLETIONS = "/v1/completions"
+
+
+def wait_for(condition, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+def test_health_is_503_while_loading_then_200(tiny_model):
+    config = make_config(tiny_model)
+    may_load = threading.Event()
+    load = engine_loader(config)
+    with RunningServer(lambda: (may_load.wait(30), load())[1], config) as server:
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        assert health.headers["Retry-After"]
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        refused = httpx.post(server.url + COMPLETIONS, json=body)
+        assert error_of(refused, 503)["code"] == "model_loading" and refused.headers["Retry-After"]
+        assert metric_values(httpx.get(server.url + "/metrics").text) == {"strata_ready": 0}
+        may_load.set()
+        server.wait_ready()
+        assert httpx.get(server.url + "/health").json()["status"] == "ready"
+        assert httpx.post(server.url + COMPLETIONS, json=body).status_code == 200
+
+
+def test_failed_load_is_reported(tiny_model):
+    config = make_config(tiny_model)
+
+    def broken():
+        raise FileNotFoundError("model.gguf is gone")
+
+    with RunningServer(broken, config) as server:
+        wait_for(lambda: server.state.load_error is not None)
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json() == {"status": "failed",
+                                                                "error": "FileNotFoundError: model.gguf is gone"}
+        refused = httpx.post(server.url + COMPLETIONS, json={"model": "tiny", "prompt": "hi"})
+        assert "model.gguf is gone" in error_of(refused, 503)["message"]
+
+
+@pytest.fixture(scope="module")
+def controlled(tiny_model):
+    config = make_config(tiny_model, serve={"max_queue": 2})
+    engines = []
+    loader = engine_loader(config, wrap=lambda engine: engines.append(ControlledEngine(engine)) or engines[0])
+    with RunningServer(loader, config) as server:
+        server.wait_ready()
+        yield server, engines[0]
+
+
+def test_full_queue_answers_503_and_requests_run_in_arrival_order(controlled, timing_lines):
+    server, engine = controlled
+    worker = server.state.ready.worker
+    engine.gate.clear()
+    engine.entered.clear()
+    body = {"model": "tiny", "prompt": "Order matters", "max_tokens": 3}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = pool.submit(httpx.post, server.url + COMPLETIONS, json=body, timeout=30)
+        assert engine.entered.wait(20)
+        queued = []
+        for depth in (1, 2):
+            queued.append(pool.submit(httpx.post, server.url + COMPLETIONS, json=body, timeout=30))
+            wait_for(lambda: worker.num_waiting == depth)
+        refused = httpx.post(server.url + COMPLETIONS, json=body, timeout=30)
+        error = error_of(refused, 503)
+        assert error["code"] == "queue_full" and int(refused.headers["Retry-After"]) >= 1
+        assert httpx.get(server.url + "/health").json()["queue_depth"] == 2
+        metrics = metric_values(httpx.get(server.url + "/metrics").text)
+        assert metrics["strata_queue_depth"] == 2 and metrics["strata_requests_running"] == 1
+        assert metrics["strata_queue_rejected_total"] >= 1
+        engine.gate.set()
+        responses = [f.result() for f in (running, *queued)]
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    ids = [r.headers["x-request-id"] for r in responses]
+    order = [next(i for i in ids if line.startswith(i)) for line in timing_lines() if line.split()[0] in ids]
+    assert order == ids
+
+
+def test_disconnect_mid_stream_releases_the_engine(controlled, timing_lines):
+    server, engine = controlled
+    engine.pace_s = 0.005
+    max_tokens = server.state.ready.engine.context_tokens // 2
+    body = {"model": "tiny", "prompt": "Tell me everything", "max_tokens": max_tokens, "stream": True}
+    try:
+        with httpx.stream("POST", server.url + COMPLETIONS, json=body, timeout=30) as response:
+            request_id = response.headers["x-request-id"]
+            num_chunks = 0
+            for line in response.iter_lines():
+                num_chunks += line.startswith("data: ")
+                if num_chunks == 3:
+                    break
+        started = time.monotonic()
+        wait_for(lambda: any(line.startswith(request_id) for line in timing_lines()))
+        assert time.monotonic() - started < 2
+        line = next(line for line in timing_lines() if line.startswith(request_id))
+        assert "(cancelled)" in line
+        generated = int(line.split("generated ")[1].split()[0])
+        assert generated < max_tokens // 4, line
+    finally:
+        engine.pace_s = 0.0
+    after = httpx.post(server.url + COMPLETIONS, json={"model": "tiny", "prompt": "next", "max_tokens": 2})
+    assert after.status_code == 200
+
+
+def test_disconnect_while_queued_drops_the_request(controlled, caplog):
+    caplog.set_level(logging.INFO, logger="strata.serve")
+    server, engine = controlled
+    worker = server.state.ready.worker
+    requests_before = server.state.ready.engine.counters.num_requests
+    engine.gate.clear()
+    engine.entered.clear()
+    body = {"model": "tiny", "prompt": "Waiting", "max_tokens": 2}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, server.url + COMPLETIONS, json=body, timeout=30)
+        assert engine.entered.wait(20)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + COMPLETIONS, json=body, timeout=httpx.Timeout(30, read=0.3))
+        wait_for(lambda: all(job.is_cancelled() for job in list(worker._waiting)))
+        engine.gate.set()
+        assert running.result().status_code == 200
+    wait_for(lambda: worker.num_waiting == 0 and not worker.is_busy)
+    assert any("cancelled while waiting in the queue" in r.getMessage() for r in caplog.records)
+    assert server.state.ready.engine.counters.num_requests == requests_before + 1
