@@ -65,7 +65,7 @@ def test_the_plan_with_the_loan_is_larger_when_memory_limits_the_chunk(mtp_path)
     without = probe.loan.plan_preview(is_loan=False)
     with_loan = probe.loan.plan_preview(is_loan=True)
     assert with_loan.chunk_tokens > without.chunk_tokens
-    _, stats = greedy(probe, PROMPTS[2] * 20, 1)
+    _, stats = greedy(probe, PROMPTS[2] * 7, 1)
     assert stats.loan.is_taken and stats.geometry.chunk_tokens >= with_loan.chunk_tokens
 
 

@@ -1,0 +1,93 @@
+"""``strata --config FILE bench``: prefill and decode in fresh processes, medians and ranges.
+
+Each repetition is a new process (``strata.bench.one_run``) so no cache, allocator or compiled
+state carries over, as in the reference write-up's protocol. Arms: loan off (the config with
+``loan.enabled = false``) and loan on (the config as written). The table reports the plan, PP and
+TG medians with ranges, bytes streamed per chunk, the expert-cache hit rate, the ratio of the
+prefill time to its roofline floor, and the ratio to the rival's figures on the same H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from strata.config import Config
+
+PCIE_BYTES_PER_S = 55e9  # pinned host-to-device, measured on the reference H200
+TENSOR_FLOPS_PER_S = 730e12  # cuBLAS fp16 tensor cores, measured on the reference H200
+# llama.cpp on the same H200 and model shape, experts in host RAM, its best batch size
+RIVAL_PREFILL = {2048: 4394.0, 32768: 4739.0}
+RIVAL_DECODE = 32.4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-tokens", default="2048,8192,32768", help="comma-separated prompt lengths")
+    parser.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per run (default 128)")
+    parser.add_argument("--reps", type=int, default=3, help="fresh processes per arm and length (default 3)")
+    parser.add_argument("--arms", default="off,on", help="loan arms to run: off, on or off,on")
+    parser.add_argument("--out", type=Path, help="write every run's figures here as JSON")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
+
+
+def run(args: argparse.Namespace, config: Config) -> int:
+    lengths = [int(n) for n in args.prompt_tokens.split(",")]
+    arms = [a.strip() for a in args.arms.split(",")]
+    runs = []
+    for length in lengths:
+        for arm in arms:
+            for rep in range(args.reps):
+                result = _one(args.config, length, args.gen_tokens, arm, rep, args.timeout)
+                runs.append(result)
+                print(f"[{arm} {length} #{rep + 1}] {result['timing_line']}", file=sys.stderr, flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(runs, indent=1))
+    print(format_table(runs))
+    return 0
+
+
+def _one(config_path: str, length: int, gen_tokens: int, arm: str, rep: int, timeout: float) -> dict:
+    command = [sys.executable, "-m", "strata.bench.one_run", "--config", config_path, "--prompt-tokens",
+               str(length), "--gen-tokens", str(gen_tokens), "--loan", arm, "--seed", str(rep)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("STRATA-BENCH ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark run failed ({' '.join(command)}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1][len("STRATA-BENCH "):])
+
+
+def prefill_floor_seconds(run: dict) -> float:
+    """max(streamed bytes / PCIe, FLOPs / tensor-core rate); attention is causal."""
+    n = run["prompt_tokens"]
+    flops = 2.0 * run["active_params"] * n + 2.0 * n * n * run.get("attention_width", 0)
+    return max(run["streamed_bytes"] / PCIE_BYTES_PER_S, flops / TENSOR_FLOPS_PER_S)
+
+
+def format_table(runs: list[dict]) -> str:
+    header = ("| Prompt | Loan | Prompt chunk / ring | PP median (range) | TG median (range) | MiB streamed / chunk "
+              "| cache hit rate | floor / PP time | PP vs rival | TG vs rival |")
+    rows = [header, "| " + " | ".join(["---:"] * 10) + " |"]
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["prompt_tokens"], run["loan"]), []).append(run)
+    for (length, arm), group in sorted(groups.items()):
+        pp = [r["prefill_tokens_per_s"] for r in group]
+        tg = [r["decode_tokens_per_s"] for r in group]
+        plans = sorted({f"{r['chunk_tokens']:,} / {r['ring_slots']}" for r in group})
+        per_chunk = statistics.median(r["streamed_bytes"] / max(1, r["num_chunks"]) for r in group) / 2**20
+        floor = statistics.median(prefill_floor_seconds(r) / r["prefill_seconds"] for r in group)
+        rival = RIVAL_PREFILL.get(length)
+        cells = [f"{length:,}", arm, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",
+                 f"{statistics.median(r['cache_hit_rate'] for r in group):.1%}", f"{floor:.2f}",
+                 f"{statistics.median(pp) / rival:.2f}×" if rival else "-",
+                 f"{statistics.median(tg) / RIVAL_DECODE:.2f}×"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _median_range(values: list[float]) -> str:
+    return f"{statistics.median(values):,.1f} ({min(values):,.1f}–{max(values):,.1f})"

@@ -1,0 +1,88 @@
+"""One benchmark repetition in a fresh process: load, one request, print its figures as JSON.
+
+Run by ``strata bench``; not a user command. The prompt is N token ids drawn (seeded) from the
+vocabulary's ordinary tokens; end-of-generation tokens are banned so every run generates exactly
+the requested number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import numpy as np
+
+from strata.config import load_config
+
+
+def bench_config(path: str, is_loan: bool):
+    config = load_config(path)
+    if is_loan and not config.loan.enabled:
+        raise SystemExit("the loan arm needs loan.enabled = true in the config")
+    if not is_loan:
+        config = dataclasses.replace(config, loan=dataclasses.replace(config.loan, enabled=False, plugins=(),
+                                                                       tables={}))
+    return config
+
+
+def prompt_tokens(tokenizer, num_tokens: int, seed: int) -> list[int]:
+    ordinary = [i for i in range(tokenizer.vocab_size)
+                if not tokenizer.is_special(i) and not tokenizer.is_eog(i) and tokenizer.token_piece(i)]
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.choice(np.array(ordinary), size=num_tokens)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m strata.bench.one_run")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--prompt-tokens", type=int, required=True)
+    parser.add_argument("--gen-tokens", type=int, required=True)
+    parser.add_argument("--loan", choices=("on", "off"), required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from strata.engine.facade import Engine
+    from strata.engine.sampling import SamplingParams
+
+    started = time.perf_counter()
+    engine = Engine.load(bench_config(args.config, args.loan == "on"), show_progress=False)
+    load_seconds = time.perf_counter() - started
+    tokens = prompt_tokens(engine.tokenizer, args.prompt_tokens, args.seed)
+    banned = {t: float("-inf") for t in engine.tokenizer.eog_ids}
+    params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, logit_bias=banned)
+    generation = engine.generate(tokens, params)
+    for _ in generation:
+        pass
+    stats = generation.stats
+    result = {
+        "loan": args.loan, "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
+        "chunk_tokens": stats.geometry.chunk_tokens, "ring_slots": stats.geometry.ring_slots,
+        "num_chunks": stats.num_chunks, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+        "decode_tokens_per_s": stats.decode_tokens_per_s, "prefill_seconds": stats.prefill_seconds,
+        "streamed_bytes": stats.streamed_bytes, "cache_hit_rate": stats.cache_hit_rate,
+        "loan_summary": stats.loan.summary() if stats.loan else "", "load_seconds": load_seconds,
+        "backend": engine.backend, "budget_bytes": engine.ledger.budget_bytes,
+        "expert_bytes": engine.pack.num_bytes if engine.pack else 0,
+        "active_params": _active_params(engine.spec),
+        "attention_width": engine.spec.q_size * engine.spec.num_layers,
+        "timing_line": stats.timing_line(),
+    }
+    print("STRATA-BENCH " + json.dumps(result), flush=True)
+    engine.close()
+    return 0
+
+
+def _active_params(spec) -> int:
+    """Weights one token multiplies through: attention, its k experts (or dense FFN), the head."""
+    attention = spec.hidden_size * (2 * spec.q_size + 2 * spec.kv_size)
+    ffn = 3 * spec.hidden_size * (spec.num_experts_used * spec.expert_ffn_size + spec.shared_expert_ffn_size
+                                  if spec.is_moe else spec.dense_ffn_size)
+    router = spec.hidden_size * spec.num_experts
+    return spec.num_layers * (attention + ffn + router)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
