@@ -46,7 +46,7 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
     except QueueFullError as exc:
         raise busy(f"the server is busy: {exc}; retry later", "queue_full", RETRY_AFTER_S) from None
     except WorkerStoppedError as exc:
-        raise busy(str(exc), "shutting_down", RETRY_AFTER_S) from None
+        raise busy(str(exc), "engine_stopped", RETRY_AFTER_S) from None
 
     headers = {"x-request-id": request_id}
     if parsed.ignored_params:
@@ -75,7 +75,7 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, (ConfigError, RequestError)):
         return bad_request(str(exc))
     if isinstance(exc, WorkerStoppedError):
-        return busy(str(exc), "shutting_down", RETRY_AFTER_S)
+        return busy(str(exc), "engine_stopped", RETRY_AFTER_S)
     return ApiError(500, f"the engine failed on this request ({type(exc).__name__}: {exc}); its loaned resources "
                          "were restored and the next request is served", code="engine_error")
 

@@ -38,7 +38,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
 
     # a dry run charges the ledger without uploading or packing: admission and placement in seconds
     Engine.load(config, show_progress=False, is_dry_run=True).close()
-    server = build_server(config, lambda: Engine.load(config, show_progress=True))
+    server = build_server(config, lambda: Engine.load(config, show_progress=True),
+                          log_level=getattr(args, "log_level", "info"))
     server.run()
     state = server.config.app.state.serve
     if state.load_error:

@@ -58,10 +58,13 @@ async def get_model(request: Request, model_id: str) -> JSONResponse:
 async def health(request: Request) -> JSONResponse:
     state = request.app.state.serve
     body = {"status": state.phase}
-    if state.phase == READY and state.ready is not None:
-        body |= {"model": state.ready.model_name, "queue_depth": state.ready.worker.num_waiting}
+    ready = state.ready
+    if state.phase == READY and ready is not None and not ready.worker.fatal_error:
+        body |= {"model": ready.model_name, "queue_depth": ready.worker.num_waiting}
         return JSONResponse(body)
-    if state.load_error:
+    if ready is not None and ready.worker.fatal_error:
+        body = {"status": "unhealthy", "error": ready.worker.fatal_error}
+    elif state.load_error:
         body["error"] = state.load_error
     return JSONResponse(body, status_code=503, headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})
 

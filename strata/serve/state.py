@@ -51,6 +51,9 @@ class ServeState:
 
     def require_ready(self) -> Ready:
         ready = self._ready
+        if ready is not None and ready.worker.fatal_error:
+            raise busy(f"the engine is unhealthy ({ready.worker.fatal_error}); restart the server",
+                       "engine_unhealthy", LOADING_RETRY_AFTER_S)
         if ready is not None:
             return ready
         if self.phase == FAILED:

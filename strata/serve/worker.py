@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from strata.engine.sampling import SamplingParams
-from strata.errors import ConfigError, RequestError
+from strata.errors import ConfigError, LoanRestoreError, RequestError
 
 log = logging.getLogger("strata.serve")
 
@@ -58,7 +58,9 @@ class EngineWorker:
         self._lock = threading.Condition()
         self._running: Job | None = None
         self._is_stopping = False
+        self._stop_reason = ""
         self.num_rejected = 0
+        self.fatal_error: str | None = None  # set once the engine reports it cannot restore its state
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
 
     def start(self) -> None:
@@ -77,7 +79,7 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._is_stopping:
-                raise WorkerStoppedError("the server is shutting down")
+                raise WorkerStoppedError(self._stop_reason)
             if len(self._waiting) >= self._max_queue:
                 self.num_rejected += 1
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting (serve.max_queue = "
@@ -85,10 +87,11 @@ class EngineWorker:
             self._waiting.append(job)
             self._lock.notify()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 10.0, reason: str = "the server is shutting down") -> None:
         """Refuse new jobs, drop waiting ones, cancel the running one and wait for the thread."""
         with self._lock:
             self._is_stopping = True
+            self._stop_reason = self._stop_reason or reason
             dropped = list(self._waiting)
             self._waiting.clear()
             if self._running is not None:
@@ -96,9 +99,15 @@ class EngineWorker:
             self._lock.notify_all()
         for job in dropped:
             job.cancel()
-            job.sink(ERROR, WorkerStoppedError("the server is shutting down"))
-        if self._thread.is_alive():
+            job.sink(ERROR, WorkerStoppedError(reason))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+
+    def _give_up(self, reason: str) -> None:
+        """A loan that could not be restored leaves the engine in an unknown state: serve nothing more."""
+        self.fatal_error = reason
+        log.critical("the engine is unhealthy and serves no more requests: %s", reason)
+        self.stop(reason=f"the engine is unhealthy ({reason}); restart the server")
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
@@ -132,6 +141,8 @@ class EngineWorker:
             log.error("%s %s failed after %.3f s: %s: %s", job.request_id, job.route, time.perf_counter() - started,
                       type(exc).__name__, exc, exc_info=not isinstance(exc, (ConfigError, RequestError)))
             job.sink(ERROR, exc)
+            if isinstance(exc, LoanRestoreError):
+                self._give_up(f"{type(exc).__name__}: {exc}")
             return
         log.info("%s %s %s", job.request_id, job.route, stats.timing_line())
         job.sink(DONE, stats)

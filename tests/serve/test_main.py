@@ -12,11 +12,15 @@ import httpx
 import pytest
 import uvicorn
 
+from serve_harness import make_config
+
 from strata.cli import main
+from strata.serve.main import build_server
 
 
 def write_config(path, model, runtime="", loan=""):
     path.write_text(f'[model]\npath = "{model}"\n\n[runtime]\nbackend = "numpy"\nserve = true\ncontext_tokens = 512\n'
+                f'vram_budget = "512MiB"\n'
                     f'{runtime}\n[serve]\nport = 0\n{loan}')
     return path
 
@@ -82,3 +86,17 @@ def _wait_for_url(lines, process) -> str:
         assert process.poll() is None, "".join(lines)
         time.sleep(0.02)
     raise AssertionError("the server did not report its address:\n" + "".join(lines))
+
+
+def test_a_failed_background_load_stops_the_server(tiny_model):
+    config = make_config(tiny_model, serve={"port": 0})
+
+    def broken():
+        raise MemoryError("the expert pack does not fit in host memory")
+
+    server = build_server(config, broken)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive()
+    assert "does not fit" in server.config.app.state.serve.load_error

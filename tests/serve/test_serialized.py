@@ -1,4 +1,4 @@
-"""Loading in the background, the bounded queue, arrival order and client disconnects."""
+"""Loading in the background, the bounded queue, arrival order, client disconnects and engine failures."""
 
 import concurrent.futures
 import logging
@@ -6,8 +6,12 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
-from serve_harness import ControlledEngine, RunningServer, engine_loader, error_of, make_config, metric_values
+from serve_harness import (ControlledEngine, RunningServer, engine_loader, error_of, make_config, metric_values,
+                           openai_client, sse_events)
+
+from strata.errors import LoanRestoreError
 
 COMPLETIONS = "/v1/completions"
 
@@ -136,3 +140,45 @@ def test_disconnect_while_queued_drops_the_request(controlled, caplog):
     wait_for(lambda: worker.num_waiting == 0 and not worker.is_busy)
     assert any("cancelled while waiting in the queue" in r.getMessage() for r in caplog.records)
     assert server.state.ready.engine.counters.num_requests == requests_before + 1
+
+
+def test_failure_mid_stream_arrives_as_an_error_event(controlled):
+    server, engine = controlled
+    engine.fail_after_tokens = 2
+    body = {"model": "tiny", "prompt": "Break halfway", "max_tokens": 8, "stream": True}
+    try:
+        response = httpx.post(server.url + COMPLETIONS, json=body, timeout=30)
+        with pytest.raises(openai.APIError, match="injected decode failure"):
+            list(openai_client(server).completions.create(**body))
+    finally:
+        engine.fail_after_tokens = 0
+    assert response.status_code == 200  # the status line went out with the first token
+    events = sse_events(response.text)
+    assert "[DONE]" not in events
+    assert events[-1]["error"]["code"] == "engine_error" and "injected decode failure" in events[-1]["error"]["message"]
+    assert all("choices" in event for event in events[:-1]) and len(events) >= 2
+    after = httpx.post(server.url + COMPLETIONS, json={**body, "stream": False})
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_loan_that_cannot_be_restored_stops_serving(tiny_model):
+    config = make_config(tiny_model, serve={"max_queue": 4})
+    engines = []
+    loader = engine_loader(config, wrap=lambda engine: engines.append(ControlledEngine(engine)) or engines[0])
+    with RunningServer(loader, config) as server:
+        server.wait_ready()
+        engine = engines[0]
+        engine.gate.clear()
+        engine.failure = LoanRestoreError("output_head could not be restored")
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            failing = pool.submit(httpx.post, server.url + COMPLETIONS, json=body, timeout=30)
+            assert engine.entered.wait(20)
+            waiting = pool.submit(httpx.post, server.url + COMPLETIONS, json=body, timeout=30)
+            wait_for(lambda: server.state.ready.worker.num_waiting == 1)
+            engine.gate.set()
+            assert error_of(failing.result(), 500)["code"] == "engine_error"
+            assert error_of(waiting.result(), 503)["code"] == "engine_stopped"
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        assert error_of(httpx.post(server.url + COMPLETIONS, json=body), 503)["code"] == "engine_unhealthy"

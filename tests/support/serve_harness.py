@@ -33,7 +33,7 @@ def engine_loader(config, wrap=None):
 
 def make_config(model_path: Path, **sections):
     data = {"model": {"path": str(model_path)},
-            "runtime": {"backend": "numpy", "serve": True, "context_tokens": 1024}}
+            "runtime": {"backend": "numpy", "serve": True, "context_tokens": 1024, "vram_budget": "512MiB"}}
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
     return parse_config(data)
@@ -116,14 +116,17 @@ def metric_values(text: str) -> dict[str, float]:
 
 class ControlledEngine:
     """The real engine behind a gate (``generate`` waits for ``gate``), optionally paced (a pause
-    per token) so that a test can hold the engine busy or cut a stream at a known point."""
+    per token) or failing after some tokens, so that a test can hold the engine busy, cut a stream
+    at a known point or break decode halfway."""
 
-    def __init__(self, engine, pace_s: float = 0.0):
+    def __init__(self, engine):
         self._engine = engine
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
-        self.pace_s = pace_s
+        self.pace_s = 0.0
+        self.fail_after_tokens = 0
+        self.failure: Exception | None = None  # raised by the next generate
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -132,22 +135,33 @@ class ControlledEngine:
         self.entered.set()
         if not self.gate.wait(30):
             raise RuntimeError("the test never opened the gate")
-        return _Paced(self._engine.generate(prompt_tokens, params, is_cancelled), self.pace_s)
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise failure
+        return _Controlled(self._engine.generate(prompt_tokens, params, is_cancelled), self.pace_s,
+                           self.fail_after_tokens)
 
 
-class _Paced:
-    def __init__(self, generation, pace_s: float):
+class _Controlled:
+    def __init__(self, generation, pace_s: float, fail_after_tokens: int):
         self._generation = generation
         self._pace_s = pace_s
+        self._fail_after_tokens = fail_after_tokens
 
     @property
     def stats(self):
         return self._generation.stats
 
     def __iter__(self):
-        for event in self._generation:
-            time.sleep(self._pace_s)
-            yield event
+        events = iter(self._generation)
+        try:
+            for num_tokens, event in enumerate(events, 1):
+                time.sleep(self._pace_s)
+                yield event
+                if num_tokens == self._fail_after_tokens:
+                    raise RuntimeError("injected decode failure")
+        finally:
+            events.close()
 
 
 FAULT_PLUGIN = """
