@@ -34,3 +34,15 @@ def test_add_accumulates_in_place():
     np.testing.assert_allclose(host(y_dev), y + np.float32(0.5) * x, rtol=1e-6)
     with pytest.raises(ValueError, match="x must have shape"):
         add(y_dev, dev(x[:, :49]))
+
+
+def test_swiglu_matches_reference_including_large_negative_gates():
+    from strata.gpu.kernels.activation import swiglu
+
+    rng = np.random.default_rng(13)
+    gate = (rng.standard_normal((3, 40)) * 4).astype(np.float32)
+    gate[0, :3] = [-100.0, 100.0, 0.0]  # exp(100) would overflow float32 in a naive sigmoid
+    up = rng.standard_normal((3, 40)).astype(np.float16)
+    out = host(swiglu(dev(gate), dev(up), threads=32))
+    ref = reference_ops.silu(gate.astype(np.float64)) * up.astype(np.float64)
+    np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-7)

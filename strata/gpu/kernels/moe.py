@@ -23,23 +23,16 @@ num_tiles exit at once. Decode as gemv.py, grid (ceil(rows / rows_per_block), T 
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from numba import cuda
 
+from .activation import device_silu_mul
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number
 from .gemm import BLOCK_K, GemmConfig, mainloop_device
 from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
 from .moe_route import MoeGroups
 from .packing import PackedMatrix, check_packed
-
-
-@cuda.jit(device=True)
-def device_silu_mul(g, u):
-    e = np.float32(math.exp(-abs(g)))  # never overflows
-    sigmoid = np.float32(1.0) / (np.float32(1.0) + e) if g >= 0 else e / (np.float32(1.0) + e)
-    return g * sigmoid * u
 
 
 @functools.cache
