@@ -85,7 +85,7 @@ class PromptBuilder:
         if request.max_tokens is None:
             return min(room, DEFAULT_COMPLETION_MAX_TOKENS) if request.kind == "completion" else room
         if request.max_tokens > room:
-            param = "max_completion_tokens" if request.kind == "chat" else "max_tokens"
+            param = request.max_tokens_param
             raise bad_request(f"the context holds {context:,} tokens; the prompt has {num_prompt:,} and "
                               f"{param} asks for {request.max_tokens:,} more (at most {room:,} fit)",
                               param=param, code="context_length_exceeded")

@@ -35,6 +35,7 @@ class GenerationRequest:
     prompt: str | tuple[int, ...] | None
     messages: tuple[dict[str, str], ...] | None
     max_tokens: int | None  # None: the route's default, decided once the prompt length is known
+    max_tokens_param: str  # the parameter that gave it, for error messages
     sampling: Mapping[str, Any]  # SamplingParams keywords other than max_tokens
     is_stream: bool
     is_usage_streamed: bool
@@ -53,14 +54,16 @@ def parse_request(body: Mapping[str, Any], kind: Kind) -> GenerationRequest:
     if n != 1:
         raise bad_request(f"'n' must be 1: this server generates one choice per request, got {n}", param="n")
     max_tokens = _integer(fields, "max_tokens", 1, default=None)
-    if kind == "chat":
-        max_tokens = _integer(fields, "max_completion_tokens", 1, default=max_tokens)
+    max_tokens_param = "max_tokens"
+    if kind == "chat" and "max_completion_tokens" in fields:  # the newer name wins
+        max_tokens = _integer(fields, "max_completion_tokens", 1, default=None)
+        max_tokens_param = "max_completion_tokens"
     is_stream = _boolean(fields, "stream", default=False)
     return GenerationRequest(
         kind=kind, model=model,
         prompt=_prompt(fields) if kind == "completion" else None,
         messages=_messages(fields) if kind == "chat" else None,
-        max_tokens=max_tokens, sampling=_sampling(fields), is_stream=is_stream,
+        max_tokens=max_tokens, max_tokens_param=max_tokens_param, sampling=_sampling(fields), is_stream=is_stream,
         is_usage_streamed=is_stream and _include_usage(fields),
         ignored_params=tuple(sorted(k for k in body if k not in KNOWN_PARAMS[kind])),
     )

@@ -91,6 +91,13 @@ def test_absurd_max_tokens_names_the_context(post, server):
     assert error["code"] == "context_length_exceeded" and f"{context:,}" in error["message"]
 
 
+def test_chat_names_the_max_tokens_parameter_it_was_given(post):
+    messages = [{"role": "user", "content": "hi"}]
+    assert error_of(post(CHAT, messages=messages, max_tokens=10 ** 9), 400)["param"] == "max_tokens"
+    too_many = post(CHAT, messages=messages, max_tokens=1, max_completion_tokens=10 ** 9)
+    assert error_of(too_many, 400)["param"] == "max_completion_tokens"
+
+
 def test_prompt_longer_than_the_context(post, server):
     context = server.state.ready.engine.context_tokens
     tokens = [5] * (context + 10)
