@@ -65,9 +65,10 @@ class ExpertCache:
         if self._lent_slots:
             raise RuntimeError("the expert cache cannot shrink while the workspace borrows its slots")
         self.storage.unmap_to(num_bytes)
-        for slot in [s for s in self._key_of if s >= self.num_slots]:
+        num_slots = self.num_slots
+        for slot in [s for s in self._key_of if s >= num_slots]:
             del self._lru[self._key_of.pop(slot)]
-        self._free = {s for s in self._free if s < self.num_slots}
+        self._free = {s for s in self._free if s < num_slots}
 
     # --- lending to the prompt workspace ---------------------------------------------------
 

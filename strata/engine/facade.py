@@ -35,7 +35,7 @@ from strata.model.locate import resolve_model_path
 from strata.model.tokenizer import Tokenizer
 from strata.plugins import load_plugins
 
-NUMPY_DEFAULT_BUDGET_BYTES = 8 << 30
+NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
 
 
 class Engine:
@@ -51,7 +51,7 @@ class Engine:
         tokenizer = Tokenizer.from_metadata(model.metadata)
         plugins, config = load_plugins(config)
         backend = select_backend(config)
-        ledger = VramLedger(_budget_bytes(config, backend))
+        ledger = VramLedger(_budget_bytes(config, backend, model))
         ops = DryRunOps(ledger) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
         spec = model.spec
         layout = expert_layout(model) if spec.is_moe else None
@@ -113,11 +113,11 @@ def _min_cache_slots(config: Config, placement: Placement, layout, spec) -> int:
     return max(spec.num_experts_used, min(keep, base_slots - config.planner.min_ring_slots))
 
 
-def _budget_bytes(config: Config, backend: str) -> int:
+def _budget_bytes(config: Config, backend: str, model: GgufModel) -> int:
     if config.runtime.vram_budget_bytes:
         return config.runtime.vram_budget_bytes
     if backend == "numpy":
-        return NUMPY_DEFAULT_BUDGET_BYTES
+        return model.path.stat().st_size + NUMPY_HEADROOM_BYTES
     from strata.gpu.device import free_device_bytes
 
     return int(free_device_bytes(config.runtime.device) * 0.9)

@@ -115,7 +115,7 @@ class Generation:
             streamed_bytes=stream.streamed_bytes, num_chunks=stream.num_chunks,
             cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish)
         self.engine.counters.record(self.stats)
-        log.info("%s", self.stats.timing_line())
+        log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
 
 
 def _common_prefix(cached: list[int], prompt: list[int]) -> int:

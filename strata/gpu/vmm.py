@@ -24,6 +24,9 @@ def _checked(result):
 
 def allocation_granularity(device: int) -> int:
     from cuda.bindings import driver as cu
+    from numba import cuda
+
+    cuda.current_context()  # initializes the driver and makes the primary context current
 
     return int(_checked(cu.cuMemGetAllocationGranularity(
         _allocation_prop(device), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
@@ -44,7 +47,6 @@ class VmmArena:
         from cuda.bindings import driver as cu
         from numba import cuda
 
-        cuda.current_context()  # the primary context must be current for the driver calls
         granularity = allocation_granularity(device)
         if segment_bytes % granularity:
             raise ConfigError(f"runtime.vmm_segment = {segment_bytes >> 20} MiB is not a multiple of this device's "
