@@ -16,6 +16,7 @@ COMMANDS = {
     "plugins": ("strata.plugin_list", True, "list installed plugins, where each came from and its hooks"),
     "generate": ("strata.generate", True, "generate text from a prompt in this process"),
     "synth": ("strata.model.synth", False, "write a synthetic qwen3moe GGUF with random weights"),
+    "pack": ("strata.engine.pack", True, "write the expert pack beside the GGUF"),
     "bench": ("strata.bench.harness", True, "benchmark prefill and decode in fresh processes"),
 }
 

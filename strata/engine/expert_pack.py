@@ -29,15 +29,21 @@ MAGIC = "strata-expert-pack-1"
 _MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
-def expert_layout(model: GgufModel, layer: int = 0) -> ExpertLayout:
-    refs = [model.tensors[f"blk.{layer}.{name}.weight"] for name in _MATRICES]
-    sizes = tuple(ref.nbytes // ref.shape[0] for ref in refs)
+def expert_layout(model: GgufModel, encoded_bytes: Callable[[QType, tuple[int, int]], int] | None = None,
+                  encoding: str = "gguf") -> ExpertLayout:
+    """Where gate, up and down sit in a slot. ``encoded_bytes(qtype, shape)`` is the size of one
+    matrix in the backend's encoding (default: the GGUF bytes)."""
+    refs = [model.tensors[f"blk.0.{name}.weight"] for name in _MATRICES]
+    shapes = tuple(tuple(r.shape[1:]) for r in refs)
+    qtypes = tuple(QType(r.qtype) for r in refs)
+    sizes = tuple(encoded_bytes(q, s) if encoded_bytes else r.nbytes // r.shape[0]
+                  for q, s, r in zip(qtypes, shapes, refs))
     offsets, offset = [], 0
     for size in sizes:
         offsets.append(offset)
         offset += _align(size)
-    return ExpertLayout(qtypes=tuple(QType(r.qtype) for r in refs), shapes=tuple(tuple(r.shape[1:]) for r in refs),
-                        offsets=tuple(offsets), sizes=sizes, slot_bytes=offset)
+    return ExpertLayout(qtypes=qtypes, shapes=shapes, offsets=tuple(offsets), sizes=sizes, slot_bytes=offset,
+                        encoding=encoding)
 
 
 class ExpertPack:
@@ -58,19 +64,23 @@ class ExpertPack:
         return self.buffer[start:start + self.layout.slot_bytes]
 
     @classmethod
-    def from_gguf(cls, model: GgufModel, allocate: Callable[[int], np.ndarray],
+    def from_gguf(cls, model: GgufModel, layout: ExpertLayout, allocate: Callable[[int], np.ndarray],
+                  encode: Callable[[np.ndarray, QType, tuple[int, int]], np.ndarray] | None = None,
                   progress: Callable[[int], None] | None = None) -> ExpertPack:
+        """Pack every layer's experts; ``encode(raw [N, rows, row_bytes], qtype, shape) -> [N, size]``
+        turns GGUF bytes into the backend's encoding (default: kept as they are)."""
         spec = model.spec
-        layout = expert_layout(model)
         pack = cls(layout, spec.num_layers, spec.num_experts,
                    allocate(spec.num_layers * spec.num_experts * layout.slot_bytes))
         for layer in range(spec.num_layers):
             _check_layer_layout(model, layer, layout)
             slots = pack.buffer[layer * spec.num_experts * layout.slot_bytes:
                                 (layer + 1) * spec.num_experts * layout.slot_bytes].reshape(spec.num_experts, -1)
-            for name, offset, size in zip(_MATRICES, layout.offsets, layout.sizes):
-                data = model.tensors[f"blk.{layer}.{name}.weight"].data.reshape(spec.num_experts, size)
-                slots[:, offset:offset + size] = data  # [N, size] bytes, one strided copy per layer
+            for name, qtype, shape, offset, size in zip(_MATRICES, layout.qtypes, layout.shapes, layout.offsets,
+                                                        layout.sizes):
+                data = model.tensors[f"blk.{layer}.{name}.weight"].data  # [N, rows, row_bytes]
+                encoded = encode(data, qtype, shape) if encode else data.reshape(spec.num_experts, -1)
+                slots[:, offset:offset + size] = encoded  # [N, size] bytes, one strided copy per matrix
             if progress:
                 progress(layer + 1)
         return pack
@@ -87,9 +97,10 @@ class ExpertPack:
                 f.write(memoryview(self.buffer[start:start + self.num_experts * self.layout.slot_bytes]))
 
     @classmethod
-    def read(cls, path: Path, model: GgufModel, allocate: Callable[[int], np.ndarray]) -> ExpertPack:
-        """Load a pack written for ``model`` into memory from ``allocate`` (pinned on CUDA)."""
-        spec, layout = model.spec, expert_layout(model)
+    def read(cls, path: Path, model: GgufModel, layout: ExpertLayout,
+             allocate: Callable[[int], np.ndarray]) -> ExpertPack:
+        """Load a pack written for ``model`` in ``layout`` into memory from ``allocate`` (pinned on CUDA)."""
+        spec = model.spec
         try:
             with open(path, "rb") as f:
                 header = json.loads(f.read(HEADER_BYTES).rstrip(b"\0"))
@@ -109,16 +120,17 @@ class ExpertPack:
 
 
 def _check_layer_layout(model: GgufModel, layer: int, layout: ExpertLayout) -> None:
-    for name, qtype, size in zip(_MATRICES, layout.qtypes, layout.sizes):
+    for name, qtype in zip(_MATRICES, layout.qtypes):
         ref = model.tensors[f"blk.{layer}.{name}.weight"]
-        if ref.qtype != qtype or ref.nbytes // ref.shape[0] != size:
+        if ref.qtype != qtype:
             raise ModelFormatError(f"{model.path}: blk.{layer}.{name}.weight is {ref.qtype.name}; the expert pack "
                                    f"needs every layer's experts in the format of layer 0 ({qtype.name})")
 
 
 def _layout_json(layout: ExpertLayout) -> dict:
-    return {"qtypes": [int(q) for q in layout.qtypes], "shapes": [list(s) for s in layout.shapes],
-            "offsets": list(layout.offsets), "sizes": list(layout.sizes), "slot_bytes": layout.slot_bytes}
+    return {"encoding": layout.encoding, "qtypes": [int(q) for q in layout.qtypes],
+            "shapes": [list(s) for s in layout.shapes], "offsets": list(layout.offsets), "sizes": list(layout.sizes),
+            "slot_bytes": layout.slot_bytes}
 
 
 def _align(num_bytes: int) -> int:

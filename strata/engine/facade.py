@@ -17,7 +17,7 @@ from strata.engine.admission import admit
 from strata.engine.counters import EngineCounters
 from strata.engine.decode_resources import ArenaResource, TensorsResource
 from strata.engine.expert_cache import ExpertCache
-from strata.engine.expert_pack import ExpertPack, expert_layout
+from strata.engine.expert_pack import ExpertPack
 from strata.engine.generation import Generation
 from strata.engine.loan import LoanTransaction
 from strata.engine.ops import make_ops, select_backend
@@ -54,7 +54,7 @@ class Engine:
         ledger = VramLedger(_budget_bytes(config, backend, model))
         ops = DryRunOps(ledger) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
         spec = model.spec
-        layout = expert_layout(model) if spec.is_moe else None
+        layout = ops.expert_layout(model) if spec.is_moe else None
         placement = plan_placement(config, model, layout, ledger.budget_bytes)
         resources = _decode_resources(config, model, ops, placement)
         admit(config, plugins, resources)
@@ -62,7 +62,7 @@ class Engine:
         kv = ops.kv_cache("kv_cache", spec.num_layers, placement.kv_cells, spec.num_kv_heads, spec.head_dim,
                           config.runtime.kv_type)
         decode_ws = ops.alloc("decode_workspace", (placement.decode_workspace_bytes,), "uint8")
-        pack = _expert_pack(config, model, ops, show_progress) if layout and not is_dry_run else None
+        pack = _expert_pack(config, model, ops, layout, show_progress) if layout and not is_dry_run else None
         cache = ExpertCache(ops, layout, segment_bytes=config.runtime.vmm_segment_bytes,
                             reserved_bytes=placement.cache_reserved_bytes, base_bytes=placement.cache_base_bytes,
                             min_cache_slots=_min_cache_slots(config, placement, layout, spec)) if layout else None
@@ -140,9 +140,9 @@ def _decode_resources(config: Config, model: GgufModel, ops, placement: Placemen
     return resources
 
 
-def _expert_pack(config: Config, model: GgufModel, ops, show_progress: bool) -> ExpertPack:
+def _expert_pack(config: Config, model: GgufModel, ops, layout, show_progress: bool) -> ExpertPack:
     if config.model.expert_pack is not None:
-        return ExpertPack.read(config.model.expert_pack, model, ops.host_buffer)
+        return ExpertPack.read(config.model.expert_pack, model, layout, ops.host_buffer)
     progress = None
     if show_progress:
         from tqdm import tqdm
@@ -150,7 +150,7 @@ def _expert_pack(config: Config, model: GgufModel, ops, show_progress: bool) -> 
         bar = tqdm(total=model.spec.num_layers, desc="packing experts", unit="layer", file=sys.stderr)
         progress = lambda done: bar.update(done - bar.n)  # noqa: E731
     try:
-        return ExpertPack.from_gguf(model, ops.host_buffer, progress)
+        return ExpertPack.from_gguf(model, layout, ops.host_buffer, ops.encode_experts, progress)
     finally:
         if show_progress:
             bar.close()

@@ -41,6 +41,7 @@ class ExpertLayout:
     offsets: tuple[int, int, int]
     sizes: tuple[int, int, int]
     slot_bytes: int
+    encoding: str = "gguf"  # how each matrix's bytes are laid out in its region; the backend's choice
 
 
 class ArenaStorage(Protocol):
@@ -66,6 +67,10 @@ class Ops(Protocol):
     def host_buffer(self, num_bytes: int) -> np.ndarray: ...
     def arena(self, owner: str, reserved_bytes: int, segment_bytes: int) -> ArenaStorage: ...
     def arena_view(self, storage: ArenaStorage, offset: int, shape: tuple[int, ...], dtype: Any) -> Any: ...
+    def expert_layout(self, model: Any) -> ExpertLayout: ...
+    def encode_experts(self, raw: np.ndarray, qtype: QType, shape: tuple[int, int]) -> np.ndarray:
+        """[N, rows, row_bytes] GGUF bytes of N experts' matrix -> [N, size] in this backend's encoding."""
+
     def stage_expert(self, storage: ArenaStorage, slot: int, slot_bytes: int, host: np.ndarray) -> None:
         """Copy one expert from host memory into a slot. May run asynchronously (a copy stream): the
         backend orders it after every earlier ``moe`` that read the slot and before every later one."""

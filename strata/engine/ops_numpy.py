@@ -111,6 +111,14 @@ class NumpyOps:
         num_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return storage.buffer[offset:offset + num_bytes].view(dtype).reshape(shape)
 
+    def expert_layout(self, model) -> ExpertLayout:
+        from strata.engine.expert_pack import expert_layout
+
+        return expert_layout(model)
+
+    def encode_experts(self, raw: np.ndarray, qtype, shape) -> np.ndarray:
+        return raw.reshape(raw.shape[0], -1)  # GGUF bytes as they are
+
     def stage_expert(self, storage: NumpyArena, slot: int, slot_bytes: int, host: np.ndarray) -> None:
         storage.buffer[slot * slot_bytes:slot * slot_bytes + host.size] = host
 

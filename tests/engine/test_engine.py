@@ -72,11 +72,11 @@ def test_a_prompt_longer_than_the_context_is_refused(moe_path):
 
 
 def test_expert_pack_file_round_trip(moe_path, expected, tmp_path):
-    from strata.engine.expert_pack import ExpertPack
+    from strata.engine.expert_pack import ExpertPack, expert_layout
     from strata.model.gguf_file import open_gguf
 
     model = open_gguf(moe_path)
-    pack = ExpertPack.from_gguf(model, lambda n: np.empty(n, np.uint8))
+    pack = ExpertPack.from_gguf(model, expert_layout(model), lambda n: np.empty(n, np.uint8))
     pack.write(tmp_path / "small.strpack", moe_path)
     engine = Engine.load(engine_config(moe_path, model={"path": str(moe_path),
                                                         "expert_pack": str(tmp_path / "small.strpack")}),
