@@ -53,6 +53,12 @@ def _shared_bytes(head_dim: int, group: int, config: AttentionConfig) -> int:
     return 4 * floats
 
 
+def default_num_splits(kv_len: int, num_kv_heads: int, num_sms: int, config: AttentionConfig = DECODE_CONFIG) -> int:
+    """KV splits for one decode token: about two blocks per SM, each split at least one KV tile."""
+    num_tiles = max(1, ceil_div(kv_len, config.kv_tile))
+    return max(1, min(num_tiles, ceil_div(2 * num_sms, num_kv_heads)))
+
+
 @functools.cache
 def _attention_kernel(fmt: str, head_dim: int, group: int, config: AttentionConfig, is_split: bool):
     dequant8 = dequant8_for(fmt)

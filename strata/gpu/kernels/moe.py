@@ -176,6 +176,8 @@ def _decode_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemvConfi
             acc_u[r] = np.float32(0.0)
         num_octets = x.shape[1] // OCTET
         row0, row_end = expert * ffn + n0, expert * ffn + ffn
+        if expert < 0 or expert >= gq.shape[0] // ffn:  # no such expert (NaN logits): contribute nothing
+            row0, row_end = 0, 0
         gate_dot(gq, gs, ge, row0, row_end, x, token, norm_w, inv_rms, num_octets, lane, acc_g)
         up_dot(uq, us, ue, row0, row_end, x, token, norm_w, inv_rms, num_octets, lane, acc_u)
         g = lane_sum(acc_g, red, group, lane)
@@ -200,6 +202,8 @@ def _decode_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemvConfi
         num_octets = hidden.shape[1] // OCTET
         for j in range(top_k):
             expert = ids[token, j]
+            if expert < 0 or expert >= dq.shape[0] // dim:
+                continue
             for r in range(num_rows):
                 part[r] = np.float32(0.0)
             down_dot(dq, ds, de, expert * dim + n0, expert * dim + dim, hidden, token * top_k + j, hidden[0],
@@ -217,8 +221,8 @@ def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, do
                        num_experts: int, norm_weight=None, eps: float = 1e-6, hidden=None,
                        config: GemvConfig = GemvConfig()):
     """out [T, H] += routed experts for a few tokens; x [T, H] float32 (RMSNorm-ed here when
-    norm_weight [H] is given), ids/weights [T, k] from moe_route (ids must lie in [0, num_experts));
-    hidden: optional [T * k, F] float32 scratch."""
+    norm_weight [H] is given), ids/weights [T, k] from moe_route (an id outside [0, num_experts)
+    contributes nothing); hidden: optional [T * k, F] float32 scratch."""
     config = config.validate()
     check_array("x", x, dtypes=np.float32, ndim=2)
     num_tokens, dim = x.shape

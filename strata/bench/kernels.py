@@ -1,0 +1,272 @@
+"""Kernel benchmarks at Qwen3-30B-A3B shapes: `python -m strata.bench.kernels [--tiny]`.
+
+Rows: decode GEMV per format (GB/s against the measured 3.9 TB/s HBM copy), the prefill expert
+products at 512 / 2,048 / 8,192 routed pairs (TFLOP/s), causal attention prefill at 4k / 32k
+(TFLOP/s), decode attention (GB/s of KV read), one resident decode layer as plain launches, and
+the launches a decode token takes. Each figure is the median of --repeats CUDA-event timings after
+--warmup runs. Weights are random packed planes (fp16 scales kept small and finite), never read
+from a model. --tiny shrinks every shape so the script runs under the CUDA simulator, where the
+figures mean nothing (it checks that the script still works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from typing import Callable, NamedTuple
+
+import numpy as np
+from numba import cuda
+
+from strata.gpu.kernels._common import IS_SIMULATOR
+from strata.gpu.kernels.attention import DECODE_CONFIG, AttentionConfig, attention, default_num_splits
+from strata.gpu.kernels.gemm import GemmConfig
+from strata.gpu.kernels.gemv import GemvConfig, gemv
+from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
+from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
+from strata.gpu.kernels.moe_route import moe_group, moe_route
+from strata.gpu.kernels.packing import FORMATS, PackedMatrix, plane_shapes
+from strata.gpu.kernels.rope import head_norm_rope
+
+HBM_BYTES_PER_S = 3.9e12  # Numba copy kernel, read + write, measured on the reference H200
+TARGET_GEMV_RATIO = 0.70
+TARGET_GEMM_FLOPS = 150e12
+TARGET_ATTENTION_FLOPS = 100e12
+DECODE_LAUNCHES_PER_LAYER = 12  # q, k, v GEMVs; norm+rope; KV append; attention + combine; o; router; route; 2 expert
+DECODE_LAUNCHES_OUTSIDE = 4  # embedding, final norm + head GEMV (fused), 2 sampling launches
+
+
+class Shapes(NamedTuple):
+    hidden: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    ffn: int
+    top_k: int
+    vocab: int
+    num_layers: int
+    routed_pairs: tuple
+    prefill_contexts: tuple
+    decode_contexts: tuple
+    num_sms: int
+    gemv_cols: int  # K of the GEMV rows: the hidden size (tiny: one Q4_K super-block)
+    aux_threads: int  # block size of the small kernels (routing, grouping, KV append); 0: their defaults
+
+
+QWEN3_30B = Shapes(2048, 32, 4, 128, 128, 768, 8, 151936, 48, (512, 2048, 8192), (4096, 32768), (4096, 32768), 132, 2048, 0)
+TINY = Shapes(32, 4, 2, 16, 3, 32, 2, 40, 2, (8,), (12,), (20,), 2, 256, 8)
+TINY_GEMV = GemvConfig(threads=32, lanes_per_row=8, rows_per_group=4)
+TINY_GEMM = GemmConfig(block_m=8, block_n=8, thread_m=2, thread_n=2)
+TINY_PREFILL = AttentionConfig(tokens_per_block=2, threads_per_row=4, kv_tile=8)
+TINY_DECODE = AttentionConfig(tokens_per_block=1, threads_per_row=4, kv_tile=8)
+
+
+class Row(NamedTuple):
+    name: str
+    figure: float
+    unit: str
+    ceiling: float | None  # same unit; None where the row is a count or a latency
+    target: float | None  # ratio the issue asks for
+
+
+def random_packed(fmt: str, num_rows: int, num_cols: int, rng: np.random.Generator) -> PackedMatrix:
+    """Device planes of random quants with small finite fp16 scales (float formats: N(0, 1/32))."""
+    planes = {}
+    for plane, (shape, dtype) in plane_shapes(fmt, num_rows, num_cols).items():
+        if np.dtype(dtype).kind == "f":
+            host = (rng.standard_normal(shape, dtype=np.float32) / 32).astype(dtype)
+        else:
+            host = rng.integers(0, np.iinfo(dtype).max, size=shape, dtype=dtype, endpoint=True)
+        planes[plane] = cuda.to_device(host)
+    placeholder = {"quants": np.uint32, "scales": np.float16, "extra": np.uint8}
+    for plane, dtype in placeholder.items():
+        planes.setdefault(plane, cuda.to_device(np.zeros((1, 1), dtype)))
+    return PackedMatrix(fmt, num_rows, num_cols, planes["quants"], planes["scales"], planes["extra"])
+
+
+def _aux(s: Shapes) -> dict:
+    return {"threads": s.aux_threads} if s.aux_threads else {}
+
+
+def median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        if IS_SIMULATOR:  # simulator events record no time: wall clock, meaningless but alive
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = cuda.event(), cuda.event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def device_randn(shape, rng, scale=1.0, dtype=np.float32):
+    return cuda.to_device((rng.standard_normal(shape) * scale).astype(dtype))
+
+
+def bench_gemv(s: Shapes, fmt: str, num_rows: int, cfg: GemvConfig, timing) -> Row:
+    rng = np.random.default_rng(1)
+    w = random_packed(fmt, num_rows, s.gemv_cols, rng)
+    x, y = device_randn(s.gemv_cols, rng), cuda.device_array(num_rows, np.float32)
+    ms = median_ms(lambda: gemv(w, x, y, config=cfg), *timing)
+    num_bytes = w.nbytes + 4 * (s.gemv_cols + num_rows)
+    return Row(f"decode GEMV {fmt} {num_rows}x{s.gemv_cols}", num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9,
+               TARGET_GEMV_RATIO)
+
+
+def make_experts(s: Shapes, fmt: str, rng) -> tuple:
+    return (random_packed(fmt, s.num_experts * s.ffn, s.hidden, rng), random_packed(fmt, s.num_experts * s.ffn, s.hidden, rng),
+            random_packed(fmt, s.num_experts * s.hidden, s.ffn, rng))
+
+
+def bench_moe_prefill(s: Shapes, experts, num_pairs: int, cfg: GemmConfig, timing) -> list:
+    rng = np.random.default_rng(2)
+    num_tokens = num_pairs // s.top_k
+    x = device_randn((num_tokens, s.hidden), rng)
+    ids, weights = moe_route(device_randn((num_tokens, s.num_experts), rng), s.top_k, **_aux(s))
+    out = cuda.to_device(np.zeros((num_tokens, s.hidden), np.float32))
+    hidden = cuda.device_array((num_pairs, s.ffn), np.float32)
+    group_ms = median_ms(lambda: moe_group(ids, weights, s.num_experts, cfg.block_m, **_aux(s)), *timing)
+    groups = moe_group(ids, weights, s.num_experts, cfg.block_m, **_aux(s))
+    ms = median_ms(lambda: moe_experts_prefill(x, groups, *experts, out, num_experts=s.num_experts, hidden=hidden,
+                                               config=cfg), *timing)
+    flops = 2.0 * num_pairs * 3 * s.ffn * s.hidden
+    return [Row(f"prefill experts {experts[0].fmt}, {num_pairs} routed pairs", flops / ms / 1e9, "TFLOP/s", None,
+                None)._replace(ceiling=TARGET_GEMM_FLOPS / 1e12, target=1.0),
+            Row(f"  grouping of {num_pairs} pairs (3 launches)", group_ms * 1e3, "us", None, None)]
+
+
+def _filled_cache(s: Shapes, fmt: str, num_positions: int, rng):
+    k_cache, v_cache = empty_kv_layer(fmt, num_positions, s.num_kv_heads * s.head_dim)
+    width, chunk = s.num_kv_heads * s.head_dim, 4096
+    for p0 in range(0, num_positions, chunk):
+        n = min(chunk, num_positions - p0)
+        kv = device_randn((n, width), rng)
+        append_kv(k_cache, v_cache, kv, kv, cuda.to_device(np.arange(p0, p0 + n, dtype=np.int32)), **_aux(s))
+    return k_cache, v_cache
+
+
+def bench_attention_prefill(s: Shapes, context: int, cfg: AttentionConfig, timing) -> Row:
+    rng = np.random.default_rng(3)
+    k_cache, v_cache = _filled_cache(s, "F16", context, rng)
+    q = device_randn((context, s.num_q_heads * s.head_dim), rng)
+    positions = cuda.to_device(np.arange(context, dtype=np.int32))
+    out = cuda.device_array(q.shape, np.float32)
+    args = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_len=context, config=cfg)
+    ms = median_ms(lambda: attention(q, k_cache, v_cache, positions, out, **args), *timing)
+    flops = 4.0 * s.head_dim * s.num_q_heads * context * (context + 1) / 2
+    return Row(f"attention prefill F16 cache, causal {context}", flops / ms / 1e9, "TFLOP/s",
+               TARGET_ATTENTION_FLOPS / 1e12, 1.0)
+
+
+def bench_attention_decode(s: Shapes, context: int, fmt: str, cfg: AttentionConfig, timing) -> Row:
+    rng = np.random.default_rng(4)
+    k_cache, v_cache = _filled_cache(s, fmt, context, rng)
+    q = device_randn((1, s.num_q_heads * s.head_dim), rng)
+    positions = cuda.to_device(np.array([context - 1], np.int32))
+    splits = default_num_splits(context, s.num_kv_heads, s.num_sms, cfg)
+    args = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_len=context,
+                num_splits=splits, config=cfg)
+    ms = median_ms(lambda: attention(q, k_cache, v_cache, positions, **args), *timing)
+    num_bytes = 2 * k_cache.nbytes * context / k_cache.num_rows
+    return Row(f"attention decode {fmt} cache, context {context}, {splits} splits", num_bytes / ms / 1e6, "GB/s",
+               HBM_BYTES_PER_S / 1e9, None)
+
+
+def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_cfg: AttentionConfig, timing) -> list:
+    """One resident qwen3moe layer at decode, as the 12 plain launches; the token sits at context 4k."""
+    rng = np.random.default_rng(5)
+    d, hq, hk = s.head_dim, s.num_q_heads, s.num_kv_heads
+    wq, wk, wv = (random_packed(fmt, n * d, s.hidden, rng) for n in (hq, hk, hk))
+    wo = random_packed(fmt, s.hidden, hq * d, rng)
+    router = random_packed("F32", s.num_experts, s.hidden, rng)
+    context = s.decode_contexts[0]
+    k_cache, v_cache = _filled_cache(s, "F16", context + 1, rng)
+    x = device_randn((1, s.hidden), rng)
+    ones = cuda.to_device(np.ones(s.hidden, np.float32))
+    head_ones = cuda.to_device(np.ones(d, np.float32))
+    q, k, v = (cuda.device_array((1, n * d), np.float32) for n in (hq, hk, hk))
+    attn_out, logits = cuda.device_array((1, hq * d), np.float32), cuda.device_array((1, s.num_experts), np.float32)
+    h = cuda.device_array((1, s.hidden), np.float32)  # the residual after attention; rewritten every run
+    positions = cuda.to_device(np.array([context], np.int32))
+    splits = default_num_splits(context + 1, hk, s.num_sms, attn_cfg)
+
+    def layer():
+        for w, out in ((wq, q), (wk, k), (wv, v)):
+            gemv(w, x.reshape(s.hidden), out.reshape(out.shape[1]), norm_weight=ones, config=gemv_cfg)
+        head_norm_rope(q, k, positions, head_dim=d, q_norm_weight=head_ones, k_norm_weight=head_ones)
+        append_kv(k_cache, v_cache, k, v, positions, **_aux(s))
+        attention(q, k_cache, v_cache, positions, attn_out, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
+                  kv_len=context + 1, num_splits=splits, config=attn_cfg)
+        gemv(wo, attn_out.reshape(hq * d), h.reshape(s.hidden), config=gemv_cfg)  # the engine accumulates
+        gemv(router, h.reshape(s.hidden), logits.reshape(s.num_experts), norm_weight=ones, config=gemv_cfg)
+        ids, weights = moe_route(logits, s.top_k, **_aux(s))
+        moe_experts_decode(h, ids, weights, *experts, h, num_experts=s.num_experts, norm_weight=ones, config=gemv_cfg)
+
+    ms = median_ms(layer, *timing)
+    token_ms = ms * s.num_layers
+    launches = DECODE_LAUNCHES_PER_LAYER * s.num_layers + DECODE_LAUNCHES_OUTSIDE
+    return [Row(f"decode layer {fmt}, context {context}, plain launches", ms * 1e3, "us", None, None),
+            Row(f"  x {s.num_layers} layers (head and sampling excluded)", 1e3 / token_ms, "tokens/s", None, None),
+            Row("launches per decode token", launches, "launches", None, None)]
+
+
+def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing) -> list:
+    rows = [bench_gemv(s, fmt, n, gemv_cfg, timing) for fmt in ("Q4_0", "Q8_0", "Q4_K")
+            for n in (s.vocab, s.num_q_heads * s.head_dim)]
+    experts = make_experts(s, "Q4_0", np.random.default_rng(6))
+    for num_pairs in s.routed_pairs:
+        rows += bench_moe_prefill(s, experts, num_pairs, gemm_cfg, timing)
+    rows += [bench_attention_prefill(s, c, prefill_cfg, timing) for c in s.prefill_contexts]
+    rows += [bench_attention_decode(s, c, fmt, decode_cfg, timing) for c in s.decode_contexts for fmt in ("F16", "Q8_0")]
+    rows += bench_decode_layer(s, experts, "Q4_0", gemv_cfg, decode_cfg, timing)
+    return rows
+
+
+def format_table(rows: list) -> str:
+    lines = [f"| {'figure':<58} | {'value':>12} | {'unit':<9} | {'ceiling':>9} | {'ratio':>6} | {'target':>6} |",
+             f"| {'-' * 58} | {'-' * 12}:| {'-' * 9} | {'-' * 9}:| {'-' * 6}:| {'-' * 6}:|"]
+    for r in rows:
+        ceiling = f"{r.ceiling:9.4g}" if r.ceiling else " " * 9
+        ratio = f"{r.figure / r.ceiling:6.3f}" if r.ceiling else " " * 6
+        target = f"{r.target:6.2f}" if r.target else " " * 6
+        lines.append(f"| {r.name:<58} | {r.figure:12.4g} | {r.unit:<9} | {ceiling} | {ratio} | {target} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list:
+    parser = argparse.ArgumentParser(prog="python -m strata.bench.kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="toy shapes and configs, for the CUDA simulator")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 3, tiny 0)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 10, tiny 1)")
+    args = parser.parse_args(argv)
+    warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 3)
+    repeats = args.repeats if args.repeats is not None else (1 if args.tiny else 10)
+    if args.tiny:
+        configs = (TINY, TINY_GEMV, TINY_GEMM, TINY_PREFILL, TINY_DECODE)
+    else:
+        configs = (QWEN3_30B, GemvConfig(), GemmConfig(), AttentionConfig(), DECODE_CONFIG)
+    if IS_SIMULATOR:
+        device = "CUDA simulator: the figures are not GPU figures"
+    else:
+        name = cuda.get_current_device().name
+        device = name.decode() if isinstance(name, bytes) else str(name)
+    print(f"# strata kernel benchmarks on {device}; median of {repeats} after {warmup} warm-up")
+    rows = run(*configs, (warmup, repeats))
+    print(format_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

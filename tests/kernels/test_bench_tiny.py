@@ -1,0 +1,16 @@
+import math
+
+from strata.bench import kernels as bench
+
+
+def test_kernel_benchmark_runs_at_toy_sizes(capsys):
+    rows = bench.main(["--tiny"])
+    table = capsys.readouterr().out
+    names = [r.name for r in rows]
+    for expected in ("decode GEMV Q4_0", "decode GEMV Q8_0", "decode GEMV Q4_K", "prefill experts Q4_0",
+                     "attention prefill", "attention decode F16", "attention decode Q8_0", "decode layer"):
+        assert any(n.startswith(expected) for n in names), expected
+    assert all(math.isfinite(r.figure) and r.figure > 0 for r in rows)
+    launches = next(r for r in rows if r.name == "launches per decode token")
+    assert launches.figure == bench.DECODE_LAUNCHES_PER_LAYER * bench.TINY.num_layers + bench.DECODE_LAUNCHES_OUTSIDE
+    assert table.count("\n| ") == len(rows) + 2  # header, rule, one line per row
