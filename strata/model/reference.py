@@ -1,7 +1,8 @@
 """The reference forward: what the model computes, in NumPy, from dequantized GGUF weights.
 
 This is the oracle every kernel and backend is checked against. One decoder layer is
-    x = x + attn_output(attention(rope(qk_norm(q)), rope(qk_norm(k)), v))   of rms_norm(x)
+    h = rms_norm(x);  q, k, v = attn_q h, attn_k h, attn_v h  (q, k RMS-normed per head for qwen3moe)
+    x = x + attn_output(attention(rope(q), rope(k), v))       (causal, grouped-query, over the cache)
     x = x + ffn(rms_norm(x))    dense SwiGLU (llama) or routed + shared experts (qwen3moe)
 and the logits are output(rms_norm(x)), with `token_embd` as the head when `output` is absent.
 The multi-token-prediction block (llama.cpp's `nextn` layer) reads the main model's last hidden
