@@ -3,7 +3,7 @@ import pytest
 
 from kernel_data import dev, host
 from strata.gpu.kernels.norm import head_rms_norm, rms_norm
-from strata.gpu.kernels.rope import head_norm_rope
+from strata.gpu.kernels.rope import head_norm_rope, rope_inv_freq
 from strata.model import reference_ops
 
 HEAD_DIM = 16
@@ -39,7 +39,7 @@ def test_qk_norm_then_rope_matches_reference(mode):
     q = rng.standard_normal((num_tokens, num_q_heads * HEAD_DIM)).astype(np.float32)
     k = rng.standard_normal((num_tokens, num_k_heads * HEAD_DIM)).astype(np.float32)
     q_w, k_w = (rng.uniform(0.5, 1.5, HEAD_DIM).astype(np.float32) for _ in range(2))
-    positions = np.array([0, 7, 4093], dtype=np.int32)  # far positions check the angle precision
+    positions = np.array([0, 4093, 120001], dtype=np.int32)  # far positions check the angle precision
     q_dev, k_dev = dev(q), dev(k)
     head_norm_rope(q_dev, k_dev, dev(positions), head_dim=HEAD_DIM, q_norm_weight=dev(q_w), k_norm_weight=dev(k_w),
                    eps=1e-6, rope_mode=mode, freq_base=10000.0)
@@ -49,13 +49,15 @@ def test_qk_norm_then_rope_matches_reference(mode):
         np.testing.assert_allclose(host(got), ref.reshape(x.shape), rtol=1e-5, atol=2e-6)
 
 
-def test_partial_rope_passes_the_tail_through():
+def test_partial_rope_with_frequency_factors_passes_the_tail_through():
     rng = np.random.default_rng(53)
     q = rng.standard_normal((2, 2 * HEAD_DIM)).astype(np.float32)
-    positions = np.array([3, 11], dtype=np.int32)
+    positions = np.array([3, 70000], dtype=np.int32)
+    factors = np.array([1.0, 2.0, 8.0, 32.0], np.float32)  # llama's rope_freqs
     q_dev = dev(q)
-    head_norm_rope(q_dev, None, dev(positions), head_dim=HEAD_DIM, rope_mode="neox", freq_base=1e6, rope_dims=8)
-    cos, sin = reference_ops.rope_angles(positions, 8, 1e6)
+    head_norm_rope(q_dev, None, dev(positions), head_dim=HEAD_DIM, rope_mode="neox", rope_dims=8,
+                   inv_freq=dev(rope_inv_freq(1e6, 8, factors)))
+    cos, sin = reference_ops.rope_angles(positions, 8, 1e6, factors)
     ref = reference_ops.rope(_heads(q), cos, sin, is_neox=True).reshape(q.shape)
     np.testing.assert_allclose(host(q_dev), ref, rtol=1e-5, atol=2e-6)
     assert not np.allclose(ref, q)  # the rotation did something to compare against

@@ -1,0 +1,19 @@
+"""Numba CUDA kernels for the whole qwen3moe forward, one module per family.
+
+    packing        GGUF blocks split into aligned planes (the layout every kernel reads)
+    quant_device   octet dequantizers: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16, F32
+    gemv           decode matrix-vector, optional fused RMSNorm and residual add
+    gemm           prefill matrix-matrix, dequantization fused into shared-memory tiles
+    norm, rope     RMSNorm; per-head q/k norm fused with RoPE (NeoX and normal)
+    kvcache        K/V append in F16, Q8_0, Q4_0
+    attention      causal GQA over the cache, prefill and split-KV decode
+    moe_route      softmax top-k routing, grouping of routed pairs by expert
+    moe            expert products, prefill (tiled, gathered) and decode (GEMV-shaped)
+    activation     SwiGLU
+    sample         greedy and top-k / top-p / temperature token selection
+    elementwise    embedding gather from a quantized table, residual add
+    block_reduce   shared-memory block reductions (the simulator has no warp shuffles)
+
+Every host wrapper validates its inputs, picks the grid and documents its launch config; kernels
+compile once per format and configuration. The same code runs under NUMBA_ENABLE_CUDASIM=1.
+"""

@@ -6,10 +6,12 @@ together, so the step costs one launch instead of four. Either part can be switc
 rope_mode=None it is the per-head norm alone (norm.head_rms_norm), without norm weights it is
 RoPE alone.
 
-RoPE: pair i (i < rope_dims / 2) turns by position * base^(-2i / rope_dims). NeoX ordering
-(qwen3moe) pairs x[i] with x[i + rope_dims / 2]; normal ordering (llama) pairs x[2i], x[2i+1];
-dims from rope_dims on pass through. The angle and its sine and cosine are computed in float64:
-in float32 a position in the tens of thousands loses ~1e-3 rad, and this is one sincos per pair.
+RoPE: pair i (i < rope_dims / 2) turns by position * inv_freq[i], inv_freq[i] =
+base^(-2i / rope_dims) / freq_factors[i] (rope_inv_freq). NeoX ordering (qwen3moe) pairs x[i]
+with x[i + rope_dims / 2]; normal ordering (llama) pairs x[2i], x[2i+1]; dims from rope_dims on
+pass through. In float32 an angle at a position in the tens of thousands is off by ~1e-3 rad, so
+the angle is formed and reduced modulo 2 pi in float64 (three float64 operations: cheap even on
+GPUs with 1/64-rate float64), then its sine and cosine are taken in float32.
 
 Launch config: grid (num_tokens, num_q_heads + num_k_heads), block head_dim / 2 threads (one
 pair each); shared memory head_dim / 2 float32.
@@ -23,10 +25,21 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._common import check_array, check_positive, dummy, is_finite_number
+from ._common import check_array, check_positive, dummy, is_device_array, is_finite_number
 from .block_reduce import device_block_sum
 
 ROPE_MODES = ("neox", "normal")
+_TWO_PI = 2.0 * math.pi
+_INV_TWO_PI = 1.0 / (2.0 * math.pi)
+
+
+def rope_inv_freq(freq_base: float, rope_dims: int, freq_factors=None) -> np.ndarray:
+    """inv_freq [rope_dims / 2] float64: base^(-2i / rope_dims), divided by freq_factors[i] if given."""
+    i = np.arange(rope_dims // 2, dtype=np.float64)
+    inv_freq = float(freq_base) ** (-2.0 * i / rope_dims)
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64).reshape(-1)
+    return inv_freq
 
 
 @functools.cache
@@ -37,7 +50,7 @@ def _head_kernel(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm:
     has_rope = rope_mode is not None
 
     @cuda.jit
-    def head_norm_rope_kernel(q, k, num_q_heads, q_norm_w, k_norm_w, positions, eps, freq_base):
+    def head_norm_rope_kernel(q, k, num_q_heads, q_norm_w, k_norm_w, positions, inv_freq, eps):
         # q [T, Hq * d], k [T, Hk * d], in place
         t = cuda.blockIdx.x
         head = cuda.blockIdx.y
@@ -59,9 +72,10 @@ def _head_kernel(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm:
             xa = xa * inv_rms * (q_norm_w[a] if is_q else k_norm_w[a])
             xb = xb * inv_rms * (q_norm_w[b] if is_q else k_norm_w[b])
         if has_rope and i < half_rot:
-            angle = np.float64(positions[t]) * math.pow(freq_base, -2.0 * i / rope_dims)
-            c = np.float32(math.cos(angle))
-            s = np.float32(math.sin(angle))
+            angle = np.float64(positions[t]) * inv_freq[i]
+            reduced = np.float32(angle - _TWO_PI * math.floor(angle * _INV_TWO_PI + 0.5))
+            c = np.float32(math.cos(reduced))
+            s = np.float32(math.sin(reduced))
             xa, xb = xa * c - xb * s, xa * s + xb * c
         if is_q:
             q[t, base + a] = xa
@@ -75,12 +89,13 @@ def _head_kernel(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm:
 
 def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=None, k_norm_weight=None,
                    eps: float = 1e-6, rope_mode: str | None = "neox", freq_base: float = 1e6,
-                   rope_dims: int | None = None):
+                   rope_dims: int | None = None, inv_freq=None):
     """In place: per-head RMSNorm (when norm weights are given) then RoPE (unless rope_mode=None).
 
     q: [T, Hq * head_dim] float32; k: [T, Hk * head_dim] float32 or None; positions: [T] int32
     (needed with RoPE); q_norm_weight / k_norm_weight: [head_dim] float32, both or neither (only
-    q's when k is None). Returns (q, k).
+    q's when k is None). inv_freq: [rope_dims / 2] float64 (rope_inv_freq, uploaded once by the
+    caller); when None it is built from freq_base here. Returns (q, k).
     """
     check_positive("head_dim", head_dim)
     if head_dim % 2:
@@ -113,6 +128,10 @@ def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=No
         if positions is None:
             raise ValueError("positions are required for RoPE")
         check_array("positions", positions, dtypes=np.int32, shape=(num_tokens,))
+        if inv_freq is None:
+            inv_freq = rope_inv_freq(freq_base, rope_dims)
+            inv_freq = cuda.to_device(inv_freq) if is_device_array(q) else inv_freq
+        check_array("inv_freq", inv_freq, dtypes=np.float64, shape=(rope_dims // 2,))
     num_q_heads = q.shape[1] // head_dim
     num_k_heads = 0 if k is None else k.shape[1] // head_dim
     if num_tokens == 0 or not has_norm and rope_mode is None:
@@ -125,8 +144,8 @@ def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=No
         q_norm_weight if has_norm else f32.reshape(1),
         k_norm_weight if has_norm and k is not None else f32.reshape(1),
         positions if positions is not None else dummy(np.int32, q).reshape(1),
+        inv_freq if inv_freq is not None else dummy(np.float64, q).reshape(1),
         np.float32(eps),
-        float(freq_base),
     )
     kernel = _head_kernel(head_dim, rope_dims, rope_mode, has_norm)
     kernel[(num_tokens, num_q_heads + num_k_heads), head_dim // 2](*args)
