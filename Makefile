@@ -22,4 +22,4 @@ run: setup
 # CI has no GPU: kernels run under the CUDA simulator. pytest exits 5 when it collects nothing,
 # and make fails on any non-zero exit, so an empty run never passes.
 test: setup
-	NUMBA_ENABLE_CUDASIM=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	NUMBA_ENABLE_CUDASIM=1 OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
