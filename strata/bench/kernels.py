@@ -12,7 +12,6 @@ figures mean nothing (it checks that the script still works).
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from typing import Callable, NamedTuple
@@ -27,7 +26,7 @@ from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
 from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group, moe_route
-from strata.gpu.kernels.packing import FORMATS, PackedMatrix, plane_shapes
+from strata.gpu.kernels.packing import PackedMatrix, plane_shapes
 from strata.gpu.kernels.rope import head_norm_rope
 
 HBM_BYTES_PER_S = 3.9e12  # Numba copy kernel, read + write, measured on the reference H200

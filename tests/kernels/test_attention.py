@@ -54,9 +54,9 @@ def test_decode_one_token_split_over_the_context(num_splits):
 
 
 def test_split_prefill_with_custom_scale_equals_unsplit():
-    (k_cache, _), (v_cache, _) = _cache("Q4_0", 24, seed=74)
+    (k_cache, _), (v_cache, _) = _cache("Q4_0", 16, seed=74)
     q = np.random.default_rng(75).standard_normal((3, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
-    positions = np.array([17, 18, 19], np.int32)
+    positions = np.array([11, 12, 13], np.int32)  # 14 keys: two splits of one 8-key tile each
     args = dict(num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, scale=0.3, config=TINY)
     whole = host(attention(dev(q), k_cache, v_cache, positions, **args))
     split = host(attention(dev(q), k_cache, v_cache, positions, num_splits=2, **args))

@@ -3,7 +3,7 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize as gguf_quantize
 
-from kernel_data import dev, host
+from kernel_data import dev
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
 from strata.gpu.kernels.packing import unpack
 

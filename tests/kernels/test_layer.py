@@ -17,7 +17,7 @@ from strata.gpu.kernels.rope import head_norm_rope
 from strata.model.reference import KVCache, ReferenceModel
 from strata.model.spec import ModelSpec, tensor_shapes
 
-SPEC = ModelSpec(arch="qwen3moe", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+SPEC = ModelSpec(arch="qwen3moe", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=16,
                  num_rope_dims=16, vocab_size=8, context_length=16, rope_theta=1e6, is_rope_neox=True,
                  rms_norm_eps=1e-6, dense_ffn_size=0, num_experts=4, num_experts_used=2, expert_ffn_size=32,
                  shared_expert_ffn_size=0, has_shared_expert_gate=False, is_expert_weights_normalized=True,

@@ -23,7 +23,7 @@ def _experts(fmts, num_experts, dim, ffn, seed):
 
 
 def test_prefill_experts_over_grouped_tiles_match_reference_moe():
-    num_tokens, num_experts, top_k, dim, ffn = 7, 4, 2, 64, 32
+    num_tokens, num_experts, top_k, dim, ffn = 7, 4, 2, 32, 32
     (gate, up, down), values = _experts(("Q4_0", "Q4_1", "Q8_0"), num_experts, dim, ffn, seed=90)
     rng = np.random.default_rng(91)
     x = rng.standard_normal((num_tokens, dim)).astype(np.float32)

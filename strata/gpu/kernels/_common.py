@@ -14,7 +14,6 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-WARP_SIZE = 32
 OCTET = 8  # elements one thread dequantizes per step: 8 of any format = at most two uint32 words
 IS_SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
 

@@ -1,7 +1,4 @@
-"""SwiGLU, silu(gate) * up, for the paths that do not fuse it into the expert GEMM epilogues.
-
-Launch config: grid ceil(T * F / threads), block `threads` (default 256); one element per thread.
-"""
+"""SwiGLU, silu(gate) * up, for the paths that do not fuse it into the expert GEMM epilogues."""
 
 from __future__ import annotations
 
@@ -31,7 +28,10 @@ def _swiglu_kernel(gate, up, out):  # flat [n]
 
 
 def swiglu(gate, up, out=None, *, threads: int = _DEFAULT_THREADS):
-    """out = silu(gate) * up elementwise; gate, up [..., F] float32/float16 -> out float32."""
+    """out = silu(gate) * up elementwise; gate, up [..., F] float32/float16 -> out float32.
+
+    Launch config: grid ceil(n / threads), block `threads` (default 256); one element per thread.
+    """
     check_array("gate", gate, dtypes=(np.float32, np.float16))
     check_array("up", up, dtypes=(np.float32, np.float16), shape=tuple(gate.shape))
     check_power_of_two("threads", threads)

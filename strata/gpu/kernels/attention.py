@@ -13,11 +13,6 @@ block each; blocks write unnormalized partials (O, m, l) and a second launch com
 
 This is the FFMA path the simulator runs; on the GPU the score and P V products of a tile are
 where tensor-core fragments go (same staging, same softmax bookkeeping).
-
-Launch config: attention: grid (ceil(T / tokens_per_block), num_kv_heads, num_splits), block
-tokens_per_block * group * threads_per_row threads; shared memory (rows * head_dim +
-kv_tile * (2 * head_dim + 1) + rows * kv_tile + 2 * threads) float32, rows = tokens_per_block *
-group. combine: grid (T, num_q_heads), block head_dim threads.
 """
 
 from __future__ import annotations
@@ -203,6 +198,12 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     q_positions: [T] int32. kv_len: cache rows in use (> every position); needed when q_positions
     is on the device. num_splits > 1 splits the KV range over blocks and combines (decode);
     workspace: optional preallocated (o_part [S, T, Hq, d], m_part [S, T, Hq], l_part [S, T, Hq]).
+
+    Launch config: grid (ceil(T / tokens_per_block), num_kv_heads, num_splits), block
+    tokens_per_block * group * threads_per_row threads; static shared memory (rows * head_dim +
+    kv_tile * (2 * head_dim + 1) + rows * kv_tile + 2 * threads) float32 with rows =
+    tokens_per_block * group, at most 48 KiB (44 KiB for the default at head_dim 128, group 8).
+    With num_splits > 1 a second launch combines: grid (T, num_q_heads), block min(head_dim, 128).
     """
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("num_splits", num_splits)):

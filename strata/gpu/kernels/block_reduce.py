@@ -1,14 +1,15 @@
-"""Block-wide reductions through shared memory, the building block every kernel here reduces with.
+"""The block-wide sum through shared memory that the norms reduce with (and the shared -inf).
 
 The CUDA simulator has no warp shuffles, so reductions go through shared memory and
 `syncthreads`, which both the simulator and the GPU run. Each thread writes one value, then every
 thread reads all of them back in the same order: no second barrier to broadcast the result, and
 every thread gets the bit-identical total. The reads are broadcasts (one address per step across
 the block), so they cost no bank conflicts; at 128-256 threads this is a few hundred cycles per
-call, paid once per kernel or per tile, never per element.
+call, paid once per kernel, never per element. (GEMV, attention and sampling reduce over their
+own thread groups the same way, inline.)
 
 `red` is a float32 shared array of at least `num_threads` elements owned by the caller; the
-leading barrier makes it safe to call these back to back with the same `red`.
+leading barrier makes it safe to call it back to back with the same `red`.
 """
 
 from __future__ import annotations
@@ -27,26 +28,4 @@ def device_block_sum(value, red, tid, num_threads):
     total = np.float32(0.0)
     for i in range(num_threads):
         total += red[i]
-    return total
-
-
-@cuda.jit(device=True)
-def device_block_max(value, red, tid, num_threads):
-    cuda.syncthreads()
-    red[tid] = value
-    cuda.syncthreads()
-    best = NEG_INF
-    for i in range(num_threads):
-        best = max(best, red[i])
-    return best
-
-
-@cuda.jit(device=True)
-def device_group_sum(value, red, group, lane, group_size):
-    """Sum over the `group_size` consecutive threads of one group (the caller syncs around it)."""
-    red[group * group_size + lane] = value
-    cuda.syncthreads()
-    total = np.float32(0.0)
-    for i in range(group_size):
-        total += red[group * group_size + i]
     return total

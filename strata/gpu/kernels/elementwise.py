@@ -1,10 +1,4 @@
-"""Embedding gather from a quantized table, and the residual add.
-
-Launch config:
-    embedding: grid (num_tokens, ceil(num_cols / 8 / threads)), block `threads` (default 128);
-        thread t of block (i, j) dequantizes octet j*threads + t of row token_ids[i].
-    add: grid ceil(n / threads), block `threads` (default 256); one element per thread.
-"""
+"""Embedding gather from a quantized table, and the residual add."""
 
 from __future__ import annotations
 
@@ -48,6 +42,9 @@ def embedding(table: PackedMatrix, token_ids, out=None, *, threads: int = _DEFAU
     """out[i] = dequantized table row token_ids[i]; [T] int32 ids -> [T, num_cols] float32.
 
     Ids outside [0, num_rows) give a row of zeros (checked here when the ids are on the host).
+
+    Launch config: grid (T, ceil(num_cols / 8 / threads)), block `threads` (default 128); thread
+    t of block (i, j) dequantizes octet j * threads + t of row token_ids[i].
     """
     check_packed("table", table)
     check_array("token_ids", token_ids, dtypes=np.int32, ndim=1)
@@ -75,7 +72,10 @@ def _add_kernel(y, x, alpha):  # y [n] += alpha * x [n]
 
 
 def add(y, x, alpha: float = 1.0, *, threads: int = _DEFAULT_ADD_THREADS):
-    """y += alpha * x in place (the residual add); float32 arrays of equal shape, any ndim."""
+    """y += alpha * x in place (the residual add); float32 arrays of equal shape, any ndim.
+
+    Launch config: grid ceil(n / threads), block `threads` (default 256); one element per thread.
+    """
     check_array("y", y, dtypes=np.float32)
     check_array("x", x, dtypes=np.float32, shape=tuple(y.shape))
     check_power_of_two("threads", threads)

@@ -8,15 +8,12 @@ block / thread so that a warp's shared-memory reads are broadcasts or conflict-f
 weights only ever exist in shared memory, one tile at a time.
 
 This is the FFMA path: it is what the simulator runs, and what the tensor-core path must agree
-with. On the GPU the tensor-core path replaces only `mainloop_device`, with the same signature:
+with. On the GPU the tensor-core path replaces only `device_tile_fma` (and the fp32 staging with
+fp16 staging) inside `mainloop_device` / `dual_mainloop_device`, with the same signatures:
 stage the tiles as fp16 in shared memory and call a linked `mma.sync.m16n8k16` device function
 (`cuda.declare_device(..., link=[...])`) on fragments instead of the FFMA loop; the row gather,
 the staging of quantized weights and every epilogue (plain, residual add, MoE SwiGLU and
 weighted scatter in moe.py) stay as they are.
-
-Launch config: grid (ceil(N / block_n), ceil(T / block_m)), block (block_m / thread_m) *
-(block_n / thread_n) threads; shared memory 32 * (block_m + block_n) float32 + block_m int32.
-Default (H200): 64 x 64 tiles, 4 x 4 per thread, 256 threads, 16.25 KiB shared.
 """
 
 from __future__ import annotations
@@ -58,13 +55,8 @@ class GemmConfig(NamedTuple):
 
 
 @functools.cache
-def mainloop_device(fmt: str, config: GemmConfig):
-    """device_gemm_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
-
-    acc[i * thread_n + j] += sum_k x[x_rows[m_i], k] * W[w_row0 + n_j, k] with m_i = ty + i * (block_m / thread_m),
-    n_j = tx + j * (block_n / thread_n). x_rows: shared int32 [block_m], -1 marks an empty tile row;
-    xs, ws: shared float32 [32 * block_m], [32 * block_n]. Every thread of the block must call it.
-    """
+def _tile_devices(fmt: str, config: GemmConfig):
+    """(device_stage_x, device_stage_w, device_tile_fma): the pieces of one 32-wide K step."""
     dequant8 = dequant8_for(fmt)
     bm, bn, tm, tn = config
     threads = config.threads
@@ -74,42 +66,97 @@ def mainloop_device(fmt: str, config: GemmConfig):
     w_loads = bn * _OCTETS_PER_STEP // threads
 
     @cuda.jit(device=True)
-    def device_gemm_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
+    def device_stage_x(x, x_rows, step, xs, tid):  # xs[k * bm + m] = x[x_rows[m], 32 * step + k]
+        for i in range(x_loads):
+            idx = tid + i * threads
+            m = idx // BLOCK_K
+            k = idx % BLOCK_K
+            row = x_rows[m]
+            xs[k * bm + m] = np.float32(x[row, step * BLOCK_K + k]) if row >= 0 else np.float32(0.0)
+
+    @cuda.jit(device=True)
+    def device_stage_w(quants, scales, extra, w_row0, w_row_end, step, ws, wl, tid):  # ws[k * bn + n]
+        for i in range(w_loads):
+            idx = tid + i * threads
+            n = idx // _OCTETS_PER_STEP
+            octet = idx % _OCTETS_PER_STEP
+            if w_row0 + n < w_row_end:
+                dequant8(quants, scales, extra, w_row0 + n, step * _OCTETS_PER_STEP + octet, wl, 0)
+            else:
+                for j in range(OCTET):
+                    wl[j] = np.float32(0.0)
+            for j in range(OCTET):
+                ws[(octet * OCTET + j) * bn + n] = wl[j]
+
+    @cuda.jit(device=True)
+    def device_tile_fma(xs, ws, acc, a, b, tid):
         tx = tid % cols_n
         ty = tid // cols_n
+        for k in range(BLOCK_K):
+            for i in range(tm):
+                a[i] = xs[k * bm + ty + i * stride_m]
+            for j in range(tn):
+                b[j] = ws[k * bn + tx + j * stride_n]
+            for i in range(tm):
+                for j in range(tn):
+                    acc[i * tn + j] += a[i] * b[j]
+
+    return device_stage_x, device_stage_w, device_tile_fma
+
+
+@functools.cache
+def mainloop_device(fmt: str, config: GemmConfig):
+    """device_gemm_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
+
+    acc[i * thread_n + j] += sum_k x[x_rows[m_i], k] * W[w_row0 + n_j, k] with m_i = ty + i * (block_m / thread_m),
+    n_j = tx + j * (block_n / thread_n). x_rows: shared int32 [block_m], -1 marks an empty tile row;
+    xs, ws: shared float32 [32 * block_m], [32 * block_n]. Every thread of the block must call it.
+    """
+    stage_x, stage_w, tile_fma = _tile_devices(fmt, config)
+    tm, tn = config.thread_m, config.thread_n
+
+    @cuda.jit(device=True)
+    def device_gemm_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
         wl = cuda.local.array(OCTET, np.float32)
         a = cuda.local.array(tm, np.float32)
         b = cuda.local.array(tn, np.float32)
         for step in range(x.shape[1] // BLOCK_K):
-            for i in range(x_loads):
-                idx = tid + i * threads
-                m = idx // BLOCK_K
-                k = idx % BLOCK_K
-                row = x_rows[m]
-                xs[k * bm + m] = np.float32(x[row, step * BLOCK_K + k]) if row >= 0 else np.float32(0.0)
-            for i in range(w_loads):
-                idx = tid + i * threads
-                n = idx // _OCTETS_PER_STEP
-                octet = idx % _OCTETS_PER_STEP
-                if w_row0 + n < w_row_end:
-                    dequant8(quants, scales, extra, w_row0 + n, step * _OCTETS_PER_STEP + octet, wl, 0)
-                else:
-                    for j in range(OCTET):
-                        wl[j] = np.float32(0.0)
-                for j in range(OCTET):
-                    ws[(octet * OCTET + j) * bn + n] = wl[j]
+            stage_x(x, x_rows, step, xs, tid)
+            stage_w(quants, scales, extra, w_row0, w_row_end, step, ws, wl, tid)
             cuda.syncthreads()
-            for k in range(BLOCK_K):
-                for i in range(tm):
-                    a[i] = xs[k * bm + ty + i * stride_m]
-                for j in range(tn):
-                    b[j] = ws[k * bn + tx + j * stride_n]
-                for i in range(tm):
-                    for j in range(tn):
-                        acc[i * tn + j] += a[i] * b[j]
+            tile_fma(xs, ws, acc, a, b, tid)
             cuda.syncthreads()
 
     return device_gemm_mainloop
+
+
+@functools.cache
+def dual_mainloop_device(fmt_a: str, fmt_b: str, config: GemmConfig):
+    """device_gemm_dual_mainloop(x, x_rows, qa, sa, ea, qb, sb, eb, w_row0, w_row_end, xs, ws_a, ws_b, acc_a, acc_b, tid):
+
+    mainloop_device's products against two weights with the same row range (gate and up), the X
+    tile staged once per step for both.
+    """
+    stage_x, stage_a, tile_fma = _tile_devices(fmt_a, config)
+    stage_b = _tile_devices(fmt_b, config)[1]
+    tm, tn = config.thread_m, config.thread_n
+
+    @cuda.jit(device=True)
+    def device_gemm_dual_mainloop(x, x_rows, qa, sa, ea, qb, sb, eb, w_row0, w_row_end, xs, ws_a, ws_b,
+                                  acc_a, acc_b, tid):
+        wl = cuda.local.array(OCTET, np.float32)
+        a = cuda.local.array(tm, np.float32)
+        b = cuda.local.array(tn, np.float32)
+        for step in range(x.shape[1] // BLOCK_K):
+            stage_x(x, x_rows, step, xs, tid)
+            stage_a(qa, sa, ea, w_row0, w_row_end, step, ws_a, wl, tid)
+            stage_b(qb, sb, eb, w_row0, w_row_end, step, ws_b, wl, tid)
+            cuda.syncthreads()
+            tile_fma(xs, ws_a, acc_a, a, b, tid)
+            tile_fma(xs, ws_b, acc_b, a, b, tid)
+            cuda.syncthreads()
+
+    return device_gemm_dual_mainloop
 
 
 @functools.cache
@@ -152,6 +199,10 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config: GemmCo
     """y[t, n] = sum_k x[t, k] W[n, k]: x [T, K] float32/float16, W packed [N, K], y [T, N] float32.
 
     accumulate=True adds into y (the residual stream) instead of overwriting it.
+
+    Launch config: grid (ceil(N / block_n), ceil(T / block_m)), block (block_m / thread_m) *
+    (block_n / thread_n) threads; shared memory 32 * (block_m + block_n) float32 + block_m int32.
+    Default (H200): 64 x 64 tiles, 4 x 4 per thread, 256 threads, 16.25 KiB shared.
     """
     check_packed("w", w)
     config = config.validate()

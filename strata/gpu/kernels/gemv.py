@@ -10,9 +10,6 @@ the lanes' partials meet in shared memory once, at the end.
 With `norm_weight` the kernel first computes RMSNorm's 1/rms of x over the block (each block
 re-reads x from L2, which costs far less than the launch it saves) and scales every activation by
 inv_rms * norm_weight as it loads it: the pre-attention and pre-FFN norms cost no launch.
-
-Launch config: grid ceil(num_rows / (threads / lanes_per_row * rows_per_group)), block `threads`;
-shared memory threads * rows_per_group float32. Defaults (H200): 128 threads, 32 lanes, 4 rows.
 """
 
 from __future__ import annotations
@@ -149,6 +146,10 @@ def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, acc
 
     w: packed [N, K] (any format); x: [K] float32 or float16; norm_weight: [K] float32;
     y: [N] float32 (allocated when None); accumulate=True adds into y (the residual stream).
+
+    Launch config: grid ceil(N / (threads / lanes_per_row * rows_per_group)), block `threads`;
+    shared memory threads * rows_per_group float32. Default (H200): 128 threads, 32 lanes per row,
+    4 rows per lane group: 16 rows per block.
     """
     check_packed("w", w)
     config = config.validate()

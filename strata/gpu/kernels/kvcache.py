@@ -6,9 +6,6 @@ is exactly a GGUF Q8_0 / Q4_0 block (fp16 d, quants in ggml's nibble order) spli
 quants and scales planes, so attention reads the cache through the same octet dequantizers as the
 weights. Quantization rounds exactly as ggml's quantize_row_q8_0_ref / quantize_row_q4_0_ref
 (round half away from zero; Q4_0's d = the signed extreme / -8, truncation after +8.5).
-
-Launch config: grid (num_tokens, ceil(width / 32 / threads), 2) (z: K then V), block `threads`
-(default 64); one thread quantizes one 32-element block.
 """
 
 from __future__ import annotations
@@ -117,6 +114,9 @@ def append_kv(k_cache: PackedMatrix, v_cache: PackedMatrix, k_new, v_new, positi
     """Write k_new[t], v_new[t] ([T, width] float32) into row positions[t] ([T] int32) of the caches.
 
     Positions outside [0, num_positions) are skipped (and rejected here when on the host).
+
+    Launch config: grid (T, ceil(width / 32 / threads), 2) (z: K, V), block `threads` (default
+    64); one thread quantizes one 32-element block.
     """
     check_packed("k_cache", k_cache, formats=KV_FORMATS)
     check_packed("v_cache", v_cache, formats=(k_cache.fmt,))

@@ -5,9 +5,9 @@ row n is row e * F + n, resp. e * H + n), in any format; the kernels index the s
 expert occupies, never a copy.
 
 Prefill (moe_experts_prefill), two launches over the tiles of moe_route.moe_group:
-    gate_up: per (tile of block_m grouped pairs, block_n columns of F) the GEMM main loop runs
-        over the gate and the up rows of the tile's expert, with the X rows gathered by
-        pair_token; the epilogue writes silu(g) * u to hidden [P, F] (float32 or float16).
+    gate_up: per (tile of block_m grouped pairs, block_n columns of F) one GEMM main loop stages
+        the X rows (gathered by pair_token) once per step for both the gate and the up rows of
+        the tile's expert; the epilogue writes silu(g) * u to hidden [P, F] (float32 or float16).
     down: per (tile, block_n columns of H): hidden rows x down rows; the epilogue scales by
         pair_weight and atomically adds into out[pair_token] (out is the residual stream). The
         k experts of a token land in any order, so the float sum is not bitwise reproducible.
@@ -15,9 +15,6 @@ Decode (moe_experts_decode), two launches, GEMV-shaped (a few tokens):
     gate_up: grid (F row blocks, T * k pairs), optionally with the FFN RMSNorm fused in;
     down: grid (H row blocks, T); each row group loops over the token's k experts and adds
         sum_j w_j * (W_down_e h_j) into out without atomics.
-
-Launch config: prefill as gemm.py, grid (ceil(F or H / block_n), max_tiles); tiles beyond
-num_tiles exit at once. Decode as gemv.py, grid (ceil(rows / rows_per_block), T * k or T).
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from numba import cuda
 
 from .activation import device_silu_mul
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number
-from .gemm import BLOCK_K, GemmConfig, mainloop_device
+from .gemm import BLOCK_K, GemmConfig, dual_mainloop_device, mainloop_device
 from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
 from .moe_route import MoeGroups
 from .packing import PackedMatrix, check_packed
@@ -40,7 +37,7 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemmConf
     bm, bn, tm, tn = config
     cols_n, stride_m, stride_n = bn // tn, bm // tm, bn // tn
     xs_size, ws_size, acc_size = BLOCK_K * bm, BLOCK_K * bn, tm * tn
-    gate_loop, up_loop = mainloop_device(fmt_gate, config), mainloop_device(fmt_up, config)
+    gate_up_loop = dual_mainloop_device(fmt_gate, fmt_up, config)
     down_loop = mainloop_device(fmt_down, config)
 
     @cuda.jit
@@ -53,7 +50,8 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemmConf
         expert, start, rows = tile_expert[tile], tile_start[tile], tile_rows[tile]
         x_rows = cuda.shared.array(bm, np.int32)
         xs = cuda.shared.array(xs_size, np.float32)
-        ws = cuda.shared.array(ws_size, np.float32)
+        ws_g = cuda.shared.array(ws_size, np.float32)
+        ws_u = cuda.shared.array(ws_size, np.float32)
         if tid < bm:
             x_rows[tid] = pair_token[start + tid] if tid < rows else -1
         acc_g = cuda.local.array(acc_size, np.float32)
@@ -63,8 +61,8 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemmConf
             acc_u[i] = np.float32(0.0)
         cuda.syncthreads()
         n0 = cuda.blockIdx.x * bn
-        gate_loop(x, x_rows, gq, gs, ge, expert * ffn + n0, expert * ffn + ffn, xs, ws, acc_g, tid)
-        up_loop(x, x_rows, uq, us, ue, expert * ffn + n0, expert * ffn + ffn, xs, ws, acc_u, tid)
+        gate_up_loop(x, x_rows, gq, gs, ge, uq, us, ue, expert * ffn + n0, expert * ffn + ffn, xs, ws_g, ws_u,
+                     acc_g, acc_u, tid)
         for i in range(tm):
             m = tid // cols_n + i * stride_m
             for j in range(tn):
@@ -125,6 +123,10 @@ def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatr
 
     groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
     scratch (P = T * k) of hidden_dtype (float32 or float16).
+
+    Launch config: two launches with gemm's block (config.threads threads): gate_up grid
+    (ceil(F / block_n), max_tiles), down grid (ceil(H / block_n), max_tiles); blocks of tiles
+    beyond num_tiles exit at once.
     """
     config = config.validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
@@ -222,7 +224,11 @@ def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, do
                        config: GemvConfig = GemvConfig()):
     """out [T, H] += routed experts for a few tokens; x [T, H] float32 (RMSNorm-ed here when
     norm_weight [H] is given), ids/weights [T, k] from moe_route (an id outside [0, num_experts)
-    contributes nothing); hidden: optional [T * k, F] float32 scratch."""
+    contributes nothing); hidden: optional [T * k, F] float32 scratch.
+
+    Launch config: two launches with gemv's block (config.threads threads): gate_up grid
+    (ceil(F / rows_per_block), T * k), down grid (ceil(H / rows_per_block), T).
+    """
     config = config.validate()
     check_array("x", x, dtypes=np.float32, ndim=2)
     num_tokens, dim = x.shape

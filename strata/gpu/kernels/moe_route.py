@@ -11,11 +11,6 @@ order within a segment (deterministic, no atomics on global memory), plus a list
     count   per chunk of pairs, an expert histogram (shared-memory atomics, exact counts);
     scan    one block: segment offsets, each chunk's write base per expert, the tile list;
     scatter per chunk, each pair's rank among earlier same-expert pairs of its chunk.
-
-Launch config:
-    route: grid ceil(T / threads), block `threads` (default 128).
-    count and scatter: grid ceil(P / chunk), block `threads`, chunk = 4 * threads pairs;
-    scan: grid 1, block `threads`. Default threads 256.
 """
 
 from __future__ import annotations
@@ -72,7 +67,10 @@ def _route_kernel(top_k: int, is_norm: bool):
 
 
 def moe_route(logits, top_k: int, *, norm_weights: bool = True, ids=None, weights=None, threads: int = 128):
-    """Top-k experts per token: logits [T, E] float32 -> ids [T, k] int32, weights [T, k] float32."""
+    """Top-k experts per token: logits [T, E] float32 -> ids [T, k] int32, weights [T, k] float32.
+
+    Launch config: grid ceil(T / threads), block `threads` (default 128); one token per thread.
+    """
     check_array("logits", logits, dtypes=np.float32, ndim=2)
     num_tokens, num_experts = logits.shape
     check_positive("top_k", top_k)
@@ -193,7 +191,12 @@ def _group_kernels(num_experts: int, threads: int, top_k: int):
 
 
 def moe_group(ids, weights, num_experts: int, block_m: int, *, threads: int = 256) -> MoeGroups:
-    """Group the pairs of ids/weights [T, k] by expert into tiles of block_m (the GEMM's block_m)."""
+    """Group the pairs of ids/weights [T, k] by expert into tiles of block_m (the GEMM's block_m).
+
+    Ids outside [0, num_experts) are dropped. Launch config: three launches, block `threads`
+    (default 256): count and scatter grid ceil(P / (4 * threads)) (a chunk of 4 pairs per thread),
+    scan grid 1.
+    """
     check_array("ids", ids, dtypes=np.int32, ndim=2)
     num_tokens, top_k = ids.shape
     check_array("weights", weights, dtypes=np.float32, shape=(num_tokens, top_k))

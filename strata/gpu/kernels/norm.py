@@ -3,10 +3,6 @@
 y = x / sqrt(mean(x^2) + eps) * weight. The decode path rarely launches this: the norm in front
 of a GEMV is fused into it (gemv(..., norm_weight=...)), and the per-head q/k norm into RoPE
 (rope.head_norm_rope). This is the prefill path, the final norm, and the standalone per-head norm.
-
-Launch config:
-    rms_norm: grid num_rows, block `threads` (default 256); shared memory `threads` float32.
-    head_rms_norm: as rope.head_norm_rope, grid (num_tokens, num_heads), block head_dim / 2.
 """
 
 from __future__ import annotations
@@ -48,6 +44,8 @@ def rms_norm(x, weight, eps: float = 1e-6, out=None, *, threads: int = _DEFAULT_
     """RMSNorm of each row: x [T, H] float32/float16, weight [H] float32 -> out [T, H] float32.
 
     out may be x itself (float32) for an in-place norm.
+
+    Launch config: grid T, block `threads` (default 256); shared memory `threads` float32.
     """
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     check_array("weight", weight, dtypes=np.float32, shape=(x.shape[1],))
@@ -63,6 +61,9 @@ def rms_norm(x, weight, eps: float = 1e-6, out=None, *, threads: int = _DEFAULT_
 
 
 def head_rms_norm(x, weight, head_dim: int, eps: float = 1e-6):
-    """In place: RMSNorm of every head_dim-wide head of x [T, num_heads * head_dim] with weight [head_dim]."""
+    """In place: RMSNorm of every head_dim-wide head of x [T, num_heads * head_dim] with weight [head_dim].
+
+    Launch config: rope.head_norm_rope's, grid (T, num_heads), block head_dim / 2 threads.
+    """
     head_norm_rope(x, head_dim=head_dim, q_norm_weight=weight, eps=eps, rope_mode=None)
     return x

@@ -12,9 +12,6 @@ with x[i + rope_dims / 2]; normal ordering (llama) pairs x[2i], x[2i+1]; dims fr
 pass through. In float32 an angle at a position in the tens of thousands is off by ~1e-3 rad, so
 the angle is formed and reduced modulo 2 pi in float64 (three float64 operations: cheap even on
 GPUs with 1/64-rate float64), then its sine and cosine are taken in float32.
-
-Launch config: grid (num_tokens, num_q_heads + num_k_heads), block head_dim / 2 threads (one
-pair each); shared memory head_dim / 2 float32.
 """
 
 from __future__ import annotations
@@ -96,6 +93,9 @@ def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=No
     (needed with RoPE); q_norm_weight / k_norm_weight: [head_dim] float32, both or neither (only
     q's when k is None). inv_freq: [rope_dims / 2] float64 (rope_inv_freq, uploaded once by the
     caller); when None it is built from freq_base here. Returns (q, k).
+
+    Launch config: grid (T, Hq + Hk), block head_dim / 2 threads (one pair each); shared memory
+    head_dim / 2 float32.
     """
     check_positive("head_dim", head_dim)
     if head_dim % 2:

@@ -15,9 +15,6 @@ are read from a small device array, so a captured graph replays with fresh ones.
 
 top_k must lie in [1, MAX_TOP_K] (llama.cpp's default is 40); a request without a top-k
 (top_k = 0, the whole vocabulary) is not served here: the engine samples those on the host.
-
-Launch config: candidates: grid num_blocks (default 64), block `threads` (default 256);
-select: grid 1, block `threads`. Shared memory 4 * threads + 2 * MAX_TOP_K words.
 """
 
 from __future__ import annotations
@@ -149,6 +146,9 @@ def sample(logits, *, top_k: int, temperature: float = 1.0, top_p: float = 1.0, 
 
     temperature / top_p / uniform are ignored when params (a [3] float32 array: temperature,
     top_p, u) is given, e.g. a device array refreshed before each graph replay.
+
+    Launch config: candidates grid num_blocks (default 64), block `threads` (default 256); select
+    grid 1, block `threads`; shared memory 4 * threads + 2 * MAX_TOP_K words.
     """
     check_array("logits", logits, dtypes=np.float32, ndim=1)
     vocab = logits.shape[0]
@@ -176,5 +176,8 @@ def sample(logits, *, top_k: int, temperature: float = 1.0, top_p: float = 1.0, 
 
 
 def argmax(logits, *, token=None, num_blocks: int = 64, threads: int = 256):
-    """Greedy: the id of the highest logit (the lowest id among equals), as token [1] int32."""
+    """Greedy: the id of the highest logit (the lowest id among equals), as token [1] int32.
+
+    Launch config: as sample's, with one round per block.
+    """
     return sample(logits, top_k=1, temperature=0.0, token=token, num_blocks=num_blocks, threads=threads)
