@@ -1,9 +1,9 @@
 """Kernel benchmarks at Qwen3-30B-A3B shapes: `python -m strata.bench.kernels [--tiny]`.
 
 Rows: decode GEMV per format (GB/s against the measured 3.9 TB/s HBM copy), the prefill expert
-products at 512 / 2,048 / 8,192 routed pairs (TFLOP/s), causal attention prefill at 4k / 32k
-(TFLOP/s), decode attention (GB/s of KV read), one resident decode layer as plain launches, and
-the launches a decode token takes. Each figure is the median of --repeats CUDA-event timings after
+products for chunks of 512 / 2,048 / 8,192 tokens routed top-8 (TFLOP/s), causal attention
+prefill at 4k / 32k (TFLOP/s), decode attention (GB/s of KV read), one resident decode layer and
+a whole decode token (48 layers, head, sampling) as plain launches, and the launches per token. Each figure is the median of --repeats CUDA-event timings after
 --warmup runs. Weights are random packed planes (fp16 scales kept small and finite), never read
 from a model. --tiny shrinks every shape so the script runs under the CUDA simulator, where the
 figures mean nothing (it checks that the script still works).
@@ -28,6 +28,7 @@ from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group, moe_route
 from strata.gpu.kernels.packing import PackedMatrix, plane_shapes
 from strata.gpu.kernels.rope import head_norm_rope
+from strata.gpu.kernels.sample import sample
 
 HBM_BYTES_PER_S = 3.9e12  # Numba copy kernel, read + write, measured on the reference H200
 TARGET_GEMV_RATIO = 0.70
@@ -47,7 +48,7 @@ class Shapes(NamedTuple):
     top_k: int
     vocab: int
     num_layers: int
-    routed_pairs: tuple
+    prefill_tokens: tuple  # chunk sizes whose tokens are routed top_k each
     prefill_contexts: tuple
     decode_contexts: tuple
     num_sms: int
@@ -56,7 +57,7 @@ class Shapes(NamedTuple):
 
 
 QWEN3_30B = Shapes(2048, 32, 4, 128, 128, 768, 8, 151936, 48, (512, 2048, 8192), (4096, 32768), (4096, 32768), 132, 2048, 0)
-TINY = Shapes(32, 4, 2, 16, 3, 32, 2, 40, 2, (8,), (12,), (20,), 2, 256, 8)
+TINY = Shapes(32, 4, 2, 16, 3, 32, 2, 40, 2, (4,), (12,), (20,), 2, 256, 8)
 TINY_GEMV = GemvConfig(threads=32, lanes_per_row=8, rows_per_group=4)
 TINY_GEMM = GemmConfig(block_m=8, block_n=8, thread_m=2, thread_n=2)
 TINY_PREFILL = AttentionConfig(tokens_per_block=2, threads_per_row=4, kv_tile=8)
@@ -129,9 +130,9 @@ def make_experts(s: Shapes, fmt: str, rng) -> tuple:
             random_packed(fmt, s.num_experts * s.hidden, s.ffn, rng))
 
 
-def bench_moe_prefill(s: Shapes, experts, num_pairs: int, cfg: GemmConfig, timing) -> list:
+def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg: GemmConfig, timing) -> list:
     rng = np.random.default_rng(2)
-    num_tokens = num_pairs // s.top_k
+    num_pairs = num_tokens * s.top_k
     x = device_randn((num_tokens, s.hidden), rng)
     ids, weights = moe_route(device_randn((num_tokens, s.num_experts), rng), s.top_k, **_aux(s))
     out = cuda.to_device(np.zeros((num_tokens, s.hidden), np.float32))
@@ -141,8 +142,8 @@ def bench_moe_prefill(s: Shapes, experts, num_pairs: int, cfg: GemmConfig, timin
     ms = median_ms(lambda: moe_experts_prefill(x, groups, *experts, out, num_experts=s.num_experts, hidden=hidden,
                                                config=cfg), *timing)
     flops = 2.0 * num_pairs * 3 * s.ffn * s.hidden
-    return [Row(f"prefill experts {experts[0].fmt}, {num_pairs} routed pairs", flops / ms / 1e9, "TFLOP/s", None,
-                None)._replace(ceiling=TARGET_GEMM_FLOPS / 1e12, target=1.0),
+    return [Row(f"prefill experts {experts[0].fmt}, {num_tokens} tokens x top-{s.top_k}", flops / ms / 1e9, "TFLOP/s",
+                TARGET_GEMM_FLOPS / 1e12, 1.0),
             Row(f"  grouping of {num_pairs} pairs (3 launches)", group_ms * 1e3, "us", None, None)]
 
 
@@ -213,11 +214,20 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
         ids, weights = moe_route(logits, s.top_k, **_aux(s))
         moe_experts_decode(h, ids, weights, *experts, h, num_experts=s.num_experts, norm_weight=ones, config=gemv_cfg)
 
+    head = random_packed(fmt, s.vocab, s.hidden, rng)
+    vocab_logits, token = cuda.device_array(s.vocab, np.float32), cuda.device_array(1, np.int32)
+
+    def head_and_sample():
+        gemv(head, x.reshape(s.hidden), vocab_logits, norm_weight=ones, config=gemv_cfg)
+        sample(vocab_logits, top_k=4 if s.aux_threads else 40, temperature=0.8, top_p=0.95, uniform=0.5, token=token,
+               **({"threads": s.aux_threads, "num_blocks": 2} if s.aux_threads else {}))
+
     ms = median_ms(layer, *timing)
-    token_ms = ms * s.num_layers
+    token_ms = ms * s.num_layers + median_ms(head_and_sample, *timing)
     launches = DECODE_LAUNCHES_PER_LAYER * s.num_layers + DECODE_LAUNCHES_OUTSIDE
     return [Row(f"decode layer {fmt}, context {context}, plain launches", ms * 1e3, "us", None, None),
-            Row(f"  x {s.num_layers} layers (head and sampling excluded)", 1e3 / token_ms, "tokens/s", None, None),
+            Row(f"decode token: {s.num_layers} layers + head + sampling, plain launches", 1e3 / token_ms, "tokens/s",
+                None, None),
             Row("launches per decode token", launches, "launches", None, None)]
 
 
@@ -225,8 +235,8 @@ def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing) -> list:
     rows = [bench_gemv(s, fmt, n, gemv_cfg, timing) for fmt in ("Q4_0", "Q8_0", "Q4_K")
             for n in (s.vocab, s.num_q_heads * s.head_dim)]
     experts = make_experts(s, "Q4_0", np.random.default_rng(6))
-    for num_pairs in s.routed_pairs:
-        rows += bench_moe_prefill(s, experts, num_pairs, gemm_cfg, timing)
+    for num_tokens in s.prefill_tokens:
+        rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing)
     rows += [bench_attention_prefill(s, c, prefill_cfg, timing) for c in s.prefill_contexts]
     rows += [bench_attention_decode(s, c, fmt, decode_cfg, timing) for c in s.decode_contexts for fmt in ("F16", "Q8_0")]
     rows += bench_decode_layer(s, experts, "Q4_0", gemv_cfg, decode_cfg, timing)

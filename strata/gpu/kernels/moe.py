@@ -1,8 +1,8 @@
 """MoE expert products: out[t] += sum_j w_tj * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j].
 
 Expert weights are packed expert stacks: gate and up [E * F, H], down [E * H, F] (expert e's
-row n is row e * F + n, resp. e * H + n), in any format; the kernels index the slot a resident
-expert occupies, never a copy.
+row n is row e * F + n, resp. e * H + n), in any format. E may equal the slots of an expert
+cache, ids then naming slots: the kernels read the slot a resident expert occupies, never a copy.
 
 Prefill (moe_experts_prefill), two launches over the tiles of moe_route.moe_group:
     gate_up: per (tile of block_m grouped pairs, block_n columns of F) one GEMM main loop stages

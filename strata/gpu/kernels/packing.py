@@ -161,12 +161,11 @@ def to_device(p: PackedMatrix) -> PackedMatrix:
 
 def empty_packed(fmt: str, num_rows: int, num_cols: int, on_device: bool = True) -> PackedMatrix:
     """A zero-filled packed matrix (a KV cache layer, an expert slot) on the device or the host."""
-    like = (cuda.device_array(1),) if on_device else ()
     planes = {}
     for plane, dtype in _PLANE_DTYPES.items():
         shape, plane_dtype = plane_shapes(fmt, num_rows, num_cols).get(plane, ((1, 1), dtype))
         host = np.zeros(shape, plane_dtype)
-        planes[plane] = cuda.to_device(host) if like else host
+        planes[plane] = cuda.to_device(host) if on_device else host
     return PackedMatrix(fmt, num_rows, num_cols, planes["quants"], planes["scales"], planes["extra"])
 
 
