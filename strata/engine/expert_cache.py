@@ -1,8 +1,9 @@
 """The elastic expert cache: expert slots over one reserved range, mapped in segments.
 
-Slot ``i`` occupies bytes ``[i * slot_bytes, (i + 1) * slot_bytes)`` of the range, so kernels
-address every resident expert as one array. Growth maps segments at the end; shrink unmaps them
-and evicts the experts whose slots lie beyond the new end: no resident expert ever moves.
+Slots are numbered in address order over the range (on the GPU: each plane of the packed layout is
+its own range, slot ``i`` at the same index in every plane), so kernels address every resident
+expert by its slot. Growth maps segments at the end; shrink unmaps them and evicts the experts
+whose slots lie beyond the new end: no resident expert ever moves.
 
 During prefill the prompt workspace (staging ring and activations) borrows the top slots of the
 mapped range (``lend``), evicting what they held; ``min_cache_slots`` stay for cached experts.
@@ -29,8 +30,9 @@ class ExpertCache:
         self.segment_bytes = segment_bytes
         self.min_cache_slots = min_cache_slots
         reserved = max(segment_bytes, reserved_bytes // segment_bytes * segment_bytes)
-        self.storage = ops.arena(owner, reserved, segment_bytes)
-        self.storage.map_segments(min(reserved, base_bytes // segment_bytes * segment_bytes))
+        self.storage = ops.arena(owner, reserved, segment_bytes, layout)
+        self.segment_bytes = self.storage.segment_bytes  # what one segment costs on this backend
+        self.storage.map_segments(min(self.storage.reserved_bytes, base_bytes // segment_bytes * self.segment_bytes))
         self.base_bytes = self.storage.mapped_bytes
         self._lru: OrderedDict[Key, int] = OrderedDict()  # key → slot, least recently used first
         self._key_of: dict[int, Key] = {}
@@ -46,7 +48,7 @@ class ExpertCache:
 
     @property
     def num_slots(self) -> int:
-        return self.mapped_bytes // self.layout.slot_bytes
+        return self.storage.num_slots
 
     def borrowable_bytes(self) -> int:
         free_slots = self.num_slots - self._lent_slots - self.min_cache_slots

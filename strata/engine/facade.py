@@ -55,7 +55,7 @@ class Engine:
         ops = DryRunOps(ledger) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
         spec = model.spec
         layout = ops.expert_layout(model) if spec.is_moe else None
-        placement = plan_placement(config, model, layout, ledger.budget_bytes)
+        placement = plan_placement(config, model, layout, ledger.budget_bytes, ops.is_activation_borrowable)
         resources = _decode_resources(config, model, ops, placement)
         admit(config, plugins, resources)
         weights = DeviceWeights(ops, model)

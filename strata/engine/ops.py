@@ -45,10 +45,16 @@ class ExpertLayout:
 
 
 class ArenaStorage(Protocol):
-    """A reserved address range of expert slots, mapped in segments (CUDA virtual memory on the GPU)."""
+    """A reserved address range of expert slots, mapped in segments (CUDA virtual memory on the GPU).
+
+    ``segment_bytes`` is what one mapped segment costs in the ledger; ``num_slots`` the whole expert
+    slots the mapped segments hold.
+    """
 
     reserved_bytes: int
+    segment_bytes: int
     mapped_bytes: int
+    num_slots: int
 
     def map_segments(self, num_bytes: int) -> None: ...
 
@@ -58,6 +64,7 @@ class ArenaStorage(Protocol):
 class Ops(Protocol):
     name: str
     ledger: VramLedger
+    is_activation_borrowable: bool  # prompt activations may live in borrowed expert-cache storage
 
     # memory
     def alloc(self, owner: str, shape: tuple[int, ...], dtype: Any) -> Any: ...
@@ -65,7 +72,7 @@ class Ops(Protocol):
     def free(self, array: Any) -> None: ...
     def to_host(self, array: Any) -> np.ndarray: ...
     def host_buffer(self, num_bytes: int) -> np.ndarray: ...
-    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int) -> ArenaStorage: ...
+    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout) -> ArenaStorage: ...
     def arena_view(self, storage: ArenaStorage, offset: int, shape: tuple[int, ...], dtype: Any) -> Any: ...
     def expert_layout(self, model: Any) -> ExpertLayout: ...
     def encode_experts(self, raw: np.ndarray, qtype: QType, shape: tuple[int, int]) -> np.ndarray:

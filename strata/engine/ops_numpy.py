@@ -23,9 +23,10 @@ class NumpyArena:
     """Reserved range as one lazily committed host buffer; mapped segments are charged to the ledger."""
 
     def __init__(self, ledger: VramLedger, owner: str, reserved_bytes: int, segment_bytes: int,
-                 is_backed: bool = True):
+                 layout: ExpertLayout, is_backed: bool = True):
         self.reserved_bytes = reserved_bytes
         self.segment_bytes = segment_bytes
+        self.slot_bytes = layout.slot_bytes
         # pages are committed on first touch; a dry run only counts
         self.buffer = np.zeros(reserved_bytes if is_backed else 0, dtype=np.uint8)
         self._ledger = ledger
@@ -35,6 +36,10 @@ class NumpyArena:
     @property
     def mapped_bytes(self) -> int:
         return len(self._charges) * self.segment_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self.mapped_bytes // self.slot_bytes
 
     def map_segments(self, num_bytes: int) -> None:
         count = num_bytes // self.segment_bytes
@@ -76,6 +81,7 @@ class NumpyKv:
 
 class NumpyOps:
     name = "numpy"
+    is_activation_borrowable = True  # activations may live in borrowed expert-cache bytes
 
     def __init__(self, ledger: VramLedger):
         self.ledger = ledger
@@ -104,8 +110,8 @@ class NumpyOps:
     def host_buffer(self, num_bytes: int) -> np.ndarray:
         return np.empty(num_bytes, dtype=np.uint8)
 
-    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int) -> NumpyArena:
-        return NumpyArena(self.ledger, owner, reserved_bytes, segment_bytes)
+    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout) -> NumpyArena:
+        return NumpyArena(self.ledger, owner, reserved_bytes, segment_bytes, layout)
 
     def arena_view(self, storage: NumpyArena, offset: int, shape, dtype) -> np.ndarray:
         num_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -225,8 +231,8 @@ class DryRunOps(NumpyOps):
     def upload(self, owner: str, host: np.ndarray) -> np.ndarray:
         return self._track_placeholder(owner, host.nbytes)
 
-    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int) -> NumpyArena:
-        return NumpyArena(self.ledger, owner, reserved_bytes, segment_bytes, is_backed=False)
+    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout) -> NumpyArena:
+        return NumpyArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, is_backed=False)
 
     def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type):
         probe = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type)

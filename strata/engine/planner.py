@@ -30,6 +30,7 @@ class WorkspaceCosts:
     fixed_bytes: int = 0
     target_ring_slots: int = 256  # 0: a dense model, nothing to stream
     is_ring_in_cache: bool = False  # ring slots must be borrowed expert-cache slots
+    is_activation_borrowable: bool = True  # activations may live in borrowed expert-cache storage
 
     def workspace_bytes(self, geometry: Geometry) -> int:
         return self.workspace_bytes_for(geometry.chunk_tokens, geometry.ring_slots)
@@ -56,7 +57,9 @@ class Planner:
         costs = self.costs
         total = budget.total_bytes - costs.fixed_bytes
         ring = self._ring_slots(budget, total - quantum * costs.bytes_per_chunk_token)
-        if ring < 0 or total < quantum * costs.bytes_per_chunk_token:
+        activation_room = total if costs.is_activation_borrowable else \
+            budget.free_bytes + budget.adjust_bytes - costs.fixed_bytes
+        if ring < 0 or activation_room < quantum * costs.bytes_per_chunk_token:
             min_ring = self.config.min_ring_slots if costs.target_ring_slots else 0
             need = costs.workspace_bytes(Geometry(quantum, min_ring))
             raise AllocationError(
@@ -68,8 +71,20 @@ class Planner:
         if unread_tokens is not None:
             chunk_cap = min(chunk_cap, _round_up(max(1, unread_tokens), quantum))
         room = total - ring * costs.bytes_per_ring_slot
+        if not costs.is_activation_borrowable:
+            room = min(room, budget.free_bytes + budget.adjust_bytes - costs.fixed_bytes)
         chunk = min(chunk_cap, room // max(1, costs.bytes_per_chunk_token)) // quantum * quantum
         return Geometry(chunk_tokens=max(quantum, chunk), ring_slots=int(ring))
+
+    def growth_allowance(self, free_bytes: int, unread_tokens: int | None) -> int:
+        """Free bytes the expert cache may grow into before planning: all of them when activations
+        can borrow cache storage, else what the largest useful chunk's activations leave."""
+        if self.costs.is_activation_borrowable:
+            return free_bytes
+        chunk = self.max_chunk_tokens
+        if unread_tokens is not None:
+            chunk = min(chunk, _round_up(max(1, unread_tokens), self.config.chunk_quantum_tokens))
+        return max(0, free_bytes - self.costs.fixed_bytes - chunk * self.costs.bytes_per_chunk_token)
 
     def _ring_slots(self, budget: PlannerBudget, room_bytes: int) -> int:
         """Ring slots for this budget, or -1 when not even the smallest ring fits."""

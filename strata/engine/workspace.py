@@ -1,8 +1,8 @@
 """The prompt workspace of one prefill: the staging ring and the activations of a chunk.
 
 It borrows the expert cache's top slots first (the ring must live there: kernels address ring
-slots and cached experts as one slot array) and charges whatever does not fit to
-``prompt_workspace``. ``allocate`` is atomic: on failure nothing stays borrowed or charged.
+slots and cached experts as one slot array), then, where the backend allows, more slots for the
+activations; whatever does not fit is charged to ``prompt_workspace``. ``allocate`` is atomic: on failure nothing stays borrowed or charged.
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ class PromptWorkspace:
         if ring_bytes > borrowable:
             raise AllocationError(f"the staging ring of {geometry.ring_slots} slots needs {ring_bytes >> 20} MiB of "
                                   f"expert-cache slots; {borrowable >> 20} MiB are borrowable")
-        borrow = min(need, borrowable // self.costs.bytes_per_ring_slot * self.costs.bytes_per_ring_slot) \
-            if self.cache else 0
+        if not self.cache:
+            borrow = 0
+        elif self.costs.is_activation_borrowable:
+            borrow = min(need, borrowable // self.costs.bytes_per_ring_slot * self.costs.bytes_per_ring_slot)
+        else:
+            borrow = ring_bytes  # the ring only: activations are the backend's own allocations
         first_slot = -1
         if borrow:
             first_slot, _ = self.cache.lend(borrow)

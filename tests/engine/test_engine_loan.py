@@ -117,3 +117,17 @@ def test_admission_fails_before_anything_is_loaded(mtp_path):
 
     with pytest.raises(AdmissionError, match="runtime.batch_slots = 2"):
         loan_engine(mtp_path, batch_slots=2)
+
+
+def test_loans_work_when_activations_cannot_borrow_cache_storage(mtp_path, monkeypatch):
+    # the CUDA backend keeps activations out of the expert cache; the loan then grows the cache only
+    # by what the largest useful chunk leaves free
+    from strata.engine.ops_numpy import NumpyOps
+
+    expected = [greedy(loan_engine(mtp_path, is_loan=False), p, 4)[0] for p in PROMPTS]
+    monkeypatch.setattr(NumpyOps, "is_activation_borrowable", False)
+    engine = loan_engine(mtp_path)
+    assert not engine.placement.costs.is_activation_borrowable
+    for prompt, tokens in zip(PROMPTS, expected):
+        assert greedy(engine, prompt, 4)[0] == tokens
+        assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
