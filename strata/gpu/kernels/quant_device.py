@@ -32,10 +32,10 @@ else:
     from numba.cuda.libdevice import int_as_float as _int_as_float
 
 _MAGIC_BITS = 0x4B000000  # float 2^23: OR-ing a small integer into its mantissa adds it
-_TWO_23 = np.float32(8388608.0)
-_TWO_23_PLUS_8 = np.float32(8388616.0)  # nibble - 8 (Q4_0)
-_TWO_23_PLUS_32 = np.float32(8388640.0)  # 6-bit - 32 (Q6_K)
-_TWO_23_PLUS_128 = np.float32(8388736.0)  # byte with flipped sign bit - 128 = int8 (Q8_0)
+TWO_23 = np.float32(8388608.0)
+TWO_23_PLUS_8 = np.float32(8388616.0)  # nibble - 8 (Q4_0)
+TWO_23_PLUS_32 = np.float32(8388640.0)  # 6-bit - 32 (Q6_K)
+TWO_23_PLUS_128 = np.float32(8388736.0)  # byte with flipped sign bit - 128 = int8 (Q8_0)
 
 
 @cuda.jit(device=True)
@@ -61,8 +61,8 @@ def device_dequant8_q4_0(quants, scales, extra, row, octet, out, out_off):
     w0 = quants[row, word]
     w1 = quants[row, word + 1]
     for i in range(4):
-        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, _TWO_23_PLUS_8)
-        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, _TWO_23_PLUS_8)
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, TWO_23_PLUS_8)
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, TWO_23_PLUS_8)
 
 
 @cuda.jit(device=True)
@@ -76,8 +76,8 @@ def device_dequant8_q4_1(quants, scales, extra, row, octet, out, out_off):
     w0 = quants[row, word]
     w1 = quants[row, word + 1]
     for i in range(4):
-        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, _TWO_23) + m
-        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, _TWO_23) + m
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, TWO_23) + m
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, TWO_23) + m
 
 
 @cuda.jit(device=True)
@@ -88,8 +88,8 @@ def device_dequant8_q8_0(quants, scales, extra, row, octet, out, out_off):
     w0 = quants[row, word] ^ 0x80808080  # int8 -> offset binary, so each byte is q + 128
     w1 = quants[row, word + 1] ^ 0x80808080
     for i in range(4):
-        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i)) & 0xFF, _TWO_23_PLUS_128)
-        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i)) & 0xFF, _TWO_23_PLUS_128)
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i)) & 0xFF, TWO_23_PLUS_128)
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i)) & 0xFF, TWO_23_PLUS_128)
 
 
 @cuda.jit(device=True)
@@ -118,8 +118,8 @@ def device_dequant8_q4_k(quants, scales, extra, row, octet, out, out_off):
     w0 = quants[row, word]
     w1 = quants[row, word + 1]
     for i in range(4):
-        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, _TWO_23) - m
-        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, _TWO_23) - m
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, TWO_23) - m
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, TWO_23) - m
 
 
 @cuda.jit(device=True)
@@ -142,8 +142,8 @@ def device_dequant8_q6_k(quants, scales, extra, row, octet, out, out_off):
     for i in range(4):
         q0 = ((lo0 >> (8 * i + lo_shift)) & 0xF) | (((hi0 >> (8 * i + hi_shift)) & 3) << 4)
         q1 = ((lo1 >> (8 * i + lo_shift)) & 0xF) | (((hi1 >> (8 * i + hi_shift)) & 3) << 4)
-        out[out_off + i] = d * device_small_int_to_float(q0, _TWO_23_PLUS_32)
-        out[out_off + 4 + i] = d * device_small_int_to_float(q1, _TWO_23_PLUS_32)
+        out[out_off + i] = d * device_small_int_to_float(q0, TWO_23_PLUS_32)
+        out[out_off + 4 + i] = d * device_small_int_to_float(q1, TWO_23_PLUS_32)
 
 
 @cuda.jit(device=True)
