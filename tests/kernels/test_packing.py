@@ -41,3 +41,14 @@ def test_bad_inputs_are_rejected_with_a_message():
     packed = pack(random_gguf_bytes("Q8_0", 2, 64, np.random.default_rng(4)), "Q8_0")
     with pytest.raises(ValueError, match=r"w.scales must have shape"):
         check_packed("w", packed._replace(scales=packed.scales[:, :1].copy()))
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_format_table_agrees_with_ggml(fmt):
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    f = FORMATS[fmt]
+    assert f.ggml_type == GGMLQuantizationType[fmt]
+    assert (f.block_elems, f.block_bytes) == GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+    assert sum(end - start for _, start, end in f.fields) == (0 if f.is_float else f.block_bytes)

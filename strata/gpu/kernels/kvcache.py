@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from types import MappingProxyType
 
 import numpy as np
 from numba import cuda
@@ -88,7 +89,8 @@ def device_store_f16(src, t, block, quants, scales, row):
         quants[row, block * KV_BLOCK + j] = np.float16(src[t, block * KV_BLOCK + j])
 
 
-_STORE = {"F16": device_store_f16, "Q8_0": device_quantize_q8_0, "Q4_0": device_quantize_q4_0}
+_STORE = MappingProxyType({"F16": device_store_f16, "Q8_0": device_quantize_q8_0,
+                           "Q4_0": device_quantize_q4_0})
 
 
 @functools.cache

@@ -26,6 +26,7 @@ a format does not have is a (1, 1) placeholder. Tensors with leading dimensions 
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -49,7 +50,7 @@ class QuantFormat(NamedTuple):
         return not self.fields
 
 
-FORMATS = {
+FORMATS = MappingProxyType({
     f.name: f
     for f in (
         QuantFormat("F32", 0, 1, 4, ()),
@@ -60,8 +61,8 @@ FORMATS = {
         QuantFormat("Q4_K", 12, 256, 144, (("scales", 0, 4), ("extra", 4, 16), ("quants", 16, 144))),
         QuantFormat("Q6_K", 14, 256, 210, (("quants", 0, 192), ("extra", 192, 208), ("scales", 208, 210))),
     )
-}
-_PLANE_DTYPES = {"quants": np.uint32, "scales": np.float16, "extra": np.uint8}
+})
+_PLANE_DTYPES = MappingProxyType({"quants": np.uint32, "scales": np.float16, "extra": np.uint8})
 
 
 class PackedMatrix(NamedTuple):

@@ -18,6 +18,8 @@ on the GPU (libdevice `int_as_float`); the simulator gets the same bitcast throu
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 from numba import cuda
 
@@ -154,7 +156,7 @@ def device_dequant8_float(quants, scales, extra, row, octet, out, out_off):
         out[out_off + i] = np.float32(quants[row, base + i])
 
 
-_DEQUANT8 = {
+_DEQUANT8 = MappingProxyType({
     "Q4_0": device_dequant8_q4_0,
     "Q4_1": device_dequant8_q4_1,
     "Q8_0": device_dequant8_q8_0,
@@ -162,7 +164,7 @@ _DEQUANT8 = {
     "Q6_K": device_dequant8_q6_k,
     "F16": device_dequant8_float,
     "F32": device_dequant8_float,
-}
+})
 
 
 def dequant8_for(fmt: str):

@@ -12,6 +12,8 @@ HBM delivers bytes, so an instruction saved per element is bandwidth gained.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 from numba import cuda
 
@@ -116,7 +118,7 @@ def device_dot8_float(quants, scales, extra, row, octet, xs):
     return acc
 
 
-_DOT8 = {
+_DOT8 = MappingProxyType({
     "Q4_0": device_dot8_q4_0,
     "Q4_1": device_dot8_q4_1,
     "Q8_0": device_dot8_q8_0,
@@ -124,7 +126,7 @@ _DOT8 = {
     "Q6_K": device_dot8_q6_k,
     "F16": device_dot8_float,
     "F32": device_dot8_float,
-}
+})
 
 
 def dot8_for(fmt: str):
