@@ -76,3 +76,12 @@ def test_attention_rejects_bad_shapes():
     with pytest.raises(ValueError, match="bytes of shared memory"):
         attention(q, k_cache, v_cache, np.zeros(1, np.int32), num_q_heads=NUM_Q_HEADS,
                   config=AttentionConfig(tokens_per_block=64, threads_per_row=4, kv_tile=64), **args)
+
+
+def test_attention_writes_host_outputs():
+    (k_cache, k_values), (v_cache, v_values) = _cache("F16", 8, seed=77)
+    q = np.random.default_rng(78).standard_normal((2, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
+    out = np.zeros_like(q)  # a host output is copied back after the launch: no stand-in may clobber it
+    attention(q, k_cache, v_cache, np.array([3, 4], np.int32), out, num_q_heads=NUM_Q_HEADS,
+              num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, config=TINY)
+    np.testing.assert_allclose(out, _reference(q, k_values, v_values, 3), **TOLERANCE)

@@ -73,3 +73,15 @@ def test_rope_rejects_bad_arguments():
         head_norm_rope(q, positions=np.zeros(2, np.int32), head_dim=12)
     with pytest.raises(ValueError, match="k_norm_weight is required"):
         head_norm_rope(q, q, np.zeros(2, np.int32), head_dim=16, q_norm_weight=np.ones(16, np.float32))
+
+
+def test_host_arrays_work_too():
+    # NumPy inputs are copied to the device and back around the launch: nothing may come back stale
+    rng = np.random.default_rng(54)
+    q = rng.standard_normal((2, 2 * HEAD_DIM)).astype(np.float32)
+    positions = np.array([5, 9], dtype=np.int32)
+    out = q.copy()
+    head_norm_rope(out, None, positions, head_dim=HEAD_DIM, rope_mode="normal", freq_base=1e4)
+    cos, sin = reference_ops.rope_angles(positions, HEAD_DIM, 1e4)
+    ref = reference_ops.rope(_heads(q), cos, sin, is_neox=False).reshape(q.shape)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)

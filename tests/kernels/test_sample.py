@@ -41,10 +41,13 @@ def test_sample_matches_the_engine_sampler(top_k, top_p, temperature):
     assert len(drawn) > 1 or top_k == 1  # the draws really depend on u
 
 
-def test_temperature_zero_is_greedy_and_params_can_live_on_the_device():
+def test_temperature_zero_is_greedy_and_params_and_workspace_can_live_on_the_device():
     logits = np.random.default_rng(102).standard_normal(64).astype(np.float32)
-    token = sample(dev(logits), top_k=4, params=dev(np.array([0.0, 1.0, 0.9], np.float32)), **SMALL)
+    workspace = (dev(np.zeros(8, np.float32)), dev(np.zeros(8, np.int32)))  # 2 blocks x top-4
+    token = sample(dev(logits), top_k=4, params=dev(np.array([0.0, 1.0, 0.9], np.float32)), workspace=workspace,
+                   **SMALL)
     assert int(host(token)[0]) == int(np.argmax(logits))
+    assert sorted(host(workspace[1])[:4]) == sorted(np.argsort(-logits[:32])[:4])  # block 0's candidates
 
 
 def test_sample_rejects_settings_it_cannot_serve():

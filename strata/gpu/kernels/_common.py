@@ -84,9 +84,16 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def dummy(dtype, *like):
-    """A (1, 1) placeholder for an optional array argument a kernel variant never reads."""
-    return zeros((1, 1), dtype, *like)
+def stand_in(source, dtype, ndim: int):
+    """An array for an argument the kernel variant never touches, of `dtype` and `ndim` dims.
+
+    On the device, a view of `source` when the dtype matches, so a captured step allocates
+    nothing. On the host, a fresh array: Numba copies every host argument back after a launch,
+    and a stale copy of an array the kernel wrote would overwrite its result.
+    """
+    if is_device_array(source) and np.dtype(source.dtype) == np.dtype(dtype):
+        return source.reshape(-1)[:1].reshape((1,) * ndim)
+    return zeros((1,) * ndim, dtype, source)
 
 
 def is_finite_number(value) -> bool:

@@ -24,7 +24,9 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from ._common import OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty, is_device_array
+from ._common import (
+    OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty, is_device_array, stand_in,
+)
 from .block_reduce import NEG_INF
 from .kvcache import KV_FORMATS
 from .packing import PackedMatrix, check_packed
@@ -247,7 +249,7 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
         for name, part, shape in zip(("o_part", "m_part", "l_part"), workspace, shapes):
             check_array(f"workspace {name}", part, dtypes=np.float32, shape=shape)
     else:
-        workspace = (out.reshape(1, 1, 1, -1), out.reshape(1, 1, -1), out.reshape(1, 1, -1))  # never written
+        workspace = (stand_in(out, np.float32, 4), stand_in(out, np.float32, 3), stand_in(out, np.float32, 3))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     kernel = _attention_kernel(k_cache.fmt, head_dim, group, config, is_split)
     grid = (ceil_div(num_tokens, bt), num_kv_heads, num_splits)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from ._common import OCTET, ceil_div, check_array, check_power_of_two, empty, is_finite_number
+from ._common import OCTET, ceil_div, check_array, check_power_of_two, empty, is_finite_number, stand_in
 from .block_reduce import device_block_sum
 from .packing import PackedMatrix, check_packed
 from .quant_dot import dot8_for
@@ -163,7 +163,7 @@ def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, acc
     check_array("y", y, dtypes=np.float32, shape=(w.num_rows,))
     if w.num_rows == 0:
         return y
-    norm_w = norm_weight if has_norm else x.reshape(num_cols)  # never read without the norm
+    norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     kernel = _gemv_kernel(w.fmt, config, has_norm, accumulate)
     grid = ceil_div(w.num_rows, config.rows_per_block)
     kernel[grid, config.threads](w.quants, w.scales, w.extra, x.reshape(1, num_cols), norm_w, np.float32(eps), y)

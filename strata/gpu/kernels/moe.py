@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda
 
 from .activation import device_silu_mul
-from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number
+from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .gemm import BLOCK_K, GemmConfig, dual_mainloop_device, mainloop_device
 from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
 from .moe_route import MoeGroups
@@ -248,7 +248,7 @@ def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, do
     if num_tokens == 0:
         return out
     gate_up_kernel, down_kernel = _decode_kernels(gate.fmt, up.fmt, down.fmt, config, has_norm)
-    norm_w = norm_weight if has_norm else x[0]  # never read without the norm
+    norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     gate_up_kernel[(ceil_div(ffn, config.rows_per_block), num_tokens * top_k), config.threads](
         x, norm_w, np.float32(eps), ids, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, hidden)
     down_kernel[(ceil_div(dim, config.rows_per_block), num_tokens), config.threads](

@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._common import check_array, check_positive, dummy, is_device_array, is_finite_number
+from ._common import check_array, check_positive, is_device_array, is_finite_number, stand_in
 from .block_reduce import device_block_sum
 
 ROPE_MODES = ("neox", "normal")
@@ -136,15 +136,14 @@ def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=No
     num_k_heads = 0 if k is None else k.shape[1] // head_dim
     if num_tokens == 0 or not has_norm and rope_mode is None:
         return q, k
-    f32 = dummy(np.float32, q)
     args = (
         q,
-        f32 if k is None else k,
+        stand_in(q, np.float32, 2) if k is None else k,
         num_q_heads,
-        q_norm_weight if has_norm else f32.reshape(1),
-        k_norm_weight if has_norm and k is not None else f32.reshape(1),
-        positions if positions is not None else dummy(np.int32, q).reshape(1),
-        inv_freq if inv_freq is not None else dummy(np.float64, q).reshape(1),
+        q_norm_weight if has_norm else stand_in(q, np.float32, 1),
+        k_norm_weight if has_norm and k is not None else stand_in(q, np.float32, 1),
+        positions if positions is not None else stand_in(q, np.int32, 1),
+        inv_freq if inv_freq is not None else stand_in(q, np.float64, 1),
         np.float32(eps),
     )
     kernel = _head_kernel(head_dim, rope_dims, rope_mode, has_norm)

@@ -141,11 +141,13 @@ def _kernels(threads: int):
 
 
 def sample(logits, *, top_k: int, temperature: float = 1.0, top_p: float = 1.0, uniform: float = 0.5,
-           params=None, token=None, num_blocks: int = 64, threads: int = 256):
+           params=None, token=None, workspace=None, num_blocks: int = 64, threads: int = 256):
     """The next token id, written to token [1] int32 (returned). logits: [V] float32.
 
     temperature / top_p / uniform are ignored when params (a [3] float32 array: temperature,
-    top_p, u) is given, e.g. a device array refreshed before each graph replay.
+    top_p, u) is given, e.g. a device array refreshed before each graph replay. workspace:
+    optional (values [num_blocks * top_k] float32, ids [num_blocks * top_k] int32) for the
+    candidates, so that a captured step allocates nothing.
 
     Launch config: candidates grid num_blocks (default 64), block `threads` (default 256); select
     grid 1, block `threads`; shared memory 4 * threads + 2 * MAX_TOP_K words.
@@ -167,17 +169,22 @@ def sample(logits, *, top_k: int, temperature: float = 1.0, top_p: float = 1.0, 
     token = empty((1,), np.int32, logits) if token is None else token
     check_array("token", token, dtypes=np.int32, shape=(1,))
     chunk = ceil_div(vocab, num_blocks)
-    cand_val = empty((num_blocks * top_k,), np.float32, logits)
-    cand_idx = empty((num_blocks * top_k,), np.int32, logits)
+    num_candidates = num_blocks * top_k
+    if workspace is None:
+        workspace = (empty((num_candidates,), np.float32, logits), empty((num_candidates,), np.int32, logits))
+    cand_val, cand_idx = workspace
+    check_array("workspace values", cand_val, dtypes=np.float32, shape=(num_candidates,))
+    check_array("workspace ids", cand_idx, dtypes=np.int32, shape=(num_candidates,))
     candidates_kernel, select_kernel = _kernels(threads)
     candidates_kernel[num_blocks, threads](logits, top_k, chunk, cand_val, cand_idx)
     select_kernel[1, threads](cand_val, cand_idx, top_k, params, token)
     return token
 
 
-def argmax(logits, *, token=None, num_blocks: int = 64, threads: int = 256):
+def argmax(logits, *, token=None, workspace=None, num_blocks: int = 64, threads: int = 256):
     """Greedy: the id of the highest logit (the lowest id among equals), as token [1] int32.
 
     Launch config: as sample's, with one round per block.
     """
-    return sample(logits, top_k=1, temperature=0.0, token=token, num_blocks=num_blocks, threads=threads)
+    return sample(logits, top_k=1, temperature=0.0, token=token, workspace=workspace, num_blocks=num_blocks,
+                  threads=threads)
