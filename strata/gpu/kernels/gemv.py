@@ -5,8 +5,8 @@ consecutive rows and its lanes stride over the row's octets (8 elements), so nei
 read neighbouring words of the packed planes. Each lane loads its 8 activations once and reuses
 them for all of the group's rows (the activation reuse that took a plain Numba 4-bit GEMV from
 15% to ~40% of HBM on the H200), multiplies in registers with the block scale factored out
-(quant_dot.py), and keeps one partial sum per row;
-the lanes' partials meet in shared memory once, at the end.
+(quant_dot.py), and keeps one partial sum per row; the lanes' partials meet in shared memory
+once, at the end (no warp shuffles: the simulator has none, and it is once per block).
 
 With `norm_weight` the kernel first computes RMSNorm's 1/rms of x over the block (each block
 re-reads x from L2, which costs far less than the launch it saves) and scales every activation by

@@ -24,8 +24,8 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .activation import device_silu_mul
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
+from .activation import device_silu_mul
 from .gemm import BLOCK_K, GemmConfig, dual_mainloop_device, mainloop_device
 from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
 from .moe_route import MoeGroups
