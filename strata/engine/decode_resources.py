@@ -73,5 +73,5 @@ class ArenaResource:
 
 
 def upload_tensor(ops: Ops, owner: str, ref: TensorRef) -> QTensor:
-    data = ops.upload(owner, np.ascontiguousarray(ref.data.reshape(-1, ref.data.shape[-1])))
-    return QTensor(data=data, qtype=ref.qtype, shape=ref.shape, num_bytes=ref.nbytes)
+    """A weight in the backend's own layout, uploaded from the file's bytes."""
+    return ops.upload_qtensor(owner, ref.data, ref.qtype, ref.shape)

@@ -52,7 +52,7 @@ class Engine:
         plugins, config = load_plugins(config)
         backend = select_backend(config)
         ledger = VramLedger(_budget_bytes(config, backend, model))
-        ops = DryRunOps(ledger) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
+        ops = DryRunOps(ledger, backend) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
         spec = model.spec
         layout = ops.expert_layout(model) if spec.is_moe else None
         placement = plan_placement(config, model, layout, ledger.budget_bytes, ops.is_activation_borrowable)

@@ -104,6 +104,10 @@ class NumpyOps:
             raise ValueError("free of an array this backend did not allocate (or freed twice)")
         self.ledger.discharge(tracked[1])
 
+    def upload_qtensor(self, owner: str, raw: np.ndarray, qtype, shape) -> QTensor:
+        data = self.upload(owner, np.ascontiguousarray(raw.reshape(-1, raw.shape[-1])))
+        return QTensor(data=data, qtype=qtype, shape=tuple(shape), num_bytes=int(raw.nbytes))
+
     def to_host(self, array) -> np.ndarray:
         return np.asarray(array)
 
@@ -158,6 +162,9 @@ class NumpyOps:
 
     def matmul(self, x, weight: QTensor) -> np.ndarray:
         return (x @ self._dequantized(weight).T).astype(np.float32)
+
+    def prepare_rope(self, num_rope_dims: int, theta: float, freq_factors=None) -> None:
+        pass  # angles are computed per call on the host
 
     def qk_norm_rope(self, q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
                      freq_factors=None) -> None:
@@ -221,9 +228,21 @@ def _expert_matrices(buffer: np.ndarray, slot: int, layout: ExpertLayout) -> lis
 
 
 class DryRunOps(NumpyOps):
-    """Charges the ledger exactly as a real load would and allocates nothing: for ``strata check``."""
+    """Charges the ledger exactly as a load on ``backend`` would and allocates nothing: for ``strata check``."""
 
     name = "dry-run"
+
+    def __init__(self, ledger: VramLedger, backend: str = "numpy"):
+        super().__init__(ledger)
+        self.backend = backend
+        self.is_activation_borrowable = backend == "numpy"
+
+    def expert_layout(self, model) -> ExpertLayout:
+        if self.backend == "numpy":
+            return super().expert_layout(model)
+        from strata.gpu.ops_cuda import packed_expert_layout
+
+        return packed_expert_layout(model)
 
     def alloc(self, owner: str, shape, dtype) -> np.ndarray:
         return self._track_placeholder(owner, int(np.prod(shape)) * np.dtype(dtype).itemsize)
@@ -231,8 +250,13 @@ class DryRunOps(NumpyOps):
     def upload(self, owner: str, host: np.ndarray) -> np.ndarray:
         return self._track_placeholder(owner, host.nbytes)
 
-    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout) -> NumpyArena:
-        return NumpyArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, is_backed=False)
+    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout):
+        if self.backend == "numpy":
+            return NumpyArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, is_backed=False)
+        from strata.gpu.expert_arena import CountingRange, PlaneArena
+
+        return PlaneArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, granularity=2 << 20,
+                          make_range=CountingRange)
 
     def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type):
         probe = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type)

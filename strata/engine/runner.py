@@ -56,6 +56,7 @@ class DeviceWeights:
                 self.vectors[name] = ops.upload(DENSE_OWNER, host)
         freqs = model.tensors.get("rope_freqs.weight")
         self.rope_freqs_host = model.dequantize("rope_freqs.weight") if freqs is not None else None
+        ops.prepare_rope(spec.num_rope_dims, spec.rope_theta, self.rope_freqs_host)
 
 
 class ModelRunner:

@@ -43,7 +43,9 @@ def _allocation_prop(device: int):
 
 
 class VmmArena:
-    def __init__(self, ledger: VramLedger, owner: str, reserved_bytes: int, segment_bytes: int, device: int = 0):
+    def __init__(self, ledger: VramLedger | None, owner: str, reserved_bytes: int, segment_bytes: int,
+                 device: int = 0):
+        """``ledger`` None: the caller charges the mapped bytes itself."""
         from cuda.bindings import driver as cu
         from numba import cuda
 
@@ -72,7 +74,7 @@ class VmmArena:
             offset = self.mapped_bytes
             if offset + self.segment_bytes > self.reserved_bytes:
                 raise AllocationError("the expert cache cannot grow beyond its reserved address range")
-            charge = self._ledger.charge(self._owner, self.segment_bytes)
+            charge = self._ledger.charge(self._owner, self.segment_bytes) if self._ledger else None
             try:
                 handle = _checked(cu.cuMemCreate(self.segment_bytes, self._prop, 0))
                 try:
@@ -87,7 +89,8 @@ class VmmArena:
                     cu.cuMemRelease(handle)
                     raise
             except Exception:
-                self._ledger.discharge(charge)
+                if charge:
+                    self._ledger.discharge(charge)
                 raise
             self._segments.append((handle, charge))
 
@@ -102,7 +105,8 @@ class VmmArena:
             offset = self.mapped_bytes
             _checked(cu.cuMemUnmap(self.base + offset, self.segment_bytes))
             _checked(cu.cuMemRelease(handle))
-            self._ledger.discharge(charge)
+            if charge:
+                self._ledger.discharge(charge)
 
     def close(self) -> None:
         from cuda.bindings import driver as cu

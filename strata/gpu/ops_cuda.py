@@ -1,0 +1,278 @@
+"""The cuda (and cudasim) ops backend: the engine's primitives as Numba kernels.
+
+Weights are repacked at upload into the kernels' planes (``kernels/packing.py``), never
+dequantized. Experts live in a ``PlaneArena`` whose slots the MoE kernels index directly: the
+engine's expert ids are turned into slot ids per launch (-1: not in this batch, skipped).
+
+Accounting: on the GPU every Numba allocation passes the ledger's memory manager and is charged to
+the owner in effect (``ledger.owner``); temporaries of a computation are charged to
+``activations``, which must be back to zero between requests. The simulator has no memory
+manager, so allocations made through these ops are charged by hand, as the same owners.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from strata.engine.ops import ExpertLayout, QTensor
+from strata.gpu.ledger import VramLedger
+
+ACTIVATIONS = "activations"
+_KV_FORMATS = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+
+
+class CudaKv:
+    def __init__(self, layers, kv_format: str, num_cells: int, num_kv_heads: int, head_dim: int):
+        self.layers = layers  # [(K, V) PackedMatrix] per layer
+        self.kv_format = kv_format
+        self.num_cells = num_cells
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+
+class CudaOps:
+    is_activation_borrowable = False  # activations are the kernels' own allocations
+
+    def __init__(self, ledger: VramLedger, device: int = 0, is_simulator: bool = False):
+        self.ledger = ledger
+        self.device = device
+        self.is_simulator = is_simulator
+        self.name = "cudasim" if is_simulator else "cuda"
+        if not is_simulator:
+            from strata.gpu.memory import install_ledger
+
+            install_ledger(ledger)
+        from numba import cuda
+
+        self.cuda = cuda
+        if not is_simulator:
+            cuda.select_device(device)
+        self._manual: dict[int, tuple[object, object]] = {}  # simulator: id → (array, charge)
+        self._rope: dict[tuple, object] = {}
+        self._num_sms = 132 if is_simulator else cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+    # --- memory ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _owning(self, owner: str):
+        with self.ledger.owner(owner):
+            yield
+
+    def _track(self, owner: str, arrays, num_bytes: int):
+        if self.is_simulator:
+            self._manual[id(arrays)] = (arrays, self.ledger.charge(owner, num_bytes))
+        return arrays
+
+    def alloc(self, owner: str, shape, dtype):
+        with self._owning(owner):
+            array = self.cuda.device_array(shape, dtype=np.dtype(dtype))
+        return self._track(owner, array, array.nbytes)
+
+    def upload(self, owner: str, host: np.ndarray):
+        with self._owning(owner):
+            array = self.cuda.to_device(np.ascontiguousarray(host))
+        return self._track(owner, array, array.nbytes)
+
+    def upload_qtensor(self, owner: str, raw: np.ndarray, qtype, shape) -> QTensor:
+        """A weight in the packed layout: [rows, row_bytes] GGUF bytes → device planes."""
+        from strata.gpu.kernels.packing import pack, to_device
+
+        rows = int(np.prod(shape[:-1]))
+        packed = pack(raw.reshape(rows, -1), qtype.name, shape[-1])
+        with self._owning(owner):
+            device = to_device(packed)
+        self._track(owner, device, packed.nbytes)
+        return QTensor(data=device, qtype=qtype, shape=tuple(shape), num_bytes=int(raw.nbytes))
+
+    def free(self, array) -> None:
+        array = array.data if isinstance(array, QTensor) else array
+        tracked = self._manual.pop(id(array), None)
+        if tracked is not None:
+            self.ledger.discharge(tracked[1])
+        # on the GPU the memory manager discharges when the last reference goes
+
+    def to_host(self, array) -> np.ndarray:
+        return array.copy_to_host() if hasattr(array, "copy_to_host") else np.asarray(array)
+
+    def host_buffer(self, num_bytes: int) -> np.ndarray:
+        if self.is_simulator:
+            return np.empty(num_bytes, dtype=np.uint8)
+        return self.cuda.pinned_array(num_bytes, dtype=np.uint8)  # page-locked: DMA at full PCIe rate
+
+    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout):
+        from strata.gpu.expert_arena import HostRange, PlaneArena
+
+        if self.is_simulator:
+            return PlaneArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, granularity=256,
+                              make_range=HostRange)
+        from strata.gpu.vmm import VmmArena, allocation_granularity
+
+        granularity = allocation_granularity(self.device)
+        return PlaneArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, granularity=granularity,
+                          make_range=lambda reserved, seg: VmmArena(None, owner, reserved, seg, self.device))
+
+    def expert_layout(self, model) -> ExpertLayout:
+        return packed_expert_layout(model)
+
+    def encode_experts(self, raw: np.ndarray, qtype, shape) -> np.ndarray:
+        from strata.gpu.kernels.packing import pack
+
+        num_experts = raw.shape[0]
+        packed = pack(raw.reshape(num_experts * shape[0], -1), qtype.name, shape[1])
+        parts = [np.ascontiguousarray(p).view(np.uint8).reshape(num_experts, -1)
+                 for p, name in zip((packed.quants, packed.scales, packed.extra), ("quants", "scales", "extra"))
+                 if p.shape != (1, 1) or name == "quants"]
+        return np.concatenate(parts, axis=1)  # [N, planes of one expert]
+
+    def stage_expert(self, storage, slot: int, slot_bytes: int, host: np.ndarray) -> None:
+        storage.stage(slot, host)
+
+    def synchronize(self) -> None:
+        self.cuda.synchronize()
+
+    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type) -> CudaKv:
+        from strata.gpu.kernels.kvcache import empty_kv_layer
+
+        fmt = _KV_FORMATS[kv_type]
+        with self._owning(owner):
+            layers = [empty_kv_layer(fmt, num_cells, num_kv_heads * head_dim) for _ in range(num_layers)]
+        kv = CudaKv(layers, fmt, num_cells, num_kv_heads, head_dim)
+        return self._track(owner, kv, sum(k.nbytes + v.nbytes for k, v in layers))
+
+    # --- compute --------------------------------------------------------------------------
+
+    def embed(self, table: QTensor, tokens: np.ndarray):
+        from strata.gpu.kernels.elementwise import embedding
+
+        with self._owning(ACTIVATIONS):
+            return embedding(table.data, self.cuda.to_device(np.asarray(tokens, dtype=np.int32)))
+
+    def rms_norm(self, x, weight, eps: float):
+        from strata.gpu.kernels.norm import rms_norm
+
+        with self._owning(ACTIVATIONS):
+            return rms_norm(x, weight, eps)
+
+    def matmul(self, x, weight: QTensor):
+        from strata.gpu.kernels.gemm import gemm
+        from strata.gpu.kernels.gemv import gemv
+
+        with self._owning(ACTIVATIONS):
+            if x.shape[0] == 1:
+                return gemv(weight.data, x[0]).reshape(1, weight.shape[0])
+            return gemm(x, weight.data)
+
+    def qk_norm_rope(self, q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
+                     freq_factors=None) -> None:
+        from strata.gpu.kernels.rope import head_norm_rope
+
+        num_tokens, _, head_dim = q.shape
+        key = self.prepare_rope(num_rope_dims, theta, freq_factors)
+        with self._owning(ACTIVATIONS):
+            head_norm_rope(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
+                           self.cuda.to_device(np.asarray(positions, dtype=np.int32)), head_dim=head_dim,
+                           q_norm_weight=q_norm, k_norm_weight=k_norm, eps=eps,
+                           rope_mode="neox" if is_neox else "normal", rope_dims=num_rope_dims,
+                           inv_freq=self._rope[key])
+
+    def prepare_rope(self, num_rope_dims: int, theta: float, freq_factors=None) -> tuple:
+        """Upload the RoPE frequency table once, at load, as part of the dense weights."""
+        from strata.gpu.kernels.rope import rope_inv_freq
+
+        key = (theta, num_rope_dims, None if freq_factors is None else np.asarray(freq_factors).tobytes())
+        if key not in self._rope:
+            self._rope[key] = self.upload("dense_weights", rope_inv_freq(theta, num_rope_dims, freq_factors))
+        return key
+
+    def kv_write(self, kv: CudaKv, layer: int, start: int, k, v) -> None:
+        from strata.gpu.kernels.kvcache import append_kv
+
+        num_tokens = k.shape[0]
+        positions = self.cuda.to_device(np.arange(start, start + num_tokens, dtype=np.int32))
+        k_cache, v_cache = kv.layers[layer]
+        with self._owning(ACTIVATIONS):
+            append_kv(k_cache, v_cache, k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), positions)
+
+    def attention(self, q, kv: CudaKv, layer: int, start: int):
+        from strata.gpu.kernels.attention import attention, default_num_splits
+
+        num_tokens, num_heads, head_dim = q.shape
+        positions = np.arange(start, start + num_tokens, dtype=np.int32)
+        splits = default_num_splits(start + num_tokens, kv.num_kv_heads, self._num_sms) if num_tokens == 1 else 1
+        k_cache, v_cache = kv.layers[layer]
+        with self._owning(ACTIVATIONS):
+            return attention(q.reshape(num_tokens, -1), k_cache, v_cache, self.cuda.to_device(positions),
+                             num_q_heads=num_heads, num_kv_heads=kv.num_kv_heads, head_dim=head_dim,
+                             kv_len=start + num_tokens, num_splits=splits)
+
+    def route(self, x, router: QTensor, num_used: int, is_norm: bool):
+        from strata.gpu.kernels.moe_route import moe_route
+
+        logits = self.matmul(x, router)
+        with self._owning(ACTIVATIONS):
+            ids, weights = moe_route(logits, num_used, norm_weights=is_norm)
+        return ids.copy_to_host().astype(np.int64), weights  # ids on the host pick the experts to stage
+
+    def moe_accumulator(self, num_tokens: int, hidden: int):
+        with self._owning(ACTIVATIONS):
+            return self.cuda.to_device(np.zeros((num_tokens, hidden), dtype=np.float32))
+
+    def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout) -> None:
+        from strata.gpu.kernels.gemm import GemmConfig
+        from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
+        from strata.gpu.kernels.moe_route import moe_group
+
+        slot_ids = np.where(ids >= 0, slot_of_expert[np.clip(ids, 0, None)], -1).astype(np.int32)  # [T, k]
+        if not (slot_ids >= 0).any():
+            return
+        gate, up, down = storage.matrices()
+        num_slots = storage.num_slots_reserved
+        with self._owning(ACTIVATIONS):
+            slot_ids_dev = self.cuda.to_device(slot_ids)
+            if x.shape[0] <= 4:
+                moe_experts_decode(x, slot_ids_dev, weights, gate, up, down, out, num_experts=num_slots)
+            else:
+                config = GemmConfig()
+                groups = moe_group(slot_ids_dev, weights, num_slots, config.block_m)
+                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=config)
+
+    def ffn(self, x, gate: QTensor, up: QTensor, down: QTensor):
+        from strata.gpu.kernels.activation import swiglu
+
+        g, u = self.matmul(x, gate), self.matmul(x, up)
+        with self._owning(ACTIVATIONS):
+            hidden = swiglu(g, u)
+        return self.matmul(hidden, down)
+
+    def shared_expert_add(self, acc, shared, h, gate_inp) -> None:
+        if gate_inp is not None:
+            from strata.errors import EngineError
+
+            raise EngineError("a gated shared expert (ffn_gate_inp_shexp) is not supported on the cuda backend yet; "
+                              'use runtime.backend = "numpy"')
+        self.add(acc, shared)
+
+    def add(self, x, y) -> None:
+        from strata.gpu.kernels.elementwise import add
+
+        add(x, y)
+
+    def logits(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
+        from strata.gpu.kernels.gemv import gemv
+
+        last = x[x.shape[0] - 1:] if hasattr(x, "copy_to_host") else self.cuda.to_device(np.asarray(x[-1:]))
+        with self._owning(ACTIVATIONS):
+            return gemv(head.data, last[0], norm_weight=norm, eps=eps).copy_to_host()
+
+
+def packed_expert_layout(model) -> ExpertLayout:
+    """Slots holding each matrix's packed planes (quants, scales, extra) one after the other."""
+    from strata.engine.expert_pack import expert_layout
+    from strata.gpu.kernels.packing import plane_shapes
+
+    def encoded_bytes(qtype, shape) -> int:
+        return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in plane_shapes(qtype.name, *shape).values())
+
+    return expert_layout(model, encoded_bytes, encoding="packed-planes")

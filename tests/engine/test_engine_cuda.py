@@ -1,0 +1,46 @@
+"""The engine on the Numba kernels: under the simulator in CI (a tiny model, a few tokens) and on a
+real GPU when there is one (more tokens, every KV format, and a loan)."""
+
+import numpy as np
+import pytest
+from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy
+from gguf import GGMLQuantizationType as QType
+
+from strata.engine.facade import Engine
+from strata.engine.ops import _has_cuda_device
+from strata.model.synth import PRESETS, write_synthetic_model
+
+BACKEND = "cuda" if _has_cuda_device() else "cudasim"
+NUM_PROMPT, NUM_GENERATED = (70, 8) if BACKEND == "cuda" else (6, 2)
+PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 500, size=NUM_PROMPT)]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_synthetic_model(tmp_path_factory.mktemp("models") / "tiny.gguf", PRESETS["tiny"], QType.Q4_0,
+                                 seed=3, with_mtp=True)
+
+
+def test_greedy_output_on_the_kernels_equals_the_reference(tiny_path):
+    engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB"}),
+                         show_progress=False)
+    tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
+    assert tokens == reference_greedy(tiny_path, PROMPT, NUM_GENERATED)
+    assert stats.streamed_bytes > 0
+    idle = {k: v for k, v in engine.idle_ledger.by_owner.items()}
+    assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k != "activations"} == idle
+
+
+@pytest.mark.skipif(BACKEND != "cuda", reason="the loan and KV formats on the kernels take minutes in the simulator")
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])
+def test_loan_on_the_gpu_restores_everything_and_keeps_the_output(tiny_path, kv_type):
+    loan = {"enabled": True, "plugins": ["loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan"],
+            "repeat_loan": {"min_tokens": 256}}
+    runtime = {**LOAN_RUNTIME, "backend": BACKEND, "kv_type": kv_type, "vram_budget": "1GiB"}
+    with_loan = Engine.load(engine_config(tiny_path, runtime=runtime, loan=loan), show_progress=False)
+    without = Engine.load(engine_config(tiny_path, runtime=runtime), show_progress=False)
+    for prompt in (PROMPT, PROMPT + PROMPT[:5], PROMPT[::-1] * 5):
+        a, a_stats = greedy(with_loan, prompt, NUM_GENERATED)
+        b, _ = greedy(without, prompt, NUM_GENERATED)
+        assert a == b
+    assert a_stats.loan.is_taken and all(r.is_resident for r in with_loan.resources.values())
