@@ -52,3 +52,23 @@ def test_gemv_rejects_mismatched_inputs():
         gemv(w, np.zeros(64, np.float32), config=GemvConfig(32, 4, 8))
     with pytest.raises(TypeError, match="PackedMatrix"):
         gemv(np.zeros((4, 64), np.float32), np.zeros(64, np.float32))
+
+
+def test_gemv_multi_runs_q_k_v_of_different_formats_in_one_launch():
+    from strata.gpu.kernels.gemv_multi import gemv_multi
+
+    rng = np.random.default_rng(24)
+    matrices = [random_matrix(fmt, rows, 256, seed=25 + i) for i, (fmt, rows) in
+                enumerate((("Q4_K", 13), ("Q4_K", 5), ("Q6_K", 9)))]
+    x = (rng.standard_normal(256) * 2).astype(np.float32)
+    norm_weight = rng.uniform(0.5, 1.5, 256).astype(np.float32)
+    ys = gemv_multi([w for w, _ in matrices], dev(x), norm_weight=dev(norm_weight), config=TINY)
+    x_normed = reference_ops.rms_norm(x, norm_weight, 1e-6).astype(np.float64)
+    for y, (_, values) in zip(ys, matrices):
+        assert_dot_close(host(y), values @ x_normed, np.abs(values) @ np.abs(x_normed))
+    # two matrices, host outputs: the third slot's stand-in must not clobber them
+    x = rng.standard_normal(256).astype(np.float32)
+    ys = (np.zeros(13, np.float32), np.zeros(5, np.float32))
+    gemv_multi([matrices[0][0], matrices[1][0]], x, ys, config=TINY)
+    for y, (_, values) in zip(ys, matrices[:2]):
+        assert_dot_close(y, values @ x.astype(np.float64), np.abs(values) @ np.abs(x))
