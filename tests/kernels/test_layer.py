@@ -8,6 +8,7 @@ from kernel_data import assert_close_to_scale, dev, host, random_gguf_bytes, ref
 from strata.gpu.kernels.attention import AttentionConfig, attention
 from strata.gpu.kernels.gemm import GemmConfig, gemm
 from strata.gpu.kernels.gemv import GemvConfig, gemv
+from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
 from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group, moe_route
@@ -51,11 +52,12 @@ def _layer_weights(rng):
 def _attention_part(w, h_normed, x, k_cache, v_cache, positions, num_tokens, is_decode):
     d, hq, hk = SPEC.head_dim, SPEC.num_heads, SPEC.num_kv_heads
     q, k, v = (dev(np.zeros((num_tokens, n * d), np.float32)) for n in (hq, hk, hk))
-    for name, out in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
-        if is_decode:
-            gemv(w[name], x.reshape(SPEC.hidden_size), out.reshape(out.shape[1]), norm_weight=w["attn_norm"],
-                 eps=SPEC.rms_norm_eps, config=GEMV)
-        else:
+    if is_decode:  # one launch for q, k and v, the attention norm fused in
+        gemv_multi((w["attn_q"], w["attn_k"], w["attn_v"]), x.reshape(SPEC.hidden_size),
+                   (q.reshape(hq * d), k.reshape(hk * d), v.reshape(hk * d)), norm_weight=w["attn_norm"],
+                   eps=SPEC.rms_norm_eps, config=GEMV)
+    else:
+        for name, out in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
             gemm(h_normed, w[name], out, config=GEMM)
     head_norm_rope(q, k, positions, head_dim=d, q_norm_weight=w["attn_q_norm"], k_norm_weight=w["attn_k_norm"],
                    eps=SPEC.rms_norm_eps, rope_mode="neox", freq_base=SPEC.rope_theta)
