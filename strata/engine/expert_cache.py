@@ -32,7 +32,7 @@ class ExpertCache:
         reserved = max(segment_bytes, reserved_bytes // segment_bytes * segment_bytes)
         self.storage = ops.arena(owner, reserved, segment_bytes, layout)
         self.segment_bytes = self.storage.segment_bytes  # what one segment costs on this backend
-        self.storage.map_segments(min(self.storage.reserved_bytes, base_bytes // segment_bytes * self.segment_bytes))
+        self.storage.map_segments(min(self.storage.reserved_bytes, base_bytes // self.segment_bytes * self.segment_bytes))
         self.base_bytes = self.storage.mapped_bytes
         self._lru: OrderedDict[Key, int] = OrderedDict()  # key → slot, least recently used first
         self._key_of: dict[int, Key] = {}

@@ -64,8 +64,10 @@ class Engine:
         decode_ws = ops.alloc("decode_workspace", (placement.decode_workspace_bytes,), "uint8")
         pack = _expert_pack(config, model, ops, layout, show_progress) if layout and not is_dry_run else None
         cache = ExpertCache(ops, layout, segment_bytes=config.runtime.vmm_segment_bytes,
-                            reserved_bytes=placement.cache_reserved_bytes, base_bytes=placement.cache_base_bytes,
-                            min_cache_slots=_min_cache_slots(config, placement, layout, spec)) if layout else None
+                            reserved_bytes=placement.cache_reserved_bytes,
+                            base_bytes=placement.cache_base_bytes) if layout else None
+        if cache:
+            cache.min_cache_slots = _min_cache_slots(config, cache.num_slots, spec)
         planner = Planner(placement.costs, config.planner, placement.kv_cells)
         workspace = PromptWorkspace(ops, cache, placement.costs)
         state = RuntimeState()
@@ -105,10 +107,9 @@ class Engine:
         self.ops.synchronize()
 
 
-def _min_cache_slots(config: Config, placement: Placement, layout, spec) -> int:
+def _min_cache_slots(config: Config, base_slots: int, spec) -> int:
     """Slots the prompt workspace may never borrow: a share of the startup cache (leaving the smallest
     staging ring borrowable), and at least one token's experts, which decode needs together."""
-    base_slots = placement.cache_base_bytes // layout.slot_bytes
     keep = int(base_slots * config.planner.cache_keep_share)
     return max(spec.num_experts_used, min(keep, base_slots - config.planner.min_ring_slots))
 

@@ -120,6 +120,14 @@ def make_ops(name: str, ledger: VramLedger, device: int = 0) -> Ops:
 
         return NumpyOps(ledger)
     if name in ("cuda", "cudasim"):
+        from numba import config as numba_config
+
+        if name == "cudasim" and not numba_config.ENABLE_CUDASIM:
+            raise ConfigError("runtime.backend = 'cudasim' runs the kernels in Numba's CUDA simulator, which must be "
+                              "switched on before start: set NUMBA_ENABLE_CUDASIM=1 in the environment")
+        if name == "cuda" and numba_config.ENABLE_CUDASIM:
+            raise ConfigError("runtime.backend = 'cuda' but NUMBA_ENABLE_CUDASIM=1 is set; unset it, or use "
+                              "runtime.backend = 'cudasim'")
         try:
             from strata.gpu.ops_cuda import CudaOps
         except ImportError as exc:

@@ -44,8 +44,12 @@ class CudaOps:
             from strata.gpu.memory import install_ledger
 
             install_ledger(ledger)
-        from numba import cuda
+        import warnings
 
+        from numba import cuda
+        from numba.core.errors import NumbaPerformanceWarning
+
+        warnings.simplefilter("ignore", NumbaPerformanceWarning)  # small grids are expected at decode
         self.cuda = cuda
         if not is_simulator:
             cuda.select_device(device)

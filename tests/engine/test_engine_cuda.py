@@ -10,7 +10,11 @@ from strata.engine.facade import Engine
 from strata.engine.ops import _has_cuda_device
 from strata.model.synth import PRESETS, write_synthetic_model
 
+from numba import config as numba_config
+
 BACKEND = "cuda" if _has_cuda_device() else "cudasim"
+pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
+                                reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)")
 NUM_PROMPT, NUM_GENERATED = (70, 8) if BACKEND == "cuda" else (6, 2)
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 500, size=NUM_PROMPT)]
 
