@@ -18,6 +18,13 @@ from typing import Iterator, Mapping
 from strata.errors import VramBudgetError
 
 UNCHARGED_OWNER = "unattributed"
+# the ledger whose ``owner`` block is in effect: a memory manager serving several engines in one
+# process (tests) charges the engine that is allocating
+_ACTIVE_LEDGER: contextvars.ContextVar[VramLedger | None] = contextvars.ContextVar("strata_ledger", default=None)
+
+
+def active_ledger() -> VramLedger | None:
+    return _ACTIVE_LEDGER.get()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +108,11 @@ class VramLedger:
     def owner(self, name: str) -> Iterator[None]:
         """Charge allocations made inside this block (by a memory manager) to ``name``."""
         token = self._owner.set(name)
+        active = _ACTIVE_LEDGER.set(self)
         try:
             yield
         finally:
+            _ACTIVE_LEDGER.reset(active)
             self._owner.reset(token)
 
     @property

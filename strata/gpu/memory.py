@@ -3,8 +3,9 @@
 Numba's External Memory Management interface sends each allocation through one memory-manager
 class per process, chosen before the CUDA context exists. ``install_ledger`` installs ours; the
 ledger it charges is a class attribute because Numba, not Strata, instantiates the manager. An
-allocation is charged to the ledger's current owner (``with ledger.owner("kv_cache"): ...``) before
-the driver is asked, and discharged when Numba frees the pointer.
+allocation is charged to the ledger whose owner block is in effect (``with ledger.owner("kv_cache"):
+...``), else to the installed one, before the driver is asked; it is discharged when Numba frees
+the pointer.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import weakref
 
 from strata.errors import AllocationError
-from strata.gpu.ledger import VramLedger
+from strata.gpu.ledger import VramLedger, active_ledger
 
 
 def install_ledger(ledger: VramLedger) -> None:
@@ -35,7 +36,7 @@ def _manager_class():
         ledger: VramLedger | None = None
 
         def memalloc(self, size):
-            ledger = type(self).ledger
+            ledger = active_ledger() or type(self).ledger
             if ledger is None:
                 return super().memalloc(size)
             charge = ledger.charge(ledger.current_owner, size)

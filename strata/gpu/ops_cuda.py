@@ -13,8 +13,10 @@ manager, so allocations made through these ops are charged by hand, as the same 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
+from numba import cuda  # a module global: the simulator swaps it inside kernels
 
 from strata.engine.ops import ExpertLayout, QTensor
 from strata.gpu.ledger import VramLedger
@@ -234,13 +236,19 @@ class CudaOps:
         gate, up, down = storage.matrices()
         num_slots = storage.num_slots_reserved
         with self._owning(ACTIVATIONS):
-            slot_ids_dev = self.cuda.to_device(slot_ids)
             if x.shape[0] <= 4:
-                moe_experts_decode(x, slot_ids_dev, weights, gate, up, down, out, num_experts=num_slots)
-            else:
-                config = GemmConfig()
-                groups = moe_group(slot_ids_dev, weights, num_slots, config.block_m)
-                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=config)
+                moe_experts_decode(x, self.cuda.to_device(slot_ids), weights, gate, up, down, out,
+                                   num_experts=num_slots)
+                return
+            # group by expert id (few: the grouping keeps a counter per expert in shared memory),
+            # then point each tile at its expert's slot
+            config = GemmConfig()
+            batch_ids = np.where(slot_ids >= 0, ids, -1).astype(np.int32)
+            groups = moe_group(self.cuda.to_device(batch_ids), weights, len(slot_of_expert), config.block_m)
+            table = self.cuda.to_device(slot_of_expert.astype(np.int32))
+            tiles = groups.tile_expert.shape[0]
+            _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)
+            moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=config)
 
     def ffn(self, x, gate: QTensor, up: QTensor, down: QTensor):
         from strata.gpu.kernels.activation import swiglu
@@ -269,6 +277,19 @@ class CudaOps:
         last = x[x.shape[0] - 1:] if hasattr(x, "copy_to_host") else self.cuda.to_device(np.asarray(x[-1:]))
         with self._owning(ACTIVATIONS):
             return gemv(head.data, last[0], norm_weight=norm, eps=eps).copy_to_host()
+
+
+@functools.cache
+def _tiles_to_slots_kernel():
+    @cuda.jit
+    def tiles_to_slots_kernel(tile_expert, slot_of_expert, num_tiles):  # in place: expert id → slot
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i < tile_expert.shape[0] and i < num_tiles[0]:
+            expert = tile_expert[i]
+            if expert >= 0:
+                tile_expert[i] = slot_of_expert[expert]
+
+    return tiles_to_slots_kernel
 
 
 def packed_expert_layout(model) -> ExpertLayout:

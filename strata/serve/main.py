@@ -12,11 +12,13 @@ import dataclasses
 import logging
 import sys
 
-import uvicorn
+from typing import TYPE_CHECKING
 
 from strata.config import Config
 from strata.errors import ConfigError
-from strata.serve.app import create_app
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger("strata.serve")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -50,6 +52,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
 
 def build_server(config: Config, engine_loader, *, log_level: str = "info") -> uvicorn.Server:
     """A uvicorn server for the app; a failed load stops it so that ``run`` can exit non-zero."""
+    import uvicorn  # imported here: the CLI's other commands run where no HTTP stack is installed
+
+    from strata.serve.app import create_app
+
     holder: dict[str, uvicorn.Server] = {}
 
     def load():
