@@ -38,7 +38,8 @@ class PromptWorkspace:
         elif self.costs.is_activation_borrowable:
             borrow = min(need, borrowable // self.costs.bytes_per_ring_slot * self.costs.bytes_per_ring_slot)
         else:
-            borrow = ring_bytes  # the ring only: activations are the backend's own allocations
+            # the ring only: activations are the backend's own allocations, charged as they are made
+            borrow, need = ring_bytes, ring_bytes
         first_slot = -1
         if borrow:
             first_slot, _ = self.cache.lend(borrow)

@@ -35,7 +35,7 @@ def plane_sizes(layout: ExpertLayout) -> list[tuple[int, str, tuple[int, int], n
 
 class PlaneArena:
     def __init__(self, ledger: VramLedger, owner: str, reserved_bytes: int, segment_bytes: int,
-                 layout: ExpertLayout, *, granularity: int, make_range):
+                 layout: ExpertLayout, *, granularity: int, make_range, placeholders=None):
         self.layout = layout
         self.slots_per_segment = max(1, segment_bytes // layout.slot_bytes)
         self.num_segments_reserved = max(1, reserved_bytes // segment_bytes)
@@ -48,6 +48,8 @@ class PlaneArena:
         self._ranges = [make_range(chunk * self.num_segments_reserved, chunk) for chunk in self._chunks]
         self._ledger, self._owner = ledger, owner
         self._charges: list[Charge] = []
+        self._placeholders = placeholders or {}
+        self._matrices = None
 
     @property
     def mapped_bytes(self) -> int:
@@ -86,6 +88,11 @@ class PlaneArena:
 
     def matrices(self):
         """(gate, up, down) as PackedMatrix stacks over every reserved slot (kernels touch mapped ones)."""
+        if self._matrices is None:
+            self._matrices = self._build_matrices()
+        return self._matrices
+
+    def _build_matrices(self):
         from strata.gpu.kernels.packing import PackedMatrix
 
         views: dict[tuple[int, str], object] = {}
@@ -96,17 +103,11 @@ class PlaneArena:
         out = []
         for index, (qtype, (num_rows, num_cols)) in enumerate(zip(self.layout.qtypes, self.layout.shapes)):
             present = {n: views[(index, n)] for i, n, *_ in self.planes if i == index}
-            placeholder = {n: self._placeholder(n) for n in _PLANE_NAMES if n not in present}
+            placeholder = {n: self._placeholders[n] for n in _PLANE_NAMES if n not in present}
             planes = {**present, **placeholder}
             out.append(PackedMatrix(qtype.name, num_rows * self.num_slots_reserved, num_cols,
                                     planes["quants"], planes["scales"], planes["extra"]))
         return tuple(out)
-
-    def _placeholder(self, name: str):
-        from numba import cuda
-
-        dtype = {"quants": np.uint32, "scales": np.float16, "extra": np.uint8}[name]
-        return cuda.to_device(np.zeros((1, 1), dtype))
 
     def stage(self, slot: int, host_slot: np.ndarray, stream=0) -> None:
         """Copy one expert's packed slot bytes into slot ``slot`` of every plane."""

@@ -57,6 +57,9 @@ class CudaOps:
             cuda.select_device(device)
         self._manual: dict[int, tuple[object, object]] = {}  # simulator: id → (array, charge)
         self._rope: dict[tuple, object] = {}
+        # one (1, 1) stand-in per plane dtype for the planes a format lacks, shared by every matrix
+        self.placeholders = {name: self.upload("dense_weights", np.zeros((1, 1), dtype))
+                             for name, dtype in (("quants", np.uint32), ("scales", np.float16), ("extra", np.uint8))}
         self._num_sms = 132 if is_simulator else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
     # --- memory ---------------------------------------------------------------------------
@@ -83,12 +86,15 @@ class CudaOps:
 
     def upload_qtensor(self, owner: str, raw: np.ndarray, qtype, shape) -> QTensor:
         """A weight in the packed layout: [rows, row_bytes] GGUF bytes → device planes."""
-        from strata.gpu.kernels.packing import pack, to_device
+        from strata.gpu.kernels.packing import pack, plane_shapes
 
         rows = int(np.prod(shape[:-1]))
         packed = pack(raw.reshape(rows, -1), qtype.name, shape[-1])
+        present = plane_shapes(qtype.name, rows, shape[-1])
         with self._owning(owner):
-            device = to_device(packed)
+            planes = {name: self.cuda.to_device(getattr(packed, name)) if name in present else self.placeholders[name]
+                      for name in ("quants", "scales", "extra")}
+        device = packed._replace(**planes)
         self._track(owner, device, packed.nbytes)
         return QTensor(data=device, qtype=qtype, shape=tuple(shape), num_bytes=int(raw.nbytes))
 
@@ -112,12 +118,13 @@ class CudaOps:
 
         if self.is_simulator:
             return PlaneArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, granularity=256,
-                              make_range=HostRange)
+                              make_range=HostRange, placeholders=self.placeholders)
         from strata.gpu.vmm import VmmArena, allocation_granularity
 
         granularity = allocation_granularity(self.device)
         return PlaneArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, granularity=granularity,
-                          make_range=lambda reserved, seg: VmmArena(None, owner, reserved, seg, self.device))
+                          make_range=lambda reserved, seg: VmmArena(None, owner, reserved, seg, self.device),
+                          placeholders=self.placeholders)
 
     def expert_layout(self, model) -> ExpertLayout:
         return packed_expert_layout(model)
