@@ -50,6 +50,11 @@ class PlaneArena:
         self._charges: list[Charge] = []
         self._placeholders = placeholders or {}
         self._matrices = None
+        self._plane_slot_bytes = [int(np.prod(shape)) * dtype.itemsize for _, _, shape, dtype, _ in self.planes]
+        # raw device addresses when the ranges are CUDA virtual memory: staging then issues one async
+        # DMA per plane, with no array objects built per copy
+        bases = [getattr(r, "base", None) for r in self._ranges]
+        self._device_bases = bases if all(b is not None for b in bases) else None
 
     @property
     def mapped_bytes(self) -> int:
@@ -110,7 +115,17 @@ class PlaneArena:
         return tuple(out)
 
     def stage(self, slot: int, host_slot: np.ndarray, stream=0) -> None:
-        """Copy one expert's packed slot bytes into slot ``slot`` of every plane."""
+        """Copy one expert's packed slot bytes into slot ``slot`` of every plane (ordered with the
+        kernels of the default stream)."""
+        if self._device_bases is not None:
+            from cuda.bindings import driver as cu
+
+            source = host_slot.ctypes.data
+            for (_, _, _, _, offset), base, num_bytes in zip(self.planes, self._device_bases, self._plane_slot_bytes):
+                (err,) = cu.cuMemcpyHtoDAsync(base + slot * num_bytes, source + offset, num_bytes, 0)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"expert upload failed: {err}")
+            return
         for (_, _, shape, dtype, offset), plane_range in zip(self.planes, self._ranges):
             num_bytes = int(np.prod(shape)) * dtype.itemsize
             start = slot * num_bytes
