@@ -1,6 +1,5 @@
 """The loan transaction on the engine's own resources (numpy backend)."""
 
-import dataclasses
 
 import numpy as np
 import pytest

@@ -53,7 +53,7 @@ def test_prefill_float16_hidden_scratch():
 
 
 def test_decode_experts_with_fused_norm_match_reference_moe():
-    num_experts, top_k, dim, ffn = 4, 2, 256, 32
+    num_experts, dim, ffn = 4, 256, 32
     (gate, up, down), values = _experts(("Q4_K", "Q6_K", "Q8_0"), num_experts, dim, ffn, seed=94)
     rng = np.random.default_rng(95)
     x = (rng.standard_normal((1, dim)) * 2).astype(np.float32)

@@ -15,7 +15,7 @@ from numba import cuda
 
 from ._common import OCTET, ceil_div, check_array, empty, is_finite_number, stand_in
 from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
-from .packing import PackedMatrix, check_packed
+from .packing import check_packed
 
 
 @functools.cache
