@@ -16,10 +16,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from strata.engine.sampling import SamplingParams, StopMatcher, make_rng, sample
+from strata.engine.sampling import SamplingParams, make_rng, sample
 from strata.errors import ConfigError
 from strata.model.chat import render_chat
-from strata.model.gguf_file import open_gguf
 from strata.model.reference import KVCache, ReferenceModel
 from strata.model.tokenizer import Tokenizer
 
@@ -52,30 +51,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, config: Any, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Generate for args.prompt with the model at config.model.path; returns the exit status."""
+    """Generate for args.prompt through the engine on the configured backend (``numpy``: the
+    reference ops on the CPU); stream the text to ``out`` and the timing line to ``err``."""
+    from strata.engine.facade import Engine
+
     out, err = out or sys.stdout, err or sys.stderr
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens)
-    gguf = open_gguf(config.model.path)
-    tokenizer = Tokenizer.from_metadata(gguf.metadata)
-    prompt_tokens = encode_prompt(tokenizer, args.prompt, args.chat)
-    model = ReferenceModel.from_gguf(gguf)
     started = time.perf_counter()
-    model.preload()
-    print(f"dequantized the weights in {time.perf_counter() - started:.2f} s", file=err)
-    stats = GenerationStats()
-    decoder = tokenizer.stream_decoder()
-    stop = StopMatcher(params.stop)
-    for token in generate_tokens(model, prompt_tokens, params, tokenizer.is_eog, stats):
-        text, is_stopped = stop.feed(decoder.feed(token))
-        out.write(text)
+    engine = Engine.load(config, show_progress=False)
+    print(f"loaded {engine.model.path.name} on {engine.backend} in {time.perf_counter() - started:.2f} s", file=err)
+    generation = engine.generate(encode_prompt(engine.tokenizer, args.prompt, args.chat).tolist(), params)
+    for event in generation:
+        out.write(event.text)
         out.flush()
-        if is_stopped:
-            break
-    else:
-        out.write(stop.feed(decoder.flush())[0] + stop.flush())
     out.write("\n")
-    print(stats.timing_line(), file=err)
+    print(generation.stats.timing_line(), file=err)
     return 0
 
 

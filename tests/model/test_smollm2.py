@@ -46,10 +46,10 @@ def test_generate_command_streams_text_and_reports_timing(smollm2, capsys):
 
     args = SimpleNamespace(prompt="The capital of France is", chat=False, max_tokens=6, temperature=0.0,
                            top_k=0, top_p=1.0, seed=None)
-    assert run(args, SimpleNamespace(model=SimpleNamespace(path=PATH))) == 0
+    assert run(args, _config()) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith(" Paris")
-    assert re.search(r"prompt 5 tokens, generated 6 tokens; prompt [\d.]+ tokens/s, decode [\d.]+ tokens/s",
+    assert re.search(r"prompt 5 tok, unread 5, generated 6 \(length\) .* PP [\d.]+ tok/s, TG [\d.]+ tok/s",
                      captured.err)
 
 
@@ -64,9 +64,15 @@ def test_generate_chat_renders_the_template_and_stops_on_end_of_turn(smollm2, ca
 
     args = SimpleNamespace(prompt="What is the capital of France? Answer in one word.", chat=True, max_tokens=40,
                            temperature=0.0, top_k=0, top_p=1.0, seed=None)
-    assert run(args, SimpleNamespace(model=SimpleNamespace(path=PATH))) == 0
+    assert run(args, _config()) == 0
     captured = capsys.readouterr()
     assert "Paris" in captured.out
     assert "<|im_end|>" not in captured.out
-    generated = int(re.search(r"generated (\d+) tokens", captured.err).group(1))
-    assert generated < 40  # ended at the end-of-turn token, not at max tokens
+    generated, finish = re.search(r"generated (\d+) \((\w+)\)", captured.err).groups()
+    assert int(generated) < 40 and finish == "stop"  # ended at the end-of-turn token, not at max tokens
+
+
+def _config():
+    from strata.config import parse_config
+
+    return parse_config({"model": {"path": str(PATH)}, "runtime": {"backend": "numpy"}})
