@@ -1,8 +1,8 @@
-"""`strata generate`: one prompt through the NumPy reference forward on the CPU, streamed to stdout.
+"""`strata generate`: one prompt through the engine, streamed to stdout, timing line on stderr.
 
-Prefill runs the prompt in chunks, then decode runs one token at a time over the KV cache. The
-timing line on stderr counts prefill (prompt tokens/s, up to the first token's logits) and
-decode (the forward passes after it) separately.
+``run`` uses the configured backend (``numpy`` runs the reference ops on the CPU). ``generate_tokens``
+is the same loop written directly over the NumPy reference forward: chunked prefill, then one token
+at a time over the KV cache; the tests use it as the oracle for whole generations.
 """
 
 from __future__ import annotations
