@@ -25,6 +25,15 @@ def install_ledger(ledger: VramLedger) -> None:
     cuda.set_memory_manager(manager)
 
 
+def is_ledger_managed() -> bool:
+    """Whether this process's CUDA context allocates through the ledger's manager (it does not when
+    the context existed before ``install_ledger``, e.g. after other CUDA work in the same process)."""
+    from numba import cuda
+
+    manager = getattr(cuda.current_context(), "memory_manager", None)
+    return isinstance(manager, _manager_class())
+
+
 def _manager_class():
     from numba.cuda.cudadrv import driver
 

@@ -53,9 +53,15 @@ class CudaOps:
 
         warnings.simplefilter("ignore", NumbaPerformanceWarning)  # small grids are expected at decode
         self.cuda = cuda
+        # charge by hand where no memory manager sees the allocations: the simulator, or a context
+        # that existed before the ledger's manager was installed
+        self._is_charged_by_hand = is_simulator
         if not is_simulator:
+            from strata.gpu.memory import is_ledger_managed
+
             cuda.select_device(device)
-        self._manual: dict[int, tuple[object, object]] = {}  # simulator: id → (array, charge)
+            self._is_charged_by_hand = not is_ledger_managed()
+        self._manual: dict[int, tuple[object, object]] = {}  # charged by hand: id → (array, charge)
         self._rope: dict[tuple, object] = {}
         # one (1, 1) stand-in per plane dtype for the planes a format lacks, shared by every matrix
         self.placeholders = {name: self.upload("dense_weights", np.zeros((1, 1), dtype))
@@ -70,7 +76,7 @@ class CudaOps:
             yield
 
     def _track(self, owner: str, arrays, num_bytes: int):
-        if self.is_simulator:
+        if self._is_charged_by_hand:
             self._manual[id(arrays)] = (arrays, self.ledger.charge(owner, num_bytes))
         return arrays
 
