@@ -99,7 +99,8 @@ def test_disconnect_mid_stream_releases_the_engine(controlled, timing_lines):
     server, engine = controlled
     engine.pace_s = 0.005
     max_tokens = server.state.ready.engine.context_tokens // 2
-    body = {"model": "tiny", "prompt": "Tell me everything", "max_tokens": max_tokens, "stream": True}
+    body = {"model": "tiny", "prompt": "Tell me everything", "max_tokens": max_tokens, "stream": True,
+            "temperature": 0}  # greedy: deterministic, no early end of generation
     try:
         with httpx.stream("POST", server.url + COMPLETIONS, json=body, timeout=30) as response:
             request_id = response.headers["x-request-id"]
@@ -145,7 +146,8 @@ def test_disconnect_while_queued_drops_the_request(controlled, caplog):
 def test_failure_mid_stream_arrives_as_an_error_event(controlled):
     server, engine = controlled
     engine.fail_after_tokens = 2
-    body = {"model": "tiny", "prompt": "Break halfway", "max_tokens": 8, "stream": True}
+    # greedy, so that the stream cannot end at an end-of-generation token before the failure
+    body = {"model": "tiny", "prompt": "Break halfway", "max_tokens": 8, "stream": True, "temperature": 0}
     try:
         response = httpx.post(server.url + COMPLETIONS, json=body, timeout=30)
         with pytest.raises(openai.APIError, match="injected decode failure"):
