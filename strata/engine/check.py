@@ -39,5 +39,5 @@ def run(args: argparse.Namespace, config: Config) -> int:
     print(f"plan without the loan (chunk / ring): {without}")
     if config.loan.enabled:
         print(f"plan with the loan (chunk / ring): {engine.loan.startup_geometry}")
-    print("planner: " + engine.planner.explain(engine.loan._budget(), engine.loan.startup_geometry))
+    print("planner: " + engine.planner.explain(engine.loan.budget(), engine.loan.startup_geometry))
     return 0

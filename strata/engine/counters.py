@@ -41,12 +41,13 @@ class EngineCounters:
         self.last_prefill_tokens_per_s = stats.prefill_tokens_per_s
         self.last_decode_tokens_per_s = stats.decode_tokens_per_s
 
-    def record_failure(self, loan) -> None:
+    def record_failure(self, loan, is_restored: bool) -> None:
+        """A request that raised; ``is_restored`` is false when the loan could not put things back."""
         self.num_requests += 1
         self.num_failed_requests += 1
-        self._record_loan(loan, is_failed=True)
+        self._record_loan(loan, is_failed=True, is_restored=is_restored)
 
-    def _record_loan(self, loan, is_failed: bool) -> None:
+    def _record_loan(self, loan, is_failed: bool, is_restored: bool = True) -> None:
         if loan is None:
             return
         if not loan.is_taken:
@@ -55,4 +56,5 @@ class EngineCounters:
         self.num_loans_taken += 1
         self.num_loans_failed += int(is_failed)
         self.released_bytes += loan.released_bytes
-        self.restored_bytes += loan.released_bytes  # the transaction restores all it released, or raises
+        if is_restored:  # the transaction restores all it released, or raises LoanRestoreError
+            self.restored_bytes += loan.released_bytes

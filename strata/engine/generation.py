@@ -11,7 +11,7 @@ import numpy as np
 from strata.engine.request import RequestStats, TokenEvent
 from strata.engine.runner import StreamStats
 from strata.engine.sampling import SamplingParams, StopMatcher, make_rng, sample
-from strata.errors import RequestError
+from strata.errors import LoanRestoreError, RequestError
 from strata.hooktypes import Geometry
 
 if TYPE_CHECKING:
@@ -47,8 +47,8 @@ class Generation:
             hidden, report = engine.loan.run(len(prompt), len(unread),
                                              lambda geometry: self._prefill(unread, reuse, geometry, stream))
             logits = self._logits(hidden)  # after the loan: the output head is back
-        except BaseException:
-            engine.counters.record_failure(engine.loan.last_report)
+        except BaseException as exc:
+            engine.counters.record_failure(engine.loan.last_report, not isinstance(exc, LoanRestoreError))
             raise
         engine.kv_tokens = list(prompt)
         prefill_seconds = time.perf_counter() - started

@@ -89,7 +89,7 @@ class LoanTransaction:
         for name, resource in self.resources.items():
             if name not in self._deferred:
                 resource.restore()
-        self.startup_geometry = self.planner.plan(self._budget())
+        self.startup_geometry = self.planner.plan(self.budget())
 
     def run(self, prompt_tokens: int, unread_tokens: int, prefill: Callable[[Geometry], T]) -> tuple[T, LoanReport]:
         request = LoanRequest(self._num_requests, prompt_tokens, unread_tokens,
@@ -128,7 +128,7 @@ class LoanTransaction:
     def plan_preview(self, is_loan: bool) -> Geometry:
         """The geometry an unbounded prompt gets from the idle engine (every resource resident),
         without the loan or with its release."""
-        budget = self._budget()
+        budget = self.budget()
         idle_free = budget.free_bytes - sum(r.num_bytes for r in self.resources.values() if not r.is_resident)
         freed = 0
         if is_loan and self.is_enabled:
@@ -164,15 +164,15 @@ class LoanTransaction:
                     names.append(name)
         return names
 
-    def _budget(self, adjust_bytes: int = 0) -> PlannerBudget:
+    def budget(self, adjust_bytes: int = 0) -> PlannerBudget:
         borrowable = self.cache.borrowable_bytes() if self.cache else 0
         return PlannerBudget(self.ledger.free_bytes, borrowable, adjust_bytes)
 
     def _plan(self, ctx: LoanContext, is_loan: bool) -> Geometry:
         if not is_loan:
-            return self.planner.plan(self._budget(), ctx.request.unread_tokens)
-        deltas = self.plugins.call_in_order("strata_planner_budget", ctx=ctx, budget=self._budget())
-        budget = self._budget(sum(d for _, d in deltas if d))
+            return self.planner.plan(self.budget(), ctx.request.unread_tokens)
+        deltas = self.plugins.call_in_order("strata_planner_budget", ctx=ctx, budget=self.budget())
+        budget = self.budget(sum(d for _, d in deltas if d))
         geometry = self.planner.plan(budget, ctx.request.unread_tokens)
         for _, chosen in self.plugins.call_in_order("strata_planner_geometry", ctx=ctx, geometry=geometry):
             if chosen is not None:

@@ -14,6 +14,7 @@ import dataclasses
 
 import numpy as np
 
+from strata.engine.decode_resources import upload_tensor
 from strata.engine.expert_cache import ExpertCache
 from strata.engine.expert_pack import ExpertPack
 from strata.engine.ops import Ops, QTensor
@@ -42,8 +43,6 @@ class DeviceWeights:
         spec = model.spec
         self.matrices: dict[str, QTensor] = {}
         self.vectors: dict[str, object] = {}
-        from strata.engine.decode_resources import upload_tensor
-
         names = ["token_embd"] + [f"blk.{i}.{n}" for i in range(spec.num_layers) for n in _LAYER_MATRICES]
         for name in names:
             if f"{name}.weight" in model.tensors:

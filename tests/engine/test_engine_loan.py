@@ -107,6 +107,7 @@ def test_a_failure_mid_prefill_restores_every_resource_and_the_next_request_is_s
     assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
     assert engine.state.settings == RuntimeSettings()
     assert engine.counters.num_failed_requests == 1 and engine.counters.num_loans_failed == 1
+    assert engine.counters.restored_bytes == engine.counters.released_bytes > 0
     tokens, stats = greedy(engine, PROMPTS[0], 4)
     assert tokens == expected and stats.unread_tokens == len(PROMPTS[0])
 

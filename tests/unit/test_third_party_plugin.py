@@ -52,7 +52,7 @@ def test_third_party_plugin_is_discovered_and_runs(tmp_path, monkeypatch):
 
     engine = FakeEngine(config, host, {})
     engine.loan.start()
-    without = engine.loan.planner.plan(engine.loan._budget(), None)
+    without = engine.loan.planner.plan(engine.loan.budget(), None)
     geometry, report = engine.prefill(100_000)
     assert report.is_taken and importlib.import_module("strata_reserve").CALLS == [0]
     withheld = (without.chunk_tokens - geometry.chunk_tokens) * engine.costs.bytes_per_chunk_token
