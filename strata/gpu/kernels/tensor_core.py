@@ -1,0 +1,67 @@
+"""Tensor-core fragments: warp-level ``mma.sync`` device functions in CUDA C++, linked into Numba kernels.
+
+Numba has no tensor-core intrinsics, so the warp-level products live in small CUDA C++ device
+functions under ``kernels/cuda/`` (``extern "C"``, C ABI), declared with ``cuda.declare_device``
+and linked when a kernel calling them is compiled. Kernels pass shared- and local-memory arrays
+as pointers with ``ffi.from_buffer(array)`` (cffi). Staging, dequantization, softmax bookkeeping
+and epilogues stay in Numba.
+
+Every C++ function has a pure-Numba twin with the same fragment layout (PTX ISA,
+``mma.m16n8k16`` with f16 inputs and f32 accumulators), which is what the simulator runs and
+what the GPU tests compare the C++ path against. Fragment layout for a lane (g = lane / 4,
+t = lane % 4): accumulator c[r] of a 16 x 8 tile is element (g + 8 * (r // 2), 2 * t + r % 2).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from numba import types
+
+from ._common import IS_SIMULATOR
+
+CUDA_SOURCE_DIR = Path(__file__).with_name("cuda")
+MMA_M, MMA_N, MMA_K = 16, 8, 16
+MIN_COMPUTE_CAPABILITY = (8, 0)  # mma.sync.m16n8k16 with f16 inputs
+
+
+@functools.cache
+def is_available() -> bool:
+    """True on a real GPU of compute capability 8.0+ with cffi installed (the pointer passing)."""
+    if IS_SIMULATOR:
+        return False
+    try:
+        import cffi  # noqa: F401
+        from numba import cuda
+
+        return cuda.is_available() and cuda.get_current_device().compute_capability >= MIN_COMPUTE_CAPABILITY
+    except Exception:
+        return False
+
+
+@functools.cache
+def ffi():
+    """The cffi FFI whose ``from_buffer`` turns a Numba array into a pointer inside kernels."""
+    import cffi
+
+    return cffi.FFI()
+
+
+def source(name: str) -> str:
+    """Path of a CUDA C++ source under kernels/cuda/."""
+    path = CUDA_SOURCE_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"missing CUDA source {path}")
+    return str(path)
+
+
+def declare(name: str, argtypes: tuple, source_name: str):
+    """Declare ``extern "C" __device__ void name(argtypes...)`` from kernels/cuda/<source_name>."""
+    from numba import cuda
+
+    return cuda.declare_device(name, types.void(*argtypes), link=[source(source_name)], abi="c")
+
+
+HALF_PTR = types.CPointer(types.float16)
+FLOAT_PTR = types.CPointer(types.float32)
