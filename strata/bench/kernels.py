@@ -21,7 +21,7 @@ from numba import cuda
 
 from strata.gpu.kernels._common import IS_SIMULATOR
 from strata.gpu.kernels.attention import DECODE_CONFIG, AttentionConfig, attention, default_num_splits
-from strata.gpu.kernels.gemm import GemmConfig
+from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
@@ -131,7 +131,7 @@ def make_experts(s: Shapes, fmt: str, rng) -> tuple:
             random_packed(fmt, s.num_experts * s.hidden, s.ffn, rng))
 
 
-def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg: GemmConfig, timing) -> list:
+def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing) -> list:
     rng = np.random.default_rng(2)
     num_pairs = num_tokens * s.top_k
     x = device_randn((num_tokens, s.hidden), rng)
@@ -143,7 +143,8 @@ def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg: GemmConfig, timi
     ms = median_ms(lambda: moe_experts_prefill(x, groups, *experts, out, num_experts=s.num_experts, hidden=hidden,
                                                config=cfg), *timing)
     flops = 2.0 * num_pairs * 3 * s.ffn * s.hidden
-    return [Row(f"prefill experts {experts[0].fmt}, {num_tokens} tokens x top-{s.top_k}", flops / ms / 1e9, "TFLOP/s",
+    path = "tensor cores" if isinstance(cfg, MmaConfig) and cfg.is_native else "FFMA" if isinstance(cfg, GemmConfig) else "mma twin"
+    return [Row(f"prefill experts {experts[0].fmt} ({path}), {num_tokens} tokens x top-{s.top_k}", flops / ms / 1e9, "TFLOP/s",
                 TARGET_GEMM_FLOPS / 1e12, 1.0),
             Row(f"  grouping of {num_pairs} pairs (3 launches)", group_ms * 1e3, "us", None, None)]
 
@@ -266,7 +267,7 @@ def main(argv=None) -> list:
     if args.tiny:
         configs = (TINY, TINY_GEMV, TINY_GEMM, TINY_PREFILL, TINY_DECODE)
     else:
-        configs = (QWEN3_30B, GemvConfig(), GemmConfig(), AttentionConfig(), DECODE_CONFIG)
+        configs = (QWEN3_30B, GemvConfig(), default_config(), AttentionConfig(), DECODE_CONFIG)
     if IS_SIMULATOR:
         device = "CUDA simulator: the figures are not GPU figures"
     else:

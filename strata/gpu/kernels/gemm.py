@@ -7,13 +7,17 @@ each thread then accumulates a thread_m x thread_n register tile, rows and colum
 block / thread so that a warp's shared-memory reads are broadcasts or conflict-free. The float
 weights only ever exist in shared memory, one tile at a time.
 
-This is the FFMA path: it is what the simulator runs, and what the tensor-core path must agree
-with. On the GPU the tensor-core path replaces only `device_tile_fma` (and the fp32 staging with
-fp16 staging) inside `mainloop_device` / `dual_mainloop_device`, with the same signatures:
-stage the tiles as fp16 in shared memory and call a linked `mma.sync.m16n8k16` device function
-(`cuda.declare_device(..., link=[...])`) on fragments instead of the FFMA loop; the row gather,
-the staging of quantized weights and every epilogue (plain, residual add, MoE SwiGLU and
-weighted scatter in moe.py) stay as they are.
+Two main loops share this contract, chosen by the configuration's type:
+
+    GemmConfig  FFMA: float32 tiles, a thread_m x thread_n register tile per thread (this module);
+    MmaConfig   tensor cores: float16 tiles, mma.m16n8k16 fragments per warp (gemm_mma.py), through
+                linked CUDA C++ on the GPU or its pure-Numba twin in the simulator.
+
+Kernels stay generic: they size shared memory from the config (`xs_size`, `ws_size`,
+`stage_dtype`), keep `acc_size` accumulators per thread, and find the tile element of each
+accumulator with `acc_coords_device(config)`; the row gather, the staging of quantized weights
+and every epilogue (plain, residual add, MoE SwiGLU and weighted scatter in moe.py) are shared.
+`default_config()` picks tensor cores wherever they are available.
 """
 
 from __future__ import annotations
@@ -24,12 +28,15 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
+from . import tensor_core
 from ._common import OCTET, ceil_div, check_array, check_power_of_two, empty
 from .packing import PackedMatrix, check_packed
 from .quant_device import dequant8_for
 
 BLOCK_K = 32  # elements of K staged per step: one legacy block, one K-quant sub-block
+MMA_LD = BLOCK_K + 8  # halves per staged row on the tensor-core path (padding against bank conflicts)
 _OCTETS_PER_STEP = BLOCK_K // OCTET
+_MMA_WARP_TILES = ((1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (2, 8), (4, 8))  # (16-row, 8-column) mma tiles per warp in cuda/gemm_mma.cu
 
 
 class GemmConfig(NamedTuple):
@@ -52,6 +59,74 @@ class GemmConfig(NamedTuple):
         if self.block_m > self.threads:
             raise ValueError(f"block_m {self.block_m} exceeds the {self.threads} threads that fill its row list")
         return self
+
+    @property
+    def acc_size(self) -> int:
+        return self.thread_m * self.thread_n
+
+    @property
+    def xs_size(self) -> int:
+        return BLOCK_K * self.block_m
+
+    @property
+    def ws_size(self) -> int:
+        return BLOCK_K * self.block_n
+
+    stage_dtype = np.float32
+
+
+class MmaConfig(NamedTuple):
+    """Tensor-core tiles: warps_m x warps_n warps, each a (block_m / warps_m) x (block_n / warps_n) tile."""
+
+    block_m: int = 64
+    block_n: int = 64
+    warps_m: int = 2
+    warps_n: int = 2
+    is_native: bool | None = None  # linked CUDA C++ (True) or the pure-Numba twin; None: native when available
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def warp_tile(self) -> tuple[int, int]:
+        return self.block_m // self.warps_m, self.block_n // self.warps_n
+
+    @property
+    def acc_size(self) -> int:
+        return self.warp_tile[0] // 16 * self.warp_tile[1] // 8 * 4
+
+    @property
+    def xs_size(self) -> int:
+        return MMA_LD * self.block_m
+
+    @property
+    def ws_size(self) -> int:
+        return MMA_LD * self.block_n
+
+    stage_dtype = np.float16
+
+    def validate(self) -> "MmaConfig":
+        for name in ("block_m", "block_n", "warps_m", "warps_n"):
+            check_power_of_two(name, getattr(self, name))
+        warp_m, warp_n = self.warp_tile
+        if warp_m % 16 or warp_n % 8 or (warp_m // 16, warp_n // 8) not in _MMA_WARP_TILES:
+            raise ValueError(f"warp tile {warp_m}x{warp_n} is not one of the compiled mma tiles "
+                             f"{[(16 * m, 8 * n) for m, n in _MMA_WARP_TILES]}")
+        if (self.block_n * _OCTETS_PER_STEP) % self.threads or (self.block_m * BLOCK_K) % self.threads:
+            raise ValueError(f"{self.threads} threads cannot stage a {self.block_m}x{self.block_n} tile evenly")
+        if self.block_m > self.threads:
+            raise ValueError(f"block_m {self.block_m} exceeds the {self.threads} threads that fill its row list")
+        if self.is_native is None:
+            return self._replace(is_native=tensor_core.is_available())
+        if self.is_native and not tensor_core.is_available():
+            raise ValueError("is_native=True needs a GPU with tensor cores (compute capability 8.0+) and cffi")
+        return self
+
+
+def default_config():
+    """Tensor cores where available, else the FFMA tiles (the simulator)."""
+    return MmaConfig().validate() if tensor_core.is_available() else GemmConfig()
 
 
 @functools.cache
@@ -104,8 +179,48 @@ def _tile_devices(fmt: str, config: GemmConfig):
     return device_stage_x, device_stage_w, device_tile_fma
 
 
+def mainloop_device(fmt: str, config):
+    """The main loop for ``config`` (GemmConfig or MmaConfig), same signature for both."""
+    if isinstance(config, MmaConfig):
+        from . import gemm_mma
+
+        return gemm_mma.mainloop_device(fmt, config)
+    return _ffma_mainloop_device(fmt, config)
+
+
+def dual_mainloop_device(fmt_a: str, fmt_b: str, config):
+    """The two-weight main loop for ``config`` (GemmConfig or MmaConfig)."""
+    if isinstance(config, MmaConfig):
+        from . import gemm_mma
+
+        return gemm_mma.dual_mainloop_device(fmt_a, fmt_b, config)
+    return _ffma_dual_mainloop_device(fmt_a, fmt_b, config)
+
+
+def acc_coords_device(config):
+    """device_acc_coords(tid, idx) -> (m, n): where accumulator idx of thread tid sits in the block tile."""
+    if isinstance(config, MmaConfig):
+        from . import gemm_mma
+
+        return gemm_mma.acc_coords_device(config)
+    return _ffma_acc_coords_device(config)
+
+
 @functools.cache
-def mainloop_device(fmt: str, config: GemmConfig):
+def _ffma_acc_coords_device(config: GemmConfig):
+    tn = config.thread_n
+    cols_n = config.block_n // tn
+    stride_m, stride_n = config.block_m // config.thread_m, config.block_n // tn
+
+    @cuda.jit(device=True)
+    def device_acc_coords(tid, idx):
+        return tid // cols_n + (idx // tn) * stride_m, tid % cols_n + (idx % tn) * stride_n
+
+    return device_acc_coords
+
+
+@functools.cache
+def _ffma_mainloop_device(fmt: str, config: GemmConfig):
     """device_gemm_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
 
     acc[i * thread_n + j] += sum_k x[x_rows[m_i], k] * W[w_row0 + n_j, k] with m_i = ty + i * (block_m / thread_m),
@@ -131,7 +246,7 @@ def mainloop_device(fmt: str, config: GemmConfig):
 
 
 @functools.cache
-def dual_mainloop_device(fmt_a: str, fmt_b: str, config: GemmConfig):
+def _ffma_dual_mainloop_device(fmt_a: str, fmt_b: str, config: GemmConfig):
     """device_gemm_dual_mainloop(x, x_rows, qa, sa, ea, qb, sb, eb, w_row0, w_row_end, xs, ws_a, ws_b, acc_a, acc_b, tid):
 
     mainloop_device's products against two weights with the same row range (gate and up), the X
@@ -160,19 +275,18 @@ def dual_mainloop_device(fmt_a: str, fmt_b: str, config: GemmConfig):
 
 
 @functools.cache
-def _gemm_kernel(fmt: str, config: GemmConfig, is_accumulate: bool):
-    bm, bn, tm, tn = config
-    cols_n = bn // tn
-    stride_m, stride_n = bm // tm, bn // tn
-    xs_size, ws_size, acc_size = BLOCK_K * bm, BLOCK_K * bn, tm * tn
+def _gemm_kernel(fmt: str, config, is_accumulate: bool):
+    bm, bn = config.block_m, config.block_n
+    xs_size, ws_size, acc_size, stage_dtype = config.xs_size, config.ws_size, config.acc_size, config.stage_dtype
     mainloop = mainloop_device(fmt, config)
+    coords = acc_coords_device(config)
 
     @cuda.jit
     def gemm_kernel(x, quants, scales, extra, y):  # x [T, K], y [T, N]
         tid = cuda.threadIdx.x
         x_rows = cuda.shared.array(bm, np.int32)
-        xs = cuda.shared.array(xs_size, np.float32)
-        ws = cuda.shared.array(ws_size, np.float32)
+        xs = cuda.shared.array(xs_size, stage_dtype)
+        ws = cuda.shared.array(ws_size, stage_dtype)
         m0 = cuda.blockIdx.y * bm
         n0 = cuda.blockIdx.x * bn
         if tid < bm:
@@ -182,30 +296,30 @@ def _gemm_kernel(fmt: str, config: GemmConfig, is_accumulate: bool):
             acc[i] = np.float32(0.0)
         cuda.syncthreads()
         mainloop(x, x_rows, quants, scales, extra, n0, y.shape[1], xs, ws, acc, tid)
-        for i in range(tm):
-            m = m0 + tid // cols_n + i * stride_m
-            for j in range(tn):
-                n = n0 + tid % cols_n + j * stride_n
-                if m < y.shape[0] and n < y.shape[1]:
-                    if is_accumulate:
-                        y[m, n] += acc[i * tn + j]
-                    else:
-                        y[m, n] = acc[i * tn + j]
+        for idx in range(acc_size):
+            tile_m, tile_n = coords(tid, idx)
+            m, n = m0 + tile_m, n0 + tile_n
+            if m < y.shape[0] and n < y.shape[1]:
+                if is_accumulate:
+                    y[m, n] += acc[idx]
+                else:
+                    y[m, n] = acc[idx]
 
     return gemm_kernel
 
 
-def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config: GemmConfig = GemmConfig()):
+def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
     """y[t, n] = sum_k x[t, k] W[n, k]: x [T, K] float32/float16, W packed [N, K], y [T, N] float32.
 
     accumulate=True adds into y (the residual stream) instead of overwriting it.
 
-    Launch config: grid (ceil(N / block_n), ceil(T / block_m)), block (block_m / thread_m) *
-    (block_n / thread_n) threads; shared memory 32 * (block_m + block_n) float32 + block_m int32.
-    Default (H200): 64 x 64 tiles, 4 x 4 per thread, 256 threads, 16.25 KiB shared.
+    Launch config: grid (ceil(N / block_n), ceil(T / block_m)), config.threads threads.
+    GemmConfig (FFMA): (block_m / thread_m) * (block_n / thread_n) threads, shared 32 * (block_m +
+    block_n) float32; MmaConfig (tensor cores, the default on the GPU): 64 x 64 tiles, 4 warps of
+    32 x 32, 128 threads, shared 40 * (block_m + block_n) float16 (10 KiB).
     """
     check_packed("w", w)
-    config = config.validate()
+    config = (config or default_config()).validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens = x.shape[0]
     if x.shape[1] != w.num_cols:

@@ -26,19 +26,19 @@ from numba import cuda
 
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .activation import device_silu_mul
-from .gemm import BLOCK_K, GemmConfig, dual_mainloop_device, mainloop_device
+from .gemm import BLOCK_K, acc_coords_device, default_config, dual_mainloop_device, mainloop_device
 from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
 from .moe_route import MoeGroups
 from .packing import PackedMatrix, check_packed
 
 
 @functools.cache
-def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemmConfig):
-    bm, bn, tm, tn = config
-    cols_n, stride_m, stride_n = bn // tn, bm // tm, bn // tn
-    xs_size, ws_size, acc_size = BLOCK_K * bm, BLOCK_K * bn, tm * tn
+def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config):
+    bm, bn = config.block_m, config.block_n
+    xs_size, ws_size, acc_size, stage_dtype = config.xs_size, config.ws_size, config.acc_size, config.stage_dtype
     gate_up_loop = dual_mainloop_device(fmt_gate, fmt_up, config)
     down_loop = mainloop_device(fmt_down, config)
+    coords = acc_coords_device(config)
 
     @cuda.jit
     def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles, hidden):
@@ -49,9 +49,9 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemmConf
         ffn = hidden.shape[1]
         expert, start, rows = tile_expert[tile], tile_start[tile], tile_rows[tile]
         x_rows = cuda.shared.array(bm, np.int32)
-        xs = cuda.shared.array(xs_size, np.float32)
-        ws_g = cuda.shared.array(ws_size, np.float32)
-        ws_u = cuda.shared.array(ws_size, np.float32)
+        xs = cuda.shared.array(xs_size, stage_dtype)
+        ws_g = cuda.shared.array(ws_size, stage_dtype)
+        ws_u = cuda.shared.array(ws_size, stage_dtype)
         if tid < bm:
             x_rows[tid] = pair_token[start + tid] if tid < rows else -1
         acc_g = cuda.local.array(acc_size, np.float32)
@@ -63,12 +63,11 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemmConf
         n0 = cuda.blockIdx.x * bn
         gate_up_loop(x, x_rows, gq, gs, ge, uq, us, ue, expert * ffn + n0, expert * ffn + ffn, xs, ws_g, ws_u,
                      acc_g, acc_u, tid)
-        for i in range(tm):
-            m = tid // cols_n + i * stride_m
-            for j in range(tn):
-                n = n0 + tid % cols_n + j * stride_n
-                if m < rows and n < ffn:
-                    hidden[start + m, n] = device_silu_mul(acc_g[i * tn + j], acc_u[i * tn + j])
+        for idx in range(acc_size):
+            m, n = coords(tid, idx)
+            n += n0
+            if m < rows and n < ffn:
+                hidden[start + m, n] = device_silu_mul(acc_g[idx], acc_u[idx])
 
     @cuda.jit
     def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles, out):
@@ -79,8 +78,8 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemmConf
         dim = out.shape[1]
         expert, start, rows = tile_expert[tile], tile_start[tile], tile_rows[tile]
         x_rows = cuda.shared.array(bm, np.int32)
-        xs = cuda.shared.array(xs_size, np.float32)
-        ws = cuda.shared.array(ws_size, np.float32)
+        xs = cuda.shared.array(xs_size, stage_dtype)
+        ws = cuda.shared.array(ws_size, stage_dtype)
         if tid < bm:
             x_rows[tid] = start + tid if tid < rows else -1
         acc = cuda.local.array(acc_size, np.float32)
@@ -89,14 +88,11 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemmConf
         cuda.syncthreads()
         n0 = cuda.blockIdx.x * bn
         down_loop(hidden, x_rows, dq, ds, de, expert * dim + n0, expert * dim + dim, xs, ws, acc, tid)
-        for i in range(tm):
-            m = tid // cols_n + i * stride_m
-            if m < rows:
-                token, weight = pair_token[start + m], pair_weight[start + m]
-                for j in range(tn):
-                    n = n0 + tid % cols_n + j * stride_n
-                    if n < dim:
-                        cuda.atomic.add(out, (token, n), weight * acc[i * tn + j])
+        for idx in range(acc_size):
+            m, n = coords(tid, idx)
+            n += n0
+            if m < rows and n < dim:
+                cuda.atomic.add(out, (pair_token[start + m], n), pair_weight[start + m] * acc[idx])
 
     return gate_up_kernel, down_kernel
 
@@ -118,17 +114,18 @@ def _check_experts(gate, up, down, num_experts, dim):
 
 
 def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
-                        num_experts: int, hidden=None, hidden_dtype=np.float32, config: GemmConfig = GemmConfig()):
+                        num_experts: int, hidden=None, hidden_dtype=np.float32, config=None):
     """out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
 
     groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
-    scratch (P = T * k) of hidden_dtype (float32 or float16).
+    scratch (P = T * k) of hidden_dtype (float32 or float16). config: GemmConfig (FFMA) or
+    MmaConfig (tensor cores); default gemm.default_config().
 
     Launch config: two launches with gemm's block (config.threads threads): gate_up grid
     (ceil(F / block_n), max_tiles), down grid (ceil(H / block_n), max_tiles); blocks of tiles
     beyond num_tiles exit at once.
     """
-    config = config.validate()
+    config = (config or default_config()).validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens, dim = x.shape
     ffn = _check_experts(gate, up, down, num_experts, dim)

@@ -65,3 +65,4 @@ def declare(name: str, argtypes: tuple, source_name: str):
 
 HALF_PTR = types.CPointer(types.float16)
 FLOAT_PTR = types.CPointer(types.float32)
+INT32 = types.int32

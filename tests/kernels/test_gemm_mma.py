@@ -1,0 +1,85 @@
+"""The tensor-core GEMM path: its pure-Numba twin everywhere, the linked CUDA C++ on a real GPU.
+
+Inputs are rounded to float16 on this path, so the bound is relative to sum |w x| per output:
+2e-3 covers two roundings of 2^-11 each plus float32 sums.
+"""
+
+import numpy as np
+import pytest
+
+from kernel_data import ALL_FORMATS, assert_close_to_scale, assert_dot_close, dev, host, random_matrix
+from strata.gpu.kernels import tensor_core
+from strata.gpu.kernels.gemm import MmaConfig, gemm
+from strata.gpu.kernels.moe import moe_experts_prefill
+from strata.gpu.kernels.moe_route import moe_group
+from strata.model import reference_ops
+
+F16_RTOL = 2e-3
+TWIN_ONE_WARP = MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, is_native=False)  # 32 threads
+TWIN_FOUR_WARPS = MmaConfig(block_m=32, block_n=32, warps_m=2, warps_n=2, is_native=False)  # warp tiles 16 x 16
+NUM_TOKENS, NUM_ROWS = 19, 13  # neither a multiple of the tiles
+needs_tensor_cores = pytest.mark.skipif(not tensor_core.is_available(), reason="needs a GPU with tensor cores")
+
+
+def _check_gemm(fmt, num_cols, seed, config, num_tokens=NUM_TOKENS, num_rows=NUM_ROWS, x_dtype=np.float32):
+    w, values = random_matrix(fmt, num_rows, num_cols, seed=seed)
+    x = np.random.default_rng(seed + 100).standard_normal((num_tokens, num_cols)).astype(x_dtype)
+    y = host(gemm(dev(x), w, config=config))
+    x64 = x.astype(np.float64)
+    assert_dot_close(y, x64 @ values.T, np.abs(x64) @ np.abs(values).T, rtol=F16_RTOL)
+    return y
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_twin_gemm_matches_dequantized_matmul(fmt):
+    _check_gemm(fmt, 256 if fmt in ("Q4_K", "Q6_K") else 64, seed=140, config=TWIN_ONE_WARP)
+
+
+def test_twin_gemm_four_warps_float16_activations():
+    _check_gemm("Q4_0", 96, seed=141, config=TWIN_FOUR_WARPS, num_tokens=37, num_rows=45, x_dtype=np.float16)
+
+
+def test_twin_moe_prefill_matches_reference():
+    num_tokens, num_experts, top_k, dim, ffn = 9, 4, 2, 32, 64
+    rng = np.random.default_rng(142)
+    gate, gate_v = random_matrix("Q4_0", num_experts * ffn, dim, 143)
+    up, up_v = random_matrix("Q8_0", num_experts * ffn, dim, 144)
+    down, down_v = random_matrix("Q4_1", num_experts * dim, ffn, 145)
+    values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
+              down_v.reshape(num_experts, dim, ffn))
+    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
+    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
+    groups = moe_group(dev(ids), dev(weights), num_experts, TWIN_ONE_WARP.block_m, threads=8)
+    out = dev(np.zeros((num_tokens, dim), np.float32))
+    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=TWIN_ONE_WARP)
+    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)
+
+
+def test_mma_config_checks():
+    with pytest.raises(ValueError, match="not one of the compiled mma tiles"):
+        MmaConfig(block_m=16, block_n=16, warps_m=2, warps_n=1).validate()
+    with pytest.raises(ValueError, match="must be a power of two"):
+        MmaConfig(block_m=48).validate()
+    if not tensor_core.is_available():
+        with pytest.raises(ValueError, match="needs a GPU with tensor cores"):
+            MmaConfig(is_native=True).validate()
+        assert MmaConfig().validate().is_native is False
+
+
+@needs_tensor_cores
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_native_gemm_agrees_with_twin_and_reference(fmt):
+    num_cols = 512
+    native = _check_gemm(fmt, num_cols, 150, MmaConfig(is_native=True), num_tokens=131, num_rows=200)
+    twin = _check_gemm(fmt, num_cols, 150, MmaConfig(is_native=False), num_tokens=131, num_rows=200)
+    # same f16 inputs, f32 sums in a different order
+    assert np.max(np.abs(native - twin)) <= 1e-4 * np.max(np.abs(twin))
+
+
+@needs_tensor_cores
+@pytest.mark.parametrize("config", [MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, is_native=True),
+                                    MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, is_native=True),
+                                    MmaConfig(block_m=64, block_n=128, warps_m=2, warps_n=2, is_native=True)])
+def test_native_gemm_tile_shapes(config):
+    _check_gemm("Q4_K", 512, 151, config, num_tokens=150, num_rows=300)
