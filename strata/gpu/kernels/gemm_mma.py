@@ -98,13 +98,17 @@ def _stage_devices(fmt: str, config: MmaConfig):
     w_loads = config.block_n * _OCTETS_PER_STEP // threads
 
     @cuda.jit(device=True)
-    def device_stage_x(x, x_rows, step, xs, tid):  # xs[m * LD + k] = x[x_rows[m], 32 * step + k] as f16
+    def device_load_x(x, x_rows, step, xr, tid):  # xr[i] = x[x_rows[m], 32 * step + k] into registers
         for i in range(x_loads):
             idx = tid + i * threads
-            m = idx // BLOCK_K
-            k = idx % BLOCK_K
-            row = x_rows[m]
-            xs[m * LD + k] = np.float16(x[row, step * BLOCK_K + k]) if row >= 0 else np.float16(0.0)
+            row = x_rows[idx // BLOCK_K]
+            xr[i] = np.float32(x[row, step * BLOCK_K + idx % BLOCK_K]) if row >= 0 else np.float32(0.0)
+
+    @cuda.jit(device=True)
+    def device_store_x(xr, xs, tid):  # xs[m * LD + k] = xr as f16
+        for i in range(x_loads):
+            idx = tid + i * threads
+            xs[(idx // BLOCK_K) * LD + idx % BLOCK_K] = np.float16(xr[i])
 
     @cuda.jit(device=True)
     def device_stage_w(quants, scales, extra, w_row0, w_row_end, step, ws, wl, tid):  # ws[n * LD + k]
@@ -120,23 +124,28 @@ def _stage_devices(fmt: str, config: MmaConfig):
             for j in range(OCTET):
                 ws[n * LD + octet * OCTET + j] = np.float16(wl[j])
 
-    return device_stage_x, device_stage_w
+    return device_load_x, device_store_x, device_stage_w, x_loads
 
 
 @functools.cache
 def mainloop_device(fmt: str, config: MmaConfig):
     """device_gemm_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
     gemm.mainloop_device's contract with float16 xs [block_m * LD], ws [block_n * LD]."""
-    stage_x, stage_w = _stage_devices(fmt, config)
+    load_x, store_x, stage_w, x_loads = _stage_devices(fmt, config)
     warp_tile = _warp_tile_device(config)
 
     @cuda.jit(device=True)
     def device_gemm_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
         wl = cuda.local.array(OCTET, np.float32)
-        for step in range(x.shape[1] // BLOCK_K):
-            stage_x(x, x_rows, step, xs, tid)
+        xr = cuda.local.array(x_loads, np.float32)
+        num_steps = x.shape[1] // BLOCK_K
+        load_x(x, x_rows, 0, xr, tid)
+        for step in range(num_steps):
+            store_x(xr, xs, tid)
             stage_w(quants, scales, extra, w_row0, w_row_end, step, ws, wl, tid)
             cuda.syncthreads()
+            if step + 1 < num_steps:  # the next X tile's loads are in flight during the products
+                load_x(x, x_rows, step + 1, xr, tid)
             warp_tile(xs, ws, acc, tid)
             cuda.syncthreads()
 
@@ -146,19 +155,24 @@ def mainloop_device(fmt: str, config: MmaConfig):
 @functools.cache
 def dual_mainloop_device(fmt_a: str, fmt_b: str, config: MmaConfig):
     """gemm.dual_mainloop_device's contract (gate and up sharing the X tile) on tensor cores."""
-    stage_x, stage_a = _stage_devices(fmt_a, config)
-    stage_b = _stage_devices(fmt_b, config)[1]
+    load_x, store_x, stage_a, x_loads = _stage_devices(fmt_a, config)
+    stage_b = _stage_devices(fmt_b, config)[2]
     warp_tile = _warp_tile_device(config)
 
     @cuda.jit(device=True)
     def device_gemm_dual_mainloop(x, x_rows, qa, sa, ea, qb, sb, eb, w_row0, w_row_end, xs, ws_a, ws_b,
                                   acc_a, acc_b, tid):
         wl = cuda.local.array(OCTET, np.float32)
-        for step in range(x.shape[1] // BLOCK_K):
-            stage_x(x, x_rows, step, xs, tid)
+        xr = cuda.local.array(x_loads, np.float32)
+        num_steps = x.shape[1] // BLOCK_K
+        load_x(x, x_rows, 0, xr, tid)
+        for step in range(num_steps):
+            store_x(xr, xs, tid)
             stage_a(qa, sa, ea, w_row0, w_row_end, step, ws_a, wl, tid)
             stage_b(qb, sb, eb, w_row0, w_row_end, step, ws_b, wl, tid)
             cuda.syncthreads()
+            if step + 1 < num_steps:
+                load_x(x, x_rows, step + 1, xr, tid)
             warp_tile(xs, ws_a, acc_a, tid)
             warp_tile(xs, ws_b, acc_b, tid)
             cuda.syncthreads()
