@@ -11,8 +11,8 @@ scores and the head dims for O. Query token t sits at q_positions[t] and sees ca
 For long contexts and few query rows (decode) the KV range is cut into `num_splits` slices, one
 block each; blocks write unnormalized partials (O, m, l) and a second launch combines them.
 
-This is the FFMA path the simulator runs; on the GPU the score and P V products of a tile are
-where tensor-core fragments go (same staging, same softmax bookkeeping).
+This is the FFMA path. Prefill with at least MMA_MIN_TOKENS query tokens, one split and a head
+dim the tensor-core kernel serves goes to attention_mma.py instead (its Numba twin in the simulator).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
+from . import tensor_core
 from ._common import (
-    OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty, is_device_array, stand_in,
+    IS_SIMULATOR, OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty, is_device_array, stand_in,
 )
+from .attention_mma import attention_mma, is_supported
 from .block_reduce import NEG_INF
 from .kvcache import KV_FORMATS
 from .packing import PackedMatrix, check_packed
@@ -41,6 +43,13 @@ class AttentionConfig(NamedTuple):
 
 DECODE_CONFIG = AttentionConfig(tokens_per_block=1, threads_per_row=16, kv_tile=32)
 _MAX_STATIC_SHARED_BYTES = 48 * 1024  # static shared arrays; more needs a dynamic opt-in
+MMA_MIN_TOKENS = 5  # fewer query tokens fill too few 64-row tensor-core tiles
+
+
+def uses_tensor_cores(num_tokens: int, num_splits: int, head_dim: int, fmt: str) -> bool:
+    """Whether attention() sends this call to the tensor-core prefill kernel (attention_mma.py)."""
+    is_prefill = num_tokens >= MMA_MIN_TOKENS and num_splits == 1
+    return is_prefill and is_supported(head_dim, fmt) and (tensor_core.is_available() or IS_SIMULATOR)
 
 
 def _shared_bytes(head_dim: int, group: int, config: AttentionConfig) -> int:
@@ -201,6 +210,8 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     is on the device. num_splits > 1 splits the KV range over blocks and combines (decode);
     workspace: optional preallocated (o_part [S, T, Hq, d], m_part [S, T, Hq], l_part [S, T, Hq]).
 
+    Prefill (see uses_tensor_cores) runs attention_mma() instead, config unused, inputs rounded to f16.
+
     Launch config: grid (ceil(T / tokens_per_block), num_kv_heads, num_splits), block
     tokens_per_block * group * threads_per_row threads; static shared memory (rows * head_dim +
     kv_tile * (2 * head_dim + 1) + rows * kv_tile + 2 * threads) float32 with rows =
@@ -239,6 +250,9 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     check_array("out", out, dtypes=np.float32, shape=(num_tokens, num_q_heads * head_dim))
     if num_tokens == 0:
         return out
+    if uses_tensor_cores(num_tokens, num_splits, head_dim, k_cache.fmt):
+        return attention_mma(q, k_cache, v_cache, q_positions, out, num_q_heads=num_q_heads,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=kv_len, scale=scale)
     split_len = ceil_div(ceil_div(max(kv_len, 1), num_splits), bkv) * bkv
     is_split = num_splits > 1
     if is_split:

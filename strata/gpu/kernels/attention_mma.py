@@ -1,0 +1,308 @@
+"""Causal GQA prefill attention on tensor cores: flash-attention 2 over a KV cache (F16, Q8_0, Q4_0).
+
+A block of 4 warps owns 64 query rows; a row is a (token, query head) pair of one KV head's group,
+rows numbered token-major (row = token * group + head in group), so every K/V tile the block
+stages serves the whole group. Q is scaled by softmax_scale * log2(e) and staged as f16 once. Per
+KV tile (up to the block's last causal key) the block dequantizes K and V into shared memory as f16
+(rows padded to head_dim + 8 halves), then each warp runs one tile step on its 16 rows: S = Q K^T
+with mma.m16n8k16, the causal mask, the online-softmax update in registers (running max m and sum l
+per row, base-2 exponentials), O += P V with P rounded to f16. O, m and l live in a per-thread local
+array between tiles.
+
+The tile step is CUDA C++ (cuda/attention_mma.cu) on a GPU with tensor cores; its pure-Numba twin
+below has the same fragment layout and order of operations, and is what the simulator runs. The
+twin has no warp shuffles: lanes write their scores to shared memory and each lane recomputes the
+row max and the quad's sum from there. Decode (few query rows, split KV) stays in attention.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda, types
+
+from . import tensor_core
+from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_device_array
+from .block_reduce import NEG_INF
+from .kvcache import KV_FORMATS
+from .packing import PackedMatrix, check_packed
+from .quant_device import dequant8_for
+
+WARPS_PER_BLOCK = 4
+ROWS_PER_WARP = tensor_core.MMA_M
+ROWS_PER_BLOCK = WARPS_PER_BLOCK * ROWS_PER_WARP  # 64
+THREADS_PER_BLOCK = 32 * WARPS_PER_BLOCK
+ROW_PAD_HALVES = 8  # row stride head_dim + 8: the 8 rows of a fragment load fall on distinct banks
+CPP_HEAD_DIMS = (64, 128)  # the head dims cuda/attention_mma.cu exports
+KV_TILES = (64, 48, 32, 16)  # the tile sizes it exports, largest first
+LOG2_E = 1.4426950408889634
+LN_2 = np.float32(math.log(2.0))
+_MAX_STATIC_SHARED_BYTES = 48 * 1024
+
+
+class MmaAttentionConfig(NamedTuple):
+    kv_tile: int = 0  # keys per staged tile, a multiple of 16; 0: the largest that fits the shared memory
+    use_tensor_cores: bool | None = None  # None: the C++ tile step when available, else the Numba twin
+    lto: bool = False  # link-time optimization (lets the tile step inline into the kernel)
+
+
+def shared_bytes(head_dim: int, kv_tile: int, is_twin: bool) -> int:
+    stride = head_dim + ROW_PAD_HALVES
+    num_bytes = 2 * stride * (ROWS_PER_BLOCK + 2 * kv_tile) + 4 * ROWS_PER_BLOCK
+    return num_bytes + (4 * ROWS_PER_BLOCK * kv_tile if is_twin else 0)  # the twin's score rows
+
+
+def default_kv_tile(head_dim: int, is_twin: bool = False) -> int:
+    for kv_tile in KV_TILES:
+        if shared_bytes(head_dim, kv_tile, is_twin) <= _MAX_STATIC_SHARED_BYTES:
+            return kv_tile
+    raise ValueError(f"head_dim {head_dim} leaves no room for a KV tile in {_MAX_STATIC_SHARED_BYTES} bytes")
+
+
+def state_size(head_dim: int) -> int:
+    """Floats of per-thread state: O fragments [head_dim / 8][4] = head_dim / 2, then m[2], l[2]."""
+    return head_dim // 2 + 4
+
+
+def is_supported(head_dim: int, fmt: str) -> bool:
+    """Whether the C++ tile step (or, in the simulator, its twin at the same shapes) serves this case."""
+    return head_dim in CPP_HEAD_DIMS and fmt in KV_FORMATS
+
+
+def _twin_tile_step(head_dim: int, kv_tile: int):
+    """The Numba twin of strata_attention_mma_d{head_dim}_k{kv_tile}; every thread of the block calls it."""
+    stride = head_dim + ROW_PAD_HALVES
+    num_score_tiles = kv_tile // 8
+    num_out_tiles = head_dim // 8
+    m_off = head_dim // 2
+
+    @cuda.jit(device=True)
+    def score(qs, ks, q_row, key):  # f16 inputs, f32 products and sum
+        s = np.float32(0.0)
+        for c in range(head_dim):
+            s += np.float32(qs[q_row * stride + c]) * np.float32(ks[key * stride + c])
+        return s
+
+    @cuda.jit(device=True)
+    def prob(s, m):
+        return np.float32(0.0) if s == NEG_INF else np.float32(math.exp((s - m) * LN_2))
+
+    @cuda.jit(device=True)
+    def row_max(scores, row):
+        tile_max = NEG_INF
+        for key in range(kv_tile):
+            tile_max = max(tile_max, scores[row * kv_tile + key])
+        return tile_max
+
+    @cuda.jit(device=True)
+    def quad_sum(scores, row):  # each quad lane's partial sum in the C++ order, then the two xor-shuffle steps
+        part0 = part1 = part2 = part3 = np.float32(0.0)
+        for j in range(num_score_tiles):
+            for e in range(2):
+                part0 += scores[row * kv_tile + 8 * j + e]
+                part1 += scores[row * kv_tile + 8 * j + 2 + e]
+                part2 += scores[row * kv_tile + 8 * j + 4 + e]
+                part3 += scores[row * kv_tile + 8 * j + 6 + e]
+        return (part0 + part1) + (part2 + part3)
+
+    @cuda.jit(device=True)
+    def tile_step(qs, ks, vs, row_last, scores, warp, key0, state):
+        lane = cuda.threadIdx.x % 32
+        g = lane // 4
+        t = lane % 4
+        row0 = warp * ROWS_PER_WARP + g  # rows row0 and row0 + 8 of the block
+        # S = Q K^T for this lane's fragment elements, masked, into the shared score rows [64, kv_tile]
+        for j in range(num_score_tiles):
+            for r in range(4):
+                row = row0 + 8 * (r // 2)
+                key = 8 * j + 2 * t + r % 2
+                s = score(qs, ks, row, key)
+                scores[row * kv_tile + key] = NEG_INF if key > row_last[row] - key0 else s
+        cuda.syncthreads()
+        m_new0 = max(state[m_off], row_max(scores, row0))
+        m_new1 = max(state[m_off + 1], row_max(scores, row0 + 8))
+        cuda.syncthreads()  # the quad has read the scores; each lane now turns its own into P
+        for j in range(num_score_tiles):
+            for r in range(4):
+                row = row0 + 8 * (r // 2)
+                key = 8 * j + 2 * t + r % 2
+                scores[row * kv_tile + key] = prob(scores[row * kv_tile + key], m_new0 if r < 2 else m_new1)
+        cuda.syncthreads()
+        for h in range(2):
+            row = row0 + 8 * h
+            m_old = state[m_off + h]
+            m_new = m_new0 if h == 0 else m_new1
+            alpha = np.float32(0.0) if m_old == NEG_INF else np.float32(math.exp((m_old - m_new) * LN_2))
+            state[m_off + 2 + h] = state[m_off + 2 + h] * alpha + quad_sum(scores, row)
+            state[m_off + h] = m_new
+            for n in range(num_out_tiles):
+                for e in range(2):
+                    dim = 8 * n + 2 * t + e
+                    acc = state[4 * n + 2 * h + e] * alpha
+                    for key in range(kv_tile):
+                        acc += np.float32(np.float16(scores[row * kv_tile + key])) * np.float32(vs[key * stride + dim])
+                    state[4 * n + 2 * h + e] = acc
+        cuda.syncthreads()  # P is read before the next tile rewrites the score rows
+
+    return tile_step
+
+
+def _cpp_tile_step(head_dim: int, kv_tile: int):
+    """The tile step as a call into cuda/attention_mma.cu; `scores` is unused."""
+    step = tensor_core.declare(
+        f"strata_attention_mma_d{head_dim}_k{kv_tile}",
+        (tensor_core.HALF_PTR, tensor_core.HALF_PTR, tensor_core.HALF_PTR, types.CPointer(types.int32), types.int32,
+         tensor_core.FLOAT_PTR),
+        "attention_mma.cu")
+    ffi = tensor_core.ffi()
+    q_warp_halves = ROWS_PER_WARP * (head_dim + ROW_PAD_HALVES)
+
+    @cuda.jit(device=True)
+    def tile_step(qs, ks, vs, row_last, scores, warp, key0, state):
+        step(ffi.from_buffer(qs[warp * q_warp_halves:]), ffi.from_buffer(ks), ffi.from_buffer(vs),
+             ffi.from_buffer(row_last[warp * ROWS_PER_WARP:]), key0, ffi.from_buffer(state))
+
+    return tile_step
+
+
+@functools.cache
+def _mma_attention_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, is_twin: bool, lto: bool):
+    dequant8 = dequant8_for(fmt)
+    tile_step = _twin_tile_step(head_dim, kv_tile) if is_twin else _cpp_tile_step(head_dim, kv_tile)
+    stride = head_dim + ROW_PAD_HALVES
+    octets_per_row = head_dim // OCTET
+    q_size, kv_size = ROWS_PER_BLOCK * stride, kv_tile * stride
+    scores_size = ROWS_PER_BLOCK * kv_tile if is_twin else 1
+    num_state = state_size(head_dim)
+    m_off = head_dim // 2
+    jit_options = {} if is_twin else dict(link=[tensor_core.source("attention_mma.cu")], lto=lto)
+
+    @cuda.jit(device=True)
+    def stage_kv(k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, kvh, key0, end, ks, vs, wl):
+        for idx in range(cuda.threadIdx.x, kv_tile * octets_per_row, THREADS_PER_BLOCK):
+            jj = idx // octets_per_row
+            oc = idx % octets_per_row
+            base = jj * stride + oc * OCTET
+            if key0 + jj < end:
+                dequant8(k_quants, k_scales, k_extra, key0 + jj, kvh * octets_per_row + oc, wl, 0)
+                for i in range(OCTET):
+                    ks[base + i] = np.float16(wl[i])
+                dequant8(v_quants, v_scales, v_extra, key0 + jj, kvh * octets_per_row + oc, wl, 0)
+                for i in range(OCTET):
+                    vs[base + i] = np.float16(wl[i])
+            else:  # zeros, never garbage: a NaN in V would survive P = 0
+                for i in range(OCTET):
+                    ks[base + i] = np.float16(0.0)
+                    vs[base + i] = np.float16(0.0)
+
+    @cuda.jit(**jit_options)
+    def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, q_scale, out):
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        kvh = cuda.blockIdx.y
+        num_tokens = q.shape[0]
+        row_base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK  # the longest rows start first
+        qs = cuda.shared.array(q_size, np.float16)  # [64, stride]
+        ks = cuda.shared.array(kv_size, np.float16)  # [kv_tile, stride]
+        vs = cuda.shared.array(kv_size, np.float16)  # [kv_tile, stride]
+        row_last = cuda.shared.array(ROWS_PER_BLOCK, np.int32)
+        scores = cuda.shared.array(scores_size, np.float32)  # [64, kv_tile], twin only
+        state = cuda.local.array(num_state, np.float32)
+        wl = cuda.local.array(OCTET, np.float32)
+        for idx in range(tid, ROWS_PER_BLOCK * head_dim, THREADS_PER_BLOCK):
+            r = idx // head_dim
+            c = idx % head_dim
+            t = (row_base + r) // group
+            h = kvh * group + (row_base + r) % group
+            qs[r * stride + c] = np.float16(q[t, h * head_dim + c] * q_scale) if t < num_tokens else np.float16(0.0)
+        for r in range(tid, ROWS_PER_BLOCK, THREADS_PER_BLOCK):
+            t = (row_base + r) // group
+            row_last[r] = min(q_positions[t], kv_len - 1) if t < num_tokens else -1
+        for i in range(m_off):
+            state[i] = np.float32(0.0)
+        for h in range(2):
+            state[m_off + h] = NEG_INF
+            state[m_off + 2 + h] = np.float32(0.0)
+        cuda.syncthreads()
+        end = 0
+        for r in range(ROWS_PER_BLOCK):
+            end = max(end, row_last[r] + 1)
+        for key0 in range(0, end, kv_tile):
+            cuda.syncthreads()  # every warp is done with the previous tile
+            stage_kv(k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, kvh, key0, end, ks, vs, wl)
+            cuda.syncthreads()
+            tile_step(qs, ks, vs, row_last, scores, warp, key0, state)
+        g = lane // 4
+        tq = lane % 4
+        for h in range(2):
+            row = row_base + warp * ROWS_PER_WARP + g + 8 * h
+            t = row // group
+            if t < num_tokens:
+                l_row = state[m_off + 2 + h]
+                inv_l = np.float32(1.0) / l_row if l_row > 0 else np.float32(0.0)
+                col0 = (kvh * group + row % group) * head_dim
+                for n in range(head_dim // 8):
+                    for e in range(2):
+                        out[t, col0 + 8 * n + 2 * tq + e] = state[4 * n + 2 * h + e] * inv_l
+
+    return kernel
+
+
+def attention_mma(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
+                  num_kv_heads: int, head_dim: int, kv_len: int | None = None, scale: float | None = None,
+                  config: MmaAttentionConfig = MmaAttentionConfig()):
+    """softmax(q k^T * scale + causal mask) v per query head on tensor cores; q, out [T, num_q_heads * head_dim] f32.
+
+    k_cache / v_cache: [num_positions, num_kv_heads * head_dim] in F16, Q8_0 or Q4_0 (kvcache.py);
+    q_positions: [T] int32, token t sees cache rows 0..q_positions[t]; kv_len as in attention.py.
+    Inputs are rounded to f16 (Q after scaling, K, V, P); products accumulate in f32.
+
+    Launch config: grid (ceil(T * group / 64), num_kv_heads), 128 threads (4 warps of 16 rows);
+    static shared memory 2 * (head_dim + 8) * (64 + 2 * kv_tile) + 256 bytes (the twin adds
+    256 * kv_tile for its score rows), at most 48 KiB: kv_tile 48 at head_dim 128, 64 at 64.
+    """
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        check_positive(name, value)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if head_dim % tensor_core.MMA_K:
+        raise ValueError(f"head_dim must be a multiple of {tensor_core.MMA_K}, got {head_dim}")
+    is_twin = not (tensor_core.is_available() if config.use_tensor_cores is None else config.use_tensor_cores)
+    if not is_twin and head_dim not in CPP_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} has no tensor-core tile step; supported: {CPP_HEAD_DIMS}")
+    kv_tile = config.kv_tile or default_kv_tile(head_dim, is_twin)
+    if kv_tile % tensor_core.MMA_K or (not is_twin and kv_tile not in KV_TILES):
+        raise ValueError(f"kv_tile must be one of {KV_TILES}, got {kv_tile}")
+    num_shared_bytes = shared_bytes(head_dim, kv_tile, is_twin)
+    if num_shared_bytes > _MAX_STATIC_SHARED_BYTES:
+        raise ValueError(f"kv_tile {kv_tile} needs {num_shared_bytes} bytes of shared memory per block (limit "
+                         f"{_MAX_STATIC_SHARED_BYTES})")
+    group = num_q_heads // num_kv_heads
+    width = num_kv_heads * head_dim
+    check_packed("k_cache", k_cache, num_cols=width, formats=KV_FORMATS)
+    check_packed("v_cache", v_cache, num_cols=width, formats=(k_cache.fmt,))
+    check_array("q", q, dtypes=np.float32, shape=(None, num_q_heads * head_dim))
+    num_tokens = q.shape[0]
+    check_array("q_positions", q_positions, dtypes=np.int32, shape=(num_tokens,))
+    if kv_len is None:
+        if is_device_array(q_positions):
+            raise ValueError("kv_len is required when q_positions is a device array")
+        kv_len = int(q_positions.max()) + 1 if num_tokens else 0
+    if not 0 <= kv_len <= k_cache.num_rows:
+        raise ValueError(f"kv_len must lie in [0, {k_cache.num_rows}], got {kv_len}")
+    if out is None:
+        out = empty((num_tokens, num_q_heads * head_dim), np.float32, q, k_cache.quants)
+    check_array("out", out, dtypes=np.float32, shape=(num_tokens, num_q_heads * head_dim))
+    if num_tokens == 0:
+        return out
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    kernel = _mma_attention_kernel(k_cache.fmt, head_dim, group, kv_tile, is_twin, bool(config.lto) and not is_twin)
+    grid = (ceil_div(num_tokens * group, ROWS_PER_BLOCK), num_kv_heads)
+    kernel[grid, THREADS_PER_BLOCK](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants, v_cache.scales,
+                                    v_cache.extra, q_positions, kv_len, np.float32(scale * LOG2_E), out)
+    return out
+

@@ -1,0 +1,129 @@
+import math
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import quantize as gguf_quantize
+
+from kernel_data import dev, host, reference_dequant
+from strata.engine.ops import _has_cuda_device
+from strata.gpu.kernels import tensor_core
+from strata.gpu.kernels.attention import attention, uses_tensor_cores
+from strata.gpu.kernels.attention_mma import MmaAttentionConfig, attention_mma, default_kv_tile, shared_bytes
+from strata.gpu.kernels.packing import pack, to_device
+from strata.model import reference_ops
+
+# Q (after scaling), K, V and P are rounded to f16 (relative error 2^-11 each), products and sums stay
+# f32: outputs of O(1) inputs land within a few 1e-4 of the float64 reference.
+F16_TOLERANCE = dict(rtol=1e-2, atol=2e-3)
+TWIN = MmaAttentionConfig(kv_tile=16, use_tensor_cores=False)  # several tiles even at small kv lengths
+
+
+def _cache(fmt, num_positions, width, seed):
+    """A (K, V) cache pair on the device and the float values attention must see."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for _ in range(2):
+        values = rng.standard_normal((num_positions, width)).astype(np.float32)
+        raw = gguf_quantize(values, QType[fmt]).view(np.uint8).reshape(num_positions, -1)
+        pairs.append((to_device(pack(raw, fmt)), reference_dequant(raw, fmt)))
+    return pairs
+
+
+def _case(fmt, num_q_heads, num_kv_heads, head_dim, start_pos, num_tokens, seed):
+    """(q, positions, caches, reference) for a chunk of num_tokens after start_pos cached tokens."""
+    num_positions = start_pos + num_tokens + 3  # rows past kv_len exist and must stay unread
+    (k_cache, k_values), (v_cache, v_values) = _cache(fmt, num_positions, num_kv_heads * head_dim, seed)
+    q = np.random.default_rng(seed + 1).standard_normal((num_tokens, num_q_heads * head_dim)).astype(np.float32)
+    positions = (start_pos + np.arange(num_tokens)).astype(np.int32)
+    k3, v3 = (a.reshape(num_positions, num_kv_heads, head_dim) for a in (k_values, v_values))
+    ref = reference_ops.attention(q.reshape(num_tokens, num_q_heads, head_dim), k3, v3, start_pos)
+    return q, positions, (k_cache, v_cache), ref.reshape(num_tokens, -1)
+
+
+def _run(q, positions, caches, num_q_heads, num_kv_heads, head_dim, config):
+    return host(attention_mma(dev(q), *caches, dev(positions), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim, kv_len=int(positions[-1]) + 1, config=config))
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(2, 2), (4, 1)])
+def test_twin_on_a_chunk_over_a_cache_with_history(fmt, num_q_heads, num_kv_heads):
+    # 13 + 22 = 35 keys: two full 16-key tiles and a partial one; rows span two 64-row blocks when group > 1
+    q, positions, caches, ref = _case(fmt, num_q_heads, num_kv_heads, 32, 13, 22, seed=80)
+    out = _run(q, positions, caches, num_q_heads, num_kv_heads, 32, TWIN)
+    np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
+
+
+@pytest.mark.parametrize("start_pos, num_tokens", [(0, 1), (0, 17), (47, 2), (3, 70)])
+def test_twin_at_tile_boundaries(start_pos, num_tokens):
+    # group 2: 70 tokens are 140 rows, three 64-row blocks, the last mostly padding
+    q, positions, caches, ref = _case("Q8_0", 2, 1, 32, start_pos, num_tokens, seed=81)
+    out = _run(q, positions, caches, 2, 1, 32, TWIN)
+    np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
+
+
+def test_twin_with_a_custom_scale_and_a_wide_tile():
+    q, positions, caches, _ = _case("F16", 2, 1, 16, 4, 9, seed=82)
+    k3, v3 = (host(c.quants).view(np.float16).astype(np.float32).reshape(-1, 1, 16) for c in caches)
+    ref = reference_ops.attention(q.reshape(9, 2, 16) * (0.3 * math.sqrt(16)), k3, v3, 4).reshape(9, -1)
+    out = attention_mma(q, *caches, positions, num_q_heads=2, num_kv_heads=1, head_dim=16, scale=0.3,
+                        config=MmaAttentionConfig(kv_tile=32, use_tensor_cores=False))
+    np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
+
+
+def test_attention_routes_prefill_to_the_tensor_core_kernel():
+    assert uses_tensor_cores(5, 1, 64, "Q4_0") and uses_tensor_cores(4096, 1, 128, "F16")
+    assert not uses_tensor_cores(4, 1, 64, "F16")  # decode-sized
+    assert not uses_tensor_cores(8, 2, 64, "F16")  # split KV
+    assert not uses_tensor_cores(8, 1, 32, "F16")  # no C++ tile step at this head dim
+    q, positions, caches, ref = _case("Q4_0", 2, 1, 64, 2, 6, seed=83)
+    out = host(attention(dev(q), *caches, dev(positions), num_q_heads=2, num_kv_heads=1, head_dim=64, kv_len=8))
+    np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
+
+
+def test_default_tiles_fit_static_shared_memory():
+    assert default_kv_tile(128) == 48 and default_kv_tile(64) == 64
+    assert shared_bytes(128, 48, is_twin=False) <= 48 * 1024
+
+
+def test_attention_mma_rejects_bad_arguments():
+    (k_cache, _), (v_cache, _) = _cache("F16", 8, 32, seed=84)
+    q = np.zeros((1, 64), np.float32)
+    positions = np.zeros(1, np.int32)
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        attention_mma(q, k_cache, v_cache, positions, num_q_heads=3, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16"):
+        attention_mma(q, k_cache, v_cache, positions, num_q_heads=8, num_kv_heads=4, head_dim=8)
+    with pytest.raises(ValueError, match="no tensor-core tile step"):
+        attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32,
+                      config=MmaAttentionConfig(use_tensor_cores=True))
+    with pytest.raises(ValueError, match="kv_tile must be one of"):
+        attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32,
+                      config=MmaAttentionConfig(kv_tile=24, use_tensor_cores=False))
+    with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 8\]"):
+        attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32, kv_len=9)
+    with pytest.raises(TypeError, match="q must have dtype float32"):
+        attention_mma(q.astype(np.float64), k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("head_dim, kv_tile", [(64, 64), (64, 16), (128, 48), (128, 32)])
+def test_tensor_cores_equal_the_twin_and_the_reference(fmt, head_dim, kv_tile):
+    assert tensor_core.is_available()
+    q, positions, caches, ref = _case(fmt, 8, 2, head_dim, 37, 150, seed=85)
+    cpp = _run(q, positions, caches, 8, 2, head_dim, MmaAttentionConfig(kv_tile=kv_tile, use_tensor_cores=True))
+    np.testing.assert_allclose(cpp, ref, **F16_TOLERANCE)
+    if shared_bytes(head_dim, kv_tile, is_twin=True) <= 48 * 1024:
+        twin = _run(q, positions, caches, 8, 2, head_dim, MmaAttentionConfig(kv_tile=kv_tile, use_tensor_cores=False))
+        np.testing.assert_allclose(cpp, twin, rtol=1e-3, atol=1e-4)  # same roundings; exp2 and sum order differ
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+def test_tensor_cores_with_link_time_optimization():
+    q, positions, caches, ref = _case("Q4_0", 32, 4, 128, 100, 300, seed=86)
+    out = _run(q, positions, caches, 32, 4, 128, MmaAttentionConfig(lto=True))
+    np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
