@@ -58,6 +58,8 @@ class RuntimeConfig:
     remote_cache: str = option("", doc="address of a remote expert cache ('' : none)")
     peer_cache: bool = option(False, doc="peer-GPU expert cache")
     prefill_head_alias: bool = option(False, doc="reuse the output-head allocation as prompt workspace")
+    warmup: bool = option(True, doc="at load, run a tiny prefill and one decode step so that every kernel is "
+                                    "compiled before the first request (cuda and cudasim backends)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,12 @@ class PlannerConfig:
     max_retries: int = option(4, doc="smaller geometries tried after an allocation failure", min=0, max=64)
     cache_keep_share: float = option(0.5, doc="share of the startup expert cache the prompt workspace may not "
                                               "borrow (cache grown by a loan is all borrowable)", min=0.0, max=1.0)
+    pcie_bytes_per_s: float = option(55e9, doc="host-to-device copy rate the cost model assumes (55 GB/s: pinned "
+                                               "copies measured on the reference H200)", min=1e6)
+    compute_flops_per_s: float = option(20e12, doc="prefill compute rate the cost model assumes, in FLOP/s "
+                                                   "(measure yours with `strata bench`)", min=1e6)
+    chunk_overhead_s: float = option(0.05, doc="fixed cost of one prefill chunk in the cost model (launches, "
+                                               "routing, synchronization), in seconds", min=0.0, max=60.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,12 @@ top-k of many experts nearly all of a layer's experts are touched once a chunk h
 hundred tokens, so the streamed bytes per chunk are roughly fixed and a bigger chunk divides them
 over more tokens. The ring is sized first (enough slots to keep the copy stream ahead of compute,
 ``target_ring_slots``), the chunk takes the rest, in multiples of ``chunk_quantum_tokens``.
+
+Where memory may go either to the expert cache or to the chunk (a loan's freed bytes, when
+activations cannot borrow cache storage), ``growth_allowance`` asks the cost model
+(``prefill_cost.py``: bytes streamed per chunk, measured PCIe and compute rates) which split
+prefills the request fastest; ties go to the bigger chunk. ``explain`` prints the memory
+arithmetic and the predicted times.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from __future__ import annotations
 import dataclasses
 
 from strata.config import PlannerConfig
+from strata.engine.prefill_cost import PrefillCostModel
 from strata.errors import AllocationError
 from strata.hooktypes import Geometry, PlannerBudget
+
+_TIE_SHARE = 0.005  # predictions within 0.5% count as equal: the bigger chunk wins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +49,11 @@ class WorkspaceCosts:
 
 
 class Planner:
-    def __init__(self, costs: WorkspaceCosts, config: PlannerConfig, context_tokens: int | None = None):
+    def __init__(self, costs: WorkspaceCosts, config: PlannerConfig, context_tokens: int | None = None,
+                 cost_model: PrefillCostModel | None = None):
         self.costs = costs
         self.config = config
+        self.cost_model = cost_model
         self.max_chunk_tokens = config.max_chunk_tokens
         if context_tokens:
             quantum = config.chunk_quantum_tokens
@@ -76,15 +87,33 @@ class Planner:
         chunk = min(chunk_cap, room // max(1, costs.bytes_per_chunk_token)) // quantum * quantum
         return Geometry(chunk_tokens=max(quantum, chunk), ring_slots=int(ring))
 
-    def growth_allowance(self, free_bytes: int, unread_tokens: int | None) -> int:
+    def growth_allowance(self, free_bytes: int, unread_tokens: int | None, cached_slots: int = 0) -> int:
         """Free bytes the expert cache may grow into before planning: all of them when activations
-        can borrow cache storage, else what the largest useful chunk's activations leave."""
+        can borrow cache storage; else what the chunk leaves, the chunk being the largest useful
+        one, or with a cost model and a known prompt the fastest predicted split."""
         if self.costs.is_activation_borrowable:
             return free_bytes
         chunk = self.max_chunk_tokens
         if unread_tokens is not None:
             chunk = min(chunk, _round_up(max(1, unread_tokens), self.config.chunk_quantum_tokens))
+            if self.cost_model is not None and self.cost_model.num_expert_slots:
+                chunk = self.fastest_chunk(free_bytes, unread_tokens, cached_slots, chunk)
         return max(0, free_bytes - self.costs.fixed_bytes - chunk * self.costs.bytes_per_chunk_token)
+
+    def fastest_chunk(self, free_bytes: int, unread_tokens: int, cached_slots: int, max_chunk: int) -> int:
+        """The chunk whose split of ``free_bytes`` (chunk activations vs cache growth) the cost model
+        predicts fastest for ``unread_tokens``; the bigger chunk on a tie."""
+        costs, quantum, model = self.costs, self.config.chunk_quantum_tokens, self.cost_model
+        best_chunk, best_s = max_chunk, None
+        for chunk in range(max_chunk, quantum - 1, -quantum):
+            room = free_bytes - costs.fixed_bytes - chunk * costs.bytes_per_chunk_token
+            if room < 0:
+                continue
+            grown = room // max(1, costs.bytes_per_ring_slot)
+            seconds = model.cost(unread_tokens, chunk, cached_slots + grown).total_seconds
+            if best_s is None or seconds < best_s * (1 - _TIE_SHARE):
+                best_chunk, best_s = chunk, seconds
+        return best_chunk
 
     def _ring_slots(self, budget: PlannerBudget, room_bytes: int) -> int:
         """Ring slots for this budget, or -1 when not even the smallest ring fits."""
@@ -106,14 +135,19 @@ class Planner:
             return dataclasses.replace(geometry, ring_slots=max(self.config.min_ring_slots, geometry.ring_slots // 2))
         return None
 
-    def explain(self, budget: PlannerBudget, geometry: Geometry) -> str:
+    def explain(self, budget: PlannerBudget, geometry: Geometry, unread_tokens: int | None = None,
+                cached_slots: int | None = None) -> str:
         costs = self.costs
-        return (
+        text = (
             f"budget {budget.total_bytes / 2**20:.1f} MiB (free {budget.free_bytes / 2**20:.1f}, borrowable cache "
             f"{budget.borrowable_cache_bytes / 2**20:.1f}, plugins {budget.adjust_bytes / 2**20:+.1f}) → ring "
             f"{geometry.ring_slots} × {costs.bytes_per_ring_slot / 2**20:.2f} MiB, chunk {geometry.chunk_tokens:,} × "
             f"{costs.bytes_per_chunk_token / 1024:.1f} KiB/token = {costs.workspace_bytes(geometry) / 2**20:.1f} MiB"
         )
+        if self.cost_model is not None and unread_tokens and cached_slots is not None:
+            cost = self.cost_model.cost(unread_tokens, geometry.chunk_tokens, cached_slots - geometry.ring_slots)
+            text += f"; {unread_tokens:,} tokens with {cached_slots:,} cached experts: " + self.cost_model.describe(cost)
+        return text
 
 
 def _round_up(value: int, multiple: int) -> int:
