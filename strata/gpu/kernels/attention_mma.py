@@ -41,6 +41,7 @@ KV_TILES = (64, 48, 32, 16)  # the tile sizes it exports, largest first
 LOG2_E = 1.4426950408889634
 LN_2 = np.float32(math.log(2.0))
 _MAX_STATIC_SHARED_BYTES = 48 * 1024
+INT_PTR = types.CPointer(types.int32)
 
 
 class MmaAttentionConfig(NamedTuple):
@@ -152,18 +153,16 @@ def _twin_tile_step(head_dim: int, kv_tile: int):
 
 def _cpp_tile_step(head_dim: int, kv_tile: int):
     """The tile step as a call into cuda/attention_mma.cu; `scores` is unused."""
-    step = tensor_core.declare(
-        f"strata_attention_mma_d{head_dim}_k{kv_tile}",
-        (tensor_core.HALF_PTR, tensor_core.HALF_PTR, tensor_core.HALF_PTR, types.CPointer(types.int32), types.int32,
-         tensor_core.FLOAT_PTR),
-        "attention_mma.cu")
+    argtypes = (tensor_core.HALF_PTR, tensor_core.HALF_PTR, tensor_core.HALF_PTR, INT_PTR, tensor_core.INT32,
+                tensor_core.FLOAT_PTR)  # q, k, v, row_last, key0, state
+    step = tensor_core.declare(f"strata_attention_mma_d{head_dim}_k{kv_tile}", argtypes, "attention_mma.cu")
     ffi = tensor_core.ffi()
     q_warp_halves = ROWS_PER_WARP * (head_dim + ROW_PAD_HALVES)
 
     @cuda.jit(device=True)
     def tile_step(qs, ks, vs, row_last, scores, warp, key0, state):
         step(ffi.from_buffer(qs[warp * q_warp_halves:]), ffi.from_buffer(ks), ffi.from_buffer(vs),
-             ffi.from_buffer(row_last[warp * ROWS_PER_WARP:]), key0, ffi.from_buffer(state))
+             ffi.from_buffer(row_last[warp * ROWS_PER_WARP:]), np.int32(key0), ffi.from_buffer(state))
 
     return tile_step
 
@@ -175,10 +174,12 @@ def _mma_attention_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, is_
     stride = head_dim + ROW_PAD_HALVES
     octets_per_row = head_dim // OCTET
     q_size, kv_size = ROWS_PER_BLOCK * stride, kv_tile * stride
-    scores_size = ROWS_PER_BLOCK * kv_tile if is_twin else 1
+    # f16 shared arrays are only 2-byte aligned: every array a multiple of 16 bytes keeps each one on a
+    # 16-byte boundary, as the C++ 32-bit fragment loads and ldmatrix need
+    scores_size = ROWS_PER_BLOCK * kv_tile if is_twin else 4
     num_state = state_size(head_dim)
     m_off = head_dim // 2
-    jit_options = {} if is_twin else dict(link=[tensor_core.source("attention_mma.cu")], lto=lto)
+    jit_options = {"lto": True} if lto else {}  # the tile step's declaration links the C++ source
 
     @cuda.jit(device=True)
     def stage_kv(k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, kvh, key0, end, ks, vs, wl):
