@@ -114,6 +114,15 @@ class ExpertCache:
         self._key_of[slot] = (layer, expert)
         return slot
 
+    def clear(self) -> None:
+        """Forget every cached expert (the mapped range stays as it is)."""
+        if self._lent_slots:
+            raise RuntimeError("the expert cache cannot be cleared while the workspace borrows its slots")
+        self._lru.clear()
+        self._key_of.clear()
+        self._free = set(range(self.num_slots))
+        self.num_evictions = 0
+
     @property
     def num_cached(self) -> int:
         return len(self._lru)

@@ -4,13 +4,20 @@
 anything is deferred or uploaded), places dense weights, KV cache and the expert cache under the
 budget, packs the experts into host memory and starts the loan transaction. ``generate`` reuses
 the KV prefix shared with the previous request, prefills only the unread tokens inside the loan
-transaction, and decodes token by token.
+transaction, and decodes token by token. On the GPU backends ``load`` ends with a warm-up (a tiny
+prefill and one decode step) so that Numba compiles every kernel before the first request.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import logging
 import sys
+import time
 from typing import Callable, Sequence
+
+import numpy as np
 
 from strata.config import Config
 from strata.engine.admission import admit
@@ -18,14 +25,14 @@ from strata.engine.counters import EngineCounters
 from strata.engine.decode_resources import ArenaResource, TensorsResource
 from strata.engine.expert_cache import ExpertCache
 from strata.engine.expert_pack import ExpertPack
-from strata.engine.generation import Generation
+from strata.engine.generation import Generation, output_logits
 from strata.engine.loan import LoanTransaction
 from strata.engine.ops import make_ops, select_backend
 from strata.engine.ops_numpy import DryRunOps
 from strata.engine.placement import Placement, plan_placement
 from strata.engine.planner import Planner
 from strata.engine.resources import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
-from strata.engine.runner import DeviceWeights, ModelRunner
+from strata.engine.runner import DeviceWeights, ModelRunner, StreamStats
 from strata.engine.runtime_state import RuntimeState
 from strata.engine.sampling import SamplingParams
 from strata.engine.workspace import PromptWorkspace
@@ -36,6 +43,8 @@ from strata.model.tokenizer import Tokenizer
 from strata.plugins import load_plugins
 
 NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
+WARMUP_MIN_TOKENS = 8  # more than the decode kernels' 4 tokens: the prefill MoE kernels run
+log = logging.getLogger("strata.engine")
 
 
 class Engine:
@@ -79,13 +88,62 @@ class Engine:
             if not resource.is_resident:
                 expected[resource.name] = expected.get(resource.name, 0) + resource.num_bytes
         runner = ModelRunner(spec, ops, weights, kv, cache, pack)
-        return cls(config=config, model=model, spec=spec, tokenizer=tokenizer, plugins=plugins, backend=backend,
+        engine = cls(config=config, model=model, spec=spec, tokenizer=tokenizer, plugins=plugins, backend=backend,
                    ledger=ledger, ops=ops, placement=placement, resources=resources, weights=weights, kv=kv,
                    decode_workspace=decode_ws, pack=pack, cache=cache, planner=planner, workspace=workspace,
                    state=state, loan=loan, runner=runner,
                    idle_ledger=LedgerSnapshot(ledger.budget_bytes, dict(sorted(expected.items()))),
                    model_name=config.model.name or model.path.stem,
                    context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
+        if config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run:
+            engine.warm_up()
+        return engine
+
+    def warm_up(self) -> float:
+        """Compile every kernel a request uses: a tiny prefill through the staging ring, its logits,
+        and one decode step. Then the KV tokens are cleared, the expert cache is emptied and the
+        ledger is checked against its state before. Returns the seconds it took."""
+        started = time.perf_counter()
+        before = dict(self.ledger.snapshot().by_owner)
+        geometry = self._warmup_geometry()
+        num_tokens = geometry.chunk_tokens if geometry else WARMUP_MIN_TOKENS
+        tokens = np.arange(3, 3 + num_tokens, dtype=np.int64) % self.spec.vocab_size
+        stats = StreamStats()
+        try:
+            if geometry:
+                self.workspace.allocate(geometry)
+            try:
+                hidden = self.runner.forward(tokens, 0, self.workspace if geometry else None, stats)
+                self.ops.synchronize()
+            finally:
+                self.workspace.free()
+            token = int(np.argmax(output_logits(self, hidden)))
+            hidden = self.runner.forward(np.array([token]), num_tokens, None, stats)
+            output_logits(self, hidden)
+            self.ops.synchronize()
+            del hidden
+        finally:
+            self.kv_tokens = []
+            if self.cache:
+                self.cache.clear()
+            gc.collect()  # the temporaries of the warm-up go, and with them their charges
+        after = dict(self.ledger.snapshot().by_owner)
+        seconds = time.perf_counter() - started
+        if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
+            log.warning("warm-up left the ledger at %s (before: %s)", after, before)
+        log.info("warm-up: %d-token prefill and one decode step in %.2f s (kernels compiled, state reset)",
+                 num_tokens, seconds)
+        return seconds
+
+    def _warmup_geometry(self):
+        """The startup ring with a chunk just big enough for the prefill MoE path to stream every expert."""
+        startup = self.loan.startup_geometry
+        if startup is None or self.cache is None:
+            return None
+        spec = self.spec
+        wanted = max(WARMUP_MIN_TOKENS, -(-spec.num_experts // max(1, spec.num_experts_used)))
+        num_tokens = max(1, min(wanted, startup.chunk_tokens, self.context_tokens - 2))
+        return dataclasses.replace(startup, chunk_tokens=num_tokens)
 
     def generate(self, prompt_tokens: Sequence[int], params: SamplingParams,
                  is_cancelled: Callable[[], bool] = lambda: False) -> Generation:

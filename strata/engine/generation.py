@@ -100,10 +100,7 @@ class Generation:
 
     def _logits(self, hidden) -> np.ndarray:
         engine = self.engine
-        head = engine.resources.get("output_head")
-        head_tensor = head.tensors["output"] if head is not None else engine.weights.matrices["token_embd"]
-        logits = engine.ops.logits(hidden, engine.weights.vectors["output_norm"], head_tensor,
-                                   engine.spec.rms_norm_eps)
+        logits = output_logits(engine, hidden)
         for token, bias in engine.state.settings.logit_bias:
             logits[token] += bias
         return logits
@@ -116,6 +113,13 @@ class Generation:
             cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish)
         self.engine.counters.record(self.stats)
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
+
+
+def output_logits(engine: Engine, hidden) -> np.ndarray:
+    """[V] host logits of the last row of ``hidden``, through the native head when the model has one."""
+    head = engine.resources.get("output_head")
+    head_tensor = head.tensors["output"] if head is not None else engine.weights.matrices["token_embd"]
+    return engine.ops.logits(hidden, engine.weights.vectors["output_norm"], head_tensor, engine.spec.rms_norm_eps)
 
 
 def _common_prefix(cached: list[int], prompt: list[int]) -> int:
