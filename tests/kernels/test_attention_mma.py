@@ -118,7 +118,9 @@ def test_tensor_cores_equal_the_twin_and_the_reference(fmt, head_dim, kv_tile):
     np.testing.assert_allclose(cpp, ref, **F16_TOLERANCE)
     if shared_bytes(head_dim, kv_tile, is_twin=True) <= 48 * 1024:
         twin = _run(q, positions, caches, 8, 2, head_dim, MmaAttentionConfig(kv_tile=kv_tile, use_tensor_cores=False))
-        np.testing.assert_allclose(cpp, twin, rtol=1e-3, atol=1e-4)  # same roundings; exp2 and sum order differ
+        # same roundings, but exp2 and the sum order differ, which can move a probability across an
+        # f16 rounding step (2^-11 relative): a few outputs differ by ~1e-4 absolute
+        np.testing.assert_allclose(cpp, twin, rtol=1e-3, atol=5e-4)
 
 
 @pytest.mark.gpu
