@@ -7,17 +7,26 @@ share is rounded up to the device granularity, and that is what the ledger is ch
 GPU the ranges are CUDA virtual memory (``VmmArena``); under the simulator they are host arrays.
 
 Experts arrive as their packed slot bytes (planes concatenated, in ``ExpertLayout`` order) and are
-scattered into the planes by ``stage``.
+scattered into the planes by ``stage_many``: one DMA per (expert, plane), all of a batch issued by
+one driver call where the driver has ``cuMemcpyBatchAsync``, on a ``CopyStream`` that runs beside
+the kernels.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Sequence
+
 import numpy as np
 
 from strata.engine.ops import ExpertLayout
+from strata.errors import EngineError
 from strata.gpu.ledger import Charge, VramLedger
 
 _PLANE_NAMES = ("quants", "scales", "extra")
+_MAX_COPIES_PER_CALL = 4096  # DMAs per batched driver call
+_EVENTS_PER_STREAM = 8  # reused round-robin: a ticket is waited on long before its event comes round
+log = logging.getLogger("strata.engine")
 
 
 def plane_sizes(layout: ExpertLayout) -> list[tuple[int, str, tuple[int, int], np.dtype, int]]:
@@ -55,6 +64,10 @@ class PlaneArena:
         # DMA per plane, with no array objects built per copy
         bases = [getattr(r, "base", None) for r in self._ranges]
         self._device_bases = bases if all(b is not None for b in bases) else None
+        # per plane [P]: device base address, bytes per slot, byte offset inside a host slot
+        self._plane_bases = np.array([int(b) for b in bases] if self._device_bases else [], dtype=np.uint64)
+        self._plane_bytes = np.array(self._plane_slot_bytes, dtype=np.uint64)
+        self._plane_offsets = np.array([offset for *_, offset in self.planes], dtype=np.uint64)
 
     @property
     def mapped_bytes(self) -> int:
@@ -114,23 +127,29 @@ class PlaneArena:
                                     planes["quants"], planes["scales"], planes["extra"]))
         return tuple(out)
 
-    def stage(self, slot: int, host_slot: np.ndarray, stream=0) -> None:
-        """Copy one expert's packed slot bytes into slot ``slot`` of every plane (ordered with the
-        kernels of the default stream)."""
-        if self._device_bases is not None:
-            from cuda.bindings import driver as cu
+    def stage(self, slot: int, host_slot: np.ndarray, stream=None) -> None:
+        """Copy one expert's packed slot bytes into slot ``slot`` of every plane."""
+        self.stage_many([slot], [host_slot], stream)
 
-            source = host_slot.ctypes.data
-            for (_, _, _, _, offset), base, num_bytes in zip(self.planes, self._device_bases, self._plane_slot_bytes):
-                (err,) = cu.cuMemcpyHtoDAsync(base + slot * num_bytes, source + offset, num_bytes, 0)
-                if err != cu.CUresult.CUDA_SUCCESS:
-                    raise RuntimeError(f"expert upload failed: {err}")
+    def stage_many(self, slots: Sequence[int], host_slots: Sequence[np.ndarray], stream=None) -> None:
+        """Copy experts' packed slot bytes (``host_slots[i]``, pinned) into slot ``slots[i]`` of every
+        plane, asynchronously on ``stream`` (a CUDA stream handle; None: the legacy default stream,
+        where the kernels run). Under the simulator the copies are done when this returns."""
+        if not len(slots):
             return
-        for (_, _, shape, dtype, offset), plane_range in zip(self.planes, self._ranges):
-            num_bytes = int(np.prod(shape)) * dtype.itemsize
-            start = slot * num_bytes
-            plane_range.array[start:start + num_bytes].copy_to_device(host_slot[offset:offset + num_bytes],
-                                                                       stream=stream)
+        if self._device_bases is None:
+            for slot, host_slot in zip(slots, host_slots):
+                for (_, _, shape, dtype, offset), plane_range, num_bytes in zip(self.planes, self._ranges,
+                                                                                self._plane_slot_bytes):
+                    start = int(slot) * num_bytes
+                    plane_range.array[start:start + num_bytes].copy_to_device(host_slot[offset:offset + num_bytes])
+            return
+        slot_ids = np.asarray(slots, dtype=np.uint64)  # [n]
+        sources = np.array([h.ctypes.data for h in host_slots], dtype=np.uint64)  # [n]
+        destinations = (self._plane_bases[None, :] + slot_ids[:, None] * self._plane_bytes[None, :]).ravel()  # [n*P]
+        sources = (sources[:, None] + self._plane_offsets[None, :]).ravel()  # [n*P]
+        sizes = np.tile(self._plane_bytes, len(slot_ids))  # [n*P]
+        copy_host_to_device(destinations, sources, sizes, stream)
 
     def close(self) -> None:
         self.unmap_to(0)
@@ -138,6 +157,94 @@ class PlaneArena:
             close = getattr(plane_range, "close", None)
             if close:
                 close()
+
+
+_batch_copy = {"is_usable": None}  # cuMemcpyBatchAsync: None until tried, then whether it worked
+
+
+def copy_host_to_device(destinations: np.ndarray, sources: np.ndarray, sizes: np.ndarray, stream=None) -> None:
+    """Issue the DMAs ``sizes[i]`` bytes ``sources[i]`` (host) → ``destinations[i]`` (device) on
+    ``stream``: batched driver calls on a created stream (the batch call refuses the legacy default
+    stream), else one ``cuMemcpyHtoDAsync`` each."""
+    from cuda.bindings import driver as cu
+
+    if stream is not None and _batch_copy["is_usable"] is not False and hasattr(cu, "cuMemcpyBatchAsync"):
+        try:
+            for first in range(0, len(sizes), _MAX_COPIES_PER_CALL):
+                end = first + _MAX_COPIES_PER_CALL
+                _copy_batch(cu, destinations[first:end], sources[first:end], sizes[first:end], stream)
+            _batch_copy["is_usable"] = True
+            return
+        except _BatchRefused as exc:
+            if _batch_copy["is_usable"]:  # it worked before: a real failure, not a missing feature
+                raise EngineError(f"expert upload failed: {exc}; check the GPU with nvidia-smi") from exc
+            _batch_copy["is_usable"] = False
+            log.info("batched expert copies unavailable (%s): one cuMemcpyHtoDAsync per plane", exc)
+    handle = 0 if stream is None else stream
+    for destination, source, num_bytes in zip(destinations.tolist(), sources.tolist(), sizes.tolist()):
+        (err,) = cu.cuMemcpyHtoDAsync(destination, source, num_bytes, handle)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise EngineError(f"expert upload failed: {err}; check the GPU with nvidia-smi")
+
+
+class _BatchRefused(Exception):
+    pass
+
+
+def _copy_batch(cu, destinations, sources, sizes, stream) -> None:
+    attributes = cu.CUmemcpyAttributes()
+    attributes.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    count = len(sizes)
+    result = cu.cuMemcpyBatchAsync([cu.CUdeviceptr(d) for d in destinations.tolist()],
+                                   [cu.CUdeviceptr(s) for s in sources.tolist()], sizes.tolist(), count,
+                                   [attributes], [0], 1, stream)
+    err = result[0] if isinstance(result, tuple) else result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise _BatchRefused(str(err))
+
+
+class CopyStream:
+    """A stream for expert copies that does not synchronize with the legacy default stream (where
+    the kernels run), and events that order the two: copies after the kernels enqueued before them,
+    and later kernels after the copies they read (``wait``). The host never waits."""
+
+    def __init__(self):
+        from cuda.bindings import driver as cu
+
+        self._cu = cu
+        err, self.handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
+        _check(cu, err, "creating the expert copy stream")
+        self._events = []
+        for _ in range(_EVENTS_PER_STREAM):
+            err, event = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
+            _check(cu, err, "creating a copy event")
+            self._events.append(event)
+        self._next_event = 0
+
+    def stage(self, arena: PlaneArena, slots: Sequence[int], host_slots: Sequence[np.ndarray]):
+        """Copy after every kernel enqueued so far; returns the ticket that ``wait`` takes."""
+        cu = self._cu
+        after_kernels = self._event()
+        _check(cu, cu.cuEventRecord(after_kernels, 0)[0], "recording a compute event")
+        _check(cu, cu.cuStreamWaitEvent(self.handle, after_kernels, 0)[0], "ordering copies after kernels")
+        arena.stage_many(slots, host_slots, self.handle)
+        copied = self._event()
+        _check(cu, cu.cuEventRecord(copied, self.handle)[0], "recording a copy event")
+        return copied
+
+    def wait(self, ticket) -> None:
+        """Kernels enqueued from now on run after the copies of ``ticket``."""
+        _check(self._cu, self._cu.cuStreamWaitEvent(0, ticket, 0)[0], "ordering kernels after copies")
+
+    def _event(self):
+        event = self._events[self._next_event]
+        self._next_event = (self._next_event + 1) % len(self._events)
+        return event
+
+
+def _check(cu, err, what: str) -> None:
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise EngineError(f"{what} failed: {err}; check the GPU with nvidia-smi")
 
 
 class HostRange:

@@ -1,0 +1,69 @@
+"""Batched staging into the plane arena: the same bytes as staging expert by expert."""
+
+import ctypes
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+
+from numba import config as numba_config
+from strata.engine.ops import ExpertLayout
+from strata.gpu import expert_arena
+from strata.gpu.expert_arena import HostRange, PlaneArena
+from strata.gpu.ledger import VramLedger
+
+pytestmark = pytest.mark.skipif(not numba_config.ENABLE_CUDASIM, reason="needs NUMBA_ENABLE_CUDASIM=1")
+
+
+class AddressedRange(HostRange):
+    """A host range that, like CUDA virtual memory, exposes its base address."""
+
+    def __init__(self, reserved_bytes: int, segment_bytes: int):
+        super().__init__(reserved_bytes, segment_bytes)
+        self.host = np.zeros(reserved_bytes, dtype=np.uint8)
+        self.base = self.host.ctypes.data
+
+
+def _layout() -> ExpertLayout:
+    from strata.gpu.ops_cuda import packed_expert_layout  # noqa: F401  (the kernels' plane layout)
+    from strata.gpu.kernels.packing import plane_shapes
+
+    shapes = ((64, 128), (64, 128), (128, 64))
+    qtypes = (QType.Q4_0, QType.Q4_0, QType.Q8_0)
+    sizes = tuple(sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in plane_shapes(q.name, *shape).values())
+                  for q, shape in zip(qtypes, shapes))
+    offsets, offset = [], 0
+    for size in sizes:
+        offsets.append(offset)
+        offset += -(-size // 256) * 256
+    return ExpertLayout(qtypes, shapes, tuple(offsets), sizes, offset, encoding="packed-planes")
+
+
+def _arena(make_range):
+    layout = _layout()
+    arena = PlaneArena(VramLedger(1 << 30), "expert_cache", 16 * layout.slot_bytes, 8 * layout.slot_bytes, layout,
+                       granularity=256, make_range=make_range)
+    arena.map_segments(arena.segment_bytes * 2)
+    return arena, layout
+
+
+def test_stage_many_writes_the_bytes_stage_writes(monkeypatch):
+    copies = []
+
+    def host_copy(destinations, sources, sizes, stream=None):
+        copies.append(len(sizes))
+        for d, s, n in zip(destinations.tolist(), sources.tolist(), sizes.tolist()):
+            ctypes.memmove(d, s, n)
+
+    monkeypatch.setattr(expert_arena, "copy_host_to_device", host_copy)
+    batched, layout = _arena(AddressedRange)
+    one_by_one, _ = _arena(HostRange)
+    rng = np.random.default_rng(0)
+    hosts = [rng.integers(0, 256, layout.slot_bytes, dtype=np.uint8) for _ in range(5)]
+    slots = [9, 0, 3, 15, 4]
+    batched.stage_many(slots, hosts)
+    for slot, host in zip(slots, hosts):
+        one_by_one.stage(slot, host)
+    assert copies == [len(slots) * len(batched.planes)]  # one call for the whole batch
+    for plane_batched, plane_single in zip(batched._ranges, one_by_one._ranges):
+        assert np.array_equal(plane_batched.host, plane_single.array.copy_to_host())
