@@ -92,10 +92,15 @@ class Generation:
         # launch) and samples nothing; the loan transaction puts the decode settings back
         self.engine.state.update(pcie_balancing=True, adaptive_overlap=geometry.ring_slots > 1,
                                  residency_prelaunch_sync=True, logit_bias=(), mtp_draft_sampling=False)
-        for first in range(0, len(unread), geometry.chunk_tokens):
-            chunk = unread[first:first + geometry.chunk_tokens]
-            hidden = runner.forward(chunk, start + first, self.engine.workspace, stream)
-            stream.num_chunks += 1
+        try:
+            for first in range(0, len(unread), geometry.chunk_tokens):
+                chunk = unread[first:first + geometry.chunk_tokens]
+                hidden = runner.forward(chunk, start + first, self.engine.workspace, stream)
+                stream.num_chunks += 1
+        finally:
+            # the ring's copies and kernels may still run: finish them before the loan frees the
+            # workspace and unmaps what it grew
+            self.engine.ops.synchronize()
         return hidden
 
     def _logits(self, hidden) -> np.ndarray:

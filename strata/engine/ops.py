@@ -12,7 +12,7 @@ Shapes: T tokens, D hidden size, Hq/Hk query/KV heads of E dims, N experts, k ex
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType as QType
@@ -79,9 +79,16 @@ class Ops(Protocol):
     def encode_experts(self, raw: np.ndarray, qtype: QType, shape: tuple[int, int]) -> np.ndarray:
         """[N, rows, row_bytes] GGUF bytes of N experts' matrix -> [N, size] in this backend's encoding."""
 
-    def stage_expert(self, storage: ArenaStorage, slot: int, slot_bytes: int, host: np.ndarray) -> None:
-        """Copy one expert from host memory into a slot. May run asynchronously (a copy stream): the
-        backend orders it after every earlier ``moe`` that read the slot and before every later one."""
+    def stage_experts(self, storage: ArenaStorage, slots: Sequence[int], hosts: Sequence[np.ndarray]) -> Any:
+        """Copy experts from host memory (``hosts[i]``, one packed slot each) into ``slots[i]``, after
+        every computation issued so far. May run asynchronously (a copy stream): returns a ticket
+        (None when the copies are done on return) that ``wait_staged`` takes."""
+    def wait_staged(self, ticket: Any) -> None:
+        """Computations issued from now on read the copies of ``ticket``."""
+    def slot_tables(self, host: np.ndarray) -> Any:
+        """[B, N] int32 slot tables (slot of each expert, -1: none) on the backend, for ``moe``."""
+    def positions(self, start: int, num_tokens: int) -> Any:
+        """[T] token positions start.. on the backend, for ``qk_norm_rope``, ``kv_write``, ``attention``."""
     def synchronize(self) -> None: ...
 
     # compute
@@ -89,16 +96,18 @@ class Ops(Protocol):
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any: ...
     def matmul(self, x: Any, weight: QTensor) -> Any: ...  # [T, K] x [N, K] -> [T, N]
     def prepare_rope(self, num_rope_dims: int, theta: float, freq_factors: np.ndarray | None = None) -> Any: ...
-    def qk_norm_rope(self, q: Any, k: Any, q_norm: Any | None, k_norm: Any | None, positions: np.ndarray,
+    def qk_norm_rope(self, q: Any, k: Any, q_norm: Any | None, k_norm: Any | None, positions: Any,
                      num_rope_dims: int, theta: float, is_neox: bool, eps: float,
                      freq_factors: np.ndarray | None = None) -> None: ...
     def kv_cache(self, owner: str, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int,
                  kv_type: str) -> Any: ...
-    def kv_write(self, kv: Any, layer: int, start: int, k: Any, v: Any) -> None: ...
-    def attention(self, q: Any, kv: Any, layer: int, start: int) -> Any: ...  # [T, Hq, E] -> [T, Hq*E]
-    def route(self, x: Any, router: QTensor, num_used: int, is_norm: bool) -> tuple[np.ndarray, Any]: ...
-    def moe(self, out: Any, x: Any, ids: np.ndarray, weights: Any, storage: ArenaStorage,
-            slot_of_expert: np.ndarray, layout: ExpertLayout) -> None: ...
+    def kv_write(self, kv: Any, layer: int, start: int, k: Any, v: Any, positions: Any = None) -> None: ...
+    def attention(self, q: Any, kv: Any, layer: int, start: int, positions: Any = None) -> Any: ...  # -> [T, Hq*E]
+    def route(self, x: Any, router: QTensor, num_used: int, is_norm: bool) -> tuple[Any, Any]:
+        """ids [T, k] and weights [T, k] on the backend (``to_host`` the ids to pick experts there)."""
+    def moe(self, out: Any, x: Any, ids: Any, weights: Any, storage: ArenaStorage, slot_of_expert: Any,
+            layout: ExpertLayout) -> None:
+        """out += the routed experts that ``slot_of_expert`` ([N], host or from ``slot_tables``) places."""
     def moe_accumulator(self, num_tokens: int, hidden: int) -> Any: ...  # zeroed [T, D]
     def ffn(self, x: Any, gate: QTensor, up: QTensor, down: QTensor) -> Any: ...
     def shared_expert_add(self, acc: Any, shared: Any, h: Any, gate_inp: Any | None) -> None: ...

@@ -129,8 +129,19 @@ class NumpyOps:
     def encode_experts(self, raw: np.ndarray, qtype, shape) -> np.ndarray:
         return raw.reshape(raw.shape[0], -1)  # GGUF bytes as they are
 
-    def stage_expert(self, storage: NumpyArena, slot: int, slot_bytes: int, host: np.ndarray) -> None:
-        storage.buffer[slot * slot_bytes:slot * slot_bytes + host.size] = host
+    def stage_experts(self, storage: NumpyArena, slots, hosts) -> None:
+        for slot, host in zip(slots, hosts):
+            start = int(slot) * storage.slot_bytes
+            storage.buffer[start:start + host.size] = host
+
+    def wait_staged(self, ticket) -> None:
+        pass
+
+    def slot_tables(self, host: np.ndarray) -> np.ndarray:
+        return np.asarray(host, dtype=np.int32)
+
+    def positions(self, start: int, num_tokens: int) -> np.ndarray:
+        return np.arange(start, start + num_tokens, dtype=np.int64)
 
     def synchronize(self) -> None:
         pass
@@ -175,12 +186,12 @@ class NumpyOps:
         q[...] = ref.rope(q, cos, sin, is_neox)
         k[...] = ref.rope(k, cos, sin, is_neox)
 
-    def kv_write(self, kv: NumpyKv, layer: int, start: int, k, v) -> None:
+    def kv_write(self, kv: NumpyKv, layer: int, start: int, k, v, positions=None) -> None:
         end = start + k.shape[0]
         kv.data[layer, 0, start:end] = kv.encode(k)
         kv.data[layer, 1, start:end] = kv.encode(v)
 
-    def attention(self, q, kv: NumpyKv, layer: int, start: int) -> np.ndarray:
+    def attention(self, q, kv: NumpyKv, layer: int, start: int, positions=None) -> np.ndarray:
         end = start + q.shape[0]
         out = ref.attention(q, kv.decode(layer, 0, end), kv.decode(layer, 1, end), start)  # [T, Hq, E]
         return out.reshape(q.shape[0], -1)

@@ -6,6 +6,15 @@ One layer, T tokens at positions start..start+T-1 (the same sums as ``strata.mod
     x += attention(q, kv) Wo
     h = rms_norm(x);  ids, w = route(h Wr)             # top-k of a softmax, renormalised
     x += sum_k w * expert_k(h)  (+ shared expert)       # experts from the cache or the ring
+
+Where experts come from:
+- a prefill chunk that can touch every expert (T * k >= N) streams every expert of each layer that
+  is not cached, in id order, through the staging ring; the ring batches of all layers are planned
+  at the start of the chunk, so routing never comes back to the host and the copies of layer l+1
+  overlap the kernels of layer l;
+- a shorter prefill chunk reads the routed ids back and streams only the routed misses through
+  the ring;
+- decode reads the routed ids back, inserts its misses into the cache and stages them in one call.
 """
 
 from __future__ import annotations
@@ -18,7 +27,9 @@ from strata.engine.decode_resources import upload_tensor
 from strata.engine.expert_cache import ExpertCache
 from strata.engine.expert_pack import ExpertPack
 from strata.engine.ops import Ops, QTensor
+from strata.engine.staging_ring import RingBatch, StagingRing
 from strata.engine.workspace import PromptWorkspace
+from strata.errors import EngineError
 from strata.model.gguf_file import GgufModel
 from strata.model.spec import ModelSpec
 
@@ -30,10 +41,20 @@ _LAYER_VECTORS = ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "ffn_ga
 
 @dataclasses.dataclass
 class StreamStats:
+    """Expert traffic of a request. Hits and misses count experts per layer: in a prefill chunk that
+    streams every uncached expert, hits are the layer's cached experts and misses the ones streamed;
+    otherwise, the distinct routed experts found in the cache and the ones streamed."""
+
     streamed_bytes: int = 0
     num_chunks: int = 0
     hits: int = 0
     misses: int = 0
+
+
+@dataclasses.dataclass
+class _LayerPlan:
+    cached_table: object | None  # [N] slots of the layer's cached experts (None: none cached)
+    batches: list[RingBatch]
 
 
 class DeviceWeights:
@@ -75,15 +96,57 @@ class ModelRunner:
         streamed into the cache.
         """
         spec, ops = self.spec, self.ops
+        ring = self._ring(workspace)
+        plans = None
+        if ring is not None and len(tokens) * spec.num_experts_used >= spec.num_experts:
+            plans = self._plan_every_layer(ring, stats)
         x = ops.embed(self.w.matrices["token_embd"], tokens)  # [T, D]
-        positions = np.arange(start, start + len(tokens), dtype=np.int64)
+        positions = ops.positions(start, len(tokens))  # [T]
         for layer in range(spec.num_layers):
             self._attention(layer, x, positions, start)
             h = ops.rms_norm(x, self._vec(layer, "ffn_norm"), spec.rms_norm_eps)  # [T, D]
-            ops.add(x, self._moe(layer, h, workspace, stats) if spec.is_moe else self._ffn(layer, h))
+            if not spec.is_moe:
+                ops.add(x, self._ffn(layer, h))
+                continue
+            ops.add(x, self._moe(layer, h, ring, plans[layer] if plans else None, stats))
         return x
 
-    def _attention(self, layer: int, x, positions: np.ndarray, start: int) -> None:
+    def _ring(self, workspace: PromptWorkspace | None) -> StagingRing | None:
+        if workspace is None or workspace.geometry is None or not workspace.geometry.ring_slots or not self.spec.is_moe:
+            return None
+        return StagingRing(self.ops, self.cache.storage, self.pack, workspace.first_ring_slot,
+                           workspace.geometry.ring_slots)
+
+    def _plan_every_layer(self, ring: StagingRing, stats: StreamStats) -> list[_LayerPlan]:
+        """Every layer's cached experts and ring batches of its other experts; the slot tables go to
+        the backend in one upload and the ring starts copying."""
+        num_experts, cache = self.spec.num_experts, self.cache
+        rows, plans = [], []  # rows: [N] host slot tables
+        for layer in range(self.spec.num_layers):
+            slot_of = np.array([cache.lookup(layer, e) for e in range(num_experts)], dtype=np.int32)  # [N]
+            uncached = [int(e) for e in np.flatnonzero(slot_of < 0)]
+            stats.hits += num_experts - len(uncached)
+            stats.misses += len(uncached)
+            stats.streamed_bytes += len(uncached) * cache.layout.slot_bytes
+            cached_row = None
+            if len(uncached) < num_experts:
+                cached_row = len(rows)
+                rows.append(slot_of)
+            batches = ring.plan(layer, uncached, num_experts)
+            for batch in batches:
+                rows.append(batch.table)
+            plans.append(_LayerPlan(cached_row, batches))
+        tables = self.ops.slot_tables(np.stack(rows)) if rows else None  # [M, N]
+        row = 0
+        for plan in plans:
+            if plan.cached_table is not None:
+                plan.cached_table, row = tables[row], row + 1
+            for batch in plan.batches:
+                batch.table, row = tables[row], row + 1
+            ring.enqueue(plan.batches)
+        return plans
+
+    def _attention(self, layer: int, x, positions, start: int) -> None:
         spec, ops = self.spec, self.ops
         num_tokens = len(positions)
         h = ops.rms_norm(x, self._vec(layer, "attn_norm"), spec.rms_norm_eps)
@@ -93,59 +156,66 @@ class ModelRunner:
         ops.qk_norm_rope(q, k, self.w.vectors.get(f"blk.{layer}.attn_q_norm"),
                          self.w.vectors.get(f"blk.{layer}.attn_k_norm"), positions, spec.num_rope_dims,
                          spec.rope_theta, spec.is_rope_neox, spec.rms_norm_eps, self.w.rope_freqs_host)
-        ops.kv_write(self.kv, layer, start, k, v)
-        out = ops.attention(q, self.kv, layer, start)  # [T, Hq * E]
+        ops.kv_write(self.kv, layer, start, k, v, positions)
+        out = ops.attention(q, self.kv, layer, start, positions)  # [T, Hq * E]
         ops.add(x, ops.matmul(out, self._mat(layer, "attn_output")))
 
     def _ffn(self, layer: int, h):
         return self.ops.ffn(h, self._mat(layer, "ffn_gate"), self._mat(layer, "ffn_up"), self._mat(layer, "ffn_down"))
 
-    def _moe(self, layer: int, h, workspace: PromptWorkspace | None, stats: StreamStats):
+    def _moe(self, layer: int, h, ring: StagingRing | None, plan: _LayerPlan | None, stats: StreamStats):
         spec, ops, cache = self.spec, self.ops, self.cache
         ids, weights = ops.route(h, self._mat(layer, "ffn_gate_inp"), spec.num_experts_used,
-                                 spec.is_expert_weights_normalized)  # ids [T, k] on the host
+                                 spec.is_expert_weights_normalized)  # [T, k] on the backend
         acc = ops.moe_accumulator(h.shape[0], spec.hidden_size)  # [T, D]
-        slot_of = np.full(spec.num_experts, -1, dtype=np.int32)
-        misses = []
-        for expert in np.unique(ids):
-            slot = cache.lookup(layer, int(expert))
-            slot_of[expert] = slot
-            if slot < 0:
-                misses.append(int(expert))
-        stats.hits += int(np.count_nonzero(slot_of >= 0))
-        stats.misses += len(misses)
-        if workspace is not None and workspace.geometry is not None and workspace.geometry.ring_slots:
-            ops.moe(acc, h, ids, weights, cache.storage, slot_of, cache.layout)  # cached experts in place
-            self._through_ring(layer, h, ids, weights, acc, misses, workspace, stats)
+        if plan is not None:  # every uncached expert streams; the routing stays on the backend
+            if plan.cached_table is not None:
+                ops.moe(acc, h, ids, weights, cache.storage, plan.cached_table, cache.layout)
+            for batch in ring.take(layer):
+                ops.moe(acc, h, ids, weights, cache.storage, batch.table, cache.layout)
         else:
-            protected = {int(s) for s in slot_of if s >= 0}
-            for expert in misses:
-                slot = cache.insert(layer, expert, protected)
-                self._stage(layer, expert, slot, stats)
-                slot_of[expert] = slot
-                protected.add(slot)
-            ops.moe(acc, h, ids, weights, cache.storage, slot_of, cache.layout)
+            self._routed_experts(layer, h, ids, weights, acc, ring, stats)
         if spec.shared_expert_ffn_size:
             shared = ops.ffn(h, self._mat(layer, "ffn_gate_shexp"), self._mat(layer, "ffn_up_shexp"),
                              self._mat(layer, "ffn_down_shexp"))
             ops.shared_expert_add(acc, shared, h, self.w.vectors.get(f"blk.{layer}.ffn_gate_inp_shexp"))
         return acc
 
-    def _through_ring(self, layer, h, ids, weights, acc, misses, workspace: PromptWorkspace, stats) -> None:
-        num_ring = workspace.geometry.ring_slots
-        for first in range(0, len(misses), num_ring):
-            batch = misses[first:first + num_ring]
-            table = np.full(self.spec.num_experts, -1, dtype=np.int32)
-            for index, expert in enumerate(batch):
-                table[expert] = workspace.ring_slot(index)
-                self._stage(layer, expert, int(table[expert]), stats)
-            self.ops.moe(acc, h, ids, weights, self.cache.storage, table, self.cache.layout)
-
-    def _stage(self, layer: int, expert: int, slot: int, stats: StreamStats) -> None:
-        if slot < 0:
-            raise RuntimeError("no expert-cache slot is free for a decode miss")
-        self.ops.stage_expert(self.cache.storage, slot, self.cache.layout.slot_bytes, self.pack.slot(layer, expert))
-        stats.streamed_bytes += self.cache.layout.slot_bytes
+    def _routed_experts(self, layer: int, h, ids, weights, acc, ring: StagingRing | None, stats: StreamStats):
+        """The routed experts, found on the host: cached ones in place, misses through the ring
+        (prefill) or into the cache (decode)."""
+        ops, cache, num_experts = self.ops, self.cache, self.spec.num_experts
+        slot_of = np.full(num_experts, -1, dtype=np.int32)  # [N]
+        misses = []
+        for expert in np.unique(ops.to_host(ids)):
+            slot = cache.lookup(layer, int(expert))
+            slot_of[expert] = slot
+            if slot < 0:
+                misses.append(int(expert))
+        num_hits = int(np.count_nonzero(slot_of >= 0))
+        stats.hits += num_hits
+        stats.misses += len(misses)
+        stats.streamed_bytes += len(misses) * cache.layout.slot_bytes
+        if ring is not None:
+            if num_hits:
+                ops.moe(acc, h, ids, weights, cache.storage, slot_of, cache.layout)  # cached experts in place
+            ring.enqueue(ring.plan(layer, misses, num_experts))
+            for batch in ring.take(layer):
+                ops.moe(acc, h, ids, weights, cache.storage, batch.table, cache.layout)
+            return
+        protected = {int(s) for s in slot_of if s >= 0}
+        slots = []
+        for expert in misses:
+            slot = cache.insert(layer, expert, protected)
+            if slot < 0:
+                raise EngineError(f"no expert-cache slot is free for a decode miss (layer {layer}); raise "
+                                  "runtime.vram_budget so the cache holds at least one token's experts")
+            slot_of[expert] = slot
+            protected.add(slot)
+            slots.append(slot)
+        if slots:
+            ops.wait_staged(ops.stage_experts(cache.storage, slots, [self.pack.slot(layer, e) for e in misses]))
+        ops.moe(acc, h, ids, weights, cache.storage, slot_of, cache.layout)
 
     def _mat(self, layer: int, name: str) -> QTensor:
         return self.w.matrices[f"blk.{layer}.{name}"]

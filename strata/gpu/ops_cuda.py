@@ -2,7 +2,12 @@
 
 Weights are repacked at upload into the kernels' planes (``kernels/packing.py``), never
 dequantized. Experts live in a ``PlaneArena`` whose slots the MoE kernels index directly: the
-engine's expert ids are turned into slot ids per launch (-1: not in this batch, skipped).
+engine's expert ids are turned into slot ids per launch on the device, through a slot table [N]
+(-1: not in this batch, skipped), so routed ids never have to come back to the host.
+
+Streams: kernels run on the legacy default stream; expert copies run on a ``CopyStream`` beside
+them, ordered by events (``stage_experts`` / ``wait_staged``). Nothing in a prefill chunk waits on
+the host, except the upload of the chunk's tokens, positions and slot tables at its start.
 
 Accounting: on the GPU every Numba allocation passes the ledger's memory manager and is charged to
 the owner in effect (``ledger.owner``); temporaries of a computation are charged to
@@ -67,6 +72,11 @@ class CudaOps:
         self.placeholders = {name: self.upload("dense_weights", np.zeros((1, 1), dtype))
                              for name, dtype in (("quants", np.uint32), ("scales", np.float16), ("extra", np.uint8))}
         self._num_sms = 132 if is_simulator else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        self._copy_stream = None
+        if not is_simulator:
+            from strata.gpu.expert_arena import CopyStream
+
+            self._copy_stream = CopyStream()
 
     # --- memory ---------------------------------------------------------------------------
 
@@ -145,8 +155,23 @@ class CudaOps:
                  if p.shape != (1, 1) or name == "quants"]
         return np.concatenate(parts, axis=1)  # [N, planes of one expert]
 
-    def stage_expert(self, storage, slot: int, slot_bytes: int, host: np.ndarray) -> None:
-        storage.stage(slot, host)
+    def stage_experts(self, storage, slots, hosts):
+        if self._copy_stream is None:  # the simulator: copied on return
+            storage.stage_many(slots, hosts)
+            return None
+        return self._copy_stream.stage(storage, slots, hosts)
+
+    def wait_staged(self, ticket) -> None:
+        if ticket is not None:
+            self._copy_stream.wait(ticket)
+
+    def slot_tables(self, host: np.ndarray):
+        with self._owning(ACTIVATIONS):
+            return self.cuda.to_device(np.ascontiguousarray(host, dtype=np.int32))
+
+    def positions(self, start: int, num_tokens: int):
+        with self._owning(ACTIVATIONS):
+            return self.cuda.to_device(np.arange(start, start + num_tokens, dtype=np.int32))
 
     def synchronize(self) -> None:
         self.cuda.synchronize()
@@ -191,7 +216,7 @@ class CudaOps:
         key = self.prepare_rope(num_rope_dims, theta, freq_factors)
         with self._owning(ACTIVATIONS):
             head_norm_rope(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
-                           self.cuda.to_device(np.asarray(positions, dtype=np.int32)), head_dim=head_dim,
+                           self._device_positions(positions), head_dim=head_dim,
                            q_norm_weight=q_norm, k_norm_weight=k_norm, eps=eps,
                            rope_mode="neox" if is_neox else "normal", rope_dims=num_rope_dims,
                            inv_freq=self._rope[key])
@@ -205,24 +230,31 @@ class CudaOps:
             self._rope[key] = self.upload("dense_weights", rope_inv_freq(theta, num_rope_dims, freq_factors))
         return key
 
-    def kv_write(self, kv: CudaKv, layer: int, start: int, k, v) -> None:
+    def _device_positions(self, positions):
+        if isinstance(positions, np.ndarray):
+            return self.cuda.to_device(np.asarray(positions, dtype=np.int32))
+        return positions
+
+    def kv_write(self, kv: CudaKv, layer: int, start: int, k, v, positions=None) -> None:
         from strata.gpu.kernels.kvcache import append_kv
 
         num_tokens = k.shape[0]
-        positions = self.cuda.to_device(np.arange(start, start + num_tokens, dtype=np.int32))
+        if positions is None:
+            positions = self.cuda.to_device(np.arange(start, start + num_tokens, dtype=np.int32))
         k_cache, v_cache = kv.layers[layer]
         with self._owning(ACTIVATIONS):
             append_kv(k_cache, v_cache, k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), positions)
 
-    def attention(self, q, kv: CudaKv, layer: int, start: int):
+    def attention(self, q, kv: CudaKv, layer: int, start: int, positions=None):
         from strata.gpu.kernels.attention import attention, default_num_splits
 
         num_tokens, num_heads, head_dim = q.shape
-        positions = np.arange(start, start + num_tokens, dtype=np.int32)
+        if positions is None:
+            positions = np.arange(start, start + num_tokens, dtype=np.int32)
         splits = default_num_splits(start + num_tokens, kv.num_kv_heads, self._num_sms) if num_tokens == 1 else 1
         k_cache, v_cache = kv.layers[layer]
         with self._owning(ACTIVATIONS):
-            return attention(q.reshape(num_tokens, -1), k_cache, v_cache, self.cuda.to_device(positions),
+            return attention(q.reshape(num_tokens, -1), k_cache, v_cache, self._device_positions(positions),
                              num_q_heads=num_heads, num_kv_heads=kv.num_kv_heads, head_dim=head_dim,
                              kv_len=start + num_tokens, num_splits=splits)
 
@@ -232,33 +264,42 @@ class CudaOps:
         logits = self.matmul(x, router)
         with self._owning(ACTIVATIONS):
             ids, weights = moe_route(logits, num_used, norm_weights=is_norm)
-        return ids.copy_to_host().astype(np.int64), weights  # ids on the host pick the experts to stage
+        return ids, weights  # [T, k] int32 on the device; to_host when the host must pick experts
 
     def moe_accumulator(self, num_tokens: int, hidden: int):
         with self._owning(ACTIVATIONS):
-            return self.cuda.to_device(np.zeros((num_tokens, hidden), dtype=np.float32))
+            if self.is_simulator:
+                return self.cuda.to_device(np.zeros((num_tokens, hidden), dtype=np.float32))
+            acc = self.cuda.device_array((num_tokens, hidden), dtype=np.float32)
+        from cuda.bindings import driver as cu
+
+        (err,) = cu.cuMemsetD32Async(acc.__cuda_array_interface__["data"][0], 0, num_tokens * hidden, 0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            from strata.errors import EngineError
+
+            raise EngineError(f"clearing the MoE accumulator failed: {err}; check the GPU with nvidia-smi")
+        return acc
 
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout) -> None:
+        """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``."""
         from strata.gpu.kernels.gemm import GemmConfig
         from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
-        slot_ids = np.where(ids >= 0, slot_of_expert[np.clip(ids, 0, None)], -1).astype(np.int32)  # [T, k]
-        if not (slot_ids >= 0).any():
-            return
+        ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
         gate, up, down = storage.matrices()
         num_slots = storage.num_slots_reserved
         with self._owning(ACTIVATIONS):
+            table = slot_of_expert if not isinstance(slot_of_expert, np.ndarray) else \
+                self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
             if x.shape[0] <= 4:
-                moe_experts_decode(x, self.cuda.to_device(slot_ids), weights, gate, up, down, out,
+                moe_experts_decode(x, _map_ids(ids, table, to_slots=True), weights, gate, up, down, out,
                                    num_experts=num_slots)
                 return
             # group by expert id (few: the grouping keeps a counter per expert in shared memory),
             # then point each tile at its expert's slot
             config = GemmConfig()
-            batch_ids = np.where(slot_ids >= 0, ids, -1).astype(np.int32)
-            groups = moe_group(self.cuda.to_device(batch_ids), weights, len(slot_of_expert), config.block_m)
-            table = self.cuda.to_device(slot_of_expert.astype(np.int32))
+            groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], config.block_m)
             tiles = groups.tile_expert.shape[0]
             _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)
             moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=config)
@@ -290,6 +331,38 @@ class CudaOps:
         last = x[x.shape[0] - 1:] if hasattr(x, "copy_to_host") else self.cuda.to_device(np.asarray(x[-1:]))
         with self._owning(ACTIVATIONS):
             return gemv(head.data, last[0], norm_weight=norm, eps=eps).copy_to_host()
+
+
+def _map_ids(ids, table, *, to_slots: bool):
+    """[T, k] routed ids → their slots (``to_slots``) or themselves, -1 where ``table`` has no slot."""
+    from numba import cuda as numba_cuda
+
+    out = numba_cuda.device_array(ids.shape, dtype=np.int32)
+    num_pairs = ids.shape[0] * ids.shape[1]
+    if num_pairs:
+        _map_ids_kernel(to_slots)[(num_pairs + 127) // 128, 128](ids, table, out)
+    return out
+
+
+@functools.cache
+def _map_ids_kernel(to_slots: bool):
+    @cuda.jit
+    def map_ids_kernel(ids, slot_of_expert, out):  # ids, out [T, k]
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        top_k = ids.shape[1]
+        if i < ids.shape[0] * top_k:
+            expert = ids[i // top_k, i % top_k]
+            slot = -1
+            if 0 <= expert < slot_of_expert.shape[0]:
+                slot = slot_of_expert[expert]
+            if slot < 0:
+                out[i // top_k, i % top_k] = -1
+            elif to_slots:
+                out[i // top_k, i % top_k] = slot
+            else:
+                out[i // top_k, i % top_k] = expert
+
+    return map_ids_kernel
 
 
 @functools.cache
