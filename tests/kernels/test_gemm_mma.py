@@ -83,3 +83,106 @@ def test_native_gemm_agrees_with_twin_and_reference(fmt):
                                     MmaConfig(block_m=64, block_n=128, warps_m=2, warps_n=2, is_native=True)])
 def test_native_gemm_tile_shapes(config):
     _check_gemm("Q4_K", 512, 151, config, num_tokens=150, num_rows=300)
+
+
+# Main-loop options: each alone and all together; the twin runs them in the simulator.
+SPLIT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16")
+MAINLOOP_OPTIONS = {
+    "prefetch_w": dict(prefetch_w=True),
+    "step_k_64": dict(step_k=64),
+    "two_stages": dict(stages=2),
+    "ldmatrix": dict(ldmatrix=True),
+    "vector_stores": dict(vector_stores=True),
+    "all": dict(prefetch_w=True, step_k=64, stages=2, ldmatrix=True, vector_stores=True),
+}
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_twin_prefetch_w_matches_dequantized_matmul(fmt):  # Q4_1 and F32 keep the direct path
+    _check_gemm(fmt, 256 if fmt in ("Q4_K", "Q6_K") else 64, seed=160, config=TWIN_ONE_WARP._replace(prefetch_w=True))
+
+
+@pytest.mark.parametrize("option", MAINLOOP_OPTIONS)
+def test_twin_mainloop_options(option):
+    config = TWIN_ONE_WARP._replace(**MAINLOOP_OPTIONS[option])
+    _check_gemm("Q4_K", 256, seed=161, config=config)
+    _check_gemm("Q8_0", 96, seed=162, config=config)  # 3 x 32: a zero-filled half step when step_k = 64
+
+
+def test_twin_options_four_warps_float16_activations():
+    config = TWIN_FOUR_WARPS._replace(**MAINLOOP_OPTIONS["all"])
+    _check_gemm("Q6_K", 256, seed=163, config=config, num_tokens=37, num_rows=45, x_dtype=np.float16)
+
+
+@pytest.mark.parametrize("option", ["prefetch_w", "all"])
+def test_twin_moe_prefill_options(option):
+    num_tokens, num_experts, top_k, dim, ffn = 9, 4, 2, 64, 96
+    config = TWIN_ONE_WARP._replace(**MAINLOOP_OPTIONS[option])
+    rng = np.random.default_rng(164)
+    gate, gate_v = random_matrix("Q4_0", num_experts * ffn, dim, 165)
+    up, up_v = random_matrix("Q8_0", num_experts * ffn, dim, 166)
+    down, down_v = random_matrix("F16", num_experts * dim, ffn, 167)
+    values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
+              down_v.reshape(num_experts, dim, ffn))
+    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
+    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
+    groups = moe_group(dev(ids), dev(weights), num_experts, config.block_m, threads=8)
+    out = dev(np.zeros((num_tokens, dim), np.float32))
+    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=config)
+    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)
+
+
+def test_mma_config_option_checks():
+    with pytest.raises(ValueError, match="step_k must be one of"):
+        MmaConfig(step_k=128).validate()
+    with pytest.raises(ValueError, match="stages must be 1 or 2"):
+        MmaConfig(stages=3).validate()
+    with pytest.raises(ValueError, match="bytes of shared memory exceed"):
+        MmaConfig(block_m=256, block_n=128, warps_m=4, warps_n=2, step_k=64, stages=2).validate()
+    config = MmaConfig(step_k=64, stages=2)
+    assert config.xs_size == 2 * 72 * 128 and config.ws_size == 2 * 72 * 128
+    from strata.gpu.kernels.gemm_mma import dual_mainloop_device
+    with pytest.raises(ValueError, match="two weight tiles"):
+        dual_mainloop_device("Q4_0", "Q4_0", MmaConfig(step_k=64, is_native=False))
+
+
+# all options together fit the 48 KiB of static shared memory only with tiles up to 64 x 64
+NATIVE_OPTION_CONFIGS = [MmaConfig(is_native=True, **options) for name, options in MAINLOOP_OPTIONS.items()
+                         if name != "all"] + [
+    MmaConfig(block_m=64, block_n=64, warps_m=2, warps_n=2, is_native=True, **MAINLOOP_OPTIONS["all"]),
+    MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, is_native=True, **MAINLOOP_OPTIONS["all"]),
+]
+
+
+@needs_tensor_cores
+@pytest.mark.parametrize("fmt", SPLIT_FORMATS + ("Q4_1",))
+@pytest.mark.parametrize("config", NATIVE_OPTION_CONFIGS, ids=lambda c: "-".join(
+    f"{k}={v}" for k, v in c._asdict().items() if k not in ("is_native",) and v != MmaConfig._field_defaults[k]) or "base")
+def test_native_mainloop_options_agree_with_twin(fmt, config):
+    num_cols = 544  # 17 x 32: a zero-filled half step when step_k = 64
+    native = _check_gemm(fmt, 768 if fmt in ("Q4_K", "Q6_K") else num_cols, 170, config, num_tokens=131, num_rows=200)
+    twin = _check_gemm(fmt, 768 if fmt in ("Q4_K", "Q6_K") else num_cols, 170, config._replace(is_native=False),
+                       num_tokens=131, num_rows=200)
+    assert np.max(np.abs(native - twin)) <= 1e-4 * np.max(np.abs(twin))
+
+
+@needs_tensor_cores
+@pytest.mark.parametrize("config", [MmaConfig(block_m=32, block_n=64, warps_m=2, warps_n=2, is_native=True,
+                                              **MAINLOOP_OPTIONS["all"]),
+                                    MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True)])
+def test_native_moe_prefill_options(config):
+    num_tokens, num_experts, top_k, dim, ffn = 300, 8, 2, 256, 192
+    rng = np.random.default_rng(171)
+    gate, gate_v = random_matrix("Q4_K", num_experts * ffn, dim, 172)
+    up, up_v = random_matrix("Q4_0", num_experts * ffn, dim, 173)
+    down, down_v = random_matrix("Q6_K", num_experts * dim, ffn, 174)
+    values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
+              down_v.reshape(num_experts, dim, ffn))
+    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
+    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
+    groups = moe_group(dev(ids), dev(weights), num_experts, config.block_m)
+    out = dev(np.zeros((num_tokens, dim), np.float32))
+    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=config)
+    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)

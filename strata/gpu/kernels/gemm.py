@@ -35,6 +35,8 @@ from .quant_device import dequant8_for
 
 BLOCK_K = 32  # elements of K staged per step: one legacy block, one K-quant sub-block
 MMA_LD = BLOCK_K + 8  # halves per staged row on the tensor-core path (padding against bank conflicts)
+MMA_STEP_KS = (32, 64)  # K elements staged per barrier pair on the tensor-core path
+MAX_STATIC_SHARED_BYTES = 48 * 1024
 _OCTETS_PER_STEP = BLOCK_K // OCTET
 _MMA_WARP_TILES = ((1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (2, 8), (4, 8))  # (16-row, 8-column) mma tiles per warp in cuda/gemm_mma.cu
 
@@ -76,13 +78,34 @@ class GemmConfig(NamedTuple):
 
 
 class MmaConfig(NamedTuple):
-    """Tensor-core tiles: warps_m x warps_n warps, each a (block_m / warps_m) x (block_n / warps_n) tile."""
+    """Tensor-core tiles: warps_m x warps_n warps, each a (block_m / warps_m) x (block_n / warps_n) tile.
+
+    Main-loop options (the defaults are the plain loop: one 32-wide step per barrier pair, W
+    dequantized straight from global memory into shared memory):
+
+        prefetch_w     W's raw words and scales for step s + 1 are loaded into registers before
+                       step s's products and decoded into shared memory after them (formats with a
+                       split dequantizer; the others keep the direct path)
+        step_k         K elements staged per step: 32, or 64 (two 32-wide sub-steps per barrier
+                       pair, half the barriers and mma calls; a K that is an odd multiple of 32
+                       gets a zero-filled last half)
+        stages         1, or 2: double-buffered tiles, the next step staged while this one's
+                       products run, one barrier per step
+        ldmatrix       fragments read with ldmatrix instead of 32-bit shared loads (C++ only)
+        vector_stores  each thread stages whole octets of X and W as one 16-byte shared store
+                       (C++ only; X loads become octet-per-thread)
+    """
 
     block_m: int = 128  # 128 x 128 with 8 warps of 32 x 64: fastest of the shapes measured on the H200
     block_n: int = 128
     warps_m: int = 4
     warps_n: int = 2
     is_native: bool | None = None  # linked CUDA C++ (True) or the pure-Numba twin; None: native when available
+    prefetch_w: bool = False
+    step_k: int = 32
+    stages: int = 1
+    ldmatrix: bool = False
+    vector_stores: bool = False
 
     @property
     def threads(self) -> int:
@@ -97,12 +120,21 @@ class MmaConfig(NamedTuple):
         return self.warp_tile[0] // 16 * self.warp_tile[1] // 8 * 4
 
     @property
+    def ld(self) -> int:
+        """Halves per staged row: step_k + 8 (a row stride of 4 words mod 32 banks: conflict-free fragments)."""
+        return self.step_k + 8
+
+    @property
     def xs_size(self) -> int:
-        return MMA_LD * self.block_m
+        return self.stages * self.ld * self.block_m
 
     @property
     def ws_size(self) -> int:
-        return MMA_LD * self.block_n
+        return self.stages * self.ld * self.block_n
+
+    def shared_bytes(self, num_weights: int = 1) -> int:
+        """Static shared memory of a kernel staging X and `num_weights` weight tiles (plus its row list)."""
+        return 2 * (self.xs_size + num_weights * self.ws_size) + 4 * self.block_m
 
     stage_dtype = np.float16
 
@@ -117,6 +149,14 @@ class MmaConfig(NamedTuple):
             raise ValueError(f"{self.threads} threads cannot stage a {self.block_m}x{self.block_n} tile evenly")
         if self.block_m > self.threads:
             raise ValueError(f"block_m {self.block_m} exceeds the {self.threads} threads that fill its row list")
+        if self.step_k not in MMA_STEP_KS:
+            raise ValueError(f"step_k must be one of {MMA_STEP_KS}, got {self.step_k}")
+        if self.stages not in (1, 2):
+            raise ValueError(f"stages must be 1 or 2, got {self.stages}")
+        if self.vector_stores and (self.block_m * _OCTETS_PER_STEP) % self.threads:
+            raise ValueError(f"vector_stores: {self.threads} threads cannot stage {self.block_m} rows by octets evenly")
+        if self.shared_bytes() > MAX_STATIC_SHARED_BYTES:
+            raise ValueError(f"{self.shared_bytes()} bytes of shared memory exceed {MAX_STATIC_SHARED_BYTES}")
         if self.is_native is None:
             return self._replace(is_native=tensor_core.is_available())
         if self.is_native and not tensor_core.is_available():

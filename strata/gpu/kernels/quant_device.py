@@ -173,3 +173,163 @@ def dequant8_for(fmt: str):
         return _DEQUANT8[fmt]
     except KeyError:
         raise ValueError(f"no device dequantizer for format {fmt!r}; supported: {', '.join(_DEQUANT8)}") from None
+
+
+# Split octet dequantizers: the same numerics as device_dequant8_<fmt>, in two halves so that a
+# caller can issue the global loads of a later step before the current step's work and decode
+# them after it (a register prefetch):
+#
+#     device_load8_<fmt>(quants, scales, extra, row, octet, raw_words, raw_floats, slot)
+#         raw words/scales of the octet into raw_words[slot * W:], raw_floats[slot * F:]
+#     device_decode8_<fmt>(raw_words, raw_floats, slot, octet, out, out_off)
+#         out[out_off : out_off + 8] = the octet's float32 values
+#
+# (W, F) = split_dequant8_for(fmt)[2:]. All-zero raw values decode to zeros in every format.
+
+_Q4_0_WORDS, _Q4_0_FLOATS = 2, 1
+_Q8_0_WORDS, _Q8_0_FLOATS = 2, 1
+_Q4_K_WORDS, _Q4_K_FLOATS = 3, 2  # two quant words, three scale bytes packed in one word; d, dmin
+_Q6_K_WORDS, _Q6_K_FLOATS = 5, 1  # ql, ql, qh, qh, the int8 sub-block scale; d
+_FLOAT_WORDS, _FLOAT_FLOATS = 1, 8
+
+
+@cuda.jit(device=True)
+def device_load8_q4_0(quants, scales, extra, row, octet, raw_words, raw_floats, slot):
+    block = octet // 4
+    word = block * 4 + (octet % 2) * 2
+    raw_words[slot * _Q4_0_WORDS] = quants[row, word]
+    raw_words[slot * _Q4_0_WORDS + 1] = quants[row, word + 1]
+    raw_floats[slot * _Q4_0_FLOATS] = np.float32(scales[row, block])
+
+
+@cuda.jit(device=True)
+def device_decode8_q4_0(raw_words, raw_floats, slot, octet, out, out_off):
+    shift = ((octet % 4) // 2) * 4
+    d = raw_floats[slot * _Q4_0_FLOATS]
+    w0 = raw_words[slot * _Q4_0_WORDS]
+    w1 = raw_words[slot * _Q4_0_WORDS + 1]
+    for i in range(4):
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, TWO_23_PLUS_8)
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, TWO_23_PLUS_8)
+
+
+@cuda.jit(device=True)
+def device_load8_q8_0(quants, scales, extra, row, octet, raw_words, raw_floats, slot):
+    block = octet // 4
+    word = block * 8 + (octet % 4) * 2
+    raw_words[slot * _Q8_0_WORDS] = quants[row, word]
+    raw_words[slot * _Q8_0_WORDS + 1] = quants[row, word + 1]
+    raw_floats[slot * _Q8_0_FLOATS] = np.float32(scales[row, block])
+
+
+@cuda.jit(device=True)
+def device_decode8_q8_0(raw_words, raw_floats, slot, octet, out, out_off):
+    d = raw_floats[slot * _Q8_0_FLOATS]
+    w0 = raw_words[slot * _Q8_0_WORDS] ^ 0x80808080  # int8 -> offset binary, so each byte is q + 128
+    w1 = raw_words[slot * _Q8_0_WORDS + 1] ^ 0x80808080
+    for i in range(4):
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i)) & 0xFF, TWO_23_PLUS_128)
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i)) & 0xFF, TWO_23_PLUS_128)
+
+
+@cuda.jit(device=True)
+def device_load8_q4_k(quants, scales, extra, row, octet, raw_words, raw_floats, slot):
+    sb = octet // 32
+    s = octet % 32
+    j = s // 4
+    word = sb * 32 + (j // 2) * 8 + (s % 4) * 2
+    base = sb * 12
+    # the bytes device_q4_k_scale_min reads for sub-block j: [j], [j + 4], and [j - 4] when j >= 4
+    low_j = np.uint32(extra[row, base + j])
+    high_j = np.uint32(extra[row, base + j + 4])
+    prev_j = np.uint32(extra[row, base + j - 4]) if j >= 4 else np.uint32(0)
+    raw_words[slot * _Q4_K_WORDS] = quants[row, word]
+    raw_words[slot * _Q4_K_WORDS + 1] = quants[row, word + 1]
+    raw_words[slot * _Q4_K_WORDS + 2] = low_j | (high_j << 8) | (prev_j << 16)
+    raw_floats[slot * _Q4_K_FLOATS] = np.float32(scales[row, 2 * sb])
+    raw_floats[slot * _Q4_K_FLOATS + 1] = np.float32(scales[row, 2 * sb + 1])
+
+
+@cuda.jit(device=True)
+def device_decode8_q4_k(raw_words, raw_floats, slot, octet, out, out_off):
+    j = (octet % 32) // 4
+    shift = (j % 2) * 4
+    packed = raw_words[slot * _Q4_K_WORDS + 2]
+    low_j, high_j, prev_j = packed & 0xFF, (packed >> 8) & 0xFF, (packed >> 16) & 0xFF
+    if j < 4:
+        sc = low_j & 63
+        mn = high_j & 63
+    else:
+        sc = (high_j & 0xF) | ((prev_j >> 6) << 4)
+        mn = (high_j >> 4) | ((low_j >> 6) << 4)
+    d = raw_floats[slot * _Q4_K_FLOATS] * np.float32(np.int32(sc))
+    m = raw_floats[slot * _Q4_K_FLOATS + 1] * np.float32(np.int32(mn))
+    w0 = raw_words[slot * _Q4_K_WORDS]
+    w1 = raw_words[slot * _Q4_K_WORDS + 1]
+    for i in range(4):
+        out[out_off + i] = d * device_small_int_to_float((w0 >> (8 * i + shift)) & 0xF, TWO_23) - m
+        out[out_off + 4 + i] = d * device_small_int_to_float((w1 >> (8 * i + shift)) & 0xF, TWO_23) - m
+
+
+@cuda.jit(device=True)
+def device_load8_q6_k(quants, scales, extra, row, octet, raw_words, raw_floats, slot):
+    sb = octet // 32
+    e = (octet % 32) * 8
+    n = e // 128
+    q = (e % 128) // 32
+    l0 = e % 32
+    ql_word = sb * 48 + n * 16 + (q % 2) * 8 + l0 // 4
+    qh_word = sb * 48 + 32 + n * 8 + l0 // 4
+    raw_words[slot * _Q6_K_WORDS] = quants[row, ql_word]
+    raw_words[slot * _Q6_K_WORDS + 1] = quants[row, ql_word + 1]
+    raw_words[slot * _Q6_K_WORDS + 2] = quants[row, qh_word]
+    raw_words[slot * _Q6_K_WORDS + 3] = quants[row, qh_word + 1]
+    raw_words[slot * _Q6_K_WORDS + 4] = np.uint32(extra[row, sb * 16 + n * 8 + q * 2 + l0 // 16])
+    raw_floats[slot * _Q6_K_FLOATS] = np.float32(scales[row, sb])
+
+
+@cuda.jit(device=True)
+def device_decode8_q6_k(raw_words, raw_floats, slot, octet, out, out_off):
+    q = ((octet % 32) * 8 % 128) // 32
+    lo_shift = (q // 2) * 4
+    hi_shift = q * 2
+    sub_scale = device_sign_extend_byte(raw_words[slot * _Q6_K_WORDS + 4])
+    d = raw_floats[slot * _Q6_K_FLOATS] * np.float32(sub_scale)
+    lo0 = raw_words[slot * _Q6_K_WORDS]
+    lo1 = raw_words[slot * _Q6_K_WORDS + 1]
+    hi0 = raw_words[slot * _Q6_K_WORDS + 2]
+    hi1 = raw_words[slot * _Q6_K_WORDS + 3]
+    for i in range(4):
+        q0 = ((lo0 >> (8 * i + lo_shift)) & 0xF) | (((hi0 >> (8 * i + hi_shift)) & 3) << 4)
+        q1 = ((lo1 >> (8 * i + lo_shift)) & 0xF) | (((hi1 >> (8 * i + hi_shift)) & 3) << 4)
+        out[out_off + i] = d * device_small_int_to_float(q0, TWO_23_PLUS_32)
+        out[out_off + 4 + i] = d * device_small_int_to_float(q1, TWO_23_PLUS_32)
+
+
+@cuda.jit(device=True)
+def device_load8_float(quants, scales, extra, row, octet, raw_words, raw_floats, slot):
+    base = octet * 8
+    for i in range(8):
+        raw_floats[slot * _FLOAT_FLOATS + i] = np.float32(quants[row, base + i])
+
+
+@cuda.jit(device=True)
+def device_decode8_float(raw_words, raw_floats, slot, octet, out, out_off):
+    for i in range(8):
+        out[out_off + i] = raw_floats[slot * _FLOAT_FLOATS + i]
+
+
+_SPLIT_DEQUANT8 = MappingProxyType({
+    "Q4_0": (device_load8_q4_0, device_decode8_q4_0, _Q4_0_WORDS, _Q4_0_FLOATS),
+    "Q8_0": (device_load8_q8_0, device_decode8_q8_0, _Q8_0_WORDS, _Q8_0_FLOATS),
+    "Q4_K": (device_load8_q4_k, device_decode8_q4_k, _Q4_K_WORDS, _Q4_K_FLOATS),
+    "Q6_K": (device_load8_q6_k, device_decode8_q6_k, _Q6_K_WORDS, _Q6_K_FLOATS),
+    "F16": (device_load8_float, device_decode8_float, _FLOAT_WORDS, _FLOAT_FLOATS),
+    "F32": (device_load8_float, device_decode8_float, _FLOAT_WORDS, _FLOAT_FLOATS),
+})
+
+
+def split_dequant8_for(fmt: str):
+    """(device_load8, device_decode8, words, floats) of format `fmt`, or None where only the direct
+    dequantizer exists (Q4_1)."""
+    return _SPLIT_DEQUANT8.get(fmt)
