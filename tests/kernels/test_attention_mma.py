@@ -72,6 +72,34 @@ def test_twin_with_a_custom_scale_and_a_wide_tile():
     np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
 
 
+@pytest.mark.parametrize("fmt", ["F16", "Q4_0"])
+def test_twin_with_eight_warps(fmt):
+    # group 4, 40 tokens: 160 rows, one full 128-row block and one mostly padding
+    q, positions, caches, ref = _case(fmt, 4, 1, 32, 9, 40, seed=87)
+    out = _run(q, positions, caches, 4, 1, 32, TWIN._replace(warps=8))
+    np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
+
+
+@pytest.mark.parametrize("warps, stages", [(4, 1), (4, 2), (8, 2)])
+def test_fused_config_runs_the_twin_in_the_simulator(warps, stages):
+    # the fused loop has the per-tile step's numerics; without tensor cores the twin serves it
+    q, positions, caches, ref = _case("Q8_0", 2, 1, 32, 20, 11, seed=88)
+    config = MmaAttentionConfig(use_tensor_cores=False, warps=warps, fused=True, stages=stages)
+    out = _run(q, positions, caches, 2, 1, 32, config)
+    np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
+
+
+def test_fused_layouts_fit_static_shared_memory():
+    # Q's shared memory is reused for the K/V buffers: 64-key tiles single-buffered, 32 double-buffered
+    assert default_kv_tile(128, fused=True, stages=1) == 64
+    assert default_kv_tile(128, fused=True, stages=2) == 32
+    assert default_kv_tile(128, warps=8, fused=True, stages=2) == 32
+    assert default_kv_tile(64, fused=True, stages=2) == 64
+    assert default_kv_tile(128, warps=8) == 16
+    for warps, stages, kv_tile in ((4, 1, 64), (4, 2, 32), (8, 1, 64), (8, 2, 32)):
+        assert shared_bytes(128, kv_tile, False, warps, True, stages) <= 48 * 1024
+
+
 def test_attention_routes_prefill_to_the_tensor_core_kernel():
     assert uses_tensor_cores(5, 1, 64, "Q4_0") and uses_tensor_cores(4096, 1, 128, "F16")
     assert not uses_tensor_cores(4, 1, 64, "F16")  # decode-sized
@@ -101,6 +129,15 @@ def test_attention_mma_rejects_bad_arguments():
     with pytest.raises(ValueError, match="kv_tile must be one of"):
         attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32,
                       config=MmaAttentionConfig(kv_tile=24, use_tensor_cores=False))
+    with pytest.raises(ValueError, match="warps must be one of"):
+        attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32,
+                      config=MmaAttentionConfig(warps=6, use_tensor_cores=False))
+    with pytest.raises(ValueError, match="stages must be one of"):
+        attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32,
+                      config=MmaAttentionConfig(fused=True, stages=3, use_tensor_cores=False))
+    with pytest.raises(ValueError, match="needs .* bytes of shared memory"):
+        attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=128,
+                      config=MmaAttentionConfig(kv_tile=48, fused=True, stages=2, use_tensor_cores=True))
     with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 8\]"):
         attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32, kv_len=9)
     with pytest.raises(TypeError, match="q must have dtype float32"):
@@ -128,4 +165,41 @@ def test_tensor_cores_equal_the_twin_and_the_reference(fmt, head_dim, kv_tile):
 def test_tensor_cores_with_link_time_optimization():
     q, positions, caches, ref = _case("Q4_0", 32, 4, 128, 100, 300, seed=86)
     out = _run(q, positions, caches, 32, 4, 128, MmaAttentionConfig(lto=True))
+    np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("head_dim, kv_tile", [(128, 0), (128, 16), (64, 0)])
+def test_eight_warps_on_tensor_cores(fmt, head_dim, kv_tile):
+    q, positions, caches, ref = _case(fmt, 8, 2, head_dim, 37, 150, seed=89)
+    out = _run(q, positions, caches, 8, 2, head_dim, MmaAttentionConfig(kv_tile=kv_tile, use_tensor_cores=True,
+                                                                         warps=8))
+    np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("head_dim, kv_tile, warps, stages", [
+    (128, 32, 4, 2), (128, 64, 4, 1), (128, 32, 8, 2), (128, 16, 8, 1), (64, 64, 4, 2), (64, 16, 8, 2),
+])
+def test_fused_loop_equals_the_tile_step_and_the_reference(fmt, head_dim, kv_tile, warps, stages):
+    q, positions, caches, ref = _case(fmt, 8, 2, head_dim, 37, 150, seed=90)
+    fused = _run(q, positions, caches, 8, 2, head_dim, MmaAttentionConfig(
+        kv_tile=kv_tile, use_tensor_cores=True, warps=warps, fused=True, stages=stages))
+    np.testing.assert_allclose(fused, ref, **F16_TOLERANCE)
+    # same fragments, same order of operations; only the staging code differs, and it rounds the same way
+    step = _run(q, positions, caches, 8, 2, head_dim, MmaAttentionConfig(kv_tile=kv_tile, use_tensor_cores=True,
+                                                                          warps=warps))
+    np.testing.assert_allclose(fused, step, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.parametrize("fmt", ["F16", "Q4_0"])
+def test_fused_loop_with_link_time_optimization_at_qwen3_shapes(fmt):
+    q, positions, caches, ref = _case(fmt, 32, 4, 128, 100, 300, seed=91)
+    out = _run(q, positions, caches, 32, 4, 128, MmaAttentionConfig(fused=True, lto=True, warps=8))
     np.testing.assert_allclose(out, ref, **F16_TOLERANCE)

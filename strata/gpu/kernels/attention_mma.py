@@ -13,6 +13,13 @@ The tile step is CUDA C++ (cuda/attention_mma.cu) on a GPU with tensor cores; it
 below has the same fragment layout and order of operations, and is what the simulator runs. The
 twin has no warp shuffles: lanes write their scores to shared memory and each lane recomputes the
 row max and the quad's sum from there. Decode (few query rows, split KV) stays in attention.py.
+
+Options (MmaAttentionConfig): `warps` 8 gives a block 128 rows, so each staged K/V tile serves twice
+the rows. `fused` moves the whole KV loop into C++ (GPU only): Q fragments are loaded once into
+registers (Q's shared memory is then reused for the K/V tiles), O, m and l stay in registers across
+tiles, K/V are staged with 16-byte stores (cp.async for F16, dequantized octets for Q8_0 / Q4_0), and
+with `stages` 2 tile j + 1 is loaded while tile j is multiplied, one barrier per tile. Its numerics are
+those of the per-tile step, so the simulator runs the twin for it.
 """
 
 from __future__ import annotations
@@ -31,10 +38,10 @@ from .kvcache import KV_FORMATS
 from .packing import PackedMatrix, check_packed
 from .quant_device import dequant8_for
 
-WARPS_PER_BLOCK = 4
+WARPS_PER_BLOCK = 4  # the default; MmaAttentionConfig.warps
+BLOCK_WARPS = (4, 8)
 ROWS_PER_WARP = tensor_core.MMA_M
-ROWS_PER_BLOCK = WARPS_PER_BLOCK * ROWS_PER_WARP  # 64
-THREADS_PER_BLOCK = 32 * WARPS_PER_BLOCK
+FUSED_STAGES = (1, 2)
 ROW_PAD_HALVES = 8  # row stride head_dim + 8: the 8 rows of a fragment load fall on distinct banks
 CPP_HEAD_DIMS = (64, 128)  # the head dims cuda/attention_mma.cu exports
 KV_TILES = (64, 48, 32, 16)  # the tile sizes it exports, largest first
@@ -48,17 +55,25 @@ class MmaAttentionConfig(NamedTuple):
     kv_tile: int = 0  # keys per staged tile, a multiple of 16; 0: the largest that fits the shared memory
     use_tensor_cores: bool | None = None  # None: the C++ tile step when available, else the Numba twin
     lto: bool = False  # link-time optimization (lets the tile step inline into the kernel)
+    warps: int = WARPS_PER_BLOCK  # warps per block (16 query rows each): 4 or 8
+    fused: bool = False  # the whole KV loop in C++, Q and O in registers (the twin runs unfused)
+    stages: int = 2  # fused only: K/V tile buffers, 2 overlaps loading tile j + 1 with tile j
 
 
-def shared_bytes(head_dim: int, kv_tile: int, is_twin: bool) -> int:
+def shared_bytes(head_dim: int, kv_tile: int, is_twin: bool, warps: int = WARPS_PER_BLOCK, fused: bool = False,
+                 stages: int = 2) -> int:
     stride = head_dim + ROW_PAD_HALVES
-    num_bytes = 2 * stride * (ROWS_PER_BLOCK + 2 * kv_tile) + 4 * ROWS_PER_BLOCK
-    return num_bytes + (4 * ROWS_PER_BLOCK * kv_tile if is_twin else 0)  # the twin's score rows
+    rows = warps * ROWS_PER_WARP
+    if fused and not is_twin:  # Q, then `stages` K/V buffer pairs, share one array
+        return 2 * stride * max(rows, 2 * stages * kv_tile) + 4 * rows
+    num_bytes = 2 * stride * (rows + 2 * kv_tile) + 4 * rows
+    return num_bytes + (4 * rows * kv_tile if is_twin else 0)  # the twin's score rows
 
 
-def default_kv_tile(head_dim: int, is_twin: bool = False) -> int:
+def default_kv_tile(head_dim: int, is_twin: bool = False, warps: int = WARPS_PER_BLOCK, fused: bool = False,
+                    stages: int = 2) -> int:
     for kv_tile in KV_TILES:
-        if shared_bytes(head_dim, kv_tile, is_twin) <= _MAX_STATIC_SHARED_BYTES:
+        if shared_bytes(head_dim, kv_tile, is_twin, warps, fused, stages) <= _MAX_STATIC_SHARED_BYTES:
             return kv_tile
     raise ValueError(f"head_dim {head_dim} leaves no room for a KV tile in {_MAX_STATIC_SHARED_BYTES} bytes")
 
@@ -167,23 +182,74 @@ def _cpp_tile_step(head_dim: int, kv_tile: int):
     return tile_step
 
 
+def _block_rows(head_dim: int, group: int, warps: int):
+    """Device functions for a block's query rows: staging Q and row_last, the last key, the output."""
+    stride = head_dim + ROW_PAD_HALVES
+    rows = warps * ROWS_PER_WARP
+    threads = 32 * warps
+    m_off = head_dim // 2
+
+    @cuda.jit(device=True)
+    def stage_q(q, q_scale, kvh, row_base, q_positions, kv_len, qs, row_last):
+        num_tokens = q.shape[0]
+        tid = cuda.threadIdx.x
+        for idx in range(tid, rows * head_dim, threads):
+            r = idx // head_dim
+            c = idx % head_dim
+            t = (row_base + r) // group
+            h = kvh * group + (row_base + r) % group
+            qs[r * stride + c] = np.float16(q[t, h * head_dim + c] * q_scale) if t < num_tokens else np.float16(0.0)
+        for r in range(tid, rows, threads):
+            t = (row_base + r) // group
+            row_last[r] = min(q_positions[t], kv_len - 1) if t < num_tokens else -1
+
+    @cuda.jit(device=True)
+    def key_end(row_last):  # one past the last key any row of the block sees
+        end = 0
+        for r in range(rows):
+            end = max(end, row_last[r] + 1)
+        return end
+
+    @cuda.jit(device=True)
+    def write_out(state, kvh, row_base, out):
+        warp = cuda.threadIdx.x // 32
+        g = cuda.threadIdx.x % 32 // 4
+        tq = cuda.threadIdx.x % 4
+        for h in range(2):
+            row = row_base + warp * ROWS_PER_WARP + g + 8 * h
+            t = row // group
+            if t < out.shape[0]:
+                l_row = state[m_off + 2 + h]
+                inv_l = np.float32(1.0) / l_row if l_row > 0 else np.float32(0.0)
+                col0 = (kvh * group + row % group) * head_dim
+                for n in range(head_dim // 8):
+                    for e in range(2):
+                        out[t, col0 + 8 * n + 2 * tq + e] = state[4 * n + 2 * h + e] * inv_l
+
+    return stage_q, key_end, write_out
+
+
 @functools.cache
-def _mma_attention_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, is_twin: bool, lto: bool):
+def _mma_attention_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, is_twin: bool, lto: bool,
+                          warps: int = WARPS_PER_BLOCK):
     dequant8 = dequant8_for(fmt)
     tile_step = _twin_tile_step(head_dim, kv_tile) if is_twin else _cpp_tile_step(head_dim, kv_tile)
+    stage_q, key_end, write_out = _block_rows(head_dim, group, warps)
     stride = head_dim + ROW_PAD_HALVES
+    rows = warps * ROWS_PER_WARP
+    threads = 32 * warps
     octets_per_row = head_dim // OCTET
-    q_size, kv_size = ROWS_PER_BLOCK * stride, kv_tile * stride
+    q_size, kv_size = rows * stride, kv_tile * stride
     # f16 shared arrays are only 2-byte aligned: every array a multiple of 16 bytes keeps each one on a
     # 16-byte boundary, as the C++ 32-bit fragment loads and ldmatrix need
-    scores_size = ROWS_PER_BLOCK * kv_tile if is_twin else 4
+    scores_size = rows * kv_tile if is_twin else 4
     num_state = state_size(head_dim)
     m_off = head_dim // 2
     jit_options = {"lto": True} if lto else {}  # the tile step's declaration links the C++ source
 
     @cuda.jit(device=True)
     def stage_kv(k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, kvh, key0, end, ks, vs, wl):
-        for idx in range(cuda.threadIdx.x, kv_tile * octets_per_row, THREADS_PER_BLOCK):
+        for idx in range(cuda.threadIdx.x, kv_tile * octets_per_row, threads):
             jj = idx // octets_per_row
             oc = idx % octets_per_row
             base = jj * stride + oc * OCTET
@@ -201,56 +267,95 @@ def _mma_attention_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, is_
 
     @cuda.jit(**jit_options)
     def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, q_scale, out):
-        tid = cuda.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
+        warp = cuda.threadIdx.x // 32
         kvh = cuda.blockIdx.y
-        num_tokens = q.shape[0]
-        row_base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * ROWS_PER_BLOCK  # the longest rows start first
-        qs = cuda.shared.array(q_size, np.float16)  # [64, stride]
+        row_base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * rows  # the longest rows start first
+        qs = cuda.shared.array(q_size, np.float16)  # [rows, stride]
         ks = cuda.shared.array(kv_size, np.float16)  # [kv_tile, stride]
         vs = cuda.shared.array(kv_size, np.float16)  # [kv_tile, stride]
-        row_last = cuda.shared.array(ROWS_PER_BLOCK, np.int32)
-        scores = cuda.shared.array(scores_size, np.float32)  # [64, kv_tile], twin only
+        row_last = cuda.shared.array(rows, np.int32)
+        scores = cuda.shared.array(scores_size, np.float32)  # [rows, kv_tile], twin only
         state = cuda.local.array(num_state, np.float32)
         wl = cuda.local.array(OCTET, np.float32)
-        for idx in range(tid, ROWS_PER_BLOCK * head_dim, THREADS_PER_BLOCK):
-            r = idx // head_dim
-            c = idx % head_dim
-            t = (row_base + r) // group
-            h = kvh * group + (row_base + r) % group
-            qs[r * stride + c] = np.float16(q[t, h * head_dim + c] * q_scale) if t < num_tokens else np.float16(0.0)
-        for r in range(tid, ROWS_PER_BLOCK, THREADS_PER_BLOCK):
-            t = (row_base + r) // group
-            row_last[r] = min(q_positions[t], kv_len - 1) if t < num_tokens else -1
+        stage_q(q, q_scale, kvh, row_base, q_positions, kv_len, qs, row_last)
         for i in range(m_off):
             state[i] = np.float32(0.0)
         for h in range(2):
             state[m_off + h] = NEG_INF
             state[m_off + 2 + h] = np.float32(0.0)
         cuda.syncthreads()
-        end = 0
-        for r in range(ROWS_PER_BLOCK):
-            end = max(end, row_last[r] + 1)
+        end = key_end(row_last)
         for key0 in range(0, end, kv_tile):
             cuda.syncthreads()  # every warp is done with the previous tile
             stage_kv(k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, kvh, key0, end, ks, vs, wl)
             cuda.syncthreads()
             tile_step(qs, ks, vs, row_last, scores, warp, key0, state)
-        g = lane // 4
-        tq = lane % 4
-        for h in range(2):
-            row = row_base + warp * ROWS_PER_WARP + g + 8 * h
-            t = row // group
-            if t < num_tokens:
-                l_row = state[m_off + 2 + h]
-                inv_l = np.float32(1.0) / l_row if l_row > 0 else np.float32(0.0)
-                col0 = (kvh * group + row % group) * head_dim
-                for n in range(head_dim // 8):
-                    for e in range(2):
-                        out[t, col0 + 8 * n + 2 * tq + e] = state[4 * n + 2 * h + e] * inv_l
+        write_out(state, kvh, row_base, out)
 
     return kernel
+
+
+def _fused_source(fmt: str, head_dim: int, kv_tile: int, warps: int, stages: int):
+    """attention_mma.cu with the one fused-loop instantiation a kernel calls, and that function's name."""
+    name = f"strata_attention_mma_fused_{fmt}_d{head_dim}_k{kv_tile}_w{warps}_s{stages}"
+    with open(tensor_core.source("attention_mma.cu"), "rb") as f:
+        text = f.read()
+    line = f"\nSTRATA_ATTENTION_FUSED({fmt}, {head_dim}, {kv_tile}, {warps}, {stages})\n".encode()
+    return cuda.CUSource(text + line, name=f"{name}.cu"), name
+
+
+@functools.cache
+def _fused_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, warps: int, stages: int, lto: bool):
+    """The kernel whose KV loop is one call into the C++ fused loop; GPU only."""
+    source, name = _fused_source(fmt, head_dim, kv_tile, warps, stages)
+    quant_ptr = tensor_core.HALF_PTR if fmt == "F16" else types.CPointer(types.uint32)
+    i32 = tensor_core.INT32
+    # smem, row_last, end, k_quants, k_scales, v_quants, v_scales, quant_pitch, scale_pitch, col0, state
+    argtypes = (tensor_core.HALF_PTR, INT_PTR, i32, quant_ptr, tensor_core.HALF_PTR, quant_ptr, tensor_core.HALF_PTR,
+                i32, i32, i32, tensor_core.FLOAT_PTR)
+    fused_loop = cuda.declare_device(name, types.void(*argtypes), link=[source], abi="c")
+    ffi = tensor_core.ffi()
+    stage_q, key_end, write_out = _block_rows(head_dim, group, warps)
+    stride = head_dim + ROW_PAD_HALVES
+    rows = warps * ROWS_PER_WARP
+    buf_size = stride * max(rows, 2 * stages * kv_tile)  # [rows, stride] Q, then [stages][2][kv_tile, stride] K/V
+    num_state = state_size(head_dim)
+    jit_options = {"lto": True} if lto else {}
+
+    @cuda.jit(**jit_options)
+    def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, q_scale, out):
+        kvh = cuda.blockIdx.y
+        row_base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * rows  # the longest rows start first
+        buf = cuda.shared.array(buf_size, np.float16, alignment=16)  # 16-byte copies and ldmatrix
+        row_last = cuda.shared.array(rows, np.int32)
+        state = cuda.local.array(num_state, np.float32)
+        stage_q(q, q_scale, kvh, row_base, q_positions, kv_len, buf, row_last)
+        cuda.syncthreads()
+        end = key_end(row_last)
+        fused_loop(ffi.from_buffer(buf), ffi.from_buffer(row_last), np.int32(end), ffi.from_buffer(k_quants),
+                   ffi.from_buffer(k_scales), ffi.from_buffer(v_quants), ffi.from_buffer(v_scales),
+                   np.int32(k_quants.shape[1]), np.int32(k_scales.shape[1]), np.int32(kvh * head_dim),
+                   ffi.from_buffer(state))
+        write_out(state, kvh, row_base, out)
+
+    return kernel
+
+
+def _check_config(config: MmaAttentionConfig, head_dim: int, is_twin: bool) -> int:
+    """The KV tile size the config asks for, validated against the shared memory limit."""
+    if config.warps not in BLOCK_WARPS:
+        raise ValueError(f"warps must be one of {BLOCK_WARPS}, got {config.warps}")
+    if config.stages not in FUSED_STAGES:
+        raise ValueError(f"stages must be one of {FUSED_STAGES}, got {config.stages}")
+    layout = (config.warps, bool(config.fused), config.stages)
+    kv_tile = config.kv_tile or default_kv_tile(head_dim, is_twin, *layout)
+    if kv_tile % tensor_core.MMA_K or (not is_twin and kv_tile not in KV_TILES):
+        raise ValueError(f"kv_tile must be one of {KV_TILES}, got {kv_tile}")
+    num_shared_bytes = shared_bytes(head_dim, kv_tile, is_twin, *layout)
+    if num_shared_bytes > _MAX_STATIC_SHARED_BYTES:
+        raise ValueError(f"kv_tile {kv_tile} needs {num_shared_bytes} bytes of shared memory per block (limit "
+                         f"{_MAX_STATIC_SHARED_BYTES})")
+    return kv_tile
 
 
 def attention_mma(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
@@ -262,9 +367,10 @@ def attention_mma(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, 
     q_positions: [T] int32, token t sees cache rows 0..q_positions[t]; kv_len as in attention.py.
     Inputs are rounded to f16 (Q after scaling, K, V, P); products accumulate in f32.
 
-    Launch config: grid (ceil(T * group / 64), num_kv_heads), 128 threads (4 warps of 16 rows);
-    static shared memory 2 * (head_dim + 8) * (64 + 2 * kv_tile) + 256 bytes (the twin adds
-    256 * kv_tile for its score rows), at most 48 KiB: kv_tile 48 at head_dim 128, 64 at 64.
+    Launch config: grid (ceil(T * group / rows), num_kv_heads), rows = 16 * config.warps (64 by
+    default), 32 * warps threads; static shared memory 2 * (head_dim + 8) * (rows + 2 * kv_tile) + 4 * rows
+    bytes (the twin adds 4 * rows * kv_tile for its score rows; fused: 2 * (head_dim + 8) * max(rows,
+    2 * stages * kv_tile) + 4 * rows), at most 48 KiB: by default kv_tile 48 at head_dim 128, 64 at 64.
     """
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         check_positive(name, value)
@@ -275,13 +381,7 @@ def attention_mma(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, 
     is_twin = not (tensor_core.is_available() if config.use_tensor_cores is None else config.use_tensor_cores)
     if not is_twin and head_dim not in CPP_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} has no tensor-core tile step; supported: {CPP_HEAD_DIMS}")
-    kv_tile = config.kv_tile or default_kv_tile(head_dim, is_twin)
-    if kv_tile % tensor_core.MMA_K or (not is_twin and kv_tile not in KV_TILES):
-        raise ValueError(f"kv_tile must be one of {KV_TILES}, got {kv_tile}")
-    num_shared_bytes = shared_bytes(head_dim, kv_tile, is_twin)
-    if num_shared_bytes > _MAX_STATIC_SHARED_BYTES:
-        raise ValueError(f"kv_tile {kv_tile} needs {num_shared_bytes} bytes of shared memory per block (limit "
-                         f"{_MAX_STATIC_SHARED_BYTES})")
+    kv_tile = _check_config(config, head_dim, is_twin)
     group = num_q_heads // num_kv_heads
     width = num_kv_heads * head_dim
     check_packed("k_cache", k_cache, num_cols=width, formats=KV_FORMATS)
@@ -301,9 +401,13 @@ def attention_mma(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, 
     if num_tokens == 0:
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    kernel = _mma_attention_kernel(k_cache.fmt, head_dim, group, kv_tile, is_twin, bool(config.lto) and not is_twin)
-    grid = (ceil_div(num_tokens * group, ROWS_PER_BLOCK), num_kv_heads)
-    kernel[grid, THREADS_PER_BLOCK](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants, v_cache.scales,
+    lto = bool(config.lto) and not is_twin
+    if config.fused and not is_twin:
+        kernel = _fused_kernel(k_cache.fmt, head_dim, group, kv_tile, config.warps, config.stages, lto)
+    else:
+        kernel = _mma_attention_kernel(k_cache.fmt, head_dim, group, kv_tile, is_twin, lto, config.warps)
+    grid = (ceil_div(num_tokens * group, config.warps * ROWS_PER_WARP), num_kv_heads)
+    kernel[grid, 32 * config.warps](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants, v_cache.scales,
                                     v_cache.extra, q_positions, kv_len, np.float32(scale * LOG2_E), out)
     return out
 
