@@ -3,7 +3,6 @@ import pytest
 
 from kernel_data import ALL_FORMATS, assert_dot_close, cols_around_blocks, dev, host, random_matrix
 from strata.gpu.kernels.gemv import GemvConfig, gemv
-from strata.gpu.kernels.packing import FORMATS
 from strata.model import reference_ops
 
 TINY = GemvConfig(threads=32, lanes_per_row=8, rows_per_group=2)  # 8 rows per block: 13 rows = 2 blocks
@@ -18,23 +17,6 @@ def test_gemv_matches_dequantized_matmul_around_block_boundaries(fmt):
         x = np.random.default_rng(30 + i).standard_normal(num_cols).astype(np.float32)
         y = host(gemv(w, dev(x), config=TINY))
         assert_dot_close(y, values.astype(np.float64) @ x, np.abs(values) @ np.abs(x))
-
-
-BLOCK_SPLIT = GemvConfig(threads=16, lanes_per_row=16, rows_per_group=3)  # whole block on 3 rows: 13 rows = 5 blocks
-
-
-@pytest.mark.parametrize("fmt", ALL_FORMATS)
-def test_gemv_block_wide_lane_group_over_partial_row_blocks(fmt):
-    # K one block above a multiple: lanes with one more unit than others, and lanes with none
-    elems = 32 if fmt in ("F16", "F32") else FORMATS[fmt].block_elems
-    for i, num_cols in enumerate((elems, elems * 3)):
-        w, values = random_matrix(fmt, NUM_ROWS, num_cols, seed=40 + i)
-        rng = np.random.default_rng(50 + i)
-        x = rng.standard_normal(num_cols).astype(np.float32)
-        norm_weight = rng.uniform(0.5, 1.5, num_cols).astype(np.float32)
-        y = host(gemv(w, dev(x), norm_weight=dev(norm_weight), config=BLOCK_SPLIT))
-        x_normed = reference_ops.rms_norm(x, norm_weight, 1e-6).astype(np.float64)
-        assert_dot_close(y, values @ x_normed, np.abs(values) @ np.abs(x_normed))
 
 
 def test_gemv_fuses_rms_norm_and_accumulates_into_the_residual():

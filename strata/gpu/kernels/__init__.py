@@ -2,7 +2,7 @@
 
     packing        GGUF blocks split into aligned planes (the layout every kernel reads)
     quant_device   octet dequantizers: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16, F32
-    quant_dot      unit dot products over x staged pre-scaled in shared memory (the GEMVs' inner loop)
+    quant_dot      octet dot products with the block scale factored out (the GEMVs' inner loop)
     gemv           decode matrix-vector, optional fused RMSNorm and residual add
     gemv_multi     two or three GEMVs sharing x (q, k, v) in one launch
     gemm           prefill matrix-matrix, dequantization fused into shared-memory tiles

@@ -2,8 +2,8 @@
 
 The matrices may differ in format and row count (a Q4_K_M model stores attn_v as Q6_K and
 attn_q/attn_k as Q4_K); blocks [0, b_a) take W_a's rows, the next b_b blocks W_b's, the rest
-W_c's, each block working exactly as gemv.py's (it stages x in its own matrix's layout). Decode
-saves two launches per layer, and the fused RMSNorm of x is computed once per block as there.
+W_c's, each block working exactly as gemv.py's. Decode saves two launches per layer, and the
+fused RMSNorm of x is computed once per block as there.
 """
 
 from __future__ import annotations
@@ -11,45 +11,43 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, types
+from numba import cuda
 
-from ._common import ceil_div, check_array, empty, is_finite_number, stand_in
-from .gemv import GemvConfig, lane_sum_device, rows_dot_device, stage_device, staged_bytes
+from ._common import OCTET, ceil_div, check_array, empty, is_finite_number, stand_in
+from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
 from .packing import check_packed
-from .quant_dot import num_units
 
 
 @functools.cache
 def _gemv3_kernel(fmts: tuple, config: GemvConfig, has_norm: bool):
     threads, lanes, num_rows = config.threads, config.lanes_per_row, config.rows_per_group
     rows_per_block, red_size = config.rows_per_block, threads * num_rows
-    dot_a, dot_b, dot_c = (rows_dot_device(f, lanes, num_rows) for f in fmts)
-    stage_a, stage_b, stage_c = (stage_device(f, threads, has_norm) for f in fmts)
+    dot_a, dot_b, dot_c = (rows_dot_device(f, lanes, num_rows, has_norm) for f in fmts)
     lane_sum = lane_sum_device(lanes, num_rows)
 
     @cuda.jit
-    def gemv3_kernel(qa, sa, ea, qb, sb, eb, qc, sc, ec, x, norm_w, eps, units, blocks_a, blocks_b, ya, yb, yc):
+    def gemv3_kernel(qa, sa, ea, qb, sb, eb, qc, sc, ec, x, norm_w, eps, blocks_a, blocks_b, ya, yb, yc):
         tid = cuda.threadIdx.x
         lane, group = tid % lanes, tid // lanes
-        xs = cuda.shared.array(0, types.float32)
         red = cuda.shared.array(red_size, np.float32)
+        inv_rms = np.float32(1.0)
+        if has_norm:
+            inv_rms = device_inv_rms(x, 0, eps, red, tid, threads)
+            cuda.syncthreads()
         acc = cuda.local.array(num_rows, np.float32)
         for r in range(num_rows):
             acc[r] = np.float32(0.0)
+        num_octets = x.shape[1] // OCTET
         block = cuda.blockIdx.x
         segment = 0 if block < blocks_a else (1 if block < blocks_a + blocks_b else 2)
         first = 0 if segment == 0 else (blocks_a if segment == 1 else blocks_a + blocks_b)
         row0 = (block - first) * rows_per_block + group * num_rows
-        u = units[segment]
         if segment == 0:
-            stage_a(x, 0, norm_w, eps, xs, 0, u, red, tid)
-            dot_a(qa, sa, ea, row0, ya.shape[0], xs, 0, u, lane, acc)
+            dot_a(qa, sa, ea, row0, ya.shape[0], x, 0, norm_w, inv_rms, num_octets, lane, acc)
         elif segment == 1:
-            stage_b(x, 0, norm_w, eps, xs, 0, u, red, tid)
-            dot_b(qb, sb, eb, row0, yb.shape[0], xs, 0, u, lane, acc)
+            dot_b(qb, sb, eb, row0, yb.shape[0], x, 0, norm_w, inv_rms, num_octets, lane, acc)
         else:
-            stage_c(x, 0, norm_w, eps, xs, 0, u, red, tid)
-            dot_c(qc, sc, ec, row0, yc.shape[0], xs, 0, u, lane, acc)
+            dot_c(qc, sc, ec, row0, yc.shape[0], x, 0, norm_w, inv_rms, num_octets, lane, acc)
         total = lane_sum(acc, red, group, lane)
         row = row0 + lane
         if lane < num_rows:
@@ -69,8 +67,7 @@ def gemv_multi(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: G
     ws: sequence of PackedMatrix [N_i, K]; x: [K] float32/float16; norm_weight: [K] float32 or
     None; ys: sequence of [N_i] float32 (allocated when None). Returns ys as a tuple.
 
-    Launch config: gemv's block; grid sum_i ceil(N_i / rows_per_block), blocks in matrix order;
-    dynamic shared memory the largest of the matrices' staged x.
+    Launch config: gemv's block; grid sum_i ceil(N_i / rows_per_block), blocks in matrix order.
     """
     ws = tuple(ws)
     if len(ws) not in (2, 3):
@@ -93,13 +90,10 @@ def gemv_multi(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: G
     w_c, y_c = (ws[2], ys[2]) if len(ws) == 3 else (ws[1], stand_in(ys[1], np.float32, 1))
     blocks = [ceil_div(w.num_rows, config.rows_per_block) for w in ws]
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    fmts = (ws[0].fmt, ws[1].fmt, w_c.fmt)
-    kernel = _gemv3_kernel(fmts, config, has_norm)
-    smem = max(staged_bytes((f,), num_cols) for f in fmts)
-    units = tuple(num_units(f, num_cols) for f in fmts)
+    kernel = _gemv3_kernel((ws[0].fmt, ws[1].fmt, w_c.fmt), config, has_norm)
     if sum(blocks):
-        kernel[sum(blocks), config.threads, 0, smem](
+        kernel[sum(blocks), config.threads](
             ws[0].quants, ws[0].scales, ws[0].extra, ws[1].quants, ws[1].scales, ws[1].extra,
-            w_c.quants, w_c.scales, w_c.extra, x.reshape(1, num_cols), norm_w, np.float32(eps), units,
+            w_c.quants, w_c.scales, w_c.extra, x.reshape(1, num_cols), norm_w, np.float32(eps),
             blocks[0], blocks[1], ys[0], ys[1], y_c)
     return ys

@@ -22,15 +22,14 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, types
+from numba import cuda
 
-from ._common import ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
+from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .activation import device_silu_mul
 from .gemm import BLOCK_K, acc_coords_device, default_config, dual_mainloop_device, mainloop_device
-from .gemv import GemvConfig, lane_sum_device, rows_dot_device, stage_device, staged_bytes
+from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
 from .moe_route import MoeGroups
 from .packing import PackedMatrix, check_packed
-from .quant_dot import num_units, staged_floats
 
 
 @functools.cache
@@ -150,39 +149,36 @@ def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatr
 def _decode_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemvConfig, has_norm: bool):
     threads, lanes, num_rows = config.threads, config.lanes_per_row, config.rows_per_group
     rows_per_block, red_size = config.rows_per_block, threads * num_rows
-    gate_dot = rows_dot_device(fmt_gate, lanes, num_rows)
-    up_dot = rows_dot_device(fmt_up, lanes, num_rows)
-    down_dot = rows_dot_device(fmt_down, lanes, num_rows)
-    stage_gate = stage_device(fmt_gate, threads, has_norm)
-    stage_up = stage_device(fmt_up, threads, has_norm)
-    stage_down = stage_device(fmt_down, threads, False)
-    shared_stage = fmt_gate == fmt_up
+    gate_dot = rows_dot_device(fmt_gate, lanes, num_rows, has_norm)
+    up_dot = rows_dot_device(fmt_up, lanes, num_rows, has_norm)
+    down_dot = rows_dot_device(fmt_down, lanes, num_rows, False)
     lane_sum = lane_sum_device(lanes, num_rows)
 
     @cuda.jit
-    def gate_up_kernel(x, norm_w, eps, units_g, units_u, up_base, ids, gq, gs, ge, uq, us, ue, hidden):  # hidden [T * k, F]
+    def gate_up_kernel(x, norm_w, eps, ids, gq, gs, ge, uq, us, ue, hidden):  # hidden [T * k, F]
         tid = cuda.threadIdx.x
         lane, group = tid % lanes, tid // lanes
         pair = cuda.blockIdx.y
         token = pair // ids.shape[1]
         ffn = hidden.shape[1]
         expert = ids[token, pair % ids.shape[1]]
-        xs = cuda.shared.array(0, types.float32)
         red = cuda.shared.array(red_size, np.float32)
-        stage_gate(x, token, norm_w, eps, xs, 0, units_g, red, tid)
-        if not shared_stage:
-            stage_up(x, token, norm_w, eps, xs, up_base, units_u, red, tid)
+        inv_rms = np.float32(1.0)
+        if has_norm:
+            inv_rms = device_inv_rms(x, token, eps, red, tid, threads)
+            cuda.syncthreads()
         n0 = cuda.blockIdx.x * rows_per_block + group * num_rows
         acc_g = cuda.local.array(num_rows, np.float32)
         acc_u = cuda.local.array(num_rows, np.float32)
         for r in range(num_rows):
             acc_g[r] = np.float32(0.0)
             acc_u[r] = np.float32(0.0)
+        num_octets = x.shape[1] // OCTET
         row0, row_end = expert * ffn + n0, expert * ffn + ffn
         if expert < 0 or expert >= gq.shape[0] // ffn:  # no such expert (NaN logits): contribute nothing
             row0, row_end = 0, 0
-        gate_dot(gq, gs, ge, row0, row_end, xs, 0, units_g, lane, acc_g)
-        up_dot(uq, us, ue, row0, row_end, xs, up_base, units_u, lane, acc_u)
+        gate_dot(gq, gs, ge, row0, row_end, x, token, norm_w, inv_rms, num_octets, lane, acc_g)
+        up_dot(uq, us, ue, row0, row_end, x, token, norm_w, inv_rms, num_octets, lane, acc_u)
         g = lane_sum(acc_g, red, group, lane)
         cuda.syncthreads()
         u = lane_sum(acc_u, red, group, lane)
@@ -190,28 +186,27 @@ def _decode_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemvConfi
             hidden[pair, n0 + lane] = device_silu_mul(g, u)
 
     @cuda.jit
-    def down_kernel(hidden, units, ids, weights, dq, ds, de, out):  # out [T, H] +=
+    def down_kernel(hidden, ids, weights, dq, ds, de, out):  # out [T, H] +=
         tid = cuda.threadIdx.x
         lane, group = tid % lanes, tid // lanes
         token = cuda.blockIdx.y
         top_k = ids.shape[1]
         dim = out.shape[1]
-        xs = cuda.shared.array(0, types.float32)
         red = cuda.shared.array(red_size, np.float32)
         n0 = cuda.blockIdx.x * rows_per_block + group * num_rows
         acc = cuda.local.array(num_rows, np.float32)
         part = cuda.local.array(num_rows, np.float32)
         for r in range(num_rows):
             acc[r] = np.float32(0.0)
+        num_octets = hidden.shape[1] // OCTET
         for j in range(top_k):
             expert = ids[token, j]
             if expert < 0 or expert >= dq.shape[0] // dim:
                 continue
             for r in range(num_rows):
                 part[r] = np.float32(0.0)
-            cuda.syncthreads()  # the previous expert's reads of xs are done
-            stage_down(hidden, token * top_k + j, hidden[0], np.float32(0.0), xs, 0, units, red, tid)
-            down_dot(dq, ds, de, expert * dim + n0, expert * dim + dim, xs, 0, units, lane, part)
+            down_dot(dq, ds, de, expert * dim + n0, expert * dim + dim, hidden, token * top_k + j, hidden[0],
+                     np.float32(1.0), num_octets, lane, part)
             for r in range(num_rows):
                 acc[r] += weights[token, j] * part[r]
         total = lane_sum(acc, red, group, lane)
@@ -229,8 +224,7 @@ def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, do
     contributes nothing); hidden: optional [T * k, F] float32 scratch.
 
     Launch config: two launches with gemv's block (config.threads threads): gate_up grid
-    (ceil(F / rows_per_block), T * k), down grid (ceil(H / rows_per_block), T); dynamic shared
-    memory the staged x (gate_up: x[t], once per distinct format; down: one hidden row at a time).
+    (ceil(F / rows_per_block), T * k), down grid (ceil(H / rows_per_block), T).
     """
     config = config.validate()
     check_array("x", x, dtypes=np.float32, ndim=2)
@@ -252,13 +246,8 @@ def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, do
         return out
     gate_up_kernel, down_kernel = _decode_kernels(gate.fmt, up.fmt, down.fmt, config, has_norm)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    stage_fmts = (gate.fmt,) if gate.fmt == up.fmt else (gate.fmt, up.fmt)
-    up_base = 0 if gate.fmt == up.fmt else staged_floats(gate.fmt, dim)
-    gate_up_kernel[(ceil_div(ffn, config.rows_per_block), num_tokens * top_k), config.threads, 0,
-                   staged_bytes(stage_fmts, dim)](
-        x, norm_w, np.float32(eps), num_units(gate.fmt, dim), num_units(up.fmt, dim), up_base, ids,
-        gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, hidden)
-    down_kernel[(ceil_div(dim, config.rows_per_block), num_tokens), config.threads, 0,
-                staged_bytes((down.fmt,), ffn)](
-        hidden, num_units(down.fmt, ffn), ids, weights, down.quants, down.scales, down.extra, out)
+    gate_up_kernel[(ceil_div(ffn, config.rows_per_block), num_tokens * top_k), config.threads](
+        x, norm_w, np.float32(eps), ids, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, hidden)
+    down_kernel[(ceil_div(dim, config.rows_per_block), num_tokens), config.threads](
+        hidden, ids, weights, down.quants, down.scales, down.extra, out)
     return out
