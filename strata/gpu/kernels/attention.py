@@ -28,7 +28,7 @@ from . import tensor_core
 from ._common import (
     IS_SIMULATOR, OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty, is_device_array, stand_in,
 )
-from .attention_mma import attention_mma, is_supported
+from .attention_mma import SERVING_CONFIG, attention_mma, is_supported
 from .block_reduce import NEG_INF
 from .kvcache import KV_FORMATS
 from .packing import PackedMatrix, check_packed
@@ -252,7 +252,8 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
         return out
     if uses_tensor_cores(num_tokens, num_splits, head_dim, k_cache.fmt):
         return attention_mma(q, k_cache, v_cache, q_positions, out, num_q_heads=num_q_heads,
-                             num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=kv_len, scale=scale)
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=kv_len, scale=scale,
+                             config=SERVING_CONFIG)
     split_len = ceil_div(ceil_div(max(kv_len, 1), num_splits), bkv) * bkv
     is_split = num_splits > 1
     if is_split:
