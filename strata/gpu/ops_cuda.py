@@ -282,7 +282,7 @@ class CudaOps:
 
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``."""
-        from strata.gpu.kernels.gemm import GemmConfig
+        from strata.gpu.kernels.gemm import default_config
         from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
@@ -298,7 +298,7 @@ class CudaOps:
                 return
             # group by expert id (few: the grouping keeps a counter per expert in shared memory),
             # then point each tile at its expert's slot
-            config = GemmConfig()
+            config = default_config()  # tensor cores on the GPU, FFMA tiles in the simulator
             groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], config.block_m)
             tiles = groups.tile_expert.shape[0]
             _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)
