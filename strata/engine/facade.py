@@ -117,9 +117,13 @@ class Engine:
                 self.ops.synchronize()
             finally:
                 self.workspace.free()
-            token = int(np.argmax(output_logits(self, hidden)))
+            # a startup loan may hold the native head back until the first request's decode
+            head = self.resources.get("output_head")
+            is_head_resident = head is None or head.is_resident
+            token = int(np.argmax(output_logits(self, hidden))) if is_head_resident else int(tokens[0])
             hidden = self.runner.forward(np.array([token]), num_tokens, None, stats)
-            output_logits(self, hidden)
+            if is_head_resident:
+                output_logits(self, hidden)
             self.ops.synchronize()
             del hidden
         finally:

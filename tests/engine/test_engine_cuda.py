@@ -25,10 +25,15 @@ def tiny_path(tmp_path_factory):
                                  seed=3, with_mtp=True)
 
 
-def test_greedy_output_on_the_kernels_equals_the_reference(tiny_path):
-    # warm-up off: the simulator runs it slowly, and the warm-up test below covers it
+def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference(tiny_path):
+    # one test for both: the simulator runs each whole request slowly
     engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB",
-                                                            "warmup": BACKEND == "cuda"}), show_progress=False)
+                                                            "warmup": False}), show_progress=False)
+    before = dict(engine.ledger.snapshot().by_owner)
+    assert engine.warm_up() > 0
+    assert dict(engine.ledger.snapshot().by_owner) == before
+    assert engine.kv_tokens == [] and engine.cache.num_cached == 0 and engine.cache.num_evictions == 0
+    assert engine.cache.borrowable_bytes() > 0 and engine.workspace.geometry is None
     tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
     assert tokens == reference_greedy(tiny_path, PROMPT, NUM_GENERATED)
     assert stats.streamed_bytes > 0
@@ -50,14 +55,3 @@ def test_loan_on_the_gpu_restores_everything_and_keeps_the_output(tiny_path, kv_
         assert a == b
     assert a_stats.loan.is_taken and all(r.is_resident for r in with_loan.resources.values())
 
-
-def test_warm_up_leaves_the_engine_and_the_ledger_as_they_were(tiny_path):
-    engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB",
-                                                            "warmup": False}), show_progress=False)
-    before = dict(engine.ledger.snapshot().by_owner)
-    assert engine.warm_up() > 0
-    assert dict(engine.ledger.snapshot().by_owner) == before
-    assert engine.kv_tokens == [] and engine.cache.num_cached == 0 and engine.cache.num_evictions == 0
-    assert engine.cache.borrowable_bytes() > 0 and engine.workspace.geometry is None
-    tokens, _ = greedy(engine, PROMPT, NUM_GENERATED)
-    assert tokens == reference_greedy(tiny_path, PROMPT, NUM_GENERATED)
