@@ -15,7 +15,7 @@ import gc
 import logging
 import sys
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -211,7 +211,7 @@ def _expert_pack(config: Config, model: GgufModel, ops, layout, show_progress: b
         from tqdm import tqdm
 
         bar = tqdm(total=model.spec.num_layers, desc="packing experts", unit="layer", file=sys.stderr)
-        progress = lambda done: bar.update(done - bar.n)  # noqa: E731
+        progress = lambda done: bar.update(done - bar.n)
     try:
         return ExpertPack.from_gguf(model, layout, ops.host_buffer, ops.encode_experts, progress)
     finally:

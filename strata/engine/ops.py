@@ -12,7 +12,8 @@ Shapes: T tokens, D hidden size, Hq/Hk query/KV heads of E dims, N experts, k ex
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from gguf import GGMLQuantizationType as QType

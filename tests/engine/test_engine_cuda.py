@@ -5,12 +5,11 @@ import numpy as np
 import pytest
 from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy
 from gguf import GGMLQuantizationType as QType
+from numba import config as numba_config
 
 from strata.engine.facade import Engine
 from strata.engine.ops import _has_cuda_device
 from strata.model.synth import PRESETS, write_synthetic_model
-
-from numba import config as numba_config
 
 BACKEND = "cuda" if _has_cuda_device() else "cudasim"
 pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,

@@ -5,8 +5,8 @@ import ctypes
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
-
 from numba import config as numba_config
+
 from strata.engine.ops import ExpertLayout
 from strata.gpu import expert_arena
 from strata.gpu.expert_arena import HostRange, PlaneArena
@@ -25,7 +25,6 @@ class AddressedRange(HostRange):
 
 
 def _layout() -> ExpertLayout:
-    from strata.gpu.ops_cuda import packed_expert_layout  # noqa: F401  (the kernels' plane layout)
     from strata.gpu.kernels.packing import plane_shapes
 
     shapes = ((64, 128), (64, 128), (128, 64))
