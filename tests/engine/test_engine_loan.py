@@ -36,6 +36,16 @@ def test_startup_loan_defers_decode_resources_and_the_first_request_restores_the
     assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
 
 
+def test_warm_up_runs_while_a_startup_loan_holds_the_head_back(mtp_path):
+    engine = loan_engine(mtp_path)
+    assert not engine.resources["output_head"].is_resident
+    before = dict(engine.ledger.snapshot().by_owner)
+    assert engine.warm_up() > 0
+    assert dict(engine.ledger.snapshot().by_owner) == before and engine.kv_tokens == []
+    tokens, _ = greedy(engine, PROMPTS[1], 4)
+    assert tokens == greedy(loan_engine(mtp_path, is_loan=False), PROMPTS[1], 4)[0]
+
+
 def test_output_with_the_loan_equals_output_without_at_equal_geometry(mtp_path):
     with_loan, without = loan_engine(mtp_path), loan_engine(mtp_path, is_loan=False)
     expected = reference_greedy(mtp_path, PROMPTS[0], 6)
