@@ -39,5 +39,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     print(f"plan without the loan (chunk / ring): {without}")
     if config.loan.enabled:
         print(f"plan with the loan (chunk / ring): {engine.loan.startup_geometry}")
-    print("planner: " + engine.planner.explain(engine.loan.budget(), engine.loan.startup_geometry))
+    cached = engine.cache.num_cached if engine.cache else 0
+    print("planner: " + engine.planner.explain(engine.loan.budget(), engine.loan.startup_geometry,
+                                               unread_tokens=engine.context_tokens - 1, cached_slots=cached))
     return 0

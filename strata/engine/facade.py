@@ -31,6 +31,7 @@ from strata.engine.ops import make_ops, select_backend
 from strata.engine.ops_numpy import DryRunOps
 from strata.engine.placement import Placement, plan_placement
 from strata.engine.planner import Planner
+from strata.engine.prefill_cost import PrefillCostModel
 from strata.engine.resources import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
 from strata.engine.runner import DeviceWeights, ModelRunner, StreamStats
 from strata.engine.runtime_state import RuntimeState
@@ -77,7 +78,11 @@ class Engine:
                             base_bytes=placement.cache_base_bytes) if layout else None
         if cache:
             cache.min_cache_slots = _min_cache_slots(config, cache.num_slots, spec)
-        planner = Planner(placement.costs, config.planner, placement.kv_cells)
+        cost_model = PrefillCostModel.from_spec(
+            spec, layout.slot_bytes, pcie_bytes_per_s=config.planner.pcie_bytes_per_s,
+            compute_flops_per_s=config.planner.compute_flops_per_s,
+            chunk_overhead_s=config.planner.chunk_overhead_s) if layout else None
+        planner = Planner(placement.costs, config.planner, placement.kv_cells, cost_model)
         workspace = PromptWorkspace(ops, cache, placement.costs)
         state = RuntimeState()
         loan = LoanTransaction(config=config, plugins=plugins, ledger=ledger, resources=resources, cache=cache,

@@ -110,7 +110,8 @@ class LoanTransaction:
                 for name in self._release_names(ctx, already=released):
                     self.resources[name].release()
                     released.append(name)
-                allowance = self.planner.growth_allowance(self.ledger.free_bytes, unread_tokens)
+                cached = self.cache.num_cached if self.cache else 0
+                allowance = self.planner.growth_allowance(self.ledger.free_bytes, unread_tokens, cached)
                 grown = self.cache.grow(allowance) if self.cache else 0
                 report = dataclasses.replace(report, released=tuple(released), grown_bytes=grown,
                                              released_bytes=sum(self.resources[n].num_bytes for n in released))

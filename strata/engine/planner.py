@@ -109,7 +109,7 @@ class Planner:
             room = free_bytes - costs.fixed_bytes - chunk * costs.bytes_per_chunk_token
             if room < 0:
                 continue
-            grown = room // max(1, costs.bytes_per_ring_slot)
+            grown = room // max(1, costs.bytes_per_ring_slot) if model.is_growth_cached else 0
             seconds = model.cost(unread_tokens, chunk, cached_slots + grown).total_seconds
             if best_s is None or seconds < best_s * (1 - _TIE_SHARE):
                 best_chunk, best_s = chunk, seconds

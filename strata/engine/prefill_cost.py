@@ -12,6 +12,11 @@ A chunk of a few hundred tokens routed top-k touches nearly every expert of a la
 streams every uncached expert whatever its size: bigger chunks divide those bytes over more
 tokens, and a bigger cache shrinks them. The rates are measured figures (configurable): on the
 reference H200 pinned host-to-device copies run at 55 GB/s.
+
+Cache growth counts as cached experts only where prefill fills the grown slots
+(``is_growth_cached``). The engine's prefill streams through the ring without inserting
+(expert_cache.py's policy), so for it a grown slot does not shrink later chunks' copies and the
+fastest split is the biggest chunk that fits.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class PrefillCostModel:
     compute_flops_per_s: float
     chunk_overhead_s: float
     is_overlapped: bool = True
+    is_growth_cached: bool = False  # grown cache slots hold experts streamed by earlier chunks
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, slot_bytes: int, *, pcie_bytes_per_s: float, compute_flops_per_s: float,

@@ -46,6 +46,10 @@ class ElasticCache(Protocol):
     @property
     def base_bytes(self) -> int: ...
 
+    @property
+    def num_cached(self) -> int:
+        """Experts resident in the cache now."""
+
     def borrowable_bytes(self) -> int:
         """Cache storage the prompt workspace may borrow during prefill."""
 

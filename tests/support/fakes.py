@@ -74,6 +74,10 @@ class FakeCache:
     def mapped_bytes(self) -> int:
         return len(self._segments) * self.segment_bytes
 
+    @property
+    def num_cached(self) -> int:
+        return 0  # the fake holds no experts
+
     def borrowable_bytes(self) -> int:
         return max(0, self.mapped_bytes - self.reserved_bytes - self.lent_bytes)
 

@@ -52,7 +52,7 @@ def test_cost_model_counts_chunks_copies_and_causal_attention():
 def test_copy_bound_prefill_gives_free_memory_to_the_cache():
     # slow PCIe and fast compute: every chunk is a full stream of the uncached experts, so fewer
     # chunks win, unless a smaller chunk leaves enough memory to cache many more experts
-    slow_copies = _model(pcie_bytes_per_s=2e9, compute_flops_per_s=1e15)
+    slow_copies = _model(pcie_bytes_per_s=2e9, compute_flops_per_s=1e15, is_growth_cached=True)
     planner = Planner(COSTS, PlannerConfig(), cost_model=slow_copies)
     free = 8192 * MIB
     chunk = planner.fastest_chunk(free, unread_tokens=32768, cached_slots=0, max_chunk=16384)
@@ -79,3 +79,8 @@ def test_explain_prints_memory_and_predicted_times():
     text = planner.explain(budget, geometry, unread_tokens=8192, cached_slots=1000)
     assert "chunk 4,096" in text and "2 chunk(s)" in text and "GB/s" in text and "predicted" in text
     assert "predicted" not in planner.explain(budget, geometry)
+
+
+def test_growth_that_prefill_does_not_fill_never_beats_the_bigger_chunk():
+    planner = Planner(COSTS, PlannerConfig(), cost_model=_model(pcie_bytes_per_s=2e9, compute_flops_per_s=1e15))
+    assert planner.fastest_chunk(8192 * MIB, unread_tokens=32768, cached_slots=0, max_chunk=16384) == 16384
