@@ -14,3 +14,15 @@ def test_kernel_benchmark_runs_at_toy_sizes(capsys):
     launches = next(r for r in rows if r.name == "launches per decode token")
     assert launches.figure == bench.DECODE_LAUNCHES_PER_LAYER * bench.TINY.num_layers + bench.DECODE_LAUNCHES_OUTSIDE
     assert table.count("\n| ") == len(rows) + 2  # header, rule, one line per row
+
+
+def test_variant_sweeps_refuse_without_tensor_cores():
+    import pytest
+
+    from strata.bench import variants
+    from strata.gpu.kernels import tensor_core
+
+    if tensor_core.is_available():
+        pytest.skip("a GPU with tensor cores runs the sweeps for real")
+    with pytest.raises(SystemExit, match="need a GPU with tensor cores"):
+        variants.main([])

@@ -5,10 +5,13 @@
     quant_dot      octet dot products with the block scale factored out (the GEMVs' inner loop)
     gemv           decode matrix-vector, optional fused RMSNorm and residual add
     gemv_multi     two or three GEMVs sharing x (q, k, v) in one launch
-    gemm           prefill matrix-matrix, dequantization fused into shared-memory tiles
+    gemm           prefill matrix-matrix, dequantization fused into shared-memory tiles (FFMA tiles)
+    gemm_mma       the same products on tensor cores: f16 tiles, mma.m16n8k16 fragments
+    tensor_core    linked CUDA C++ device functions (cuda/*.cu) called from Numba kernels
     norm, rope     RMSNorm; per-head q/k norm fused with RoPE (NeoX and normal)
     kvcache        K/V append in F16, Q8_0, Q4_0
     attention      causal GQA over the cache, prefill and split-KV decode
+    attention_mma  prefill attention on tensor cores (flash-attention 2, fused C++ KV loop)
     moe_route      softmax top-k routing, grouping of routed pairs by expert
     moe            expert products, prefill (tiled, gathered) and decode (GEMV-shaped)
     activation     SwiGLU
@@ -17,5 +20,7 @@
     block_reduce   shared-memory block reductions (the simulator has no warp shuffles)
 
 Every host wrapper validates its inputs, picks the grid and documents its launch config; kernels
-compile once per format and configuration. The same code runs under NUMBA_ENABLE_CUDASIM=1.
+compile once per format and configuration. The same code runs under NUMBA_ENABLE_CUDASIM=1; the
+tensor-core paths run their pure-Numba twins there (same fragment layout, same roundings), and the
+GPU tests compare the linked C++ against the twins and the NumPy reference.
 """

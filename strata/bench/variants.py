@@ -1,0 +1,109 @@
+"""Tensor-core kernel variants on the GPU: ``python -m strata.bench.variants``.
+
+The sweeps behind the defaults of ``gemm.default_config()`` and ``attention.py``'s
+``SERVING_CONFIG`` (docs/PERFORMANCE.md): every MmaConfig main-loop variant on the MoE prefill
+products (2,048 and 8,192 routed tokens, Q4_0) and a dense 4096 x 4096 x 2048 GEMM, and every
+MmaAttentionConfig on causal prefill at 4k and 32k per KV format. Each line also reports the
+largest difference from the first configuration's output, so a fast but wrong variant shows.
+Needs a GPU with tensor cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+GEMM_TILES = {"128x128": {}, "128x64": {"block_m": 128, "block_n": 64, "warps_m": 4, "warps_n": 2},
+              "64x64": {"block_m": 64, "block_n": 64, "warps_m": 2, "warps_n": 2}}
+FAST = {"prefetch_w": True, "ldmatrix": True, "vector_stores": True}
+GEMM_VARIANTS = {
+    "128x128 plain": {}, "128x128 prefetch_w": {"prefetch_w": True}, "128x128 ldmatrix": {"ldmatrix": True},
+    "128x128 vector_stores": {"vector_stores": True}, "128x128 fast (default)": FAST,
+    "128x64 plain": GEMM_TILES["128x64"], "128x64 fast step_k 64": {**GEMM_TILES["128x64"], **FAST, "step_k": 64},
+    "128x64 fast stages 2": {**GEMM_TILES["128x64"], **FAST, "stages": 2},
+    "64x64 fast stages 2": {**GEMM_TILES["64x64"], **FAST, "stages": 2},
+}
+
+
+def _attempt(fn) -> str:
+    try:
+        return fn()
+    except Exception as exc:  # a variant that does not fit its shared memory says so and the sweep goes on
+        return f"FAILED {type(exc).__name__}: {str(exc)[:100]}"
+
+
+def gemm_sweep(timing) -> None:
+    from strata.bench import kernels as b
+    from strata.gpu.kernels.gemm import MmaConfig, gemm
+
+    s, rng = b.QWEN3_30B, np.random.default_rng(0)
+    experts = b.make_experts(s, "Q4_0", rng)
+    w, x = b.random_packed("Q4_0", 4096, s.hidden, rng), b.device_randn((4096, s.hidden), rng)
+    y_first = None
+    for name, fields in GEMM_VARIANTS.items():
+        config = MmaConfig(**fields).validate()
+        moe = [_attempt(lambda n=n, c=config: f"{b.bench_moe_prefill(s, experts, n, c, timing)[0].figure:6.1f}")
+               for n in (2048, 8192)]
+        ms = b.median_ms(lambda c=config: gemm(x, w, config=c), *timing)
+        y = gemm(x, w, config=config).copy_to_host()
+        y_first = y if y_first is None else y_first
+        diff = np.max(np.abs(y - y_first)) / np.max(np.abs(y_first))
+        print(f"{name:26s} MoE 2,048 {moe[0]}  8,192 {moe[1]}  dense {2 * 4096 * 4096 * s.hidden / ms / 1e9:6.1f} "
+              f"TFLOP/s  max rel diff {diff:.1e}", flush=True)
+
+
+def attention_sweep(timing) -> None:
+    from numba import cuda
+
+    from strata.bench import kernels as b
+    from strata.gpu.kernels.attention_mma import MmaAttentionConfig as Config
+    from strata.gpu.kernels.attention_mma import attention_mma
+
+    s = b.QWEN3_30B
+    configs = (Config(), Config(kv_tile=32), Config(warps=8), Config(fused=True), Config(fused=True, stages=1),
+               Config(fused=True, warps=8), Config(fused=True, lto=True))
+    for fmt in ("F16", "Q8_0", "Q4_0"):
+        for context in s.prefill_contexts:
+            rng = np.random.default_rng(3)
+            k_cache, v_cache = b._filled_cache(s, fmt, context, rng)
+            q = b.device_randn((context, s.num_q_heads * s.head_dim), rng)
+            out = cuda.device_array(q.shape, np.float32)
+            positions = cuda.to_device(np.arange(context, dtype=np.int32))
+            flops = 4.0 * s.head_dim * s.num_q_heads * context * (context + 1) / 2
+            first = None
+            for config in configs:
+                def run(config=config):
+                    return attention_mma(q, k_cache, v_cache, positions, out, num_q_heads=s.num_q_heads,
+                                         num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_len=context,
+                                         config=config)
+
+                def line(run=run):
+                    ms = b.median_ms(run, *timing)
+                    got = out.copy_to_host()
+                    nonlocal first
+                    first = got if first is None else first
+                    return f"{flops / ms / 1e9:6.1f} TFLOP/s  max diff {np.max(np.abs(got - first)):.1e}"
+
+                print(f"{fmt} {context:6d} {config}: {_attempt(line)}", flush=True)
+
+
+def main(argv=None) -> int:
+    from strata.gpu.kernels import tensor_core
+
+    parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("gemm", "attention"), help="run one sweep")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
+    args = parser.parse_args(argv)
+    if not tensor_core.is_available():
+        raise SystemExit("the variant sweeps need a GPU with tensor cores (compute capability 8.0+) and cffi")
+    timing = (2, args.repeats)
+    if args.only != "attention":
+        gemm_sweep(timing)
+    if args.only != "gemm":
+        attention_sweep(timing)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
