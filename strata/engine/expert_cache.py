@@ -123,6 +123,11 @@ class ExpertCache:
         self._free = set(range(self.num_slots))
         self.num_evictions = 0
 
+    def forget(self, slots) -> None:
+        """Drop the experts of ``slots`` (inserted, but their bytes never arrived): the slots are free again."""
+        for slot in slots:
+            self._evict_slot(slot)
+
     @property
     def num_cached(self) -> int:
         return len(self._lru)

@@ -119,8 +119,8 @@ class Engine:
                 self.workspace.allocate(geometry)
             try:
                 hidden = self.runner.forward(tokens, 0, self.workspace if geometry else None, stats)
-                self.ops.synchronize()
             finally:
+                self.ops.synchronize()  # no copy may still target the ring when the workspace goes
                 self.workspace.free()
             # a startup loan may hold the native head back until the first request's decode
             head = self.resources.get("output_head")

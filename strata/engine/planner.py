@@ -104,8 +104,8 @@ class Planner:
         """The chunk whose split of ``free_bytes`` (chunk activations vs cache growth) the cost model
         predicts fastest for ``unread_tokens``; the bigger chunk on a tie."""
         costs, quantum, model = self.costs, self.config.chunk_quantum_tokens, self.cost_model
-        best_chunk, best_s = max_chunk, None
-        for chunk in range(max_chunk, quantum - 1, -quantum):
+        best_chunk, best_s = max(quantum, max_chunk // quantum * quantum), None
+        for chunk in range(max(quantum, max_chunk // quantum * quantum), quantum - 1, -quantum):
             room = free_bytes - costs.fixed_bytes - chunk * costs.bytes_per_chunk_token
             if room < 0:
                 continue

@@ -205,16 +205,20 @@ class ModelRunner:
             return
         protected = {int(s) for s in slot_of if s >= 0}
         slots = []
-        for expert in misses:
-            slot = cache.insert(layer, expert, protected)
-            if slot < 0:
-                raise EngineError(f"no expert-cache slot is free for a decode miss (layer {layer}); raise "
-                                  "runtime.vram_budget so the cache holds at least one token's experts")
-            slot_of[expert] = slot
-            protected.add(slot)
-            slots.append(slot)
-        if slots:
-            ops.wait_staged(ops.stage_experts(cache.storage, slots, [self.pack.slot(layer, e) for e in misses]))
+        try:
+            for expert in misses:
+                slot = cache.insert(layer, expert, protected)
+                if slot < 0:
+                    raise EngineError(f"no expert-cache slot is free for a decode miss (layer {layer}); raise "
+                                      "runtime.vram_budget so the cache holds at least one token's experts")
+                slot_of[expert] = slot
+                protected.add(slot)
+                slots.append(slot)
+            if slots:
+                ops.wait_staged(ops.stage_experts(cache.storage, slots, [self.pack.slot(layer, e) for e in misses]))
+        except BaseException:
+            cache.forget(slots)  # inserted but never filled: a later request must not compute with them
+            raise
         ops.moe(acc, h, ids, weights, cache.storage, slot_of, cache.layout)
 
     def _mat(self, layer: int, name: str) -> QTensor:

@@ -68,6 +68,7 @@ class PlaneArena:
         self._plane_bases = np.array([int(b) for b in bases] if self._device_bases else [], dtype=np.uint64)
         self._plane_bytes = np.array(self._plane_slot_bytes, dtype=np.uint64)
         self._plane_offsets = np.array([offset for *_, offset in self.planes], dtype=np.uint64)
+        self.copier = HostToDeviceCopier()
 
     @property
     def mapped_bytes(self) -> int:
@@ -149,7 +150,7 @@ class PlaneArena:
         destinations = (self._plane_bases[None, :] + slot_ids[:, None] * self._plane_bytes[None, :]).ravel()  # [n*P]
         sources = (sources[:, None] + self._plane_offsets[None, :]).ravel()  # [n*P]
         sizes = np.tile(self._plane_bytes, len(slot_ids))  # [n*P]
-        copy_host_to_device(destinations, sources, sizes, stream)
+        self.copier.copy(destinations, sources, sizes, stream)
 
     def close(self) -> None:
         self.unmap_to(0)
@@ -159,32 +160,35 @@ class PlaneArena:
                 close()
 
 
-_batch_copy = {"is_usable": None}  # cuMemcpyBatchAsync: None until tried, then whether it worked
+class HostToDeviceCopier:
+    """Issues host→device DMAs on a stream; remembers whether the driver takes batched copies."""
 
+    def __init__(self):
+        self.is_batch_usable: bool | None = None  # cuMemcpyBatchAsync: None until tried
 
-def copy_host_to_device(destinations: np.ndarray, sources: np.ndarray, sizes: np.ndarray, stream=None) -> None:
-    """Issue the DMAs ``sizes[i]`` bytes ``sources[i]`` (host) → ``destinations[i]`` (device) on
-    ``stream``: batched driver calls on a created stream (the batch call refuses the legacy default
-    stream), else one ``cuMemcpyHtoDAsync`` each."""
-    from cuda.bindings import driver as cu
+    def copy(self, destinations: np.ndarray, sources: np.ndarray, sizes: np.ndarray, stream=None) -> None:
+        """``sizes[i]`` bytes ``sources[i]`` (host) → ``destinations[i]`` (device) on ``stream``: batched
+        driver calls on a created stream (the batch call refuses the legacy default stream), else one
+        ``cuMemcpyHtoDAsync`` each."""
+        from cuda.bindings import driver as cu
 
-    if stream is not None and _batch_copy["is_usable"] is not False and hasattr(cu, "cuMemcpyBatchAsync"):
-        try:
-            for first in range(0, len(sizes), _MAX_COPIES_PER_CALL):
-                end = first + _MAX_COPIES_PER_CALL
-                _copy_batch(cu, destinations[first:end], sources[first:end], sizes[first:end], stream)
-            _batch_copy["is_usable"] = True
-            return
-        except _BatchRefused as exc:
-            if _batch_copy["is_usable"]:  # it worked before: a real failure, not a missing feature
-                raise EngineError(f"expert upload failed: {exc}; check the GPU with nvidia-smi") from exc
-            _batch_copy["is_usable"] = False
-            log.info("batched expert copies unavailable (%s): one cuMemcpyHtoDAsync per plane", exc)
-    handle = 0 if stream is None else stream
-    for destination, source, num_bytes in zip(destinations.tolist(), sources.tolist(), sizes.tolist()):
-        (err,) = cu.cuMemcpyHtoDAsync(destination, source, num_bytes, handle)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise EngineError(f"expert upload failed: {err}; check the GPU with nvidia-smi")
+        if stream is not None and self.is_batch_usable is not False and hasattr(cu, "cuMemcpyBatchAsync"):
+            try:
+                for first in range(0, len(sizes), _MAX_COPIES_PER_CALL):
+                    end = first + _MAX_COPIES_PER_CALL
+                    _copy_batch(cu, destinations[first:end], sources[first:end], sizes[first:end], stream)
+                self.is_batch_usable = True
+                return
+            except Exception as exc:  # noqa: BLE001 - the first attempt probes the driver and the bindings
+                if self.is_batch_usable:  # it worked before: a real failure, not a missing feature
+                    raise EngineError(f"expert upload failed: {exc}; check the GPU with nvidia-smi") from exc
+                self.is_batch_usable = False
+                log.info("batched expert copies unavailable (%s): one cuMemcpyHtoDAsync per plane", exc)
+        handle = 0 if stream is None else stream
+        for destination, source, num_bytes in zip(destinations.tolist(), sources.tolist(), sizes.tolist()):
+            (err,) = cu.cuMemcpyHtoDAsync(destination, source, num_bytes, handle)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise EngineError(f"expert upload failed: {err}; check the GPU with nvidia-smi")
 
 
 class _BatchRefused(Exception):

@@ -82,3 +82,24 @@ def test_expert_pack_file_round_trip(moe_path, expected, tmp_path):
                                                         "expert_pack": str(tmp_path / "small.strpack")}),
                          show_progress=False)
     assert greedy(engine, PROMPT, 12)[0] == expected
+
+
+def test_a_failed_decode_copy_leaves_no_unfilled_expert_in_the_cache(moe_path, expected):
+    engine = Engine.load(engine_config(moe_path, planner={"max_chunk_tokens": 32}), show_progress=False)
+    greedy(engine, PROMPT[::-1], 2)  # fills the cache
+    stage = engine.ops.stage_experts
+    calls = {"decode": 0}
+
+    def failing_decode_stage(storage, slots, hosts):
+        if engine.workspace.geometry is None:  # decode: no prompt workspace
+            calls["decode"] += 1
+            raise RuntimeError("copy failed")
+        return stage(storage, slots, hosts)
+
+    engine.ops.stage_experts = failing_decode_stage
+    with pytest.raises(RuntimeError, match="copy failed"):
+        greedy(engine, PROMPT, 4)
+    assert calls["decode"] == 1
+    engine.ops.stage_experts = stage
+    tokens, _ = greedy(engine, PROMPT, 12)
+    assert tokens == expected

@@ -49,12 +49,12 @@ def _arena(make_range):
 def test_stage_many_writes_the_bytes_stage_writes(monkeypatch):
     copies = []
 
-    def host_copy(destinations, sources, sizes, stream=None):
+    def host_copy(self, destinations, sources, sizes, stream=None):
         copies.append(len(sizes))
         for d, s, n in zip(destinations.tolist(), sources.tolist(), sizes.tolist()):
             ctypes.memmove(d, s, n)
 
-    monkeypatch.setattr(expert_arena, "copy_host_to_device", host_copy)
+    monkeypatch.setattr(expert_arena.HostToDeviceCopier, "copy", host_copy)
     batched, layout = _arena(AddressedRange)
     one_by_one, _ = _arena(HostRange)
     rng = np.random.default_rng(0)
