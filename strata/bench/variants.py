@@ -11,19 +11,20 @@ Needs a GPU with tensor cores.
 from __future__ import annotations
 
 import argparse
+from types import MappingProxyType
 
 import numpy as np
 
-GEMM_TILES = {"128x128": {}, "128x64": {"block_m": 128, "block_n": 64, "warps_m": 4, "warps_n": 2},
-              "64x64": {"block_m": 64, "block_n": 64, "warps_m": 2, "warps_n": 2}}
-FAST = {"prefetch_w": True, "ldmatrix": True, "vector_stores": True}
-GEMM_VARIANTS = {
+GEMM_TILES = MappingProxyType({"128x64": {"block_m": 128, "block_n": 64, "warps_m": 4, "warps_n": 2},
+                               "64x64": {"block_m": 64, "block_n": 64, "warps_m": 2, "warps_n": 2}})
+FAST = MappingProxyType({"prefetch_w": True, "ldmatrix": True, "vector_stores": True})
+GEMM_VARIANTS = MappingProxyType({
     "128x128 plain": {}, "128x128 prefetch_w": {"prefetch_w": True}, "128x128 ldmatrix": {"ldmatrix": True},
-    "128x128 vector_stores": {"vector_stores": True}, "128x128 fast (default)": FAST,
+    "128x128 vector_stores": {"vector_stores": True}, "128x128 fast (default)": dict(FAST),
     "128x64 plain": GEMM_TILES["128x64"], "128x64 fast step_k 64": {**GEMM_TILES["128x64"], **FAST, "step_k": 64},
     "128x64 fast stages 2": {**GEMM_TILES["128x64"], **FAST, "stages": 2},
     "64x64 fast stages 2": {**GEMM_TILES["64x64"], **FAST, "stages": 2},
-}
+})
 
 
 def _attempt(fn) -> str:
