@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", default="off,on", help="loan arms to run: off, on or off,on")
     parser.add_argument("--out", type=Path, help="write every run's figures here as JSON")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
+    parser.add_argument("--profile-dir", type=Path, help="write each run's host-side profile here "
+                                                         "(cProfile stats, <arm>-<prompt>-<rep>.prof)")
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
@@ -41,7 +43,11 @@ def run(args: argparse.Namespace, config: Config) -> int:
     for length in lengths:
         for arm in arms:
             for rep in range(args.reps):
-                result = _one(args.config, length, args.gen_tokens, arm, rep, args.timeout)
+                profile = None
+                if args.profile_dir:
+                    args.profile_dir.mkdir(parents=True, exist_ok=True)
+                    profile = args.profile_dir / f"{arm}-{length}-{rep + 1}.prof"
+                result = _one(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile)
                 runs.append(result)
                 print(f"[{arm} {length} #{rep + 1}] {result['timing_line']}", file=sys.stderr, flush=True)
     if args.out:
@@ -50,9 +56,12 @@ def run(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _one(config_path: str, length: int, gen_tokens: int, arm: str, rep: int, timeout: float) -> dict:
+def _one(config_path: str, length: int, gen_tokens: int, arm: str, rep: int, timeout: float,
+         profile: Path | None = None) -> dict:
     command = [sys.executable, "-m", "strata.bench.one_run", "--config", config_path, "--prompt-tokens",
                str(length), "--gen-tokens", str(gen_tokens), "--loan", arm, "--seed", str(rep)]
+    if profile:
+        command += ["--profile", str(profile)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("STRATA-BENCH ")]
     if done.returncode != 0 or not lines:

@@ -8,6 +8,7 @@ the requested number of tokens.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
 import sys
@@ -42,6 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gen-tokens", type=int, required=True)
     parser.add_argument("--loan", choices=("on", "off"), required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", help="write the request's host-side profile (cProfile stats) to this file")
     args = parser.parse_args(argv)
 
     from strata.engine.facade import Engine
@@ -54,8 +56,14 @@ def main(argv=None) -> int:
     banned = {t: float("-inf") for t in engine.tokenizer.eog_ids}
     params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, logit_bias=banned)
     generation = engine.generate(tokens, params)
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
     for _ in generation:
         pass
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
     stats = generation.stats
     result = {
         "loan": args.loan, "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
