@@ -96,6 +96,11 @@ class Ops(Protocol):
     def embed(self, table: QTensor, tokens: np.ndarray) -> Any: ...  # [T] host ids -> [T, D]
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any: ...
     def matmul(self, x: Any, weight: QTensor) -> Any: ...  # [T, K] x [N, K] -> [T, N]
+    def project_qkv(self, x: Any, norm: Any, eps: float, wq: QTensor, wk: QTensor,
+                    wv: QTensor) -> tuple[Any, Any, Any]:
+        """rms_norm(x) times each of wq, wk, wv: [T, D] -> ([T, Nq], [T, Nk], [T, Nv])."""
+
+    def matmul_add(self, x: Any, y: Any, weight: QTensor) -> None: ...  # x [T, N] += y [T, K] W^T
     def prepare_rope(self, num_rope_dims: int, theta: float, freq_factors: np.ndarray | None = None) -> Any: ...
     def qk_norm_rope(self, q: Any, k: Any, q_norm: Any | None, k_norm: Any | None, positions: Any,
                      num_rope_dims: int, theta: float, is_neox: bool, eps: float,
@@ -109,10 +114,12 @@ class Ops(Protocol):
     def moe(self, out: Any, x: Any, ids: Any, weights: Any, storage: ArenaStorage, slot_of_expert: Any,
             layout: ExpertLayout) -> None:
         """out += the routed experts that ``slot_of_expert`` ([N], host or from ``slot_tables``) places."""
-    def moe_accumulator(self, num_tokens: int, hidden: int) -> Any: ...  # zeroed [T, D]
+    def moe_accumulator(self, x: Any) -> Any:
+        """Where a layer's expert outputs add up: a zeroed array shaped like ``x`` [T, D], or ``x``
+        itself where the backend adds them straight into the residual stream; then ``add(x, acc)``."""
     def ffn(self, x: Any, gate: QTensor, up: QTensor, down: QTensor) -> Any: ...
     def shared_expert_add(self, acc: Any, shared: Any, h: Any, gate_inp: Any | None) -> None: ...
-    def add(self, x: Any, y: Any) -> None: ...  # x += y
+    def add(self, x: Any, y: Any) -> None: ...  # x += y (nothing when y is x's accumulator itself)
     def logits(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray: ...  # last row -> [V] host
 
 

@@ -174,6 +174,13 @@ class NumpyOps:
     def matmul(self, x, weight: QTensor) -> np.ndarray:
         return (x @ self._dequantized(weight).T).astype(np.float32)
 
+    def project_qkv(self, x, norm, eps: float, wq: QTensor, wk: QTensor, wv: QTensor):
+        h = self.rms_norm(x, norm, eps)
+        return self.matmul(h, wq), self.matmul(h, wk), self.matmul(h, wv)
+
+    def matmul_add(self, x, y, weight: QTensor) -> None:
+        self.add(x, self.matmul(y, weight))
+
     def prepare_rope(self, num_rope_dims: int, theta: float, freq_factors=None) -> None:
         pass  # angles are computed per call on the host
 
@@ -211,8 +218,8 @@ class NumpyOps:
             y = ref.ffn(x[rows], gate, up, down)  # [t, D]
             out[rows] += y.astype(np.float64) * weights[rows, ranks, None]
 
-    def moe_accumulator(self, num_tokens: int, hidden: int) -> np.ndarray:
-        return np.zeros((num_tokens, hidden), dtype=np.float64)
+    def moe_accumulator(self, x) -> np.ndarray:
+        return np.zeros(x.shape, dtype=np.float64)  # the reference's float64 sum of the experts
 
     def ffn(self, x, gate: QTensor, up: QTensor, down: QTensor) -> np.ndarray:
         return ref.ffn(x, self._dequantized(gate), self._dequantized(up), self._dequantized(down))

@@ -108,7 +108,7 @@ class ModelRunner:
             if not spec.is_moe:
                 ops.add(x, self._ffn(layer, h))
                 continue
-            ops.add(x, self._moe(layer, h, ring, plans[layer] if plans else None, stats))
+            ops.add(x, self._moe(layer, x, h, ring, plans[layer] if plans else None, stats))
         return x
 
     def _ring(self, workspace: PromptWorkspace | None) -> StagingRing | None:
@@ -149,25 +149,26 @@ class ModelRunner:
     def _attention(self, layer: int, x, positions, start: int) -> None:
         spec, ops = self.spec, self.ops
         num_tokens = len(positions)
-        h = ops.rms_norm(x, self._vec(layer, "attn_norm"), spec.rms_norm_eps)
-        q = ops.matmul(h, self._mat(layer, "attn_q")).reshape(num_tokens, spec.num_heads, spec.head_dim)
-        k = ops.matmul(h, self._mat(layer, "attn_k")).reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v = ops.matmul(h, self._mat(layer, "attn_v")).reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        q, k, v = ops.project_qkv(x, self._vec(layer, "attn_norm"), spec.rms_norm_eps, self._mat(layer, "attn_q"),
+                                  self._mat(layer, "attn_k"), self._mat(layer, "attn_v"))
+        q = q.reshape(num_tokens, spec.num_heads, spec.head_dim)
+        k = k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
         ops.qk_norm_rope(q, k, self.w.vectors.get(f"blk.{layer}.attn_q_norm"),
                          self.w.vectors.get(f"blk.{layer}.attn_k_norm"), positions, spec.num_rope_dims,
                          spec.rope_theta, spec.is_rope_neox, spec.rms_norm_eps, self.w.rope_freqs_host)
         ops.kv_write(self.kv, layer, start, k, v, positions)
         out = ops.attention(q, self.kv, layer, start, positions)  # [T, Hq * E]
-        ops.add(x, ops.matmul(out, self._mat(layer, "attn_output")))
+        ops.matmul_add(x, out, self._mat(layer, "attn_output"))
 
     def _ffn(self, layer: int, h):
         return self.ops.ffn(h, self._mat(layer, "ffn_gate"), self._mat(layer, "ffn_up"), self._mat(layer, "ffn_down"))
 
-    def _moe(self, layer: int, h, ring: StagingRing | None, plan: _LayerPlan | None, stats: StreamStats):
+    def _moe(self, layer: int, x, h, ring: StagingRing | None, plan: _LayerPlan | None, stats: StreamStats):
         spec, ops, cache = self.spec, self.ops, self.cache
         ids, weights = ops.route(h, self._mat(layer, "ffn_gate_inp"), spec.num_experts_used,
                                  spec.is_expert_weights_normalized)  # [T, k] on the backend
-        acc = ops.moe_accumulator(h.shape[0], spec.hidden_size)  # [T, D]
+        acc = ops.moe_accumulator(x)  # [T, D]: zeroed, or x itself
         if plan is not None:  # every uncached expert streams; the routing stays on the backend
             if plan.cached_table is not None:
                 ops.moe(acc, h, ids, weights, cache.storage, plan.cached_table, cache.layout)

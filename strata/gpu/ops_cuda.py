@@ -208,6 +208,25 @@ class CudaOps:
                 return gemv(weight.data, x[0]).reshape(1, weight.shape[0])
             return gemm(x, weight.data)
 
+    def project_qkv(self, x, norm, eps: float, wq: QTensor, wk: QTensor, wv: QTensor):
+        from strata.gpu.kernels.gemv_multi import gemv_multi
+
+        if x.shape[0] != 1:
+            h = self.rms_norm(x, norm, eps)
+            return self.matmul(h, wq), self.matmul(h, wk), self.matmul(h, wv)
+        with self._owning(ACTIVATIONS):  # decode: the norm and the three GEMVs in one launch
+            ys = gemv_multi((wq.data, wk.data, wv.data), x[0], norm_weight=norm, eps=eps)
+        return tuple(y.reshape(1, y.shape[0]) for y in ys)
+
+    def matmul_add(self, x, y, weight: QTensor) -> None:
+        from strata.gpu.kernels.gemm import gemm
+        from strata.gpu.kernels.gemv import gemv
+
+        if y.shape[0] == 1:
+            gemv(weight.data, y[0], x[0], accumulate=True)
+        else:
+            gemm(y, weight.data, x, accumulate=True)
+
     def qk_norm_rope(self, q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
                      freq_factors=None) -> None:
         from strata.gpu.kernels.rope import head_norm_rope
@@ -266,19 +285,8 @@ class CudaOps:
             ids, weights = moe_route(logits, num_used, norm_weights=is_norm)
         return ids, weights  # [T, k] int32 on the device; to_host when the host must pick experts
 
-    def moe_accumulator(self, num_tokens: int, hidden: int):
-        with self._owning(ACTIVATIONS):
-            if self.is_simulator:
-                return self.cuda.to_device(np.zeros((num_tokens, hidden), dtype=np.float32))
-            acc = self.cuda.device_array((num_tokens, hidden), dtype=np.float32)
-        from cuda.bindings import driver as cu
-
-        (err,) = cu.cuMemsetD32Async(acc.__cuda_array_interface__["data"][0], 0, num_tokens * hidden, 0)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            from strata.errors import EngineError
-
-            raise EngineError(f"clearing the MoE accumulator failed: {err}; check the GPU with nvidia-smi")
-        return acc
+    def moe_accumulator(self, x):
+        return x  # the MoE kernels add into the residual stream: no zeroed array, no extra add
 
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``."""
@@ -323,7 +331,8 @@ class CudaOps:
     def add(self, x, y) -> None:
         from strata.gpu.kernels.elementwise import add
 
-        add(x, y)
+        if y is not x:  # x as its own accumulator already holds the sum
+            add(x, y)
 
     def logits(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
         from strata.gpu.kernels.gemv import gemv
