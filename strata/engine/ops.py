@@ -111,9 +111,14 @@ class Ops(Protocol):
     def attention(self, q: Any, kv: Any, layer: int, start: int, positions: Any = None) -> Any: ...  # -> [T, Hq*E]
     def route(self, x: Any, router: QTensor, num_used: int, is_norm: bool) -> tuple[Any, Any]:
         """ids [T, k] and weights [T, k] on the backend (``to_host`` the ids to pick experts there)."""
+    def moe_groups(self, ids: Any, weights: Any, num_experts: int) -> Any:
+        """The routed pairs grouped by expert once, for every ``moe`` call of a layer (None where the
+        backend does not group)."""
+
     def moe(self, out: Any, x: Any, ids: Any, weights: Any, storage: ArenaStorage, slot_of_expert: Any,
-            layout: ExpertLayout) -> None:
-        """out += the routed experts that ``slot_of_expert`` ([N], host or from ``slot_tables``) places."""
+            layout: ExpertLayout, groups: Any = None) -> None:
+        """out += the routed experts that ``slot_of_expert`` ([N], host or from ``slot_tables``) places;
+        ``groups`` from ``moe_groups`` over the same ids and weights, or None."""
     def moe_accumulator(self, x: Any) -> Any:
         """Where a layer's expert outputs add up: a zeroed array shaped like ``x`` [T, D], or ``x``
         itself where the backend adds them straight into the residual stream; then ``add(x, acc)``."""

@@ -208,7 +208,11 @@ class NumpyOps:
         ids, weights = ref.route(logits, num_used, is_norm)
         return ids, weights
 
-    def moe(self, out, x, ids, weights, storage: NumpyArena, slot_of_expert, layout: ExpertLayout) -> None:
+    def moe_groups(self, ids, weights, num_experts: int) -> None:
+        return None  # moe walks the routed ids itself
+
+    def moe(self, out, x, ids, weights, storage: NumpyArena, slot_of_expert, layout: ExpertLayout,
+            groups=None) -> None:
         for expert in np.unique(ids):
             slot = int(slot_of_expert[expert])
             if slot < 0:

@@ -27,6 +27,7 @@ from strata.engine.ops import ExpertLayout, QTensor
 from strata.gpu.ledger import VramLedger
 
 ACTIVATIONS = "activations"
+_DECODE_MAX_TOKENS = 4  # up to this many tokens the MoE runs GEMV-shaped, without grouping
 _KV_FORMATS = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
@@ -288,7 +289,19 @@ class CudaOps:
     def moe_accumulator(self, x):
         return x  # the MoE kernels add into the residual stream: no zeroed array, no extra add
 
-    def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout) -> None:
+    def moe_groups(self, ids, weights, num_experts: int):
+        """A prefill chunk's routed pairs grouped by expert id once per layer: every ring batch of the
+        layer then launches only its two expert products (tiles of experts it has not staged exit)."""
+        from strata.gpu.kernels.gemm import default_config
+        from strata.gpu.kernels.moe_route import moe_group
+
+        if ids.shape[0] <= _DECODE_MAX_TOKENS:
+            return None
+        ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
+        with self._owning(ACTIVATIONS):
+            return moe_group(ids, weights, num_experts, default_config().block_m)
+
+    def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``."""
         from strata.gpu.kernels.gemm import default_config
         from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
@@ -300,7 +313,11 @@ class CudaOps:
         with self._owning(ACTIVATIONS):
             table = slot_of_expert if not isinstance(slot_of_expert, np.ndarray) else \
                 self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
-            if x.shape[0] <= 4:
+            if groups is not None:
+                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=default_config(),
+                                    slot_of_expert=table)
+                return
+            if x.shape[0] <= _DECODE_MAX_TOKENS:
                 moe_experts_decode(x, _map_ids(ids, table, to_slots=True), weights, gate, up, down, out,
                                    num_experts=num_slots)
                 return

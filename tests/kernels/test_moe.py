@@ -80,3 +80,26 @@ def test_experts_reject_inconsistent_stacks():
     groups = moe_group(ids, weights, 2, 16)
     with pytest.raises(ValueError, match="tiled by 16 pairs"):
         moe_experts_prefill(x, groups, gate, up, down, out, num_experts=2, config=GEMM_TINY)
+
+
+def test_prefill_one_grouping_serves_launches_over_slot_tables():
+    # experts 0..3 grouped once by id; two launches, each computing the experts its table maps to
+    # slots of a 6-slot stack (the others skipped), add up to the whole MoE
+    num_tokens, num_experts, num_slots, top_k, dim, ffn = 9, 4, 6, 2, 32, 32
+    (gate, up, down), values = _experts(("Q4_0", "Q8_0", "Q4_1"), num_slots, dim, ffn, seed=96)
+    rng = np.random.default_rng(97)
+    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
+    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
+    groups = moe_group(dev(ids), dev(weights), num_experts, GEMM_TINY.block_m, threads=8)
+    out = dev(np.zeros((num_tokens, dim), np.float32))
+    slot_of = {0: 5, 1: 2, 2: 0, 3: 3}
+    for batch in ((0, 2), (1, 3)):
+        table = np.full(num_experts, -1, np.int32)
+        for expert in batch:
+            table[expert] = slot_of[expert]
+        moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_slots, config=GEMM_TINY,
+                            slot_of_expert=dev(table))
+    slots = [slot_of[e] for e in range(num_experts)]
+    expert_values = tuple(v[slots] for v in values)  # expert e's weights sit in slot slot_of[e]
+    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *expert_values), 2e-6)

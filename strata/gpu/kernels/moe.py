@@ -33,7 +33,9 @@ from .packing import PackedMatrix, check_packed
 
 
 @functools.cache
-def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config):
+def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mapped: bool):
+    """is_mapped: tiles name expert ids and slot_of_expert [N] maps them to slots (-1: skip the tile);
+    otherwise tiles name slots already (slot_of_expert unused)."""
     bm, bn = config.block_m, config.block_n
     xs_size, ws_size, acc_size, stage_dtype = config.xs_size, config.ws_size, config.acc_size, config.stage_dtype
     gate_up_loop = dual_mainloop_device(fmt_gate, fmt_up, config)
@@ -41,13 +43,19 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config):
     coords = acc_coords_device(config)
 
     @cuda.jit
-    def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles, hidden):
+    def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles,
+                       slot_of_expert, hidden):
         tile = cuda.blockIdx.y
         if tile >= num_tiles[0]:
             return
+        expert = tile_expert[tile]
+        if is_mapped:
+            expert = slot_of_expert[expert]
+            if expert < 0:  # not in this batch: another launch of the same grouping computes it
+                return
         tid = cuda.threadIdx.x
         ffn = hidden.shape[1]
-        expert, start, rows = tile_expert[tile], tile_start[tile], tile_rows[tile]
+        start, rows = tile_start[tile], tile_rows[tile]
         x_rows = cuda.shared.array(bm, np.int32)
         xs = cuda.shared.array(xs_size, stage_dtype)
         ws_g = cuda.shared.array(ws_size, stage_dtype)
@@ -70,13 +78,19 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config):
                 hidden[start + m, n] = device_silu_mul(acc_g[idx], acc_u[idx])
 
     @cuda.jit
-    def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles, out):
+    def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
+                    slot_of_expert, out):
         tile = cuda.blockIdx.y
         if tile >= num_tiles[0]:
             return
+        expert = tile_expert[tile]
+        if is_mapped:
+            expert = slot_of_expert[expert]
+            if expert < 0:
+                return
         tid = cuda.threadIdx.x
         dim = out.shape[1]
-        expert, start, rows = tile_expert[tile], tile_start[tile], tile_rows[tile]
+        start, rows = tile_start[tile], tile_rows[tile]
         x_rows = cuda.shared.array(bm, np.int32)
         xs = cuda.shared.array(xs_size, stage_dtype)
         ws = cuda.shared.array(ws_size, stage_dtype)
@@ -114,12 +128,15 @@ def _check_experts(gate, up, down, num_experts, dim):
 
 
 def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
-                        num_experts: int, hidden=None, hidden_dtype=np.float32, config=None):
+                        num_experts: int, hidden=None, hidden_dtype=np.float32, config=None, slot_of_expert=None):
     """out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
 
     groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
     scratch (P = T * k) of hidden_dtype (float32 or float16). config: GemmConfig (FFMA) or
-    MmaConfig (tensor cores); default gemm.default_config().
+    MmaConfig (tensor cores); default gemm.default_config(). slot_of_expert: optional [N] int32,
+    when the groups name expert ids: tile t computes expert e with the weights of slot
+    slot_of_expert[e], and is skipped where that is -1 (one grouping serves several launches, each
+    with the slots of the experts it has staged).
 
     Launch config: two launches with gemm's block (config.threads threads): gate_up grid
     (ceil(F / block_n), max_tiles), down grid (ceil(H / block_n), max_tiles); blocks of tiles
@@ -136,8 +153,12 @@ def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatr
     if hidden is None:
         hidden = empty((num_pairs, ffn), hidden_dtype, x)
     check_array("hidden", hidden, dtypes=(np.float32, np.float16), shape=(num_pairs, ffn))
-    gate_up_kernel, down_kernel = _prefill_kernels(gate.fmt, up.fmt, down.fmt, config)
-    tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles)
+    is_mapped = slot_of_expert is not None
+    if is_mapped:
+        check_array("slot_of_expert", slot_of_expert, dtypes=np.int32, ndim=1)
+    table = slot_of_expert if is_mapped else stand_in(groups.tile_expert, np.int32, 1)
+    gate_up_kernel, down_kernel = _prefill_kernels(gate.fmt, up.fmt, down.fmt, config, is_mapped)
+    tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
     gate_up_kernel[(ceil_div(ffn, config.block_n), groups.max_tiles), config.threads](
         x, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, groups.pair_token, *tiles, hidden)
     down_kernel[(ceil_div(dim, config.block_n), groups.max_tiles), config.threads](
