@@ -189,7 +189,8 @@ class ModelRunner:
         ops, cache, num_experts = self.ops, self.cache, self.spec.num_experts
         slot_of = np.full(num_experts, -1, dtype=np.int32)  # [N]
         misses = []
-        for expert in np.unique(ops.to_host(ids)):
+        host_ids = ops.to_host(ids)  # [T, k]: the host picks the experts to stage
+        for expert in np.unique(host_ids):
             slot = cache.lookup(layer, int(expert))
             slot_of[expert] = slot
             if slot < 0:
@@ -221,7 +222,7 @@ class ModelRunner:
         except BaseException:
             cache.forget(slots)  # inserted but never filled: a later request must not compute with them
             raise
-        ops.moe(acc, h, ids, weights, cache.storage, slot_of, cache.layout)
+        ops.moe(acc, h, host_ids, weights, cache.storage, slot_of, cache.layout)
 
     def _mat(self, layer: int, name: str) -> QTensor:
         return self.w.matrices[f"blk.{layer}.{name}"]

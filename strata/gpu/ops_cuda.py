@@ -307,9 +307,16 @@ class CudaOps:
         from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
-        ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
         gate, up, down = storage.matrices()
         num_slots = storage.num_slots_reserved
+        if isinstance(ids, np.ndarray) and isinstance(slot_of_expert, np.ndarray) and x.shape[0] <= _DECODE_MAX_TOKENS:
+            # decode with the routing on the host already: the slots are looked up here, no map launch
+            slot_ids = np.where(ids >= 0, slot_of_expert[np.clip(ids, 0, len(slot_of_expert) - 1)], -1)  # [T, k]
+            with self._owning(ACTIVATIONS):
+                moe_experts_decode(x, self.cuda.to_device(slot_ids.astype(np.int32)), weights, gate, up, down, out,
+                                   num_experts=num_slots)
+            return
+        ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
         with self._owning(ACTIVATIONS):
             table = slot_of_expert if not isinstance(slot_of_expert, np.ndarray) else \
                 self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
