@@ -26,12 +26,11 @@ from numba import cuda
 
 from . import tensor_core
 from ._common import (
-    IS_SIMULATOR, OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty, is_device_array, stand_in,
+    IS_SIMULATOR, OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty, stand_in,
 )
-from .attention_mma import SERVING_CONFIG, attention_mma, is_supported
+from .attention_mma import SERVING_CONFIG, attention_mma, check_attention_io, is_supported
 from .block_reduce import NEG_INF
-from .kvcache import KV_FORMATS
-from .packing import PackedMatrix, check_packed
+from .packing import PackedMatrix
 from .quant_device import dequant8_for
 
 
@@ -233,21 +232,8 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     if num_shared_bytes > _MAX_STATIC_SHARED_BYTES:
         raise ValueError(f"this config needs {num_shared_bytes} bytes of shared memory per block (limit "
                          f"{_MAX_STATIC_SHARED_BYTES}): lower tokens_per_block or kv_tile")
-    width = num_kv_heads * head_dim
-    check_packed("k_cache", k_cache, num_cols=width, formats=KV_FORMATS)
-    check_packed("v_cache", v_cache, num_cols=width, formats=(k_cache.fmt,))
-    check_array("q", q, dtypes=np.float32, shape=(None, num_q_heads * head_dim))
-    num_tokens = q.shape[0]
-    check_array("q_positions", q_positions, dtypes=np.int32, shape=(num_tokens,))
-    if kv_len is None:
-        if is_device_array(q_positions):
-            raise ValueError("kv_len is required when q_positions is a device array")
-        kv_len = int(q_positions.max()) + 1 if num_tokens else 0
-    if not 0 <= kv_len <= k_cache.num_rows:
-        raise ValueError(f"kv_len must lie in [0, {k_cache.num_rows}], got {kv_len}")
-    if out is None:
-        out = empty((num_tokens, num_q_heads * head_dim), np.float32, q, k_cache.quants)
-    check_array("out", out, dtypes=np.float32, shape=(num_tokens, num_q_heads * head_dim))
+    num_tokens, kv_len, out = check_attention_io(q, k_cache, v_cache, q_positions, out, kv_len, num_q_heads,
+                                                 num_kv_heads, head_dim)
     if num_tokens == 0:
         return out
     if uses_tensor_cores(num_tokens, num_splits, head_dim, k_cache.fmt):

@@ -365,6 +365,28 @@ def _check_config(config: MmaAttentionConfig, head_dim: int, is_twin: bool) -> i
     return kv_tile
 
 
+def check_attention_io(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out, kv_len: int | None,
+                       num_q_heads: int, num_kv_heads: int, head_dim: int):
+    """The checks every attention wrapper makes of its arrays: returns (num_tokens, kv_len, out), kv_len
+    derived from host positions and out allocated when they are None."""
+    width = num_kv_heads * head_dim
+    check_packed("k_cache", k_cache, num_cols=width, formats=KV_FORMATS)
+    check_packed("v_cache", v_cache, num_cols=width, formats=(k_cache.fmt,))
+    check_array("q", q, dtypes=np.float32, shape=(None, num_q_heads * head_dim))
+    num_tokens = q.shape[0]
+    check_array("q_positions", q_positions, dtypes=np.int32, shape=(num_tokens,))
+    if kv_len is None:
+        if is_device_array(q_positions):
+            raise ValueError("kv_len is required when q_positions is a device array")
+        kv_len = int(q_positions.max()) + 1 if num_tokens else 0
+    if not 0 <= kv_len <= k_cache.num_rows:
+        raise ValueError(f"kv_len must lie in [0, {k_cache.num_rows}], got {kv_len}")
+    if out is None:
+        out = empty((num_tokens, num_q_heads * head_dim), np.float32, q, k_cache.quants)
+    check_array("out", out, dtypes=np.float32, shape=(num_tokens, num_q_heads * head_dim))
+    return num_tokens, kv_len, out
+
+
 def attention_mma(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
                   num_kv_heads: int, head_dim: int, kv_len: int | None = None, scale: float | None = None,
                   config: MmaAttentionConfig = MmaAttentionConfig()):
@@ -390,21 +412,8 @@ def attention_mma(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, 
         raise ValueError(f"head_dim {head_dim} has no tensor-core tile step; supported: {CPP_HEAD_DIMS}")
     kv_tile = _check_config(config, head_dim, is_twin)
     group = num_q_heads // num_kv_heads
-    width = num_kv_heads * head_dim
-    check_packed("k_cache", k_cache, num_cols=width, formats=KV_FORMATS)
-    check_packed("v_cache", v_cache, num_cols=width, formats=(k_cache.fmt,))
-    check_array("q", q, dtypes=np.float32, shape=(None, num_q_heads * head_dim))
-    num_tokens = q.shape[0]
-    check_array("q_positions", q_positions, dtypes=np.int32, shape=(num_tokens,))
-    if kv_len is None:
-        if is_device_array(q_positions):
-            raise ValueError("kv_len is required when q_positions is a device array")
-        kv_len = int(q_positions.max()) + 1 if num_tokens else 0
-    if not 0 <= kv_len <= k_cache.num_rows:
-        raise ValueError(f"kv_len must lie in [0, {k_cache.num_rows}], got {kv_len}")
-    if out is None:
-        out = empty((num_tokens, num_q_heads * head_dim), np.float32, q, k_cache.quants)
-    check_array("out", out, dtypes=np.float32, shape=(num_tokens, num_q_heads * head_dim))
+    num_tokens, kv_len, out = check_attention_io(q, k_cache, v_cache, q_positions, out, kv_len, num_q_heads,
+                                                 num_kv_heads, head_dim)
     if num_tokens == 0:
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
