@@ -42,17 +42,20 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
     down_loop = mainloop_device(fmt_down, config)
     coords = acc_coords_device(config)
 
+    @cuda.jit(device=True)
+    def tile_slot(tile_expert, slot_of_expert, tile):  # the slot holding the tile's expert, -1: none
+        expert = tile_expert[tile]
+        return slot_of_expert[expert] if is_mapped else expert
+
     @cuda.jit
     def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles,
                        slot_of_expert, hidden):
         tile = cuda.blockIdx.y
         if tile >= num_tiles[0]:
             return
-        expert = tile_expert[tile]
-        if is_mapped:
-            expert = slot_of_expert[expert]
-            if expert < 0:  # not in this batch: another launch of the same grouping computes it
-                return
+        expert = tile_slot(tile_expert, slot_of_expert, tile)
+        if expert < 0:  # not in this batch: another launch of the same grouping computes it
+            return
         tid = cuda.threadIdx.x
         ffn = hidden.shape[1]
         start, rows = tile_start[tile], tile_rows[tile]
@@ -83,11 +86,9 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
         tile = cuda.blockIdx.y
         if tile >= num_tiles[0]:
             return
-        expert = tile_expert[tile]
-        if is_mapped:
-            expert = slot_of_expert[expert]
-            if expert < 0:
-                return
+        expert = tile_slot(tile_expert, slot_of_expert, tile)
+        if expert < 0:
+            return
         tid = cuda.threadIdx.x
         dim = out.shape[1]
         start, rows = tile_start[tile], tile_rows[tile]
