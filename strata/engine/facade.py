@@ -37,13 +37,15 @@ from strata.engine.runner import DeviceWeights, ModelRunner, StreamStats
 from strata.engine.runtime_state import RuntimeState
 from strata.engine.sampling import SamplingParams
 from strata.engine.workspace import PromptWorkspace
-from strata.gpu.ledger import LedgerSnapshot, VramLedger
+from strata.gpu.ledger import ACTIVATIONS_OWNER, LedgerSnapshot, VramLedger
 from strata.model.gguf_file import GgufModel, open_gguf
 from strata.model.locate import resolve_model_path
 from strata.model.tokenizer import Tokenizer
 from strata.plugins import load_plugins
 
 NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
+WARMUP_SPLIT_POSITION = 96  # a decode position whose KV spans several attention tiles
+WARMUP_HEAD_ROWS = 256  # rows of a held-back head that the warm-up's logits kernel reads
 WARMUP_MIN_TOKENS = 8  # more than the decode kernels' 4 tokens: the prefill MoE kernels run
 log = logging.getLogger("strata.engine")
 
@@ -122,13 +124,12 @@ class Engine:
             finally:
                 self.ops.synchronize()  # no copy may still target the ring when the workspace goes
                 self.workspace.free()
-            # a startup loan may hold the native head back until the first request's decode
-            head = self.resources.get("output_head")
-            is_head_resident = head is None or head.is_resident
-            token = int(np.argmax(output_logits(self, hidden))) if is_head_resident else int(tokens[0])
+            token = int(np.argmax(self._warmup_logits(hidden)))
             hidden = self.runner.forward(np.array([token]), num_tokens, None, stats)
-            if is_head_resident:
-                output_logits(self, hidden)
+            # decode attention splits its KV range from two tiles on: a later position compiles that path
+            position = min(max(num_tokens + 1, WARMUP_SPLIT_POSITION), self.context_tokens - 1)
+            hidden = self.runner.forward(np.array([token]), position, None, stats)
+            self._warmup_logits(hidden)
             self.ops.synchronize()
             del hidden
         finally:
@@ -136,6 +137,7 @@ class Engine:
             if self.cache:
                 self.cache.clear()
             gc.collect()  # the temporaries of the warm-up go, and with them their charges
+            self.ops.trim_memory()
         after = dict(self.ledger.snapshot().by_owner)
         seconds = time.perf_counter() - started
         if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
@@ -143,6 +145,21 @@ class Engine:
         log.info("warm-up: %d-token prefill and one decode step in %.2f s (kernels compiled, state reset)",
                  num_tokens, seconds)
         return seconds
+
+    def _warmup_logits(self, hidden) -> np.ndarray:
+        """The head's logits; while a startup loan holds the native head back, the same kernel on a
+        slice of it uploaded for the call."""
+        head = self.resources.get("output_head")
+        if head is None or head.is_resident:
+            return output_logits(self, hidden)
+        ref = head.sources["output"]
+        num_rows = min(WARMUP_HEAD_ROWS, int(np.prod(ref.shape[:-1])))
+        raw = ref.data.reshape(int(np.prod(ref.shape[:-1])), -1)[:num_rows]
+        tensor = self.ops.upload_qtensor(ACTIVATIONS_OWNER, raw, ref.qtype, (num_rows, ref.shape[-1]))
+        try:
+            return self.ops.logits(hidden, self.weights.vectors["output_norm"], tensor, self.spec.rms_norm_eps)
+        finally:
+            self.ops.free(tensor.data)
 
     def _warmup_geometry(self):
         """The startup ring with a chunk just big enough for the prefill MoE path to stream every expert."""

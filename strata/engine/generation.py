@@ -43,6 +43,7 @@ class Generation:
         unread = np.asarray(prompt[reuse:], dtype=np.int64)
         engine.kv_tokens = prompt[:reuse]
         stream = StreamStats()
+        engine.ops.trim_memory()  # what a failed request left for reuse must not shrink the plan
         started = time.perf_counter()
         try:
             hidden, report = engine.loan.run(len(prompt), len(unread),
@@ -84,8 +85,10 @@ class Generation:
             finish = "cancelled"
             raise
         finally:
-            self._finish(report, len(unread), generated, finish, prefill_seconds,
-                         time.perf_counter() - decode_started, stream)
+            decode_seconds = time.perf_counter() - decode_started
+            hidden = logits = None  # their blocks return to the allocator's cache, which is trimmed
+            engine.ops.trim_memory()
+            self._finish(report, len(unread), generated, finish, prefill_seconds, decode_seconds, stream)
 
     def _prefill(self, unread: np.ndarray, start: int, geometry: Geometry, stream: StreamStats):
         runner, hidden = self.engine.runner, None

@@ -19,14 +19,12 @@ from strata.engine.planner import Planner
 from strata.engine.resources import ElasticCache, Resource
 from strata.engine.runtime_state import RuntimeState
 from strata.errors import AllocationError, LoanRestoreError, PluginError
-from strata.gpu.ledger import VramLedger
+from strata.gpu.ledger import TRANSIENT_OWNERS, VramLedger
 from strata.hooktypes import Geometry, LoanContext, LoanRequest, LoanVote, PlannerBudget
 from strata.plugins import PluginHost
 
 T = TypeVar("T")
 RESTORE_ATTEMPTS = 3
-# temporaries of a computation in flight (the prefill's last hidden state); not loan state
-TRANSIENT_OWNERS = frozenset({"activations"})
 
 
 class Workspace(Protocol):

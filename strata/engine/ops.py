@@ -91,6 +91,9 @@ class Ops(Protocol):
     def positions(self, start: int, num_tokens: int) -> Any:
         """[T] token positions start.. on the backend, for ``qk_norm_rope``, ``kv_write``, ``attention``."""
     def synchronize(self) -> None: ...
+    def trim_memory(self) -> None:
+        """Give device memory kept only for reuse (freed temporaries) back, so the ledger shows what
+        is resident. Called between requests."""
 
     # compute
     def embed(self, table: QTensor, tokens: np.ndarray) -> Any: ...  # [T] host ids -> [T, D]

@@ -146,6 +146,9 @@ class NumpyOps:
     def synchronize(self) -> None:
         pass
 
+    def trim_memory(self) -> None:
+        pass  # host buffers are freed when their last reference goes
+
     def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type) -> NumpyKv:
         kv = NumpyKv(num_layers, num_cells, num_kv_heads, head_dim, kv_type)
         self._track(owner, kv.data)

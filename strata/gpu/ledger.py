@@ -13,11 +13,14 @@ import dataclasses
 import itertools
 import threading
 from types import MappingProxyType
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from strata.errors import VramBudgetError
 
 UNCHARGED_OWNER = "unattributed"
+ACTIVATIONS_OWNER = "activations"  # temporaries of a computation in flight
+POOL_OWNER = "allocator_cache"  # freed blocks an allocator keeps for reuse (block_pool.py)
+TRANSIENT_OWNERS = frozenset({ACTIVATIONS_OWNER, POOL_OWNER})  # not resident state: no loan restores them
 # the ledger whose ``owner`` block is in effect: a memory manager serving several engines in one
 # process (tests) charges the engine that is allocating
 _ACTIVE_LEDGER: contextvars.ContextVar[VramLedger | None] = contextvars.ContextVar("strata_ledger", default=None)
@@ -57,33 +60,68 @@ class LedgerSnapshot:
 
 
 class VramLedger:
-    """Thread-safe: device allocations may be made from any thread (a memory manager's callback)."""
+    """Thread-safe: device allocations may be made from any thread (a memory manager's callback).
+
+    Totals are kept per owner as charges come and go, so a charge costs the same however many
+    allocations are resident (a decode step makes hundreds).
+    """
 
     def __init__(self, budget_bytes: int):
         if budget_bytes <= 0:
             raise ValueError(f"a VRAM budget must be positive, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self._charges: dict[int, Charge] = {}
+        self._owner_bytes: dict[str, int] = {}
+        self._used_bytes = 0
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._owner: contextvars.ContextVar[str] = contextvars.ContextVar("vram_owner", default=UNCHARGED_OWNER)
+        self._reclaimers: list[Callable[[int], int]] = []
+
+    def add_reclaimer(self, reclaim: Callable[[int], int]) -> None:
+        """Register ``reclaim(num_bytes) -> bytes released``: memory held only for reuse (an
+        allocator's cache) that a charge which does not fit may have back. It is called without the
+        ledger's lock and releases by discharging its own charges."""
+        self._reclaimers.append(reclaim)
 
     def charge(self, owner: str, num_bytes: int) -> Charge:
-        """Record an allocation, or raise ``VramBudgetError`` naming owner, request and residents."""
+        """Record an allocation, or raise ``VramBudgetError`` naming owner, request and residents.
+
+        When the charge does not fit, reclaimable memory is released first."""
         if num_bytes < 0:
             raise ValueError(f"{owner}: cannot charge {num_bytes} bytes")
-        with self._lock:
-            free = self.budget_bytes - self._used_locked()
-            if num_bytes > free:
-                raise VramBudgetError(owner, num_bytes, max(0, free), self._by_owner_locked())
-            charge = Charge(next(self._ids), owner, num_bytes)
-            self._charges[charge.charge_id] = charge
-            return charge
+        for reclaim in [*self._reclaimers, None]:
+            with self._lock:
+                shortfall = num_bytes - (self.budget_bytes - self._used_bytes)
+                if shortfall <= 0:
+                    return self._add_locked(owner, num_bytes)
+                if reclaim is None:
+                    raise VramBudgetError(owner, num_bytes, max(0, num_bytes - shortfall), self._by_owner_locked())
+            reclaim(shortfall)
+        raise AssertionError("unreachable")
 
     def discharge(self, charge: Charge) -> None:
         with self._lock:
-            if self._charges.pop(charge.charge_id, None) is None:
-                raise ValueError(f"charge {charge.charge_id} of {charge.owner} was already discharged")
+            self._remove_locked(charge)
+
+    def transfer(self, charge: Charge, owner: str) -> Charge:
+        """The same bytes charged to ``owner`` instead (an allocation handed on without being freed)."""
+        with self._lock:
+            self._remove_locked(charge)
+            return self._add_locked(owner, charge.num_bytes)
+
+    def _add_locked(self, owner: str, num_bytes: int) -> Charge:
+        charge = Charge(next(self._ids), owner, num_bytes)
+        self._charges[charge.charge_id] = charge
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + num_bytes
+        self._used_bytes += num_bytes
+        return charge
+
+    def _remove_locked(self, charge: Charge) -> None:
+        if self._charges.pop(charge.charge_id, None) is None:
+            raise ValueError(f"charge {charge.charge_id} of {charge.owner} was already discharged")
+        self._owner_bytes[charge.owner] -= charge.num_bytes
+        self._used_bytes -= charge.num_bytes
 
     def can_charge(self, num_bytes: int) -> bool:
         return num_bytes <= self.free_bytes
@@ -91,7 +129,7 @@ class VramLedger:
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            return self._used_locked()
+            return self._used_bytes
 
     @property
     def free_bytes(self) -> int:
@@ -119,14 +157,8 @@ class VramLedger:
     def current_owner(self) -> str:
         return self._owner.get()
 
-    def _used_locked(self) -> int:
-        return sum(c.num_bytes for c in self._charges.values())
-
     def _by_owner_locked(self) -> dict[str, int]:
-        totals: dict[str, int] = {}
-        for c in self._charges.values():
-            totals[c.owner] = totals.get(c.owner, 0) + c.num_bytes
-        return {k: v for k, v in sorted(totals.items()) if v}
+        return {k: v for k, v in sorted(self._owner_bytes.items()) if v}
 
     def format(self) -> str:
         """A table of what is resident, by owner, in MiB and as a share of the budget."""

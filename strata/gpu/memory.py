@@ -4,8 +4,9 @@ Numba's External Memory Management interface sends each allocation through one m
 class per process, chosen before the CUDA context exists. ``install_ledger`` installs ours; the
 ledger it charges is a class attribute because Numba, not Strata, instantiates the manager. An
 allocation is charged to the ledger whose owner block is in effect (``with ledger.owner("kv_cache"):
-...``), else to the installed one, before the driver is asked; it is discharged when Numba frees
-the pointer.
+...``), else to the installed one, before the driver is asked. When Numba frees the pointer the
+block goes to that ledger's ``BlockPool`` (``block_pool.py``) for the next allocation of its size;
+``trim_pool`` gives the pooled blocks back to the driver.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import weakref
 
 from strata.errors import AllocationError
+from strata.gpu.block_pool import BlockPool, rounded_bytes
 from strata.gpu.ledger import VramLedger, active_ledger
 
 
@@ -34,6 +36,13 @@ def is_ledger_managed() -> bool:
     return isinstance(manager, _manager_class())
 
 
+def trim_pool(ledger: VramLedger) -> int:
+    """Free ``ledger``'s pooled blocks back to the driver; returns the bytes released."""
+    manager = _manager_class()
+    pool = manager.pools.get(ledger)
+    return pool.reclaim() if pool is not None else 0
+
+
 def _manager_class():
     from numba.cuda.cudadrv import driver
 
@@ -43,20 +52,39 @@ def _manager_class():
 
     class LedgerMemoryManager(driver.NumbaCUDAMemoryManager):
         ledger: VramLedger | None = None
+        pools: weakref.WeakKeyDictionary[VramLedger, BlockPool] = weakref.WeakKeyDictionary()
 
         def memalloc(self, size):
             ledger = active_ledger() or type(self).ledger
             if ledger is None:
                 return super().memalloc(size)
-            charge = ledger.charge(ledger.current_owner, size)
-            try:
-                pointer = super().memalloc(size)
-            except driver.CudaAPIError as exc:
-                ledger.discharge(charge)
-                raise AllocationError(f"{ledger.current_owner}: the driver could not allocate "
-                                      f"{size / 2**20:.1f} MiB ({exc})") from exc
-            weakref.finalize(pointer, ledger.discharge, charge)
-            return pointer
+            owner, size_class = ledger.current_owner, rounded_bytes(size)
+            pool = self._pool(ledger)
+            block = pool.take(size_class, owner)
+            if block is None:
+                charge = ledger.charge(owner, size_class)  # may reclaim pooled blocks to fit
+                try:
+                    block = self._attempt_allocation(lambda: driver.driver.cuMemAlloc(size_class)), charge
+                except driver.CudaAPIError as exc:
+                    ledger.discharge(charge)
+                    raise AllocationError(f"{owner}: the driver could not allocate {size / 2**20:.1f} MiB "
+                                          f"({exc})") from exc
+            pointer, charge = block
+            key = int(pointer)
+
+            def give_back():
+                self.allocations.pop(key, None)
+                pool.put(size_class, pointer, charge)
+
+            memory = driver.AutoFreePointer(weakref.proxy(self.context), pointer, size, finalizer=give_back)
+            self.allocations[key] = memory
+            return memory.own()
+
+        def _pool(self, ledger: VramLedger) -> BlockPool:
+            pool = type(self).pools.get(ledger)
+            if pool is None:
+                pool = type(self).pools[ledger] = BlockPool(ledger, driver.driver.cuMemFree)
+            return pool
 
     driver._strata_ledger_manager = LedgerMemoryManager  # one class per process, as Numba requires
     return LedgerMemoryManager

@@ -24,9 +24,9 @@ import numpy as np
 from numba import cuda  # a module global: the simulator swaps it inside kernels
 
 from strata.engine.ops import ExpertLayout, QTensor
+from strata.gpu.ledger import ACTIVATIONS_OWNER as ACTIVATIONS
 from strata.gpu.ledger import VramLedger
 
-ACTIVATIONS = "activations"
 _DECODE_MAX_TOKENS = 4  # up to this many tokens the MoE runs GEMV-shaped, without grouping
 _KV_FORMATS = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
@@ -176,6 +176,13 @@ class CudaOps:
 
     def synchronize(self) -> None:
         self.cuda.synchronize()
+
+    def trim_memory(self) -> None:
+        if not self._is_charged_by_hand:
+            from strata.gpu.memory import trim_pool
+
+            self.cuda.synchronize()
+            trim_pool(self.ledger)
 
     def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type) -> CudaKv:
         from strata.gpu.kernels.kvcache import empty_kv_layer

@@ -9,6 +9,7 @@ from numba import config as numba_config
 
 from strata.engine.facade import Engine
 from strata.engine.ops import _has_cuda_device
+from strata.gpu.ledger import TRANSIENT_OWNERS
 from strata.model.synth import PRESETS, write_synthetic_model
 
 BACKEND = "cuda" if _has_cuda_device() else "cudasim"
@@ -37,7 +38,7 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     assert tokens == reference_greedy(tiny_path, PROMPT, NUM_GENERATED)
     assert stats.streamed_bytes > 0
     idle = {k: v for k, v in engine.idle_ledger.by_owner.items()}
-    assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k != "activations"} == idle
+    assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the loan and KV formats on the kernels take minutes in the simulator")

@@ -21,7 +21,7 @@ def run_python(code: str) -> str:
 def test_every_numba_allocation_is_charged_and_agrees_with_the_device():
     out = run_python("""
         from strata.gpu.ledger import VramLedger
-        from strata.gpu.memory import install_ledger
+        from strata.gpu.memory import install_ledger, trim_pool
         from strata.errors import VramBudgetError
         ledger = VramLedger(4 << 30)
         install_ledger(ledger)
@@ -44,9 +44,23 @@ def test_every_numba_allocation_is_charged_and_agrees_with_the_device():
             raise SystemExit("no budget error")
         except VramBudgetError as exc:
             assert "expert_cache asked for 8192.0 MiB" in str(exc) and "kv_cache=256.0 MiB" in str(exc), exc
+        pointer = a.device_ctypes_pointer.value
         del a, b
-        ctx.deallocations.clear()
+        # freed blocks stay with the allocator's cache, charged as such, until trimmed or reused
+        assert dict(ledger.snapshot().by_owner) == {"allocator_cache": 320 << 20}
+        with ledger.owner("activations"):
+            c = cuda.device_array(256 << 20, dtype=np.uint8)
+        assert c.device_ctypes_pointer.value == pointer
+        assert dict(ledger.snapshot().by_owner) == {"activations": 256 << 20, "allocator_cache": 64 << 20}
+        del c
+        # a charge that does not fit takes back what it needs from the cache, largest blocks first
+        with ledger.owner("expert_cache"):
+            d = cuda.device_array((4 << 30) - (64 << 20), dtype=np.uint8)
+        assert dict(ledger.snapshot().by_owner) == {"allocator_cache": 64 << 20, "expert_cache": (4 << 30) - (64 << 20)}
+        del d
+        assert trim_pool(ledger) == 4 << 30
         assert dict(ledger.snapshot().by_owner) == {}
+        assert abs(free0 - ctx.get_memory_info().free) <= 8 << 20
         print("ok")
     """)
     assert "ok" in out

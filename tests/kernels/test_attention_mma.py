@@ -138,10 +138,13 @@ def test_attention_mma_rejects_bad_arguments():
     with pytest.raises(ValueError, match="needs .* bytes of shared memory"):
         attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=128,
                       config=MmaAttentionConfig(kv_tile=48, fused=True, stages=2, use_tensor_cores=True))
+    ffma = MmaAttentionConfig(use_tensor_cores=False)  # head_dim 32 has no tensor-core tile step on a GPU
     with pytest.raises(ValueError, match=r"kv_len must lie in \[0, 8\]"):
-        attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32, kv_len=9)
+        attention_mma(q, k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32, kv_len=9,
+                      config=ffma)
     with pytest.raises(TypeError, match="q must have dtype float32"):
-        attention_mma(q.astype(np.float64), k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32)
+        attention_mma(q.astype(np.float64), k_cache, v_cache, positions, num_q_heads=2, num_kv_heads=1, head_dim=32,
+                      config=ffma)
 
 
 @pytest.mark.gpu
