@@ -10,7 +10,9 @@ default) stream: a block freed while a kernel still reads it is only written by 
 that kernel. Expert copies run on their own stream, but into the expert arena and the prefill
 workspace, which are freed only after a synchronize.
 
-Every pooled byte stays in the ledger, charged to ``allocator_cache``: the ledger reclaims the
+A block is charged as the size asked for, not its size class (the driver rounds as well; the
+ledger agrees with the device within that). Every pooled block stays in the ledger, charged to
+``allocator_cache``: the ledger reclaims the
 pool when a charge does not fit, and the engine trims it after each request so the ledger goes
 back to its idle state.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from strata.errors import VramBudgetError
 from strata.gpu.ledger import POOL_OWNER, Charge, VramLedger
 
 _ROUND_BYTES = 512  # the driver's own allocation granularity for small blocks
@@ -41,26 +44,32 @@ class BlockPool:
         self.num_bytes = 0
         ledger.add_reclaimer(self.reclaim)
 
-    def take(self, size_class: int, owner: str) -> tuple[object, Charge] | None:
-        """A pooled block of ``size_class`` bytes, now charged to ``owner``; None when there is none."""
+    def take(self, size_class: int, owner: str, num_bytes: int) -> tuple[object, Charge] | None:
+        """A pooled block of ``size_class`` bytes, now charged to ``owner`` as ``num_bytes`` (what was
+        asked for, as without the pool); None when there is none, or when the difference does not fit."""
         with self._lock:
             blocks = self._blocks.get(size_class)
             if not blocks:
                 return None
             pointer, charge = blocks.pop()
-            self.num_bytes -= size_class
-        return pointer, self.ledger.transfer(charge, owner)
+            self.num_bytes -= charge.num_bytes
+        try:
+            return pointer, self.ledger.transfer(charge, owner, num_bytes)
+        except VramBudgetError:
+            self._free_block(pointer)
+            self.ledger.discharge(charge)
+            return None
 
     def put(self, size_class: int, pointer, charge: Charge) -> None:
         """Keep a freed block; its charge moves to the pool."""
         pooled = self.ledger.transfer(charge, POOL_OWNER)
         with self._lock:
             self._blocks.setdefault(size_class, []).append((pointer, pooled))
-            self.num_bytes += size_class
+            self.num_bytes += pooled.num_bytes
 
     def reclaim(self, num_bytes: int | None = None) -> int:
         """Free pooled blocks back to the driver, largest first, until ``num_bytes`` are released
-        (all of them when None). Returns the bytes released."""
+        (all of them when None). Returns the bytes released, as the ledger counts them."""
         released = 0
         while num_bytes is None or released < num_bytes:
             with self._lock:
@@ -71,8 +80,8 @@ class BlockPool:
                 pointer, charge = blocks.pop()
                 if not blocks:
                     del self._blocks[size_class]
-                self.num_bytes -= size_class
+                self.num_bytes -= charge.num_bytes
             self._free_block(pointer)
             self.ledger.discharge(charge)
-            released += size_class
+            released += charge.num_bytes
         return released

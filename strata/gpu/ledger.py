@@ -104,11 +104,17 @@ class VramLedger:
         with self._lock:
             self._remove_locked(charge)
 
-    def transfer(self, charge: Charge, owner: str) -> Charge:
-        """The same bytes charged to ``owner`` instead (an allocation handed on without being freed)."""
+    def transfer(self, charge: Charge, owner: str, num_bytes: int | None = None) -> Charge:
+        """An allocation handed on without being freed: ``charge`` replaced by one of ``owner`` for
+        ``num_bytes`` (default: the same bytes). Raises ``VramBudgetError`` (and keeps ``charge``)
+        when the new amount does not fit."""
+        num_bytes = charge.num_bytes if num_bytes is None else num_bytes
         with self._lock:
+            free = self.budget_bytes - self._used_bytes + charge.num_bytes
+            if num_bytes > free:
+                raise VramBudgetError(owner, num_bytes, max(0, free), self._by_owner_locked())
             self._remove_locked(charge)
-            return self._add_locked(owner, charge.num_bytes)
+            return self._add_locked(owner, num_bytes)
 
     def _add_locked(self, owner: str, num_bytes: int) -> Charge:
         charge = Charge(next(self._ids), owner, num_bytes)

@@ -60,9 +60,9 @@ def _manager_class():
                 return super().memalloc(size)
             owner, size_class = ledger.current_owner, rounded_bytes(size)
             pool = self._pool(ledger)
-            block = pool.take(size_class, owner)
+            block = pool.take(size_class, owner, size)
             if block is None:
-                charge = ledger.charge(owner, size_class)  # may reclaim pooled blocks to fit
+                charge = ledger.charge(owner, size)  # may reclaim pooled blocks to fit
                 try:
                     block = self._attempt_allocation(lambda: driver.driver.cuMemAlloc(size_class)), charge
                 except driver.CudaAPIError as exc:
