@@ -49,9 +49,11 @@ class BlockPool:
         asked for, as without the pool); None when there is none, or when the difference does not fit."""
         with self._lock:
             blocks = self._blocks.get(size_class)
-            if not blocks:
+            if blocks is None:
                 return None
             pointer, charge = blocks.pop()
+            if not blocks:
+                del self._blocks[size_class]  # no empty lists: reclaim picks among the keys
             self.num_bytes -= charge.num_bytes
         try:
             return pointer, self.ledger.transfer(charge, owner, num_bytes)

@@ -47,6 +47,7 @@ def test_a_freed_block_is_reused_by_the_next_allocation_of_its_size_and_charged_
     ledger.discharge(again_charge)
     ledger.discharge(other_charge)
     assert driver.freed == [] and ledger.used_bytes == 0
+    assert pool.reclaim() == 0  # the class emptied by the reuse is gone too
 
 
 def test_a_charge_that_does_not_fit_reclaims_only_what_it_needs_largest_blocks_first():
