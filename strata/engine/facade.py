@@ -94,7 +94,7 @@ class Engine:
         for resource in resources.values():
             if not resource.is_resident:
                 expected[resource.name] = expected.get(resource.name, 0) + resource.num_bytes
-        runner = ModelRunner(spec, ops, weights, kv, cache, pack)
+        runner = ModelRunner(spec, ops, weights, kv, cache, pack, config.runtime.decode_graphs)
         engine = cls(config=config, model=model, spec=spec, tokenizer=tokenizer, plugins=plugins, backend=backend,
                    ledger=ledger, ops=ops, placement=placement, resources=resources, weights=weights, kv=kv,
                    decode_workspace=decode_ws, pack=pack, cache=cache, planner=planner, workspace=workspace,
@@ -133,6 +133,7 @@ class Engine:
             self.ops.synchronize()
             del hidden
         finally:
+            self.runner.end_request()
             self.kv_tokens = []
             if self.cache:
                 self.cache.clear()

@@ -87,6 +87,7 @@ class Generation:
         finally:
             decode_seconds = time.perf_counter() - decode_started
             hidden = logits = None  # their blocks return to the allocator's cache, which is trimmed
+            engine.runner.end_request()
             engine.ops.trim_memory()
             self._finish(report, len(unread), generated, finish, prefill_seconds, decode_seconds, stream)
 

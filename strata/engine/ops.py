@@ -91,6 +91,9 @@ class Ops(Protocol):
     def positions(self, start: int, num_tokens: int) -> Any:
         """[T] token positions start.. on the backend, for ``qk_norm_rope``, ``kv_write``, ``attention``."""
     def synchronize(self) -> None: ...
+    # Backends that capture launch sequences (``can_capture``) also have ``capture(fn)`` (a segment
+    # whose ``replay()`` runs what ``fn`` launched and whose ``outputs`` are what it returned),
+    # ``copy_in(array, host)`` and ``embed(..., out=)``: the decode step replays per-layer segments.
     def trim_memory(self) -> None:
         """Give device memory kept only for reuse (freed temporaries) back, so the ledger shows what
         is resident. Called between requests."""

@@ -24,6 +24,7 @@ import dataclasses
 import numpy as np
 
 from strata.engine.decode_resources import upload_tensor
+from strata.engine.decode_step import DecodeStep, can_use_segments
 from strata.engine.expert_cache import ExpertCache
 from strata.engine.expert_pack import ExpertPack
 from strata.engine.ops import Ops, QTensor
@@ -81,13 +82,14 @@ class DeviceWeights:
 
 class ModelRunner:
     def __init__(self, spec: ModelSpec, ops: Ops, weights: DeviceWeights, kv, cache: ExpertCache | None,
-                 pack: ExpertPack | None):
+                 pack: ExpertPack | None, is_decode_captured: bool = True):
         self.spec = spec
         self.ops = ops
         self.w = weights
         self.kv = kv
         self.cache = cache
         self.pack = pack
+        self.decode_step = DecodeStep(self) if is_decode_captured and can_use_segments(self) else None
 
     def forward(self, tokens: np.ndarray, start: int, workspace: PromptWorkspace | None, stats: StreamStats):
         """Hidden states [T, D] of ``tokens`` at positions ``start``.. (before the output norm); fills the KV cache.
@@ -96,6 +98,8 @@ class ModelRunner:
         streamed into the cache.
         """
         spec, ops = self.spec, self.ops
+        if workspace is None and len(tokens) == 1 and self.decode_step is not None:
+            return self.decode_step.forward(int(tokens[0]), start, stats)
         ring = self._ring(workspace)
         plans = None
         if ring is not None and len(tokens) * spec.num_experts_used >= spec.num_experts:
@@ -103,13 +107,18 @@ class ModelRunner:
         x = ops.embed(self.w.matrices["token_embd"], tokens)  # [T, D]
         positions = ops.positions(start, len(tokens))  # [T]
         for layer in range(spec.num_layers):
-            self._attention(layer, x, positions, start)
-            h = ops.rms_norm(x, self._vec(layer, "ffn_norm"), spec.rms_norm_eps)  # [T, D]
+            self.attention_block(layer, x, positions, start)
+            h = ops.rms_norm(x, self.vector(layer, "ffn_norm"), spec.rms_norm_eps)  # [T, D]
             if not spec.is_moe:
                 ops.add(x, self._ffn(layer, h))
                 continue
             ops.add(x, self._moe(layer, x, h, ring, plans[layer] if plans else None, stats))
         return x
+
+    def end_request(self) -> None:
+        """Release what a request's decode captured (its segments and their buffers)."""
+        if self.decode_step is not None:
+            self.decode_step.reset()
 
     def _ring(self, workspace: PromptWorkspace | None) -> StagingRing | None:
         if workspace is None or workspace.geometry is None or not workspace.geometry.ring_slots or not self.spec.is_moe:
@@ -146,11 +155,12 @@ class ModelRunner:
             ring.enqueue(plan.batches)
         return plans
 
-    def _attention(self, layer: int, x, positions, start: int) -> None:
+    def attention_block(self, layer: int, x, positions, start: int) -> None:
+        """x += the attention of ``x``'s tokens at ``positions`` (KV written at ``start``..)."""
         spec, ops = self.spec, self.ops
         num_tokens = len(positions)
-        q, k, v = ops.project_qkv(x, self._vec(layer, "attn_norm"), spec.rms_norm_eps, self._mat(layer, "attn_q"),
-                                  self._mat(layer, "attn_k"), self._mat(layer, "attn_v"))
+        q, k, v = ops.project_qkv(x, self.vector(layer, "attn_norm"), spec.rms_norm_eps, self.matrix(layer, "attn_q"),
+                                  self.matrix(layer, "attn_k"), self.matrix(layer, "attn_v"))
         q = q.reshape(num_tokens, spec.num_heads, spec.head_dim)
         k = k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
         v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
@@ -159,14 +169,14 @@ class ModelRunner:
                          spec.rope_theta, spec.is_rope_neox, spec.rms_norm_eps, self.w.rope_freqs_host)
         ops.kv_write(self.kv, layer, start, k, v, positions)
         out = ops.attention(q, self.kv, layer, start, positions)  # [T, Hq * E]
-        ops.matmul_add(x, out, self._mat(layer, "attn_output"))
+        ops.matmul_add(x, out, self.matrix(layer, "attn_output"))
 
     def _ffn(self, layer: int, h):
-        return self.ops.ffn(h, self._mat(layer, "ffn_gate"), self._mat(layer, "ffn_up"), self._mat(layer, "ffn_down"))
+        return self.ops.ffn(h, self.matrix(layer, "ffn_gate"), self.matrix(layer, "ffn_up"), self.matrix(layer, "ffn_down"))
 
     def _moe(self, layer: int, x, h, ring: StagingRing | None, plan: _LayerPlan | None, stats: StreamStats):
         spec, ops, cache = self.spec, self.ops, self.cache
-        ids, weights = ops.route(h, self._mat(layer, "ffn_gate_inp"), spec.num_experts_used,
+        ids, weights = ops.route(h, self.matrix(layer, "ffn_gate_inp"), spec.num_experts_used,
                                  spec.is_expert_weights_normalized)  # [T, k] on the backend
         acc = ops.moe_accumulator(x)  # [T, D]: zeroed, or x itself
         if plan is not None:  # every uncached expert streams; the routing stays on the backend
@@ -178,8 +188,8 @@ class ModelRunner:
         else:
             self._routed_experts(layer, h, ids, weights, acc, ring, stats)
         if spec.shared_expert_ffn_size:
-            shared = ops.ffn(h, self._mat(layer, "ffn_gate_shexp"), self._mat(layer, "ffn_up_shexp"),
-                             self._mat(layer, "ffn_down_shexp"))
+            shared = ops.ffn(h, self.matrix(layer, "ffn_gate_shexp"), self.matrix(layer, "ffn_up_shexp"),
+                             self.matrix(layer, "ffn_down_shexp"))
             ops.shared_expert_add(acc, shared, h, self.w.vectors.get(f"blk.{layer}.ffn_gate_inp_shexp"))
         return acc
 
@@ -187,25 +197,37 @@ class ModelRunner:
         """The routed experts, found on the host: cached ones in place, misses through the ring
         (prefill) or into the cache (decode)."""
         ops, cache, num_experts = self.ops, self.cache, self.spec.num_experts
-        slot_of = np.full(num_experts, -1, dtype=np.int32)  # [N]
-        misses = []
         host_ids = ops.to_host(ids)  # [T, k]: the host picks the experts to stage
+        if ring is None:
+            ops.moe(acc, h, host_ids, weights, cache.storage, self.decode_slots(layer, host_ids, stats), cache.layout)
+            return
+        slot_of, misses = self._lookup(layer, host_ids, stats)
+        if len(misses) < len(np.unique(host_ids)):
+            ops.moe(acc, h, ids, weights, cache.storage, slot_of, cache.layout)  # cached experts in place
+        ring.enqueue(ring.plan(layer, misses, num_experts))
+        for batch in ring.take(layer):
+            ops.moe(acc, h, ids, weights, cache.storage, batch.table, cache.layout)
+
+    def _lookup(self, layer: int, host_ids: np.ndarray, stats: StreamStats) -> tuple[np.ndarray, list[int]]:
+        """[N] slots of the routed experts found in the cache (-1 elsewhere), and the routed misses."""
+        cache = self.cache
+        slot_of = np.full(self.spec.num_experts, -1, dtype=np.int32)  # [N]
+        misses = []
         for expert in np.unique(host_ids):
             slot = cache.lookup(layer, int(expert))
             slot_of[expert] = slot
             if slot < 0:
                 misses.append(int(expert))
-        num_hits = int(np.count_nonzero(slot_of >= 0))
-        stats.hits += num_hits
+        stats.hits += int(np.count_nonzero(slot_of >= 0))
         stats.misses += len(misses)
         stats.streamed_bytes += len(misses) * cache.layout.slot_bytes
-        if ring is not None:
-            if num_hits:
-                ops.moe(acc, h, ids, weights, cache.storage, slot_of, cache.layout)  # cached experts in place
-            ring.enqueue(ring.plan(layer, misses, num_experts))
-            for batch in ring.take(layer):
-                ops.moe(acc, h, ids, weights, cache.storage, batch.table, cache.layout)
-            return
+        return slot_of, misses
+
+    def decode_slots(self, layer: int, host_ids: np.ndarray, stats: StreamStats) -> np.ndarray:
+        """[N] slots of the routed experts of a decode token: misses are inserted into the cache
+        (evicting by its policy) and staged, and the kernels issued next read them."""
+        ops, cache = self.ops, self.cache
+        slot_of, misses = self._lookup(layer, host_ids, stats)
         protected = {int(s) for s in slot_of if s >= 0}
         slots = []
         try:
@@ -222,10 +244,10 @@ class ModelRunner:
         except BaseException:
             cache.forget(slots)  # inserted but never filled: a later request must not compute with them
             raise
-        ops.moe(acc, h, host_ids, weights, cache.storage, slot_of, cache.layout)
+        return slot_of
 
-    def _mat(self, layer: int, name: str) -> QTensor:
+    def matrix(self, layer: int, name: str) -> QTensor:
         return self.w.matrices[f"blk.{layer}.{name}"]
 
-    def _vec(self, layer: int, name: str):
+    def vector(self, layer: int, name: str):
         return self.w.vectors[f"blk.{layer}.{name}"]

@@ -11,6 +11,7 @@ block goes to that ledger's ``BlockPool`` (``block_pool.py``) for the next alloc
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 from strata.errors import AllocationError
@@ -52,9 +53,16 @@ def _manager_class():
 
     class LedgerMemoryManager(driver.NumbaCUDAMemoryManager):
         ledger: VramLedger | None = None
+        retained: list | None = None
         pools: weakref.WeakKeyDictionary[VramLedger, BlockPool] = weakref.WeakKeyDictionary()
 
         def memalloc(self, size):
+            owned = self._memalloc(size)
+            if self.retained is not None:
+                self.retained.append(owned)  # a graph being captured references it: never freed while kept
+            return owned
+
+        def _memalloc(self, size):
             ledger = active_ledger() or type(self).ledger
             if ledger is None:
                 return super().memalloc(size)
@@ -79,6 +87,15 @@ def _manager_class():
             memory = driver.AutoFreePointer(weakref.proxy(self.context), pointer, size, finalizer=give_back)
             self.allocations[key] = memory
             return memory.own()
+
+        @contextlib.contextmanager
+        def retaining(self):
+            """Keep every allocation made inside the block alive as long as the yielded list lives."""
+            outer, self.retained = self.retained, []
+            try:
+                yield self.retained
+            finally:
+                self.retained = outer
 
         def _pool(self, ledger: VramLedger) -> BlockPool:
             pool = type(self).pools.get(ledger)

@@ -72,7 +72,9 @@ class CudaOps:
         # one (1, 1) stand-in per plane dtype for the planes a format lacks, shared by every matrix
         self.placeholders = {name: self.upload("dense_weights", np.zeros((1, 1), dtype))
                              for name, dtype in (("quants", np.uint32), ("scales", np.float16), ("extra", np.uint8))}
-        self._num_sms = 132 if is_simulator else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        # the simulator runs each block as Python threads: a few SMs keep split decode attention cheap there
+        self._num_sms = 4 if is_simulator else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        self._stream = 0  # where kernels launch: the default stream, or a graph builder while capturing
         self._copy_stream = None
         if not is_simulator:
             from strata.gpu.expert_arena import CopyStream
@@ -177,6 +179,34 @@ class CudaOps:
     def synchronize(self) -> None:
         self.cuda.synchronize()
 
+    @property
+    def can_capture(self) -> bool:
+        """Whether ``capture`` records graphs (it needs the ledger's memory manager to retain what a
+        graph references) or, in the simulator, re-runs segments."""
+        return self.is_simulator or not self._is_charged_by_hand
+
+    def capture(self, fn):
+        """A segment of launches made by ``fn`` (through these ops), replayed by ``segment.replay()``;
+        ``segment.outputs`` is what ``fn`` returned. See ``strata/gpu/graphs.py``."""
+        from strata.gpu.graphs import RerunSegment, capture_graph
+
+        if self.is_simulator:
+            return RerunSegment(fn)
+        with self._owning(ACTIVATIONS):
+            return capture_graph(fn, self._launching_on, self.cuda.current_context().memory_manager.retaining)
+
+    @contextlib.contextmanager
+    def _launching_on(self, stream):
+        outer, self._stream = self._stream, stream
+        try:
+            yield
+        finally:
+            self._stream = outer
+
+    def copy_in(self, array, host: np.ndarray) -> None:
+        """Overwrite a device array with host values (a captured segment's input before its replay)."""
+        array.copy_to_device(np.ascontiguousarray(host, dtype=array.dtype))
+
     def trim_memory(self) -> None:
         if not self._is_charged_by_hand:
             from strata.gpu.memory import trim_pool
@@ -195,17 +225,17 @@ class CudaOps:
 
     # --- compute --------------------------------------------------------------------------
 
-    def embed(self, table: QTensor, tokens: np.ndarray):
+    def embed(self, table: QTensor, tokens: np.ndarray, out=None):
         from strata.gpu.kernels.elementwise import embedding
 
         with self._owning(ACTIVATIONS):
-            return embedding(table.data, self.cuda.to_device(np.asarray(tokens, dtype=np.int32)))
+            return embedding(table.data, self.cuda.to_device(np.asarray(tokens, dtype=np.int32)), out)
 
     def rms_norm(self, x, weight, eps: float):
         from strata.gpu.kernels.norm import rms_norm
 
         with self._owning(ACTIVATIONS):
-            return rms_norm(x, weight, eps)
+            return rms_norm(x, weight, eps, stream=self._stream)
 
     def matmul(self, x, weight: QTensor):
         from strata.gpu.kernels.gemm import gemm
@@ -213,7 +243,7 @@ class CudaOps:
 
         with self._owning(ACTIVATIONS):
             if x.shape[0] == 1:
-                return gemv(weight.data, x[0]).reshape(1, weight.shape[0])
+                return gemv(weight.data, x[0], stream=self._stream).reshape(1, weight.shape[0])
             return gemm(x, weight.data)
 
     def project_qkv(self, x, norm, eps: float, wq: QTensor, wk: QTensor, wv: QTensor):
@@ -223,7 +253,7 @@ class CudaOps:
             h = self.rms_norm(x, norm, eps)
             return self.matmul(h, wq), self.matmul(h, wk), self.matmul(h, wv)
         with self._owning(ACTIVATIONS):  # decode: the norm and the three GEMVs in one launch
-            ys = gemv_multi((wq.data, wk.data, wv.data), x[0], norm_weight=norm, eps=eps)
+            ys = gemv_multi((wq.data, wk.data, wv.data), x[0], norm_weight=norm, eps=eps, stream=self._stream)
         return tuple(y.reshape(1, y.shape[0]) for y in ys)
 
     def matmul_add(self, x, y, weight: QTensor) -> None:
@@ -231,7 +261,7 @@ class CudaOps:
         from strata.gpu.kernels.gemv import gemv
 
         if y.shape[0] == 1:
-            gemv(weight.data, y[0], x[0], accumulate=True)
+            gemv(weight.data, y[0], x[0], accumulate=True, stream=self._stream)
         else:
             gemm(y, weight.data, x, accumulate=True)
 
@@ -246,7 +276,7 @@ class CudaOps:
                            self._device_positions(positions), head_dim=head_dim,
                            q_norm_weight=q_norm, k_norm_weight=k_norm, eps=eps,
                            rope_mode="neox" if is_neox else "normal", rope_dims=num_rope_dims,
-                           inv_freq=self._rope[key])
+                           inv_freq=self._rope[key], stream=self._stream)
 
     def prepare_rope(self, num_rope_dims: int, theta: float, freq_factors=None) -> tuple:
         """Upload the RoPE frequency table once, at load, as part of the dense weights."""
@@ -270,7 +300,8 @@ class CudaOps:
             positions = self.cuda.to_device(np.arange(start, start + num_tokens, dtype=np.int32))
         k_cache, v_cache = kv.layers[layer]
         with self._owning(ACTIVATIONS):
-            append_kv(k_cache, v_cache, k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), positions)
+            append_kv(k_cache, v_cache, k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), positions,
+                      stream=self._stream)
 
     def attention(self, q, kv: CudaKv, layer: int, start: int, positions=None):
         from strata.gpu.kernels.attention import attention, default_num_splits
@@ -278,19 +309,24 @@ class CudaOps:
         num_tokens, num_heads, head_dim = q.shape
         if positions is None:
             positions = np.arange(start, start + num_tokens, dtype=np.int32)
-        splits = default_num_splits(start + num_tokens, kv.num_kv_heads, self._num_sms) if num_tokens == 1 else 1
         k_cache, v_cache = kv.layers[layer]
+        args = dict(num_q_heads=num_heads, num_kv_heads=kv.num_kv_heads, head_dim=head_dim)
         with self._owning(ACTIVATIONS):
+            if num_tokens == 1:  # decode: the KV length comes from the position on the device, so a
+                # captured step replays at any position; the splits are sized for the whole cache
+                splits = default_num_splits(kv.num_cells, kv.num_kv_heads, self._num_sms)
+                return attention(q.reshape(1, -1), k_cache, v_cache, self._device_positions(positions),
+                                 kv_len=kv.num_cells, num_splits=splits, is_len_from_positions=True,
+                                 stream=self._stream, **args)
             return attention(q.reshape(num_tokens, -1), k_cache, v_cache, self._device_positions(positions),
-                             num_q_heads=num_heads, num_kv_heads=kv.num_kv_heads, head_dim=head_dim,
-                             kv_len=start + num_tokens, num_splits=splits)
+                             kv_len=start + num_tokens, **args)
 
     def route(self, x, router: QTensor, num_used: int, is_norm: bool):
         from strata.gpu.kernels.moe_route import moe_route
 
         logits = self.matmul(x, router)
         with self._owning(ACTIVATIONS):
-            ids, weights = moe_route(logits, num_used, norm_weights=is_norm)
+            ids, weights = moe_route(logits, num_used, norm_weights=is_norm, stream=self._stream)
         return ids, weights  # [T, k] int32 on the device; to_host when the host must pick experts
 
     def moe_accumulator(self, x):
@@ -309,13 +345,18 @@ class CudaOps:
             return moe_group(ids, weights, num_experts, default_config().block_m)
 
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
-        """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``."""
+        """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``;
+        with ``slot_of_expert`` None, ``ids`` [T, k] on the device are slots already (decode)."""
         from strata.gpu.kernels.gemm import default_config
         from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
         gate, up, down = storage.matrices()
         num_slots = storage.num_slots_reserved
+        if slot_of_expert is None:
+            with self._owning(ACTIVATIONS):
+                moe_experts_decode(x, ids, weights, gate, up, down, out, num_experts=num_slots, stream=self._stream)
+            return
         if isinstance(ids, np.ndarray) and isinstance(slot_of_expert, np.ndarray) and x.shape[0] <= _DECODE_MAX_TOKENS:
             # decode with the routing on the host already: the slots are looked up here, no map launch
             slot_ids = np.where(ids >= 0, slot_of_expert[np.clip(ids, 0, len(slot_of_expert) - 1)], -1)  # [T, k]

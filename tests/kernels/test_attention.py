@@ -53,6 +53,22 @@ def test_decode_one_token_split_over_the_context(num_splits):
     np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, kv_len - 1), **TOLERANCE)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_with_the_length_from_the_positions_replays_at_any_position(num_splits):
+    # one set of launch arguments (kv_len = the cache size), the position only in device memory,
+    # as a captured decode step replays it: split ranges shorter than a tile, empty splits
+    (k_cache, k_values), (v_cache, v_values) = _cache("Q4_0", 48, seed=76)
+    q = np.random.default_rng(77).standard_normal((1, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
+    config = AttentionConfig(tokens_per_block=1, threads_per_row=8, kv_tile=8)
+    q_dev, positions = dev(q), dev(np.zeros(1, np.int32))
+    for position in (0, 3, 9, 30, 47):
+        positions.copy_to_device(np.array([position], np.int32))
+        out = attention(q_dev, k_cache, v_cache, positions, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS,
+                        head_dim=HEAD_DIM, kv_len=48, num_splits=num_splits, config=config,
+                        is_len_from_positions=True)
+        np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, position), **TOLERANCE)
+
+
 def test_split_prefill_with_custom_scale_equals_unsplit():
     (k_cache, _), (v_cache, _) = _cache("Q4_0", 16, seed=74)
     q = np.random.default_rng(75).standard_normal((3, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)

@@ -109,8 +109,12 @@ def _attention_kernel(fmt: str, head_dim: int, group: int, config: AttentionConf
             o[c] = np.float32(0.0)
         m_i = NEG_INF
         l_i = np.float32(0.0)
-        start = split * split_len
-        end = min(start + split_len, kv_len, last_pos + 1)
+        span = min(kv_len, last_pos + 1)
+        split_rows = split_len
+        if split_rows == 0:  # from the positions on the device: a captured step replays at any position
+            split_rows = ((span + cuda.gridDim.z - 1) // cuda.gridDim.z + bkv - 1) // bkv * bkv
+        start = split * split_rows
+        end = min(start + split_rows, span)
         for j0 in range(start, end, bkv):
             cuda.syncthreads()  # the previous tile's readers are done with ks, vs, ps
             for idx in range(tid, bkv * octets_per_row, threads):
@@ -201,13 +205,18 @@ def _combine_kernel(o_part, m_part, l_part, out):  # o_part [S, T, Hq, d] -> out
 
 def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
               num_kv_heads: int, head_dim: int, kv_len: int | None = None, scale: float | None = None,
-              num_splits: int = 1, config: AttentionConfig = AttentionConfig(), workspace=None):
+              num_splits: int = 1, config: AttentionConfig = AttentionConfig(), workspace=None,
+              is_len_from_positions: bool = False, stream=0):
     """softmax(q k^T * scale + causal mask) v per query head; q, out [T, num_q_heads * head_dim] float32.
 
     k_cache / v_cache: [num_positions, num_kv_heads * head_dim] in F16, Q8_0 or Q4_0 (kvcache.py).
     q_positions: [T] int32. kv_len: cache rows in use (> every position); needed when q_positions
     is on the device. num_splits > 1 splits the KV range over blocks and combines (decode);
     workspace: optional preallocated (o_part [S, T, Hq, d], m_part [S, T, Hq], l_part [S, T, Hq]).
+    is_len_from_positions: the KV range ends after the last query position, read on the device, and
+    the splits divide that range (kv_len only bounds it): the launch's arguments do not depend on
+    the position, so a captured decode step replays at any position.
+    stream: 0 (the default stream), a Numba stream or a graph builder capturing the launches.
 
     Prefill (see uses_tensor_cores) runs attention_mma() instead, config unused, inputs rounded to f16.
 
@@ -240,7 +249,7 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
         return attention_mma(q, k_cache, v_cache, q_positions, out, num_q_heads=num_q_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=kv_len, scale=scale,
                              config=SERVING_CONFIG)
-    split_len = ceil_div(ceil_div(max(kv_len, 1), num_splits), bkv) * bkv
+    split_len = 0 if is_len_from_positions else ceil_div(ceil_div(max(kv_len, 1), num_splits), bkv) * bkv
     is_split = num_splits > 1
     if is_split:
         shapes = ((num_splits, num_tokens, num_q_heads, head_dim), (num_splits, num_tokens, num_q_heads),
@@ -254,8 +263,8 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     kernel = _attention_kernel(k_cache.fmt, head_dim, group, config, is_split)
     grid = (ceil_div(num_tokens, bt), num_kv_heads, num_splits)
-    kernel[grid, bt * group * tpr](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants, v_cache.scales,
+    kernel[grid, bt * group * tpr, stream](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants, v_cache.scales,
                                    v_cache.extra, q_positions, kv_len, split_len, np.float32(scale), out, *workspace)
     if is_split:
-        _combine_kernel[(num_tokens, num_q_heads), min(head_dim, 128)](*workspace, out)
+        _combine_kernel[(num_tokens, num_q_heads), min(head_dim, 128), stream](*workspace, out)
     return out

@@ -38,7 +38,7 @@ def _embedding_kernel(fmt: str, threads: int):
     return embedding_kernel
 
 
-def embedding(table: PackedMatrix, token_ids, out=None, *, threads: int = _DEFAULT_THREADS):
+def embedding(table: PackedMatrix, token_ids, out=None, *, threads: int = _DEFAULT_THREADS, stream=0):
     """out[i] = dequantized table row token_ids[i]; [T] int32 ids -> [T, num_cols] float32.
 
     Ids outside [0, num_rows) give a row of zeros (checked here when the ids are on the host).
@@ -58,7 +58,7 @@ def embedding(table: PackedMatrix, token_ids, out=None, *, threads: int = _DEFAU
     if num_tokens == 0:
         return out
     grid = (num_tokens, ceil_div(table.num_cols // OCTET, threads))
-    _embedding_kernel(table.fmt, threads)[grid, threads](
+    _embedding_kernel(table.fmt, threads)[grid, threads, stream](
         table.quants, table.scales, table.extra, token_ids, table.num_rows, out
     )
     return out

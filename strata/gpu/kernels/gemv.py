@@ -137,11 +137,12 @@ def _gemv_kernel(fmt: str, config: GemvConfig, has_norm: bool, is_accumulate: bo
 
 
 def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
-         config: GemvConfig = GemvConfig()):
+         config: GemvConfig = GemvConfig(), stream=0):
     """y[n] = sum_k W[n, k] x'[k] with x' = x, or RMSNorm(x) * norm_weight when norm_weight is given.
 
     w: packed [N, K] (any format); x: [K] float32 or float16; norm_weight: [K] float32;
     y: [N] float32 (allocated when None); accumulate=True adds into y (the residual stream).
+    stream: 0 (the default stream), a Numba stream or a graph builder capturing the launch.
 
     Launch config: grid ceil(N / (threads / lanes_per_row * rows_per_group)), block `threads`;
     shared memory threads * rows_per_group float32. Default (H200): 128 threads, 32 lanes per row,
@@ -166,5 +167,5 @@ def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, acc
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     kernel = _gemv_kernel(w.fmt, config, has_norm, accumulate)
     grid = ceil_div(w.num_rows, config.rows_per_block)
-    kernel[grid, config.threads](w.quants, w.scales, w.extra, x.reshape(1, num_cols), norm_w, np.float32(eps), y)
+    kernel[grid, config.threads, stream](w.quants, w.scales, w.extra, x.reshape(1, num_cols), norm_w, np.float32(eps), y)
     return y

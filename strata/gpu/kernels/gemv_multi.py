@@ -61,7 +61,8 @@ def _gemv3_kernel(fmts: tuple, config: GemvConfig, has_norm: bool):
     return gemv3_kernel
 
 
-def gemv_multi(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: GemvConfig = GemvConfig()):
+def gemv_multi(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: GemvConfig = GemvConfig(),
+               stream=0):
     """ys[i][n] = sum_k W_i[n, k] x'[k] for 2 or 3 packed matrices with the same K (x' as in gemv).
 
     ws: sequence of PackedMatrix [N_i, K]; x: [K] float32/float16; norm_weight: [K] float32 or
@@ -92,7 +93,7 @@ def gemv_multi(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: G
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     kernel = _gemv3_kernel((ws[0].fmt, ws[1].fmt, w_c.fmt), config, has_norm)
     if sum(blocks):
-        kernel[sum(blocks), config.threads](
+        kernel[sum(blocks), config.threads, stream](
             ws[0].quants, ws[0].scales, ws[0].extra, ws[1].quants, ws[1].scales, ws[1].extra,
             w_c.quants, w_c.scales, w_c.extra, x.reshape(1, num_cols), norm_w, np.float32(eps),
             blocks[0], blocks[1], ys[0], ys[1], y_c)

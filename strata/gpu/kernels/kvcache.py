@@ -112,7 +112,8 @@ def _append_kernel(fmt: str, threads: int):
     return append_kv_kernel
 
 
-def append_kv(k_cache: PackedMatrix, v_cache: PackedMatrix, k_new, v_new, positions, *, threads: int = _DEFAULT_THREADS):
+def append_kv(k_cache: PackedMatrix, v_cache: PackedMatrix, k_new, v_new, positions, *, threads: int = _DEFAULT_THREADS,
+              stream=0):
     """Write k_new[t], v_new[t] ([T, width] float32) into row positions[t] ([T] int32) of the caches.
 
     Positions outside [0, num_positions) are skipped (and rejected here when on the host).
@@ -135,6 +136,6 @@ def append_kv(k_cache: PackedMatrix, v_cache: PackedMatrix, k_new, v_new, positi
     if num_tokens == 0:
         return
     grid = (num_tokens, ceil_div(width // KV_BLOCK, threads), 2)
-    _append_kernel(k_cache.fmt, threads)[grid, threads](
+    _append_kernel(k_cache.fmt, threads)[grid, threads, stream](
         k_new, v_new, positions, k_cache.quants, k_cache.scales, v_cache.quants, v_cache.scales
     )

@@ -240,7 +240,7 @@ def _decode_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemvConfi
 
 def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
                        num_experts: int, norm_weight=None, eps: float = 1e-6, hidden=None,
-                       config: GemvConfig = GemvConfig()):
+                       config: GemvConfig = GemvConfig(), stream=0):
     """out [T, H] += routed experts for a few tokens; x [T, H] float32 (RMSNorm-ed here when
     norm_weight [H] is given), ids/weights [T, k] from moe_route (an id outside [0, num_experts)
     contributes nothing); hidden: optional [T * k, F] float32 scratch.
@@ -268,8 +268,8 @@ def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, do
         return out
     gate_up_kernel, down_kernel = _decode_kernels(gate.fmt, up.fmt, down.fmt, config, has_norm)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    gate_up_kernel[(ceil_div(ffn, config.rows_per_block), num_tokens * top_k), config.threads](
+    gate_up_kernel[(ceil_div(ffn, config.rows_per_block), num_tokens * top_k), config.threads, stream](
         x, norm_w, np.float32(eps), ids, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, hidden)
-    down_kernel[(ceil_div(dim, config.rows_per_block), num_tokens), config.threads](
+    down_kernel[(ceil_div(dim, config.rows_per_block), num_tokens), config.threads, stream](
         hidden, ids, weights, down.quants, down.scales, down.extra, out)
     return out

@@ -66,7 +66,8 @@ def _route_kernel(top_k: int, is_norm: bool):
     return route_kernel
 
 
-def moe_route(logits, top_k: int, *, norm_weights: bool = True, ids=None, weights=None, threads: int = 128):
+def moe_route(logits, top_k: int, *, norm_weights: bool = True, ids=None, weights=None, threads: int = 128,
+              stream=0):
     """Top-k experts per token: logits [T, E] float32 -> ids [T, k] int32, weights [T, k] float32.
 
     Launch config: grid ceil(T / threads), block `threads` (default 128); one token per thread.
@@ -82,7 +83,7 @@ def moe_route(logits, top_k: int, *, norm_weights: bool = True, ids=None, weight
     check_array("ids", ids, dtypes=np.int32, shape=(num_tokens, top_k))
     check_array("weights", weights, dtypes=np.float32, shape=(num_tokens, top_k))
     if num_tokens:
-        _route_kernel(top_k, bool(norm_weights))[ceil_div(num_tokens, threads), threads](logits, ids, weights)
+        _route_kernel(top_k, bool(norm_weights))[ceil_div(num_tokens, threads), threads, stream](logits, ids, weights)
     return ids, weights
 
 

@@ -40,7 +40,7 @@ def _rms_norm_kernel(threads: int):
     return rms_norm_kernel
 
 
-def rms_norm(x, weight, eps: float = 1e-6, out=None, *, threads: int = _DEFAULT_THREADS):
+def rms_norm(x, weight, eps: float = 1e-6, out=None, *, threads: int = _DEFAULT_THREADS, stream=0):
     """RMSNorm of each row: x [T, H] float32/float16, weight [H] float32 -> out [T, H] float32.
 
     out may be x itself (float32) for an in-place norm.
@@ -56,7 +56,7 @@ def rms_norm(x, weight, eps: float = 1e-6, out=None, *, threads: int = _DEFAULT_
         out = empty(tuple(x.shape), np.float32, x, weight)
     check_array("out", out, dtypes=np.float32, shape=tuple(x.shape))
     if x.shape[0]:
-        _rms_norm_kernel(threads)[x.shape[0], threads](x, weight, np.float32(eps), out)
+        _rms_norm_kernel(threads)[x.shape[0], threads, stream](x, weight, np.float32(eps), out)
     return out
 
 

@@ -86,7 +86,7 @@ def _head_kernel(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm:
 
 def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=None, k_norm_weight=None,
                    eps: float = 1e-6, rope_mode: str | None = "neox", freq_base: float = 1e6,
-                   rope_dims: int | None = None, inv_freq=None):
+                   rope_dims: int | None = None, inv_freq=None, stream=0):
     """In place: per-head RMSNorm (when norm weights are given) then RoPE (unless rope_mode=None).
 
     q: [T, Hq * head_dim] float32; k: [T, Hk * head_dim] float32 or None; positions: [T] int32
@@ -147,5 +147,5 @@ def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=No
         np.float32(eps),
     )
     kernel = _head_kernel(head_dim, rope_dims, rope_mode, has_norm)
-    kernel[(num_tokens, num_q_heads + num_k_heads), head_dim // 2](*args)
+    kernel[(num_tokens, num_q_heads + num_k_heads), head_dim // 2, stream](*args)
     return q, k
