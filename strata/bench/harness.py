@@ -73,7 +73,12 @@ def prefill_floor_seconds(run: dict) -> float:
     """max(streamed bytes / PCIe, FLOPs / tensor-core rate); attention is causal."""
     n = run["prompt_tokens"]
     flops = 2.0 * run["active_params"] * n + 2.0 * n * n * run.get("attention_width", 0)
-    return max(run["streamed_bytes"] / PCIE_BYTES_PER_S, flops / TENSOR_FLOPS_PER_S)
+    return max(_prefill_bytes(run) / PCIE_BYTES_PER_S, flops / TENSOR_FLOPS_PER_S)
+
+
+def _prefill_bytes(run: dict) -> int:
+    """Bytes prefill streamed (runs recorded before the split counted decode's misses too)."""
+    return run.get("prefill_streamed_bytes", run["streamed_bytes"])
 
 
 def format_table(runs: list[dict]) -> str:
@@ -87,7 +92,7 @@ def format_table(runs: list[dict]) -> str:
         pp = [r["prefill_tokens_per_s"] for r in group]
         tg = [r["decode_tokens_per_s"] for r in group]
         plans = sorted({f"{r['chunk_tokens']:,} / {r['ring_slots']}" for r in group})
-        per_chunk = statistics.median(r["streamed_bytes"] / max(1, r["num_chunks"]) for r in group) / 2**20
+        per_chunk = statistics.median(_prefill_bytes(r) / max(1, r["num_chunks"]) for r in group) / 2**20
         floor = statistics.median(prefill_floor_seconds(r) / r["prefill_seconds"] for r in group)
         rival = RIVAL_PREFILL.get(length)
         cells = [f"{length:,}", arm, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",

@@ -32,6 +32,7 @@ class Generation:
         self.params = params
         self.is_cancelled = is_cancelled
         self.stats: RequestStats | None = None
+        self._prefill_streamed_bytes = 0
         self._events = self._run()
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -54,6 +55,7 @@ class Generation:
             raise
         engine.kv_tokens = list(prompt)
         prefill_seconds = time.perf_counter() - started
+        self._prefill_streamed_bytes = stream.streamed_bytes
         generated, finish, is_stop_string, decode_started = 0, "length", False, time.perf_counter()
         decoder, stop, rng = engine.tokenizer.stream_decoder(), StopMatcher(params.stop), make_rng(params.seed)
         try:
@@ -120,7 +122,8 @@ class Generation:
             prompt_tokens=len(self.prompt), unread_tokens=num_unread, generated_tokens=generated,
             geometry=report.geometry, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
             streamed_bytes=stream.streamed_bytes, num_chunks=stream.num_chunks,
-            cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish)
+            cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish,
+            prefill_streamed_bytes=self._prefill_streamed_bytes)
         self.engine.counters.record(self.stats)
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
 

@@ -34,6 +34,7 @@ class RequestStats:
     cache_misses: int
     loan: LoanReport | None
     finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled"
+    prefill_streamed_bytes: int = 0  # the part of streamed_bytes that prefill streamed
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -56,7 +57,8 @@ class RequestStats:
         return (f"prompt {self.prompt_tokens} tok, unread {self.unread_tokens}, generated {self.generated_tokens} "
                 f"({self.finish_reason}) | plan {plan} in {self.num_chunks} chunk(s) | "
                 f"PP {self.prefill_tokens_per_s:.1f} tok/s, TG {self.decode_tokens_per_s:.1f} tok/s | "
-                f"streamed {self.streamed_bytes / 2**20:.1f} MiB, expert-cache hit rate {self.cache_hit_rate:.1%} | "
+                f"streamed {self.streamed_bytes / 2**20:.1f} MiB (prefill "
+                f"{self.prefill_streamed_bytes / 2**20:.1f}), expert-cache hit rate {self.cache_hit_rate:.1%} | "
                 f"{loan}")
 
 
