@@ -44,6 +44,7 @@ class Generation:
         unread = np.asarray(prompt[reuse:], dtype=np.int64)
         engine.kv_tokens = prompt[:reuse]
         stream = StreamStats()
+        engine.runner.end_request()  # segments of a request whose iteration was abandoned
         engine.ops.trim_memory()  # what a failed request left for reuse must not shrink the plan
         started = time.perf_counter()
         try:

@@ -41,6 +41,22 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
 
 
+def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path):
+    # captured per-layer segments (graphs on the GPU, re-run in the simulator) against plain
+    # launches over several tokens: positions move, misses are staged between the two segments
+    runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False}
+    prompt, num_generated = PROMPT[:4], NUM_GENERATED + 1  # the simulator takes ~10 s per decode step
+    plain = Engine.load(engine_config(tiny_path, runtime={**runtime, "decode_graphs": False}), show_progress=False)
+    captured = Engine.load(engine_config(tiny_path, runtime=runtime), show_progress=False)
+    assert plain.runner.decode_step is None and captured.runner.decode_step is not None
+    expected, _ = greedy(plain, prompt, num_generated)
+    tokens, stats = greedy(captured, prompt, num_generated)
+    assert tokens == expected == reference_greedy(tiny_path, prompt, num_generated)
+    assert stats.cache_misses > 0
+    idle = dict(captured.idle_ledger.by_owner)
+    assert {k: v for k, v in captured.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
+
+
 @pytest.mark.skipif(BACKEND != "cuda", reason="the loan and KV formats on the kernels take minutes in the simulator")
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])
 def test_loan_on_the_gpu_restores_everything_and_keeps_the_output(tiny_path, kv_type):
