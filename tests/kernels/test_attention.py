@@ -92,6 +92,8 @@ def test_attention_rejects_bad_shapes():
     with pytest.raises(ValueError, match="bytes of shared memory"):
         attention(q, k_cache, v_cache, np.zeros(1, np.int32), num_q_heads=NUM_Q_HEADS,
                   config=AttentionConfig(tokens_per_block=64, threads_per_row=4, kv_tile=64), **args)
+    with pytest.raises(ValueError, match="num_splits 513 exceeds 512"):
+        attention(q, k_cache, v_cache, np.zeros(1, np.int32), num_q_heads=NUM_Q_HEADS, num_splits=513, **args)
 
 
 def test_attention_writes_host_outputs():

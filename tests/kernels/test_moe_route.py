@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from kernel_data import dev, host
-from strata.gpu.kernels.moe_route import moe_group, moe_route
+from strata.gpu.kernels.moe_route import BLOCK_ROUTE_MAX_TOKENS, moe_group, moe_route
 from strata.model import reference_ops
 
 
@@ -16,6 +16,23 @@ def test_route_matches_llama_softmax_top_k(norm_weights):
     np.testing.assert_array_equal(host(ids), ref_ids)
     np.testing.assert_allclose(host(weights), ref_weights, rtol=2e-6, atol=1e-7)
     assert host(ids)[3, 0] == 4
+
+
+def test_a_block_per_token_routes_to_the_same_bits_as_a_thread_per_token():
+    # decode shapes (a block per token) against prefill shapes (a thread per token) on the same rows,
+    # with ties inside the top-k and more experts than the block has threads
+    rng = np.random.default_rng(81)
+    num_tokens = BLOCK_ROUTE_MAX_TOKENS + 3
+    logits = rng.standard_normal((num_tokens, 160)).astype(np.float32)
+    logits[1, 7] = logits[1, 150] = logits[1, 3] = logits[1].max() + 0.5
+    logits[2, :] = 0.25  # every expert tied: ids 0..k-1
+    by_thread = [host(a) for a in moe_route(dev(logits), 8)]
+    by_block = [host(a) for a in moe_route(dev(logits[:BLOCK_ROUTE_MAX_TOKENS]), 8)]
+    np.testing.assert_array_equal(by_block[0], by_thread[0][:BLOCK_ROUTE_MAX_TOKENS])
+    np.testing.assert_array_equal(by_block[1], by_thread[1][:BLOCK_ROUTE_MAX_TOKENS])
+    assert list(by_block[0][1, :3]) == [3, 7, 150] and list(by_block[0][2]) == list(range(8))
+    ref_ids, _ = reference_ops.route(logits, 8, is_norm_weights=True)
+    np.testing.assert_array_equal(by_thread[0], ref_ids)
 
 
 def _reference_groups(ids, weights, num_experts, block_m):

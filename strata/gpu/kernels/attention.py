@@ -42,6 +42,7 @@ class AttentionConfig(NamedTuple):
 
 DECODE_CONFIG = AttentionConfig(tokens_per_block=1, threads_per_row=16, kv_tile=32)
 _MAX_STATIC_SHARED_BYTES = 48 * 1024  # static shared arrays; more needs a dynamic opt-in
+MAX_SPLITS = 512  # KV splits of one decode token (the combine stages their weights in shared memory)
 MMA_MIN_TOKENS = 5  # fewer query tokens fill too few 64-row tensor-core tiles
 
 
@@ -61,7 +62,7 @@ def _shared_bytes(head_dim: int, group: int, config: AttentionConfig) -> int:
 def default_num_splits(kv_len: int, num_kv_heads: int, num_sms: int, config: AttentionConfig = DECODE_CONFIG) -> int:
     """KV splits for one decode token: about two blocks per SM, each split at least one KV tile."""
     num_tiles = max(1, ceil_div(kv_len, config.kv_tile))
-    return max(1, min(num_tiles, ceil_div(2 * num_sms, num_kv_heads)))
+    return max(1, min(num_tiles, ceil_div(2 * num_sms, num_kv_heads), MAX_SPLITS))
 
 
 @functools.cache
@@ -186,20 +187,34 @@ def _attention_kernel(fmt: str, head_dim: int, group: int, config: AttentionConf
 
 @cuda.jit
 def _combine_kernel(o_part, m_part, l_part, out):  # o_part [S, T, Hq, d] -> out [T, Hq * d]
+    # each split's weight exp(m_s - m) is computed once into shared memory (not once per output
+    # dimension): the loop over splits is then independent loads, not a chain of exps
     t = cuda.blockIdx.x
     h = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    num_splits = o_part.shape[0]
     head_dim = o_part.shape[3]
+    ms = cuda.shared.array(MAX_SPLITS, np.float32)
+    ws = cuda.shared.array(MAX_SPLITS, np.float32)
+    lws = cuda.shared.array(MAX_SPLITS, np.float32)
+    for s in range(tid, num_splits, cuda.blockDim.x):
+        ms[s] = m_part[s, t, h]
+    cuda.syncthreads()
     m = NEG_INF
-    for s in range(o_part.shape[0]):
-        m = max(m, m_part[s, t, h])
-    for c in range(cuda.threadIdx.x, head_dim, cuda.blockDim.x):
-        total_l = np.float32(0.0)
+    for s in range(num_splits):
+        m = max(m, ms[s])
+    for s in range(tid, num_splits, cuda.blockDim.x):
+        w = np.float32(math.exp(ms[s] - m)) if ms[s] != NEG_INF else np.float32(0.0)
+        ws[s] = w
+        lws[s] = l_part[s, t, h] * w
+    cuda.syncthreads()
+    total_l = np.float32(0.0)
+    for s in range(num_splits):
+        total_l += lws[s]
+    for c in range(tid, head_dim, cuda.blockDim.x):
         acc = np.float32(0.0)
-        for s in range(o_part.shape[0]):
-            if m_part[s, t, h] != NEG_INF:
-                w = np.float32(math.exp(m_part[s, t, h] - m))
-                total_l += l_part[s, t, h] * w
-                acc += o_part[s, t, h, c] * w
+        for s in range(num_splits):
+            acc += o_part[s, t, h, c] * ws[s]
         out[t, h * head_dim + c] = acc / total_l if total_l > 0 else np.float32(0.0)
 
 
@@ -231,6 +246,8 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
         check_positive(name, value)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits {num_splits} exceeds {MAX_SPLITS}")
     group = num_q_heads // num_kv_heads
     bt, tpr, bkv = config
     for name, value in zip(AttentionConfig._fields, config):

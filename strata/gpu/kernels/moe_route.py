@@ -2,8 +2,11 @@
 
 Routing is llama.cpp's qwen3moe gating: p = softmax(router logits) over all experts, the k most
 probable experts (ties to the lower id), their p divided by max(sum, 6.1e-5) when the model
-normalizes weights. One thread routes one token: 128 experts x 8 picks is ~1k comparisons, and a
-prefill chunk has thousands of tokens to spread over the GPU.
+normalizes weights. In a prefill chunk one thread routes one token: 128 experts x 8 picks is ~1k
+comparisons, and a chunk has thousands of tokens to spread over the GPU. A few tokens (decode) get
+a block each instead, the picks found by block reductions: one thread alone takes ~50 µs a layer.
+Both give the same bits: the max and the picks are exact, and the softmax sum runs in expert order
+in one thread in both.
 
 Grouping turns the T*k (token, expert) pairs into one contiguous segment per expert, in pair
 order within a segment (deterministic, no atomics on global memory), plus a list of row tiles of
@@ -28,6 +31,9 @@ from .block_reduce import NEG_INF
 WEIGHT_SUM_FLOOR = np.float32(6.103515625e-5)  # llama.cpp clamps the top-k sum to the smallest f16 normal
 _POS_INF = np.float32(np.inf)
 _PAIRS_PER_THREAD = 4
+BLOCK_ROUTE_MAX_TOKENS = 16  # up to this many tokens a block routes each token
+MAX_BLOCK_ROUTE_EXPERTS = 512  # the block kernel stages a token's logits in shared memory
+_BLOCK_ROUTE_THREADS = 128
 
 
 @functools.cache
@@ -66,11 +72,77 @@ def _route_kernel(top_k: int, is_norm: bool):
     return route_kernel
 
 
+@functools.cache
+def _route_block_kernel(top_k: int, is_norm: bool, threads: int):
+    @cuda.jit(device=True)
+    def reduce_best(red_v, red_i, tid):  # the best (value down, id up; id -1: none) lands in [0]
+        stride = threads // 2
+        while stride > 0:
+            if tid < stride:
+                v, i = red_v[tid + stride], red_i[tid + stride]
+                if i >= 0 and (red_i[tid] < 0 or v > red_v[tid] or (v == red_v[tid] and i < red_i[tid])):
+                    red_v[tid], red_i[tid] = v, i
+            cuda.syncthreads()
+            stride //= 2
+
+    @cuda.jit
+    def route_block_kernel(logits, ids, weights):  # logits [T, E] -> ids, weights [T, k]; one block a token
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        num_experts = logits.shape[1]
+        row = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
+        red_v = cuda.shared.array(threads, np.float32)
+        red_i = cuda.shared.array(threads, np.int32)
+        total_s = cuda.shared.array(1, np.float32)
+        best = NEG_INF
+        best_id = -1
+        for e in range(tid, num_experts, threads):
+            v = logits[t, e]
+            row[e] = v
+            if best_id < 0 or v > best:
+                best, best_id = v, e
+        red_v[tid], red_i[tid] = best, best_id
+        cuda.syncthreads()
+        reduce_best(red_v, red_i, tid)
+        top = red_v[0]
+        if tid == 0:  # in expert order, as the one-thread kernel sums
+            total = np.float32(0.0)
+            for e in range(num_experts):
+                total += np.float32(math.exp(row[e] - top))
+            total_s[0] = total
+        prev, prev_id = _POS_INF, -1
+        picked_sum = np.float32(0.0)
+        for j in range(top_k):
+            cuda.syncthreads()  # everyone has read the previous pick (and the max)
+            best, best_id = NEG_INF, -1
+            for e in range(tid, num_experts, threads):
+                v = row[e]
+                is_after = v < prev or (v == prev and e > prev_id)  # order: logit down, id up
+                if is_after and (best_id < 0 or v > best):
+                    best, best_id = v, e
+            red_v[tid], red_i[tid] = best, best_id
+            cuda.syncthreads()
+            reduce_best(red_v, red_i, tid)
+            prev, prev_id = red_v[0], red_i[0]
+            if tid == 0:
+                p = np.float32(math.exp(prev - top)) / total_s[0]
+                ids[t, j] = prev_id
+                weights[t, j] = p
+                picked_sum += p
+        if tid == 0 and is_norm:
+            denom = max(picked_sum, WEIGHT_SUM_FLOOR)
+            for j in range(top_k):
+                weights[t, j] = weights[t, j] / denom
+
+    return route_block_kernel
+
+
 def moe_route(logits, top_k: int, *, norm_weights: bool = True, ids=None, weights=None, threads: int = 128,
               stream=0):
     """Top-k experts per token: logits [T, E] float32 -> ids [T, k] int32, weights [T, k] float32.
 
-    Launch config: grid ceil(T / threads), block `threads` (default 128); one token per thread.
+    Launch config: up to BLOCK_ROUTE_MAX_TOKENS tokens (E <= 512), grid T, block 128 threads, one
+    token per block; else grid ceil(T / threads), block `threads` (default 128), one token per thread.
     """
     check_array("logits", logits, dtypes=np.float32, ndim=2)
     num_tokens, num_experts = logits.shape
@@ -82,7 +154,10 @@ def moe_route(logits, top_k: int, *, norm_weights: bool = True, ids=None, weight
     weights = empty((num_tokens, top_k), np.float32, logits) if weights is None else weights
     check_array("ids", ids, dtypes=np.int32, shape=(num_tokens, top_k))
     check_array("weights", weights, dtypes=np.float32, shape=(num_tokens, top_k))
-    if num_tokens:
+    if 0 < num_tokens <= BLOCK_ROUTE_MAX_TOKENS and num_experts <= MAX_BLOCK_ROUTE_EXPERTS:
+        kernel = _route_block_kernel(top_k, bool(norm_weights), _BLOCK_ROUTE_THREADS)
+        kernel[num_tokens, _BLOCK_ROUTE_THREADS, stream](logits, ids, weights)
+    elif num_tokens:
         _route_kernel(top_k, bool(norm_weights))[ceil_div(num_tokens, threads), threads, stream](logits, ids, weights)
     return ids, weights
 
