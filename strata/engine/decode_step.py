@@ -47,7 +47,8 @@ class DecodeStep:
     def forward(self, token: int, position: int, stats: StreamStats):
         """Hidden state [1, D] of ``token`` at ``position`` (before the output norm); appends its KV."""
         runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
-        if self._x is None:
+        if self._x is None:  # a request's first token: nothing pooled may be freed while capturing
+            ops.trim_memory()
             self._allocate()
         ops.embed(runner.w.matrices["token_embd"], np.array([token]), out=self._x)
         ops.copy_in(self._positions, np.array([position], dtype=np.int32))

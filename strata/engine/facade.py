@@ -55,6 +55,7 @@ class Engine:
         self.__dict__.update(parts)
         self.counters = EngineCounters()
         self.kv_tokens: list[int] = []  # tokens whose K and V are in the cache, in order
+        self.current_generation = None  # the request whose decode state (segments, cached blocks) is live
 
     @classmethod
     def load(cls, config: Config, *, show_progress: bool = True, is_dry_run: bool = False) -> Engine:
@@ -189,7 +190,9 @@ class Engine:
         return "\n".join(lines)
 
     def close(self) -> None:
+        self.runner.end_request()
         self.ops.synchronize()
+        self.ops.trim_memory()
 
 
 def _min_cache_slots(config: Config, base_slots: int, spec) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -38,12 +39,18 @@ class Generation:
     def __iter__(self) -> Iterator[TokenEvent]:
         return self._events
 
+    def close(self) -> None:
+        """End the request now (as when its iteration is abandoned): its cleanup runs here, not
+        whenever the garbage collector finds it."""
+        self._events.close()
+
     def _run(self) -> Iterator[TokenEvent]:
         engine, prompt, params = self.engine, self.prompt, self.params
         reuse = _common_prefix(engine.kv_tokens, prompt)
         unread = np.asarray(prompt[reuse:], dtype=np.int64)
         engine.kv_tokens = prompt[:reuse]
         stream = StreamStats()
+        engine.current_generation = self
         engine.runner.end_request()  # segments of a request whose iteration was abandoned
         engine.ops.trim_memory()  # what a failed request left for reuse must not shrink the plan
         started = time.perf_counter()
@@ -90,9 +97,24 @@ class Generation:
         finally:
             decode_seconds = time.perf_counter() - decode_started
             hidden = logits = None  # their blocks return to the allocator's cache, which is trimmed
+            self._finish(report, len(unread), generated, finish, prefill_seconds, decode_seconds, stream)
+            self._release(is_failing=sys.exc_info()[0] is not None)
+
+    def _release(self, is_failing: bool) -> None:
+        """Drop the request's decode segments and trim the allocator's cache, unless a later request
+        already owns the engine (this generation was abandoned and collected late). A cleanup error
+        while another exception propagates is logged, so it does not hide that one."""
+        engine = self.engine
+        if engine.current_generation is not self:
+            return
+        engine.current_generation = None
+        try:
             engine.runner.end_request()
             engine.ops.trim_memory()
-            self._finish(report, len(unread), generated, finish, prefill_seconds, decode_seconds, stream)
+        except Exception:
+            if not is_failing:
+                raise
+            log.exception("cleanup after a failed request failed too")
 
     def _prefill(self, unread: np.ndarray, start: int, geometry: Geometry, stream: StreamStats):
         runner, hidden = self.engine.runner, None

@@ -20,6 +20,7 @@ back to its idle state.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 
 from strata.errors import VramBudgetError
@@ -34,15 +35,24 @@ def rounded_bytes(num_bytes: int) -> int:
 
 
 class BlockPool:
-    """Free blocks by size class; ``free_block(pointer)`` returns one to the driver."""
+    """Free blocks by size class; ``free_block(pointer)`` returns one to the driver.
+
+    The pool lives as long as its ledger (the ledger holds it as a reclaimer; it holds the ledger
+    weakly): when the ledger goes, the pooled blocks go back to the driver, and so does every block
+    of that ledger freed later."""
 
     def __init__(self, ledger: VramLedger, free_block: Callable[[object], None]):
-        self.ledger = ledger
+        self._ledger = weakref.ref(ledger)
         self._free_block = free_block
         self._blocks: dict[int, list[tuple[object, Charge]]] = {}  # size class → [(pointer, charge)]
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer may return a block from inside a locked section
         self.num_bytes = 0
         ledger.add_reclaimer(self.reclaim)
+        weakref.finalize(ledger, self.reclaim).atexit = False  # at exit the driver frees everything
+
+    @property
+    def ledger(self) -> VramLedger | None:
+        return self._ledger()
 
     def take(self, size_class: int, owner: str, num_bytes: int) -> tuple[object, Charge] | None:
         """A pooled block of ``size_class`` bytes, now charged to ``owner`` as ``num_bytes`` (what was
@@ -64,7 +74,11 @@ class BlockPool:
 
     def put(self, size_class: int, pointer, charge: Charge) -> None:
         """Keep a freed block; its charge moves to the pool."""
-        pooled = self.ledger.transfer(charge, POOL_OWNER)
+        ledger = self.ledger
+        if ledger is None:  # its engine is gone
+            self._free_block(pointer)
+            return
+        pooled = ledger.transfer(charge, POOL_OWNER)
         with self._lock:
             self._blocks.setdefault(size_class, []).append((pointer, pooled))
             self.num_bytes += pooled.num_bytes
@@ -84,6 +98,8 @@ class BlockPool:
                     del self._blocks[size_class]
                 self.num_bytes -= charge.num_bytes
             self._free_block(pointer)
-            self.ledger.discharge(charge)
+            ledger = self.ledger
+            if ledger is not None:
+                ledger.discharge(charge)
             released += charge.num_bytes
         return released

@@ -18,6 +18,7 @@ Either way nothing runs at capture; the first ``replay`` executes the segment.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ class GraphSegment:
 
     def close(self) -> None:
         self.graph.close()
+        self.outputs = None
         self._retained = []
 
 
@@ -72,8 +74,11 @@ def capture_graph(fn: Callable[[], Any], launching_on: Callable, retaining: Call
         with retaining() as retained, launching_on(builder):
             outputs = fn()
     except BaseException:
-        builder.end_building()
-        builder.close()
+        # ending a capture that the error broke may fail as well: the first error is the one to see
+        with contextlib.suppress(Exception):
+            builder.end_building()
+        with contextlib.suppress(Exception):
+            builder.close()
         raise
     graph = builder.end_building().complete()
     builder.close()

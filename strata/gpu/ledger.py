@@ -50,7 +50,8 @@ class LedgerSnapshot:
 
     @property
     def free_bytes(self) -> int:
-        return max(0, self.budget_bytes - self.used_bytes)
+        """The unused budget and the blocks an allocator keeps only for reuse (reclaimable)."""
+        return max(0, self.budget_bytes - self.used_bytes + self.by_owner.get(POOL_OWNER, 0))
 
     def diff(self, other: LedgerSnapshot) -> dict[str, int]:
         """Owners whose bytes differ, as ``other - self``."""
@@ -74,7 +75,7 @@ class VramLedger:
         self._owner_bytes: dict[str, int] = {}
         self._used_bytes = 0
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer may return a block from inside a locked section
         self._owner: contextvars.ContextVar[str] = contextvars.ContextVar("vram_owner", default=UNCHARGED_OWNER)
         self._reclaimers: list[Callable[[int], int]] = []
 
@@ -139,7 +140,11 @@ class VramLedger:
 
     @property
     def free_bytes(self) -> int:
-        return max(0, self.budget_bytes - self.used_bytes)
+        """What a charge can get: the unused budget and the blocks an allocator keeps only for reuse
+        (reclaimed when a charge needs them)."""
+        with self._lock:
+            reclaimable = self._owner_bytes.get(POOL_OWNER, 0)
+            return max(0, self.budget_bytes - self._used_bytes + reclaimable)
 
     def owner_bytes(self, owner: str) -> int:
         return self.snapshot().by_owner.get(owner, 0)

@@ -44,6 +44,19 @@ def trim_pool(ledger: VramLedger) -> int:
     return pool.reclaim() if pool is not None else 0
 
 
+def _allocate(num_bytes: int, pool: BlockPool):
+    """cuMemAlloc; when the driver is out of memory (its rounding, other processes), the pooled blocks
+    go back first and it is asked once more."""
+    from numba.cuda.cudadrv import driver
+
+    try:
+        return driver.driver.cuMemAlloc(num_bytes)
+    except driver.CudaAPIError as exc:
+        if exc.code != driver.binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY or not pool.reclaim():
+            raise
+    return driver.driver.cuMemAlloc(num_bytes)
+
+
 def _manager_class():
     from numba.cuda.cudadrv import driver
 
@@ -72,7 +85,7 @@ def _manager_class():
             if block is None:
                 charge = ledger.charge(owner, size)  # may reclaim pooled blocks to fit
                 try:
-                    block = self._attempt_allocation(lambda: driver.driver.cuMemAlloc(size_class)), charge
+                    block = self._attempt_allocation(lambda: _allocate(size_class, pool)), charge
                 except driver.CudaAPIError as exc:
                     ledger.discharge(charge)
                     raise AllocationError(f"{owner}: the driver could not allocate {size / 2**20:.1f} MiB "

@@ -134,8 +134,11 @@ class EngineWorker:
         started = time.perf_counter()
         try:
             generation = self._engine.generate(job.prompt_tokens, job.params, job.is_cancelled)
-            for event in generation:
-                job.sink(TOKEN, event)
+            try:
+                for event in generation:
+                    job.sink(TOKEN, event)
+            finally:
+                generation.close()  # a sink that raised leaves the iteration: end the request now
             stats = generation.stats
         except Exception as exc:  # the engine restored its resources; this request alone fails
             log.error("%s %s failed after %.3f s: %s: %s", job.request_id, job.route, time.perf_counter() - started,

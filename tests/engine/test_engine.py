@@ -103,3 +103,37 @@ def test_a_failed_decode_copy_leaves_no_unfilled_expert_in_the_cache(moe_path, e
     engine.ops.stage_experts = stage
     tokens, _ = greedy(engine, PROMPT, 12)
     assert tokens == expected
+
+
+def test_an_abandoned_generation_collected_late_leaves_the_next_request_alone(moe_path, expected):
+    import gc
+
+    from strata.engine.sampling import SamplingParams
+
+    engine = Engine.load(engine_config(moe_path), show_progress=False)
+    released = []
+    end_request = engine.runner.end_request
+    engine.runner.end_request = lambda: (released.append(True), end_request())  # holds no generation
+    abandoned = engine.generate(PROMPT[:40], SamplingParams(temperature=0, max_tokens=8))
+    next(iter(abandoned))  # one token, then dropped without close(): a reference cycle keeps it
+    current = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))
+    events = iter(current)
+    tokens = [next(events).token_id]
+    num_released = len(released)
+    del abandoned
+    gc.collect()  # its cleanup runs now, in the middle of the next request, and must not touch it
+    assert engine.current_generation is current and len(released) == num_released
+    tokens += [event.token_id for event in events if event.token_id >= 0]
+    assert tokens == expected
+    assert engine.current_generation is None and len(released) == num_released + 1
+    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+
+
+def test_closing_a_generation_ends_its_request_at_once(moe_path):
+    from strata.engine.sampling import SamplingParams
+
+    engine = Engine.load(engine_config(moe_path), show_progress=False)
+    generation = engine.generate(PROMPT[:40], SamplingParams(temperature=0, max_tokens=8))
+    next(iter(generation))
+    generation.close()
+    assert generation.stats.finish_reason == "cancelled" and engine.current_generation is None

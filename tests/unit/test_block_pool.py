@@ -39,6 +39,8 @@ def test_a_freed_block_is_reused_by_the_next_allocation_of_its_size_and_charged_
     size, pointer, charge = driver.alloc(ledger, pool, "activations", 3 * MIB)
     pool.put(size, pointer, charge)
     assert dict(ledger.snapshot().by_owner) == {POOL_OWNER: 3 * MIB} and pool.num_bytes == 3 * MIB
+    # pooled bytes are free to whoever charges next (the loan plans with them)
+    assert ledger.free_bytes == 64 * MIB and ledger.snapshot().free_bytes == 64 * MIB
     _, other, other_charge = driver.alloc(ledger, pool, "activations", 2 * MIB)  # another size: a new block
     assert other != pointer
     _, again, again_charge = driver.alloc(ledger, pool, "kv_cache", 3 * MIB - 100)
@@ -74,3 +76,17 @@ def test_reclaim_without_a_size_empties_the_pool():
         pool.put(*block)
     assert pool.reclaim() == 4 * MIB
     assert len(driver.freed) == 3 and ledger.used_bytes == 0
+
+
+def test_when_the_ledger_goes_its_pooled_blocks_and_later_frees_go_back_to_the_driver():
+    import gc
+
+    ledger, driver = VramLedger(16 * MIB), FakeDriver()
+    pool = BlockPool(ledger, driver.free)
+    pooled, live = (driver.alloc(ledger, pool, "activations", n * MIB) for n in (1, 2))
+    pool.put(*pooled)
+    del ledger
+    gc.collect()
+    assert driver.freed == [pooled[1]] and pool.ledger is None
+    pool.put(*live)  # an array of the dropped engine dies after it
+    assert driver.freed == [pooled[1], live[1]] and pool.num_bytes == 0
