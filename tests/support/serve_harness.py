@@ -152,6 +152,9 @@ class _Controlled:
     def stats(self):
         return self._generation.stats
 
+    def close(self):
+        self._generation.close()
+
     def __iter__(self):
         events = iter(self._generation)
         try:
