@@ -44,7 +44,6 @@ from strata.model.tokenizer import Tokenizer
 from strata.plugins import load_plugins
 
 NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
-WARMUP_SPLIT_POSITION = 96  # a decode position whose KV spans several attention tiles
 WARMUP_HEAD_ROWS = 256  # rows of a held-back head that the warm-up's logits kernel reads
 WARMUP_MIN_TOKENS = 8  # more than the decode kernels' 4 tokens: the prefill MoE kernels run
 log = logging.getLogger("strata.engine")
@@ -126,10 +125,9 @@ class Engine:
                 self.ops.synchronize()  # no copy may still target the ring when the workspace goes
                 self.workspace.free()
             token = int(np.argmax(self._warmup_logits(hidden)))
+            # decode attention's launch does not depend on the position (its splits are sized for
+            # the whole cache), so one step compiles every decode kernel
             hidden = self.runner.forward(np.array([token]), num_tokens, None, stats)
-            # decode attention splits its KV range from two tiles on: a later position compiles that path
-            position = min(max(num_tokens + 1, WARMUP_SPLIT_POSITION), self.context_tokens - 1)
-            hidden = self.runner.forward(np.array([token]), position, None, stats)
             self._warmup_logits(hidden)
             self.ops.synchronize()
             del hidden

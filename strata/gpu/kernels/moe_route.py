@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import cuda
 
-from ._common import ceil_div, check_array, check_positive, check_power_of_two, empty
+from ._common import IS_SIMULATOR, ceil_div, check_array, check_positive, check_power_of_two, empty
 from .block_reduce import NEG_INF
 
 WEIGHT_SUM_FLOOR = np.float32(6.103515625e-5)  # llama.cpp clamps the top-k sum to the smallest f16 normal
@@ -33,7 +33,7 @@ _POS_INF = np.float32(np.inf)
 _PAIRS_PER_THREAD = 4
 BLOCK_ROUTE_MAX_TOKENS = 16  # up to this many tokens a block routes each token
 MAX_BLOCK_ROUTE_EXPERTS = 512  # the block kernel stages a token's logits in shared memory
-_BLOCK_ROUTE_THREADS = 128
+_BLOCK_ROUTE_THREADS = 32 if IS_SIMULATOR else 128  # the simulator runs a Python thread per GPU thread
 
 
 @functools.cache
@@ -141,8 +141,8 @@ def moe_route(logits, top_k: int, *, norm_weights: bool = True, ids=None, weight
               stream=0):
     """Top-k experts per token: logits [T, E] float32 -> ids [T, k] int32, weights [T, k] float32.
 
-    Launch config: up to BLOCK_ROUTE_MAX_TOKENS tokens (E <= 512), grid T, block 128 threads, one
-    token per block; else grid ceil(T / threads), block `threads` (default 128), one token per thread.
+    Launch config: up to BLOCK_ROUTE_MAX_TOKENS tokens (E <= 512), grid T, block 128 threads (32 in
+    the simulator), one token per block; else grid ceil(T / threads), block `threads` (default 128), one token per thread.
     """
     check_array("logits", logits, dtypes=np.float32, ndim=2)
     num_tokens, num_experts = logits.shape
