@@ -202,7 +202,7 @@ class ModelRunner:
             ops.moe(acc, h, host_ids, weights, cache.storage, self.decode_slots(layer, host_ids, stats), cache.layout)
             return
         slot_of, misses = self._lookup(layer, host_ids, stats)
-        if len(misses) < len(np.unique(host_ids)):
+        if np.any(slot_of >= 0):
             ops.moe(acc, h, ids, weights, cache.storage, slot_of, cache.layout)  # cached experts in place
         ring.enqueue(ring.plan(layer, misses, num_experts))
         for batch in ring.take(layer):

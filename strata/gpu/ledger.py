@@ -91,15 +91,17 @@ class VramLedger:
         When the charge does not fit, reclaimable memory is released first."""
         if num_bytes < 0:
             raise ValueError(f"{owner}: cannot charge {num_bytes} bytes")
-        for reclaim in [*self._reclaimers, None]:
+        for reclaim in self._reclaimers:
             with self._lock:
                 shortfall = num_bytes - (self.budget_bytes - self._used_bytes)
                 if shortfall <= 0:
                     return self._add_locked(owner, num_bytes)
-                if reclaim is None:
-                    raise VramBudgetError(owner, num_bytes, max(0, num_bytes - shortfall), self._by_owner_locked())
             reclaim(shortfall)
-        raise AssertionError("unreachable")
+        with self._lock:
+            free = self.budget_bytes - self._used_bytes
+            if num_bytes > free:
+                raise VramBudgetError(owner, num_bytes, max(0, free), self._by_owner_locked())
+            return self._add_locked(owner, num_bytes)
 
     def discharge(self, charge: Charge) -> None:
         with self._lock:
