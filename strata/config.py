@@ -60,6 +60,8 @@ class RuntimeConfig:
     prefill_head_alias: bool = option(False, doc="reuse the output-head allocation as prompt workspace")
     warmup: bool = option(True, doc="at load, run a tiny prefill and one decode step so that every kernel is "
                                     "compiled before the first request (cuda and cudasim backends)")
+    expert_preload: bool = option(True, doc="at load, fill the expert cache's free slots from the expert pack (an "
+                                            "equal share of every layer), so the first requests find experts cached")
     decode_graphs: bool = option(True, doc="decode a token as two CUDA graphs per layer, captured at a request's "
                                            "first token (cuda backend; MoE models without a shared expert)")
 

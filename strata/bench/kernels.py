@@ -159,16 +159,20 @@ def _filled_cache(s: Shapes, fmt: str, num_positions: int, rng):
     return k_cache, v_cache
 
 
-def bench_attention_prefill(s: Shapes, context: int, cfg: AttentionConfig, timing) -> Row:
+def bench_attention_prefill(s: Shapes, context: int, fmt: str, cfg: AttentionConfig, timing) -> Row:
+    """Causal prefill over a cache of ``fmt``; a quantized cache takes the serving path, dequantized
+    into an F16 copy first (timed with it)."""
     rng = np.random.default_rng(3)
-    k_cache, v_cache = _filled_cache(s, "F16", context, rng)
+    k_cache, v_cache = _filled_cache(s, fmt, context, rng)
+    scratch = empty_kv_layer("F16", context, s.num_kv_heads * s.head_dim) if fmt != "F16" else None
     q = device_randn((context, s.num_q_heads * s.head_dim), rng)
     positions = cuda.to_device(np.arange(context, dtype=np.int32))
     out = cuda.device_array(q.shape, np.float32)
-    args = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_len=context, config=cfg)
+    args = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_len=context, config=cfg,
+                f16_scratch=scratch)
     ms = median_ms(lambda: attention(q, k_cache, v_cache, positions, out, **args), *timing)
     flops = 4.0 * s.head_dim * s.num_q_heads * context * (context + 1) / 2
-    return Row(f"attention prefill F16 cache, causal {context}", flops / ms / 1e9, "TFLOP/s",
+    return Row(f"attention prefill {fmt} cache, causal {context}", flops / ms / 1e9, "TFLOP/s",
                TARGET_ATTENTION_FLOPS / 1e12, 1.0)
 
 
@@ -239,7 +243,8 @@ def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing) -> list:
     experts = make_experts(s, "Q4_0", np.random.default_rng(6))
     for num_tokens in s.prefill_tokens:
         rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing)
-    rows += [bench_attention_prefill(s, c, prefill_cfg, timing) for c in s.prefill_contexts]
+    rows += [bench_attention_prefill(s, c, fmt, prefill_cfg, timing) for c in s.prefill_contexts
+             for fmt in ("F16", "Q8_0", "Q4_0")]
     rows += [bench_attention_decode(s, c, fmt, decode_cfg, timing) for c in s.decode_contexts for fmt in ("F16", "Q8_0")]
     rows += bench_decode_layer(s, experts, "Q4_0", gemv_cfg, decode_cfg, timing)
     return rows

@@ -51,7 +51,7 @@ def measure(path: Path, backend: str, num_prompt: int, num_decode: int, kv_type:
     config = parse_config({
         "model": {"path": str(path)},
         "runtime": {"backend": backend, "vram_budget": "96MiB", "vmm_segment": "2MiB", "context_tokens": 2048,
-                    "kv_type": kv_type, "warmup": False},
+                    "kv_type": kv_type, "warmup": False, "expert_preload": False},  # experts stream
         "planner": {"chunk_quantum_tokens": 16, "max_chunk_tokens": max(16, num_prompt // 3), "max_ring_slots": 8},
     })
     engine = Engine.load(config, show_progress=False)

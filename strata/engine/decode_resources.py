@@ -1,6 +1,6 @@
 """The engine's decode-only resources: what a loan may release during prefill.
 
-``output_head`` (the native head, re-uploaded from the GGUF's bytes), ``mtp_draft_head`` and
+``output_head`` (the native head, re-uploaded from a host copy in the backend's layout), ``mtp_draft_head`` and
 ``mtp_experts`` (the MTP block's dense and routed tensors), and the ``verifier`` arena (scratch for
 checking speculated tokens). Each charges the ledger under its own name while resident; release
 and restore are atomic.
@@ -23,6 +23,7 @@ class TensorsResource:
         self.sources = sources
         self.num_bytes = sum(ref.nbytes for ref in sources.values())
         self.tensors: dict[str, QTensor] | None = None
+        self._encoded: dict[str, QTensor] | None = None  # host copies in the backend's layout, made once
 
     @property
     def is_resident(self) -> bool:
@@ -38,10 +39,13 @@ class TensorsResource:
     def restore(self) -> None:
         if self.tensors is not None:
             return
+        if self._encoded is None:
+            self._encoded = {key: self.ops.encode_qtensor(ref.data, ref.qtype, ref.shape)
+                             for key, ref in self.sources.items()}
         uploaded: dict[str, QTensor] = {}
         try:
-            for key, ref in self.sources.items():
-                uploaded[key] = upload_tensor(self.ops, self.name, ref)
+            for key, host in self._encoded.items():
+                uploaded[key] = self.ops.upload_encoded(self.name, host)
         except BaseException:
             for tensor in uploaded.values():
                 self.ops.free(tensor.data)

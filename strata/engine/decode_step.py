@@ -41,6 +41,7 @@ class DecodeStep:
         self._x = None  # [1, D] the residual stream
         self._positions = None  # [1] int32
         self._slot_ids = None  # [1, k] int32
+        self._slot_rows = None  # [L, k] int32 in pinned host memory: each layer's slot ids, queued copies
         self._attention: list = []
         self._experts: list = []
 
@@ -59,7 +60,9 @@ class DecodeStep:
             _, ids, _ = self._attention[layer].outputs
             host_ids = ops.to_host(ids)  # [1, k]: waits for the segment
             slot_of = runner.decode_slots(layer, host_ids, stats)  # [N]
-            ops.copy_in(self._slot_ids, slot_of[host_ids])
+            row = self._slot_rows[layer:layer + 1]  # [1, k] pinned; its last copy ran before the wait above
+            row[:] = slot_of[host_ids]
+            ops.copy_in(self._slot_ids, row, is_queued=True)  # behind the staged copies, host not waiting
             if layer == len(self._experts):
                 self._experts.append(ops.capture(lambda layer=layer: self._experts_of(layer)))
             self._experts[layer].replay()
@@ -73,13 +76,15 @@ class DecodeStep:
         for array in (self._x, self._positions, self._slot_ids):
             if array is not None:
                 self.runner.ops.free(array)
-        self._x = self._positions = self._slot_ids = None
+        self._x = self._positions = self._slot_ids = self._slot_rows = None
 
     def _allocate(self) -> None:
         ops, spec = self.runner.ops, self.runner.spec
         self._x = ops.alloc(ACTIVATIONS_OWNER, (1, spec.hidden_size), np.float32)
         self._positions = ops.alloc(ACTIVATIONS_OWNER, (1,), np.int32)
         self._slot_ids = ops.alloc(ACTIVATIONS_OWNER, (1, spec.num_experts_used), np.int32)
+        num_values = spec.num_layers * spec.num_experts_used
+        self._slot_rows = ops.host_buffer(4 * num_values).view(np.int32).reshape(spec.num_layers, -1)  # [L, k]
 
     def _attention_and_route(self, layer: int):
         runner, ops, spec = self.runner, self.runner.ops, self.runner.spec

@@ -8,7 +8,8 @@ whose slots lie beyond the new end: no resident expert ever moves.
 During prefill the prompt workspace (staging ring and activations) borrows the top slots of the
 mapped range (``lend``), evicting what they held; ``min_cache_slots`` stay for cached experts.
 
-Policy: decode inserts every streamed expert (least recently used evicted); prefill streams
+At load the cache is filled from the expert pack (``fill``, ``runtime.expert_preload``), an equal
+share of every layer. Policy: decode inserts every streamed expert (least recently used evicted); prefill streams
 misses through the ring without inserting them, since one prompt chunk touches nearly every expert
 of a layer once and would only churn the cache.
 """
@@ -17,9 +18,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from typing import TYPE_CHECKING
+
 from strata.engine.ops import ExpertLayout, Ops
 
+if TYPE_CHECKING:
+    from strata.engine.expert_pack import ExpertPack
+
 Key = tuple[int, int]  # (layer, expert)
+_FILL_BATCH = 256  # experts per staging call when filling the cache
 
 
 class ExpertCache:
@@ -113,6 +120,22 @@ class ExpertCache:
         self._lru[(layer, expert)] = slot
         self._key_of[slot] = (layer, expert)
         return slot
+
+    def fill(self, pack: ExpertPack, num_layers: int, num_experts: int) -> int:
+        """Stage experts from ``pack`` into the free slots, expert-major (expert 0 of every layer,
+        then expert 1, ...), so each layer holds an equal share; returns how many were staged."""
+        keys = [(layer, e) for e in range(num_experts) for layer in range(num_layers) if (layer, e) not in self._lru]
+        keys = keys[:len(self._free)]
+        for first in range(0, len(keys), _FILL_BATCH):
+            batch = keys[first:first + _FILL_BATCH]
+            slots = [self.insert(layer, expert, set()) for layer, expert in batch]  # free slots: no eviction
+            try:
+                self.ops.wait_staged(self.ops.stage_experts(self.storage, slots, [pack.slot(*key) for key in batch]))
+            except BaseException:
+                self.forget(slots)
+                raise
+        self.ops.synchronize()
+        return len(keys)
 
     def clear(self) -> None:
         """Forget every cached expert (the mapped range stays as it is)."""

@@ -45,7 +45,7 @@ from strata.plugins import load_plugins
 
 NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
 WARMUP_HEAD_ROWS = 256  # rows of a held-back head that the warm-up's logits kernel reads
-WARMUP_MIN_TOKENS = 8  # more than the decode kernels' 4 tokens: the prefill MoE kernels run
+WARMUP_MIN_TOKENS = 24  # above the decode MoE kernels' 4 tokens and block routing's 16: prefill's kernels run
 log = logging.getLogger("strata.engine")
 
 
@@ -67,7 +67,8 @@ class Engine:
         ops = DryRunOps(ledger, backend) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
         spec = model.spec
         layout = ops.expert_layout(model) if spec.is_moe else None
-        placement = plan_placement(config, model, layout, ledger.budget_bytes, ops.is_activation_borrowable)
+        placement = plan_placement(config, model, layout, ledger.budget_bytes, ops.is_activation_borrowable,
+                                   ops.is_prefill_kv_dequantized)
         resources = _decode_resources(config, model, ops, placement)
         admit(config, plugins, resources)
         weights = DeviceWeights(ops, model)
@@ -104,6 +105,11 @@ class Engine:
                    context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
         if config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run:
             engine.warm_up()
+        if config.runtime.expert_preload and cache and pack is not None:
+            started = time.perf_counter()
+            num_filled = cache.fill(pack, spec.num_layers, spec.num_experts)
+            log.info("expert cache filled with %d of %d experts in %.2f s", num_filled,
+                     spec.num_layers * spec.num_experts, time.perf_counter() - started)
         return engine
 
     def warm_up(self) -> float:

@@ -9,6 +9,8 @@ cached and streamed experts are summed does not change the result.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from strata.engine.ops import ExpertLayout, QTensor
@@ -82,6 +84,7 @@ class NumpyKv:
 class NumpyOps:
     name = "numpy"
     is_activation_borrowable = True  # activations may live in borrowed expert-cache bytes
+    is_prefill_kv_dequantized = False
 
     def __init__(self, ledger: VramLedger):
         self.ledger = ledger
@@ -105,8 +108,14 @@ class NumpyOps:
         self.ledger.discharge(tracked[1])
 
     def upload_qtensor(self, owner: str, raw: np.ndarray, qtype, shape) -> QTensor:
-        data = self.upload(owner, np.ascontiguousarray(raw.reshape(-1, raw.shape[-1])))
-        return QTensor(data=data, qtype=qtype, shape=tuple(shape), num_bytes=int(raw.nbytes))
+        return self.upload_encoded(owner, self.encode_qtensor(raw, qtype, shape))
+
+    def encode_qtensor(self, raw: np.ndarray, qtype, shape) -> QTensor:
+        host = np.ascontiguousarray(raw.reshape(-1, raw.shape[-1]))
+        return QTensor(data=host, qtype=qtype, shape=tuple(shape), num_bytes=int(raw.nbytes))
+
+    def upload_encoded(self, owner: str, host: QTensor) -> QTensor:
+        return dataclasses.replace(host, data=self.upload(owner, host.data))
 
     def to_host(self, array) -> np.ndarray:
         return np.asarray(array)
@@ -261,6 +270,7 @@ class DryRunOps(NumpyOps):
         super().__init__(ledger)
         self.backend = backend
         self.is_activation_borrowable = backend == "numpy"
+        self.is_prefill_kv_dequantized = backend != "numpy"
 
     def expert_layout(self, model) -> ExpertLayout:
         if self.backend == "numpy":

@@ -46,7 +46,7 @@ class Placement:
 
 
 def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None, budget_bytes: int,
-                   is_activation_borrowable: bool = True) -> Placement:
+                   is_activation_borrowable: bool = True, is_prefill_kv_dequantized: bool = False) -> Placement:
     spec, rt = model.spec, config.runtime
     mtp_layers = range(spec.num_layers, spec.num_layers + spec.num_nextn_layers) if rt.mtp else range(0)
     dense = mtp_head = mtp_experts = 0
@@ -66,7 +66,9 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     kv_bytes = int(kv_cells * _kv_values_per_cell(spec) * _KV_BYTES_PER_VALUE[rt.kv_type])
     decode_ws = _bytes_per_token(spec) * (1 + rt.spec_depth) + 4 * spec.vocab_size * (1 + rt.spec_depth)
     verifier = _bytes_per_token(spec) * (1 + rt.spec_depth) * 2 if rt.mtp else 0
-    costs = workspace_costs(spec, layout, config, is_activation_borrowable)
+    # a quantized cache layer's F16 copy, K and V, which prefill attention reads on the GPU
+    scratch = 4 * spec.kv_size * kv_cells if is_prefill_kv_dequantized and rt.kv_type != "f16" else 0
+    costs = workspace_costs(spec, layout, config, is_activation_borrowable, scratch)
     fixed = dense + head + kv_bytes + decode_ws + verifier + mtp_head + mtp_experts
     min_ring = config.planner.min_ring_slots if layout else 0
     smallest = costs.workspace_bytes_for(config.planner.chunk_quantum_tokens, min_ring)
@@ -88,10 +90,10 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
 
 
 def workspace_costs(spec: ModelSpec, layout: ExpertLayout | None, config: Config,
-                    is_activation_borrowable: bool = True) -> WorkspaceCosts:
+                    is_activation_borrowable: bool = True, attention_scratch_bytes: int = 0) -> WorkspaceCosts:
     slot = layout.slot_bytes if layout else 0
     return WorkspaceCosts(bytes_per_chunk_token=_bytes_per_token(spec), bytes_per_ring_slot=slot,
-                          fixed_bytes=0, target_ring_slots=spec.num_experts if layout else 0,
+                          fixed_bytes=attention_scratch_bytes, target_ring_slots=spec.num_experts if layout else 0,
                           is_ring_in_cache=layout is not None, is_activation_borrowable=is_activation_borrowable)
 
 

@@ -142,7 +142,9 @@ class Planner:
             f"budget {budget.total_bytes / 2**20:.1f} MiB (free {budget.free_bytes / 2**20:.1f}, borrowable cache "
             f"{budget.borrowable_cache_bytes / 2**20:.1f}, plugins {budget.adjust_bytes / 2**20:+.1f}) → ring "
             f"{geometry.ring_slots} × {costs.bytes_per_ring_slot / 2**20:.2f} MiB, chunk {geometry.chunk_tokens:,} × "
-            f"{costs.bytes_per_chunk_token / 1024:.1f} KiB/token = {costs.workspace_bytes(geometry) / 2**20:.1f} MiB"
+            f"{costs.bytes_per_chunk_token / 1024:.1f} KiB/token"
+            + (f" + fixed {costs.fixed_bytes / 2**20:.1f} MiB" if costs.fixed_bytes else "")
+            + f" = {costs.workspace_bytes(geometry) / 2**20:.1f} MiB"
         )
         if self.cost_model is not None and unread_tokens and cached_slots is not None:
             cost = self.cost_model.cost(unread_tokens, geometry.chunk_tokens, cached_slots - geometry.ring_slots)

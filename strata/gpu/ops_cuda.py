@@ -18,12 +18,14 @@ manager, so allocations made through these ops are charged by hand, as the same 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import numpy as np
 from numba import cuda  # a module global: the simulator swaps it inside kernels
 
 from strata.engine.ops import ExpertLayout, QTensor
+from strata.gpu import driver_calls
 from strata.gpu.ledger import ACTIVATIONS_OWNER as ACTIVATIONS
 from strata.gpu.ledger import VramLedger
 
@@ -42,6 +44,7 @@ class CudaKv:
 
 class CudaOps:
     is_activation_borrowable = False  # activations are the kernels' own allocations
+    is_prefill_kv_dequantized = True  # attention_mma's f16_scratch, sized for the whole cache
 
     def __init__(self, ledger: VramLedger, device: int = 0, is_simulator: bool = False):
         self.ledger = ledger
@@ -105,17 +108,27 @@ class CudaOps:
 
     def upload_qtensor(self, owner: str, raw: np.ndarray, qtype, shape) -> QTensor:
         """A weight in the packed layout: [rows, row_bytes] GGUF bytes → device planes."""
-        from strata.gpu.kernels.packing import pack, plane_shapes
+        return self.upload_encoded(owner, self.encode_qtensor(raw, qtype, shape))
+
+    def encode_qtensor(self, raw: np.ndarray, qtype, shape) -> QTensor:
+        """The packed planes on the host (packing a 150 MB head takes ~0.4 s on the host)."""
+        from strata.gpu.kernels.packing import pack
 
         rows = int(np.prod(shape[:-1]))
         packed = pack(raw.reshape(rows, -1), qtype.name, shape[-1])
-        present = plane_shapes(qtype.name, rows, shape[-1])
+        return QTensor(data=packed, qtype=qtype, shape=tuple(shape), num_bytes=int(raw.nbytes))
+
+    def upload_encoded(self, owner: str, host: QTensor) -> QTensor:
+        from strata.gpu.kernels.packing import plane_shapes
+
+        packed = host.data
+        present = plane_shapes(packed.fmt, packed.num_rows, packed.num_cols)
         with self._owning(owner):
             planes = {name: self.cuda.to_device(getattr(packed, name)) if name in present else self.placeholders[name]
                       for name in ("quants", "scales", "extra")}
         device = packed._replace(**planes)
         self._track(owner, device, packed.nbytes)
-        return QTensor(data=device, qtype=qtype, shape=tuple(shape), num_bytes=int(raw.nbytes))
+        return dataclasses.replace(host, data=device)
 
     def free(self, array) -> None:
         array = array.data if isinstance(array, QTensor) else array
@@ -203,9 +216,20 @@ class CudaOps:
         finally:
             self._stream = outer
 
-    def copy_in(self, array, host: np.ndarray) -> None:
-        """Overwrite a device array with host values (a captured segment's input before its replay)."""
-        array.copy_to_device(np.ascontiguousarray(host, dtype=array.dtype))
+    def copy_in(self, array, host: np.ndarray, is_queued: bool = False) -> None:
+        """Overwrite a device array with host values (a captured segment's input before its replay).
+
+        is_queued: ``host`` is pinned (``host_buffer``) and the copy is queued on the default stream,
+        in order with the kernels, without the host waiting for them; the caller leaves ``host``
+        unchanged until the kernels after the copy have run.
+        """
+        calls = driver_calls.load() if is_queued and not self.is_simulator else None
+        if calls is None:
+            array.copy_to_device(np.ascontiguousarray(host, dtype=array.dtype))
+            return
+        if host.dtype != array.dtype or not host.flags.c_contiguous or host.nbytes != array.nbytes:
+            raise ValueError(f"a queued copy needs contiguous {array.dtype} host memory of {array.nbytes} bytes")
+        calls.copy_one(array.device_ctypes_pointer.value, host.ctypes.data, host.nbytes, 0)
 
     def trim_memory(self) -> None:
         if not self._is_charged_by_hand:
@@ -304,7 +328,7 @@ class CudaOps:
                       stream=self._stream)
 
     def attention(self, q, kv: CudaKv, layer: int, start: int, positions=None):
-        from strata.gpu.kernels.attention import attention, default_num_splits
+        from strata.gpu.kernels.attention import attention, default_num_splits, uses_tensor_cores
 
         num_tokens, num_heads, head_dim = q.shape
         if positions is None:
@@ -318,8 +342,19 @@ class CudaOps:
                 return attention(q.reshape(1, -1), k_cache, v_cache, self._device_positions(positions),
                                  kv_len=kv.num_cells, num_splits=splits, is_len_from_positions=True,
                                  stream=self._stream, **args)
+            scratch = None
+            if k_cache.fmt != "F16" and uses_tensor_cores(num_tokens, 1, head_dim, k_cache.fmt):
+                scratch = self._f16_scratch(kv.num_cells, k_cache.num_cols)  # [cells, width] K and V
             return attention(q.reshape(num_tokens, -1), k_cache, v_cache, self._device_positions(positions),
-                             kv_len=start + num_tokens, **args)
+                             kv_len=start + num_tokens, f16_scratch=scratch, **args)
+
+    def _f16_scratch(self, num_rows: int, width: int):
+        """Two F16 matrices a quantized cache layer is dequantized into for prefill attention; sized
+        for the whole cache, so every layer and chunk reuses the same pooled blocks."""
+        from strata.gpu.kernels.packing import PackedMatrix
+
+        return tuple(PackedMatrix("F16", num_rows, width, self.cuda.device_array((num_rows, width), np.float16),
+                                  self.placeholders["scales"], self.placeholders["extra"]) for _ in range(2))
 
     def route(self, x, router: QTensor, num_used: int, is_norm: bool):
         from strata.gpu.kernels.moe_route import moe_route

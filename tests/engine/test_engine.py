@@ -32,6 +32,21 @@ def test_greedy_output_equals_the_reference_while_streaming_and_evicting(moe_pat
     assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
 
 
+def test_the_cache_is_filled_at_load_with_an_equal_share_of_every_layer(moe_path, expected):
+    engine = Engine.load(engine_config(moe_path), show_progress=False)
+    cache, spec = engine.cache, engine.spec
+    assert 0 < cache.num_slots < spec.num_layers * spec.num_experts and cache.num_cached == cache.num_slots
+    share = cache.num_slots // spec.num_layers
+    for layer in range(spec.num_layers):
+        assert all(cache.lookup(layer, e) >= 0 for e in range(share))
+    tokens, stats = greedy(engine, PROMPT, 12)
+    assert tokens == expected and stats.cache_hits > 0
+    cold = Engine.load(engine_config(moe_path, runtime={"expert_preload": False}), show_progress=False)
+    assert cold.cache.num_cached == 0
+    tokens, cold_stats = greedy(cold, PROMPT, 12)
+    assert tokens == expected and cold_stats.streamed_bytes > stats.streamed_bytes
+
+
 @pytest.mark.parametrize("max_chunk", [16, 48, 256])
 def test_output_is_the_same_for_every_chunk_size(moe_path, expected, max_chunk):
     engine = Engine.load(engine_config(moe_path, planner={"max_chunk_tokens": max_chunk}), show_progress=False)

@@ -9,7 +9,10 @@ from kernel_data import dev, host, reference_dequant
 from strata.engine.ops import _has_cuda_device
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels.attention import attention, uses_tensor_cores
-from strata.gpu.kernels.attention_mma import MmaAttentionConfig, attention_mma, default_kv_tile, shared_bytes
+from strata.gpu.kernels.attention_mma import (
+    SERVING_CONFIG, MmaAttentionConfig, attention_mma, default_kv_tile, shared_bytes,
+)
+from strata.gpu.kernels.kvcache import empty_kv_layer
 from strata.gpu.kernels.packing import pack, to_device
 from strata.model import reference_ops
 
@@ -41,9 +44,14 @@ def _case(fmt, num_q_heads, num_kv_heads, head_dim, start_pos, num_tokens, seed)
     return q, positions, (k_cache, v_cache), ref.reshape(num_tokens, -1)
 
 
-def _run(q, positions, caches, num_q_heads, num_kv_heads, head_dim, config):
+def _run(q, positions, caches, num_q_heads, num_kv_heads, head_dim, config, f16_scratch=None):
     return host(attention_mma(dev(q), *caches, dev(positions), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                              head_dim=head_dim, kv_len=int(positions[-1]) + 1, config=config))
+                              head_dim=head_dim, kv_len=int(positions[-1]) + 1, config=config,
+                              f16_scratch=f16_scratch))
+
+
+def _scratch(caches, extra_rows=5):
+    return empty_kv_layer("F16", caches[0].num_rows + extra_rows, caches[0].num_cols)
 
 
 @pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
@@ -53,6 +61,16 @@ def test_twin_on_a_chunk_over_a_cache_with_history(fmt, num_q_heads, num_kv_head
     q, positions, caches, ref = _case(fmt, num_q_heads, num_kv_heads, 32, 13, 22, seed=80)
     out = _run(q, positions, caches, num_q_heads, num_kv_heads, 32, TWIN)
     np.testing.assert_allclose(out, ref, **F16_TOLERANCE)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+def test_twin_over_a_dequantized_copy_equals_the_quantized_cache(fmt):
+    # the copy holds the values the kernel stages from the quantized cache: the same sums, bit for bit
+    q, positions, caches, ref = _case(fmt, 4, 2, 32, 13, 22, seed=81)
+    direct = _run(q, positions, caches, 4, 2, 32, TWIN)
+    copied = _run(q, positions, caches, 4, 2, 32, TWIN, f16_scratch=_scratch(caches))
+    np.testing.assert_array_equal(copied, direct)
+    np.testing.assert_allclose(copied, ref, **F16_TOLERANCE)
 
 
 @pytest.mark.parametrize("start_pos, num_tokens", [(0, 1), (0, 17), (47, 2), (3, 70)])
@@ -197,6 +215,17 @@ def test_fused_loop_equals_the_tile_step_and_the_reference(fmt, head_dim, kv_til
     step = _run(q, positions, caches, 8, 2, head_dim, MmaAttentionConfig(kv_tile=kv_tile, use_tensor_cores=True,
                                                                           warps=warps))
     np.testing.assert_allclose(fused, step, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+def test_serving_kernel_over_a_dequantized_copy_equals_the_quantized_cache(fmt):
+    q, positions, caches, ref = _case(fmt, 32, 4, 128, 100, 300, seed=91)
+    direct = _run(q, positions, caches, 32, 4, 128, SERVING_CONFIG)
+    copied = _run(q, positions, caches, 32, 4, 128, SERVING_CONFIG, f16_scratch=_scratch(caches))
+    np.testing.assert_array_equal(copied, direct)
+    np.testing.assert_allclose(copied, ref, **F16_TOLERANCE)
 
 
 @pytest.mark.gpu

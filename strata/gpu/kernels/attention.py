@@ -221,7 +221,7 @@ def _combine_kernel(o_part, m_part, l_part, out):  # o_part [S, T, Hq, d] -> out
 def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
               num_kv_heads: int, head_dim: int, kv_len: int | None = None, scale: float | None = None,
               num_splits: int = 1, config: AttentionConfig = AttentionConfig(), workspace=None,
-              is_len_from_positions: bool = False, stream=0):
+              is_len_from_positions: bool = False, stream=0, f16_scratch=None):
     """softmax(q k^T * scale + causal mask) v per query head; q, out [T, num_q_heads * head_dim] float32.
 
     k_cache / v_cache: [num_positions, num_kv_heads * head_dim] in F16, Q8_0 or Q4_0 (kvcache.py).
@@ -232,6 +232,7 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     the splits divide that range (kv_len only bounds it): the launch's arguments do not depend on
     the position, so a captured decode step replays at any position.
     stream: 0 (the default stream), a Numba stream or a graph builder capturing the launches.
+    f16_scratch: (K, V) F16 matrices for the tensor-core prefill of a quantized cache (attention_mma).
 
     Prefill (see uses_tensor_cores) runs attention_mma() instead, config unused, inputs rounded to f16.
 
@@ -265,7 +266,7 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     if uses_tensor_cores(num_tokens, num_splits, head_dim, k_cache.fmt):
         return attention_mma(q, k_cache, v_cache, q_positions, out, num_q_heads=num_q_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=kv_len, scale=scale,
-                             config=SERVING_CONFIG)
+                             config=SERVING_CONFIG, f16_scratch=f16_scratch)
     split_len = 0 if is_len_from_positions else ceil_div(ceil_div(max(kv_len, 1), num_splits), bkv) * bkv
     is_split = num_splits > 1
     if is_split:

@@ -34,7 +34,7 @@ from numba import cuda, types
 from . import tensor_core
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_device_array
 from .block_reduce import NEG_INF
-from .kvcache import KV_FORMATS
+from .kvcache import KV_FORMATS, dequantize_kv
 from .packing import PackedMatrix, check_packed
 from .quant_device import dequant8_for
 
@@ -389,12 +389,16 @@ def check_attention_io(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positi
 
 def attention_mma(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
                   num_kv_heads: int, head_dim: int, kv_len: int | None = None, scale: float | None = None,
-                  config: MmaAttentionConfig = MmaAttentionConfig()):
+                  config: MmaAttentionConfig = MmaAttentionConfig(), f16_scratch=None):
     """softmax(q k^T * scale + causal mask) v per query head on tensor cores; q, out [T, num_q_heads * head_dim] f32.
 
     k_cache / v_cache: [num_positions, num_kv_heads * head_dim] in F16, Q8_0 or Q4_0 (kvcache.py);
     q_positions: [T] int32, token t sees cache rows 0..q_positions[t]; kv_len as in attention.py.
     Inputs are rounded to f16 (Q after scaling, K, V, P); products accumulate in f32.
+    f16_scratch: optional (K, V) F16 matrices of the cache's width and at least kv_len rows; a Q8_0 /
+    Q4_0 cache is then first dequantized into them (kvcache.dequantize_kv, the values the kernel
+    would stage) and the F16 kernel runs on them: the same sums, and on the H200 the F16 kernel's
+    16-byte asynchronous copies outrun dequantizing every tile in every block.
 
     Launch config: grid (ceil(T * group / rows), num_kv_heads), rows = 16 * config.warps (64 by
     default), 32 * warps threads; static shared memory 2 * (head_dim + 8) * (rows + 2 * kv_tile) + 4 * rows
@@ -416,6 +420,9 @@ def attention_mma(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, 
                                                  num_kv_heads, head_dim)
     if num_tokens == 0:
         return out
+    if f16_scratch is not None and k_cache.fmt != "F16":
+        dequantize_kv(k_cache, v_cache, kv_len, *f16_scratch)
+        k_cache, v_cache = f16_scratch
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     lto = bool(config.lto) and not is_twin
     if config.fused and not is_twin:

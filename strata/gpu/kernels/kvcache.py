@@ -139,3 +139,57 @@ def append_kv(k_cache: PackedMatrix, v_cache: PackedMatrix, k_new, v_new, positi
     _append_kernel(k_cache.fmt, threads)[grid, threads, stream](
         k_new, v_new, positions, k_cache.quants, k_cache.scales, v_cache.quants, v_cache.scales
     )
+
+
+@functools.cache
+def _dequantize_kernel(fmt: str, threads: int):
+    from .quant_device import dequant8_for
+
+    dequant8 = dequant8_for(fmt)
+
+    @cuda.jit
+    def dequantize_kv_kernel(k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, k_out, v_out):
+        row = cuda.blockIdx.x
+        octet = cuda.blockIdx.y * threads + cuda.threadIdx.x
+        if octet * 8 >= k_out.shape[1]:
+            return
+        values = cuda.local.array(8, np.float32)
+        if cuda.blockIdx.z == 0:
+            dequant8(k_quants, k_scales, k_extra, row, octet, values, 0)
+            for i in range(8):
+                k_out[row, octet * 8 + i] = np.float16(values[i])
+        else:
+            dequant8(v_quants, v_scales, v_extra, row, octet, values, 0)
+            for i in range(8):
+                v_out[row, octet * 8 + i] = np.float16(values[i])
+
+    return dequantize_kv_kernel
+
+
+def dequantize_kv(k_cache: PackedMatrix, v_cache: PackedMatrix, num_rows: int, k_out: PackedMatrix,
+                  v_out: PackedMatrix, *, threads: int = _DEFAULT_THREADS, stream=0) -> None:
+    """Rows 0..num_rows-1 of a Q8_0 / Q4_0 cache layer into F16 matrices of at least num_rows rows.
+
+    Each value is the f32 product d * q rounded to f16: the values the attention kernels stage from
+    the quantized cache, so attention over the F16 copy computes the same sums.
+
+    Launch config: grid (num_rows, ceil(width / 8 / threads), 2) (z: K, V), block `threads`
+    (default 64); one thread dequantizes one octet.
+    """
+    check_packed("k_cache", k_cache, formats=KV_FORMATS)
+    check_packed("v_cache", v_cache, formats=(k_cache.fmt,))
+    width = k_cache.num_cols
+    for name, out in (("k_out", k_out), ("v_out", v_out)):
+        check_packed(name, out, num_cols=width, formats=("F16",))
+        if out.num_rows < num_rows:
+            raise ValueError(f"{name} has {out.num_rows} rows, fewer than num_rows {num_rows}")
+    if not 0 <= num_rows <= k_cache.num_rows:
+        raise ValueError(f"num_rows must lie in [0, {k_cache.num_rows}], got {num_rows}")
+    check_power_of_two("threads", threads)
+    if num_rows == 0:
+        return
+    grid = (num_rows, ceil_div(width // 8, threads), 2)
+    _dequantize_kernel(k_cache.fmt, threads)[grid, threads, stream](
+        k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants, v_cache.scales, v_cache.extra,
+        k_out.quants, v_out.quants
+    )
