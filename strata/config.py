@@ -64,6 +64,8 @@ class RuntimeConfig:
                                             "equal share of every layer), so the first requests find experts cached")
     decode_graphs: bool = option(True, doc="decode a token as two CUDA graphs per layer, captured at a request's "
                                            "first token (cuda backend; MoE models without a shared expert)")
+    decode_prefetch: bool = option(True, doc="with decode_graphs: stage the experts the next layer's router picks "
+                                             "from this layer's hidden state while this layer computes")
 
 
 @dataclasses.dataclass(frozen=True)

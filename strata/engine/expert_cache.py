@@ -122,13 +122,17 @@ class ExpertCache:
         return slot
 
     def fill(self, pack: ExpertPack, num_layers: int, num_experts: int) -> int:
-        """Stage experts from ``pack`` into the free slots, expert-major (expert 0 of every layer,
-        then expert 1, ...), so each layer holds an equal share; returns how many were staged."""
+        """Stage experts from ``pack`` into the lowest free slots, expert-major (expert 0 of every
+        layer, then expert 1, ...), so each layer holds an equal share; returns how many were staged."""
         keys = [(layer, e) for e in range(num_experts) for layer in range(num_layers) if (layer, e) not in self._lru]
         keys = keys[:len(self._free)]
+        lowest = sorted(self._free)[:len(keys)]  # the top slots stay free for the workspace to borrow
         for first in range(0, len(keys), _FILL_BATCH):
-            batch = keys[first:first + _FILL_BATCH]
-            slots = [self.insert(layer, expert, set()) for layer, expert in batch]  # free slots: no eviction
+            batch, slots = keys[first:first + _FILL_BATCH], lowest[first:first + _FILL_BATCH]
+            for key, slot in zip(batch, slots):
+                self._free.discard(slot)
+                self._lru[key] = slot
+                self._key_of[slot] = key
             try:
                 self.ops.wait_staged(self.ops.stage_experts(self.storage, slots, [pack.slot(*key) for key in batch]))
             except BaseException:

@@ -95,7 +95,8 @@ class Engine:
         for resource in resources.values():
             if not resource.is_resident:
                 expected[resource.name] = expected.get(resource.name, 0) + resource.num_bytes
-        runner = ModelRunner(spec, ops, weights, kv, cache, pack, config.runtime.decode_graphs)
+        runner = ModelRunner(spec, ops, weights, kv, cache, pack, config.runtime.decode_graphs,
+                             config.runtime.decode_prefetch)
         engine = cls(config=config, model=model, spec=spec, tokenizer=tokenizer, plugins=plugins, backend=backend,
                    ledger=ledger, ops=ops, placement=placement, resources=resources, weights=weights, kv=kv,
                    decode_workspace=decode_ws, pack=pack, cache=cache, planner=planner, workspace=workspace,

@@ -50,6 +50,7 @@ class StreamStats:
     num_chunks: int = 0
     hits: int = 0
     misses: int = 0
+    prefetched: int = 0  # experts decode staged ahead of their layer (in streamed_bytes, not in misses)
 
 
 @dataclasses.dataclass
@@ -82,14 +83,15 @@ class DeviceWeights:
 
 class ModelRunner:
     def __init__(self, spec: ModelSpec, ops: Ops, weights: DeviceWeights, kv, cache: ExpertCache | None,
-                 pack: ExpertPack | None, is_decode_captured: bool = True):
+                 pack: ExpertPack | None, is_decode_captured: bool = True, is_decode_prefetching: bool = True):
         self.spec = spec
         self.ops = ops
         self.w = weights
         self.kv = kv
         self.cache = cache
         self.pack = pack
-        self.decode_step = DecodeStep(self) if is_decode_captured and can_use_segments(self) else None
+        self.decode_step = DecodeStep(self, is_decode_prefetching) if is_decode_captured and can_use_segments(self) \
+            else None
 
     def forward(self, tokens: np.ndarray, start: int, workspace: PromptWorkspace | None, stats: StreamStats):
         """Hidden states [T, D] of ``tokens`` at positions ``start``.. (before the output norm); fills the KV cache.
@@ -245,6 +247,31 @@ class ModelRunner:
             cache.forget(slots)  # inserted but never filled: a later request must not compute with them
             raise
         return slot_of
+
+    def prefetch(self, layer: int, host_ids: np.ndarray, in_use: set[int], stats: StreamStats):
+        """Insert and stage the experts ``host_ids`` of ``layer`` that are not cached, evicting by
+        the cache's policy outside ``in_use``; returns the copies' ticket (None: nothing staged)."""
+        ops, cache = self.ops, self.cache
+        protected, experts, slots = set(in_use), [], []
+        try:
+            for expert in np.unique(host_ids):
+                if cache.lookup(layer, int(expert)) >= 0:
+                    continue
+                slot = cache.insert(layer, int(expert), protected)
+                if slot < 0:
+                    break
+                protected.add(slot)
+                experts.append(int(expert))
+                slots.append(slot)
+            if not slots:
+                return None
+            ticket = ops.stage_experts(cache.storage, slots, [self.pack.slot(layer, e) for e in experts])
+        except BaseException:
+            cache.forget(slots)
+            raise
+        stats.prefetched += len(slots)
+        stats.streamed_bytes += len(slots) * cache.layout.slot_bytes
+        return ticket
 
     def matrix(self, layer: int, name: str) -> QTensor:
         return self.w.matrices[f"blk.{layer}.{name}"]

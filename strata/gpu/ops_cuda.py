@@ -408,8 +408,8 @@ class CudaOps:
                                     slot_of_expert=table)
                 return
             if x.shape[0] <= _DECODE_MAX_TOKENS:
-                moe_experts_decode(x, _map_ids(ids, table, to_slots=True), weights, gate, up, down, out,
-                                   num_experts=num_slots)
+                moe_experts_decode(x, _map_ids(ids, table, to_slots=True, stream=self._stream), weights, gate, up,
+                                   down, out, num_experts=num_slots, stream=self._stream)
                 return
             # group by expert id (few: the grouping keeps a counter per expert in shared memory),
             # then point each tile at its expert's slot
@@ -449,14 +449,14 @@ class CudaOps:
             return gemv(head.data, last[0], norm_weight=norm, eps=eps).copy_to_host()
 
 
-def _map_ids(ids, table, *, to_slots: bool):
+def _map_ids(ids, table, *, to_slots: bool, stream=0):
     """[T, k] routed ids → their slots (``to_slots``) or themselves, -1 where ``table`` has no slot."""
     from numba import cuda as numba_cuda
 
     out = numba_cuda.device_array(ids.shape, dtype=np.int32)
     num_pairs = ids.shape[0] * ids.shape[1]
     if num_pairs:
-        _map_ids_kernel(to_slots)[(num_pairs + 127) // 128, 128](ids, table, out)
+        _map_ids_kernel(to_slots)[(num_pairs + 127) // 128, 128, stream](ids, table, out)
     return out
 
 

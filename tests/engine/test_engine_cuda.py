@@ -7,7 +7,9 @@ from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy
 from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 
+from strata.engine.decode_step import DecodeStep
 from strata.engine.facade import Engine
+from strata.engine.runner import ModelRunner
 from strata.engine.ops import _has_cuda_device
 from strata.gpu.ledger import TRANSIENT_OWNERS
 from strata.model.synth import PRESETS, write_synthetic_model
@@ -41,9 +43,14 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
 
 
-def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path):
+def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path, monkeypatch):
     # captured per-layer segments (graphs on the GPU, re-run in the simulator) against plain
-    # launches over several tokens: positions move, misses are staged between the two segments
+    # launches over several tokens: positions move, misses are staged between the two segments,
+    # and the next layer's predicted experts are staged ahead
+    staged_ahead = []
+    prefetch = ModelRunner.prefetch
+    monkeypatch.setattr(ModelRunner, "prefetch",
+                        lambda self, *args: staged_ahead.append(prefetch(self, *args)) or staged_ahead[-1])
     runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "expert_preload": False}  # misses
     prompt, num_generated = PROMPT[:4], NUM_GENERATED + 1  # the simulator takes ~10 s per decode step
     plain = Engine.load(engine_config(tiny_path, runtime={**runtime, "decode_graphs": False}), show_progress=False)
@@ -52,9 +59,27 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path)
     expected, _ = greedy(plain, prompt, num_generated)
     tokens, stats = greedy(captured, prompt, num_generated)
     assert tokens == expected == reference_greedy(tiny_path, prompt, num_generated)
-    assert stats.cache_misses > 0
+    assert stats.cache_misses > 0 and staged_ahead  # called at layer 0 of every token after the first
     idle = dict(captured.idle_ledger.by_owner)
     assert {k: v for k, v in captured.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
+
+
+def test_a_fully_cached_model_decodes_each_token_as_one_segment(tiny_path, monkeypatch):
+    # the budget holds every expert and the ring beside them: the fill at load caches them all, the
+    # ring borrows only free slots, and decode maps routed ids to slots on the device
+    calls = []
+    resident_token = DecodeStep._resident_token
+    monkeypatch.setattr(DecodeStep, "_resident_token", lambda self: calls.append(1) or resident_token(self))
+    engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB",
+                                                            "warmup": False}), show_progress=False)
+    spec = engine.spec
+    assert engine.cache.num_cached == spec.num_layers * spec.num_experts
+    prompt, num_generated = PROMPT[:4], NUM_GENERATED + 1
+    tokens, stats = greedy(engine, prompt, num_generated)
+    assert tokens == reference_greedy(tiny_path, prompt, num_generated)
+    assert calls and stats.cache_misses == 0 and engine.cache.num_cached == spec.num_layers * spec.num_experts
+    idle = dict(engine.idle_ledger.by_owner)
+    assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the loan and KV formats on the kernels take minutes in the simulator")
