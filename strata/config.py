@@ -62,10 +62,11 @@ class RuntimeConfig:
                                     "compiled before the first request (cuda and cudasim backends)")
     expert_preload: bool = option(True, doc="at load, fill the expert cache's free slots from the expert pack (an "
                                             "equal share of every layer), so the first requests find experts cached")
-    decode_graphs: bool = option(True, doc="decode a token as two CUDA graphs per layer, captured at a request's "
-                                           "first token (cuda backend; MoE models without a shared expert)")
-    decode_prefetch: bool = option(True, doc="with decode_graphs: stage the experts the next layer's router picks "
-                                             "from this layer's hidden state while this layer computes")
+    decode_graphs: bool = option(True, doc="decode a token as CUDA graphs captured at a request's first token: two "
+                                           "per layer, or one for the token when every expert is cached (cuda "
+                                           "backend; MoE models without a shared expert)")
+    decode_prefetch: bool = option(False, doc="with decode_graphs: stage the experts the next layer's router picks "
+                                              "from this layer's hidden state while this layer computes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +167,9 @@ def verify_config(config: Config) -> None:
     if rt.spec_depth and not rt.mtp:
         raise ConfigError(f"runtime.spec_depth = {rt.spec_depth} needs runtime.mtp = true; "
                           "set runtime.mtp = true or set runtime.spec_depth = 0")
+    if rt.decode_prefetch and not rt.decode_graphs:
+        raise ConfigError("runtime.decode_prefetch = true needs runtime.decode_graphs = true (the prediction runs "
+                          "inside the captured layer); set runtime.decode_graphs = true or runtime.decode_prefetch = false")
     if rt.kv_resident_cells > rt.context_tokens:
         raise ConfigError(f"runtime.kv_resident_cells = {rt.kv_resident_cells} exceeds runtime.context_tokens = "
                           f"{rt.context_tokens}; lower kv_resident_cells or raise context_tokens")

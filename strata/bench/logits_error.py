@@ -9,9 +9,10 @@ logits vector the engine produces is compared with the reference forward's over 
     relative error = max |engine - reference| / max |reference|   (over the vocabulary)
 
 The table reports the worst relative error over the prompt's last position and the decode
-steps, and whether the greedy token agrees. The engine's numerics differ from the reference by
-design: activations are rounded to f16 for the tensor-core products, the KV cache is stored in
-its configured format and sums run in float32.
+steps, and whether the greedy token agrees. The reference's KV cache rounds each row to the
+configured format as the engine's does (``KVCache(kv_type=...)``), so the figures measure the
+engine's own numerics: activations rounded to f16 for the tensor-core products, sums in float32
+in another order, and a cache row quantized from inputs that differ by those roundings.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def measure(path: Path, backend: str, num_prompt: int, num_decode: int, kv_type:
     engine.close()
     model = open_gguf(path)
     reference = ReferenceModel.from_gguf(model)
-    kv = KVCache.for_spec(model.spec, 2048)
+    kv = KVCache.for_spec(model.spec, 2048, kv_type)  # the oracle reads the values the engine's cache holds
     expected = [reference.forward(np.array(prompt), 0, kv)[-1]]
     for position, token in enumerate(tokens[:-1], start=len(prompt)):
         expected.append(reference.forward(np.array([token]), position, kv)[-1])

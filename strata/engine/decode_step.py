@@ -48,7 +48,7 @@ def can_use_segments(runner: ModelRunner) -> bool:
 
 
 class DecodeStep:
-    def __init__(self, runner: ModelRunner, is_prefetching: bool = True):
+    def __init__(self, runner: ModelRunner, is_prefetching: bool = False):
         self.runner = runner
         self.is_prefetching = is_prefetching
         self._x = None  # [1, D] the residual stream
@@ -103,6 +103,18 @@ class DecodeStep:
             self._experts[layer].replay()
         return self._x
 
+    def compile_resident(self, token: int, position: int) -> None:
+        """Run a resident token's launches once, uncaptured, over tables of no slots (every routed
+        expert skipped), so a warm-up compiles the kernels only that path launches. Writes the KV
+        of ``position``; the caller resets the request after."""
+        ops, spec = self.runner.ops, self.runner.spec
+        if self._x is None:
+            self._allocate()
+        self._tables = ops.slot_tables(np.full((spec.num_layers, spec.num_experts), -1, dtype=np.int32))
+        ops.embed(self.runner.w.matrices["token_embd"], np.array([token]), out=self._x)
+        ops.copy_in(self._positions, np.array([position], dtype=np.int32))
+        self._resident_token()
+
     def reset(self) -> None:
         """Drop the segments and their buffers."""
         for segment in self._attention + self._experts + ([self._token] if self._token else []):
@@ -111,7 +123,7 @@ class DecodeStep:
         for array in (self._x, self._positions, self._slot_ids, self._tables):
             if array is not None:
                 self.runner.ops.free(array)
-        self._x = self._positions = self._slot_ids = self._slot_rows = self._tables = None
+        self._x = self._positions = self._slot_ids = self._tables = None
         self.is_resident = self._prefetched = None
 
     def _allocate(self) -> None:
@@ -119,8 +131,9 @@ class DecodeStep:
         self._x = ops.alloc(ACTIVATIONS_OWNER, (1, spec.hidden_size), np.float32)
         self._positions = ops.alloc(ACTIVATIONS_OWNER, (1,), np.int32)
         self._slot_ids = ops.alloc(ACTIVATIONS_OWNER, (1, spec.num_experts_used), np.int32)
-        num_values = spec.num_layers * spec.num_experts_used
-        self._slot_rows = ops.host_buffer(4 * num_values).view(np.int32).reshape(spec.num_layers, -1)  # [L, k]
+        if self._slot_rows is None:  # kept across requests: a queued copy may still read it at a reset
+            num_values = spec.num_layers * spec.num_experts_used
+            self._slot_rows = ops.host_buffer(4 * num_values).view(np.int32).reshape(spec.num_layers, -1)  # [L, k]
 
     def _attention_and_route(self, layer: int):
         """(h, ids, weights, predicted): predicted [1, k] is the next layer's router on this layer's

@@ -126,7 +126,7 @@ class ExpertCache:
         layer, then expert 1, ...), so each layer holds an equal share; returns how many were staged."""
         keys = [(layer, e) for e in range(num_experts) for layer in range(num_layers) if (layer, e) not in self._lru]
         keys = keys[:len(self._free)]
-        lowest = sorted(self._free)[:len(keys)]  # the top slots stay free for the workspace to borrow
+        lowest = sorted(self._free)[:len(keys)]  # when every expert fits, the workspace borrows free top slots
         for first in range(0, len(keys), _FILL_BATCH):
             batch, slots = keys[first:first + _FILL_BATCH], lowest[first:first + _FILL_BATCH]
             for key, slot in zip(batch, slots):

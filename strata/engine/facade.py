@@ -68,7 +68,8 @@ class Engine:
         spec = model.spec
         layout = ops.expert_layout(model) if spec.is_moe else None
         placement = plan_placement(config, model, layout, ledger.budget_bytes, ops.is_activation_borrowable,
-                                   ops.is_prefill_kv_dequantized)
+                                   ops.prefill_kv_scratch_bytes_per_cell(spec.head_dim, spec.kv_size,
+                                                                         config.runtime.kv_type))
         resources = _decode_resources(config, model, ops, placement)
         admit(config, plugins, resources)
         weights = DeviceWeights(ops, model)
@@ -115,7 +116,7 @@ class Engine:
 
     def warm_up(self) -> float:
         """Compile every kernel a request uses: a tiny prefill through the staging ring, its logits,
-        and one decode step. Then the KV tokens are cleared, the expert cache is emptied and the
+        one decode step, and the launches of a fully cached model's decode token. Then the KV tokens are cleared, the expert cache is emptied and the
         ledger is checked against its state before. Returns the seconds it took."""
         started = time.perf_counter()
         before = dict(self.ledger.snapshot().by_owner)
@@ -136,6 +137,8 @@ class Engine:
             # the whole cache), so one step compiles every decode kernel
             hidden = self.runner.forward(np.array([token]), num_tokens, None, stats)
             self._warmup_logits(hidden)
+            if self.runner.decode_step is not None:  # the one-graph token of a fully cached model
+                self.runner.decode_step.compile_resident(token, num_tokens + 1)
             self.ops.synchronize()
             del hidden
         finally:
@@ -220,17 +223,19 @@ def _budget_bytes(config: Config, backend: str, model: GgufModel) -> int:
 def _decode_resources(config: Config, model: GgufModel, ops, placement: Placement) -> dict:
     spec, rt = model.spec, config.runtime
     resources = {}
+    is_loaned = config.loan.enabled  # loaned weights keep a packed host copy for their restores
     if rt.mtp and rt.spec_depth:
         resources[VERIFIER] = ArenaResource(VERIFIER, ops, placement.verifier_bytes)
     if "output.weight" in model.tensors:
-        resources[OUTPUT_HEAD] = TensorsResource(OUTPUT_HEAD, ops, {"output": model.tensors["output.weight"]})
+        resources[OUTPUT_HEAD] = TensorsResource(OUTPUT_HEAD, ops, {"output": model.tensors["output.weight"]},
+                                                 is_loaned)
     if rt.mtp and spec.num_nextn_layers:
         prefix = f"blk.{spec.num_layers}."
         block = {n: r for n, r in model.tensors.items() if n.startswith(prefix)}
         experts = {n: r for n, r in block.items() if "_exps." in n}
         resources[MTP_DRAFT_HEAD] = TensorsResource(MTP_DRAFT_HEAD, ops,
-                                                    {n: r for n, r in block.items() if n not in experts})
-        resources[MTP_EXPERTS] = TensorsResource(MTP_EXPERTS, ops, experts)
+                                                    {n: r for n, r in block.items() if n not in experts}, is_loaned)
+        resources[MTP_EXPERTS] = TensorsResource(MTP_EXPERTS, ops, experts, is_loaned)
     return resources
 
 

@@ -146,7 +146,7 @@ class Generation:
             geometry=report.geometry, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
             streamed_bytes=stream.streamed_bytes, num_chunks=stream.num_chunks,
             cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish,
-            prefill_streamed_bytes=self._prefill_streamed_bytes)
+            prefill_streamed_bytes=self._prefill_streamed_bytes, prefetched_experts=stream.prefetched)
         self.engine.counters.record(self.stats)
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
 

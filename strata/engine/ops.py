@@ -66,7 +66,6 @@ class Ops(Protocol):
     name: str
     ledger: VramLedger
     is_activation_borrowable: bool  # prompt activations may live in borrowed expert-cache storage
-    is_prefill_kv_dequantized: bool  # prefill attention reads an F16 copy of a quantized cache layer
 
     # memory
     def alloc(self, owner: str, shape: tuple[int, ...], dtype: Any) -> Any: ...
@@ -76,6 +75,9 @@ class Ops(Protocol):
         """The weight in this backend's layout, still on the host: what ``upload_encoded`` copies
         (a weight uploaded again and again is re-encoded never)."""
     def upload_encoded(self, owner: str, host: QTensor) -> QTensor: ...
+    def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
+        """VRAM per KV cell that prefill attention needs besides the cache (on the GPU: a quantized
+        layer's F16 copy, K and V), reserved by the planner as fixed workspace."""
     def free(self, array: Any) -> None: ...
     def to_host(self, array: Any) -> np.ndarray: ...
     def host_buffer(self, num_bytes: int) -> np.ndarray: ...

@@ -84,7 +84,6 @@ class NumpyKv:
 class NumpyOps:
     name = "numpy"
     is_activation_borrowable = True  # activations may live in borrowed expert-cache bytes
-    is_prefill_kv_dequantized = False
 
     def __init__(self, ledger: VramLedger):
         self.ledger = ledger
@@ -116,6 +115,9 @@ class NumpyOps:
 
     def upload_encoded(self, owner: str, host: QTensor) -> QTensor:
         return dataclasses.replace(host, data=self.upload(owner, host.data))
+
+    def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
+        return 0
 
     def to_host(self, array) -> np.ndarray:
         return np.asarray(array)
@@ -270,7 +272,13 @@ class DryRunOps(NumpyOps):
         super().__init__(ledger)
         self.backend = backend
         self.is_activation_borrowable = backend == "numpy"
-        self.is_prefill_kv_dequantized = backend != "numpy"
+
+    def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
+        if self.backend == "numpy":
+            return 0
+        from strata.gpu.ops_cuda import kv_scratch_bytes_per_cell
+
+        return kv_scratch_bytes_per_cell(head_dim, kv_width, kv_type, has_tensor_cores=True)
 
     def expert_layout(self, model) -> ExpertLayout:
         if self.backend == "numpy":

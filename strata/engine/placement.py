@@ -46,7 +46,7 @@ class Placement:
 
 
 def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None, budget_bytes: int,
-                   is_activation_borrowable: bool = True, is_prefill_kv_dequantized: bool = False) -> Placement:
+                   is_activation_borrowable: bool = True, kv_scratch_bytes_per_cell: int = 0) -> Placement:
     spec, rt = model.spec, config.runtime
     mtp_layers = range(spec.num_layers, spec.num_layers + spec.num_nextn_layers) if rt.mtp else range(0)
     dense = mtp_head = mtp_experts = 0
@@ -66,9 +66,8 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     kv_bytes = int(kv_cells * _kv_values_per_cell(spec) * _KV_BYTES_PER_VALUE[rt.kv_type])
     decode_ws = _bytes_per_token(spec) * (1 + rt.spec_depth) + 4 * spec.vocab_size * (1 + rt.spec_depth)
     verifier = _bytes_per_token(spec) * (1 + rt.spec_depth) * 2 if rt.mtp else 0
-    # a quantized cache layer's F16 copy, K and V, which prefill attention reads on the GPU
-    scratch = 4 * spec.kv_size * kv_cells if is_prefill_kv_dequantized and rt.kv_type != "f16" else 0
-    costs = workspace_costs(spec, layout, config, is_activation_borrowable, scratch)
+    # e.g. a quantized cache layer's F16 copy, which prefill attention reads on the GPU
+    costs = workspace_costs(spec, layout, config, is_activation_borrowable, kv_scratch_bytes_per_cell * kv_cells)
     fixed = dense + head + kv_bytes + decode_ws + verifier + mtp_head + mtp_experts
     min_ring = config.planner.min_ring_slots if layout else 0
     smallest = costs.workspace_bytes_for(config.planner.chunk_quantum_tokens, min_ring)

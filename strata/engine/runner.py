@@ -83,7 +83,7 @@ class DeviceWeights:
 
 class ModelRunner:
     def __init__(self, spec: ModelSpec, ops: Ops, weights: DeviceWeights, kv, cache: ExpertCache | None,
-                 pack: ExpertPack | None, is_decode_captured: bool = True, is_decode_prefetching: bool = True):
+                 pack: ExpertPack | None, is_decode_captured: bool = True, is_decode_prefetching: bool = False):
         self.spec = spec
         self.ops = ops
         self.w = weights

@@ -44,7 +44,6 @@ class CudaKv:
 
 class CudaOps:
     is_activation_borrowable = False  # activations are the kernels' own allocations
-    is_prefill_kv_dequantized = True  # attention_mma's f16_scratch, sized for the whole cache
 
     def __init__(self, ledger: VramLedger, device: int = 0, is_simulator: bool = False):
         self.ledger = ledger
@@ -117,6 +116,12 @@ class CudaOps:
         rows = int(np.prod(shape[:-1]))
         packed = pack(raw.reshape(rows, -1), qtype.name, shape[-1])
         return QTensor(data=packed, qtype=qtype, shape=tuple(shape), num_bytes=int(raw.nbytes))
+
+    def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
+        from strata.gpu.kernels import tensor_core
+
+        return kv_scratch_bytes_per_cell(head_dim, kv_width, kv_type,
+                                         has_tensor_cores=self.is_simulator or tensor_core.is_available())
 
     def upload_encoded(self, owner: str, host: QTensor) -> QTensor:
         from strata.gpu.kernels.packing import plane_shapes
@@ -447,6 +452,15 @@ class CudaOps:
         last = x[x.shape[0] - 1:] if hasattr(x, "copy_to_host") else self.cuda.to_device(np.asarray(x[-1:]))
         with self._owning(ACTIVATIONS):
             return gemv(head.data, last[0], norm_weight=norm, eps=eps).copy_to_host()
+
+
+def kv_scratch_bytes_per_cell(head_dim: int, kv_width: int, kv_type: str, *, has_tensor_cores: bool) -> int:
+    """The F16 copy (K and V) a quantized cache layer is dequantized into for tensor-core prefill
+    attention (``attention`` above), per cell; 0 where that kernel does not run."""
+    from strata.gpu.kernels.attention_mma import is_supported
+
+    fmt = _KV_FORMATS[kv_type]
+    return 4 * kv_width if fmt != "F16" and has_tensor_cores and is_supported(head_dim, fmt) else 0
 
 
 def _map_ids(ids, table, *, to_slots: bool, stream=0):

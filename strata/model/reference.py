@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from types import MappingProxyType
+
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from strata.errors import EngineError
 from strata.model import reference_ops as ops
@@ -31,19 +36,29 @@ GetWeight = Callable[[str], np.ndarray]
 class KVCache:
     """Per layer K and V, each [context_length, num_kv_heads, head_dim] float32.
 
-    Layers 0..num_layers-1 belong to the main model; the MTP blocks follow them.
+    Layers 0..num_layers-1 belong to the main model; the MTP blocks follow them. ``kv_type`` (an
+    engine's ``runtime.kv_type``: "f16", "q8_0", "q4_0"; None keeps float32) rounds each written
+    row as that cache stores it (ggml's reference quantization of each 32-value block), so the
+    oracle sees the values an engine with that cache reads.
     """
 
-    def __init__(self, num_layers: int, context_length: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_layers: int, context_length: int, num_kv_heads: int, head_dim: int,
+                 kv_type: str | None = None):
+        if kv_type not in _KV_ROUNDING:
+            raise ValueError(f"kv_type must be one of {sorted(k for k in _KV_ROUNDING if k)} or None, got {kv_type!r}")
+        if kv_type in ("q8_0", "q4_0") and num_kv_heads * head_dim % 32:
+            raise ValueError(f"a {kv_type} cache needs num_kv_heads * head_dim a multiple of 32, got "
+                             f"{num_kv_heads * head_dim}")
         shape = (context_length, num_kv_heads, head_dim)
         self.context_length = context_length
+        self.kv_type = kv_type
         self.k = [np.zeros(shape, dtype=np.float32) for _ in range(num_layers)]
         self.v = [np.zeros(shape, dtype=np.float32) for _ in range(num_layers)]
 
     @classmethod
-    def for_spec(cls, spec: ModelSpec, context_length: int | None = None) -> KVCache:
+    def for_spec(cls, spec: ModelSpec, context_length: int | None = None, kv_type: str | None = None) -> KVCache:
         num_positions = spec.context_length if context_length is None else context_length
-        return cls(spec.num_layers + spec.num_nextn_layers, num_positions, spec.num_kv_heads, spec.head_dim)
+        return cls(spec.num_layers + spec.num_nextn_layers, num_positions, spec.num_kv_heads, spec.head_dim, kv_type)
 
     def write(self, layer: int, start_pos: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v [T, K, E] at positions start_pos..start_pos+T-1 of one layer."""
@@ -53,8 +68,23 @@ class KVCache:
                 f"positions {start_pos}..{end - 1} do not fit the KV cache of {self.context_length} "
                 f"positions; shorten the prompt or max tokens, or raise the context length"
             )
-        self.k[layer][start_pos:end] = k
-        self.v[layer][start_pos:end] = v
+        self.k[layer][start_pos:end] = _round_kv(k, self.kv_type)
+        self.v[layer][start_pos:end] = _round_kv(v, self.kv_type)
+
+
+def _round_kv(x: np.ndarray, kv_type: str | None) -> np.ndarray:
+    """[T, K, E] values as a cache of ``kv_type`` holds them (rows of K * E in 32-value blocks)."""
+    qtype = _KV_ROUNDING[kv_type]
+    if qtype is None:
+        return x
+    if qtype == GGMLQuantizationType.F16:
+        return x.astype(np.float16).astype(np.float32)
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], -1)  # [T, K * E]
+    return gguf_dequantize(gguf_quantize(rows, qtype), qtype).reshape(x.shape).astype(np.float32)
+
+
+_KV_ROUNDING = MappingProxyType({None: None, "f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0,
+                                 "q4_0": GGMLQuantizationType.Q4_0})
 
 
 class ReferenceModel:

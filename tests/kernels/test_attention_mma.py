@@ -51,7 +51,11 @@ def _run(q, positions, caches, num_q_heads, num_kv_heads, head_dim, config, f16_
 
 
 def _scratch(caches, extra_rows=5):
-    return empty_kv_layer("F16", caches[0].num_rows + extra_rows, caches[0].num_cols)
+    """F16 matrices with rows to spare, NaN-filled: rows the dequantization skips stay NaN."""
+    scratch = empty_kv_layer("F16", caches[0].num_rows + extra_rows, caches[0].num_cols)
+    for matrix in scratch:
+        matrix.quants.copy_to_device(np.full(matrix.quants.shape, np.nan, np.float16))
+    return scratch
 
 
 @pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
@@ -66,11 +70,21 @@ def test_twin_on_a_chunk_over_a_cache_with_history(fmt, num_q_heads, num_kv_head
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
 def test_twin_over_a_dequantized_copy_equals_the_quantized_cache(fmt):
     # the copy holds the values the kernel stages from the quantized cache: the same sums, bit for bit
-    q, positions, caches, ref = _case(fmt, 4, 2, 32, 13, 22, seed=81)
-    direct = _run(q, positions, caches, 4, 2, 32, TWIN)
-    copied = _run(q, positions, caches, 4, 2, 32, TWIN, f16_scratch=_scratch(caches))
+    _check_copy_equals_cache(fmt, 4, 2, 32, 13, 22, seed=81, config=TWIN)
+
+
+def _check_copy_equals_cache(fmt, num_q_heads, num_kv_heads, head_dim, start_pos, num_tokens, seed, config):
+    q, positions, caches, ref = _case(fmt, num_q_heads, num_kv_heads, head_dim, start_pos, num_tokens, seed)
+    heads = (num_q_heads, num_kv_heads, head_dim)
+    direct = _run(q, positions, caches, *heads, config)
+    scratch = _scratch(caches)
+    copied = _run(q, positions, caches, *heads, config, f16_scratch=scratch)
     np.testing.assert_array_equal(copied, direct)
     np.testing.assert_allclose(copied, ref, **F16_TOLERANCE)
+    kv_len = int(positions[-1]) + 1
+    for matrix in scratch:  # the copy holds the rows up to kv_len, and no further
+        rows = matrix.quants.copy_to_host()
+        assert not np.isnan(rows[:kv_len]).any() and np.isnan(rows[kv_len:]).all()
 
 
 @pytest.mark.parametrize("start_pos, num_tokens", [(0, 1), (0, 17), (47, 2), (3, 70)])
@@ -221,11 +235,7 @@ def test_fused_loop_equals_the_tile_step_and_the_reference(fmt, head_dim, kv_til
 @pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
 def test_serving_kernel_over_a_dequantized_copy_equals_the_quantized_cache(fmt):
-    q, positions, caches, ref = _case(fmt, 32, 4, 128, 100, 300, seed=91)
-    direct = _run(q, positions, caches, 32, 4, 128, SERVING_CONFIG)
-    copied = _run(q, positions, caches, 32, 4, 128, SERVING_CONFIG, f16_scratch=_scratch(caches))
-    np.testing.assert_array_equal(copied, direct)
-    np.testing.assert_allclose(copied, ref, **F16_TOLERANCE)
+    _check_copy_equals_cache(fmt, 32, 4, 128, 100, 300, seed=91, config=SERVING_CONFIG)
 
 
 @pytest.mark.gpu

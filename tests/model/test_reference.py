@@ -5,6 +5,9 @@ import math
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from strata.errors import EngineError
 from strata.model import reference_ops as ops
@@ -357,3 +360,17 @@ def test_preload_fetches_the_main_model_and_optionally_the_mtp_block():
     assert set(fetched) & set(weights) == main  # nothing left to fetch
     model.preload(is_mtp_included=True)
     assert set(fetched) & set(weights) == set(weights)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])
+def test_kv_cache_rounds_written_rows_as_the_engine_cache_stores_them(kv_type):
+    rng = np.random.default_rng(7)
+    k, v = rng.standard_normal((2, 3, 2, 32)).astype(np.float32)  # [T, K, E] each
+    kv = KVCache(1, 4, 2, 32, kv_type)
+    kv.write(0, 1, k, v)
+    qtype = {"f16": QType.F16, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0}[kv_type]
+    expected = gguf_dequantize(gguf_quantize(k.reshape(3, 64), qtype), qtype).reshape(3, 2, 32)
+    np.testing.assert_array_equal(kv.k[0][1:4], expected)
+    assert not np.array_equal(kv.k[0][1:4], k) and not kv.k[0][0].any()
+    with pytest.raises(ValueError, match="kv_type must be one of"):
+        KVCache(1, 4, 2, 32, "q4_k")

@@ -86,6 +86,9 @@ def test_cross_field_error_names_both_options_and_the_fix():
     with pytest.raises(ConfigError, match="runtime.spec_depth = 4 needs runtime.mtp = true; set runtime.mtp = true "
                                           "or set runtime.spec_depth = 0"):
         parse_config(config_dict(runtime={"mtp": False}))
+    with pytest.raises(ConfigError, match=r"runtime.decode_prefetch = true needs runtime.decode_graphs = true .*; set "
+                                          "runtime.decode_graphs = true or runtime.decode_prefetch = false"):
+        parse_config(config_dict(runtime={"decode_graphs": False, "decode_prefetch": True}))
     with pytest.raises(ConfigError, match="loan.plugins .* has no effect without loan.enabled = true"):
         parse_config(config_dict(loan={"enabled": False}))
 
