@@ -1,5 +1,5 @@
-"""A decode token as captured segments: two per layer, recorded at a request's first token and
-replayed for every token after it.
+"""A decode token as captured segments: two per layer (one for the whole token when every expert
+is cached), recorded at a request's first token and replayed for every token after it.
 
 Per layer l (the same sums as ``ModelRunner.forward`` with one token):
 
@@ -9,7 +9,11 @@ Per layer l (the same sums as ``ModelRunner.forward`` with one token):
 
 The host must see the routing before it can stage the misses, so a layer cannot be one graph; it
 is two, and everything between them is the host's cache bookkeeping and one small upload of
-[1, k] slot ids.
+[1, k] slot ids. A segment's inputs are buffers of this object (x, the position, the slot ids),
+refreshed before the replay; its kernels read the position on the device (``ops.attention`` at
+one token), so one capture serves every position. Segments hold their memory until ``reset``,
+which the engine calls when a request ends (the expert storage or the KV cache may move between
+requests; within one they do not).
 
 Prefetch (``is_prefetching``): segment A_l also runs layer l+1's router on layer l's stream (its
 input differs from the real one only by this layer's experts and the next attention, so in deep
@@ -21,11 +25,7 @@ When the cache holds every expert of every layer at a request's first token (a b
 model fits in), nothing can miss: the slots of all experts go to the device once as [L, N] tables,
 each layer maps its routed ids through its table on the device, and the whole token is one graph
 with no host round trip (``is_resident``). Nothing is inserted or evicted during decode, so the
-tables stay true until the request ends. A segment's inputs are buffers of this object (x, the position, the slot ids),
-refreshed before the replay; its kernels read the position on the device (``ops.attention`` at
-one token), so one capture serves every position. Segments hold their memory until ``reset``,
-which the engine calls when a request ends (the expert storage or the KV cache may move between
-requests; within one they do not).
+tables stay true until the request ends.
 """
 
 from __future__ import annotations
