@@ -41,8 +41,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
     arms = [a.strip() for a in args.arms.split(",")]
     runs = []
     for length in lengths:
-        for arm in arms:
-            for rep in range(args.reps):
+        # arms interleaved per repetition: the first process after the GPU has idled runs slower
+        # (measured on the H200), and it must not always be the same arm's
+        for rep in range(args.reps):
+            for arm in arms:
                 profile = None
                 if args.profile_dir:
                     args.profile_dir.mkdir(parents=True, exist_ok=True)
