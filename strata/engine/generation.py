@@ -58,6 +58,7 @@ class Generation:
             hidden, report = engine.loan.run(len(prompt), len(unread),
                                              lambda geometry: self._prefill(unread, reuse, geometry, stream))
             logits = self._logits(hidden)  # after the loan: the output head is back
+            hidden = None  # the last chunk's [T, D]: not held while the first decode token is captured
         except BaseException as exc:
             engine.counters.record_failure(engine.loan.last_report, not isinstance(exc, LoanRestoreError))
             raise
