@@ -108,8 +108,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny model, a short prompt and two formats "
                                                             "(for the simulator)")
     parser.add_argument("--kv-type", default="f16", choices=("f16", "q8_0", "q4_0"))
+    parser.add_argument("--backend", choices=("cuda", "cudasim", "numpy"),
+                        help="the engine's backend (default: cuda with a GPU, else cudasim)")
     args = parser.parse_args(argv)
-    backend = "cuda" if _has_cuda_device() else "cudasim"
+    backend = args.backend or ("cuda" if _has_cuda_device() else "cudasim")
     num_prompt, num_decode = (20, 2) if args.tiny else (200, 8)
     formats = (QType.Q8_0, QType.Q4_0) if args.tiny else FORMATS
     rows = run_all(backend, num_prompt, num_decode, args.kv_type, formats, TINY_SHAPE if args.tiny else SHAPE)
