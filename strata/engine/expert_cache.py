@@ -9,9 +9,9 @@ During prefill the prompt workspace (staging ring and activations) borrows the t
 mapped range (``lend``), evicting what they held; ``min_cache_slots`` stay for cached experts.
 
 At load the cache is filled from the expert pack (``fill``, ``runtime.expert_preload``), an equal
-share of every layer. Policy: decode inserts every streamed expert (least recently used evicted); prefill streams
-misses through the ring without inserting them, since one prompt chunk touches nearly every expert
-of a layer once and would only churn the cache.
+share of every layer. Policy: decode inserts every streamed expert (least recently used evicted);
+prefill streams misses through the ring without inserting them, since one prompt chunk touches
+nearly every expert of a layer once and would only churn the cache.
 """
 
 from __future__ import annotations
