@@ -169,7 +169,8 @@ def verify_config(config: Config) -> None:
                           "set runtime.mtp = true or set runtime.spec_depth = 0")
     if rt.decode_prefetch and not rt.decode_graphs:
         raise ConfigError("runtime.decode_prefetch = true needs runtime.decode_graphs = true (the prediction runs "
-                          "inside the captured layer); set runtime.decode_graphs = true or runtime.decode_prefetch = false")
+                          "inside the captured layer); set runtime.decode_graphs = true or "
+                          "runtime.decode_prefetch = false")
     if rt.kv_resident_cells > rt.context_tokens:
         raise ConfigError(f"runtime.kv_resident_cells = {rt.kv_resident_cells} exceeds runtime.context_tokens = "
                           f"{rt.context_tokens}; lower kv_resident_cells or raise context_tokens")

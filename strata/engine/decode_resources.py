@@ -1,9 +1,9 @@
 """The engine's decode-only resources: what a loan may release during prefill.
 
-``output_head`` (the native head, re-uploaded from a host copy in the backend's layout), ``mtp_draft_head`` and
-``mtp_experts`` (the MTP block's dense and routed tensors), and the ``verifier`` arena (scratch for
-checking speculated tokens). Each charges the ledger under its own name while resident; release
-and restore are atomic.
+``output_head`` (the native head, re-uploaded from a host copy in the backend's layout),
+``mtp_draft_head`` and ``mtp_experts`` (the MTP block's dense and routed tensors), and the
+``verifier`` arena (scratch for checking speculated tokens). Each charges the ledger under its own
+name while resident; release and restore are atomic.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class TensorsResource:
             return
         encoded = self._encoded
         if encoded is None:
-            encoded = {key: self.ops.encode_qtensor(ref.data, ref.qtype, ref.shape) for key, ref in self.sources.items()}
+            encoded = {key: self.ops.encode_qtensor(ref.data, ref.qtype, ref.shape)
+                       for key, ref in self.sources.items()}
             if self.is_reloaded:
                 self._encoded = encoded
         uploaded: dict[str, QTensor] = {}

@@ -166,5 +166,6 @@ class DecodeStep:
         for layer in range(runner.spec.num_layers):
             runner.attention_block(layer, self._x, self._positions, start=0)
             h, ids, weights = self._route(layer)
-            ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], cache.layout)  # ids → slots on device
+            # the routed ids go through the layer's table to slots on the device
+            ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], cache.layout)
         return ()

@@ -116,8 +116,9 @@ class Engine:
 
     def warm_up(self) -> float:
         """Compile every kernel a request uses: a tiny prefill through the staging ring, its logits,
-        one decode step, and the launches of a fully cached model's decode token. Then the KV tokens are cleared, the expert cache is emptied and the
-        ledger is checked against its state before. Returns the seconds it took."""
+        one decode step, and the launches of a fully cached model's decode token. Then the KV tokens
+        are cleared, the expert cache is emptied and the ledger is checked against its state before.
+        Returns the seconds it took."""
         started = time.perf_counter()
         before = dict(self.ledger.snapshot().by_owner)
         geometry = self._warmup_geometry()

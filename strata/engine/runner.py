@@ -174,7 +174,8 @@ class ModelRunner:
         ops.matmul_add(x, out, self.matrix(layer, "attn_output"))
 
     def _ffn(self, layer: int, h):
-        return self.ops.ffn(h, self.matrix(layer, "ffn_gate"), self.matrix(layer, "ffn_up"), self.matrix(layer, "ffn_down"))
+        return self.ops.ffn(h, self.matrix(layer, "ffn_gate"), self.matrix(layer, "ffn_up"),
+                            self.matrix(layer, "ffn_down"))
 
     def _moe(self, layer: int, x, h, ring: StagingRing | None, plan: _LayerPlan | None, stats: StreamStats):
         spec, ops, cache = self.spec, self.ops, self.cache
@@ -228,50 +229,44 @@ class ModelRunner:
     def decode_slots(self, layer: int, host_ids: np.ndarray, stats: StreamStats) -> np.ndarray:
         """[N] slots of the routed experts of a decode token: misses are inserted into the cache
         (evicting by its policy) and staged, and the kernels issued next read them."""
-        ops, cache = self.ops, self.cache
         slot_of, misses = self._lookup(layer, host_ids, stats)
-        protected = {int(s) for s in slot_of if s >= 0}
-        slots = []
-        try:
-            for expert in misses:
-                slot = cache.insert(layer, expert, protected)
-                if slot < 0:
-                    raise EngineError(f"no expert-cache slot is free for a decode miss (layer {layer}); raise "
-                                      "runtime.vram_budget so the cache holds at least one token's experts")
-                slot_of[expert] = slot
-                protected.add(slot)
-                slots.append(slot)
-            if slots:
-                ops.wait_staged(ops.stage_experts(cache.storage, slots, [self.pack.slot(layer, e) for e in misses]))
-        except BaseException:
-            cache.forget(slots)  # inserted but never filled: a later request must not compute with them
-            raise
+        slots, ticket = self._stage_into_cache(layer, misses, {int(s) for s in slot_of if s >= 0})
+        if len(slots) < len(misses):
+            self.cache.forget(slots)
+            raise EngineError(f"no expert-cache slot is free for a decode miss (layer {layer}); raise "
+                              "runtime.vram_budget so the cache holds at least one token's experts")
+        slot_of[misses] = slots
+        self.ops.wait_staged(ticket)
         return slot_of
 
     def prefetch(self, layer: int, host_ids: np.ndarray, in_use: set[int], stats: StreamStats):
         """Insert and stage the experts ``host_ids`` of ``layer`` that are not cached, evicting by
         the cache's policy outside ``in_use``; returns the copies' ticket (None: nothing staged)."""
-        ops, cache = self.ops, self.cache
-        protected, experts, slots = set(in_use), [], []
+        uncached = [int(e) for e in np.unique(host_ids) if self.cache.lookup(layer, int(e)) < 0]
+        slots, ticket = self._stage_into_cache(layer, uncached, in_use)
+        stats.prefetched += len(slots)
+        stats.streamed_bytes += len(slots) * self.cache.layout.slot_bytes
+        return ticket
+
+    def _stage_into_cache(self, layer: int, experts: list[int], protected: set[int]) -> tuple[list[int], object]:
+        """Insert ``experts`` of ``layer`` into the cache (evicting outside ``protected``) as long as
+        slots can be had, and stage them; returns their slots and the copies' ticket (None: none).
+        On an error nothing inserted stays: a later request must not compute with unfilled slots."""
+        cache, protected, slots = self.cache, set(protected), []
         try:
-            for expert in np.unique(host_ids):
-                if cache.lookup(layer, int(expert)) >= 0:
-                    continue
-                slot = cache.insert(layer, int(expert), protected)
+            for expert in experts:
+                slot = cache.insert(layer, expert, protected)
                 if slot < 0:
                     break
                 protected.add(slot)
-                experts.append(int(expert))
                 slots.append(slot)
             if not slots:
-                return None
-            ticket = ops.stage_experts(cache.storage, slots, [self.pack.slot(layer, e) for e in experts])
+                return slots, None
+            hosts = [self.pack.slot(layer, e) for e in experts[:len(slots)]]
+            return slots, self.ops.stage_experts(cache.storage, slots, hosts)
         except BaseException:
             cache.forget(slots)
             raise
-        stats.prefetched += len(slots)
-        stats.streamed_bytes += len(slots) * cache.layout.slot_bytes
-        return ticket
 
     def matrix(self, layer: int, name: str) -> QTensor:
         return self.w.matrices[f"blk.{layer}.{name}"]

@@ -120,6 +120,29 @@ def test_a_failed_decode_copy_leaves_no_unfilled_expert_in_the_cache(moe_path, e
     assert tokens == expected
 
 
+def test_a_decode_miss_without_a_free_slot_is_refused_and_leaves_the_cache_whole(moe_path, expected):
+    from strata.errors import EngineError
+
+    engine = Engine.load(engine_config(moe_path, planner={"max_chunk_tokens": 32}), show_progress=False)
+    greedy(engine, PROMPT[::-1], 2)
+    cache, insert = engine.cache, engine.cache.insert
+    inserted = []
+
+    def insert_once(layer, expert, protected):  # the first decode token's second miss finds no slot
+        if inserted:
+            return -1
+        inserted.append(insert(layer, expert, protected))
+        return inserted[-1]
+
+    cache.insert = insert_once
+    with pytest.raises(EngineError, match="no expert-cache slot is free for a decode miss .* raise "
+                                          "runtime.vram_budget"):
+        greedy(engine, PROMPT, 4)
+    assert inserted and inserted[0] not in cache._key_of  # the one inserted is forgotten, not left unfilled
+    cache.insert = insert
+    assert greedy(engine, PROMPT, 12)[0] == expected
+
+
 def test_an_abandoned_generation_collected_late_leaves_the_next_request_alone(moe_path, expected):
     import gc
 

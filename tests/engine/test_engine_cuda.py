@@ -49,7 +49,8 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path)
     runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "expert_preload": False,  # misses
                "decode_prefetch": True}
     prompt, num_generated = PROMPT[:4], NUM_GENERATED + 1  # the simulator takes ~10 s per decode step
-    plain = Engine.load(engine_config(tiny_path, runtime={**runtime, "decode_graphs": False, "decode_prefetch": False}), show_progress=False)
+    plain = Engine.load(engine_config(tiny_path, runtime={**runtime, "decode_graphs": False, "decode_prefetch": False}),
+                        show_progress=False)
     captured = Engine.load(engine_config(tiny_path, runtime=runtime), show_progress=False)
     assert plain.runner.decode_step is None and captured.runner.decode_step is not None
     expected, _ = greedy(plain, prompt, num_generated)

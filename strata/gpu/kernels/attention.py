@@ -281,8 +281,9 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     kernel = _attention_kernel(k_cache.fmt, head_dim, group, config, is_split)
     grid = (ceil_div(num_tokens, bt), num_kv_heads, num_splits)
-    kernel[grid, bt * group * tpr, stream](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants, v_cache.scales,
-                                   v_cache.extra, q_positions, kv_len, split_len, np.float32(scale), out, *workspace)
+    kernel[grid, bt * group * tpr, stream](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants,
+                                           v_cache.scales, v_cache.extra, q_positions, kv_len, split_len,
+                                           np.float32(scale), out, *workspace)
     if is_split:
         _combine_kernel[(num_tokens, num_q_heads), min(head_dim, 128), stream](*workspace, out)
     return out

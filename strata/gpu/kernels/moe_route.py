@@ -142,7 +142,8 @@ def moe_route(logits, top_k: int, *, norm_weights: bool = True, ids=None, weight
     """Top-k experts per token: logits [T, E] float32 -> ids [T, k] int32, weights [T, k] float32.
 
     Launch config: up to BLOCK_ROUTE_MAX_TOKENS tokens (E <= 512), grid T, block 128 threads (32 in
-    the simulator), one token per block; else grid ceil(T / threads), block `threads` (default 128), one token per thread.
+    the simulator), one token per block; else grid ceil(T / threads), block `threads` (default
+    128), one token per thread.
     """
     check_array("logits", logits, dtypes=np.float32, ndim=2)
     num_tokens, num_experts = logits.shape
