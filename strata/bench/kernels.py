@@ -1,6 +1,8 @@
 """Kernel benchmarks at Qwen3-30B-A3B shapes: `python -m strata.bench.kernels [--tiny]`.
 
-Rows: decode GEMV per format (GB/s against the measured 3.9 TB/s HBM copy), the prefill expert
+Rows: decode GEMVs per format and path (the linked C++ rows and the Numba kernel: GB/s against the
+measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them)
+and one token's routed experts, the prefill expert
 products for chunks of 512 / 2,048 / 8,192 tokens routed top-8 (TFLOP/s), causal attention
 prefill at 4k / 32k (TFLOP/s), decode attention (GB/s of KV read), one resident decode layer and
 a whole decode token (48 layers, head, sampling) as plain launches, and the launches per token. Each figure is the median of --repeats CUDA-event timings after
@@ -12,6 +14,7 @@ figures mean nothing (it checks that the script still works).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from typing import Callable, NamedTuple
@@ -19,6 +22,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 from numba import cuda
 
+from strata.gpu.graphs import capture_graph
+from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
 from strata.gpu.kernels.attention import DECODE_CONFIG, AttentionConfig, attention, default_num_splits
 from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config
@@ -116,14 +121,53 @@ def device_randn(shape, rng, scale=1.0, dtype=np.float32):
     return cuda.to_device((rng.standard_normal(shape) * scale).astype(dtype))
 
 
-def bench_gemv(s: Shapes, fmt: str, num_rows: int, cfg: GemvConfig, timing) -> Row:
+def graph_ms(launch: Callable[[object], object], timing, count: int = 20) -> float:
+    """Milliseconds per call of launch(stream) when `count` calls replay as one CUDA graph, as decode
+    runs them (a plain launch costs more host time than these kernels take); plain calls in the
+    simulator, which has no graphs."""
+    if IS_SIMULATOR:
+        return median_ms(lambda: launch(0), *timing)
+    builder_of = {}
+
+    @contextlib.contextmanager
+    def launching_on(builder):
+        builder_of["stream"] = builder
+        yield
+
+    segment = capture_graph(lambda: [launch(builder_of["stream"]) for _ in range(count)], launching_on,
+                            lambda: contextlib.nullcontext([]))
+    try:
+        return median_ms(segment.replay, *timing) / count
+    finally:
+        segment.close()
+
+
+def _path_name(native: bool) -> str:
+    return "C++ rows" if native else "Numba"
+
+
+def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfig, native: bool, timing) -> Row:
     rng = np.random.default_rng(1)
-    w = random_packed(fmt, num_rows, s.gemv_cols, rng)
-    x, y = device_randn(s.gemv_cols, rng), cuda.device_array(num_rows, np.float32)
-    ms = median_ms(lambda: gemv(w, x, y, config=cfg), *timing)
-    num_bytes = w.nbytes + 4 * (s.gemv_cols + num_rows)
-    return Row(f"decode GEMV {fmt} {num_rows}x{s.gemv_cols}", num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9,
-               TARGET_GEMV_RATIO)
+    w = random_packed(fmt, num_rows, num_cols, rng)
+    x, y = device_randn(num_cols, rng), cuda.device_array(num_rows, np.float32)
+    ms = graph_ms(lambda stream: gemv(w, x, y, config=cfg, native=native, stream=stream), timing)
+    num_bytes = w.nbytes + 4 * (num_cols + num_rows)
+    return Row(f"decode GEMV {fmt} {num_rows}x{num_cols}, {_path_name(native)}", num_bytes / ms / 1e6, "GB/s",
+               HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
+
+
+def bench_moe_decode(s: Shapes, experts, cfg: GemvConfig, native: bool, timing) -> Row:
+    """One token's routed experts (gate, up, down of top_k distinct experts of the stack)."""
+    rng = np.random.default_rng(7)
+    x = device_randn((1, s.hidden), rng)
+    ids = cuda.to_device(rng.choice(s.num_experts, s.top_k, replace=False).astype(np.int32).reshape(1, -1))
+    weights = cuda.to_device(np.full((1, s.top_k), 1.0 / s.top_k, np.float32))
+    out, hidden = cuda.device_array((1, s.hidden), np.float32), cuda.device_array((s.top_k, s.ffn), np.float32)
+    ms = graph_ms(lambda stream: moe_experts_decode(x, ids, weights, *experts, out, num_experts=s.num_experts,
+                                                    hidden=hidden, config=cfg, native=native, stream=stream), timing)
+    num_bytes = s.top_k * sum(w.nbytes for w in experts) // s.num_experts
+    return Row(f"decode experts {experts[0].fmt}, top-{s.top_k} of {s.num_experts}, {_path_name(native)}",
+               num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
 
 
 def make_experts(s: Shapes, fmt: str, rng) -> tuple:
@@ -238,9 +282,13 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
 
 
 def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing) -> list:
-    rows = [bench_gemv(s, fmt, n, gemv_cfg, timing) for fmt in ("Q4_0", "Q8_0", "Q4_K")
-            for n in (s.vocab, s.num_q_heads * s.head_dim)]
+    paths = (True, False) if tensor_core.is_available() else (False,)
+    q_dim = s.num_q_heads * s.head_dim
+    rows = [bench_gemv(s, fmt, n, k, gemv_cfg, native, timing) for fmt in ("Q4_0", "Q8_0", "Q4_K")
+            for n, k in ((s.vocab, s.gemv_cols), (q_dim, s.gemv_cols), (s.hidden, max(q_dim, 256)))
+            for native in paths]
     experts = make_experts(s, "Q4_0", np.random.default_rng(6))
+    rows += [bench_moe_decode(s, experts, gemv_cfg, native, timing) for native in paths]
     for num_tokens in s.prefill_tokens:
         rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing)
     rows += [bench_attention_prefill(s, c, fmt, prefill_cfg, timing) for c in s.prefill_contexts

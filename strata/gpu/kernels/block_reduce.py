@@ -14,6 +14,8 @@ leading barrier makes it safe to call it back to back with the same `red`.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda
 
@@ -29,3 +31,15 @@ def device_block_sum(value, red, tid, num_threads):
     for i in range(num_threads):
         total += red[i]
     return total
+
+
+@cuda.jit(device=True)
+def device_inv_rms(x, x_row, eps, red, tid, num_threads):
+    """1 / sqrt(mean(x[x_row]^2) + eps), computed by the whole block; every thread gets it."""
+    num_cols = x.shape[1]
+    sum_sq = np.float32(0.0)
+    for k in range(tid, num_cols, num_threads):
+        v = np.float32(x[x_row, k])
+        sum_sq += v * v
+    total = device_block_sum(sum_sq, red, tid, num_threads)
+    return np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))

@@ -16,14 +16,14 @@ inv_rms * norm_weight as it loads it: the pre-attention and pre-FFN norms cost n
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
 
 from ._common import OCTET, ceil_div, check_array, check_power_of_two, empty, is_finite_number, stand_in
-from .block_reduce import device_block_sum
+from .block_reduce import device_inv_rms
+from .gemv_native import gemv_native, is_supported as is_native_supported, FORMATS as NATIVE_FORMATS
 from .packing import PackedMatrix, check_packed
 from .quant_dot import dot8_for
 
@@ -91,18 +91,6 @@ def lane_sum_device(lanes: int, num_rows: int):
     return device_lane_sum
 
 
-@cuda.jit(device=True)
-def device_inv_rms(x, x_row, eps, red, tid, num_threads):
-    """1 / sqrt(mean(x[x_row]^2) + eps), computed by the whole block; every thread gets it."""
-    num_cols = x.shape[1]
-    sum_sq = np.float32(0.0)
-    for k in range(tid, num_cols, num_threads):
-        v = np.float32(x[x_row, k])
-        sum_sq += v * v
-    total = device_block_sum(sum_sq, red, tid, num_threads)
-    return np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))
-
-
 @functools.cache
 def _gemv_kernel(fmt: str, config: GemvConfig, has_norm: bool, is_accumulate: bool):
     threads, lanes, num_rows = config.threads, config.lanes_per_row, config.rows_per_group
@@ -137,12 +125,14 @@ def _gemv_kernel(fmt: str, config: GemvConfig, has_norm: bool, is_accumulate: bo
 
 
 def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
-         config: GemvConfig = GemvConfig(), stream=0):
+         config: GemvConfig = GemvConfig(), native: bool | None = None, stream=0):
     """y[n] = sum_k W[n, k] x'[k] with x' = x, or RMSNorm(x) * norm_weight when norm_weight is given.
 
     w: packed [N, K] (any format); x: [K] float32 or float16; norm_weight: [K] float32;
     y: [N] float32 (allocated when None); accumulate=True adds into y (the residual stream).
     stream: 0 (the default stream), a Numba stream or a graph builder capturing the launch.
+    native: True runs gemv_native's linked C++ rows (refused where it cannot run), False this
+    module's Numba kernel, None (default) the C++ wherever gemv_native.is_supported(w).
 
     Launch config: grid ceil(N / (threads / lanes_per_row * rows_per_group)), block `threads`;
     shared memory threads * rows_per_group float32. Default (H200): 128 threads, 32 lanes per row,
@@ -164,8 +154,20 @@ def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, acc
     check_array("y", y, dtypes=np.float32, shape=(w.num_rows,))
     if w.num_rows == 0:
         return y
+    if use_native(native, w):
+        return gemv_native(w, x, y, norm_weight=norm_weight, eps=eps, accumulate=accumulate, stream=stream)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     kernel = _gemv_kernel(w.fmt, config, has_norm, accumulate)
     grid = ceil_div(w.num_rows, config.rows_per_block)
     kernel[grid, config.threads, stream](w.quants, w.scales, w.extra, x.reshape(1, num_cols), norm_w, np.float32(eps), y)
     return y
+
+
+def use_native(native: bool | None, w, num_x_rows: int = 1) -> bool:
+    """Whether a decode GEMV of w runs gemv_native's C++: `native` as asked, None meaning where it can."""
+    is_supported = is_native_supported(w, num_x_rows)
+    if native and not is_supported:
+        raise ValueError(f"native GEMV needs a GPU with linked CUDA C++, a {w.fmt} matrix in one of "
+                         f"{', '.join(NATIVE_FORMATS)} with aligned device planes and fitting activations; "
+                         "pass native=None to fall back to the Numba kernel")
+    return is_supported if native is None else bool(native)

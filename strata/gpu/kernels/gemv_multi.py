@@ -14,7 +14,9 @@ import numpy as np
 from numba import cuda
 
 from ._common import OCTET, ceil_div, check_array, empty, is_finite_number, stand_in
-from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
+from .block_reduce import device_inv_rms
+from .gemv import GemvConfig, lane_sum_device, rows_dot_device, use_native
+from .gemv_native import gemv_multi_native
 from .packing import check_packed
 
 
@@ -62,13 +64,14 @@ def _gemv3_kernel(fmts: tuple, config: GemvConfig, has_norm: bool):
 
 
 def gemv_multi(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: GemvConfig = GemvConfig(),
-               stream=0):
+               native: bool | None = None, stream=0):
     """ys[i][n] = sum_k W_i[n, k] x'[k] for 2 or 3 packed matrices with the same K (x' as in gemv).
 
     ws: sequence of PackedMatrix [N_i, K]; x: [K] float32/float16; norm_weight: [K] float32 or
     None; ys: sequence of [N_i] float32 (allocated when None). Returns ys as a tuple.
 
     Launch config: gemv's block; grid sum_i ceil(N_i / rows_per_block), blocks in matrix order.
+    native: as in gemv (the C++ rows when every matrix can take them).
     """
     ws = tuple(ws)
     if len(ws) not in (2, 3):
@@ -88,6 +91,8 @@ def gemv_multi(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: G
         raise ValueError(f"{len(ws)} matrices but {len(ys)} outputs")
     for i, (w, y) in enumerate(zip(ws, ys)):
         check_array(f"ys[{i}]", y, dtypes=np.float32, shape=(w.num_rows,))
+    if all(use_native(native, w) for w in ws):
+        return gemv_multi_native(ws, x, ys, norm_weight=norm_weight, eps=eps, stream=stream)
     w_c, y_c = (ws[2], ys[2]) if len(ws) == 3 else (ws[1], stand_in(ys[1], np.float32, 1))
     blocks = [ceil_div(w.num_rows, config.rows_per_block) for w in ws]
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)

@@ -27,7 +27,9 @@ from numba import cuda
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .activation import device_silu_mul
 from .gemm import BLOCK_K, acc_coords_device, default_config, dual_mainloop_device, mainloop_device
-from .gemv import GemvConfig, device_inv_rms, lane_sum_device, rows_dot_device
+from .block_reduce import device_inv_rms
+from .gemv import GemvConfig, lane_sum_device, rows_dot_device
+from .gemv_native import FORMATS as NATIVE_FORMATS, experts_supported, moe_experts_native
 from .moe_route import MoeGroups
 from .packing import PackedMatrix, check_packed
 
@@ -240,13 +242,14 @@ def _decode_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemvConfi
 
 def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
                        num_experts: int, norm_weight=None, eps: float = 1e-6, hidden=None,
-                       config: GemvConfig = GemvConfig(), stream=0):
+                       config: GemvConfig = GemvConfig(), native: bool | None = None, stream=0):
     """out [T, H] += routed experts for a few tokens; x [T, H] float32 (RMSNorm-ed here when
     norm_weight [H] is given), ids/weights [T, k] from moe_route (an id outside [0, num_experts)
     contributes nothing); hidden: optional [T * k, F] float32 scratch.
 
     Launch config: two launches with gemv's block (config.threads threads): gate_up grid
-    (ceil(F / rows_per_block), T * k), down grid (ceil(H / rows_per_block), T).
+    (ceil(F / rows_per_block), T * k), down grid (ceil(H / rows_per_block), T); or, where
+    gemv_native can run the stacks (native as in gemv), its two launches.
     """
     config = config.validate()
     check_array("x", x, dtypes=np.float32, ndim=2)
@@ -266,6 +269,13 @@ def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, do
     check_array("hidden", hidden, dtypes=np.float32, shape=(num_tokens * top_k, ffn))
     if num_tokens == 0:
         return out
+    is_native = experts_supported(gate, up, down, top_k)
+    if native and not is_native:
+        raise ValueError(f"native expert GEMVs need gate and up of one format, each of {', '.join(NATIVE_FORMATS)}, "
+                         "on a GPU with linked CUDA C++; pass native=None to fall back to the Numba kernels")
+    if is_native if native is None else native:
+        return moe_experts_native(x, ids, weights, gate, up, down, out, hidden, norm_weight=norm_weight, eps=eps,
+                                  stream=stream)
     gate_up_kernel, down_kernel = _decode_kernels(gate.fmt, up.fmt, down.fmt, config, has_norm)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     gate_up_kernel[(ceil_div(ffn, config.rows_per_block), num_tokens * top_k), config.threads, stream](

@@ -1,0 +1,325 @@
+"""Decode GEMVs whose inner loop is linked CUDA C++ (cuda/gemv_rows.cu): 16-byte loads, warp shuffles.
+
+The Numba GEMVs (gemv.py, gemv_multi.py, moe.py's decode kernels) give each lane 8 elements at a
+time with 32-bit loads and walk a row's octets one after another; at decode sizes (a few thousand
+rows) that leaves too few loads in flight to cover HBM latency, and the H200 measured 10-27% of
+its bandwidth. Here one warp computes whole rows: every lane loads all of its 16-byte quant chunks
+of an iteration before any arithmetic, and the warp's partial sums meet in shuffles (which the
+simulator lacks, hence C++ and a GPU-only path).
+
+Each kernel first stages its activations into shared memory as float32 (RMSNorm-ed on the way when
+a norm weight is given, as the Numba kernels do), each 32-element group padded to 36 floats so
+that lanes reading neighbouring groups start on different banks, then its warps call one C++
+function per row (or row pair). The Numba kernels remain the path for the other formats, the
+simulator, and the reference the GPU tests compare this one against (same roundings of x, sums in
+another order).
+
+Launch config: blocks of `warps` warps; gemv: grid ceil(N / (warps * rows_per_warp)); experts:
+gate/up grid (ceil(F / warps), T * k), a warp per (pair, output row) computing its gate and up rows;
+down grid (ceil(H / down_warps), T), a warp per output row over all k experts' chunks (a larger block,
+since each stages all k rows of the hidden activations).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda, types
+
+from . import tensor_core
+from ._common import ceil_div, is_c_contiguous, is_device_array, stand_in
+from .activation import device_silu_mul
+from .block_reduce import device_inv_rms
+
+FORMATS = ("Q4_0", "Q8_0", "Q4_K")
+X_GROUP, X_STRIDE = 32, 36
+_WARP = 32
+_MAX_SHARED_BYTES = 48 * 1024
+_RESERVED_SHARED_BYTES = 4096  # the norm's reduction array (up to 1,024 threads)
+_ALIGN_BYTES = 16
+_U32_PTR, _U8_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8)
+_I32_PTR, _I64 = types.CPointer(types.int32), types.int64
+_PLANES = (_U32_PTR, tensor_core.HALF_PTR, _U8_PTR)
+_STRIDES = (tensor_core.INT32,) * 3
+
+
+class NativeGemvConfig(NamedTuple):
+    warps: int = 8
+    rows_per_warp: int = 2  # 1, 2 or 4: rows sharing each lane's activation loads
+
+    def validate(self) -> "NativeGemvConfig":
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"warps must be one of 1, 2, 4, 8, 16, got {self.warps}")
+        if self.rows_per_warp not in (1, 2, 4):
+            raise ValueError(f"rows_per_warp must be 1, 2 or 4, got {self.rows_per_warp}")
+        return self
+
+    @property
+    def threads(self) -> int:
+        return self.warps * _WARP
+
+
+def x_floats(num_cols: int) -> int:
+    """Shared floats for one staged activation row of num_cols elements."""
+    return num_cols // X_GROUP * X_STRIDE
+
+
+def is_supported(w, num_x_rows: int = 1) -> bool:
+    """True when the linked C++ can run this packed matrix: a real GPU, a format it knows, planes
+    C-contiguous and 16-byte aligned, and num_x_rows staged rows of activations fitting in shared memory."""
+    if not tensor_core.is_available() or w.fmt not in FORMATS or not is_device_array(w.quants):
+        return False
+    block_elems = 256 if w.fmt == "Q4_K" else X_GROUP
+    if w.num_cols % block_elems or 4 * x_floats(w.num_cols) * num_x_rows > _MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES:
+        return False
+    return (all(is_c_contiguous(p) for p in (w.quants, w.scales, w.extra))
+            and w.quants.device_ctypes_pointer.value % _ALIGN_BYTES == 0 and w.quants.shape[1] % 4 == 0)
+
+
+def _suffix(fmt: str) -> str:
+    return fmt.lower()
+
+
+def _row_strides(w) -> tuple:
+    """(words, halves, bytes) per row of the quants, scales and extra planes (0 where a plane is a stand-in)."""
+    num_rows = w.quants.shape[0]
+    return tuple(np.int32(p.shape[1] if p.shape[0] == num_rows else 0) for p in (w.quants, w.scales, w.extra))
+
+
+@functools.cache
+def _stage_device(num_cols: int, threads: int, has_norm: bool):
+    """device_stage(x, x_row, norm_w, inv_rms, xs, xs_off, tid): x[x_row] (times inv_rms * norm_w) into padded xs."""
+
+    @cuda.jit(device=True)
+    def device_stage(x, x_row, norm_w, inv_rms, xs, xs_off, tid):
+        for k in range(tid, num_cols, threads):
+            v = np.float32(x[x_row, k])
+            if has_norm:
+                v *= inv_rms * norm_w[k]
+            xs[xs_off + (k // X_GROUP) * X_STRIDE + k % X_GROUP] = v
+
+    return device_stage
+
+
+def _declare_rows(fmt: str, rows_per_warp: int):
+    return tensor_core.declare(
+        f"strata_gemv_rows_{_suffix(fmt)}_r{rows_per_warp}",
+        (tensor_core.FLOAT_PTR, *_PLANES, _I64, tensor_core.INT32, *_STRIDES, tensor_core.FLOAT_PTR, tensor_core.INT32),
+        "gemv_rows.cu")
+
+
+@functools.cache
+def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bool, is_accumulate: bool):
+    warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
+    rows_fn = _declare_rows(fmt, rows_per_warp)
+    stage = _stage_device(num_cols, threads, has_norm)
+    ffi = tensor_core.ffi()
+    num_x = x_floats(num_cols)
+
+    @cuda.jit
+    def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [1, K], y [N]
+        tid = cuda.threadIdx.x
+        red = cuda.shared.array(threads, np.float32)
+        xs = cuda.shared.array(num_x, np.float32)
+        inv_rms = np.float32(1.0)
+        if has_norm:
+            inv_rms = device_inv_rms(x, 0, eps, red, tid, threads)
+        stage(x, 0, norm_w, inv_rms, xs, 0, tid)
+        cuda.syncthreads()
+        lane = tid % _WARP
+        row0 = (cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp
+        num_rows = y.shape[0]
+        if row0 < num_rows:  # the same for the whole warp: the shuffles need every lane
+            out = cuda.local.array(rows_per_warp, np.float32)
+            rows_fn(ffi.from_buffer(out), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
+                    row0, min(rows_per_warp, num_rows - row0), words, halves, extra_bytes, ffi.from_buffer(xs),
+                    num_cols)
+            for r in range(rows_per_warp):
+                if lane == r and row0 + r < num_rows:
+                    if is_accumulate:
+                        y[row0 + r] += out[r]
+                    else:
+                        y[row0 + r] = out[r]
+
+    return gemv_kernel
+
+
+def gemv_native(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
+                config: NativeGemvConfig = NativeGemvConfig(), stream=0):
+    """gemv.gemv's product through the linked C++ rows; the caller validated the inputs and is_supported(w)."""
+    config = config.validate()
+    has_norm = norm_weight is not None
+    kernel = _gemv_kernel(w.fmt, w.num_cols, config, has_norm, accumulate)
+    norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
+    grid = ceil_div(w.num_rows, config.warps * config.rows_per_warp)
+    kernel[grid, config.threads, stream](w.quants, w.scales, w.extra, *_row_strides(w), x.reshape(1, w.num_cols),
+                                         norm_w, np.float32(eps), y)
+    return y
+
+
+@functools.cache
+def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm: bool):
+    warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
+    rows_a, rows_b, rows_c = (_declare_rows(f, rows_per_warp) for f in fmts)
+    stage = _stage_device(num_cols, threads, has_norm)
+    ffi = tensor_core.ffi()
+    num_x = x_floats(num_cols)
+
+    @cuda.jit
+    def gemv3_kernel(qa, sa, ea, wa, ha, xa, qb, sb, eb, wb, hb, xb, qc, sc, ec, wc, hc, xc, x, norm_w, eps, blocks_a,
+                     blocks_b, ya, yb, yc):  # w*, h*, x*: words, halves and extra bytes per row of each matrix
+        tid = cuda.threadIdx.x
+        red = cuda.shared.array(threads, np.float32)
+        xs = cuda.shared.array(num_x, np.float32)
+        inv_rms = np.float32(1.0)
+        if has_norm:
+            inv_rms = device_inv_rms(x, 0, eps, red, tid, threads)
+        stage(x, 0, norm_w, inv_rms, xs, 0, tid)
+        cuda.syncthreads()
+        lane = tid % _WARP
+        block = cuda.blockIdx.x
+        segment = 0 if block < blocks_a else (1 if block < blocks_a + blocks_b else 2)
+        first = 0 if segment == 0 else (blocks_a if segment == 1 else blocks_a + blocks_b)
+        row0 = ((block - first) * warps + tid // _WARP) * rows_per_warp
+        num_rows = ya.shape[0] if segment == 0 else (yb.shape[0] if segment == 1 else yc.shape[0])
+        if row0 < num_rows:
+            out = cuda.local.array(rows_per_warp, np.float32)
+            count = min(rows_per_warp, num_rows - row0)
+            if segment == 0:
+                rows_a(ffi.from_buffer(out), ffi.from_buffer(qa), ffi.from_buffer(sa), ffi.from_buffer(ea), row0,
+                       count, wa, ha, xa, ffi.from_buffer(xs), num_cols)
+            elif segment == 1:
+                rows_b(ffi.from_buffer(out), ffi.from_buffer(qb), ffi.from_buffer(sb), ffi.from_buffer(eb), row0,
+                       count, wb, hb, xb, ffi.from_buffer(xs), num_cols)
+            else:
+                rows_c(ffi.from_buffer(out), ffi.from_buffer(qc), ffi.from_buffer(sc), ffi.from_buffer(ec), row0,
+                       count, wc, hc, xc, ffi.from_buffer(xs), num_cols)
+            for r in range(rows_per_warp):
+                if lane == r and r < count:
+                    if segment == 0:
+                        ya[row0 + r] = out[r]
+                    elif segment == 1:
+                        yb[row0 + r] = out[r]
+                    else:
+                        yc[row0 + r] = out[r]
+
+    return gemv3_kernel
+
+
+def gemv_multi_native(ws: tuple, x, ys: tuple, *, norm_weight=None, eps: float = 1e-6,
+                      config: NativeGemvConfig = NativeGemvConfig(), stream=0):
+    """gemv_multi's 2 or 3 products through the linked C++ rows; the caller validated the inputs."""
+    config = config.validate()
+    has_norm = norm_weight is not None
+    num_cols = ws[0].num_cols
+    rows_per_block = config.warps * config.rows_per_warp
+    num_outputs = len(ys)
+    blocks = [ceil_div(w.num_rows, rows_per_block) for w in ws] + [0]
+    if len(ws) == 2:  # the third matrix's segment gets no blocks
+        ws, ys = (*ws, ws[1]), (*ys, stand_in(ys[1], np.float32, 1))
+    kernel = _gemv3_kernel(tuple(w.fmt for w in ws), num_cols, config, has_norm)
+    norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
+    planes = [a for w in ws for a in (w.quants, w.scales, w.extra, *_row_strides(w))]
+    if sum(blocks):
+        kernel[sum(blocks[:3]), config.threads, stream](*planes, x.reshape(1, num_cols), norm_w, np.float32(eps),
+                                                        blocks[0], blocks[1], *ys)
+    return ys[:num_outputs]
+
+
+def _declare_pair(fmt: str):
+    return tensor_core.declare(
+        f"strata_gemv_pair_{_suffix(fmt)}",
+        (tensor_core.FLOAT_PTR, *_PLANES, *_PLANES, _I64, *_STRIDES, tensor_core.FLOAT_PTR, tensor_core.INT32),
+        "gemv_rows.cu")
+
+
+def _declare_down(fmt: str):
+    return tensor_core.declare(
+        f"strata_down_row_{_suffix(fmt)}",
+        (tensor_core.FLOAT_PTR, *_PLANES, _I32_PTR, tensor_core.FLOAT_PTR, tensor_core.INT32, tensor_core.INT32, _I64,
+         tensor_core.INT32, *_STRIDES, tensor_core.FLOAT_PTR, tensor_core.INT32, tensor_core.INT32),
+        "gemv_rows.cu")
+
+
+@functools.cache
+def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, warps: int, down_warps: int,
+                    has_norm: bool):
+    threads, down_threads = warps * _WARP, down_warps * _WARP
+    pair_fn, down_fn = _declare_pair(fmt_gate_up), _declare_down(fmt_down)
+    stage_x = _stage_device(dim, threads, has_norm)
+    stage_hidden = _stage_device(ffn, down_threads, False)
+    ffi = tensor_core.ffi()
+    num_x, hidden_stride = x_floats(dim), x_floats(ffn)
+    num_hidden_x = top_k * hidden_stride
+
+    @cuda.jit
+    def gate_up_kernel(x, norm_w, eps, ids, gq, gs, ge, uq, us, ue, words, halves, extra_bytes, num_slots, hidden):
+        tid = cuda.threadIdx.x
+        red = cuda.shared.array(threads, np.float32)
+        xs = cuda.shared.array(num_x, np.float32)
+        pair = cuda.blockIdx.y
+        token = pair // top_k
+        inv_rms = np.float32(1.0)
+        if has_norm:
+            inv_rms = device_inv_rms(x, token, eps, red, tid, threads)
+        stage_x(x, token, norm_w, inv_rms, xs, 0, tid)
+        cuda.syncthreads()
+        n = cuda.blockIdx.x * warps + tid // _WARP
+        slot = ids[token, pair % top_k]
+        if n < ffn:
+            if 0 <= slot < num_slots:
+                out = cuda.local.array(2, np.float32)
+                pair_fn(ffi.from_buffer(out), ffi.from_buffer(gq), ffi.from_buffer(gs), ffi.from_buffer(ge),
+                        ffi.from_buffer(uq), ffi.from_buffer(us), ffi.from_buffer(ue), slot * ffn + n, words, halves,
+                        extra_bytes, ffi.from_buffer(xs), dim)
+                if tid % _WARP == 0:
+                    hidden[pair, n] = device_silu_mul(out[0], out[1])
+            elif tid % _WARP == 0:  # no such expert (NaN logits): it contributes nothing
+                hidden[pair, n] = np.float32(0.0)
+
+    @cuda.jit
+    def down_kernel(hidden, ids, weights, dq, ds, de, words, halves, extra_bytes, num_slots, out):  # out [T, H] +=
+        tid = cuda.threadIdx.x
+        xs = cuda.shared.array(num_hidden_x, np.float32)
+        token = cuda.blockIdx.y
+        for j in range(top_k):
+            stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(1.0), xs, j * hidden_stride, tid)
+        cuda.syncthreads()
+        n = cuda.blockIdx.x * down_warps + tid // _WARP
+        if n < dim:
+            total = cuda.local.array(1, np.float32)
+            down_fn(ffi.from_buffer(total), ffi.from_buffer(dq), ffi.from_buffer(ds), ffi.from_buffer(de),
+                    ffi.from_buffer(ids[token]), ffi.from_buffer(weights[token]), top_k, num_slots, n, dim, words,
+                    halves, extra_bytes, ffi.from_buffer(xs), hidden_stride, ffn)
+            if tid % _WARP == 0:
+                out[token, n] += total[0]
+
+    return gate_up_kernel, down_kernel
+
+
+def experts_supported(gate, up, down, top_k: int) -> bool:
+    """True when moe_experts_native can run these expert stacks (gate and up of one format)."""
+    return (gate.fmt == up.fmt and is_supported(gate) and is_supported(up) and is_supported(down, top_k)
+            and _row_strides(gate) == _row_strides(up))
+
+
+def moe_experts_native(x, ids, weights, gate, up, down, out, hidden, *, norm_weight=None, eps: float = 1e-6,
+                       warps: int = 8, down_warps: int = 16, stream=0):
+    """moe.moe_experts_decode's products through the linked C++ rows; the caller validated the inputs
+    and experts_supported(gate, up, down, top_k)."""
+    num_tokens, dim = x.shape
+    top_k = ids.shape[1]
+    ffn = hidden.shape[1]
+    has_norm = norm_weight is not None
+    gate_up_kernel, down_kernel = _expert_kernels(gate.fmt, down.fmt, dim, ffn, top_k, warps, down_warps, has_norm)
+    num_slots = np.int32(gate.num_rows // ffn)
+    norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
+    threads = warps * _WARP
+    gate_up_kernel[(ceil_div(ffn, warps), num_tokens * top_k), threads, stream](
+        x, norm_w, np.float32(eps), ids, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra,
+        *_row_strides(gate), num_slots, hidden)
+    down_kernel[(ceil_div(dim, down_warps), num_tokens), down_warps * _WARP, stream](
+        hidden, ids, weights, down.quants, down.scales, down.extra, *_row_strides(down), num_slots, out)
+    return out

@@ -1,0 +1,126 @@
+"""The decode GEMVs' linked C++ rows (gemv_native) against the NumPy reference and the Numba kernels.
+
+The C++ path needs a real GPU (warp shuffles, linked CUDA C++); in the simulator these tests check
+that asking for it is refused and that the automatic choice falls back to the Numba kernels.
+"""
+
+import numpy as np
+import pytest
+
+from kernel_data import assert_close_to_scale, assert_dot_close, dev, host, random_matrix
+from strata.engine.ops import _has_cuda_device
+from strata.gpu.kernels import gemv_native
+from strata.gpu.kernels.gemv import gemv
+from strata.gpu.kernels.gemv_multi import gemv_multi
+from strata.gpu.kernels.gemv_native import NativeGemvConfig
+from strata.gpu.kernels.moe import moe_experts_decode
+from strata.model import reference_ops
+
+needs_gpu = pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+BLOCK_ELEMS = {"Q4_0": 32, "Q8_0": 32, "Q4_K": 256}
+
+
+def _x(num_cols, seed, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(num_cols) * scale).astype(np.float32)
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", gemv_native.FORMATS)
+@pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
+def test_native_rows_match_the_reference_around_block_and_warp_boundaries(fmt, rows_per_warp):
+    config = NativeGemvConfig(warps=2, rows_per_warp=rows_per_warp)
+    elems = BLOCK_ELEMS[fmt]
+    # columns: fewer items than lanes, a lane's second item, more than one unrolled step
+    for i, num_cols in enumerate((elems, elems * 3, elems * 33 if elems == 32 else elems * 9)):
+        for num_rows in (1, 7, 17, 33):
+            w, values = random_matrix(fmt, num_rows, num_cols, seed=400 + i * 10 + num_rows)
+            x = _x(num_cols, 500 + i)
+            y = dev(np.zeros(num_rows, np.float32))
+            gemv_native.gemv_native(w, dev(x), y, config=config)
+            assert_dot_close(host(y), values.astype(np.float64) @ x, np.abs(values) @ np.abs(x))
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", gemv_native.FORMATS)
+def test_native_gemv_fuses_the_norm_and_accumulates_as_the_numba_kernel_does(fmt):
+    num_rows, num_cols = 45, 512
+    w, values = random_matrix(fmt, num_rows, num_cols, seed=410)
+    rng = np.random.default_rng(411)
+    x = (rng.standard_normal(num_cols) * 3).astype(np.float32)
+    norm_weight = rng.uniform(0.5, 1.5, num_cols).astype(np.float32)
+    residual = rng.standard_normal(num_rows).astype(np.float32)
+    outs = []
+    for native in (True, False):
+        y = dev(residual)
+        gemv(w, dev(x), y, norm_weight=dev(norm_weight), accumulate=True, native=native)
+        outs.append(host(y))
+    x_normed = reference_ops.rms_norm(x, norm_weight, 1e-6)
+    ref = residual + values.astype(np.float64) @ x_normed
+    magnitude = np.abs(values) @ np.abs(x_normed) + np.abs(residual)
+    for out in outs:
+        assert_dot_close(out, ref, magnitude)
+    assert_dot_close(outs[0], outs[1], magnitude)
+
+
+@needs_gpu
+def test_native_multi_gemv_mixes_formats_and_falls_back_for_the_rest():
+    rng = np.random.default_rng(420)
+    x = (rng.standard_normal(512) * 2).astype(np.float32)
+    norm_weight = rng.uniform(0.5, 1.5, 512).astype(np.float32)
+    x_normed = reference_ops.rms_norm(x, norm_weight, 1e-6).astype(np.float64)
+    for fmts in (("Q4_K", "Q4_0", "Q8_0"), ("Q4_0", "Q6_K", "Q4_0"), ("Q8_0", "Q4_0")):
+        matrices = [random_matrix(fmt, rows, 512, seed=421 + i) for i, (fmt, rows) in
+                    enumerate(zip(fmts, (37, 5, 19)))]
+        ys = gemv_multi([w for w, _ in matrices], dev(x), norm_weight=dev(norm_weight))
+        for y, (_, values) in zip(ys, matrices):
+            assert_dot_close(host(y), values @ x_normed, np.abs(values) @ np.abs(x_normed))
+    with pytest.raises(ValueError, match="native GEMV needs"):
+        gemv_multi([w for w, _ in matrices[:1]] + [random_matrix("Q6_K", 3, 512, seed=429)[0]], dev(x),
+                   native=True)
+
+
+def _experts(fmts, num_slots, dim, ffn, seed):
+    gate, gate_v = random_matrix(fmts[0], num_slots * ffn, dim, seed)
+    up, up_v = random_matrix(fmts[1], num_slots * ffn, dim, seed + 1)
+    down, down_v = random_matrix(fmts[2], num_slots * dim, ffn, seed + 2)
+    return (gate, up, down), (gate_v.reshape(num_slots, ffn, dim), up_v.reshape(num_slots, ffn, dim),
+                              down_v.reshape(num_slots, dim, ffn))
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmts", [("Q4_0", "Q4_0", "Q4_0"), ("Q8_0", "Q8_0", "Q4_K"), ("Q4_K", "Q4_K", "Q8_0")])
+def test_native_experts_match_the_reference_and_skip_missing_slots(fmts):
+    num_slots, dim, ffn, top_k, num_tokens = 6, 512, 288 if fmts[2] != "Q4_K" else 256, 3, 2
+    (gate, up, down), values = _experts(fmts, num_slots, dim, ffn, seed=430)
+    rng = np.random.default_rng(431)
+    x = (rng.standard_normal((num_tokens, dim)) * 2).astype(np.float32)
+    norm_weight = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    ids = np.array([[5, 0, -1], [2, 6, 3]], np.int32)  # -1 and 6 name no slot: they contribute nothing
+    weights = rng.uniform(0.1, 1.0, (num_tokens, top_k)).astype(np.float32)
+    residual = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    outs = []
+    for native in (True, False):
+        out = dev(residual)
+        moe_experts_decode(dev(x), dev(ids), dev(weights), gate, up, down, out, num_experts=num_slots,
+                           norm_weight=dev(norm_weight), native=native)
+        outs.append(host(out))
+    x_normed = reference_ops.rms_norm(x, norm_weight, 1e-6)
+    valid = (ids >= 0) & (ids < num_slots)
+    ref = residual + reference_ops.moe(x_normed, np.where(valid, ids, 0), np.where(valid, weights, 0), *values)
+    for out in outs:
+        assert_close_to_scale(out, ref, 2e-6)
+    assert_close_to_scale(outs[0], outs[1], 2e-6)
+
+
+def test_asking_for_the_native_path_where_it_cannot_run_names_the_fallback():
+    w, values = random_matrix("Q6_K", 4, 256, seed=440)
+    x = _x(256, 441)
+    with pytest.raises(ValueError, match="native=None"):
+        gemv(w, dev(x), native=True)
+    # the automatic choice runs wherever it can: here the Numba kernel (Q6_K, or no GPU at all)
+    assert_dot_close(host(gemv(w, dev(x))), values.astype(np.float64) @ x, np.abs(values) @ np.abs(x))
+    if not _has_cuda_device():
+        q4, _ = random_matrix("Q4_0", 4, 256, seed=442)
+        assert not gemv_native.is_supported(q4)
+        with pytest.raises(ValueError, match="native GEMV needs a GPU"):
+            gemv(q4, dev(x), native=True)
