@@ -29,6 +29,7 @@ from strata.gpu.kernels.attention import DECODE_CONFIG, AttentionConfig, attenti
 from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
+from strata.gpu.kernels.gemv_native import HEAD_CONFIG, LAYER_CONFIG
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
 from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group, moe_route
@@ -150,7 +151,9 @@ def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfi
     rng = np.random.default_rng(1)
     w = random_packed(fmt, num_rows, num_cols, rng)
     x, y = device_randn(num_cols, rng), cuda.device_array(num_rows, np.float32)
-    ms = graph_ms(lambda stream: gemv(w, x, y, config=cfg, native=native, stream=stream), timing)
+    native_config = HEAD_CONFIG if num_rows == s.vocab else LAYER_CONFIG  # as the engine launches them
+    ms = graph_ms(lambda stream: gemv(w, x, y, config=cfg, native=native, native_config=native_config,
+                                      stream=stream), timing)
     num_bytes = w.nbytes + 4 * (num_cols + num_rows)
     return Row(f"decode GEMV {fmt} {num_rows}x{num_cols}, {_path_name(native)}", num_bytes / ms / 1e6, "GB/s",
                HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
@@ -287,6 +290,7 @@ def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing) -> list:
     rows = [bench_gemv(s, fmt, n, k, gemv_cfg, native, timing) for fmt in ("Q4_0", "Q8_0", "Q4_K")
             for n, k in ((s.vocab, s.gemv_cols), (q_dim, s.gemv_cols), (s.hidden, max(q_dim, 256)))
             for native in paths]
+    rows += [bench_gemv(s, "F32", s.num_experts, s.gemv_cols, gemv_cfg, native, timing) for native in paths]  # router
     experts = make_experts(s, "Q4_0", np.random.default_rng(6))
     rows += [bench_moe_decode(s, experts, gemv_cfg, native, timing) for native in paths]
     for num_tokens in s.prefill_tokens:

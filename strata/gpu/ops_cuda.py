@@ -448,10 +448,11 @@ class CudaOps:
 
     def logits(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
         from strata.gpu.kernels.gemv import gemv
+        from strata.gpu.kernels.gemv_native import HEAD_CONFIG
 
         last = x[x.shape[0] - 1:] if hasattr(x, "copy_to_host") else self.cuda.to_device(np.asarray(x[-1:]))
         with self._owning(ACTIVATIONS):
-            return gemv(head.data, last[0], norm_weight=norm, eps=eps).copy_to_host()
+            return gemv(head.data, last[0], norm_weight=norm, eps=eps, native_config=HEAD_CONFIG).copy_to_host()
 
 
 def kv_scratch_bytes_per_cell(head_dim: int, kv_width: int, kv_type: str, *, has_tensor_cores: bool) -> int:

@@ -17,7 +17,7 @@ from strata.gpu.kernels.moe import moe_experts_decode
 from strata.model import reference_ops
 
 needs_gpu = pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
-BLOCK_ELEMS = {"Q4_0": 32, "Q8_0": 32, "Q4_K": 256}
+BLOCK_ELEMS = {"Q4_0": 32, "Q8_0": 32, "Q4_K": 256, "F32": 32, "F16": 32}
 
 
 def _x(num_cols, seed, scale=1.0):

@@ -23,7 +23,8 @@ from numba import cuda
 
 from ._common import OCTET, ceil_div, check_array, check_power_of_two, empty, is_finite_number, stand_in
 from .block_reduce import device_inv_rms
-from .gemv_native import gemv_native, is_supported as is_native_supported, FORMATS as NATIVE_FORMATS
+from .gemv_native import FORMATS as NATIVE_FORMATS, LAYER_CONFIG, NativeGemvConfig, gemv_native
+from .gemv_native import is_supported as is_native_supported
 from .packing import PackedMatrix, check_packed
 from .quant_dot import dot8_for
 
@@ -125,14 +126,16 @@ def _gemv_kernel(fmt: str, config: GemvConfig, has_norm: bool, is_accumulate: bo
 
 
 def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
-         config: GemvConfig = GemvConfig(), native: bool | None = None, stream=0):
+         config: GemvConfig = GemvConfig(), native: bool | None = None,
+         native_config: NativeGemvConfig = LAYER_CONFIG, stream=0):
     """y[n] = sum_k W[n, k] x'[k] with x' = x, or RMSNorm(x) * norm_weight when norm_weight is given.
 
     w: packed [N, K] (any format); x: [K] float32 or float16; norm_weight: [K] float32;
     y: [N] float32 (allocated when None); accumulate=True adds into y (the residual stream).
     stream: 0 (the default stream), a Numba stream or a graph builder capturing the launch.
     native: True runs gemv_native's linked C++ rows (refused where it cannot run), False this
-    module's Numba kernel, None (default) the C++ wherever gemv_native.is_supported(w).
+    module's Numba kernel, None (default) the C++ wherever gemv_native.is_supported(w);
+    native_config is its launch shape (gemv_native.HEAD_CONFIG for an output head).
 
     Launch config: grid ceil(N / (threads / lanes_per_row * rows_per_group)), block `threads`;
     shared memory threads * rows_per_group float32. Default (H200): 128 threads, 32 lanes per row,
@@ -155,7 +158,8 @@ def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, acc
     if w.num_rows == 0:
         return y
     if use_native(native, w):
-        return gemv_native(w, x, y, norm_weight=norm_weight, eps=eps, accumulate=accumulate, stream=stream)
+        return gemv_native(w, x, y, norm_weight=norm_weight, eps=eps, accumulate=accumulate, config=native_config,
+                           stream=stream)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     kernel = _gemv_kernel(w.fmt, config, has_norm, accumulate)
     grid = ceil_div(w.num_rows, config.rows_per_block)

@@ -10,7 +10,8 @@ simulator lacks, hence C++ and a GPU-only path).
 Each kernel first stages its activations into shared memory as float32 (RMSNorm-ed on the way when
 a norm weight is given, as the Numba kernels do), each 32-element group padded to 36 floats so
 that lanes reading neighbouring groups start on different banks, then its warps call one C++
-function per row (or row pair). The Numba kernels remain the path for the other formats, the
+function per row (or row pair). Formats: Q4_0, Q8_0, Q4_K, and F32 / F16 rows (the routers); the
+expert kernels take the three quantized ones. The Numba kernels remain the path for the other formats, the
 simulator, and the reference the GPU tests compare this one against (same roundings of x, sums in
 another order).
 
@@ -23,6 +24,7 @@ since each stages all k rows of the hidden activations).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -31,9 +33,9 @@ from numba import cuda, types
 from . import tensor_core
 from ._common import ceil_div, is_c_contiguous, is_device_array, stand_in
 from .activation import device_silu_mul
-from .block_reduce import device_inv_rms
 
-FORMATS = ("Q4_0", "Q8_0", "Q4_K")
+FORMATS = ("Q4_0", "Q8_0", "Q4_K", "F32", "F16")
+EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K")  # the gate/up pair and down row functions
 X_GROUP, X_STRIDE = 32, 36
 _WARP = 32
 _MAX_SHARED_BYTES = 48 * 1024
@@ -61,14 +63,13 @@ class NativeGemvConfig(NamedTuple):
         return self.warps * _WARP
 
 
-def default_config(w) -> NativeGemvConfig:
-    """Measured on the H200 (graph-timed, Qwen3-30B-A3B shapes): 8 warps of 2 rows for the layers'
-    matrices (2,048-4,096 rows are latency-bound, more rows per warp means fewer warps in flight);
-    4 rows per warp for a vocabulary-sized head of Q4_0 / Q8_0 (2,179 / 3,446 GB/s against
-    1,792 / 2,999), which Q4_K's heavier unpacking does not gain from."""
-    if w.num_rows >= 32768 and w.fmt in ("Q4_0", "Q8_0"):
-        return NativeGemvConfig(warps=8, rows_per_warp=4)
-    return NativeGemvConfig()
+# Measured on the H200 (graph-timed, Qwen3-30B-A3B shapes): 8 warps of 2 rows for the layers'
+# matrices (2,048-4,096 rows are latency-bound: more rows per warp is fewer warps in flight), 4 rows
+# per warp for a vocabulary-sized head (Q4_0 / Q8_0 2,179 / 3,446 GB/s against 1,792 / 2,999). The
+# head's call site asks for HEAD_CONFIG by name, so that a slice of the head (the warm-up's) runs
+# the same compiled kernel as the whole head.
+LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
+HEAD_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=4)
 
 
 def x_floats(num_cols: int) -> int:
@@ -85,7 +86,8 @@ def is_supported(w, num_x_rows: int = 1) -> bool:
     if w.num_cols % block_elems or 4 * x_floats(w.num_cols) * num_x_rows > _MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES:
         return False
     return (all(is_c_contiguous(p) for p in (w.quants, w.scales, w.extra))
-            and w.quants.device_ctypes_pointer.value % _ALIGN_BYTES == 0 and w.quants.shape[1] % 4 == 0)
+            and w.quants.device_ctypes_pointer.value % _ALIGN_BYTES == 0
+            and w.quants.shape[1] * w.quants.dtype.itemsize % _ALIGN_BYTES == 0)
 
 
 def _suffix(fmt: str) -> str:
@@ -93,9 +95,36 @@ def _suffix(fmt: str) -> str:
 
 
 def _row_strides(w) -> tuple:
-    """(words, halves, bytes) per row of the quants, scales and extra planes (0 where a plane is a stand-in)."""
+    """(32-bit words, halves, bytes) per row of the quants, scales and extra planes (0 where a plane is a
+    stand-in); the quants of a float matrix are its values, counted here in words."""
     num_rows = w.quants.shape[0]
-    return tuple(np.int32(p.shape[1] if p.shape[0] == num_rows else 0) for p in (w.quants, w.scales, w.extra))
+    words = w.quants.shape[1] * w.quants.dtype.itemsize // 4
+    return tuple(np.int32(n if p.shape[0] == num_rows else 0)
+                 for p, n in ((w.quants, words), (w.scales, w.scales.shape[1]), (w.extra, w.extra.shape[1])))
+
+
+@cuda.jit(device=True)
+def device_inv_rms_shuffled(x, x_row, eps, red, tid, num_threads):
+    """1 / sqrt(mean(x[x_row]^2) + eps) for the whole block: warp shuffles, then one float per warp
+    in `red` (block_reduce's version reads every thread's value back, which at 256-512 threads per
+    block cost more than these kernels' products). Every thread gets the same bits: a butterfly's
+    lanes add the same pairs, and the warps' sums are added in one order."""
+    num_cols = x.shape[1]
+    sum_sq = np.float32(0.0)
+    for k in range(tid, num_cols, num_threads):
+        v = np.float32(x[x_row, k])
+        sum_sq += v * v
+    offset = _WARP // 2
+    while offset > 0:
+        sum_sq += cuda.shfl_xor_sync(0xFFFFFFFF, sum_sq, offset)
+        offset //= 2
+    if tid % _WARP == 0:
+        red[tid // _WARP] = sum_sq
+    cuda.syncthreads()
+    total = np.float32(0.0)
+    for w in range(num_threads // _WARP):
+        total += red[w]
+    return np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))
 
 
 @functools.cache
@@ -114,9 +143,11 @@ def _stage_device(num_cols: int, threads: int, has_norm: bool):
 
 
 def _declare_rows(fmt: str, rows_per_warp: int):
+    quants_ptr = {"F32": tensor_core.FLOAT_PTR, "F16": tensor_core.HALF_PTR}.get(fmt, _U32_PTR)  # the plane's dtype
     return tensor_core.declare(
         f"strata_gemv_rows_{_suffix(fmt)}_r{rows_per_warp}",
-        (tensor_core.FLOAT_PTR, *_PLANES, _I64, tensor_core.INT32, *_STRIDES, tensor_core.FLOAT_PTR, tensor_core.INT32),
+        (tensor_core.FLOAT_PTR, quants_ptr, *_PLANES[1:], _I64, tensor_core.INT32, *_STRIDES, tensor_core.FLOAT_PTR,
+         tensor_core.INT32),
         "gemv_rows.cu")
 
 
@@ -131,11 +162,11 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
     @cuda.jit
     def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [1, K], y [N]
         tid = cuda.threadIdx.x
-        red = cuda.shared.array(threads, np.float32)
+        red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32)
         inv_rms = np.float32(1.0)
         if has_norm:
-            inv_rms = device_inv_rms(x, 0, eps, red, tid, threads)
+            inv_rms = device_inv_rms_shuffled(x, 0, eps, red, tid, threads)
         stage(x, 0, norm_w, inv_rms, xs, 0, tid)
         cuda.syncthreads()
         lane = tid % _WARP
@@ -157,10 +188,9 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
 
 
 def gemv_native(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
-                config: NativeGemvConfig | None = None, stream=0):
-    """gemv.gemv's product through the linked C++ rows; the caller validated the inputs and is_supported(w).
-    config: None picks default_config(w)."""
-    config = (config or default_config(w)).validate()
+                config: NativeGemvConfig = LAYER_CONFIG, stream=0):
+    """gemv.gemv's product through the linked C++ rows; the caller validated the inputs and is_supported(w)."""
+    config = config.validate()
     has_norm = norm_weight is not None
     kernel = _gemv_kernel(w.fmt, w.num_cols, config, has_norm, accumulate)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
@@ -182,11 +212,11 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
     def gemv3_kernel(qa, sa, ea, wa, ha, xa, qb, sb, eb, wb, hb, xb, qc, sc, ec, wc, hc, xc, x, norm_w, eps, blocks_a,
                      blocks_b, ya, yb, yc):  # w*, h*, x*: words, halves and extra bytes per row of each matrix
         tid = cuda.threadIdx.x
-        red = cuda.shared.array(threads, np.float32)
+        red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32)
         inv_rms = np.float32(1.0)
         if has_norm:
-            inv_rms = device_inv_rms(x, 0, eps, red, tid, threads)
+            inv_rms = device_inv_rms_shuffled(x, 0, eps, red, tid, threads)
         stage(x, 0, norm_w, inv_rms, xs, 0, tid)
         cuda.syncthreads()
         lane = tid % _WARP
@@ -268,13 +298,13 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
     @cuda.jit
     def gate_up_kernel(x, norm_w, eps, ids, gq, gs, ge, uq, us, ue, words, halves, extra_bytes, num_slots, hidden):
         tid = cuda.threadIdx.x
-        red = cuda.shared.array(threads, np.float32)
+        red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32)
         pair = cuda.blockIdx.y
         token = pair // top_k
         inv_rms = np.float32(1.0)
         if has_norm:
-            inv_rms = device_inv_rms(x, token, eps, red, tid, threads)
+            inv_rms = device_inv_rms_shuffled(x, token, eps, red, tid, threads)
         stage_x(x, token, norm_w, inv_rms, xs, 0, tid)
         cuda.syncthreads()
         n = cuda.blockIdx.x * warps + tid // _WARP
@@ -312,7 +342,8 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
 
 def experts_supported(gate, up, down, top_k: int) -> bool:
     """True when moe_experts_native can run these expert stacks (gate and up of one format)."""
-    return (gate.fmt == up.fmt and is_supported(gate) and is_supported(up) and is_supported(down, top_k)
+    return (gate.fmt == up.fmt and gate.fmt in EXPERT_FORMATS and down.fmt in EXPERT_FORMATS
+            and is_supported(gate) and is_supported(up) and is_supported(down, top_k)
             and _row_strides(gate) == _row_strides(up))
 
 

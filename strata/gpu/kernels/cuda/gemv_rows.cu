@@ -14,6 +14,7 @@
 //   Q8_0  half a 34-byte block per item: 16 int8 elements, the block's d; K / 16 items
 //   Q4_K  16 of a super-block's 128 quant bytes per item: bytes 32c + 16h .. +15 hold elements
 //         16h .. 16h+15 of sub-blocks 2c (low nibbles) and 2c + 1 (high); K / 32 items
+//   F32 / F16  4 / 8 values per item (the routers); K / 4 or K / 8 items
 // Small integers become floats through the exponent trick (0x4B000000 | q is 2^23 + q), as in
 // quant_device.py.
 #include <cuda_fp16.h>
@@ -108,6 +109,39 @@ struct Q80 {
 #pragma unroll
     for (int j = 0; j < 4; ++j) s += dot4_bytes(w[j] ^ 0x80808080u, load_x4(x, 4 * j), 8388736.f);
     return it.d * s;
+  }
+};
+
+// ---- F32, F16: 4 or 8 values per item ----
+struct F32 {
+  __device__ static int items(int num_cols) { return num_cols / 4; }
+  __device__ static Item load(const RowPlanes& r, int i) {
+    Item it;
+    it.q = load_stream(r.quants + 4 * i);
+    return it;
+  }
+  __device__ static float dot(const Item& it, const float* xs, int i) {
+    const float4 x = load_x4(xs, (i >> 3) * XSTRIDE + (i & 7) * 4);
+    return fmaf(__uint_as_float(it.q.w), x.w,
+                fmaf(__uint_as_float(it.q.z), x.z, fmaf(__uint_as_float(it.q.y), x.y, __uint_as_float(it.q.x) * x.x)));
+  }
+};
+
+struct F16 {
+  __device__ static int items(int num_cols) { return num_cols / 8; }
+  __device__ static Item load(const RowPlanes& r, int i) {
+    Item it;
+    it.q = load_stream(r.quants + 4 * i);
+    return it;
+  }
+  __device__ static float dot2(u32 word, float a, float b) {
+    const float2 w = __half22float2(*reinterpret_cast<const __half2*>(&word));
+    return fmaf(w.y, b, w.x * a);
+  }
+  __device__ static float dot(const Item& it, const float* xs, int i) {
+    const float* x = xs + (i >> 2) * XSTRIDE + (i & 3) * 8;
+    const float4 a = load_x4(x, 0), b = load_x4(x, 4);
+    return (dot2(it.q.x, a.x, a.y) + dot2(it.q.y, a.z, a.w)) + (dot2(it.q.z, b.x, b.y) + dot2(it.q.w, b.z, b.w));
   }
 };
 
@@ -224,14 +258,14 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
 
 }  // namespace
 
-#define STRATA_GEMV_ROWS(NAME, F, R)                                                                               \
+#define STRATA_GEMV_ROWS(NAME, F, R, UNROLL)                                                                             \
   extern "C" __device__ void NAME(float* out, const u32* quants, const __half* scales, const u8* extra,  \
                                   long long row0, int num_rows, int words_per_row, int halves_per_row,             \
                                   int extra_per_row, const float* xs, int num_cols) {                              \
     RowPlanes rows[R];                                                                                             \
     for (int r = 0; r < R; ++r)                                                                                    \
       rows[r] = row_planes(quants, scales, extra, row0 + r, words_per_row, halves_per_row, extra_per_row);         \
-    rows_dot<F, R, (R > 2 ? 1 : 2)>(out, rows, num_rows, xs, num_cols);                                            \
+    rows_dot<F, R, UNROLL>(out, rows, num_rows, xs, num_cols);                                                     \
   }
 
 #define STRATA_GEMV_PAIR(NAME, F)                                                                                  \
@@ -253,15 +287,22 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
                             halves_per_row, extra_per_row, xs, x_stride, num_cols);                                \
   }
 
-STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r1, Q40, 1)
-STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r2, Q40, 2)
-STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r4, Q40, 4)
-STRATA_GEMV_ROWS(strata_gemv_rows_q8_0_r1, Q80, 1)
-STRATA_GEMV_ROWS(strata_gemv_rows_q8_0_r2, Q80, 2)
-STRATA_GEMV_ROWS(strata_gemv_rows_q8_0_r4, Q80, 4)
-STRATA_GEMV_ROWS(strata_gemv_rows_q4_k_r1, Q4K, 1)
-STRATA_GEMV_ROWS(strata_gemv_rows_q4_k_r2, Q4K, 2)
-STRATA_GEMV_ROWS(strata_gemv_rows_q4_k_r4, Q4K, 4)
+STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r1, Q40, 1, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r2, Q40, 2, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r4, Q40, 4, 1)
+STRATA_GEMV_ROWS(strata_gemv_rows_q8_0_r1, Q80, 1, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_q8_0_r2, Q80, 2, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_q8_0_r4, Q80, 4, 1)
+STRATA_GEMV_ROWS(strata_gemv_rows_q4_k_r1, Q4K, 1, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_q4_k_r2, Q4K, 2, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_q4_k_r4, Q4K, 4, 1)
+// float rows have 4-8x the items of a quantized row: more of them in flight per iteration
+STRATA_GEMV_ROWS(strata_gemv_rows_f32_r1, F32, 1, 4)
+STRATA_GEMV_ROWS(strata_gemv_rows_f32_r2, F32, 2, 4)
+STRATA_GEMV_ROWS(strata_gemv_rows_f32_r4, F32, 4, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_f16_r1, F16, 1, 4)
+STRATA_GEMV_ROWS(strata_gemv_rows_f16_r2, F16, 2, 4)
+STRATA_GEMV_ROWS(strata_gemv_rows_f16_r4, F16, 4, 2)
 STRATA_GEMV_PAIR(strata_gemv_pair_q4_0, Q40)
 STRATA_GEMV_PAIR(strata_gemv_pair_q8_0, Q80)
 STRATA_GEMV_PAIR(strata_gemv_pair_q4_k, Q4K)
