@@ -52,7 +52,9 @@ class DecodeStep:
         self.runner = runner
         self.is_prefetching = is_prefetching
         self._x = None  # [1, D] the residual stream
+        self._token_id = None  # [1] int32
         self._positions = None  # [1] int32
+        self._step_row = None  # [2] int32 in pinned host memory: the token and position, queued copies
         self._slot_ids = None  # [1, k] int32
         self._slot_rows = None  # [L, k] int32 in pinned host memory: each layer's slot ids, queued copies
         self._attention: list = []
@@ -69,8 +71,11 @@ class DecodeStep:
             ops.trim_memory()
             self._allocate()
             self.is_resident = runner.cache.num_cached == spec.num_layers * spec.num_experts
-        ops.embed(runner.w.matrices["token_embd"], np.array([token]), out=self._x)
-        ops.copy_in(self._positions, np.array([position], dtype=np.int32))
+        # token and position go up by copies queued from pinned memory: the host does not wait
+        self._step_row[:] = (token, position)
+        ops.copy_in(self._token_id, self._step_row[:1], is_queued=True)
+        ops.copy_in(self._positions, self._step_row[1:], is_queued=True)
+        ops.embed(runner.w.matrices["token_embd"], self._token_id, out=self._x)
         if self.is_resident:
             if self._token is None:
                 cache = runner.cache
@@ -120,20 +125,22 @@ class DecodeStep:
         for segment in self._attention + self._experts + ([self._token] if self._token else []):
             segment.close()
         self._attention, self._experts, self._token = [], [], None
-        for array in (self._x, self._positions, self._slot_ids, self._tables):
+        for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables):
             if array is not None:
                 self.runner.ops.free(array)
-        self._x = self._positions = self._slot_ids = self._tables = None
+        self._x = self._token_id = self._positions = self._slot_ids = self._tables = None
         self.is_resident = self._prefetched = None
 
     def _allocate(self) -> None:
         ops, spec = self.runner.ops, self.runner.spec
         self._x = ops.alloc(ACTIVATIONS_OWNER, (1, spec.hidden_size), np.float32)
+        self._token_id = ops.alloc(ACTIVATIONS_OWNER, (1,), np.int32)
         self._positions = ops.alloc(ACTIVATIONS_OWNER, (1,), np.int32)
         self._slot_ids = ops.alloc(ACTIVATIONS_OWNER, (1, spec.num_experts_used), np.int32)
-        if self._slot_rows is None:  # kept across requests: a queued copy may still read it at a reset
+        if self._slot_rows is None:  # kept across requests: a queued copy may still read them at a reset
             num_values = spec.num_layers * spec.num_experts_used
             self._slot_rows = ops.host_buffer(4 * num_values).view(np.int32).reshape(spec.num_layers, -1)  # [L, k]
+            self._step_row = ops.host_buffer(8).view(np.int32)  # [2]: token, position
 
     def _attention_and_route(self, layer: int):
         """(h, ids, weights, predicted): predicted [1, k] is the next layer's router on this layer's

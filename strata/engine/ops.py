@@ -106,7 +106,7 @@ class Ops(Protocol):
         is resident. Called between requests."""
 
     # compute
-    def embed(self, table: QTensor, tokens: np.ndarray) -> Any: ...  # [T] host ids -> [T, D]
+    def embed(self, table: QTensor, tokens: Any) -> Any: ...  # [T] ids (host; a backend may take its own) -> [T, D]
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any: ...
     def matmul(self, x: Any, weight: QTensor) -> Any: ...  # [T, K] x [N, K] -> [T, N]
     def project_qkv(self, x: Any, norm: Any, eps: float, wq: QTensor, wk: QTensor,

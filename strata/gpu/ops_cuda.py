@@ -257,8 +257,9 @@ class CudaOps:
     def embed(self, table: QTensor, tokens: np.ndarray, out=None):
         from strata.gpu.kernels.elementwise import embedding
 
+        ids = tokens if hasattr(tokens, "copy_to_host") else self.cuda.to_device(np.asarray(tokens, dtype=np.int32))
         with self._owning(ACTIVATIONS):
-            return embedding(table.data, self.cuda.to_device(np.asarray(tokens, dtype=np.int32)), out)
+            return embedding(table.data, ids, out)
 
     def rms_norm(self, x, weight, eps: float):
         from strata.gpu.kernels.norm import rms_norm

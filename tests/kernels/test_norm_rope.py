@@ -1,7 +1,9 @@
 import numpy as np
 import pytest
+from numba import cuda
 
 from kernel_data import dev, host
+from strata.gpu.kernels.block_reduce import device_block_sum
 from strata.gpu.kernels.norm import head_rms_norm, rms_norm
 from strata.gpu.kernels.rope import head_norm_rope, rope_inv_freq
 from strata.model import reference_ops
@@ -85,3 +87,20 @@ def test_host_arrays_work_too():
     cos, sin = reference_ops.rope_angles(positions, HEAD_DIM, 1e4)
     ref = reference_ops.rope(_heads(q), cos, sin, is_neox=False).reshape(q.shape)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
+
+
+@cuda.jit
+def _block_sum_kernel(values, out):
+    red = cuda.shared.array(64, np.float32)
+    tid = cuda.threadIdx.x
+    out[tid] = device_block_sum(values[tid], red, tid, cuda.blockDim.x)
+
+
+@pytest.mark.parametrize("num_threads", [1, 5, 40, 64])
+def test_block_sum_gives_every_thread_the_same_total_at_any_thread_count(num_threads):
+    values = np.random.default_rng(56).standard_normal(num_threads).astype(np.float32)
+    out = dev(np.zeros(num_threads, np.float32))
+    _block_sum_kernel[1, num_threads](dev(values), out)
+    totals = host(out)
+    assert np.all(totals == totals[0])
+    np.testing.assert_allclose(totals[0], values.astype(np.float64).sum(), rtol=1e-5, atol=1e-6)
