@@ -334,7 +334,7 @@ class CudaOps:
                       stream=self._stream)
 
     def attention(self, q, kv: CudaKv, layer: int, start: int, positions=None):
-        from strata.gpu.kernels.attention import attention, default_num_splits, uses_tensor_cores
+        from strata.gpu.kernels.attention import attention, decode_config, default_num_splits, uses_tensor_cores
 
         num_tokens, num_heads, head_dim = q.shape
         if positions is None:
@@ -347,7 +347,7 @@ class CudaOps:
                 splits = default_num_splits(kv.num_cells, kv.num_kv_heads, self._num_sms)
                 return attention(q.reshape(1, -1), k_cache, v_cache, self._device_positions(positions),
                                  kv_len=kv.num_cells, num_splits=splits, is_len_from_positions=True,
-                                 stream=self._stream, **args)
+                                 config=decode_config(head_dim), stream=self._stream, **args)
             scratch = None
             if k_cache.fmt != "F16" and uses_tensor_cores(num_tokens, 1, head_dim, k_cache.fmt):
                 scratch = self._f16_scratch(kv.num_cells, k_cache.num_cols)  # [cells, width] K and V

@@ -4,7 +4,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize as gguf_quantize
 
 from kernel_data import dev, host, reference_dequant
-from strata.gpu.kernels.attention import AttentionConfig, attention
+from strata.gpu.kernels.attention import AttentionConfig, attention, decode_config
 from strata.gpu.kernels.packing import pack, to_device
 from strata.model import reference_ops
 
@@ -51,6 +51,21 @@ def test_decode_one_token_split_over_the_context(num_splits):
     out = attention(dev(q), k_cache, v_cache, np.array([kv_len - 1], np.int32), num_q_heads=NUM_Q_HEADS,
                     num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, num_splits=num_splits, config=config)
     np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, kv_len - 1), **TOLERANCE)
+
+
+@pytest.mark.parametrize("num_splits", [2, 7])
+def test_decode_with_the_serving_config_combines_any_number_of_splits(num_splits):
+    # decode_config: a warp per query head; 7 splits: one unrolled step of the combine and a remainder
+    kv_len = 70
+    (k_cache, k_values), (v_cache, v_values) = _cache("Q4_0", 72, seed=74)
+    q = np.random.default_rng(75).standard_normal((1, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
+    config = decode_config(HEAD_DIM)
+    assert config.threads_per_row == 32
+    out = attention(dev(q), k_cache, v_cache, np.array([kv_len - 1], np.int32), num_q_heads=NUM_Q_HEADS,
+                    num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, kv_len=kv_len, num_splits=num_splits,
+                    config=config)
+    np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, kv_len - 1), **TOLERANCE)
+    assert decode_config(48).threads_per_row == 16
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

@@ -40,7 +40,8 @@ class AttentionConfig(NamedTuple):
     kv_tile: int = 32
 
 
-DECODE_CONFIG = AttentionConfig(tokens_per_block=1, threads_per_row=16, kv_tile=32)
+DECODE_CONFIG = AttentionConfig(tokens_per_block=1, threads_per_row=32, kv_tile=32)  # decode_config(128)
+_COMBINE_UNROLL = 4  # splits whose partial outputs are loaded together (their loads in flight at once)
 _MAX_STATIC_SHARED_BYTES = 48 * 1024  # static shared arrays; more needs a dynamic opt-in
 MAX_SPLITS = 512  # KV splits of one decode token (the combine stages their weights in shared memory)
 MMA_MIN_TOKENS = 5  # fewer query tokens fill too few 64-row tensor-core tiles
@@ -57,6 +58,15 @@ def _shared_bytes(head_dim: int, group: int, config: AttentionConfig) -> int:
     threads = rows * config.threads_per_row
     floats = rows * head_dim + config.kv_tile * (2 * head_dim + 1) + rows * config.kv_tile + 2 * threads
     return 4 * floats
+
+
+def decode_config(head_dim: int) -> AttentionConfig:
+    """One query token per block and up to a warp per query head: every thread has work and runs the
+    shortest chains of dependent loads (a decode block is latency-bound: one KV tile per split at 2k)."""
+    threads_per_row = 32
+    while head_dim % threads_per_row:
+        threads_per_row //= 2
+    return AttentionConfig(tokens_per_block=1, threads_per_row=threads_per_row, kv_tile=32)
 
 
 def default_num_splits(kv_len: int, num_kv_heads: int, num_sms: int, config: AttentionConfig = DECODE_CONFIG) -> int:
@@ -212,10 +222,20 @@ def _combine_kernel(o_part, m_part, l_part, out):  # o_part [S, T, Hq, d] -> out
     for s in range(num_splits):
         total_l += lws[s]
     for c in range(tid, head_dim, cuda.blockDim.x):
-        acc = np.float32(0.0)
-        for s in range(num_splits):
-            acc += o_part[s, t, h, c] * ws[s]
-        out[t, h * head_dim + c] = acc / total_l if total_l > 0 else np.float32(0.0)
+        acc = cuda.local.array(_COMBINE_UNROLL, np.float32)
+        for u in range(_COMBINE_UNROLL):
+            acc[u] = np.float32(0.0)
+        s0 = 0
+        while s0 + _COMBINE_UNROLL <= num_splits:
+            for u in range(_COMBINE_UNROLL):
+                acc[u] += o_part[s0 + u, t, h, c] * ws[s0 + u]
+            s0 += _COMBINE_UNROLL
+        for s in range(s0, num_splits):
+            acc[0] += o_part[s, t, h, c] * ws[s]
+        total = np.float32(0.0)
+        for u in range(_COMBINE_UNROLL):
+            total += acc[u]
+        out[t, h * head_dim + c] = total / total_l if total_l > 0 else np.float32(0.0)
 
 
 def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
