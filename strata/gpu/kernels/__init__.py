@@ -5,9 +5,10 @@
     quant_dot      octet dot products with the block scale factored out (the GEMVs' inner loop)
     gemv           decode matrix-vector, optional fused RMSNorm and residual add
     gemv_multi     two or three GEMVs sharing x (q, k, v) in one launch
+    gemv_native    the decode GEMVs and expert products with a linked C++ inner loop (GPU only)
     gemm           prefill matrix-matrix, dequantization fused into shared-memory tiles (FFMA tiles)
     gemm_mma       the same products on tensor cores: f16 tiles, mma.m16n8k16 fragments
-    tensor_core    linked CUDA C++ device functions (cuda/*.cu) called from Numba kernels
+    tensor_core    declaring linked CUDA C++ device functions (cuda/*.cu) for Numba kernels
     norm, rope     RMSNorm; per-head q/k norm fused with RoPE (NeoX and normal)
     kvcache        K/V append in F16, Q8_0, Q4_0
     attention      causal GQA over the cache, prefill and split-KV decode
