@@ -71,7 +71,10 @@ class DecodeStep:
             ops.trim_memory()
             self._allocate()
             self.is_resident = runner.cache.num_cached == spec.num_layers * spec.num_experts
-        # token and position go up by copies queued from pinned memory: the host does not wait
+        if not 0 <= token < spec.vocab_size:  # the embedding reads the id on the device, unchecked
+            raise ValueError(f"token id {token} is outside the vocabulary [0, {spec.vocab_size})")
+        # token and position go up by copies queued from pinned memory: the host does not wait; the
+        # row is rewritten only at the next token, after the caller has read this token's logits
         self._step_row[:] = (token, position)
         ops.copy_in(self._token_id, self._step_row[:1], is_queued=True)
         ops.copy_in(self._positions, self._step_row[1:], is_queued=True)

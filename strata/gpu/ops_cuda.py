@@ -347,7 +347,8 @@ class CudaOps:
                 splits = default_num_splits(kv.num_cells, kv.num_kv_heads, self._num_sms)
                 return attention(q.reshape(1, -1), k_cache, v_cache, self._device_positions(positions),
                                  kv_len=kv.num_cells, num_splits=splits, is_len_from_positions=True,
-                                 config=decode_config(head_dim), stream=self._stream, **args)
+                                 config=decode_config(head_dim, num_heads // kv.num_kv_heads), stream=self._stream,
+                                 **args)
             scratch = None
             if k_cache.fmt != "F16" and uses_tensor_cores(num_tokens, 1, head_dim, k_cache.fmt):
                 scratch = self._f16_scratch(kv.num_cells, k_cache.num_cols)  # [cells, width] K and V

@@ -66,6 +66,7 @@ def test_decode_with_the_serving_config_combines_any_number_of_splits(num_splits
                     config=config)
     np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, kv_len - 1), **TOLERANCE)
     assert decode_config(48).threads_per_row == 16
+    assert decode_config(64, group=48).threads_per_row == 16  # at most 1,024 threads a block
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

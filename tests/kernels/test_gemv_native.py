@@ -32,12 +32,15 @@ def test_native_rows_match_the_reference_around_block_and_warp_boundaries(fmt, r
     elems = BLOCK_ELEMS[fmt]
     # columns: fewer items than lanes, a lane's second item, more than one unrolled step
     for i, num_cols in enumerate((elems, elems * 3, elems * 33 if elems == 32 else elems * 9)):
+        norm_weight = np.random.default_rng(510 + i).uniform(0.5, 1.5, num_cols).astype(np.float32)
         for num_rows in (1, 7, 17, 33):
             w, values = random_matrix(fmt, num_rows, num_cols, seed=400 + i * 10 + num_rows)
             x = _x(num_cols, 500 + i)
             y = dev(np.zeros(num_rows, np.float32))
-            gemv_native.gemv_native(w, dev(x), y, config=config)
-            assert_dot_close(host(y), values.astype(np.float64) @ x, np.abs(values) @ np.abs(x))
+            is_norm = num_rows % 2 == 1  # the fused norm's shared sums sit before the staged activations
+            gemv_native.gemv_native(w, dev(x), y, norm_weight=dev(norm_weight) if is_norm else None, config=config)
+            xn = reference_ops.rms_norm(x, norm_weight, 1e-6) if is_norm else x
+            assert_dot_close(host(y), values.astype(np.float64) @ xn, np.abs(values) @ np.abs(xn))
 
 
 @needs_gpu
@@ -68,10 +71,10 @@ def test_native_multi_gemv_mixes_formats_and_falls_back_for_the_rest():
     x = (rng.standard_normal(512) * 2).astype(np.float32)
     norm_weight = rng.uniform(0.5, 1.5, 512).astype(np.float32)
     x_normed = reference_ops.rms_norm(x, norm_weight, 1e-6).astype(np.float64)
-    for fmts in (("Q4_K", "Q4_0", "Q8_0"), ("Q4_0", "Q6_K", "Q4_0"), ("Q8_0", "Q4_0")):
+    for fmts, native in ((("Q4_K", "Q4_0", "Q8_0"), True), (("Q4_0", "Q6_K", "Q4_0"), None), (("Q8_0", "F32"), True)):
         matrices = [random_matrix(fmt, rows, 512, seed=421 + i) for i, (fmt, rows) in
                     enumerate(zip(fmts, (37, 5, 19)))]
-        ys = gemv_multi([w for w, _ in matrices], dev(x), norm_weight=dev(norm_weight))
+        ys = gemv_multi([w for w, _ in matrices], dev(x), norm_weight=dev(norm_weight), native=native)
         for y, (_, values) in zip(ys, matrices):
             assert_dot_close(host(y), values @ x_normed, np.abs(values) @ np.abs(x_normed))
     with pytest.raises(ValueError, match="native GEMV needs"):
@@ -88,14 +91,18 @@ def _experts(fmts, num_slots, dim, ffn, seed):
 
 
 @needs_gpu
-@pytest.mark.parametrize("fmts", [("Q4_0", "Q4_0", "Q4_0"), ("Q8_0", "Q8_0", "Q4_K"), ("Q4_K", "Q4_K", "Q8_0")])
-def test_native_experts_match_the_reference_and_skip_missing_slots(fmts):
-    num_slots, dim, ffn, top_k, num_tokens = 6, 512, 288 if fmts[2] != "Q4_K" else 256, 3, 2
+@pytest.mark.parametrize("fmts, ffn, top_k", [
+    (("Q4_0", "Q4_0", "Q4_0"), 288, 3), (("Q8_0", "Q8_0", "Q4_K"), 256, 3), (("Q4_K", "Q4_K", "Q8_0"), 288, 3),
+    (("Q4_0", "Q4_0", "Q4_0"), 768, 8),  # 8 x 24 chunks per down row: several passes of a warp's lanes
+])
+def test_native_experts_match_the_reference_and_skip_missing_slots(fmts, ffn, top_k):
+    num_slots, dim, num_tokens = 10, 512, 2
     (gate, up, down), values = _experts(fmts, num_slots, dim, ffn, seed=430)
     rng = np.random.default_rng(431)
     x = (rng.standard_normal((num_tokens, dim)) * 2).astype(np.float32)
     norm_weight = rng.uniform(0.5, 1.5, dim).astype(np.float32)
-    ids = np.array([[5, 0, -1], [2, 6, 3]], np.int32)  # -1 and 6 name no slot: they contribute nothing
+    # -1 and 10 name no slot: they contribute nothing
+    ids = np.array([[5, 0, -1, 9, 1, 2, 3, 4], [2, 10, 3, 7, 8, 6, 0, 1]], np.int32)[:, :top_k]
     weights = rng.uniform(0.1, 1.0, (num_tokens, top_k)).astype(np.float32)
     residual = rng.standard_normal((num_tokens, dim)).astype(np.float32)
     outs = []

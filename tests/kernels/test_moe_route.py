@@ -36,6 +36,19 @@ def test_a_block_per_token_routes_to_the_same_bits_as_a_thread_per_token():
     np.testing.assert_array_equal(by_thread[0], ref_ids)
 
 
+def test_block_and_thread_routing_agree_on_non_finite_logits():
+    logits = np.random.default_rng(82).standard_normal((4, 40)).astype(np.float32)
+    logits[0, [3, 17]] = np.nan  # never picked
+    logits[1, [5, 6]] = np.inf
+    logits[2, :] = -np.inf
+    logits[3, [0, 1]] = -0.0, 0.0
+    by_thread = [host(a) for a in moe_route(dev(np.concatenate([logits] * 5)), 6)]  # > 16 tokens: a thread each
+    by_block = [host(a) for a in moe_route(dev(logits), 6)]
+    np.testing.assert_array_equal(by_block[0], by_thread[0][:4])
+    np.testing.assert_array_equal(by_block[1], by_thread[1][:4])
+    assert 3 not in by_block[0][0] and 17 not in by_block[0][0]
+
+
 def _reference_groups(ids, weights, num_experts, block_m):
     pair_expert = ids.reshape(-1)
     order = np.argsort(pair_expert, kind="stable")  # by expert, pair order within

@@ -60,11 +60,12 @@ def _shared_bytes(head_dim: int, group: int, config: AttentionConfig) -> int:
     return 4 * floats
 
 
-def decode_config(head_dim: int) -> AttentionConfig:
-    """One query token per block and up to a warp per query head: every thread has work and runs the
-    shortest chains of dependent loads (a decode block is latency-bound: one KV tile per split at 2k)."""
+def decode_config(head_dim: int, group: int = 1) -> AttentionConfig:
+    """One query token per block and up to a warp per query head (group query heads share the
+    block, at most 1,024 threads): every thread has work and runs the shortest chains of dependent
+    loads (a decode block is latency-bound: one KV tile per split at 2k)."""
     threads_per_row = 32
-    while head_dim % threads_per_row:
+    while threads_per_row > 1 and (head_dim % threads_per_row or group * threads_per_row > 1024):
         threads_per_row //= 2
     return AttentionConfig(tokens_per_block=1, threads_per_row=threads_per_row, kv_tile=32)
 

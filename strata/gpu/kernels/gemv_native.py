@@ -39,7 +39,7 @@ EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K")  # the gate/up pair and down row funct
 X_GROUP, X_STRIDE = 32, 36
 _WARP = 32
 _MAX_SHARED_BYTES = 48 * 1024
-_RESERVED_SHARED_BYTES = 4096  # the norm's reduction array (up to 1,024 threads)
+_RESERVED_SHARED_BYTES = 4096  # headroom for the kernels' other shared arrays (the norm's per-warp sums)
 _ALIGN_BYTES = 16
 _U32_PTR, _U8_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8)
 _I32_PTR, _I64 = types.CPointer(types.int32), types.int64
@@ -65,7 +65,8 @@ class NativeGemvConfig(NamedTuple):
 
 # Measured on the H200 (graph-timed, Qwen3-30B-A3B shapes): 8 warps of 2 rows for the layers'
 # matrices (2,048-4,096 rows are latency-bound: more rows per warp is fewer warps in flight), 4 rows
-# per warp for a vocabulary-sized head (Q4_0 / Q8_0 2,179 / 3,446 GB/s against 1,792 / 2,999). The
+# per warp for a vocabulary-sized head (Q4_0 / Q8_0 2,179 / 3,446 GB/s against 1,792 / 2,999 in the
+# sweep; docs/PERFORMANCE.md). The
 # head's call site asks for HEAD_CONFIG by name, so that a slice of the head (the warm-up's) runs
 # the same compiled kernel as the whole head.
 LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
@@ -163,7 +164,7 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
     def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [1, K], y [N]
         tid = cuda.threadIdx.x
         red = cuda.shared.array(warps, np.float32)
-        xs = cuda.shared.array(num_x, np.float32)
+        xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         inv_rms = np.float32(1.0)
         if has_norm:
             inv_rms = device_inv_rms_shuffled(x, 0, eps, red, tid, threads)
@@ -213,7 +214,7 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
                      blocks_b, ya, yb, yc):  # w*, h*, x*: words, halves and extra bytes per row of each matrix
         tid = cuda.threadIdx.x
         red = cuda.shared.array(warps, np.float32)
-        xs = cuda.shared.array(num_x, np.float32)
+        xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         inv_rms = np.float32(1.0)
         if has_norm:
             inv_rms = device_inv_rms_shuffled(x, 0, eps, red, tid, threads)
@@ -299,7 +300,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
     def gate_up_kernel(x, norm_w, eps, ids, gq, gs, ge, uq, us, ue, words, halves, extra_bytes, num_slots, hidden):
         tid = cuda.threadIdx.x
         red = cuda.shared.array(warps, np.float32)
-        xs = cuda.shared.array(num_x, np.float32)
+        xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         pair = cuda.blockIdx.y
         token = pair // top_k
         inv_rms = np.float32(1.0)
@@ -323,7 +324,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
     @cuda.jit
     def down_kernel(hidden, ids, weights, dq, ds, de, words, halves, extra_bytes, num_slots, out):  # out [T, H] +=
         tid = cuda.threadIdx.x
-        xs = cuda.shared.array(num_hidden_x, np.float32)
+        xs = cuda.shared.array(num_hidden_x, np.float32, alignment=16)
         token = cuda.blockIdx.y
         for j in range(top_k):
             stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(1.0), xs, j * hidden_stride, tid)

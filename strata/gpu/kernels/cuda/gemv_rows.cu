@@ -4,9 +4,10 @@
 // HBM has to keep in flight), multiply in registers with the block scale factored out, and meet
 // in warp shuffles; every lane gets the totals.
 //
-// Activations come from shared memory as float32, each group of 32 elements followed by 4 floats
-// of padding (XSTRIDE = 36): lanes reading neighbouring 32-element groups with 16-byte loads then
-// start on different banks.
+// Activations come from shared memory as float32 (16-byte aligned), each group of 32 elements
+// followed by 4 floats of padding (XSTRIDE = 36): lanes reading neighbouring 32-element groups with
+// 16-byte loads then start on different banks (Q4_0, Q8_0, F32, F16; Q4_K's lanes read two
+// 16-element halves of sub-block pairs and still meet 2-way conflicts).
 //
 // Items per format (a row of K elements):
 //   Q4_0  one 18-byte block per item (16 quant bytes, d): byte j holds element j (low nibble)
@@ -58,10 +59,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// One item: its quant words, and the scale fields it needs.
+// One item: its 16 quant bytes and the scales it needs (d: Q4_0 / Q8_0; Q4_K: dl, ml and dh, mh,
+// d * scale and dmin * min of the sub-blocks in its low and high nibbles).
 struct Item {
   uint4 q;
-  float d, m;  // Q4_K: d * sub-block scale of the low and high halves in d, m unused (see below)
+  float d;
   float dl, ml, dh, mh;
 };
 
