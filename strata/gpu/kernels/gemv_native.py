@@ -130,10 +130,14 @@ def device_inv_rms_shuffled(x, x_row, eps, red, tid, num_threads):
 
 @functools.cache
 def _stage_device(num_cols: int, threads: int, has_norm: bool):
-    """device_stage(x, x_row, norm_w, inv_rms, xs, xs_off, tid): x[x_row] (times inv_rms * norm_w) into padded xs."""
+    """device_stage(x, x_row, norm_w, eps, red, xs, xs_off, tid): x[x_row], RMSNorm-ed with norm_w when
+    has_norm (red: a float per warp), into padded xs from xs_off. The caller syncs before reading xs."""
 
     @cuda.jit(device=True)
-    def device_stage(x, x_row, norm_w, inv_rms, xs, xs_off, tid):
+    def device_stage(x, x_row, norm_w, eps, red, xs, xs_off, tid):
+        inv_rms = np.float32(1.0)
+        if has_norm:
+            inv_rms = device_inv_rms_shuffled(x, x_row, eps, red, tid, threads)
         for k in range(tid, num_cols, threads):
             v = np.float32(x[x_row, k])
             if has_norm:
@@ -165,10 +169,7 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
         tid = cuda.threadIdx.x
         red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
-        inv_rms = np.float32(1.0)
-        if has_norm:
-            inv_rms = device_inv_rms_shuffled(x, 0, eps, red, tid, threads)
-        stage(x, 0, norm_w, inv_rms, xs, 0, tid)
+        stage(x, 0, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
         lane = tid % _WARP
         row0 = (cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp
@@ -215,10 +216,7 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
         tid = cuda.threadIdx.x
         red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
-        inv_rms = np.float32(1.0)
-        if has_norm:
-            inv_rms = device_inv_rms_shuffled(x, 0, eps, red, tid, threads)
-        stage(x, 0, norm_w, inv_rms, xs, 0, tid)
+        stage(x, 0, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
         lane = tid % _WARP
         block = cuda.blockIdx.x
@@ -303,10 +301,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         pair = cuda.blockIdx.y
         token = pair // top_k
-        inv_rms = np.float32(1.0)
-        if has_norm:
-            inv_rms = device_inv_rms_shuffled(x, token, eps, red, tid, threads)
-        stage_x(x, token, norm_w, inv_rms, xs, 0, tid)
+        stage_x(x, token, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
         n = cuda.blockIdx.x * warps + tid // _WARP
         slot = ids[token, pair % top_k]
@@ -327,7 +322,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
         xs = cuda.shared.array(num_hidden_x, np.float32, alignment=16)
         token = cuda.blockIdx.y
         for j in range(top_k):
-            stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(1.0), xs, j * hidden_stride, tid)
+            stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(0.0), xs, xs, j * hidden_stride, tid)
         cuda.syncthreads()
         n = cuda.blockIdx.x * down_warps + tid // _WARP
         if n < dim:
