@@ -4,16 +4,16 @@ The Numba GEMVs (gemv.py, gemv_multi.py, moe.py's decode kernels) give each lane
 time with 32-bit loads and walk a row's octets one after another; at decode sizes (a few thousand
 rows) that leaves too few loads in flight to cover HBM latency, and the H200 measured 10-27% of
 its bandwidth. Here one warp computes whole rows: every lane loads all of its 16-byte quant chunks
-of an iteration before any arithmetic, and the warp's partial sums meet in shuffles (which the
-simulator lacks, hence C++ and a GPU-only path).
+of an iteration before any arithmetic (16-byte streaming loads, which Numba cannot issue: hence
+C++), and the warp's partial sums meet in shuffles (which the simulator lacks: a GPU-only path).
 
 Each kernel first stages its activations into shared memory as float32 (RMSNorm-ed on the way when
 a norm weight is given, as the Numba kernels do), each 32-element group padded to 36 floats so
 that lanes reading neighbouring groups start on different banks, then its warps call one C++
 function per row (or row pair). Formats: Q4_0, Q8_0, Q4_K, and F32 / F16 rows (the routers); the
-expert kernels take the three quantized ones. The Numba kernels remain the path for the other formats, the
-simulator, and the reference the GPU tests compare this one against (same roundings of x, sums in
-another order).
+expert kernels take the three quantized ones. The Numba kernels remain the path for the other
+formats, the simulator, and the reference the GPU tests compare this one against (same roundings
+of x, sums in another order).
 
 Launch config: blocks of `warps` warps; gemv: grid ceil(N / (warps * rows_per_warp)); experts:
 gate/up grid (ceil(F / warps), T * k), a warp per (pair, output row) computing its gate and up rows;

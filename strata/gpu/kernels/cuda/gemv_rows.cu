@@ -260,33 +260,33 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
 
 }  // namespace
 
-#define STRATA_GEMV_ROWS(NAME, F, R, UNROLL)                                                                             \
-  extern "C" __device__ void NAME(float* out, const u32* quants, const __half* scales, const u8* extra,  \
-                                  long long row0, int num_rows, int words_per_row, int halves_per_row,             \
-                                  int extra_per_row, const float* xs, int num_cols) {                              \
-    RowPlanes rows[R];                                                                                             \
-    for (int r = 0; r < R; ++r)                                                                                    \
-      rows[r] = row_planes(quants, scales, extra, row0 + r, words_per_row, halves_per_row, extra_per_row);         \
-    rows_dot<F, R, UNROLL>(out, rows, num_rows, xs, num_cols);                                                     \
+#define STRATA_GEMV_ROWS(NAME, F, R, UNROLL)                                                                         \
+  extern "C" __device__ void NAME(float* out, const u32* quants, const __half* scales, const u8* extra,              \
+                                  long long row0, int num_rows, int words_per_row, int halves_per_row,               \
+                                  int extra_per_row, const float* xs, int num_cols) {                                \
+    RowPlanes rows[R];                                                                                               \
+    for (int r = 0; r < R; ++r)                                                                                      \
+      rows[r] = row_planes(quants, scales, extra, row0 + r, words_per_row, halves_per_row, extra_per_row);           \
+    rows_dot<F, R, UNROLL>(out, rows, num_rows, xs, num_cols);                                                       \
   }
 
-#define STRATA_GEMV_PAIR(NAME, F)                                                                                  \
-  extern "C" __device__ void NAME(float* out, const u32* qa, const __half* sa, const u8* ea,             \
-                                  const u32* qb, const __half* sb, const u8* eb, long long row,          \
-                                  int words_per_row, int halves_per_row, int extra_per_row, const float* xs,       \
-                                  int num_cols) {                                                                  \
-    const RowPlanes rows[2] = {row_planes(qa, sa, ea, row, words_per_row, halves_per_row, extra_per_row),          \
-                               row_planes(qb, sb, eb, row, words_per_row, halves_per_row, extra_per_row)};         \
-    rows_dot<F, 2, 2>(out, rows, 2, xs, num_cols);                                                                 \
+#define STRATA_GEMV_PAIR(NAME, F)                                                                                    \
+  extern "C" __device__ void NAME(float* out, const u32* qa, const __half* sa, const u8* ea,                         \
+                                  const u32* qb, const __half* sb, const u8* eb, long long row,                      \
+                                  int words_per_row, int halves_per_row, int extra_per_row, const float* xs,         \
+                                  int num_cols) {                                                                    \
+    const RowPlanes rows[2] = {row_planes(qa, sa, ea, row, words_per_row, halves_per_row, extra_per_row),            \
+                               row_planes(qb, sb, eb, row, words_per_row, halves_per_row, extra_per_row)};           \
+    rows_dot<F, 2, 2>(out, rows, 2, xs, num_cols);                                                                   \
   }
 
-#define STRATA_DOWN_ROW(NAME, F)                                                                                   \
-  extern "C" __device__ void NAME(float* out, const u32* quants, const __half* scales, const u8* extra,  \
-                                  const int* slots, const float* weights, int top_k, int num_slots, long long n,   \
-                                  int dim, int words_per_row, int halves_per_row, int extra_per_row,               \
-                                  const float* xs, int x_stride, int num_cols) {                                   \
-    out[0] = down_row<F, 4>(quants, scales, extra, slots, weights, top_k, num_slots, n, dim, words_per_row,        \
-                            halves_per_row, extra_per_row, xs, x_stride, num_cols);                                \
+#define STRATA_DOWN_ROW(NAME, F)                                                                                     \
+  extern "C" __device__ void NAME(float* out, const u32* quants, const __half* scales, const u8* extra,              \
+                                  const int* slots, const float* weights, int top_k, int num_slots, long long n,     \
+                                  int dim, int words_per_row, int halves_per_row, int extra_per_row,                 \
+                                  const float* xs, int x_stride, int num_cols) {                                     \
+    out[0] = down_row<F, 4>(quants, scales, extra, slots, weights, top_k, num_slots, n, dim, words_per_row,          \
+                            halves_per_row, extra_per_row, xs, x_stride, num_cols);                                  \
   }
 
 STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r1, Q40, 1, 2)
