@@ -1,11 +1,12 @@
-"""Tensor-core kernel variants on the GPU: ``python -m strata.bench.variants``.
+"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|attention|gemv]``.
 
 The sweeps behind the defaults of ``gemm.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/PERFORMANCE.md): every MmaConfig main-loop variant on the MoE prefill
 products (2,048 and 8,192 routed tokens, Q4_0) and a dense 4096 x 4096 x 2048 GEMM, and every
-MmaAttentionConfig on causal prefill at 4k and 32k per KV format. Each line also reports the
-largest difference from the first configuration's output, so a fast but wrong variant shows.
-Needs a GPU with tensor cores.
+MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
+block shapes behind ``gemv_native.LAYER_CONFIG`` / ``HEAD_CONFIG``. Each line also reports the
+largest difference from a reference output, so a fast but wrong variant shows. Needs a GPU with
+tensor cores.
 """
 
 from __future__ import annotations
@@ -89,20 +90,69 @@ def attention_sweep(timing) -> None:
                 print(f"{fmt} {context:6d} {config}: {_attempt(line)}", flush=True)
 
 
+GEMV_SHAPES = (("Q4_0", 151936, 2048, "head"), ("Q8_0", 151936, 2048, "head"), ("Q4_K", 151936, 2048, "head"),
+               ("Q4_0", 2048, 4096, "o"), ("Q4_0", 4096, 2048, "q"), ("F32", 128, 2048, "router"))
+GEMV_BLOCKS = ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2))  # (warps, rows per warp)
+EXPERT_BLOCKS = ((4, 8), (8, 8), (8, 16), (16, 16), (4, 32))  # (gate/up warps, down warps)
+
+
+def gemv_sweep(timing) -> None:
+    """The native decode GEMVs' block shapes (gemv_native.NativeGemvConfig) at decode shapes, and the
+    expert kernels' block sizes on one token's top-8 of 128 Q4_0 experts; microseconds per launch
+    replayed in a CUDA graph, each line with its largest difference from the Numba kernel's output."""
+    from numba import cuda
+
+    from strata.bench import kernels as b
+    from strata.gpu.kernels import gemv_native
+    from strata.gpu.kernels.gemv import gemv
+    from strata.gpu.kernels.moe import moe_experts_decode
+
+    s, rng = b.QWEN3_30B, np.random.default_rng(0)
+    for fmt, num_rows, num_cols, name in GEMV_SHAPES:
+        w, x = b.random_packed(fmt, num_rows, num_cols, rng), b.device_randn(num_cols, rng)
+        y = cuda.device_array(num_rows, np.float32)
+        num_bytes = w.nbytes + 4 * (num_cols + num_rows)
+        ms = b.graph_ms(lambda stream: gemv(w, x, y, native=False, stream=stream), timing)
+        expected = y.copy_to_host()
+        label = f"{fmt} {name} {num_rows}x{num_cols}"
+        print(f"{label} Numba: {ms * 1e3:7.1f} us {num_bytes / ms / 1e6:6.0f} GB/s", flush=True)
+        for warps, rows_per_warp in GEMV_BLOCKS:
+            config = gemv_native.NativeGemvConfig(warps, rows_per_warp)
+
+            def line(config=config):
+                ms = b.graph_ms(lambda stream: gemv_native.gemv_native(w, x, y, config=config, stream=stream), timing)
+                diff = np.max(np.abs(y.copy_to_host() - expected)) / np.max(np.abs(expected))
+                return f"{ms * 1e3:7.1f} us {num_bytes / ms / 1e6:6.0f} GB/s  max rel diff {diff:.1e}"
+
+            print(f"{label} {warps} warps x {rows_per_warp} rows: {_attempt(line)}", flush=True)
+    experts = b.make_experts(s, "Q4_0", rng)
+    x = b.device_randn((1, s.hidden), rng)
+    ids = cuda.to_device(rng.choice(s.num_experts, s.top_k, replace=False).astype(np.int32).reshape(1, -1))
+    weights = cuda.to_device(np.full((1, s.top_k), 1.0 / s.top_k, np.float32))
+    out, hidden = cuda.device_array((1, s.hidden), np.float32), cuda.device_array((s.top_k, s.ffn), np.float32)
+    for gate_up_warps, down_warps in EXPERT_BLOCKS:
+        def run(stream, gate_up_warps=gate_up_warps, down_warps=down_warps):
+            return gemv_native.moe_experts_native(x, ids, weights, *experts, out, hidden, warps=gate_up_warps,
+                                                  down_warps=down_warps, stream=stream)
+
+        print(f"experts Q4_0 top-{s.top_k}, {gate_up_warps} / {down_warps} warps: "
+              f"{_attempt(lambda run=run: f'{b.graph_ms(run, timing) * 1e3:7.1f} us')}", flush=True)
+
+
 def main(argv=None) -> int:
     from strata.gpu.kernels import tensor_core
 
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("gemm", "attention"), help="run one sweep")
+    parser.add_argument("--only", choices=("gemm", "attention", "gemv"), help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     args = parser.parse_args(argv)
     if not tensor_core.is_available():
         raise SystemExit("the variant sweeps need a GPU with tensor cores (compute capability 8.0+) and cffi")
     timing = (2, args.repeats)
-    if args.only != "attention":
-        gemm_sweep(timing)
-    if args.only != "gemm":
-        attention_sweep(timing)
+    sweeps = {"gemm": gemm_sweep, "attention": attention_sweep, "gemv": gemv_sweep}
+    for name, sweep in sweeps.items():
+        if args.only in (None, name):
+            sweep(timing)
     return 0
 
 
