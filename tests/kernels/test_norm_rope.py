@@ -3,7 +3,7 @@ import pytest
 from numba import cuda
 
 from kernel_data import dev, host
-from strata.gpu.kernels.block_reduce import device_block_sum
+from strata.gpu.kernels.block_reduce import device_block_sum_serial, device_block_sum_tree
 from strata.gpu.kernels.norm import head_rms_norm, rms_norm
 from strata.gpu.kernels.rope import head_norm_rope, rope_inv_freq
 from strata.model import reference_ops
@@ -90,17 +90,21 @@ def test_host_arrays_work_too():
 
 
 @cuda.jit
-def _block_sum_kernel(values, out):
+def _block_sum_kernel(values, is_tree, out):
     red = cuda.shared.array(64, np.float32)
     tid = cuda.threadIdx.x
-    out[tid] = device_block_sum(values[tid], red, tid, cuda.blockDim.x)
+    if is_tree:
+        out[tid] = device_block_sum_tree(values[tid], red, tid, cuda.blockDim.x)
+    else:
+        out[tid] = device_block_sum_serial(values[tid], red, tid, cuda.blockDim.x)
 
 
+@pytest.mark.parametrize("is_tree", [True, False])
 @pytest.mark.parametrize("num_threads", [1, 5, 40, 64])
-def test_block_sum_gives_every_thread_the_same_total_at_any_thread_count(num_threads):
+def test_block_sum_gives_every_thread_the_same_total_at_any_thread_count(num_threads, is_tree):
     values = np.random.default_rng(56).standard_normal(num_threads).astype(np.float32)
     out = dev(np.zeros(num_threads, np.float32))
-    _block_sum_kernel[1, num_threads](dev(values), out)
+    _block_sum_kernel[1, num_threads](dev(values), is_tree, out)
     totals = host(out)
     assert np.all(totals == totals[0])
     np.testing.assert_allclose(totals[0], values.astype(np.float64).sum(), rtol=1e-5, atol=1e-6)

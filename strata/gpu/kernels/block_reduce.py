@@ -1,12 +1,14 @@
 """The block-wide sum through shared memory that the norms reduce with (and the shared -inf).
 
 The CUDA simulator has no warp shuffles, so reductions go through shared memory and
-`syncthreads`, which both the simulator and the GPU run. Each thread writes one value, then pairs
-are added in a tree (half the active threads per step, one barrier each: log2(threads) steps) and
-every thread reads the root, so every thread gets the bit-identical total. (It once had every
-thread read all the values back in order: at 256 threads that serial chain of shared-memory loads
-made a one-row RMSNorm take 11 us on the H200.) GEMV, attention and sampling reduce over their own
-thread groups, inline.
+`syncthreads`, which both the simulator and the GPU run. Each thread writes one value; on the GPU
+pairs are then added in a tree (half the active threads per step, one barrier each: log2(threads)
+steps) and every thread reads the root. Every thread reading all the values back in order is the
+other way: at 256 threads its serial chain of shared-memory loads made a one-row RMSNorm take
+11 us on the H200, but in the simulator, which runs a Python thread per GPU thread, a barrier
+costs more than the reads (an engine test ran 50% longer with the tree), so the simulator sums
+that way. Both give every thread the bit-identical total; the tests run both. GEMV, attention
+and sampling reduce over their own thread groups, inline.
 
 `red` is a float32 shared array of at least `num_threads` elements owned by the caller; the
 leading barrier makes it safe to call it back to back with the same `red`.
@@ -19,11 +21,13 @@ import math
 import numpy as np
 from numba import cuda
 
+from ._common import IS_SIMULATOR
+
 NEG_INF = np.float32(-np.inf)
 
 
 @cuda.jit(device=True)
-def device_block_sum(value, red, tid, num_threads):
+def device_block_sum_tree(value, red, tid, num_threads):
     cuda.syncthreads()
     red[tid] = value
     cuda.syncthreads()
@@ -35,6 +39,21 @@ def device_block_sum(value, red, tid, num_threads):
         cuda.syncthreads()
         active = half
     return red[0]
+
+
+@cuda.jit(device=True)
+def device_block_sum_serial(value, red, tid, num_threads):
+    cuda.syncthreads()
+    red[tid] = value
+    cuda.syncthreads()
+    total = np.float32(0.0)
+    for i in range(num_threads):
+        total += red[i]
+    return total
+
+
+# the simulator runs a Python thread per GPU thread, and there a barrier costs more than the reads
+device_block_sum = device_block_sum_serial if IS_SIMULATOR else device_block_sum_tree
 
 
 @cuda.jit(device=True)
