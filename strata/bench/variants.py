@@ -105,7 +105,6 @@ def gemv_sweep(timing) -> None:
     from strata.bench import kernels as b
     from strata.gpu.kernels import gemv_native
     from strata.gpu.kernels.gemv import gemv
-    from strata.gpu.kernels.moe import moe_experts_decode
 
     s, rng = b.QWEN3_30B, np.random.default_rng(0)
     for fmt, num_rows, num_cols, name in GEMV_SHAPES:

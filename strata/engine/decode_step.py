@@ -148,7 +148,7 @@ class DecodeStep:
     def _attention_and_route(self, layer: int):
         """(h, ids, weights, predicted): predicted [1, k] is the next layer's router on this layer's
         stream (None for the last layer, or without prefetching)."""
-        runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
+        runner, spec = self.runner, self.runner.spec
         runner.attention_block(layer, self._x, self._positions, start=0)  # the position is read on the device
         h, ids, weights = self._route(layer)
         predicted = None

@@ -8,13 +8,12 @@ of a GEMV is fused into it (gemv(..., norm_weight=...)), and the per-head q/k no
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from numba import cuda
 
 from ._common import check_array, check_power_of_two, empty, is_finite_number
-from .block_reduce import device_block_sum
+from .block_reduce import device_inv_rms
 from .rope import head_norm_rope
 
 _DEFAULT_THREADS = 256
@@ -28,12 +27,7 @@ def _rms_norm_kernel(threads: int):
         tid = cuda.threadIdx.x
         red = cuda.shared.array(threads, np.float32)
         num_cols = x.shape[1]
-        sum_sq = np.float32(0.0)
-        for c in range(tid, num_cols, threads):
-            v = np.float32(x[t, c])
-            sum_sq += v * v
-        total = device_block_sum(sum_sq, red, tid, threads)
-        inv_rms = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))
+        inv_rms = device_inv_rms(x, t, eps, red, tid, threads)
         for c in range(tid, num_cols, threads):
             y[t, c] = np.float32(x[t, c]) * inv_rms * weight[c]
 
