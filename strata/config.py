@@ -67,6 +67,10 @@ class RuntimeConfig:
                                            "backend; MoE models without a shared expert)")
     decode_prefetch: bool = option(False, doc="with decode_graphs: stage the experts the next layer's router picks "
                                               "from this layer's hidden state while this layer computes")
+    greedy_on_device: bool = option(True, doc="with decode_graphs: a greedy request (temperature 0) picks each "
+                                              "token on the GPU inside the captured step (output head, logit bias, "
+                                              "argmax) and reads back 4 bytes instead of the logits; without "
+                                              "decode_graphs, or when sampling, tokens are picked on the host")
 
 
 @dataclasses.dataclass(frozen=True)

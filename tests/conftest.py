@@ -3,3 +3,15 @@ from pathlib import Path
 
 # Shared fakes and helpers live beside this file (tests/support); test modules import them by name.
 sys.path.insert(0, str(Path(__file__).parent / "support"))
+
+
+def pytest_sessionstart(session):
+    """On a real GPU, install the ledger's memory manager before any test makes the CUDA context:
+    a context made first by a kernel test would keep Numba's own manager, and the engines made in
+    it later could not capture decode graphs (``CudaOps.can_capture``)."""
+    from strata.engine.ops import _has_cuda_device
+
+    if _has_cuda_device():
+        from strata.gpu.memory import install_ledger
+
+        install_ledger(None)

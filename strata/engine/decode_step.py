@@ -26,10 +26,17 @@ model fits in), nothing can miss: the slots of all experts go to the device once
 each layer maps its routed ids through its table on the device, and the whole token is one graph
 with no host round trip (``is_resident``). Nothing is inserted or evicted during decode, so the
 tables stay true until the request ends.
+
+Greedy decode (``greedy_tokens``) ends each step on the device: the output head, the request's
+logit bias and the argmax write the next token's id, the position steps, and the id is embedded
+for the next step (``_greedy_tail``: captured after the layers, in the resident token's graph or
+as a segment of its own). The host reads the id back (4 bytes) only to stream it and to decide
+when to stop; a resident model queues the next step before it reads, so the GPU runs on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,9 +70,56 @@ class DecodeStep:
         self._prefetched = None  # the copies of the next layer's predicted experts
         self._tables = None  # [L, N] int32 slot of every expert (resident)
         self._token = None  # the whole token as one segment (resident)
+        self._is_token_greedy = False  # whether _token ends with _greedy_tail
+        self._tail = None  # _greedy_tail as a segment (greedy decode, not resident)
+        self._bias = None  # (ids [n] int32, values [n] float32) on the device: the request's logit bias
+        self._readback = None  # TokenReadback, kept across requests (its pinned slots and events)
 
     def forward(self, token: int, position: int, stats: StreamStats):
         """Hidden state [1, D] of ``token`` at ``position`` (before the output norm); appends its KV."""
+        self._begin(token, position)
+        if self.is_resident:
+            self._resident_segment(None).replay()
+            stats.hits += self.runner.spec.num_layers * self.runner.spec.num_experts_used  # top-k ids are distinct
+        else:
+            self._layers(stats)
+        return self._x
+
+    def greedy_tokens(self, token: int, position: int, num_steps: int, head: tuple, bias: tuple | None,
+                      stats: StreamStats) -> Iterator[int]:
+        """The greedy continuation of ``token`` at ``position``: the id each of ``num_steps`` steps
+        picks on the device (``ops.greedy_token``), which the next step embeds there too; the host
+        reads 4 bytes a token. head: (output norm, head QTensor, eps). bias: host (ids [n] int32,
+        values [n] float32) added to the logits, ids checked by the caller, or None.
+
+        A fully cached model runs one step ahead: step s+1 is queued before step s's id is read, so
+        the GPU does not wait for the host between tokens. A caller that stops early leaves that
+        step's KV cell written past the tokens it keeps; a later token or request writes it again."""
+        ops, spec = self.runner.ops, self.runner.spec
+        self._begin(token, position)
+        if self._readback is None:
+            self._readback = ops.token_readback()
+        readback = self._readback
+        try:
+            if self.is_resident:
+                segment = self._resident_segment((head, bias))
+                ahead = _launch(segment, readback, self._token_id) if num_steps else None
+                for step in range(num_steps):
+                    pending, ahead = ahead, _launch(segment, readback, self._token_id) if step + 1 < num_steps else None
+                    stats.hits += spec.num_layers * spec.num_experts_used
+                    yield readback.read(pending)
+                return
+            if self._tail is None:
+                device_bias = self._upload_bias(bias)
+                self._tail = ops.capture(lambda: self._greedy_tail(head, device_bias))
+            for _ in range(num_steps):
+                self._layers(stats)
+                yield readback.read(_launch(self._tail, readback, self._token_id))
+        finally:
+            ops.synchronize()  # the step running ahead, before the request's buffers are dropped
+
+    def _begin(self, token: int, position: int) -> None:
+        """Upload and embed a step's token; at a request's first token, allocate and decide residency."""
         runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
         if self._x is None:  # a request's first token: nothing pooled may be freed while capturing
             ops.trim_memory()
@@ -74,20 +128,43 @@ class DecodeStep:
         if not 0 <= token < spec.vocab_size:  # the embedding reads the id on the device, unchecked
             raise ValueError(f"token id {token} is outside the vocabulary [0, {spec.vocab_size})")
         # token and position go up by copies queued from pinned memory: the host does not wait; the
-        # row is rewritten only at the next token, after the caller has read this token's logits
+        # row is rewritten only at the next step, after the caller has read this step's result
         self._step_row[:] = (token, position)
         ops.copy_in(self._token_id, self._step_row[:1], is_queued=True)
         ops.copy_in(self._positions, self._step_row[1:], is_queued=True)
         ops.embed(runner.w.matrices["token_embd"], self._token_id, out=self._x)
-        if self.is_resident:
-            if self._token is None:
-                cache = runner.cache
-                self._tables = ops.slot_tables(np.array([[cache.lookup(layer, e) for e in range(spec.num_experts)]
-                                                         for layer in range(spec.num_layers)], dtype=np.int32))
-                self._token = ops.capture(self._resident_token)
-            self._token.replay()
-            stats.hits += spec.num_layers * spec.num_experts_used  # one token's top-k ids are distinct
-            return self._x
+
+    def _resident_segment(self, greedy: tuple | None):
+        """The whole token as one segment, captured at its first use in a request; with ``greedy``
+        ((head, host bias), as ``greedy_tokens`` takes them) it also picks the next token and embeds
+        it (``_greedy_tail``)."""
+        if self._token is not None and self._is_token_greedy != (greedy is not None):
+            self._token.close()  # captured for the other kind of step
+            self._token = None
+        if self._token is None:
+            runner, spec = self.runner, self.runner.spec
+            cache = runner.cache
+            if self._tables is not None:
+                runner.ops.free(self._tables)
+            self._tables = runner.ops.slot_tables(np.array(
+                [[cache.lookup(layer, e) for e in range(spec.num_experts)] for layer in range(spec.num_layers)],
+                dtype=np.int32))
+
+            device_bias = self._upload_bias(greedy[1]) if greedy is not None else None
+
+            def token():
+                self._resident_token()
+                if greedy is not None:
+                    self._greedy_tail(greedy[0], device_bias)
+                return ()
+
+            self._token = runner.ops.capture(token)
+            self._is_token_greedy = greedy is not None
+        return self._token
+
+    def _layers(self, stats: StreamStats) -> None:
+        """Every layer of a step whose experts may miss: two segments a layer, the host between."""
+        runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
         for layer in range(spec.num_layers):
             if layer == len(self._attention):
                 self._attention.append(ops.capture(lambda layer=layer: self._attention_and_route(layer)))
@@ -109,7 +186,6 @@ class DecodeStep:
             if layer == len(self._experts):
                 self._experts.append(ops.capture(lambda layer=layer: self._experts_of(layer)))
             self._experts[layer].replay()
-        return self._x
 
     def compile_resident(self, token: int, position: int) -> None:
         """Run a resident token's launches once, uncaptured, over tables of no slots (every routed
@@ -125,14 +201,45 @@ class DecodeStep:
 
     def reset(self) -> None:
         """Drop the segments and their buffers."""
-        for segment in self._attention + self._experts + ([self._token] if self._token else []):
+        for segment in self._attention + self._experts + [s for s in (self._token, self._tail) if s]:
             segment.close()
-        self._attention, self._experts, self._token = [], [], None
-        for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables):
+        self._attention, self._experts, self._token, self._tail = [], [], None, None
+        for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables) + (self._bias or ()):
             if array is not None:
                 self.runner.ops.free(array)
-        self._x = self._token_id = self._positions = self._slot_ids = self._tables = None
+        self._x = self._token_id = self._positions = self._slot_ids = self._tables = self._bias = None
         self.is_resident = self._prefetched = None
+
+    def compile_greedy(self, head: tuple) -> None:
+        """Run the greedy tail once, uncaptured, with a one-token bias, so a warm-up compiles its
+        kernels. Needs a step run before it (the buffers); changes the token and position buffers."""
+        ops = self.runner.ops
+        bias = self._upload_bias((np.zeros(1, np.int32), np.zeros(1, np.float32)))
+        self._greedy_tail(head, bias)
+        ops.synchronize()
+        self._bias = None
+        for array in bias:
+            ops.free(array)
+
+    def _upload_bias(self, bias: tuple | None):
+        if bias is None or not len(bias[0]):
+            return None
+        ops = self.runner.ops
+        for array in self._bias or ():  # a segment captured with them was closed before this capture
+            ops.free(array)
+        self._bias = tuple(ops.upload(ACTIVATIONS_OWNER, np.ascontiguousarray(a, dtype)) for a, dtype
+                           in zip(bias, (np.int32, np.float32)))
+        return self._bias
+
+    def _greedy_tail(self, head: tuple, bias) -> tuple:
+        """After a step's layers: pick the next token into the token buffer, step the position, and
+        embed the token into the residual stream for the next step."""
+        ops, runner = self.runner.ops, self.runner
+        norm, head_tensor, eps = head
+        ops.greedy_token(self._x, norm, head_tensor, eps, bias, self._token_id)
+        ops.increment(self._positions)
+        ops.embed(runner.w.matrices["token_embd"], self._token_id, out=self._x)
+        return ()
 
     def _allocate(self) -> None:
         ops, spec = self.runner.ops, self.runner.spec
@@ -179,3 +286,9 @@ class DecodeStep:
             # the routed ids go through the layer's table to slots on the device
             ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], cache.layout)
         return ()
+
+
+def _launch(segment, readback, token) -> int:
+    """Replay a greedy step and queue its token's readback; the ticket for ``readback.read``."""
+    segment.replay()
+    return readback.queue(token)

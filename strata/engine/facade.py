@@ -10,6 +10,7 @@ prefill and one decode step) so that Numba compiles every kernel before the firs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -25,7 +26,7 @@ from strata.engine.counters import EngineCounters
 from strata.engine.decode_resources import ArenaResource, TensorsResource
 from strata.engine.expert_cache import ExpertCache
 from strata.engine.expert_pack import ExpertPack
-from strata.engine.generation import Generation, output_logits
+from strata.engine.generation import Generation, output_head
 from strata.engine.loan import LoanTransaction
 from strata.engine.ops import make_ops, select_backend
 from strata.engine.ops_numpy import DryRunOps
@@ -140,6 +141,10 @@ class Engine:
             self._warmup_logits(hidden)
             if self.runner.decode_step is not None:  # the one-graph token of a fully cached model
                 self.runner.decode_step.compile_resident(token, num_tokens + 1)
+                if self.config.runtime.greedy_on_device:  # the head, bias and argmax of a greedy step
+                    with self._warmup_head() as head_tensor:
+                        self.runner.decode_step.compile_greedy(
+                            (self.weights.vectors["output_norm"], head_tensor, self.spec.rms_norm_eps))
             self.ops.synchronize()
             del hidden
         finally:
@@ -158,17 +163,24 @@ class Engine:
         return seconds
 
     def _warmup_logits(self, hidden) -> np.ndarray:
-        """The head's logits; while a startup loan holds the native head back, the same kernel on a
-        slice of it uploaded for the call."""
+        """The head's logits (``_warmup_head``)."""
+        with self._warmup_head() as head_tensor:
+            return self.ops.logits(hidden, self.weights.vectors["output_norm"], head_tensor, self.spec.rms_norm_eps)
+
+    @contextlib.contextmanager
+    def _warmup_head(self):
+        """The output head; while a startup loan holds the native head back, a slice of it uploaded
+        for the call (the same kernels run on it)."""
         head = self.resources.get("output_head")
         if head is None or head.is_resident:
-            return output_logits(self, hidden)
+            yield output_head(self)[1]
+            return
         ref = head.sources["output"]
         num_rows = min(WARMUP_HEAD_ROWS, int(np.prod(ref.shape[:-1])))
         raw = ref.data.reshape(int(np.prod(ref.shape[:-1])), -1)[:num_rows]
         tensor = self.ops.upload_qtensor(ACTIVATIONS_OWNER, raw, ref.qtype, (num_rows, ref.shape[-1]))
         try:
-            return self.ops.logits(hidden, self.weights.vectors["output_norm"], tensor, self.spec.rms_norm_eps)
+            yield tensor
         finally:
             self.ops.free(tensor.data)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from strata.engine.request import RequestStats, TokenEvent
 from strata.engine.runner import StreamStats
-from strata.engine.sampling import SamplingParams, StopMatcher, make_rng, sample
+from strata.engine.sampling import SamplingParams, StopMatcher, check_bias_ids, make_rng, sample
 from strata.errors import LoanRestoreError, RequestError
 from strata.hooktypes import Geometry
 
@@ -67,9 +67,12 @@ class Generation:
         self._prefill_streamed_bytes = stream.streamed_bytes
         generated, finish, is_stop_string, decode_started = 0, "length", False, time.perf_counter()
         decoder, stop, rng = engine.tokenizer.stream_decoder(), StopMatcher(params.stop), make_rng(params.seed)
+        is_on_device = params.is_greedy and engine.config.runtime.greedy_on_device and \
+            engine.runner.can_pick_greedy_on_device
+        tokens = (self._device_tokens if is_on_device else self._host_tokens)(logits, rng, stream)
+        logits = None
         try:
-            while True:
-                token = sample(logits, params, rng)
+            for token in tokens:
                 if engine.tokenizer.is_eog(token):
                     finish = "stop"
                     break
@@ -84,9 +87,6 @@ class Generation:
                 if self.is_cancelled():
                     finish = "cancelled"
                     break
-                hidden = engine.runner.forward(np.array([token]), len(engine.kv_tokens), None, stream)
-                engine.kv_tokens.append(token)
-                logits = self._logits(hidden)
             if not is_stop_string:
                 tail, is_stop_string = stop.feed(decoder.flush())
                 tail += "" if is_stop_string else stop.flush()
@@ -96,10 +96,44 @@ class Generation:
             finish = "cancelled"
             raise
         finally:
+            tokens.close()  # its hidden state and logits return to the allocator's cache, which is trimmed
             decode_seconds = time.perf_counter() - decode_started
-            hidden = logits = None  # their blocks return to the allocator's cache, which is trimmed
             self._finish(report, len(unread), generated, finish, prefill_seconds, decode_seconds, stream)
             self._release(is_failing=sys.exc_info()[0] is not None)
+
+    def _host_tokens(self, logits: np.ndarray, rng: np.random.Generator, stream: StreamStats) -> Iterator[int]:
+        """Each token sampled on the host from the logits of the one before; the next token is
+        computed only when the caller asks for it."""
+        engine = self.engine
+        while True:
+            token = sample(logits, self.params, rng)
+            yield token
+            hidden = engine.runner.forward(np.array([token]), len(engine.kv_tokens), None, stream)
+            engine.kv_tokens.append(token)
+            logits = self._logits(hidden)
+
+    def _device_tokens(self, logits: np.ndarray, rng: np.random.Generator, stream: StreamStats) -> Iterator[int]:
+        """Greedy: the first token from the prefill's logits, the rest picked on the device with the
+        same bias (``ModelRunner.greedy_tokens``), never more steps than the request and the context
+        allow (the device may run one step ahead of the caller)."""
+        engine, params = self.engine, self.params
+        token = sample(logits, params, rng)
+        logits = None
+        yield token
+        position = len(engine.kv_tokens)
+        num_steps = max(0, min(params.max_tokens - 1, engine.context_tokens - position))
+        bias = [*engine.state.settings.logit_bias, *params.logit_bias.items()]
+        ids = np.array([token_id for token_id, _ in bias], dtype=np.int32)
+        check_bias_ids(ids, engine.spec.vocab_size)
+        values = np.array([value for _, value in bias], dtype=np.float32)
+        steps = engine.runner.greedy_tokens(token, position, num_steps, output_head(engine), (ids, values), stream)
+        try:
+            for next_token in steps:
+                engine.kv_tokens.append(token)
+                token = next_token
+                yield token
+        finally:
+            steps.close()
 
     def _release(self, is_failing: bool) -> None:
         """Drop the request's decode segments and trim the allocator's cache, unless a later request
@@ -152,11 +186,17 @@ class Generation:
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
 
 
-def output_logits(engine: Engine, hidden) -> np.ndarray:
-    """[V] host logits of the last row of ``hidden``, through the native head when the model has one."""
+def output_head(engine: Engine) -> tuple:
+    """(output norm, head QTensor, eps): the native head when the model has one, else the tied embedding."""
     head = engine.resources.get("output_head")
     head_tensor = head.tensors["output"] if head is not None else engine.weights.matrices["token_embd"]
-    return engine.ops.logits(hidden, engine.weights.vectors["output_norm"], head_tensor, engine.spec.rms_norm_eps)
+    return engine.weights.vectors["output_norm"], head_tensor, engine.spec.rms_norm_eps
+
+
+def output_logits(engine: Engine, hidden) -> np.ndarray:
+    """[V] host logits of the last row of ``hidden``, through the native head when the model has one."""
+    norm, head_tensor, eps = output_head(engine)
+    return engine.ops.logits(hidden, norm, head_tensor, eps)
 
 
 def _common_prefix(cached: list[int], prompt: list[int]) -> int:

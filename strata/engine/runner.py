@@ -93,6 +93,16 @@ class ModelRunner:
         self.decode_step = DecodeStep(self, is_decode_prefetching) if is_decode_captured and can_use_segments(self) \
             else None
 
+    @property
+    def can_pick_greedy_on_device(self) -> bool:
+        """Whether ``greedy_tokens`` runs: decode is captured (``DecodeStep``)."""
+        return self.decode_step is not None
+
+    def greedy_tokens(self, token: int, position: int, num_steps: int, head: tuple, bias: tuple | None,
+                      stats: StreamStats):
+        """Greedy decode on the device after ``token``; see ``DecodeStep.greedy_tokens``."""
+        return self.decode_step.greedy_tokens(token, position, num_steps, head, bias, stats)
+
     def forward(self, tokens: np.ndarray, start: int, workspace: PromptWorkspace | None, stats: StreamStats):
         """Hidden states [T, D] of ``tokens`` at positions ``start``.. (before the output norm); fills the KV cache.
 

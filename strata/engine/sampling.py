@@ -93,11 +93,16 @@ def apply_logit_bias(logits: np.ndarray, bias: Mapping[int, float]) -> np.ndarra
     if not bias:
         return out
     ids = np.fromiter(bias.keys(), dtype=np.int64)
-    if ids.max() >= out.shape[0]:
-        raise ConfigError(f"sampling parameter logit_bias names token {int(ids.max())}, "
-                          f"but the vocabulary has {out.shape[0]} tokens (ids 0..{out.shape[0] - 1})")
+    check_bias_ids(ids, out.shape[0])
     out[ids] += np.fromiter(bias.values(), dtype=np.float32)
     return out
+
+
+def check_bias_ids(ids: np.ndarray, vocab_size: int) -> None:
+    """A biased token id >= vocab_size is a ConfigError naming it."""
+    if len(ids) and ids.max() >= vocab_size:
+        raise ConfigError(f"sampling parameter logit_bias names token {int(ids.max())}, "
+                          f"but the vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1})")
 
 
 def top_k_mask(logits: np.ndarray, k: int) -> np.ndarray:

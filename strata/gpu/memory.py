@@ -21,8 +21,10 @@ from strata.gpu.block_pool import BlockPool, rounded_bytes
 from strata.gpu.ledger import VramLedger, active_ledger
 
 
-def install_ledger(ledger: VramLedger) -> None:
-    """Route Numba's device allocations through ``ledger`` (call before the first CUDA use)."""
+def install_ledger(ledger: VramLedger | None) -> None:
+    """Route Numba's device allocations through ``ledger`` (call before the first CUDA use). None
+    installs the manager alone: allocations go to Numba's own path until a ledger is installed, and
+    a context made meanwhile already has the manager (a test session making contexts early)."""
     from numba import cuda
 
     manager = _manager_class()

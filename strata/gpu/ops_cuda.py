@@ -259,7 +259,7 @@ class CudaOps:
 
         ids = tokens if hasattr(tokens, "copy_to_host") else self.cuda.to_device(np.asarray(tokens, dtype=np.int32))
         with self._owning(ACTIVATIONS):
-            return embedding(table.data, ids, out)
+            return embedding(table.data, ids, out, stream=self._stream)
 
     def rms_norm(self, x, weight, eps: float):
         from strata.gpu.kernels.norm import rms_norm
@@ -455,6 +455,35 @@ class CudaOps:
         last = x[x.shape[0] - 1:] if hasattr(x, "copy_to_host") else self.cuda.to_device(np.asarray(x[-1:]))
         with self._owning(ACTIVATIONS):
             return gemv(head.data, last[0], norm_weight=norm, eps=eps, native_config=HEAD_CONFIG).copy_to_host()
+
+    def greedy_token(self, x, norm, head: QTensor, eps: float, bias, token) -> None:
+        """token [1] int32 (device) = argmax of the last row's logits plus ``bias`` (device ids [n]
+        int32 and values [n] float32, or None), the lowest id among equals: the logits of ``logits``
+        and the host's argmax of them, without leaving the device."""
+        from strata.gpu.kernels.gemv import gemv
+        from strata.gpu.kernels.gemv_native import HEAD_CONFIG
+        from strata.gpu.kernels.sample import add_logit_bias, argmax
+
+        with self._owning(ACTIVATIONS):
+            logits = gemv(head.data, x[x.shape[0] - 1], norm_weight=norm, eps=eps, native_config=HEAD_CONFIG,
+                          stream=self._stream)  # [V]
+            if bias is not None:
+                add_logit_bias(logits, *bias, stream=self._stream)
+            # the simulator runs every thread in Python: a few small blocks there
+            shape = dict(num_blocks=2, threads=32) if self.is_simulator else {}
+            argmax(logits, token=token, stream=self._stream, **shape)
+
+    def increment(self, values) -> None:
+        from strata.gpu.kernels.elementwise import increment
+
+        increment(values, stream=self._stream)
+
+    def token_readback(self):
+        """A ``TokenReadback`` (``strata/gpu/readback.py``): token ids back without waiting for later kernels."""
+        from strata.gpu.readback import TokenReadback
+
+        calls = None if self.is_simulator else driver_calls.load()
+        return TokenReadback(self.host_buffer(16) if calls else None, calls)
 
 
 def kv_scratch_bytes_per_cell(head_dim: int, kv_width: int, kv_type: str, *, has_tensor_cores: bool) -> int:

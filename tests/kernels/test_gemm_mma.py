@@ -172,7 +172,7 @@ def test_native_mainloop_options_agree_with_twin(fmt, config):
                                               **MAINLOOP_OPTIONS["all"]),
                                     MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True)])
 def test_native_moe_prefill_options(config):
-    num_tokens, num_experts, top_k, dim, ffn = 300, 8, 2, 256, 192
+    num_tokens, num_experts, top_k, dim, ffn = 300, 8, 2, 256, 256  # K-quant rows hold whole 256-element blocks
     rng = np.random.default_rng(171)
     gate, gate_v = random_matrix("Q4_K", num_experts * ffn, dim, 172)
     up, up_v = random_matrix("Q4_0", num_experts * ffn, dim, 173)

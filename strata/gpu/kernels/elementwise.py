@@ -1,4 +1,4 @@
-"""Embedding gather from a quantized table, and the residual add."""
+"""Embedding gather from a quantized table, the residual add, and a counter step."""
 
 from __future__ import annotations
 
@@ -84,3 +84,22 @@ def add(y, x, alpha: float = 1.0, *, threads: int = _DEFAULT_ADD_THREADS):
         flat_y, flat_x = y.reshape(n), x.reshape(n)
         _add_kernel[ceil_div(n, threads), threads](flat_y, flat_x, np.float32(alpha))
     return y
+
+
+@cuda.jit
+def _increment_kernel(values):  # values [n] += 1
+    i = cuda.grid(1)
+    if i < values.shape[0]:
+        values[i] += 1
+
+
+def increment(values, *, threads: int = _DEFAULT_ADD_THREADS, stream=0):
+    """values += 1 in place: [n] int32 on the device (a decode step's position, stepped inside a graph).
+
+    Launch config: grid ceil(n / threads), block `threads` (default 256); one element per thread.
+    """
+    check_array("values", values, dtypes=np.int32, ndim=1)
+    check_power_of_two("threads", threads)
+    if values.shape[0]:
+        _increment_kernel[ceil_div(values.shape[0], threads), threads, stream](values)
+    return values

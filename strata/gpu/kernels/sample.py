@@ -141,7 +141,7 @@ def _kernels(threads: int):
 
 
 def sample(logits, *, top_k: int, temperature: float = 1.0, top_p: float = 1.0, uniform: float = 0.5,
-           params=None, token=None, workspace=None, num_blocks: int = 64, threads: int = 256):
+           params=None, token=None, workspace=None, num_blocks: int = 64, threads: int = 256, stream=0):
     """The next token id, written to token [1] int32 (returned). logits: [V] float32.
 
     temperature / top_p / uniform are ignored when params (a [3] float32 array: temperature,
@@ -176,15 +176,39 @@ def sample(logits, *, top_k: int, temperature: float = 1.0, top_p: float = 1.0, 
     check_array("workspace values", cand_val, dtypes=np.float32, shape=(num_candidates,))
     check_array("workspace ids", cand_idx, dtypes=np.int32, shape=(num_candidates,))
     candidates_kernel, select_kernel = _kernels(threads)
-    candidates_kernel[num_blocks, threads](logits, top_k, chunk, cand_val, cand_idx)
-    select_kernel[1, threads](cand_val, cand_idx, top_k, params, token)
+    candidates_kernel[num_blocks, threads, stream](logits, top_k, chunk, cand_val, cand_idx)
+    select_kernel[1, threads, stream](cand_val, cand_idx, top_k, params, token)
     return token
 
 
-def argmax(logits, *, token=None, workspace=None, num_blocks: int = 64, threads: int = 256):
+def argmax(logits, *, token=None, workspace=None, num_blocks: int = 64, threads: int = 256, stream=0):
     """Greedy: the id of the highest logit (the lowest id among equals), as token [1] int32.
+    stream: 0, a Numba stream or a graph builder capturing the launches.
 
     Launch config: as sample's, with one round per block.
     """
     return sample(logits, top_k=1, temperature=0.0, token=token, workspace=workspace, num_blocks=num_blocks,
-                  threads=threads)
+                  threads=threads, stream=stream)
+
+
+@cuda.jit
+def _bias_kernel(logits, ids, values):  # logits [V]; ids, values [n]
+    if cuda.threadIdx.x == 0 and cuda.blockIdx.x == 0:
+        for j in range(ids.shape[0]):
+            logits[ids[j]] += values[j]
+
+
+def add_logit_bias(logits, ids, values, *, stream=0):
+    """logits[ids[j]] += values[j] in place, j in order, in float32: the host's sums, bit for bit,
+    a repeated id included. ids [n] int32 in [0, V) (unchecked on the device: check them on the
+    host before uploading); values [n] float32 (-inf bans a token).
+
+    Launch config: grid 1, block 1: the lists are a request's few biased tokens, and one thread
+    keeps the order of additions.
+    """
+    check_array("logits", logits, dtypes=np.float32, ndim=1)
+    check_array("ids", ids, dtypes=np.int32, ndim=1)
+    check_array("values", values, dtypes=np.float32, shape=(ids.shape[0],))
+    if ids.shape[0]:
+        _bias_kernel[1, 1, stream](logits, ids, values)
+    return logits

@@ -1,0 +1,60 @@
+"""Greedy token selection on the device: the output head, the logit bias and the argmax of
+``CudaOps.greedy_token`` against the host's logits and sampler, and the 4-byte readback."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+from kernel_data import dev, host, random_gguf_bytes
+from numba import config as numba_config
+
+from strata.engine import sampling
+from strata.engine.ops import _has_cuda_device, make_ops
+from strata.gpu.kernels.elementwise import increment
+from strata.gpu.kernels.sample import add_logit_bias
+from strata.gpu.ledger import VramLedger
+
+BACKEND = "cuda" if _has_cuda_device() else "cudasim"
+pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
+                                reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)")
+
+
+def test_logit_bias_adds_in_list_order_in_float32_like_the_host():
+    rng = np.random.default_rng(40)
+    logits = rng.standard_normal(300).astype(np.float32)
+    ids = np.array([7, 299, 7, 0, 150], np.int32)  # 7 twice: the state's bias, then the request's
+    values = np.array([0.1, -np.inf, 1e-3, 2.5, -7.25], np.float32)
+    expected = logits.copy()
+    for token, value in zip(ids, values):
+        expected[token] += value
+    got = host(add_logit_bias(dev(logits), dev(ids), dev(values)))
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_increment_steps_every_element():
+    assert host(increment(dev(np.array([0, 41, -1], np.int32)), threads=2)).tolist() == [1, 42, 0]
+
+
+def test_greedy_token_is_the_hosts_pick_from_the_same_biased_logits():
+    num_rows, num_cols = 300, 256  # both argmax blocks' slices in the simulator; a Q4_0 row of 8 blocks
+    rng = np.random.default_rng(41)
+    ops = make_ops(BACKEND, VramLedger(1 << 30))
+    head = ops.upload_qtensor("dense_weights", random_gguf_bytes("Q4_0", num_rows, num_cols, rng), QType.Q4_0,
+                              (num_rows, num_cols))
+    norm = dev(rng.uniform(0.5, 1.5, num_cols).astype(np.float32))
+    x = dev(rng.standard_normal((2, num_cols)).astype(np.float32))  # the last row is the one that counts
+    logits = ops.logits(x, norm, head, 1e-6)  # [V] host
+    # ban the host's pick and lift the last token to (about) the best of the rest
+    top = int(np.argmax(logits))
+    rest = np.delete(np.arange(num_rows), top)
+    second, lifted = int(rest[np.argmax(logits[rest])]), int(rest[-1])
+    bias_map = {top: -np.inf, lifted: float(logits[second] - logits[lifted])}
+    expected = sampling.sample(logits, sampling.SamplingParams(temperature=0, logit_bias=bias_map), None)
+    assert expected in (second, lifted)
+    bias = (dev(np.array(list(bias_map), np.int32)), dev(np.array(list(bias_map.values()), np.float32)))
+    token = dev(np.array([-1], np.int32))
+    ops.greedy_token(x, norm, head, 1e-6, bias, token)
+    readback = ops.token_readback()
+    try:
+        assert readback.read(readback.queue(token)) == expected
+    finally:
+        readback.close()
