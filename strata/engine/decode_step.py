@@ -73,7 +73,7 @@ class DecodeStep:
         self._is_token_greedy = False  # whether _token ends with _greedy_tail
         self._tail = None  # _greedy_tail as a segment (greedy decode, not resident)
         self._bias = None  # (ids [n] int32, values [n] float32) on the device: the request's logit bias
-        self._readback = None  # TokenReadback, kept across requests (its pinned slots and events)
+        self._readback = None  # Readback, kept across requests (its pinned slots and events)
 
     def forward(self, token: int, position: int, stats: StreamStats):
         """Hidden state [1, D] of ``token`` at ``position`` (before the output norm); appends its KV."""
@@ -97,8 +97,6 @@ class DecodeStep:
         step's KV cell written past the tokens it keeps; a later token or request writes it again."""
         ops, spec = self.runner.ops, self.runner.spec
         self._begin(token, position)
-        if self._readback is None:
-            self._readback = ops.token_readback()
         readback = self._readback
         try:
             if self.is_resident:
@@ -170,9 +168,9 @@ class DecodeStep:
                 self._attention.append(ops.capture(lambda layer=layer: self._attention_and_route(layer)))
             self._attention[layer].replay()
             _, ids, _, predicted = self._attention[layer].outputs
-            host_ids = ops.to_host(ids)  # [1, k]: waits for the segment
-            # read before anything queued makes the default stream wait for copies
-            host_predicted = ops.to_host(predicted) if predicted is not None else None
+            # [1, k] each, read at once after the segment and before anything queued makes the
+            # default stream wait for copies
+            host_ids, host_predicted = self._readback.now(ids, predicted)
             slot_of = runner.decode_slots(layer, host_ids, stats)  # [N]
             if self._prefetched is not None:  # this layer's experts staged ahead, maybe still in flight
                 ops.wait_staged(self._prefetched)
@@ -251,6 +249,7 @@ class DecodeStep:
             num_values = spec.num_layers * spec.num_experts_used
             self._slot_rows = ops.host_buffer(4 * num_values).view(np.int32).reshape(spec.num_layers, -1)  # [L, k]
             self._step_row = ops.host_buffer(8).view(np.int32)  # [2]: token, position
+            self._readback = ops.readback()
 
     def _attention_and_route(self, layer: int):
         """(h, ids, weights, predicted): predicted [1, k] is the next layer's router on this layer's

@@ -6,7 +6,7 @@ microseconds in Python; ``cuMemcpyHtoDAsync_v2`` from pinned memory, called thro
 a few (the driver's own work) and lets the host go on while the copy waits behind the staged
 experts. It acts on the calling thread's current context, which Numba has made current; stream 0
 is the legacy default stream, where the kernels run. A decode token's id comes back the same way:
-a 4-byte device-to-host copy into pinned memory and an event the host waits on (``TokenReadback``
+a 4-byte device-to-host copy into pinned memory and an event the host waits on (``Readback``
 in ``strata.gpu.readback``).
 
 ``load()`` returns None where libcuda cannot be opened (no driver, another OS).

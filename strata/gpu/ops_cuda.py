@@ -478,12 +478,12 @@ class CudaOps:
 
         increment(values, stream=self._stream)
 
-    def token_readback(self):
-        """A ``TokenReadback`` (``strata/gpu/readback.py``): token ids back without waiting for later kernels."""
-        from strata.gpu.readback import TokenReadback
+    def readback(self):
+        """A ``Readback`` (``strata/gpu/readback.py``): token ids and small arrays back through pinned memory."""
+        from strata.gpu.readback import PINNED_BYTES, Readback
 
         calls = None if self.is_simulator else driver_calls.load()
-        return TokenReadback(self.host_buffer(16) if calls else None, calls)
+        return Readback(self.host_buffer(PINNED_BYTES) if calls else None, calls)
 
 
 def kv_scratch_bytes_per_cell(head_dim: int, kv_width: int, kv_type: str, *, has_tensor_cores: bool) -> int:

@@ -1,4 +1,4 @@
-"""A decode token's id read back from the device while the kernels queued after it run.
+"""Small reads from the device for the decode loop, through pinned memory and events.
 
 The greedy decode loop picks each token on the device (``CudaOps.greedy_token``) and feeds it to
 the next step there, so the host only needs the id to stream the text and to decide whether to
@@ -9,7 +9,11 @@ Two pinned slots alternate, so a copy never targets the slot the host is about t
 queued again two ``queue`` calls later: the caller reads a ticket before it queues the second one
 after it (the decode loop holds at most two tickets, the step it reads and the step running ahead).
 
-Without a driver library (the simulator) ``queue`` copies synchronously and the ticket is the id.
+``now`` reads a few small arrays at once (a layer's routed and predicted expert ids): one queued
+copy each into pinned memory and one event wait, instead of a synchronous pageable copy each.
+
+Without a driver library (the simulator) ``queue`` copies synchronously and the ticket is the id,
+and ``now`` copies each array.
 """
 
 from __future__ import annotations
@@ -19,13 +23,19 @@ import numpy as np
 from strata.gpu import driver_calls
 
 _NUM_SLOTS = 2
+_SCRATCH_OFFSET = 64
+SCRATCH_BYTES = 4096  # what ``now`` reads at once
+PINNED_BYTES = _SCRATCH_OFFSET + SCRATCH_BYTES
 
 
-class TokenReadback:
+class Readback:
     def __init__(self, pinned: np.ndarray | None, calls: driver_calls.DriverCalls | None):
+        """pinned: ``PINNED_BYTES`` of page-locked memory (None: no driver library)."""
         self._calls = calls if pinned is not None else None
-        self._slots = pinned.view(np.int32)[:_NUM_SLOTS] if pinned is not None else None  # [2]
-        self._events = [calls.event_create() for _ in range(_NUM_SLOTS)] if self._calls else []
+        self._slots = pinned[:4 * _NUM_SLOTS].view(np.int32) if pinned is not None else None  # [2]
+        self._scratch = pinned[_SCRATCH_OFFSET:] if pinned is not None else None
+        # one event per slot, and one for ``now``
+        self._events = [calls.event_create() for _ in range(_NUM_SLOTS + 1)] if self._calls else []
         self._next = 0
 
     def queue(self, token) -> int:
@@ -45,7 +55,32 @@ class TokenReadback:
         self._calls.event_synchronize(self._events[ticket])
         return int(self._slots[ticket])
 
+    def now(self, *arrays) -> list[np.ndarray]:
+        """Host copies of small contiguous device arrays (``SCRATCH_BYTES`` in all), once the work
+        enqueued before them has run; None stays None."""
+        present = [a for a in arrays if a is not None]
+        if not all(a.is_c_contiguous() for a in present) or sum(-(-a.nbytes // 16) * 16 for a in present) > SCRATCH_BYTES:
+            raise ValueError(f"now() reads contiguous arrays of {SCRATCH_BYTES} bytes in all")
+        if self._calls is None:
+            return [a.copy_to_host() if a is not None else None for a in arrays]
+        placed, offset = [], 0
+        for array in arrays:
+            if array is None:
+                placed.append(None)
+                continue
+            self._calls.copy_out(self._scratch.ctypes.data + offset, array.device_ctypes_pointer.value,
+                                 array.nbytes, 0)
+            placed.append((offset, array))
+            offset += -(-array.nbytes // 16) * 16
+        self._calls.event_record(self._events[_NUM_SLOTS], 0)
+        self._calls.event_synchronize(self._events[_NUM_SLOTS])
+        return [None if p is None else _host_copy(self._scratch, *p) for p in placed]
+
     def close(self) -> None:
         for event in self._events:
             self._calls.event_destroy(event)
         self._events = []
+
+
+def _host_copy(scratch: np.ndarray, offset: int, array) -> np.ndarray:
+    return scratch[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape).copy()

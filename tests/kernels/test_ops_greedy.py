@@ -53,8 +53,24 @@ def test_greedy_token_is_the_hosts_pick_from_the_same_biased_logits():
     bias = (dev(np.array(list(bias_map), np.int32)), dev(np.array(list(bias_map.values()), np.float32)))
     token = dev(np.array([-1], np.int32))
     ops.greedy_token(x, norm, head, 1e-6, bias, token)
-    readback = ops.token_readback()
+    readback = ops.readback()
     try:
         assert readback.read(readback.queue(token)) == expected
     finally:
         readback.close()
+
+
+def test_readback_now_reads_small_arrays_at_once_and_passes_none_through():
+    ops = make_ops(BACKEND, VramLedger(1 << 30))
+    ids = np.array([[5, 1, 7, 3]], np.int32)
+    weights = np.array([[0.5, 0.25, 0.125, 0.125]], np.float32)
+    readback = ops.readback()
+    try:
+        got_ids, nothing, got_weights = readback.now(dev(ids), None, dev(weights))
+        with pytest.raises(ValueError, match="contiguous arrays"):
+            readback.now(dev(np.zeros(2048, np.float32)))  # 8 KiB: more than the pinned scratch
+    finally:
+        readback.close()
+    np.testing.assert_array_equal(got_ids, ids)
+    np.testing.assert_array_equal(got_weights, weights)
+    assert nothing is None and got_ids.dtype == np.int32 and got_ids.shape == (1, 4)
