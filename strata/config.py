@@ -69,8 +69,10 @@ class RuntimeConfig:
                                               "from this layer's hidden state while this layer computes")
     greedy_on_device: bool = option(True, doc="with decode_graphs: a greedy request (temperature 0) picks each "
                                               "token on the GPU inside the captured step (output head, logit bias, "
-                                              "argmax) and reads back 4 bytes instead of the logits; without "
-                                              "decode_graphs, or when sampling, tokens are picked on the host")
+                                              "argmax) and reads back 4 bytes instead of the logits; sampled "
+                                              "requests, and decode without captured graphs (decode_graphs "
+                                              "off, the numpy backend, dense or shared-expert models), pick "
+                                              "on the host")
 
 
 @dataclasses.dataclass(frozen=True)

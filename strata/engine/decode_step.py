@@ -36,11 +36,13 @@ when to stop; a resident model queues the next step before it reads, so the GPU 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from strata.errors import EngineError
 from strata.gpu.ledger import ACTIVATIONS_OWNER
 
 if TYPE_CHECKING:
@@ -72,14 +74,14 @@ class DecodeStep:
         self._token = None  # the whole token as one segment (resident)
         self._is_token_greedy = False  # whether _token ends with _greedy_tail
         self._tail = None  # _greedy_tail as a segment (greedy decode, not resident)
-        self._bias = None  # (ids [n] int32, values [n] float32) on the device: the request's logit bias
+        self._bias = None  # (ids [n] int32, values [n] float32) on the device: the state's and the request's bias
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
 
     def forward(self, token: int, position: int, stats: StreamStats):
         """Hidden state [1, D] of ``token`` at ``position`` (before the output norm); appends its KV."""
         self._begin(token, position)
         if self.is_resident:
-            self._resident_segment(None).replay()
+            self._resident_segment().replay()
             stats.hits += self.runner.spec.num_layers * self.runner.spec.num_experts_used  # top-k ids are distinct
         else:
             self._layers(stats)
@@ -97,24 +99,39 @@ class DecodeStep:
         step's KV cell written past the tokens it keeps; a later token or request writes it again."""
         ops, spec = self.runner.ops, self.runner.spec
         self._begin(token, position)
-        readback = self._readback
+        readback, error = self._readback, None
         try:
             if self.is_resident:
-                segment = self._resident_segment((head, bias))
+                segment = self._resident_segment(head, bias)
                 ahead = _launch(segment, readback, self._token_id) if num_steps else None
                 for step in range(num_steps):
                     pending, ahead = ahead, _launch(segment, readback, self._token_id) if step + 1 < num_steps else None
                     stats.hits += spec.num_layers * spec.num_experts_used
-                    yield readback.read(pending)
+                    yield self._checked(readback.read(pending))
                 return
             if self._tail is None:
                 device_bias = self._upload_bias(bias)
                 self._tail = ops.capture(lambda: self._greedy_tail(head, device_bias))
             for _ in range(num_steps):
                 self._layers(stats)
-                yield readback.read(_launch(self._tail, readback, self._token_id))
+                yield self._checked(readback.read(_launch(self._tail, readback, self._token_id)))
+        except Exception as exc:
+            error = exc
+            raise
         finally:
-            ops.synchronize()  # the step running ahead, before the request's buffers are dropped
+            # the step running ahead finishes before the request's buffers are dropped; after an
+            # error, that error is the one to see
+            if error is None:
+                ops.synchronize()
+            else:
+                with contextlib.suppress(Exception):
+                    ops.synchronize()
+
+    def _checked(self, token: int) -> int:
+        if not 0 <= token < self.runner.spec.vocab_size:  # the argmax found no finite logit
+            raise EngineError(f"the device picked token id {token}, outside the vocabulary: the logits were not "
+                              "finite (NaN); check the model file, or decode with runtime.greedy_on_device = false")
+        return token
 
     def _begin(self, token: int, position: int) -> None:
         """Upload and embed a step's token; at a request's first token, allocate and decide residency."""
@@ -132,32 +149,28 @@ class DecodeStep:
         ops.copy_in(self._positions, self._step_row[1:], is_queued=True)
         ops.embed(runner.w.matrices["token_embd"], self._token_id, out=self._x)
 
-    def _resident_segment(self, greedy: tuple | None):
-        """The whole token as one segment, captured at its first use in a request; with ``greedy``
-        ((head, host bias), as ``greedy_tokens`` takes them) it also picks the next token and embeds
-        it (``_greedy_tail``)."""
-        if self._token is not None and self._is_token_greedy != (greedy is not None):
-            self._token.close()  # captured for the other kind of step
-            self._token = None
+    def _resident_segment(self, head: tuple | None = None, bias: tuple | None = None):
+        """The whole token as one segment, captured at its first use in a request; with ``head``
+        (and ``bias``, as ``greedy_tokens`` takes them) it also picks the next token and embeds it
+        (``_greedy_tail``). A request uses one kind of step throughout (``Generation``)."""
+        if self._token is not None and self._is_token_greedy != (head is not None):
+            raise EngineError("a request mixed greedy decode on the device with host decode; end the request first")
         if self._token is None:
             runner, spec = self.runner, self.runner.spec
             cache = runner.cache
-            if self._tables is not None:
-                runner.ops.free(self._tables)
             self._tables = runner.ops.slot_tables(np.array(
                 [[cache.lookup(layer, e) for e in range(spec.num_experts)] for layer in range(spec.num_layers)],
                 dtype=np.int32))
-
-            device_bias = self._upload_bias(greedy[1]) if greedy is not None else None
+            device_bias = self._upload_bias(bias) if head is not None else None
 
             def token():
                 self._resident_token()
-                if greedy is not None:
-                    self._greedy_tail(greedy[0], device_bias)
+                if head is not None:
+                    self._greedy_tail(head, device_bias)
                 return ()
 
             self._token = runner.ops.capture(token)
-            self._is_token_greedy = greedy is not None
+            self._is_token_greedy = head is not None
         return self._token
 
     def _layers(self, stats: StreamStats) -> None:
@@ -207,10 +220,12 @@ class DecodeStep:
                 self.runner.ops.free(array)
         self._x = self._token_id = self._positions = self._slot_ids = self._tables = self._bias = None
         self.is_resident = self._prefetched = None
+        self._is_token_greedy = False
 
     def compile_greedy(self, head: tuple) -> None:
         """Run the greedy tail once, uncaptured, with a one-token bias, so a warm-up compiles its
-        kernels. Needs a step run before it (the buffers); changes the token and position buffers."""
+        kernels. Needs a step run before it (the buffers); overwrites the residual stream and the
+        token and position buffers, which the request's end resets."""
         ops = self.runner.ops
         bias = self._upload_bias((np.zeros(1, np.int32), np.zeros(1, np.float32)))
         self._greedy_tail(head, bias)
@@ -223,8 +238,6 @@ class DecodeStep:
         if bias is None or not len(bias[0]):
             return None
         ops = self.runner.ops
-        for array in self._bias or ():  # a segment captured with them was closed before this capture
-            ops.free(array)
         self._bias = tuple(ops.upload(ACTIVATIONS_OWNER, np.ascontiguousarray(a, dtype)) for a, dtype
                            in zip(bias, (np.int32, np.float32)))
         return self._bias

@@ -5,7 +5,8 @@ anything is deferred or uploaded), places dense weights, KV cache and the expert
 budget, packs the experts into host memory and starts the loan transaction. ``generate`` reuses
 the KV prefix shared with the previous request, prefills only the unread tokens inside the loan
 transaction, and decodes token by token. On the GPU backends ``load`` ends with a warm-up (a tiny
-prefill and one decode step) so that Numba compiles every kernel before the first request.
+prefill, one decode step and the greedy tail) so that Numba compiles every kernel before the
+first request.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class Engine:
 
     def warm_up(self) -> float:
         """Compile every kernel a request uses: a tiny prefill through the staging ring, its logits,
-        one decode step, and the launches of a fully cached model's decode token. Then the KV tokens
+        one decode step, the launches of a fully cached model's decode token, and the greedy tail
+        (head, bias, argmax) of device decode. Then the KV tokens
         are cleared, the expert cache is emptied and the ledger is checked against its state before.
         Returns the seconds it took."""
         started = time.perf_counter()

@@ -96,10 +96,12 @@ class Generation:
             finish = "cancelled"
             raise
         finally:
-            tokens.close()  # its hidden state and logits return to the allocator's cache, which is trimmed
-            decode_seconds = time.perf_counter() - decode_started
-            self._finish(report, len(unread), generated, finish, prefill_seconds, decode_seconds, stream)
-            self._release(is_failing=sys.exc_info()[0] is not None)
+            try:
+                tokens.close()  # its hidden state and logits return to the allocator's cache, which is trimmed
+            finally:
+                decode_seconds = time.perf_counter() - decode_started
+                self._finish(report, len(unread), generated, finish, prefill_seconds, decode_seconds, stream)
+                self._release(is_failing=sys.exc_info()[0] is not None)
 
     def _host_tokens(self, logits: np.ndarray, rng: np.random.Generator, stream: StreamStats) -> Iterator[int]:
         """Each token sampled on the host from the logits of the one before; the next token is
@@ -121,10 +123,10 @@ class Generation:
         logits = None
         yield token
         position = len(engine.kv_tokens)
-        num_steps = max(0, min(params.max_tokens - 1, engine.context_tokens - position))
+        num_steps = min(params.max_tokens - 1, engine.context_tokens - position)
         bias = [*engine.state.settings.logit_bias, *params.logit_bias.items()]
         ids = np.array([token_id for token_id, _ in bias], dtype=np.int32)
-        check_bias_ids(ids, engine.spec.vocab_size)
+        check_bias_ids(ids, engine.spec.vocab_size)  # the device adds at these ids unchecked
         values = np.array([value for _, value in bias], dtype=np.float32)
         steps = engine.runner.greedy_tokens(token, position, num_steps, output_head(engine), (ids, values), stream)
         try:
@@ -172,7 +174,7 @@ class Generation:
         engine = self.engine
         logits = output_logits(engine, hidden)
         for token, bias in engine.state.settings.logit_bias:
-            logits[token] += bias
+            logits[token] += np.float32(bias)  # in float32, as the device adds it
         return logits
 
     def _finish(self, report, num_unread, generated, finish, prefill_seconds, decode_seconds, stream) -> None:

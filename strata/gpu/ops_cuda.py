@@ -457,9 +457,9 @@ class CudaOps:
             return gemv(head.data, last[0], norm_weight=norm, eps=eps, native_config=HEAD_CONFIG).copy_to_host()
 
     def greedy_token(self, x, norm, head: QTensor, eps: float, bias, token) -> None:
-        """token [1] int32 (device) = argmax of the last row's logits plus ``bias`` (device ids [n]
-        int32 and values [n] float32, or None), the lowest id among equals: the logits of ``logits``
-        and the host's argmax of them, without leaving the device."""
+        """token [1] int32 (device) = the argmax of the last row's logits (the same kernel as
+        ``logits``) after adding ``bias`` (device ids [n] int32 and values [n] float32, or None); the
+        lowest id among equals, as the host's ``np.argmax``. Nothing returns to the host."""
         from strata.gpu.kernels.gemv import gemv
         from strata.gpu.kernels.gemv_native import HEAD_CONFIG
         from strata.gpu.kernels.sample import add_logit_bias, argmax

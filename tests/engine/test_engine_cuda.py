@@ -9,6 +9,7 @@ from numba import config as numba_config
 
 from strata.engine.decode_step import DecodeStep
 from strata.engine.facade import Engine
+from strata.engine.sampling import SamplingParams
 from strata.engine.ops import _has_cuda_device
 from strata.gpu.ledger import TRANSIENT_OWNERS
 from strata.model.synth import PRESETS, write_synthetic_model
@@ -45,9 +46,10 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
 def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path):
     # captured per-layer segments (graphs on the GPU, re-run in the simulator) against plain
     # launches over several tokens: positions move, misses are staged between the two segments,
-    # and the next layer's predicted experts are staged ahead
+    # and the next layer's predicted experts are staged ahead; the logits go to the host (the
+    # device's greedy tail runs in the warm-up test's streaming decode)
     runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "expert_preload": False,  # misses
-               "decode_prefetch": True}
+               "decode_prefetch": True, "greedy_on_device": False}
     prompt, num_generated = PROMPT[:4], NUM_GENERATED + 1  # the simulator takes ~10 s per decode step
     plain = Engine.load(engine_config(tiny_path, runtime={**runtime, "decode_graphs": False, "decode_prefetch": False}),
                         show_progress=False)
@@ -93,3 +95,26 @@ def test_loan_on_the_gpu_restores_everything_and_keeps_the_output(tiny_path, kv_
         assert a == b
     assert a_stats.loan.is_taken and all(r.is_resident for r in with_loan.resources.values())
 
+
+
+@pytest.mark.skipif(BACKEND != "cuda", reason="four requests on two engines take ~4 minutes in the simulator; "
+                                              "CI runs the pieces in tests/kernels/test_ops_greedy.py and above")
+def test_greedy_on_the_device_gives_the_host_sampled_tokens_with_a_bias_and_an_early_stop(tiny_path):
+    # the captured resident step with the greedy tail (bias kernel, argmax, the step queued ahead)
+    # against the captured resident step that returns logits to the host, and a request after the
+    # early stop that reuses the prefix over the KV cell the step ahead wrote
+    runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False}
+    host = Engine.load(engine_config(tiny_path, runtime={**runtime, "greedy_on_device": False}), show_progress=False)
+    device = Engine.load(engine_config(tiny_path, runtime=runtime), show_progress=False)
+    prompt, num_generated = PROMPT[:4], NUM_GENERATED + 1
+    plain = reference_greedy(tiny_path, prompt, num_generated)
+    params = SamplingParams(temperature=0, max_tokens=num_generated, logit_bias={plain[1]: float("-inf"), 7: 0.5})
+    outputs = []
+    for engine in (host, device):
+        engine.state.update(logit_bias=((plain[1], -1.0), (7, 0.25)))
+        outputs.append([e.token_id for e in engine.generate(prompt, params) if e.token_id >= 0])
+        engine.state.update(logit_bias=())
+        outputs.append(greedy(engine, prompt + outputs[-1][:2], 2)[0])
+        assert engine.runner.decode_step.is_resident is None  # reset at the request's end
+    assert outputs[0] == outputs[2] and outputs[0][1] != plain[1] and outputs[1] == outputs[3]
+    assert outputs[1] == reference_greedy(tiny_path, prompt + outputs[0][:2], 2)

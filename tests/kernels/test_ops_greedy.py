@@ -21,13 +21,17 @@ pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE
 def test_logit_bias_adds_in_list_order_in_float32_like_the_host():
     rng = np.random.default_rng(40)
     logits = rng.standard_normal(300).astype(np.float32)
-    ids = np.array([7, 299, 7, 0, 150], np.int32)  # 7 twice: the state's bias, then the request's
-    values = np.array([0.1, -np.inf, 1e-3, 2.5, -7.25], np.float32)
+    logits[7] = 1.0
+    # 7 twice (the state's bias, then the request's), where the order changes the float32 sum:
+    # (1 + 3 * 2^-24) rounds to 1 + 2^-22, minus 1 leaves 2^-22; the other order leaves 3 * 2^-24
+    ids = np.array([7, 299, 7, 0, 150], np.int32)
+    values = np.array([3 * 2.0**-24, -np.inf, -1.0, 2.5, -7.25], np.float32)
     expected = logits.copy()
     for token, value in zip(ids, values):
         expected[token] += value
     got = host(add_logit_bias(dev(logits), dev(ids), dev(values)))
     np.testing.assert_array_equal(got, expected)
+    assert got[7] == np.float32(2.0**-22) != (np.float32(1.0) - np.float32(1.0)) + np.float32(3 * 2.0**-24)
 
 
 def test_increment_steps_every_element():
