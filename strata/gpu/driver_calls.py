@@ -41,9 +41,7 @@ class DriverCalls:
 
     def copy_one(self, destination: int, source: int, num_bytes: int, stream: int) -> None:
         """``num_bytes`` from host address ``source`` to device address ``destination``, queued on ``stream``."""
-        err = self._copy(destination, source, num_bytes, stream)
-        if err:
-            raise EngineError(f"a host-to-device copy failed: CUDA error {err}; check the GPU with nvidia-smi")
+        _check(self._copy(destination, source, num_bytes, stream), "a host-to-device copy")
 
     def copy_out(self, destination: int, source: int, num_bytes: int, stream: int) -> None:
         """``num_bytes`` from device address ``source`` to (pinned) host address ``destination``, queued."""

@@ -59,7 +59,7 @@ class Readback:
         """Host copies of small contiguous device arrays (``SCRATCH_BYTES`` in all), once the work
         enqueued before them has run; None stays None."""
         present = [a for a in arrays if a is not None]
-        if not all(a.is_c_contiguous() for a in present) or sum(-(-a.nbytes // 16) * 16 for a in present) > SCRATCH_BYTES:
+        if not all(a.is_c_contiguous() for a in present) or sum(_padded(a.nbytes) for a in present) > SCRATCH_BYTES:
             raise ValueError(f"now() reads contiguous arrays of {SCRATCH_BYTES} bytes in all")
         if self._calls is None:
             return [a.copy_to_host() if a is not None else None for a in arrays]
@@ -71,7 +71,7 @@ class Readback:
             self._calls.copy_out(self._scratch.ctypes.data + offset, array.device_ctypes_pointer.value,
                                  array.nbytes, 0)
             placed.append((offset, array))
-            offset += -(-array.nbytes // 16) * 16
+            offset += _padded(array.nbytes)
         self._calls.event_record(self._events[_NUM_SLOTS], 0)
         self._calls.event_synchronize(self._events[_NUM_SLOTS])
         return [None if p is None else _host_copy(self._scratch, *p) for p in placed]
@@ -80,6 +80,10 @@ class Readback:
         for event in self._events:
             self._calls.event_destroy(event)
         self._events = []
+
+
+def _padded(num_bytes: int) -> int:
+    return -(-num_bytes // 16) * 16  # each array starts 16-byte aligned in the scratch
 
 
 def _host_copy(scratch: np.ndarray, offset: int, array) -> np.ndarray:
