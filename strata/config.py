@@ -62,11 +62,12 @@ class RuntimeConfig:
                                     "compiled before the first request (cuda and cudasim backends)")
     expert_preload: bool = option(True, doc="at load, fill the expert cache's free slots from the expert pack (an "
                                             "equal share of every layer), so the first requests find experts cached")
-    decode_graphs: bool = option(True, doc="decode a token as CUDA graphs captured at a request's first token: two "
-                                           "per layer, or one for the token when every expert is cached (cuda "
-                                           "backend; MoE models without a shared expert)")
-    decode_prefetch: bool = option(False, doc="with decode_graphs: stage the experts the next layer's router picks "
-                                              "from this layer's hidden state while this layer computes")
+    decode_graphs: bool = option(True, doc="decode a token as CUDA graphs: two per layer, or one for the token "
+                                           "when every expert is cached (cuda backend; MoE models without a "
+                                           "shared expert); with warmup, captured at load and kept across requests")
+    decode_prefetch: bool = option(True, doc="with decode_graphs: stage the experts the next layer's router picks "
+                                             "from this layer's hidden state while this layer computes (its "
+                                             "default follows decode_graphs)")
     greedy_on_device: bool = option(True, doc="with decode_graphs: a greedy request (temperature 0) picks each "
                                               "token on the GPU inside the captured step (output head, logit bias, "
                                               "argmax) and reads back 4 bytes instead of the logits; sampled "
@@ -147,6 +148,11 @@ def parse_config(data: Mapping[str, Any], base_dir: Path | None = None, source: 
     if "model" not in data:
         raise ConfigError("[model] is required: set model.path to a GGUF file")
     sections = {name: build_table(cls, data.get(name, {}), name, base_dir) for name, cls in _SECTIONS.items()}
+    runtime_table = data.get("runtime", {})
+    if isinstance(runtime_table, Mapping) and "decode_prefetch" not in runtime_table:
+        # the prediction runs inside the captured layer: off where decode is not captured
+        sections["runtime"] = dataclasses.replace(sections["runtime"],
+                                                  decode_prefetch=sections["runtime"].decode_graphs)
     config = Config(**sections, loan=_parse_loan(data.get("loan", {})), source=source)
     verify_config(config)
     return config

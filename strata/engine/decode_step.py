@@ -1,5 +1,5 @@
 """A decode token as captured segments: two per layer (one for the whole token when every expert
-is cached), recorded at a request's first token and replayed for every token after it.
+is cached), recorded once and replayed for every token.
 
 Per layer l (the same sums as ``ModelRunner.forward`` with one token):
 
@@ -11,9 +11,19 @@ The host must see the routing before it can stage the misses, so a layer cannot 
 is two, and everything between them is the host's cache bookkeeping and one small upload of
 [1, k] slot ids. A segment's inputs are buffers of this object (x, the position, the slot ids),
 refreshed before the replay; its kernels read the position on the device (``ops.attention`` at
-one token), so one capture serves every position. Segments hold their memory until ``reset``,
-which the engine calls when a request ends (the expert storage or the KV cache may move between
-requests; within one they do not).
+one token), so one capture serves every position. Segments hold their memory until ``reset``.
+
+Capturing a token's ~600 launches takes ~170 ms of host time, so the engine captures them at load
+(``prepare``) and keeps them, and their buffers, across requests, charged to ``decode_graphs`` (the
+engine's idle ledger counts them). What they reference does not move while the engine lives
+(weights, KV cache, the expert arena's address range, this object's buffers); what a request may
+change is checked at its first step. The slot tables of a resident token are rewritten. A kept
+greedy tail captured over another output head tensor (a loan uploads the head again) is captured
+again, at the same size. A bias longer than the kept tail holds gets a tail for the request alone.
+A model that became, or stopped being, fully cached needs the other kind of segments: the kept
+ones are dropped and from then on every request captures its own. Without ``prepare`` (no
+warm-up) a request captures what it replays, charged to its ``activations``, and ``end_request``
+drops it.
 
 Prefetch (``is_prefetching``): segment A_l also runs layer l+1's router on layer l's stream (its
 input differs from the real one only by this layer's experts and the next attention, so in deep
@@ -29,24 +39,31 @@ tables stay true until the request ends.
 
 Greedy decode (``greedy_tokens``) ends each step on the device: the output head, the request's
 logit bias and the argmax write the next token's id, the position steps, and the id is embedded
-for the next step (``_greedy_tail``: captured after the layers, in the resident token's graph or
-as a segment of its own). The host reads the id back (4 bytes) only to stream it and to decide
-when to stop; a resident model queues the next step before it reads, so the GPU runs on.
+for the next step (``_greedy_tail``, a segment replayed after the layers). The bias sits in
+buffers of a fixed capacity, padded with (id 0, +0.0), which changes no logit. The host reads the
+id back (4 bytes) only to stream it and to decide when to stop; a resident model queues the next
+step before it reads, so the GPU runs on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from strata.errors import EngineError
-from strata.gpu.ledger import ACTIVATIONS_OWNER
+from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 
 if TYPE_CHECKING:
     from strata.engine.runner import ModelRunner, StreamStats
+
+log = logging.getLogger("strata.engine")
+BIAS_CAPACITY = 16  # biased token ids the kept greedy tail holds; a request with more gets a tail of its own
 
 
 def can_use_segments(runner: ModelRunner) -> bool:
@@ -60,6 +77,9 @@ class DecodeStep:
     def __init__(self, runner: ModelRunner, is_prefetching: bool = False):
         self.runner = runner
         self.is_prefetching = is_prefetching
+        self.is_kept = False  # segments and buffers kept across requests (``prepare``)
+        self._is_tail_kept = False  # the greedy tail is kept too (the head was resident at ``prepare``)
+        self._is_request_start = True
         self._x = None  # [1, D] the residual stream
         self._token_id = None  # [1] int32
         self._positions = None  # [1] int32
@@ -71,11 +91,27 @@ class DecodeStep:
         self.is_resident: bool | None = None  # decided at a request's first token
         self._prefetched = None  # the copies of the next layer's predicted experts
         self._tables = None  # [L, N] int32 slot of every expert (resident)
-        self._token = None  # the whole token as one segment (resident)
-        self._is_token_greedy = False  # whether _token ends with _greedy_tail
-        self._tail = None  # _greedy_tail as a segment (greedy decode, not resident)
-        self._bias = None  # (ids [n] int32, values [n] float32) on the device: the state's and the request's bias
+        self._token = None  # a resident token's layers as one segment
+        self._tail: _Tail | None = None  # the greedy tail, kept with the segments
+        self._wide_tail: _Tail | None = None  # a request's tail for a bias longer than BIAS_CAPACITY
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
+
+    def prepare(self, head: tuple | None) -> None:
+        """Capture the segments the next request's decode replays, now (the engine's load), and keep
+        them across requests. head: as ``greedy_tokens`` takes it, or None where greedy decode on
+        the device is off or the head is not resident (the tail is then captured by the first
+        greedy request). Captures only: nothing runs, the KV cache is untouched."""
+        self.is_kept, self._is_tail_kept = True, head is not None
+        self._start_request()
+        if self.is_resident:
+            self._resident_segment()
+        else:
+            for layer in range(self.runner.spec.num_layers):
+                self._attention_segment(layer)
+                self._experts_segment(layer)
+        if head is not None:
+            self._tail_segment(head, 0)
+        self._is_request_start = True  # the first request still checks what its prefill changed
 
     def forward(self, token: int, position: int, stats: StreamStats):
         """Hidden state [1, D] of ``token`` at ``position`` (before the output norm); appends its KV."""
@@ -97,24 +133,24 @@ class DecodeStep:
         A fully cached model runs one step ahead: step s+1 is queued before step s's id is read, so
         the GPU does not wait for the host between tokens. A caller that stops early leaves that
         step's KV cell written past the tokens it keeps; a later token or request writes it again."""
-        ops, spec = self.runner.ops, self.runner.spec
+        spec = self.runner.spec
         self._begin(token, position)
+        tail = self._tail_segment(head, 0 if bias is None else len(bias[0]))
+        tail.write_bias(self.runner.ops, bias)
         readback, error = self._readback, None
         try:
             if self.is_resident:
-                segment = self._resident_segment(head, bias)
-                ahead = _launch(segment, readback, self._token_id) if num_steps else None
+                layers = self._resident_segment()
+                ahead = _launch(layers, tail.segment, readback, self._token_id) if num_steps else None
                 for step in range(num_steps):
-                    pending, ahead = ahead, _launch(segment, readback, self._token_id) if step + 1 < num_steps else None
+                    pending = ahead
+                    ahead = _launch(layers, tail.segment, readback, self._token_id) if step + 1 < num_steps else None
                     stats.hits += spec.num_layers * spec.num_experts_used
                     yield self._checked(readback.read(pending))
                 return
-            if self._tail is None:
-                device_bias = self._upload_bias(bias)
-                self._tail = ops.capture(lambda: self._greedy_tail(head, device_bias))
             for _ in range(num_steps):
                 self._layers(stats)
-                yield self._checked(readback.read(_launch(self._tail, readback, self._token_id)))
+                yield self._checked(readback.read(_launch(None, tail.segment, readback, self._token_id)))
         except Exception as exc:
             error = exc
             raise
@@ -122,10 +158,10 @@ class DecodeStep:
             # the step running ahead finishes before the request's buffers are dropped; after an
             # error, that error is the one to see
             if error is None:
-                ops.synchronize()
+                self.runner.ops.synchronize()
             else:
                 with contextlib.suppress(Exception):
-                    ops.synchronize()
+                    self.runner.ops.synchronize()
 
     def _checked(self, token: int) -> int:
         if not 0 <= token < self.runner.spec.vocab_size:  # the argmax found no finite logit
@@ -134,12 +170,10 @@ class DecodeStep:
         return token
 
     def _begin(self, token: int, position: int) -> None:
-        """Upload and embed a step's token; at a request's first token, allocate and decide residency."""
+        """Upload and embed a step's token; at a request's first token, check the kept segments."""
         runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
-        if self._x is None:  # a request's first token: nothing pooled may be freed while capturing
-            ops.trim_memory()
-            self._allocate()
-            self.is_resident = runner.cache.num_cached == spec.num_layers * spec.num_experts
+        if self._is_request_start:
+            self._start_request()
         if not 0 <= token < spec.vocab_size:  # the embedding reads the id on the device, unchecked
             raise ValueError(f"token id {token} is outside the vocabulary [0, {spec.vocab_size})")
         # token and position go up by copies queued from pinned memory: the host does not wait; the
@@ -149,38 +183,87 @@ class DecodeStep:
         ops.copy_in(self._positions, self._step_row[1:], is_queued=True)
         ops.embed(runner.w.matrices["token_embd"], self._token_id, out=self._x)
 
-    def _resident_segment(self, head: tuple | None = None, bias: tuple | None = None):
-        """The whole token as one segment, captured at its first use in a request; with ``head``
-        (and ``bias``, as ``greedy_tokens`` takes them) it also picks the next token and embeds it
-        (``_greedy_tail``). A request uses one kind of step throughout (``Generation``)."""
-        if self._token is not None and self._is_token_greedy != (head is not None):
-            raise EngineError("a request mixed greedy decode on the device with host decode; end the request first")
-        if self._token is None:
-            runner, spec = self.runner, self.runner.spec
+    def _start_request(self) -> None:
+        """Allocate the buffers (once), decide residency, and drop the segments of the other kind;
+        a resident token's slot tables are written again (the prefill may have moved experts)."""
+        runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
+        is_resident = runner.cache.num_cached == spec.num_layers * spec.num_experts
+        if self.is_resident is not None and is_resident != self.is_resident:
+            if self.is_kept:  # what load kept no longer serves: requests capture their own from now on
+                log.info("the expert cache %s complete: decode segments are captured per request from now on",
+                         "became" if is_resident else "is no longer")
+                self.reset()
+            else:
+                self._close_layers()
+        ops.trim_memory()  # nothing pooled may be freed while capturing
+        if self._x is None:
+            self._allocate()
+        self.is_resident = is_resident
+        if is_resident:
             cache = runner.cache
-            self._tables = runner.ops.slot_tables(np.array(
-                [[cache.lookup(layer, e) for e in range(spec.num_experts)] for layer in range(spec.num_layers)],
-                dtype=np.int32))
-            device_bias = self._upload_bias(bias) if head is not None else None
+            self._write_tables(np.array([[cache.lookup(layer, e) for e in range(spec.num_experts)]
+                                         for layer in range(spec.num_layers)], dtype=np.int32))
+        self._is_request_start = False
 
-            def token():
-                self._resident_token()
-                if head is not None:
-                    self._greedy_tail(head, device_bias)
-                return ()
+    def _write_tables(self, tables: np.ndarray) -> None:
+        """[L, N] slot of every expert, into the buffer the resident segment reads (made once)."""
+        if self._tables is None:
+            self._tables = self.runner.ops.upload(self._owner, tables)
+        else:
+            self.runner.ops.copy_in(self._tables, tables)
 
-            self._token = runner.ops.capture(token)
-            self._is_token_greedy = head is not None
+    @property
+    def _owner(self) -> str:
+        """Who is charged for segments and buffers: ``decode_graphs`` while kept, else the request's
+        ``activations`` (a block lives until its last reference goes, which may be after the request)."""
+        return DECODE_GRAPHS_OWNER if self.is_kept else ACTIVATIONS_OWNER
+
+    def _resident_segment(self):
+        """A resident token's layers as one segment, captured at its first use."""
+        if self._token is None:
+            self._token = self.runner.ops.capture(self._resident_token, self._owner)
         return self._token
+
+    def _attention_segment(self, layer: int):
+        if layer == len(self._attention):
+            self._attention.append(self.runner.ops.capture(lambda: self._attention_and_route(layer), self._owner))
+        return self._attention[layer]
+
+    def _experts_segment(self, layer: int):
+        if layer == len(self._experts):
+            self._experts.append(self.runner.ops.capture(lambda: self._experts_of(layer), self._owner))
+        return self._experts[layer]
+
+    def _tail_segment(self, head: tuple, num_bias: int) -> _Tail:
+        """The greedy tail over ``head`` with room for ``num_bias`` biased ids: the kept one, captured
+        again when it was captured over another head tensor; for a longer bias, one that lasts
+        for the request (the kept memory stays what it was at load)."""
+        if num_bias > BIAS_CAPACITY:
+            if self._wide_tail is None or not self._wide_tail.fits(head, num_bias):
+                self._close_wide_tail()
+                self._wide_tail = self._capture_tail(head, num_bias, ACTIVATIONS_OWNER)
+            return self._wide_tail
+        if self._tail is not None and not self._tail.fits(head, num_bias):
+            self._tail.close(self.runner.ops)
+            self._tail = None
+        if self._tail is None:
+            owner = self._owner if self._is_tail_kept else ACTIVATIONS_OWNER
+            self._tail = self._capture_tail(head, BIAS_CAPACITY, owner)
+        return self._tail
+
+    def _capture_tail(self, head: tuple, capacity: int, owner: str) -> _Tail:
+        ops = self.runner.ops
+        bias = (ops.alloc(owner, (capacity,), np.int32), ops.alloc(owner, (capacity,), np.float32))
+        segment = ops.capture(lambda: self._greedy_tail(head, bias), owner)
+        return _Tail(segment, weakref.ref(head[1]), bias)
 
     def _layers(self, stats: StreamStats) -> None:
         """Every layer of a step whose experts may miss: two segments a layer, the host between."""
         runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
         for layer in range(spec.num_layers):
-            if layer == len(self._attention):
-                self._attention.append(ops.capture(lambda layer=layer: self._attention_and_route(layer)))
-            self._attention[layer].replay()
-            _, ids, _, predicted = self._attention[layer].outputs
+            attention = self._attention_segment(layer)
+            attention.replay()
+            _, ids, _, predicted = attention.outputs
             # [1, k] each, read at once after the segment and before anything queued makes the
             # default stream wait for copies
             host_ids, host_predicted = self._readback.now(ids, predicted)
@@ -194,53 +277,67 @@ class DecodeStep:
             row = self._slot_rows[layer:layer + 1]  # [1, k] pinned; its last copy ran before the wait above
             row[:] = slot_of[host_ids]
             ops.copy_in(self._slot_ids, row, is_queued=True)  # behind the staged copies, host not waiting
-            if layer == len(self._experts):
-                self._experts.append(ops.capture(lambda layer=layer: self._experts_of(layer)))
-            self._experts[layer].replay()
+            self._experts_segment(layer).replay()
 
     def compile_resident(self, token: int, position: int) -> None:
         """Run a resident token's launches once, uncaptured, over tables of no slots (every routed
         expert skipped), so a warm-up compiles the kernels only that path launches. Writes the KV
-        of ``position``; the caller resets the request after."""
+        of ``position``; the caller resets after."""
         ops, spec = self.runner.ops, self.runner.spec
         if self._x is None:
             self._allocate()
-        self._tables = ops.slot_tables(np.full((spec.num_layers, spec.num_experts), -1, dtype=np.int32))
+        self._write_tables(np.full((spec.num_layers, spec.num_experts), -1, np.int32))
         ops.embed(self.runner.w.matrices["token_embd"], np.array([token]), out=self._x)
         ops.copy_in(self._positions, np.array([position], dtype=np.int32))
         self._resident_token()
 
-    def reset(self) -> None:
-        """Drop the segments and their buffers."""
-        for segment in self._attention + self._experts + [s for s in (self._token, self._tail) if s]:
-            segment.close()
-        self._attention, self._experts, self._token, self._tail = [], [], None, None
-        for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables) + (self._bias or ()):
-            if array is not None:
-                self.runner.ops.free(array)
-        self._x = self._token_id = self._positions = self._slot_ids = self._tables = self._bias = None
-        self.is_resident = self._prefetched = None
-        self._is_token_greedy = False
-
     def compile_greedy(self, head: tuple) -> None:
         """Run the greedy tail once, uncaptured, with a one-token bias, so a warm-up compiles its
         kernels. Needs a step run before it (the buffers); overwrites the residual stream and the
-        token and position buffers, which the request's end resets."""
+        token and position buffers; the caller resets after."""
         ops = self.runner.ops
-        bias = self._upload_bias((np.zeros(1, np.int32), np.zeros(1, np.float32)))
+        bias = (ops.upload(ACTIVATIONS_OWNER, np.zeros(1, np.int32)),
+                ops.upload(ACTIVATIONS_OWNER, np.zeros(1, np.float32)))
         self._greedy_tail(head, bias)
         ops.synchronize()
-        self._bias = None
         for array in bias:
             ops.free(array)
 
-    def _upload_bias(self, bias: tuple | None):
-        if bias is None or not len(bias[0]):
-            return None
-        ops = self.runner.ops
-        self._bias = tuple(ops.upload(ACTIVATIONS_OWNER, np.ascontiguousarray(a, dtype)) for a, dtype
-                           in zip(bias, (np.int32, np.float32)))
-        return self._bias
+    def end_request(self) -> None:
+        """A request's decode is over: kept segments wait for the next one, others are dropped."""
+        self._prefetched = None
+        self._is_request_start = True
+        self._close_wide_tail()
+        if not self.is_kept:
+            self.reset()
+        elif not self._is_tail_kept and self._tail is not None:  # captured by this request: its own
+            self._tail.close(self.runner.ops)
+            self._tail = None
+
+    def reset(self) -> None:
+        """Drop every segment and buffer (a later request captures again)."""
+        self._close_layers()
+        self._close_wide_tail()
+        if self._tail is not None:
+            self._tail.close(self.runner.ops)
+            self._tail = None
+        for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables):
+            if array is not None:
+                self.runner.ops.free(array)
+        self._x = self._token_id = self._positions = self._slot_ids = self._tables = None
+        self.is_resident = self._prefetched = None
+        self.is_kept = self._is_tail_kept = False
+        self._is_request_start = True
+
+    def _close_wide_tail(self) -> None:
+        if self._wide_tail is not None:
+            self._wide_tail.close(self.runner.ops)
+            self._wide_tail = None
+
+    def _close_layers(self) -> None:
+        for segment in self._attention + self._experts + ([self._token] if self._token else []):
+            segment.close()
+        self._attention, self._experts, self._token = [], [], None
 
     def _greedy_tail(self, head: tuple, bias) -> tuple:
         """After a step's layers: pick the next token into the token buffer, step the position, and
@@ -254,10 +351,11 @@ class DecodeStep:
 
     def _allocate(self) -> None:
         ops, spec = self.runner.ops, self.runner.spec
-        self._x = ops.alloc(ACTIVATIONS_OWNER, (1, spec.hidden_size), np.float32)
-        self._token_id = ops.alloc(ACTIVATIONS_OWNER, (1,), np.int32)
-        self._positions = ops.alloc(ACTIVATIONS_OWNER, (1,), np.int32)
-        self._slot_ids = ops.alloc(ACTIVATIONS_OWNER, (1, spec.num_experts_used), np.int32)
+        owner = self._owner
+        self._x = ops.alloc(owner, (1, spec.hidden_size), np.float32)
+        self._token_id = ops.alloc(owner, (1,), np.int32)
+        self._positions = ops.alloc(owner, (1,), np.int32)
+        self._slot_ids = ops.alloc(owner, (1, spec.num_experts_used), np.int32)
         if self._slot_rows is None:  # kept across requests: a queued copy may still read them at a reset
             num_values = spec.num_layers * spec.num_experts_used
             self._slot_rows = ops.host_buffer(4 * num_values).view(np.int32).reshape(spec.num_layers, -1)  # [L, k]
@@ -300,7 +398,37 @@ class DecodeStep:
         return ()
 
 
-def _launch(segment, readback, token) -> int:
-    """Replay a greedy step and queue its token's readback; the ticket for ``readback.read``."""
-    segment.replay()
+@dataclasses.dataclass
+class _Tail:
+    """A captured greedy tail, the head it reads (weakly: a loan may free it) and its bias buffers."""
+
+    segment: object
+    head: weakref.ref
+    bias: tuple  # (ids [C] int32, values [C] float32) on the device
+
+    def fits(self, head: tuple, num_bias: int) -> bool:
+        return self.head() is head[1] and num_bias <= len(self.bias[0])
+
+    def write_bias(self, ops, bias: tuple | None) -> None:
+        """``bias`` first, in its order, then (0, +0.0) to the capacity."""
+        capacity = len(self.bias[0])
+        ids, values = np.zeros(capacity, np.int32), np.zeros(capacity, np.float32)
+        if bias is not None:
+            ids[:len(bias[0])], values[:len(bias[1])] = bias
+        ops.copy_in(self.bias[0], ids)
+        ops.copy_in(self.bias[1], values)
+
+    def close(self, ops) -> None:
+        """Drop the segment and free the bias buffers."""
+        self.segment.close()
+        for array in self.bias:
+            ops.free(array)
+
+
+def _launch(layers, tail, readback, token) -> int:
+    """Replay a greedy step (the resident layers, when given, then the tail) and queue its token's
+    readback; the ticket for ``readback.read``."""
+    if layers is not None:
+        layers.replay()
+    tail.replay()
     return readback.queue(token)

@@ -31,7 +31,10 @@ _FILL_BATCH = 256  # experts per staging call when filling the cache
 
 class ExpertCache:
     def __init__(self, ops: Ops, layout: ExpertLayout, *, segment_bytes: int, reserved_bytes: int,
-                 base_bytes: int, min_cache_slots: int = 0, owner: str = "expert_cache"):
+                 base_bytes: int, min_cache_slots: int = 0, owner: str = "expert_cache",
+                 max_slots: int | None = None):
+        """max_slots: more are never mapped (every expert of the model and a full staging ring);
+        the memory beyond stays free for prefill activations and decode's segments."""
         self.ops = ops
         self.layout = layout
         self.segment_bytes = segment_bytes
@@ -39,7 +42,10 @@ class ExpertCache:
         reserved = max(segment_bytes, reserved_bytes // segment_bytes * segment_bytes)
         self.storage = ops.arena(owner, reserved, segment_bytes, layout)
         self.segment_bytes = self.storage.segment_bytes  # what one segment costs on this backend
-        self.storage.map_segments(min(self.storage.reserved_bytes, base_bytes // self.segment_bytes * self.segment_bytes))
+        self._max_bytes = self.storage.reserved_bytes
+        if max_slots is not None:
+            self._max_bytes = min(self._max_bytes, self.storage.segments_for(max_slots) * self.segment_bytes)
+        self.storage.map_segments(min(self._max_bytes, base_bytes // self.segment_bytes * self.segment_bytes))
         self.base_bytes = self.storage.mapped_bytes
         self._lru: OrderedDict[Key, int] = OrderedDict()  # key → slot, least recently used first
         self._key_of: dict[int, Key] = {}
@@ -62,7 +68,7 @@ class ExpertCache:
         return max(0, free_slots) * self.layout.slot_bytes
 
     def grow(self, max_bytes: int) -> int:
-        room = self.storage.reserved_bytes - self.mapped_bytes
+        room = self._max_bytes - self.mapped_bytes
         num_bytes = min(room, max_bytes) // self.segment_bytes * self.segment_bytes
         if num_bytes > 0:
             before = self.num_slots

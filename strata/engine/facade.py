@@ -32,14 +32,15 @@ from strata.engine.loan import LoanTransaction
 from strata.engine.ops import make_ops, select_backend
 from strata.engine.ops_numpy import DryRunOps
 from strata.engine.placement import Placement, plan_placement
-from strata.engine.planner import Planner
+from strata.engine.planner import Planner, largest_ring_slots
 from strata.engine.prefill_cost import PrefillCostModel
 from strata.engine.resources import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
 from strata.engine.runner import DeviceWeights, ModelRunner, StreamStats
 from strata.engine.runtime_state import RuntimeState
 from strata.engine.sampling import SamplingParams
 from strata.engine.workspace import PromptWorkspace
-from strata.gpu.ledger import ACTIVATIONS_OWNER, LedgerSnapshot, VramLedger
+from strata.errors import AllocationError
+from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, LedgerSnapshot, VramLedger
 from strata.model.gguf_file import GgufModel, open_gguf
 from strata.model.locate import resolve_model_path
 from strata.model.tokenizer import Tokenizer
@@ -57,6 +58,17 @@ class Engine:
         self.counters = EngineCounters()
         self.kv_tokens: list[int] = []  # tokens whose K and V are in the cache, in order
         self.current_generation = None  # the request whose decode state (segments, cached blocks) is live
+        self.kept_decode_bytes = 0  # what decode's segments kept across requests hold (``prepare_decode``)
+
+    @property
+    def idle_ledger(self) -> LedgerSnapshot:
+        """What the engine holds between requests: the load's owners, and decode's kept segments
+        while they are kept."""
+        owners = dict(self.load_ledger.by_owner)
+        step = self.runner.decode_step
+        if self.kept_decode_bytes and step is not None and step.is_kept:
+            owners[DECODE_GRAPHS_OWNER] = self.kept_decode_bytes
+        return LedgerSnapshot(self.load_ledger.budget_bytes, dict(sorted(owners.items())))
 
     @classmethod
     def load(cls, config: Config, *, show_progress: bool = True, is_dry_run: bool = False) -> Engine:
@@ -80,8 +92,9 @@ class Engine:
         decode_ws = ops.alloc("decode_workspace", (placement.decode_workspace_bytes,), "uint8")
         pack = _expert_pack(config, model, ops, layout, show_progress) if layout and not is_dry_run else None
         cache = ExpertCache(ops, layout, segment_bytes=config.runtime.vmm_segment_bytes,
-                            reserved_bytes=placement.cache_reserved_bytes,
-                            base_bytes=placement.cache_base_bytes) if layout else None
+                            reserved_bytes=placement.cache_reserved_bytes, base_bytes=placement.cache_base_bytes,
+                            max_slots=spec.num_layers * spec.num_experts
+                            + largest_ring_slots(config.planner, spec.num_experts)) if layout else None
         if cache:
             cache.min_cache_slots = _min_cache_slots(config, cache.num_slots, spec)
         cost_model = PrefillCostModel.from_spec(
@@ -104,7 +117,7 @@ class Engine:
                    ledger=ledger, ops=ops, placement=placement, resources=resources, weights=weights, kv=kv,
                    decode_workspace=decode_ws, pack=pack, cache=cache, planner=planner, workspace=workspace,
                    state=state, loan=loan, runner=runner,
-                   idle_ledger=LedgerSnapshot(ledger.budget_bytes, dict(sorted(expected.items()))),
+                   load_ledger=LedgerSnapshot(ledger.budget_bytes, dict(sorted(expected.items()))),
                    model_name=config.model.name or model.path.stem,
                    context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
         if config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run:
@@ -114,7 +127,33 @@ class Engine:
             num_filled = cache.fill(pack, spec.num_layers, spec.num_experts)
             log.info("expert cache filled with %d of %d experts in %.2f s", num_filled,
                      spec.num_layers * spec.num_experts, time.perf_counter() - started)
+        if config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run:
+            engine.prepare_decode()
         return engine
+
+    def prepare_decode(self) -> None:
+        """Capture decode's segments before the first request and keep them across requests
+        (``DecodeStep.prepare``): a request then pays no capture. The idle ledger counts them,
+        unless they would leave no room for the smallest prefill of the idle engine."""
+        if self.runner.decode_step is None:
+            return
+        head = self.resources.get("output_head")
+        is_head_here = head is None or head.is_resident  # a startup loan may hold it back
+        started = time.perf_counter()
+        self.runner.prepare_decode(output_head(self) if self.config.runtime.greedy_on_device and is_head_here
+                                   else None)
+        num_bytes = self.ledger.snapshot().by_owner.get(DECODE_GRAPHS_OWNER, 0)
+        try:
+            self.loan.plan_preview(is_loan=False)  # every resource resident, as a request without a loan
+        except AllocationError as exc:
+            self.runner.reset_decode()
+            self.ops.trim_memory()
+            log.warning("keeping decode's segments (%.1f MiB) would leave no room for the smallest prefill (%s); "
+                        "each request captures its own", num_bytes / 2**20, exc)
+            return
+        self.kept_decode_bytes = num_bytes
+        log.info("decode segments captured in %.2f s, kept across requests (%.1f MiB)",
+                 time.perf_counter() - started, num_bytes / 2**20)
 
     def warm_up(self) -> float:
         """Compile every kernel a request uses: a tiny prefill through the staging ring, its logits,
@@ -150,7 +189,7 @@ class Engine:
             self.ops.synchronize()
             del hidden
         finally:
-            self.runner.end_request()
+            self.runner.reset_decode()
             self.kv_tokens = []
             if self.cache:
                 self.cache.clear()
@@ -213,7 +252,7 @@ class Engine:
         return "\n".join(lines)
 
     def close(self) -> None:
-        self.runner.end_request()
+        self.runner.reset_decode()
         self.ops.synchronize()
         self.ops.trim_memory()
 

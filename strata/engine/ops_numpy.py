@@ -43,6 +43,10 @@ class NumpyArena:
     def num_slots(self) -> int:
         return self.mapped_bytes // self.slot_bytes
 
+    def segments_for(self, num_slots: int) -> int:
+        """Segments that map at least ``num_slots`` slots."""
+        return -(-num_slots * self.slot_bytes // self.segment_bytes)
+
     def map_segments(self, num_bytes: int) -> None:
         count = num_bytes // self.segment_bytes
         if self.mapped_bytes + count * self.segment_bytes > self.reserved_bytes:

@@ -3,7 +3,8 @@
 Owners: ``dense_weights`` (embeddings, attention, norms, routers, shared experts), ``output_head``
 (the native head; absent when tied to the embeddings), ``kv_cache``, ``decode_workspace``, the
 decode-only ``verifier`` / ``mtp_draft_head`` / ``mtp_experts`` (with MTP), and the elastic
-``expert_cache``, which takes what is left after a reserve for the smallest prefill geometry.
+``expert_cache``, which takes what is left after a reserve for the smallest prefill geometry (the
+cache maps no more than every expert and the largest staging ring: ``ExpertCache(max_slots=...)``).
 Routed experts of the main layers always live in the host expert pack; the cache holds copies.
 """
 

@@ -120,7 +120,7 @@ class Planner:
         costs = self.costs
         if not costs.target_ring_slots:
             return 0
-        cap = min(self.config.max_ring_slots, max(self.config.min_ring_slots, costs.target_ring_slots))
+        cap = largest_ring_slots(self.config, costs.target_ring_slots)
         if costs.is_ring_in_cache:
             room_bytes = min(room_bytes, budget.borrowable_cache_bytes)
         ring = min(cap, max(0, room_bytes) // max(1, costs.bytes_per_ring_slot))
@@ -150,6 +150,11 @@ class Planner:
             cost = self.cost_model.cost(unread_tokens, geometry.chunk_tokens, cached_slots - geometry.ring_slots)
             text += f"; {unread_tokens:,} tokens with {cached_slots:,} cached experts: " + self.cost_model.describe(cost)
         return text
+
+
+def largest_ring_slots(config: PlannerConfig, target_ring_slots: int) -> int:
+    """The most ring slots a plan takes: the target (a layer's experts), within the configured bounds."""
+    return min(config.max_ring_slots, max(config.min_ring_slots, target_ring_slots))
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -19,6 +19,7 @@ from strata.errors import VramBudgetError
 
 UNCHARGED_OWNER = "unattributed"
 ACTIVATIONS_OWNER = "activations"  # temporaries of a computation in flight
+DECODE_GRAPHS_OWNER = "decode_graphs"  # captured decode segments kept across requests, and their buffers
 POOL_OWNER = "allocator_cache"  # freed blocks an allocator keeps for reuse (block_pool.py)
 TRANSIENT_OWNERS = frozenset({ACTIVATIONS_OWNER, POOL_OWNER})  # not resident state: no loan restores them
 # the ledger whose ``owner`` block is in effect: a memory manager serving several engines in one

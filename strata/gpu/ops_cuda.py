@@ -70,6 +70,7 @@ class CudaOps:
             cuda.select_device(device)
             self._is_charged_by_hand = not is_ledger_managed()
         self._manual: dict[int, tuple[object, object]] = {}  # charged by hand: id → (array, charge)
+        self._capture_owner = None  # the owner charged for a capture's allocations, while it runs
         self._rope: dict[tuple, object] = {}
         # one (1, 1) stand-in per plane dtype for the planes a format lacks, shared by every matrix
         self.placeholders = {name: self.upload("dense_weights", np.zeros((1, 1), dtype))
@@ -87,7 +88,8 @@ class CudaOps:
 
     @contextlib.contextmanager
     def _owning(self, owner: str):
-        with self.ledger.owner(owner):
+        # while a segment is captured, what its launches allocate is the segment's (``capture``)
+        with self.ledger.owner(self._capture_owner or owner):
             yield
 
     def _track(self, owner: str, arrays, num_bytes: int):
@@ -203,15 +205,20 @@ class CudaOps:
         graph references) or, in the simulator, re-runs segments."""
         return self.is_simulator or not self._is_charged_by_hand
 
-    def capture(self, fn):
+    def capture(self, fn, owner: str = ACTIVATIONS):
         """A segment of launches made by ``fn`` (through these ops), replayed by ``segment.replay()``;
-        ``segment.outputs`` is what ``fn`` returned. See ``strata/gpu/graphs.py``."""
+        ``segment.outputs`` is what ``fn`` returned; what it allocates is charged to ``owner`` for
+        the segment's life. See ``strata/gpu/graphs.py``."""
         from strata.gpu.graphs import RerunSegment, capture_graph
 
         if self.is_simulator:
             return RerunSegment(fn)
-        with self._owning(ACTIVATIONS):
-            return capture_graph(fn, self._launching_on, self.cuda.current_context().memory_manager.retaining)
+        outer, self._capture_owner = self._capture_owner, owner
+        try:
+            with self._owning(owner):
+                return capture_graph(fn, self._launching_on, self.cuda.current_context().memory_manager.retaining)
+        finally:
+            self._capture_owner = outer
 
     @contextlib.contextmanager
     def _launching_on(self, stream):

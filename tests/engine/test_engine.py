@@ -47,6 +47,19 @@ def test_the_cache_is_filled_at_load_with_an_equal_share_of_every_layer(moe_path
     assert tokens == expected and cold_stats.streamed_bytes > stats.streamed_bytes
 
 
+def test_a_budget_beyond_the_model_maps_every_expert_and_a_full_ring_and_leaves_the_rest_free(moe_path, expected):
+    # slots past every expert and the largest ring would hold nothing; the memory stays free for
+    # prefill activations and decode's segments, and a loan does not grow the cache into it
+    config = engine_config(moe_path, runtime={"vram_budget": "64MiB"}, planner={"max_ring_slots": 4})
+    engine = Engine.load(config, show_progress=False)
+    cache, spec = engine.cache, engine.spec
+    needed = spec.num_layers * spec.num_experts + 4
+    assert needed <= cache.num_slots and cache.storage.segments_for(needed) * cache.segment_bytes == cache.mapped_bytes
+    assert cache.num_cached == spec.num_layers * spec.num_experts and engine.ledger.free_bytes > 16 << 20
+    assert cache.grow(engine.ledger.free_bytes) == 0
+    assert greedy(engine, PROMPT, 12)[0] == expected
+
+
 @pytest.mark.parametrize("max_chunk", [16, 48, 256])
 def test_output_is_the_same_for_every_chunk_size(moe_path, expected, max_chunk):
     engine = Engine.load(engine_config(moe_path, planner={"max_chunk_tokens": max_chunk}), show_progress=False)

@@ -7,11 +7,11 @@ from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy
 from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 
-from strata.engine.decode_step import DecodeStep
+from strata.engine.decode_step import BIAS_CAPACITY, DecodeStep
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
 from strata.engine.ops import _has_cuda_device
-from strata.gpu.ledger import TRANSIENT_OWNERS
+from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, TRANSIENT_OWNERS
 from strata.model.synth import PRESETS, write_synthetic_model
 
 BACKEND = "cuda" if _has_cuda_device() else "cudasim"
@@ -43,11 +43,12 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
 
 
-def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path):
-    # captured per-layer segments (graphs on the GPU, re-run in the simulator) against plain
-    # launches over several tokens: positions move, misses are staged between the two segments,
-    # and the next layer's predicted experts are staged ahead; the logits go to the host (the
-    # device's greedy tail runs in the warm-up test's streaming decode)
+def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path, monkeypatch):
+    # captured per-layer segments (graphs on the GPU, re-run in the simulator), captured before
+    # the first request and kept, against plain launches over several tokens: positions move,
+    # misses are staged between the two segments, and the next layer's predicted experts are
+    # staged ahead; the logits go to the host (the device's greedy tail runs in the warm-up test's
+    # streaming decode). A second request replays the same segments.
     runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "expert_preload": False,  # misses
                "decode_prefetch": True, "greedy_on_device": False}
     prompt, num_generated = PROMPT[:4], NUM_GENERATED + 1  # the simulator takes ~10 s per decode step
@@ -55,17 +56,25 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path)
                         show_progress=False)
     captured = Engine.load(engine_config(tiny_path, runtime=runtime), show_progress=False)
     assert plain.runner.decode_step is None and captured.runner.decode_step is not None
+    captured.prepare_decode()
+    owners = []
+    capture = captured.ops.capture
+    monkeypatch.setattr(captured.ops, "capture", lambda fn, owner: owners.append(owner) or capture(fn, owner))
     expected, _ = greedy(plain, prompt, num_generated)
     tokens, stats = greedy(captured, prompt, num_generated)
     assert tokens == expected == reference_greedy(tiny_path, prompt, num_generated)
     assert stats.cache_misses > 0 and stats.prefetched_experts > 0
-    idle = dict(captured.idle_ledger.by_owner)
-    assert {k: v for k, v in captured.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
+    assert _lasting(captured) == dict(captured.idle_ledger.by_owner) and DECODE_GRAPHS_OWNER in _lasting(captured)
+    follow_up = prompt + tokens[:1]
+    assert greedy(captured, follow_up, 2)[0] == reference_greedy(tiny_path, follow_up, 2)
+    assert owners == [] and _lasting(captured) == dict(captured.idle_ledger.by_owner)
 
 
-def test_a_fully_cached_model_decodes_each_token_as_one_segment(tiny_path, monkeypatch):
+def test_a_fully_cached_model_decodes_from_segments_kept_across_requests(tiny_path, monkeypatch):
     # the budget holds every expert and the ring beside them: the fill at load caches them all, the
-    # ring borrows only free slots, and decode maps routed ids to slots on the device
+    # ring borrows only free slots, and decode maps routed ids to slots on the device. The segments
+    # are captured before the first request and kept: a request captures again only a greedy tail,
+    # when the output head was uploaded again or for a bias longer than the kept tail holds
     calls = []
     resident_token = DecodeStep._resident_token
     monkeypatch.setattr(DecodeStep, "_resident_token", lambda self: calls.append(1) or resident_token(self))
@@ -73,12 +82,34 @@ def test_a_fully_cached_model_decodes_each_token_as_one_segment(tiny_path, monke
                                                             "warmup": False}), show_progress=False)
     spec = engine.spec
     assert engine.cache.num_cached == spec.num_layers * spec.num_experts
+    captured = []
+    capture = engine.ops.capture
+    monkeypatch.setattr(engine.ops, "capture", lambda fn, owner: captured.append(owner) or capture(fn, owner))
+    engine.prepare_decode()
+    assert len(captured) == 2 and engine.runner.decode_step.is_resident  # the token's layers, the tail
+    assert engine.idle_ledger.by_owner[DECODE_GRAPHS_OWNER] > 0
     prompt, num_generated = PROMPT[:4], NUM_GENERATED + 1
     tokens, stats = greedy(engine, prompt, num_generated)
     assert tokens == reference_greedy(tiny_path, prompt, num_generated)
     assert calls and stats.cache_misses == 0 and engine.cache.num_cached == spec.num_layers * spec.num_experts
-    idle = dict(engine.idle_ledger.by_owner)
-    assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
+    assert len(captured) == 2 and _lasting(engine) == dict(engine.idle_ledger.by_owner)
+
+    head = engine.resources["output_head"]
+    head.release()
+    head.restore()  # a new tensor, as after a loan: the kept tail is captured again over it
+    follow_up = prompt + tokens[:1]
+    assert greedy(engine, follow_up, 2)[0] == reference_greedy(tiny_path, follow_up, 2)
+    assert captured[2:] == [DECODE_GRAPHS_OWNER] and _lasting(engine) == dict(engine.idle_ledger.by_owner)
+    zero_bias = {token_id: 0.0 for token_id in range(3, 3 + BIAS_CAPACITY + 1)}
+    events = engine.generate(follow_up, SamplingParams(temperature=0, max_tokens=2, logit_bias=zero_bias))
+    assert [e.token_id for e in events if e.token_id >= 0] == reference_greedy(tiny_path, follow_up, 2)
+    assert captured[3:] == [ACTIVATIONS_OWNER]  # a tail for this request's longer bias, dropped at its end
+    assert _lasting(engine) == dict(engine.idle_ledger.by_owner)
+
+    engine.cache.forget([engine.cache.lookup(0, 0)])  # no longer complete: the kept segments go
+    assert greedy(engine, follow_up, 2)[0] == reference_greedy(tiny_path, follow_up, 2)
+    assert not engine.runner.decode_step.is_kept and DECODE_GRAPHS_OWNER not in engine.idle_ledger.by_owner
+    assert _lasting(engine) == dict(engine.idle_ledger.by_owner)
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the loan and KV formats on the kernels take minutes in the simulator")
@@ -93,6 +124,7 @@ def test_loan_on_the_gpu_restores_everything_and_keeps_the_output(tiny_path, kv_
         a, a_stats = greedy(with_loan, prompt, NUM_GENERATED)
         b, _ = greedy(without, prompt, NUM_GENERATED)
         assert a == b
+        assert _lasting(with_loan) == dict(with_loan.idle_ledger.by_owner)
     assert a_stats.loan.is_taken and all(r.is_resident for r in with_loan.resources.values())
 
 
@@ -118,3 +150,8 @@ def test_greedy_on_the_device_gives_the_host_sampled_tokens_with_a_bias_and_an_e
         assert engine.runner.decode_step.is_resident is None  # reset at the request's end
     assert outputs[0] == outputs[2] and outputs[0][1] != plain[1] and outputs[1] == outputs[3]
     assert outputs[1] == reference_greedy(tiny_path, prompt + outputs[0][:2], 2)
+
+
+def _lasting(engine) -> dict:
+    """The ledger without the owners of computations in flight."""
+    return {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS}

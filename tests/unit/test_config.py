@@ -89,6 +89,9 @@ def test_cross_field_error_names_both_options_and_the_fix():
     with pytest.raises(ConfigError, match=r"runtime.decode_prefetch = true needs runtime.decode_graphs = true .*; set "
                                           "runtime.decode_graphs = true or runtime.decode_prefetch = false"):
         parse_config(config_dict(runtime={"decode_graphs": False, "decode_prefetch": True}))
+    # left unset, decode_prefetch follows decode_graphs
+    assert not parse_config(config_dict(runtime={"decode_graphs": False})).runtime.decode_prefetch
+    assert parse_config(config_dict(runtime={})).runtime.decode_prefetch
     with pytest.raises(ConfigError, match="loan.plugins .* has no effect without loan.enabled = true"):
         parse_config(config_dict(loan={"enabled": False}))
 
