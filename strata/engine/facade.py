@@ -140,16 +140,17 @@ class Engine:
         head = self.resources.get("output_head")
         is_head_here = head is None or head.is_resident  # a startup loan may hold it back
         started = time.perf_counter()
-        self.runner.prepare_decode(output_head(self) if self.config.runtime.greedy_on_device and is_head_here
-                                   else None)
-        num_bytes = self.ledger.snapshot().by_owner.get(DECODE_GRAPHS_OWNER, 0)
+        num_bytes = 0
         try:
+            self.runner.prepare_decode(output_head(self) if self.config.runtime.greedy_on_device and is_head_here
+                                       else None)
+            num_bytes = self.ledger.snapshot().by_owner.get(DECODE_GRAPHS_OWNER, 0)
             self.loan.plan_preview(is_loan=False)  # every resource resident, as a request without a loan
-        except AllocationError as exc:
+        except AllocationError as exc:  # the capture itself, or the prefill after it, does not fit
             self.runner.reset_decode()
             self.ops.trim_memory()
-            log.warning("keeping decode's segments (%.1f MiB) would leave no room for the smallest prefill (%s); "
-                        "each request captures its own", num_bytes / 2**20, exc)
+            log.warning("decode segments are not kept across requests (%.1f MiB captured): %s; each request "
+                        "captures its own", num_bytes / 2**20, exc)
             return
         self.kept_decode_bytes = num_bytes
         log.info("decode segments captured in %.2f s, kept across requests (%.1f MiB)",

@@ -10,6 +10,7 @@ from numba import config as numba_config
 from strata.engine.decode_step import BIAS_CAPACITY, DecodeStep
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
+from strata.errors import AllocationError
 from strata.engine.ops import _has_cuda_device
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, TRANSIENT_OWNERS
 from strata.model.synth import PRESETS, write_synthetic_model
@@ -114,6 +115,20 @@ def test_a_fully_cached_model_decodes_from_segments_kept_across_requests(tiny_pa
     assert greedy(engine, follow_up, 2)[0] == reference_greedy(tiny_path, follow_up, 2)
     assert not engine.runner.decode_step.is_kept and DECODE_GRAPHS_OWNER not in engine.idle_ledger.by_owner
     assert _lasting(engine) == dict(engine.idle_ledger.by_owner)
+
+
+def test_segments_that_would_leave_no_room_for_a_prefill_are_not_kept(tiny_path, monkeypatch, caplog):
+    engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB",
+                                                            "warmup": False}), show_progress=False)
+    before = _lasting(engine)
+
+    def no_room(is_loan):
+        raise AllocationError("the prefill budget cannot hold the smallest geometry")
+
+    monkeypatch.setattr(engine.loan, "plan_preview", no_room)
+    engine.prepare_decode()
+    assert not engine.runner.decode_step.is_kept and "not kept across requests" in caplog.text
+    assert _lasting(engine) == before == dict(engine.idle_ledger.by_owner)
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the loan and KV formats on the kernels take minutes in the simulator")
