@@ -39,23 +39,21 @@ tables stay true until the request ends.
 
 Greedy decode (``greedy_tokens``) ends each step on the device: the output head, the request's
 logit bias and the argmax write the next token's id, the position steps, and the id is embedded
-for the next step (``_greedy_tail``, a segment replayed after the layers). The bias sits in
-buffers of a fixed capacity, padded with (id 0, +0.0), which changes no logit. The host reads the
-id back (4 bytes) only to stream it and to decide when to stop; a resident model queues the next
-step before it reads, so the GPU runs on.
+for the next step (``_greedy_tail``, a segment replayed after the layers; ``greedy_tail.py`` says
+which captured tail a request gets). The host reads the id back (4 bytes) only to stream it and
+to decide when to stop; a resident model queues the next step before it reads, so the GPU runs on.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from strata.engine.greedy_tail import GreedyTails
 from strata.errors import EngineError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 
@@ -63,7 +61,6 @@ if TYPE_CHECKING:
     from strata.engine.runner import ModelRunner, StreamStats
 
 log = logging.getLogger("strata.engine")
-BIAS_CAPACITY = 16  # biased token ids the kept greedy tail holds; a request with more gets a tail of its own
 
 
 def can_use_segments(runner: ModelRunner) -> bool:
@@ -78,7 +75,6 @@ class DecodeStep:
         self.runner = runner
         self.is_prefetching = is_prefetching
         self.is_kept = False  # segments and buffers kept across requests (``prepare``)
-        self._is_tail_kept = False  # the greedy tail is kept too (the head was resident at ``prepare``)
         self._is_request_start = True
         self._x = None  # [1, D] the residual stream
         self._token_id = None  # [1] int32
@@ -92,8 +88,7 @@ class DecodeStep:
         self._prefetched = None  # the copies of the next layer's predicted experts
         self._tables = None  # [L, N] int32 slot of every expert (resident)
         self._token = None  # a resident token's layers as one segment
-        self._tail: _Tail | None = None  # the greedy tail, kept with the segments
-        self._wide_tail: _Tail | None = None  # a request's tail for a bias longer than BIAS_CAPACITY
+        self._tails = GreedyTails(runner.ops, self._greedy_tail)
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
 
     def prepare(self, head: tuple | None) -> None:
@@ -101,7 +96,7 @@ class DecodeStep:
         them across requests. head: as ``greedy_tokens`` takes it, or None where greedy decode on
         the device is off or the head is not resident (the tail is then captured by the first
         greedy request). Captures only: nothing runs, the KV cache is untouched."""
-        self.is_kept, self._is_tail_kept = True, head is not None
+        self.is_kept, self._tails.is_kept = True, head is not None
         self._start_request()
         if self.is_resident:
             self._resident_segment()
@@ -110,7 +105,7 @@ class DecodeStep:
                 self._attention_segment(layer)
                 self._experts_segment(layer)
         if head is not None:
-            self._tail_segment(head, 0)
+            self._tails.for_request(head, 0)
         self._is_request_start = True  # the first request still checks what its prefill changed
 
     def forward(self, token: int, position: int, stats: StreamStats):
@@ -135,7 +130,7 @@ class DecodeStep:
         step's KV cell written past the tokens it keeps; a later token or request writes it again."""
         spec = self.runner.spec
         self._begin(token, position)
-        tail = self._tail_segment(head, 0 if bias is None else len(bias[0]))
+        tail = self._tails.for_request(head, 0 if bias is None else len(bias[0]))
         tail.write_bias(self.runner.ops, bias)
         readback, error = self._readback, None
         try:
@@ -234,29 +229,6 @@ class DecodeStep:
             self._experts.append(self.runner.ops.capture(lambda: self._experts_of(layer), self._owner))
         return self._experts[layer]
 
-    def _tail_segment(self, head: tuple, num_bias: int) -> _Tail:
-        """The greedy tail over ``head`` with room for ``num_bias`` biased ids: the kept one, captured
-        again when it was captured over another head tensor; for a longer bias, one that lasts
-        for the request (the kept memory stays what it was at load)."""
-        if num_bias > BIAS_CAPACITY:
-            if self._wide_tail is None or not self._wide_tail.fits(head, num_bias):
-                self._close_wide_tail()
-                self._wide_tail = self._capture_tail(head, num_bias, ACTIVATIONS_OWNER)
-            return self._wide_tail
-        if self._tail is not None and not self._tail.fits(head, num_bias):
-            self._tail.close(self.runner.ops)
-            self._tail = None
-        if self._tail is None:
-            owner = self._owner if self._is_tail_kept else ACTIVATIONS_OWNER
-            self._tail = self._capture_tail(head, BIAS_CAPACITY, owner)
-        return self._tail
-
-    def _capture_tail(self, head: tuple, capacity: int, owner: str) -> _Tail:
-        ops = self.runner.ops
-        bias = (ops.alloc(owner, (capacity,), np.int32), ops.alloc(owner, (capacity,), np.float32))
-        segment = ops.capture(lambda: self._greedy_tail(head, bias), owner)
-        return _Tail(segment, weakref.ref(head[1]), bias)
-
     def _layers(self, stats: StreamStats) -> None:
         """Every layer of a step whose experts may miss: two segments a layer, the host between."""
         runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
@@ -307,32 +279,21 @@ class DecodeStep:
         """A request's decode is over: kept segments wait for the next one, others are dropped."""
         self._prefetched = None
         self._is_request_start = True
-        self._close_wide_tail()
+        self._tails.end_request()
         if not self.is_kept:
             self.reset()
-        elif not self._is_tail_kept and self._tail is not None:  # captured by this request: its own
-            self._tail.close(self.runner.ops)
-            self._tail = None
 
     def reset(self) -> None:
         """Drop every segment and buffer (a later request captures again)."""
         self._close_layers()
-        self._close_wide_tail()
-        if self._tail is not None:
-            self._tail.close(self.runner.ops)
-            self._tail = None
+        self._tails.close()
         for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables):
             if array is not None:
                 self.runner.ops.free(array)
         self._x = self._token_id = self._positions = self._slot_ids = self._tables = None
         self.is_resident = self._prefetched = None
-        self.is_kept = self._is_tail_kept = False
+        self.is_kept = False
         self._is_request_start = True
-
-    def _close_wide_tail(self) -> None:
-        if self._wide_tail is not None:
-            self._wide_tail.close(self.runner.ops)
-            self._wide_tail = None
 
     def _close_layers(self) -> None:
         for segment in self._attention + self._experts + ([self._token] if self._token else []):
@@ -396,33 +357,6 @@ class DecodeStep:
             # the routed ids go through the layer's table to slots on the device
             ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], cache.layout)
         return ()
-
-
-@dataclasses.dataclass
-class _Tail:
-    """A captured greedy tail, the head it reads (weakly: a loan may free it) and its bias buffers."""
-
-    segment: object
-    head: weakref.ref
-    bias: tuple  # (ids [C] int32, values [C] float32) on the device
-
-    def fits(self, head: tuple, num_bias: int) -> bool:
-        return self.head() is head[1] and num_bias <= len(self.bias[0])
-
-    def write_bias(self, ops, bias: tuple | None) -> None:
-        """``bias`` first, in its order, then (0, +0.0) to the capacity."""
-        capacity = len(self.bias[0])
-        ids, values = np.zeros(capacity, np.int32), np.zeros(capacity, np.float32)
-        if bias is not None:
-            ids[:len(bias[0])], values[:len(bias[1])] = bias
-        ops.copy_in(self.bias[0], ids)
-        ops.copy_in(self.bias[1], values)
-
-    def close(self, ops) -> None:
-        """Drop the segment and free the bias buffers."""
-        self.segment.close()
-        for array in self.bias:
-            ops.free(array)
 
 
 def _launch(layers, tail, readback, token) -> int:

@@ -7,7 +7,8 @@ from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy
 from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 
-from strata.engine.decode_step import BIAS_CAPACITY, DecodeStep
+from strata.engine.decode_step import DecodeStep
+from strata.engine.greedy_tail import BIAS_CAPACITY
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import AllocationError
