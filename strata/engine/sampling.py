@@ -99,9 +99,11 @@ def apply_logit_bias(logits: np.ndarray, bias: Mapping[int, float]) -> np.ndarra
 
 
 def check_bias_ids(ids: np.ndarray, vocab_size: int) -> None:
-    """A biased token id >= vocab_size is a ConfigError naming it."""
-    if len(ids) and ids.max() >= vocab_size:
-        raise ConfigError(f"sampling parameter logit_bias names token {int(ids.max())}, "
+    """A biased token id outside [0, vocab_size) is a ConfigError naming it (the device adds at
+    the ids it is given unchecked)."""
+    outside = ids[(ids < 0) | (ids >= vocab_size)] if len(ids) else ids
+    if len(outside):
+        raise ConfigError(f"sampling parameter logit_bias names token {int(outside[0])}, "
                           f"but the vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1})")
 
 

@@ -7,6 +7,7 @@ from strata.engine.sampling import (
     SamplingParams,
     StopMatcher,
     apply_logit_bias,
+    check_bias_ids,
     greedy,
     make_rng,
     sample,
@@ -94,6 +95,12 @@ def test_logit_bias_adds_and_bans():
 def test_logit_bias_out_of_vocabulary_names_the_range():
     with pytest.raises(ConfigError, match="logit_bias.*vocabulary has 4 tokens"):
         apply_logit_bias(np.zeros(4, dtype=np.float32), {4: 1.0})
+    # the ids the device's bias kernel adds at, unchecked there (the state's bias included)
+    for ids in ([2, -1], [0, 4]):
+        with pytest.raises(ConfigError, match=f"names token {ids[1]}, but the vocabulary has 4 tokens"):
+            check_bias_ids(np.array(ids, dtype=np.int32), 4)
+    check_bias_ids(np.array([0, 3], dtype=np.int32), 4)
+    check_bias_ids(np.array([], dtype=np.int32), 4)
 
 
 def test_logit_bias_accepts_json_style_string_keys():
