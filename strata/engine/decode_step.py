@@ -195,9 +195,7 @@ class DecodeStep:
             self._allocate()
         self.is_resident = is_resident
         if is_resident:
-            cache = runner.cache
-            self._write_tables(np.array([[cache.lookup(layer, e) for e in range(spec.num_experts)]
-                                         for layer in range(spec.num_layers)], dtype=np.int32))
+            self._write_tables(runner.cache.slot_table(spec.num_layers, spec.num_experts))
         self._is_request_start = False
 
     def _write_tables(self, tables: np.ndarray) -> None:

@@ -17,8 +17,9 @@ nearly every expert of a layer once and would only churn the cache.
 from __future__ import annotations
 
 from collections import OrderedDict
-
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from strata.engine.ops import ExpertLayout, Ops
 
@@ -160,6 +161,13 @@ class ExpertCache:
         """Drop the experts of ``slots`` (inserted, but their bytes never arrived): the slots are free again."""
         for slot in slots:
             self._evict_slot(slot)
+
+    def slot_table(self, num_layers: int, num_experts: int) -> np.ndarray:
+        """[L, N] int32 slot of every expert, -1 where it is not cached; reads without marking use."""
+        table = np.full((num_layers, num_experts), -1, dtype=np.int32)
+        for (layer, expert), slot in self._lru.items():
+            table[layer, expert] = slot
+        return table
 
     @property
     def num_cached(self) -> int:

@@ -37,8 +37,11 @@ def test_the_cache_is_filled_at_load_with_an_equal_share_of_every_layer(moe_path
     cache, spec = engine.cache, engine.spec
     assert 0 < cache.num_slots < spec.num_layers * spec.num_experts and cache.num_cached == cache.num_slots
     share = cache.num_slots // spec.num_layers
+    table = cache.slot_table(spec.num_layers, spec.num_experts)  # [L, N], read before any lookup
     for layer in range(spec.num_layers):
         assert all(cache.lookup(layer, e) >= 0 for e in range(share))
+        assert table[layer].tolist() == [cache.lookup(layer, e) for e in range(spec.num_experts)]
+    assert np.count_nonzero(table >= 0) == cache.num_cached
     tokens, stats = greedy(engine, PROMPT, 12)
     assert tokens == expected and stats.cache_hits > 0
     cold = Engine.load(engine_config(moe_path, runtime={"expert_preload": False}), show_progress=False)
