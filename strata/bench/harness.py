@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per run (default 128)")
     parser.add_argument("--reps", type=int, default=3, help="fresh processes per arm and length (default 3)")
     parser.add_argument("--arms", default="off,on", help="loan arms to run: off, on or off,on")
-    parser.add_argument("--out", type=Path, help="write every run's figures here as JSON")
+    parser.add_argument("--out", type=Path, help="write every run's figures here as JSON (after each run, so a "
+                                                 "later failure keeps the runs before it)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
     parser.add_argument("--profile-dir", type=Path, help="write each run's host-side profile here "
                                                          "(cProfile stats, <arm>-<prompt>-<rep>.prof)")
@@ -52,8 +53,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
                 result = _one(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile)
                 runs.append(result)
                 print(f"[{arm} {length} #{rep + 1}] {result['timing_line']}", file=sys.stderr, flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(runs, indent=1))
+                if args.out:
+                    args.out.write_text(json.dumps(runs, indent=1))
     print(format_table(runs))
     return 0
 
