@@ -92,7 +92,9 @@ def attention_sweep(timing) -> None:
 
 GEMV_SHAPES = (("Q4_0", 151936, 2048, "head"), ("Q8_0", 151936, 2048, "head"), ("Q4_K", 151936, 2048, "head"),
                ("Q4_0", 2048, 4096, "o"), ("Q4_0", 4096, 2048, "q"), ("F32", 128, 2048, "router"))
-GEMV_BLOCKS = ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 1), (16, 2))  # (warps, rows per warp)
+# (warps, rows per warp, most blocks per SM or 0 for a block per row group)
+GEMV_BLOCKS = ((4, 1, 0), (4, 2, 0), (8, 1, 0), (8, 2, 0), (8, 4, 0), (16, 1, 0), (16, 2, 0), (8, 2, 2), (8, 2, 4),
+               (8, 4, 2), (16, 4, 1))
 EXPERT_BLOCKS = ((4, 8), (8, 8), (8, 16), (16, 16), (4, 32))  # (gate/up warps, down warps)
 
 
@@ -115,15 +117,16 @@ def gemv_sweep(timing) -> None:
         expected = y.copy_to_host()
         label = f"{fmt} {name} {num_rows}x{num_cols}"
         print(f"{label} Numba: {ms * 1e3:7.1f} us {num_bytes / ms / 1e6:6.0f} GB/s", flush=True)
-        for warps, rows_per_warp in GEMV_BLOCKS:
-            config = gemv_native.NativeGemvConfig(warps, rows_per_warp)
+        for warps, rows_per_warp, blocks_per_sm in GEMV_BLOCKS:
+            config = gemv_native.NativeGemvConfig(warps, rows_per_warp, blocks_per_sm)
 
             def line(config=config):
                 ms = b.graph_ms(lambda stream: gemv_native.gemv_native(w, x, y, config=config, stream=stream), timing)
                 diff = np.max(np.abs(y.copy_to_host() - expected)) / np.max(np.abs(expected))
                 return f"{ms * 1e3:7.1f} us {num_bytes / ms / 1e6:6.0f} GB/s  max rel diff {diff:.1e}"
 
-            print(f"{label} {warps} warps x {rows_per_warp} rows: {_attempt(line)}", flush=True)
+            cap = f", at most {blocks_per_sm} blocks per SM" if blocks_per_sm else ""
+            print(f"{label} {warps} warps x {rows_per_warp} rows{cap}: {_attempt(line)}", flush=True)
     experts = b.make_experts(s, "Q4_0", rng)
     x = b.device_randn((1, s.hidden), rng)
     ids = cuda.to_device(rng.choice(s.num_experts, s.top_k, replace=False).astype(np.int32).reshape(1, -1))

@@ -44,6 +44,30 @@ def test_native_rows_match_the_reference_around_block_and_warp_boundaries(fmt, r
 
 
 @needs_gpu
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K"])
+def test_blocks_that_go_on_to_further_rows_give_the_same_products(fmt):
+    # one block of one warp per SM: each block loops over many row groups, the last one partial
+    num_cols = BLOCK_ELEMS[fmt] * 2
+    num_rows = 2 * gemv_native._num_sms() * 4 + 3
+    w, values = random_matrix(fmt, num_rows, num_cols, seed=420)
+    x = _x(num_cols, 421)
+    outs = []
+    looping, one_pass = NativeGemvConfig(1, 2, blocks_per_sm=1), NativeGemvConfig(1, 2)
+    for config in (looping, one_pass):
+        assert (config.grid(num_rows) < num_rows // 2) == bool(config.blocks_per_sm)
+        y = dev(np.zeros(num_rows, np.float32))
+        gemv_native.gemv_native(w, dev(x), y, config=config)
+        outs.append(host(y))
+    np.testing.assert_array_equal(outs[0], outs[1])  # the same rows, the same lanes: the same bits
+    assert_dot_close(outs[0], values.astype(np.float64) @ x, np.abs(values) @ np.abs(x))
+
+
+def test_a_negative_blocks_per_sm_is_refused():
+    with pytest.raises(ValueError, match="blocks_per_sm"):
+        NativeGemvConfig(blocks_per_sm=-1).validate()
+
+
+@needs_gpu
 @pytest.mark.parametrize("fmt", gemv_native.FORMATS)
 def test_native_gemv_fuses_the_norm_and_accumulates_as_the_numba_kernel_does(fmt):
     num_rows, num_cols = 45, 512

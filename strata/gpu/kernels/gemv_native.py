@@ -15,7 +15,8 @@ expert kernels take the three quantized ones. The Numba kernels remain the path 
 formats, the simulator, and the reference the GPU tests compare this one against (same roundings
 of x, sums in another order).
 
-Launch config: blocks of `warps` warps; gemv: grid ceil(N / (warps * rows_per_warp)); experts:
+Launch config: blocks of `warps` warps; gemv: grid ceil(N / (warps * rows_per_warp)), at most
+`blocks_per_sm` per SM when set (each block then loops over row groups); experts:
 gate/up grid (ceil(F / warps), T * k), a warp per (pair, output row) computing its gate and up rows;
 down grid (ceil(H / down_warps), T), a warp per output row over all k experts' chunks (a larger block,
 since each stages all k rows of the hidden activations).
@@ -50,13 +51,24 @@ _STRIDES = (tensor_core.INT32,) * 3
 class NativeGemvConfig(NamedTuple):
     warps: int = 8
     rows_per_warp: int = 2  # 1, 2 or 4: rows sharing each lane's activation loads
+    # 0: a block per warps * rows_per_warp rows; else at most this many blocks per SM, each going on
+    # to further rows after its first ones, so that a block stages (and norms) its activations once
+    # for many rows: a vocabulary-sized head has ~5,000 row groups and spent as long staging as multiplying
+    blocks_per_sm: int = 0
 
     def validate(self) -> "NativeGemvConfig":
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"warps must be one of 1, 2, 4, 8, 16, got {self.warps}")
         if self.rows_per_warp not in (1, 2, 4):
             raise ValueError(f"rows_per_warp must be 1, 2 or 4, got {self.rows_per_warp}")
+        if self.blocks_per_sm < 0:
+            raise ValueError(f"blocks_per_sm must be 0 (no limit) or positive, got {self.blocks_per_sm}")
         return self
+
+    def grid(self, num_rows: int) -> int:
+        """Blocks for num_rows rows."""
+        grid = ceil_div(num_rows, self.warps * self.rows_per_warp)
+        return min(grid, self.blocks_per_sm * _num_sms()) if self.blocks_per_sm else grid
 
     @property
     def threads(self) -> int:
@@ -64,13 +76,17 @@ class NativeGemvConfig(NamedTuple):
 
 
 # Measured on the H200 (graph-timed, Qwen3-30B-A3B shapes): 8 warps of 2 rows for the layers'
-# matrices (2,048-4,096 rows are latency-bound: more rows per warp is fewer warps in flight), 4 rows
-# per warp for a vocabulary-sized head (Q4_0 / Q8_0 2,179 / 3,446 GB/s against 1,792 / 2,999 in the
-# sweep; docs/PERFORMANCE.md). The
-# head's call site asks for HEAD_CONFIG by name, so that a slice of the head (the warm-up's) runs
-# the same compiled kernel as the whole head.
+# matrices (2,048-4,096 rows are latency-bound: more rows per warp is fewer warps in flight); for a
+# vocabulary-sized head, 8 warps of 2 rows in at most 4 blocks per SM (Q4_0: 67.8 µs, against 96.1
+# with a block per 32 rows; docs/PERFORMANCE.md). The head's call site asks for HEAD_CONFIG by
+# name, so that a slice of the head (the warm-up's) runs the same compiled kernel as the whole head.
 LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
-HEAD_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=4)
+HEAD_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4)
+
+
+@functools.cache
+def _num_sms() -> int:
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def x_floats(num_cols: int) -> int:
@@ -172,10 +188,11 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
         stage(x, 0, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
         lane = tid % _WARP
-        row0 = (cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp
         num_rows = y.shape[0]
-        if row0 < num_rows:  # the same for the whole warp: the shuffles need every lane
-            out = cuda.local.array(rows_per_warp, np.float32)
+        out = cuda.local.array(rows_per_warp, np.float32)
+        # row0 is the same for the whole warp: the shuffles need every lane
+        for row0 in range((cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp, num_rows,
+                          cuda.gridDim.x * warps * rows_per_warp):
             rows_fn(ffi.from_buffer(out), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
                     row0, min(rows_per_warp, num_rows - row0), words, halves, extra_bytes, ffi.from_buffer(xs),
                     num_cols)
@@ -196,8 +213,7 @@ def gemv_native(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate: boo
     has_norm = norm_weight is not None
     kernel = _gemv_kernel(w.fmt, w.num_cols, config, has_norm, accumulate)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    grid = ceil_div(w.num_rows, config.warps * config.rows_per_warp)
-    kernel[grid, config.threads, stream](w.quants, w.scales, w.extra, *_row_strides(w), x.reshape(1, w.num_cols),
+    kernel[config.grid(w.num_rows), config.threads, stream](w.quants, w.scales, w.extra, *_row_strides(w), x.reshape(1, w.num_cols),
                                          norm_w, np.float32(eps), y)
     return y
 
