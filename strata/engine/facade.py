@@ -86,6 +86,10 @@ class Engine:
                                                                          config.runtime.kv_type))
         resources = _decode_resources(config, model, ops, placement)
         admit(config, plugins, resources)
+        if not is_dry_run:
+            for resource in resources.values():
+                if isinstance(resource, TensorsResource):
+                    resource.encode_host_copies()
         weights = DeviceWeights(ops, model)
         kv = ops.kv_cache("kv_cache", spec.num_layers, placement.kv_cells, spec.num_kv_heads, spec.head_dim,
                           config.runtime.kv_type)

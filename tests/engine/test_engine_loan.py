@@ -25,11 +25,15 @@ def loan_engine(path, is_loan=True, planner=None, **runtime):
     return Engine.load(config, show_progress=False)
 
 
-def test_startup_loan_defers_decode_resources_and_the_first_request_restores_them(mtp_path):
+def test_startup_loan_defers_decode_resources_and_the_first_request_restores_them(mtp_path, monkeypatch):
     engine = loan_engine(mtp_path)
     assert set(engine.resources) == {"verifier", "output_head", "mtp_draft_head", "mtp_experts"}
     assert not any(r.is_resident for r in engine.resources.values())
+    encoded = []  # the host copies were packed at load, not inside the first request's restore
+    encode = engine.ops.encode_qtensor
+    monkeypatch.setattr(engine.ops, "encode_qtensor", lambda *args: encoded.append(args) or encode(*args))
     _, stats = greedy(engine, PROMPTS[0], 4)
+    assert encoded == []
     assert stats.loan.is_taken and stats.loan.reason == "startup loan"
     assert stats.loan.released == ("mtp_experts", "mtp_draft_head", "verifier", "output_head")
     assert all(r.is_resident for r in engine.resources.values())
