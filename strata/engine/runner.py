@@ -253,7 +253,7 @@ class ModelRunner:
         """[N] slots of the routed experts of a decode token: misses are inserted into the cache
         (evicting by its policy) and staged, and the kernels issued next read them."""
         slot_of, misses = self._lookup(layer, host_ids, stats)
-        slots, ticket = self._stage_into_cache(layer, misses, {int(s) for s in slot_of if s >= 0})
+        slots, ticket = self._stage_into_cache(layer, misses, set(slot_of[slot_of >= 0].tolist()))
         if len(slots) < len(misses):
             self.cache.forget(slots)
             raise EngineError(f"no expert-cache slot is free for a decode miss (layer {layer}); raise "
