@@ -81,7 +81,7 @@ class DecodeStep:
         self._positions = None  # [1] int32
         self._step_row = None  # [2] int32 in pinned host memory: the token and position, queued copies
         self._slot_ids = None  # [1, k] int32
-        self._attention_workspace = None  # every layer's attention scratch (ops.decode_workspace)
+        self._attention_scratch: tuple | None = None  # every layer's (ops.decode_attention_scratch)
         self._slot_rows = None  # [L, k] int32 in pinned host memory: each layer's slot ids, queued copies
         self._attention: list = []
         self._experts: list = []
@@ -287,11 +287,11 @@ class DecodeStep:
         self._close_layers()
         self._tails.close()
         for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables,
-                      *(self._attention_workspace or ())):
+                      *(self._attention_scratch or ())):
             if array is not None:
                 self.runner.ops.free(array)
         self._x = self._token_id = self._positions = self._slot_ids = self._tables = None
-        self._attention_workspace = None
+        self._attention_scratch = None
         self.is_resident = self._prefetched = None
         self.is_kept = False
         self._is_request_start = True
@@ -318,7 +318,7 @@ class DecodeStep:
         self._token_id = ops.alloc(owner, (1,), np.int32)
         self._positions = ops.alloc(owner, (1,), np.int32)
         self._slot_ids = ops.alloc(owner, (1, spec.num_experts_used), np.int32)
-        self._attention_workspace = ops.decode_workspace(owner, self.runner.kv, spec.num_heads)
+        self._attention_scratch = ops.decode_attention_scratch(owner, self.runner.kv, spec.num_heads)
         if self._slot_rows is None:  # kept across requests: a queued copy may still read them at a reset
             num_values = spec.num_layers * spec.num_experts_used
             self._slot_rows = ops.host_buffer(4 * num_values).view(np.int32).reshape(spec.num_layers, -1)  # [L, k]
@@ -330,7 +330,7 @@ class DecodeStep:
         stream (None for the last layer, or without prefetching)."""
         runner, spec = self.runner, self.runner.spec
         # the position is read on the device
-        runner.attention_block(layer, self._x, self._positions, start=0, workspace=self._attention_workspace)
+        runner.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
         h, ids, weights = self._route(layer)
         predicted = None
         if self.is_prefetching and layer + 1 < spec.num_layers:
@@ -355,7 +355,7 @@ class DecodeStep:
         runner, ops = self.runner, self.runner.ops
         cache = runner.cache
         for layer in range(runner.spec.num_layers):
-            runner.attention_block(layer, self._x, self._positions, start=0, workspace=self._attention_workspace)
+            runner.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
             h, ids, weights = self._route(layer)
             # the routed ids go through the layer's table to slots on the device
             ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], cache.layout)

@@ -123,10 +123,10 @@ class Ops(Protocol):
                  kv_type: str) -> Any: ...
     def kv_write(self, kv: Any, layer: int, start: int, k: Any, v: Any, positions: Any = None) -> None: ...
     def attention(self, q: Any, kv: Any, layer: int, start: int, positions: Any = None,
-                  workspace: Any = None) -> Any: ...  # -> [T, Hq*E]
-    def decode_workspace(self, owner: str, kv: Any, num_heads: int) -> Any:
-        """Scratch for one decode token's attention (``attention(..., workspace=)``), shared by every
-        layer: the layers run one after another on one stream. None where the backend needs none."""
+                  split_scratch: Any = None) -> Any: ...  # -> [T, Hq*E]
+    def decode_attention_scratch(self, owner: str, kv: Any, num_heads: int) -> Any:
+        """Scratch for one decode token's attention (``attention(..., split_scratch=)``), shared by
+        every layer: the layers run one after another on one stream. None where the backend needs none."""
     def route(self, x: Any, router: QTensor, num_used: int, is_norm: bool) -> tuple[Any, Any]:
         """ids [T, k] and weights [T, k] on the backend (``to_host`` the ids to pick experts there)."""
     def moe_groups(self, ids: Any, weights: Any, num_experts: int) -> Any:

@@ -216,10 +216,10 @@ class NumpyOps:
         kv.data[layer, 0, start:end] = kv.encode(k)
         kv.data[layer, 1, start:end] = kv.encode(v)
 
-    def decode_workspace(self, owner: str, kv: NumpyKv, num_heads: int) -> None:
+    def decode_attention_scratch(self, owner: str, kv: NumpyKv, num_heads: int) -> None:
         return None
 
-    def attention(self, q, kv: NumpyKv, layer: int, start: int, positions=None, workspace=None) -> np.ndarray:
+    def attention(self, q, kv: NumpyKv, layer: int, start: int, positions=None, split_scratch=None) -> np.ndarray:
         end = start + q.shape[0]
         out = ref.attention(q, kv.decode(layer, 0, end), kv.decode(layer, 1, end), start)  # [T, Hq, E]
         return out.reshape(q.shape[0], -1)

@@ -177,9 +177,9 @@ class ModelRunner:
             ring.enqueue(plan.batches)
         return plans
 
-    def attention_block(self, layer: int, x, positions, start: int, workspace=None) -> None:
+    def attention_block(self, layer: int, x, positions, start: int, split_scratch=None) -> None:
         """x += the attention of ``x``'s tokens at ``positions`` (KV written at ``start``..);
-        ``workspace``: a decode token's attention scratch (``ops.decode_workspace``)."""
+        ``split_scratch``: a decode token's attention scratch (``ops.decode_attention_scratch``)."""
         spec, ops = self.spec, self.ops
         num_tokens = len(positions)
         q, k, v = ops.project_qkv(x, self.vector(layer, "attn_norm"), spec.rms_norm_eps, self.matrix(layer, "attn_q"),
@@ -191,7 +191,7 @@ class ModelRunner:
                          self.w.vectors.get(f"blk.{layer}.attn_k_norm"), positions, spec.num_rope_dims,
                          spec.rope_theta, spec.is_rope_neox, spec.rms_norm_eps, self.w.rope_freqs_host)
         ops.kv_write(self.kv, layer, start, k, v, positions)
-        out = ops.attention(q, self.kv, layer, start, positions, workspace)  # [T, Hq * E]
+        out = ops.attention(q, self.kv, layer, start, positions, split_scratch)  # [T, Hq * E]
         ops.matmul_add(x, out, self.matrix(layer, "attn_output"))
 
     def _ffn(self, layer: int, h):

@@ -340,10 +340,12 @@ class CudaOps:
             append_kv(k_cache, v_cache, k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), positions,
                       stream=self._stream)
 
-    def decode_workspace(self, owner: str, kv: CudaKv, num_heads: int):
+    def decode_attention_scratch(self, owner: str, kv: CudaKv, num_heads: int) -> tuple:
         """The split partials of a decode token's attention (o [S, 1, Hq, E], m and l [S, 1, Hq]);
         a captured layer that allocated its own would keep ~1 MiB per layer at 34k cells."""
-        shapes = _decode_split_shapes(self._decode_splits(kv), num_heads, kv.head_dim)
+        from strata.gpu.kernels.attention import split_partial_shapes
+
+        shapes = split_partial_shapes(self._decode_splits(kv), 1, num_heads, kv.head_dim)
         return tuple(self.alloc(owner, shape, np.float32) for shape in shapes)
 
     def _decode_splits(self, kv: CudaKv) -> int:
@@ -351,7 +353,7 @@ class CudaOps:
 
         return default_num_splits(kv.num_cells, kv.num_kv_heads, self._num_sms)
 
-    def attention(self, q, kv: CudaKv, layer: int, start: int, positions=None, workspace=None):
+    def attention(self, q, kv: CudaKv, layer: int, start: int, positions=None, split_scratch=None):
         from strata.gpu.kernels.attention import attention, decode_config, uses_tensor_cores
 
         num_tokens, num_heads, head_dim = q.shape
@@ -365,7 +367,7 @@ class CudaOps:
                 return attention(q.reshape(1, -1), k_cache, v_cache, self._device_positions(positions),
                                  kv_len=kv.num_cells, num_splits=self._decode_splits(kv), is_len_from_positions=True,
                                  config=decode_config(head_dim, num_heads // kv.num_kv_heads), stream=self._stream,
-                                 workspace=workspace, **args)
+                                 workspace=split_scratch, **args)
             scratch = None
             if k_cache.fmt != "F16" and uses_tensor_cores(num_tokens, 1, head_dim, k_cache.fmt):
                 scratch = self._f16_scratch(kv.num_cells, k_cache.num_cols)  # [cells, width] K and V
@@ -501,10 +503,6 @@ class CudaOps:
 
         calls = None if self.is_simulator else driver_calls.load()
         return Readback(self.host_buffer(PINNED_BYTES) if calls else None, calls)
-
-
-def _decode_split_shapes(num_splits: int, num_heads: int, head_dim: int) -> tuple:
-    return (num_splits, 1, num_heads, head_dim), (num_splits, 1, num_heads), (num_splits, 1, num_heads)
 
 
 def kv_scratch_bytes_per_cell(head_dim: int, kv_width: int, kv_type: str, *, has_tensor_cores: bool) -> int:

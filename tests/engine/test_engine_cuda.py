@@ -58,13 +58,13 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path,
                         show_progress=False)
     captured = Engine.load(engine_config(tiny_path, runtime=runtime), show_progress=False)
     assert plain.runner.decode_step is None and captured.runner.decode_step is not None
-    decode_workspaces = []
+    decode_scratches = []
     attention = captured.ops.attention
 
-    def spied_attention(q, kv, layer, start, positions=None, workspace=None):
+    def spied_attention(q, kv, layer, start, positions=None, split_scratch=None):
         if q.shape[0] == 1:
-            decode_workspaces.append(workspace)
-        return attention(q, kv, layer, start, positions, workspace)
+            decode_scratches.append(split_scratch)
+        return attention(q, kv, layer, start, positions, split_scratch)
 
     monkeypatch.setattr(captured.ops, "attention", spied_attention)
     captured.prepare_decode()
@@ -76,8 +76,8 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path,
     assert tokens == expected == reference_greedy(tiny_path, prompt, num_generated)
     assert stats.cache_misses > 0 and stats.prefetched_experts > 0
     # every layer's attention shares one scratch: a captured layer does not keep its own
-    assert len(decode_workspaces) >= captured.spec.num_layers and None not in decode_workspaces
-    assert len({id(w) for w in decode_workspaces}) == 1
+    assert len(decode_scratches) >= captured.spec.num_layers and None not in decode_scratches
+    assert len({id(s) for s in decode_scratches}) == 1
     assert _lasting(captured) == dict(captured.idle_ledger.by_owner) and DECODE_GRAPHS_OWNER in _lasting(captured)
     # the first request's decode may have cached every expert (on the GPU it runs more tokens),
     # which would drop the kept segments; one expert less keeps the model streaming

@@ -44,22 +44,30 @@ def test_native_rows_match_the_reference_around_block_and_warp_boundaries(fmt, r
 
 
 @needs_gpu
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K"])
-def test_blocks_that_go_on_to_further_rows_give_the_same_products(fmt):
-    # one block of one warp per SM: each block loops over many row groups, the last one partial
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("warps, is_norm_and_accumulate", [(1, False), (gemv_native.HEAD_CONFIG.warps, True)])
+def test_blocks_that_go_on_to_further_rows_give_the_same_products(fmt, warps, is_norm_and_accumulate):
+    # a grid capped below the row groups: each block loops over several, the last one partial
+    looping = NativeGemvConfig(warps, 2, blocks_per_sm=gemv_native.HEAD_CONFIG.blocks_per_sm)
+    one_pass = looping._replace(blocks_per_sm=0)
     num_cols = BLOCK_ELEMS[fmt] * 2
-    num_rows = 2 * gemv_native._num_sms() * 4 + 3
+    num_rows = 3 * looping.grid(10**9) * warps * 2 + 3
+    assert looping.grid(num_rows) < one_pass.grid(num_rows) // 3
     w, values = random_matrix(fmt, num_rows, num_cols, seed=420)
-    x = _x(num_cols, 421)
+    rng = np.random.default_rng(421)
+    x = _x(num_cols, 422)
+    norm_weight = rng.uniform(0.5, 1.5, num_cols).astype(np.float32) if is_norm_and_accumulate else None
+    residual = rng.standard_normal(num_rows).astype(np.float32) if is_norm_and_accumulate else np.zeros(num_rows,
+                                                                                                         np.float32)
     outs = []
-    looping, one_pass = NativeGemvConfig(1, 2, blocks_per_sm=1), NativeGemvConfig(1, 2)
     for config in (looping, one_pass):
-        assert (config.grid(num_rows) < num_rows // 2) == bool(config.blocks_per_sm)
-        y = dev(np.zeros(num_rows, np.float32))
-        gemv_native.gemv_native(w, dev(x), y, config=config)
+        y = dev(residual)
+        gemv_native.gemv_native(w, dev(x), y, norm_weight=None if norm_weight is None else dev(norm_weight),
+                                accumulate=is_norm_and_accumulate, config=config)
         outs.append(host(y))
     np.testing.assert_array_equal(outs[0], outs[1])  # the same rows, the same lanes: the same bits
-    assert_dot_close(outs[0], values.astype(np.float64) @ x, np.abs(values) @ np.abs(x))
+    xn = reference_ops.rms_norm(x, norm_weight, 1e-6) if is_norm_and_accumulate else x
+    assert_dot_close(outs[0] - residual, values.astype(np.float64) @ xn, np.abs(values) @ np.abs(xn))
 
 
 def test_a_negative_blocks_per_sm_is_refused():

@@ -239,6 +239,12 @@ def _combine_kernel(o_part, m_part, l_part, out):  # o_part [S, T, Hq, d] -> out
         out[t, h * head_dim + c] = total / total_l if total_l > 0 else np.float32(0.0)
 
 
+def split_partial_shapes(num_splits: int, num_tokens: int, num_q_heads: int, head_dim: int) -> tuple:
+    """Shapes of a split attention's workspace: o_part [S, T, Hq, d], m_part and l_part [S, T, Hq]."""
+    return ((num_splits, num_tokens, num_q_heads, head_dim), (num_splits, num_tokens, num_q_heads),
+            (num_splits, num_tokens, num_q_heads))
+
+
 def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
               num_kv_heads: int, head_dim: int, kv_len: int | None = None, scale: float | None = None,
               num_splits: int = 1, config: AttentionConfig = AttentionConfig(), workspace=None,
@@ -291,8 +297,7 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     split_len = 0 if is_len_from_positions else ceil_div(ceil_div(max(kv_len, 1), num_splits), bkv) * bkv
     is_split = num_splits > 1
     if is_split:
-        shapes = ((num_splits, num_tokens, num_q_heads, head_dim), (num_splits, num_tokens, num_q_heads),
-                  (num_splits, num_tokens, num_q_heads))
+        shapes = split_partial_shapes(num_splits, num_tokens, num_q_heads, head_dim)
         if workspace is None:
             workspace = tuple(empty(shape, np.float32, q) for shape in shapes)
         for name, part, shape in zip(("o_part", "m_part", "l_part"), workspace, shapes):

@@ -211,7 +211,8 @@ def gemv_native(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate: boo
     """gemv.gemv's product through the linked C++ rows; the caller validated the inputs and is_supported(w)."""
     config = config.validate()
     has_norm = norm_weight is not None
-    kernel = _gemv_kernel(w.fmt, w.num_cols, config, has_norm, accumulate)
+    # the kernel is the same whatever the grid: one compile for every blocks_per_sm
+    kernel = _gemv_kernel(w.fmt, w.num_cols, config._replace(blocks_per_sm=0), has_norm, accumulate)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     kernel[config.grid(w.num_rows), config.threads, stream](w.quants, w.scales, w.extra, *_row_strides(w),
                                                             x.reshape(1, w.num_cols), norm_w, np.float32(eps), y)
