@@ -124,14 +124,15 @@ class Engine:
                    load_ledger=LedgerSnapshot(ledger.budget_bytes, dict(sorted(expected.items()))),
                    model_name=config.model.name or model.path.stem,
                    context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
-        if config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run:
+        is_warming_up = config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run
+        if is_warming_up:
             engine.warm_up()
         if config.runtime.expert_preload and cache and pack is not None:
             started = time.perf_counter()
             num_filled = cache.fill(pack, spec.num_layers, spec.num_experts)
             log.info("expert cache filled with %d of %d experts in %.2f s", num_filled,
                      spec.num_layers * spec.num_experts, time.perf_counter() - started)
-        if config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run:
+        if is_warming_up:
             engine.prepare_decode()
         return engine
 
