@@ -76,6 +76,7 @@ class DecodeStep:
         self.is_prefetching = is_prefetching
         self.is_kept = False  # segments and buffers kept across requests (``prepare``)
         self._is_request_start = True
+        self._is_pool_trimmed = False  # this request's first capture trimmed the allocator cache
         self._x = None  # [1, D] the residual stream
         self._token_id = None  # [1] int32
         self._positions = None  # [1] int32
@@ -89,7 +90,7 @@ class DecodeStep:
         self._prefetched = None  # the copies of the next layer's predicted experts
         self._tables = None  # [L, N] int32 slot of every expert (resident)
         self._token = None  # a resident token's layers as one segment
-        self._tails = GreedyTails(runner.ops, self._greedy_tail)
+        self._tails = GreedyTails(runner.ops, self._greedy_tail, self._capture)
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
 
     def prepare(self, head: tuple | None) -> None:
@@ -182,16 +183,14 @@ class DecodeStep:
     def _start_request(self) -> None:
         """Allocate the buffers (once), decide residency, and drop the segments of the other kind;
         a resident token's slot tables are written again (the prefill may have moved experts)."""
-        runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
+        runner, spec = self.runner, self.runner.spec
         is_resident = runner.cache.num_cached == spec.num_layers * spec.num_experts
-        if self.is_resident is not None and is_resident != self.is_resident:
-            if self.is_kept:  # what load kept no longer serves: requests capture their own from now on
-                log.info("the expert cache %s complete: decode segments are captured per request from now on",
-                         "became" if is_resident else "is no longer")
-                self.reset()
-            else:
-                self._close_layers()
-        ops.trim_memory()  # nothing pooled may be freed while capturing
+        # only kept segments outlive a request (end_request resets the others)
+        if self.is_kept and self.is_resident is not None and is_resident != self.is_resident:
+            log.info("the expert cache %s complete: decode segments are captured per request from now on",
+                     "became" if is_resident else "is no longer")
+            self.reset()  # what load kept no longer serves
+        self._is_pool_trimmed = False
         if self._x is None:
             self._allocate()
         self.is_resident = is_resident
@@ -212,20 +211,28 @@ class DecodeStep:
         ``activations`` (a block lives until its last reference goes, which may be after the request)."""
         return DECODE_GRAPHS_OWNER if self.is_kept else ACTIVATIONS_OWNER
 
+    def _capture(self, fn, owner: str):
+        """ops.capture, after trimming the allocator cache once in the request: nothing pooled may
+        be freed while capturing (a request that replays kept segments only does not trim)."""
+        if not self._is_pool_trimmed:
+            self.runner.ops.trim_memory()
+            self._is_pool_trimmed = True
+        return self.runner.ops.capture(fn, owner)
+
     def _resident_segment(self):
         """A resident token's layers as one segment, captured at its first use."""
         if self._token is None:
-            self._token = self.runner.ops.capture(self._resident_token, self._owner)
+            self._token = self._capture(self._resident_token, self._owner)
         return self._token
 
     def _attention_segment(self, layer: int):
         if layer == len(self._attention):
-            self._attention.append(self.runner.ops.capture(lambda: self._attention_and_route(layer), self._owner))
+            self._attention.append(self._capture(lambda: self._attention_and_route(layer), self._owner))
         return self._attention[layer]
 
     def _experts_segment(self, layer: int):
         if layer == len(self._experts):
-            self._experts.append(self.runner.ops.capture(lambda: self._experts_of(layer), self._owner))
+            self._experts.append(self._capture(lambda: self._experts_of(layer), self._owner))
         return self._experts[layer]
 
     def _layers(self, stats: StreamStats) -> None:

@@ -98,7 +98,7 @@ class Engine:
         cache = ExpertCache(ops, layout, segment_bytes=config.runtime.vmm_segment_bytes,
                             reserved_bytes=placement.cache_reserved_bytes, base_bytes=placement.cache_base_bytes,
                             max_slots=spec.num_layers * spec.num_experts
-                            + largest_ring_slots(config.planner, spec.num_experts)) if layout else None
+                            + largest_ring_slots(config.planner, placement.costs.target_ring_slots)) if layout else None
         if cache:
             cache.min_cache_slots = _min_cache_slots(config, cache.num_slots, spec)
         cost_model = PrefillCostModel.from_spec(

@@ -52,21 +52,22 @@ class Tail:
 
 
 class GreedyTails:
-    """The kept tail and a request's own. ``run_tail(head, bias)`` is what a tail segment runs."""
+    """The kept tail and a request's own. ``run_tail(head, bias)`` is what a tail segment runs;
+    ``capture(fn, owner)`` records it (``ops.capture``, or the decode step's wrapper of it)."""
 
-    def __init__(self, ops, run_tail: Callable[[tuple, tuple], object]):
+    def __init__(self, ops, run_tail: Callable[[tuple, tuple], object], capture: Callable):
         self.ops = ops
         self._run_tail = run_tail
+        self._capture_segment = capture
         self.is_kept = False  # the tail outlives requests (decode's segments are kept, the head was resident)
         self._kept: Tail | None = None
         self._wide: Tail | None = None
 
     def for_request(self, head: tuple, num_bias: int) -> Tail:
         """A tail over ``head`` with room for ``num_bias`` biased ids, captured if none fits."""
-        if num_bias > BIAS_CAPACITY:
-            if self._wide is None or not self._wide.fits(head, num_bias):
-                self._close_wide()
-                self._wide = self._capture(head, num_bias, ACTIVATIONS_OWNER)
+        if num_bias > BIAS_CAPACITY:  # the request's own, closed at its end
+            self._close_wide()
+            self._wide = self._capture(head, num_bias, ACTIVATIONS_OWNER)
             return self._wide
         if self._kept is not None and not self._kept.fits(head, num_bias):
             self._kept.close(self.ops)
@@ -89,7 +90,7 @@ class GreedyTails:
     def _capture(self, head: tuple, capacity: int, owner: str) -> Tail:
         ops = self.ops
         bias = (ops.alloc(owner, (capacity,), np.int32), ops.alloc(owner, (capacity,), np.float32))
-        segment = ops.capture(lambda: self._run_tail(head, bias), owner)
+        segment = self._capture_segment(lambda: self._run_tail(head, bias), owner)
         return Tail(segment, weakref.ref(head[1]), bias)
 
     def _close_wide(self) -> None:

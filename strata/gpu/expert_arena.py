@@ -185,17 +185,18 @@ class HostToDeviceCopier:
             for first in range(0, len(sizes), _MAX_COPIES_PER_CALL):
                 end = first + _MAX_COPIES_PER_CALL
                 err = calls.copy_batch(destinations[first:end], sources[first:end], sizes[first:end], stream)
-                # a driver that refuses the call itself answers so at once; anything else is a failure
-                if err and (self.is_batch_usable or err not in _BATCH_REFUSALS):
+                if not err:
+                    self.is_batch_usable = True
+                    continue
+                # a driver that refuses the call itself does so at its first call, before anything
+                # was copied; anything else is a failure
+                if self.is_batch_usable or err not in _BATCH_REFUSALS:
                     raise EngineError(f"expert upload failed: CUDA error {err}; check the GPU with nvidia-smi")
-                if err:
-                    self.is_batch_usable = False
-                    log.info("batched expert copies refused (CUDA error %d): one cuMemcpyHtoDAsync per plane", err)
-                    break
-                self.is_batch_usable = True
+                self.is_batch_usable = False
+                log.info("batched expert copies refused (CUDA error %d): one cuMemcpyHtoDAsync per plane", err)
+                break
             else:
                 return
-            destinations, sources, sizes = destinations[first:], sources[first:], sizes[first:]
         for destination, source, num_bytes in zip(destinations.tolist(), sources.tolist(), sizes.tolist()):
             calls.copy_one(destination, source, num_bytes, stream or 0)
 

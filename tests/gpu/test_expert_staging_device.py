@@ -24,7 +24,7 @@ def _scattered_copies(cuda, rng, num_copies: int):
 
 
 @pytest.mark.parametrize("is_batched", [True, False])
-def test_staged_copies_land_every_byte_on_the_copy_stream(is_batched):
+def test_staged_copies_land_every_byte_on_the_copy_stream(is_batched, monkeypatch):
     from numba import cuda
 
     from strata.gpu import driver_calls
@@ -37,13 +37,16 @@ def test_staged_copies_land_every_byte_on_the_copy_stream(is_batched):
     stream = CopyStream()
     copier = HostToDeviceCopier()
     copier.is_batch_usable = None if is_batched else False
+    batch_calls = []
+    copy_batch = calls.copy_batch
+    monkeypatch.setattr(calls, "copy_batch", lambda *args: batch_calls.append(1) or copy_batch(*args))
     device, source, (destinations, sources, sizes), expected = _scattered_copies(cuda, np.random.default_rng(3), 300)
     cuda.synchronize()
     copier.copy(destinations, sources, sizes, stream.handle)
     done = calls.event_create()
     calls.event_record(done, stream.handle)
     calls.event_synchronize(done)
-    assert copier.is_batch_usable is is_batched
+    assert copier.is_batch_usable is is_batched and bool(batch_calls) == is_batched
     assert np.array_equal(device.copy_to_host(), expected)
 
 
