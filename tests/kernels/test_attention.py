@@ -4,6 +4,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize as gguf_quantize
 
 from kernel_data import dev, host, reference_dequant
+from strata.gpu.kernels import attention_decode
 from strata.gpu.kernels.attention import AttentionConfig, attention, decode_config
 from strata.gpu.kernels.packing import pack, to_device
 from strata.model import reference_ops
@@ -83,6 +84,28 @@ def test_decode_with_the_length_from_the_positions_replays_at_any_position(num_s
                         head_dim=HEAD_DIM, kv_len=48, num_splits=num_splits, config=config,
                         is_len_from_positions=True)
         np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, position), **TOLERANCE)
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_token_over_several_key_tiles(fmt, num_splits):
+    # attention_decode's kernel: KEYS_PER_THREAD keys a thread (128-key tiles at this group), V in
+    # 32-row steps; the last tile of the whole range is partial, each of three splits' only tile too
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    assert attention_decode.is_supported(HEAD_DIM, group)
+    kv_len = 2 * attention_decode.KEYS_PER_THREAD * group * attention_decode.WARP + 37
+    (k_cache, k_values), (v_cache, v_values) = _cache(fmt, kv_len + 3, seed=78)
+    q = np.random.default_rng(79).standard_normal((1, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
+    out = attention(dev(q), k_cache, v_cache, dev(np.array([kv_len - 1], np.int32)), num_q_heads=NUM_Q_HEADS,
+                    num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, kv_len=kv_len + 3, num_splits=num_splits,
+                    is_len_from_positions=True)
+    np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, kv_len - 1), **TOLERANCE)
+
+
+def test_decode_kernel_serves_the_groups_whose_scores_fit_shared_memory():
+    assert attention_decode.is_supported(128, 8)  # Qwen3-30B-A3B: 32 query heads over 4 KV heads
+    assert not attention_decode.is_supported(128, 16)  # 58 KiB of static shared memory: attention.py's kernel
+    assert not attention_decode.is_supported(80, 2)  # lanes own head_dim / 32 dims
 
 
 def test_split_prefill_with_custom_scale_equals_unsplit():

@@ -11,7 +11,8 @@ scores and the head dims for O. Query token t sits at q_positions[t] and sees ca
 For long contexts and few query rows (decode) the KV range is cut into `num_splits` slices, one
 block each; blocks write unnormalized partials (O, m, l) and a second launch combines them.
 
-This is the FFMA path. Prefill with at least MMA_MIN_TOKENS query tokens, one split and a head
+One query token (decode) goes to attention_decode.py's kernel where it applies: a warp per query
+head, each key read once for the GQA group. This is the FFMA path. Prefill with at least MMA_MIN_TOKENS query tokens, one split and a head
 dim the tensor-core kernel serves goes to attention_mma.py instead (its Numba twin in the simulator).
 """
 
@@ -24,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from . import tensor_core
+from . import attention_decode, tensor_core
 from ._common import (
     IS_SIMULATOR, OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty, stand_in,
 )
@@ -267,7 +268,9 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     tokens_per_block * group * threads_per_row threads; static shared memory (rows * head_dim +
     kv_tile * (2 * head_dim + 1) + rows * kv_tile + 2 * threads) float32 with rows =
     tokens_per_block * group, at most 48 KiB (44 KiB for the default at head_dim 128, group 8).
-    With num_splits > 1 a second launch combines: grid (T, num_q_heads), block min(head_dim, 128).
+    One token where attention_decode.is_supported (config unused): grid (1, num_kv_heads, num_splits),
+    block group * 32 threads. With num_splits > 1 a second launch combines: grid (T, num_q_heads),
+    block min(head_dim, 128).
     """
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("num_splits", num_splits)):
@@ -305,11 +308,14 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     else:
         workspace = (stand_in(out, np.float32, 4), stand_in(out, np.float32, 3), stand_in(out, np.float32, 3))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    kernel = _attention_kernel(k_cache.fmt, head_dim, group, config, is_split)
-    grid = (ceil_div(num_tokens, bt), num_kv_heads, num_splits)
-    kernel[grid, bt * group * tpr, stream](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants,
-                                           v_cache.scales, v_cache.extra, q_positions, kv_len, split_len,
-                                           np.float32(scale), out, *workspace)
+    if num_tokens == 1 and attention_decode.is_supported(head_dim, group):
+        kernel = attention_decode.decode_kernel(k_cache.fmt, head_dim, group, is_split)
+        grid, threads = (1, num_kv_heads, num_splits), group * attention_decode.WARP
+    else:
+        kernel = _attention_kernel(k_cache.fmt, head_dim, group, config, is_split)
+        grid, threads = (ceil_div(num_tokens, bt), num_kv_heads, num_splits), bt * group * tpr
+    kernel[grid, threads, stream](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants, v_cache.scales,
+                                  v_cache.extra, q_positions, kv_len, split_len, np.float32(scale), out, *workspace)
     if is_split:
         _combine_kernel[(num_tokens, num_q_heads), min(head_dim, 128), stream](*workspace, out)
     return out
