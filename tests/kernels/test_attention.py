@@ -1,3 +1,5 @@
+import functools
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
@@ -88,12 +90,15 @@ def test_decode_with_the_length_from_the_positions_replays_at_any_position(num_s
 
 @pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_token_over_several_key_tiles(fmt, num_splits):
-    # attention_decode's kernel: KEYS_PER_THREAD keys a thread (128-key tiles at this group), V in
-    # 32-row steps; the last tile of the whole range is partial, each of three splits' only tile too
+@pytest.mark.parametrize("keys_per_thread", [1, 2])
+def test_decode_token_over_several_key_tiles(fmt, num_splits, keys_per_thread, monkeypatch):
+    # attention_decode's kernel: a tile of keys_per_thread x 64 keys at this group, V in 32-row steps;
+    # the last tile and V step of each split partial, a thread's second key past the end
     group = NUM_Q_HEADS // NUM_KV_HEADS
-    assert attention_decode.is_supported(HEAD_DIM, group)
-    kv_len = 2 * attention_decode.KEYS_PER_THREAD * group * attention_decode.WARP + 37
+    assert attention_decode.is_supported(HEAD_DIM, group, keys_per_thread)
+    monkeypatch.setattr(attention_decode, "decode_kernel",
+                        functools.partial(attention_decode.decode_kernel, keys_per_thread=keys_per_thread))
+    kv_len = 4 * group * attention_decode.WARP + 37
     (k_cache, k_values), (v_cache, v_values) = _cache(fmt, kv_len + 3, seed=78)
     q = np.random.default_rng(79).standard_normal((1, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
     out = attention(dev(q), k_cache, v_cache, dev(np.array([kv_len - 1], np.int32)), num_q_heads=NUM_Q_HEADS,
