@@ -1,5 +1,3 @@
-import functools
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
@@ -90,15 +88,11 @@ def test_decode_with_the_length_from_the_positions_replays_at_any_position(num_s
 
 @pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("prefetch_octets", [1, 2, 4])
-def test_decode_token_over_several_key_tiles(fmt, num_splits, prefetch_octets, monkeypatch):
-    # attention_decode's kernel: a key a thread (64-key tiles at this group), the loads of its four
-    # octets issued prefetch_octets at a time, V in 32-row steps; the last tile and V step of each
-    # split partial
+def test_decode_token_over_several_key_tiles(fmt, num_splits):
+    # attention_decode's kernel: a key a thread (64-key tiles at this group), V in 32-row steps; the
+    # last tile and V step of each split partial
     group = NUM_Q_HEADS // NUM_KV_HEADS
-    assert attention_decode.is_supported(HEAD_DIM, group, fmt)
-    monkeypatch.setattr(attention_decode, "decode_kernel",
-                        functools.partial(attention_decode.decode_kernel, prefetch_octets=prefetch_octets))
+    assert attention_decode.is_supported(HEAD_DIM, group)
     kv_len = 4 * group * attention_decode.WARP + 37
     (k_cache, k_values), (v_cache, v_values) = _cache(fmt, kv_len + 3, seed=78)
     q = np.random.default_rng(79).standard_normal((1, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
@@ -109,12 +103,9 @@ def test_decode_token_over_several_key_tiles(fmt, num_splits, prefetch_octets, m
 
 
 def test_decode_kernel_serves_the_groups_whose_scores_fit_shared_memory():
-    assert attention_decode.is_supported(128, 8, "Q4_0")  # Qwen3-30B-A3B: 32 query heads over 4 KV heads
-    assert not attention_decode.is_supported(128, 16, "Q4_0")  # 58 KiB of static shared memory: attention.py's
-    assert not attention_decode.is_supported(80, 2, "F16")  # lanes own head_dim / 32 dims
-    assert not attention_decode.is_supported(128, 8, "Q4_1")  # no split loader
-    with pytest.raises(ValueError, match="prefetch_octets"):
-        attention_decode.decode_kernel("Q4_0", 128, 8, True, prefetch_octets=3)
+    assert attention_decode.is_supported(128, 8)  # Qwen3-30B-A3B: 32 query heads over 4 KV heads
+    assert not attention_decode.is_supported(128, 16)  # 58 KiB of static shared memory: attention.py's kernel
+    assert not attention_decode.is_supported(80, 2)  # lanes own head_dim / 32 dims
 
 
 def test_split_prefill_with_custom_scale_equals_unsplit():

@@ -308,7 +308,7 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     else:
         workspace = (stand_in(out, np.float32, 4), stand_in(out, np.float32, 3), stand_in(out, np.float32, 3))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if num_tokens == 1 and attention_decode.is_supported(head_dim, group, k_cache.fmt):
+    if num_tokens == 1 and attention_decode.is_supported(head_dim, group):
         kernel = attention_decode.decode_kernel(k_cache.fmt, head_dim, group, is_split)
         grid, threads = (1, num_kv_heads, num_splits), group * attention_decode.WARP
     else:

@@ -1,19 +1,20 @@
 """Attention of one decode token over a long KV cache: a warp per query head, a thread per key.
 
 attention.py's kernel gives each query row `threads_per_row` threads that split every key's head
-dims, and stages 32-key tiles of K and V in shared memory with four block barriers per tile; on
-the H200 it took 275 us a layer at 32k cached tokens (Q4_0), ~70 GB/s of a cache read at 3 TB/s;
-this kernel, before its loads were prefetched, took 129 us (25.8 against 31.0 at 2k, 45.5 against
-80.2 at 8k; 66 splits each).
+dims, and stages 32-key tiles of K and V in shared memory with four block barriers per tile.
 Here a block owns one KV head's GQA group for one KV split, one warp per query head:
 
-    scores:  thread j dequantizes key j of the tile (kv_tile = the block's threads) in registers,
-             its loads issued PREFETCH_OCTETS octets at a time, and dots it with every query head
-             of the group (q broadcast from shared memory): each key is read once for the whole
-             group and no K tile is staged;
+    scores:  thread j dequantizes key j of the tile (kv_tile = the block's threads) in registers
+             and dots it with every query head of the group (q broadcast from shared memory):
+             each key is read once for the whole group and no K tile is staged;
     softmax: warp h takes head h's scores of the tile: running max m and sum l, as attention.py;
     P V:     V staged in shared memory 32 rows at a time, each lane owns head_dim / 32 dims of
              its warp's head (O in registers).
+
+On the H200 (Q4_0 cache, 32 query over 4 KV heads, 66 splits) a layer at 32k cached tokens took
+275 us in attention.py's kernel (~70 GB/s of cache read) and takes 127-129 us here; 31 -> 25 us at
+2k, 80 -> 45 at 8k. Two keys a thread, or a key's octet loads issued 2 or 4 at a time before any
+is decoded, measured slower (137-143 us at 32k).
 
 Splits write the same unnormalized partials (O, m, l) as attention.py, combined by its combine
 kernel; one split writes the normalized output. Needs head_dim a multiple of 32 and a group whose
@@ -31,14 +32,11 @@ from numba import cuda
 
 from ._common import OCTET
 from .block_reduce import NEG_INF
-from .quant_device import dequant8_for, split_dequant8_for
+from .quant_device import dequant8_for
 
 WARP = 32
 V_TILE = 32  # V rows staged at a time (16 KiB at head_dim 128)
 _MAX_STATIC_SHARED_BYTES = 48 * 1024
-# octets of a key whose global loads are issued together before any is decoded (one memory
-# latency per group, not per octet); 4 keeps the kernel at 64 registers (ptxas, sm_90), 8 took 236
-PREFETCH_OCTETS = 4
 
 
 def shared_bytes(head_dim: int, group: int) -> int:
@@ -46,26 +44,20 @@ def shared_bytes(head_dim: int, group: int) -> int:
     return 4 * (head_dim * group + group * threads + V_TILE * head_dim + threads)  # qs, ps, vs, red
 
 
-def is_supported(head_dim: int, group: int, fmt: str) -> bool:
+def is_supported(head_dim: int, group: int) -> bool:
     """Whether this kernel serves a one-token call (else attention.py's does)."""
-    return head_dim % WARP == 0 and 0 < group * WARP <= 1024 and split_dequant8_for(fmt) is not None and \
-        shared_bytes(head_dim, group) <= _MAX_STATIC_SHARED_BYTES
+    return head_dim % WARP == 0 and 0 < group * WARP <= 1024 and shared_bytes(head_dim, group) <= _MAX_STATIC_SHARED_BYTES
 
 
 @functools.cache
-def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool, prefetch_octets: int = PREFETCH_OCTETS):
+def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool):
     dequant8 = dequant8_for(fmt)
-    load8, decode8, num_words, num_floats = split_dequant8_for(fmt)
     threads = group * WARP
     kv_tile = threads  # key tid of a tile is the thread's
     num_octets = head_dim // OCTET
-    prefetch = prefetch_octets
-    if prefetch < 1 or num_octets % prefetch:
-        raise ValueError(f"prefetch_octets must divide the {num_octets} octets of a head, got {prefetch}")
     dims_per_lane = head_dim // WARP
     # shared and local sizes as closure constants: Numba sizes them at compile time, not from expressions
     qs_size, ps_size, vs_size = head_dim * group, group * kv_tile, V_TILE * head_dim
-    raw_words_size, raw_floats_size = prefetch * num_words, prefetch * num_floats
 
     @cuda.jit
     def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, split_len, scale,
@@ -80,8 +72,6 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool, prefetch_
         red = cuda.shared.array(threads, np.float32)
         s = cuda.local.array(group, np.float32)
         wl = cuda.local.array(OCTET, np.float32)
-        raw_words = cuda.local.array(raw_words_size, np.uint32)
-        raw_floats = cuda.local.array(raw_floats_size, np.float32)
         o = cuda.local.array(dims_per_lane, np.float32)
         for idx in range(tid, head_dim * group, threads):
             d, g = idx // group, idx % group
@@ -100,19 +90,18 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool, prefetch_
         for j0 in range(start, end, kv_tile):
             key = j0 + tid
             for g in range(group):
-                s[g] = np.float32(0.0)
+                s[g] = NEG_INF
             if key < end:
-                for oc0 in range(0, num_octets, prefetch):
-                    for u in range(prefetch):
-                        load8(k_quants, k_scales, k_extra, key, kvh * num_octets + oc0 + u, raw_words, raw_floats, u)
-                    for u in range(prefetch):
-                        decode8(raw_words, raw_floats, u, kvh * num_octets + oc0 + u, wl, 0)
-                        for i in range(OCTET):
-                            base = ((oc0 + u) * OCTET + i) * group
-                            for g in range(group):
-                                s[g] += wl[i] * qs[base + g]
+                for g in range(group):
+                    s[g] = np.float32(0.0)
+                for oc in range(num_octets):
+                    dequant8(k_quants, k_scales, k_extra, key, kvh * num_octets + oc, wl, 0)
+                    for i in range(OCTET):
+                        base = (oc * OCTET + i) * group
+                        for g in range(group):
+                            s[g] += wl[i] * qs[base + g]
             for g in range(group):
-                ps[g * kv_tile + tid] = s[g] if key < end else NEG_INF
+                ps[g * kv_tile + tid] = s[g]
             cuda.syncthreads()
             tile_max = NEG_INF
             for j in range(lane, kv_tile, WARP):
