@@ -29,7 +29,7 @@ from strata.gpu.kernels.attention import DECODE_CONFIG, AttentionConfig, attenti
 from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
-from strata.gpu.kernels.gemv_native import HEAD_CONFIG, LAYER_CONFIG
+from strata.gpu.kernels.gemv_native import LAYER_CONFIG, head_config
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
 from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group, moe_route
@@ -151,7 +151,7 @@ def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfi
     rng = np.random.default_rng(1)
     w = random_packed(fmt, num_rows, num_cols, rng)
     x, y = device_randn(num_cols, rng), cuda.device_array(num_rows, np.float32)
-    native_config = HEAD_CONFIG if num_rows == s.vocab else LAYER_CONFIG  # as the engine launches them
+    native_config = head_config(fmt) if num_rows == s.vocab else LAYER_CONFIG  # as the engine launches them
     ms = graph_ms(lambda stream: gemv(w, x, y, config=cfg, native=native, native_config=native_config,
                                       stream=stream), timing)
     num_bytes = w.nbytes + 4 * (num_cols + num_rows)

@@ -4,7 +4,7 @@ The sweeps behind the defaults of ``gemm.default_config()`` and ``attention.py``
 ``SERVING_CONFIG`` (docs/PERFORMANCE.md): every MmaConfig main-loop variant on the MoE prefill
 products (2,048 and 8,192 routed tokens, Q4_0) and a dense 4096 x 4096 x 2048 GEMM, and every
 MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
-block shapes behind ``gemv_native.LAYER_CONFIG`` / ``HEAD_CONFIG``. Each line also reports the
+block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
 largest difference from a reference output, so a fast but wrong variant shows. Needs a GPU with
 tensor cores.
 """

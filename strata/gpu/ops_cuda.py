@@ -469,22 +469,22 @@ class CudaOps:
 
     def logits(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
         from strata.gpu.kernels.gemv import gemv
-        from strata.gpu.kernels.gemv_native import HEAD_CONFIG
+        from strata.gpu.kernels.gemv_native import head_config
 
         last = x[x.shape[0] - 1:] if hasattr(x, "copy_to_host") else self.cuda.to_device(np.asarray(x[-1:]))
         with self._owning(ACTIVATIONS):
-            return gemv(head.data, last[0], norm_weight=norm, eps=eps, native_config=HEAD_CONFIG).copy_to_host()
+            return gemv(head.data, last[0], norm_weight=norm, eps=eps, native_config=head_config(head.data.fmt)).copy_to_host()
 
     def greedy_token(self, x, norm, head: QTensor, eps: float, bias, token) -> None:
         """token [1] int32 (device) = the argmax of the last row's logits (the same kernel as
         ``logits``) after adding ``bias`` (device ids [n] int32 and values [n] float32, or None); the
         lowest id among equals, as the host's ``np.argmax``. Nothing returns to the host."""
         from strata.gpu.kernels.gemv import gemv
-        from strata.gpu.kernels.gemv_native import HEAD_CONFIG
+        from strata.gpu.kernels.gemv_native import head_config
         from strata.gpu.kernels.sample import add_logit_bias, argmax
 
         with self._owning(ACTIVATIONS):
-            logits = gemv(head.data, x[x.shape[0] - 1], norm_weight=norm, eps=eps, native_config=HEAD_CONFIG,
+            logits = gemv(head.data, x[x.shape[0] - 1], norm_weight=norm, eps=eps, native_config=head_config(head.data.fmt),
                           stream=self._stream)  # [V]
             if bias is not None:
                 add_logit_bias(logits, *bias, stream=self._stream)

@@ -45,13 +45,16 @@ def test_native_rows_match_the_reference_around_block_and_warp_boundaries(fmt, r
 
 @needs_gpu
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
-@pytest.mark.parametrize("warps, is_norm_and_accumulate", [(1, False), (gemv_native.HEAD_CONFIG.warps, True)])
-def test_blocks_that_go_on_to_further_rows_give_the_same_products(fmt, warps, is_norm_and_accumulate):
-    # a grid capped below the row groups: each block loops over several, the last one partial
-    looping = NativeGemvConfig(warps, 2, blocks_per_sm=gemv_native.HEAD_CONFIG.blocks_per_sm)
+@pytest.mark.parametrize("is_head_shape", [False, True])
+def test_blocks_that_go_on_to_further_rows_give_the_same_products(fmt, is_head_shape):
+    # a grid capped below the row groups: each block loops over several, the last one partial; the
+    # head's shape of this format with its norm and accumulation, or one warp of two rows
+    is_norm_and_accumulate = is_head_shape
+    looping = gemv_native.head_config(fmt) if is_head_shape else NativeGemvConfig(1, 2, blocks_per_sm=4)
     one_pass = looping._replace(blocks_per_sm=0)
     num_cols = BLOCK_ELEMS[fmt] * 2
-    num_rows = 3 * looping.grid(10**9) * warps * 2 + 3  # three row groups a block, one more partial
+    rows_per_block = looping.warps * looping.rows_per_warp
+    num_rows = 3 * looping.grid(10**9) * rows_per_block + 3  # three row groups a block, one more partial
     assert 3 * looping.grid(num_rows) < one_pass.grid(num_rows)
     w, values = random_matrix(fmt, num_rows, num_cols, seed=420)
     rng = np.random.default_rng(421)
@@ -68,6 +71,12 @@ def test_blocks_that_go_on_to_further_rows_give_the_same_products(fmt, warps, is
     np.testing.assert_array_equal(outs[0], outs[1])  # the same rows, the same lanes: the same bits
     xn = reference_ops.rms_norm(x, norm_weight, 1e-6) if is_norm_and_accumulate else x
     assert_dot_close(outs[0] - residual, values.astype(np.float64) @ xn, np.abs(values) @ np.abs(xn))
+
+
+def test_each_head_format_has_a_looping_shape():
+    for fmt in gemv_native.FORMATS:
+        config = gemv_native.head_config(fmt).validate()
+        assert config.blocks_per_sm > 0
 
 
 def test_a_negative_blocks_per_sm_is_refused():

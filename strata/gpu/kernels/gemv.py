@@ -135,7 +135,7 @@ def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, acc
     stream: 0 (the default stream), a Numba stream or a graph builder capturing the launch.
     native: True runs gemv_native's linked C++ rows (refused where it cannot run), False this
     module's Numba kernel, None (default) the C++ wherever gemv_native.is_supported(w);
-    native_config is its launch shape (gemv_native.HEAD_CONFIG for an output head).
+    native_config is its launch shape (gemv_native.head_config(fmt) for an output head).
 
     Launch config: grid ceil(N / (threads / lanes_per_row * rows_per_group)), block `threads`;
     shared memory threads * rows_per_group float32. Default (H200): 128 threads, 32 lanes per row,

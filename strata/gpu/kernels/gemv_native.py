@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -76,12 +77,24 @@ class NativeGemvConfig(NamedTuple):
 
 
 # Measured on the H200 (graph-timed, Qwen3-30B-A3B shapes): 8 warps of 2 rows for the layers'
-# matrices (2,048-4,096 rows are latency-bound: more rows per warp is fewer warps in flight); for a
-# vocabulary-sized head, 8 warps of 2 rows in at most 4 blocks per SM (Q4_0: 67.8 µs, against 96.1
-# with a block per 32 rows; docs/PERFORMANCE.md). The head's call site asks for HEAD_CONFIG by
-# name, so that a slice of the head (the warm-up's) runs the same compiled kernel as the whole head.
+# matrices (2,048-4,096 rows are latency-bound: more rows per warp is fewer warps in flight). A
+# vocabulary-sized head runs blocks that loop over row groups (at most blocks_per_sm blocks an SM),
+# in the fastest shape of `strata.bench.variants --only gemv` per format, 151,936 x 2,048: Q4_0
+# 8 x 2 at 4 an SM, 66.9 us (104.9 with a block per row group); Q8_0 16 x 4 at 1, 95.9 us (137.7
+# in Q4_0's shape); Q4_K 8 x 4 at 2, 120.6 us (134.7). Float heads take Q4_0's, unmeasured. The
+# head's call sites ask for head_config(fmt), so that a slice of the head (the warm-up's) runs the
+# same compiled kernel as the whole head.
 LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
-HEAD_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4)
+_HEAD_CONFIGS = MappingProxyType({
+    "Q4_0": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4),
+    "Q8_0": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1),
+    "Q4_K": NativeGemvConfig(warps=8, rows_per_warp=4, blocks_per_sm=2),
+})
+
+
+def head_config(fmt: str) -> NativeGemvConfig:
+    """The launch shape of an output head in format ``fmt``."""
+    return _HEAD_CONFIGS.get(fmt, _HEAD_CONFIGS["Q4_0"])
 
 
 @functools.cache
