@@ -473,7 +473,8 @@ class CudaOps:
 
         last = x[x.shape[0] - 1:] if hasattr(x, "copy_to_host") else self.cuda.to_device(np.asarray(x[-1:]))
         with self._owning(ACTIVATIONS):
-            return gemv(head.data, last[0], norm_weight=norm, eps=eps, native_config=head_config(head.data.fmt)).copy_to_host()
+            return gemv(head.data, last[0], norm_weight=norm, eps=eps,
+                        native_config=head_config(head.data.fmt)).copy_to_host()
 
     def greedy_token(self, x, norm, head: QTensor, eps: float, bias, token) -> None:
         """token [1] int32 (device) = the argmax of the last row's logits (the same kernel as
@@ -484,8 +485,8 @@ class CudaOps:
         from strata.gpu.kernels.sample import add_logit_bias, argmax
 
         with self._owning(ACTIVATIONS):
-            logits = gemv(head.data, x[x.shape[0] - 1], norm_weight=norm, eps=eps, native_config=head_config(head.data.fmt),
-                          stream=self._stream)  # [V]
+            logits = gemv(head.data, x[x.shape[0] - 1], norm_weight=norm, eps=eps,
+                          native_config=head_config(head.data.fmt), stream=self._stream)  # [V]
             if bias is not None:
                 add_logit_bias(logits, *bias, stream=self._stream)
             # the simulator runs every thread in Python: a few small blocks there

@@ -13,8 +13,11 @@ from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import AllocationError
 from strata.engine.ops import _has_cuda_device
+from strata.gpu.kernels import attention_decode
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, TRANSIENT_OWNERS
-from strata.model.synth import PRESETS, write_synthetic_model
+from strata.model.gguf_file import open_gguf
+from strata.model.reference import KVCache, ReferenceModel
+from strata.model.synth import PRESETS, with_overrides, write_synthetic_model
 
 BACKEND = "cuda" if _has_cuda_device() else "cudasim"
 pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
@@ -43,6 +46,33 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     assert stats.streamed_bytes > 0
     idle = {k: v for k, v in engine.idle_ledger.by_owner.items()}
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
+
+
+def test_decode_attention_kernel_in_the_captured_step_gives_the_reference_logits(tmp_path, monkeypatch):
+    # the tiny preset's head dim (16) goes to attention.py's kernel; at 32 a decode token's attention
+    # is attention_decode's, captured in the layers' segments over the shared split scratch, its KV
+    # length read from the position on the device
+    path = write_synthetic_model(tmp_path / "head-dim-32.gguf", with_overrides(PRESETS["tiny"], head_dim=32),
+                                 QType.Q4_0, seed=4)
+    kernels = []
+    decode_kernel = attention_decode.decode_kernel
+    monkeypatch.setattr(attention_decode, "decode_kernel", lambda *args: kernels.append(args) or decode_kernel(*args))
+    runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "greedy_on_device": False}
+    engine = Engine.load(engine_config(path, runtime=runtime), show_progress=False)
+    logits = []
+    host_logits = engine.ops.logits
+    monkeypatch.setattr(engine.ops, "logits", lambda *args: logits.append(host_logits(*args)) or logits[-1])
+    prompt = PROMPT[:5]
+    tokens, _ = greedy(engine, prompt, 3)
+    assert engine.runner.decode_step is not None and kernels  # the captured step ran the decode kernel
+    model = open_gguf(path)
+    reference, kv = ReferenceModel.from_gguf(model), KVCache.for_spec(model.spec, 64)
+    expected = [reference.forward(np.array(prompt), 0, kv)[-1]]
+    for position, token in enumerate(tokens[:-1], start=len(prompt)):
+        expected.append(reference.forward(np.array([token]), position, kv)[-1])
+    assert len(logits) == len(expected) == 3
+    for got, want in zip(logits, expected):  # an F16 KV cache against the reference's float32
+        assert np.max(np.abs(np.ravel(got) - want)) <= 2e-3 * np.max(np.abs(want))
 
 
 def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path, monkeypatch):

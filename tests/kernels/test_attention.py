@@ -5,7 +5,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from kernel_data import dev, host, reference_dequant
 from strata.gpu.kernels import attention_decode
-from strata.gpu.kernels.attention import AttentionConfig, attention, decode_config
+from strata.gpu.kernels.attention import AttentionConfig, attention, decode_config, split_partial_shapes
 from strata.gpu.kernels.packing import pack, to_device
 from strata.model import reference_ops
 
@@ -43,8 +43,17 @@ def test_prefill_chunk_over_a_cache_with_history(fmt):
     np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, start_pos), **TOLERANCE)
 
 
+@pytest.fixture(params=["attention_decode", "attention"])
+def one_token_kernel(request, monkeypatch):
+    """Which kernel serves a one-token call: attention_decode's, where it applies, or attention.py's
+    (which serves the head dims and groups attention_decode does not take)."""
+    if request.param == "attention":
+        monkeypatch.setattr(attention_decode, "is_supported", lambda *args: False)
+    return request.param
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_one_token_split_over_the_context(num_splits):
+def test_decode_one_token_split_over_the_context(num_splits, one_token_kernel):
     kv_len = 38
     (k_cache, k_values), (v_cache, v_values) = _cache("Q8_0", 40, seed=72)
     q = np.random.default_rng(73).standard_normal((1, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
@@ -55,8 +64,9 @@ def test_decode_one_token_split_over_the_context(num_splits):
 
 
 @pytest.mark.parametrize("num_splits", [2, 7])
-def test_decode_with_the_serving_config_combines_any_number_of_splits(num_splits):
-    # decode_config: a warp per query head; 7 splits: one unrolled step of the combine and a remainder
+def test_decode_with_the_serving_config_combines_any_number_of_splits(num_splits, one_token_kernel):
+    # decode_config (attention.py's launch shape): a warp per query head; 7 splits: one unrolled step
+    # of the combine and a remainder
     kv_len = 70
     (k_cache, k_values), (v_cache, v_values) = _cache("Q4_0", 72, seed=74)
     q = np.random.default_rng(75).standard_normal((1, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
@@ -71,7 +81,7 @@ def test_decode_with_the_serving_config_combines_any_number_of_splits(num_splits
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_with_the_length_from_the_positions_replays_at_any_position(num_splits):
+def test_decode_with_the_length_from_the_positions_replays_at_any_position(num_splits, one_token_kernel):
     # one set of launch arguments (kv_len = the cache size), the position only in device memory,
     # as a captured decode step replays it: split ranges shorter than a tile, empty splits
     (k_cache, k_values), (v_cache, v_values) = _cache("Q4_0", 48, seed=76)
@@ -96,9 +106,13 @@ def test_decode_token_over_several_key_tiles(fmt, num_splits):
     kv_len = 4 * group * attention_decode.WARP + 37
     (k_cache, k_values), (v_cache, v_values) = _cache(fmt, kv_len + 3, seed=78)
     q = np.random.default_rng(79).standard_normal((1, NUM_Q_HEADS * HEAD_DIM)).astype(np.float32)
+    workspace = None  # as the engine's decode step passes it: preallocated, here full of NaN
+    if num_splits > 1:
+        shapes = split_partial_shapes(num_splits, 1, NUM_Q_HEADS, HEAD_DIM)
+        workspace = tuple(dev(np.full(shape, np.nan, np.float32)) for shape in shapes)
     out = attention(dev(q), k_cache, v_cache, dev(np.array([kv_len - 1], np.int32)), num_q_heads=NUM_Q_HEADS,
                     num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, kv_len=kv_len + 3, num_splits=num_splits,
-                    is_len_from_positions=True)
+                    is_len_from_positions=True, workspace=workspace)
     np.testing.assert_allclose(host(out), _reference(q, k_values, v_values, kv_len - 1), **TOLERANCE)
 
 

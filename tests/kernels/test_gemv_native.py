@@ -73,10 +73,12 @@ def test_blocks_that_go_on_to_further_rows_give_the_same_products(fmt, is_head_s
     assert_dot_close(outs[0] - residual, values.astype(np.float64) @ xn, np.abs(values) @ np.abs(xn))
 
 
-def test_each_head_format_has_a_looping_shape():
+def test_each_native_format_has_its_own_looping_head_shape():
+    assert set(gemv_native._HEAD_CONFIGS) == set(gemv_native.FORMATS)  # none falls back by a misspelt key
     for fmt in gemv_native.FORMATS:
-        config = gemv_native.head_config(fmt).validate()
-        assert config.blocks_per_sm > 0
+        assert gemv_native.head_config(fmt).validate().blocks_per_sm > 0
+    assert gemv_native.head_config("Q8_0") != gemv_native.head_config("Q4_0")  # the sweep's fastest differ
+    assert gemv_native.head_config("Q6_K") == gemv_native.head_config("Q4_0")  # the Numba kernel, unread
 
 
 def test_a_negative_blocks_per_sm_is_refused():

@@ -15,6 +15,7 @@ from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
 OCTET = 8  # elements one thread dequantizes per step: 8 of any format = at most two uint32 words
+MAX_STATIC_SHARED_BYTES = 48 * 1024  # a block's static shared arrays; more needs a dynamic opt-in
 IS_SIMULATOR = bool(_cuda_config.ENABLE_CUDASIM)
 
 

@@ -27,7 +27,8 @@ from numba import cuda
 
 from . import attention_decode, tensor_core
 from ._common import (
-    IS_SIMULATOR, OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty, stand_in,
+    IS_SIMULATOR, MAX_STATIC_SHARED_BYTES, OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty,
+    stand_in,
 )
 from .attention_mma import SERVING_CONFIG, attention_mma, check_attention_io, is_supported
 from .block_reduce import NEG_INF
@@ -43,7 +44,6 @@ class AttentionConfig(NamedTuple):
 
 DECODE_CONFIG = AttentionConfig(tokens_per_block=1, threads_per_row=32, kv_tile=32)  # decode_config(128)
 _COMBINE_UNROLL = 4  # splits whose partial outputs are loaded together (their loads in flight at once)
-_MAX_STATIC_SHARED_BYTES = 48 * 1024  # static shared arrays; more needs a dynamic opt-in
 MAX_SPLITS = 512  # KV splits of one decode token (the combine stages their weights in shared memory)
 MMA_MIN_TOKENS = 5  # fewer query tokens fill too few 64-row tensor-core tiles
 
@@ -268,9 +268,10 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     tokens_per_block * group * threads_per_row threads; static shared memory (rows * head_dim +
     kv_tile * (2 * head_dim + 1) + rows * kv_tile + 2 * threads) float32 with rows =
     tokens_per_block * group, at most 48 KiB (44 KiB for the default at head_dim 128, group 8).
-    One token where attention_decode.is_supported (config unused): grid (1, num_kv_heads, num_splits),
-    block group * 32 threads. With num_splits > 1 a second launch combines: grid (T, num_q_heads),
-    block min(head_dim, 128).
+    One token where attention_decode.is_supported: attention_decode's kernel, grid (1, num_kv_heads,
+    num_splits), block group * 32 threads (config is still validated, and its kv_tile rounds a
+    split length given by kv_len). With num_splits > 1 a second launch combines: grid (T,
+    num_q_heads), block min(head_dim, 128).
     """
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("num_splits", num_splits)):
@@ -286,9 +287,9 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     if head_dim % OCTET or head_dim % tpr or bkv % tpr:
         raise ValueError(f"head_dim {head_dim} and kv_tile {bkv} must be multiples of threads_per_row {tpr} and of 8")
     num_shared_bytes = _shared_bytes(head_dim, group, config)
-    if num_shared_bytes > _MAX_STATIC_SHARED_BYTES:
+    if num_shared_bytes > MAX_STATIC_SHARED_BYTES:
         raise ValueError(f"this config needs {num_shared_bytes} bytes of shared memory per block (limit "
-                         f"{_MAX_STATIC_SHARED_BYTES}): lower tokens_per_block or kv_tile")
+                         f"{MAX_STATIC_SHARED_BYTES}): lower tokens_per_block or kv_tile")
     num_tokens, kv_len, out = check_attention_io(q, k_cache, v_cache, q_positions, out, kv_len, num_q_heads,
                                                  num_kv_heads, head_dim)
     if num_tokens == 0:

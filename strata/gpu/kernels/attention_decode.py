@@ -14,7 +14,7 @@ Here a block owns one KV head's GQA group for one KV split, one warp per query h
 On the H200 (Q4_0 cache, 32 query over 4 KV heads, 66 splits) a layer at 32k cached tokens took
 275 us in attention.py's kernel (~70 GB/s of cache read) and takes 127-129 us here; 31 -> 25 us at
 2k, 80 -> 45 at 8k. Two keys a thread, or a key's octet loads issued 2 or 4 at a time before any
-is decoded, measured slower (137-143 us at 32k).
+is decoded, measured slower (136-143 us at 32k).
 
 Splits write the same unnormalized partials (O, m, l) as attention.py, combined by its combine
 kernel; one split writes the normalized output. Needs head_dim a multiple of 32 and a group whose
@@ -30,13 +30,12 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._common import OCTET
+from ._common import MAX_STATIC_SHARED_BYTES, OCTET
 from .block_reduce import NEG_INF
 from .quant_device import dequant8_for
 
 WARP = 32
 V_TILE = 32  # V rows staged at a time (16 KiB at head_dim 128)
-_MAX_STATIC_SHARED_BYTES = 48 * 1024
 
 
 def shared_bytes(head_dim: int, group: int) -> int:
@@ -46,7 +45,8 @@ def shared_bytes(head_dim: int, group: int) -> int:
 
 def is_supported(head_dim: int, group: int) -> bool:
     """Whether this kernel serves a one-token call (else attention.py's does)."""
-    return head_dim % WARP == 0 and 0 < group * WARP <= 1024 and shared_bytes(head_dim, group) <= _MAX_STATIC_SHARED_BYTES
+    return head_dim % WARP == 0 and 0 < group * WARP <= 1024 and \
+        shared_bytes(head_dim, group) <= MAX_STATIC_SHARED_BYTES
 
 
 @functools.cache
@@ -132,13 +132,10 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool):
                 cuda.syncthreads()  # the previous V rows' readers are done
                 for idx in range(tid, V_TILE * num_octets, threads):
                     j, oc = idx // num_octets, idx % num_octets
-                    if v0 + j < end:
+                    if v0 + j < end:  # rows past the end are never read below
                         dequant8(v_quants, v_scales, v_extra, v0 + j, kvh * num_octets + oc, wl, 0)
-                    else:
                         for i in range(OCTET):
-                            wl[i] = np.float32(0.0)
-                    for i in range(OCTET):
-                        vs[j * head_dim + oc * OCTET + i] = wl[i]
+                            vs[j * head_dim + oc * OCTET + i] = wl[i]
                 cuda.syncthreads()
                 for j in range(min(V_TILE, end - v0)):
                     p = ps[head * kv_tile + v0 - j0 + j]

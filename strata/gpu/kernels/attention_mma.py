@@ -32,7 +32,7 @@ import numpy as np
 from numba import cuda, types
 
 from . import tensor_core
-from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_device_array
+from ._common import MAX_STATIC_SHARED_BYTES, OCTET, ceil_div, check_array, check_positive, empty, is_device_array
 from .block_reduce import NEG_INF
 from .kvcache import KV_FORMATS, dequantize_kv
 from .packing import PackedMatrix, check_packed
@@ -47,7 +47,6 @@ CPP_HEAD_DIMS = (64, 128)  # the head dims cuda/attention_mma.cu exports
 KV_TILES = (64, 48, 32, 16)  # the tile sizes it exports, largest first
 LOG2_E = 1.4426950408889634
 LN_2 = np.float32(math.log(2.0))
-_MAX_STATIC_SHARED_BYTES = 48 * 1024
 INT_PTR = types.CPointer(types.int32)
 
 
@@ -80,9 +79,9 @@ def shared_bytes(head_dim: int, kv_tile: int, is_twin: bool, warps: int = WARPS_
 def default_kv_tile(head_dim: int, is_twin: bool = False, warps: int = WARPS_PER_BLOCK, fused: bool = False,
                     stages: int = 2) -> int:
     for kv_tile in KV_TILES:
-        if shared_bytes(head_dim, kv_tile, is_twin, warps, fused, stages) <= _MAX_STATIC_SHARED_BYTES:
+        if shared_bytes(head_dim, kv_tile, is_twin, warps, fused, stages) <= MAX_STATIC_SHARED_BYTES:
             return kv_tile
-    raise ValueError(f"head_dim {head_dim} leaves no room for a KV tile in {_MAX_STATIC_SHARED_BYTES} bytes")
+    raise ValueError(f"head_dim {head_dim} leaves no room for a KV tile in {MAX_STATIC_SHARED_BYTES} bytes")
 
 
 def state_size(head_dim: int) -> int:
@@ -359,9 +358,9 @@ def _check_config(config: MmaAttentionConfig, head_dim: int, is_twin: bool) -> i
     if kv_tile % tensor_core.MMA_K or (not is_twin and kv_tile not in KV_TILES):
         raise ValueError(f"kv_tile must be one of {KV_TILES}, got {kv_tile}")
     num_shared_bytes = shared_bytes(head_dim, kv_tile, is_twin, *layout)
-    if num_shared_bytes > _MAX_STATIC_SHARED_BYTES:
+    if num_shared_bytes > MAX_STATIC_SHARED_BYTES:
         raise ValueError(f"kv_tile {kv_tile} needs {num_shared_bytes} bytes of shared memory per block (limit "
-                         f"{_MAX_STATIC_SHARED_BYTES})")
+                         f"{MAX_STATIC_SHARED_BYTES})")
     return kv_tile
 
 

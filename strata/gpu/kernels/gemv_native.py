@@ -80,20 +80,23 @@ class NativeGemvConfig(NamedTuple):
 # matrices (2,048-4,096 rows are latency-bound: more rows per warp is fewer warps in flight). A
 # vocabulary-sized head runs blocks that loop over row groups (at most blocks_per_sm blocks an SM),
 # in the fastest shape of `strata.bench.variants --only gemv` per format, 151,936 x 2,048: Q4_0
-# 8 x 2 at 4 an SM, 66.9 us (104.9 with a block per row group); Q8_0 16 x 4 at 1, 95.9 us (137.7
-# in Q4_0's shape); Q4_K 8 x 4 at 2, 120.6 us (134.7). Float heads take Q4_0's, unmeasured. The
-# head's call sites ask for head_config(fmt), so that a slice of the head (the warm-up's) runs the
-# same compiled kernel as the whole head.
+# 8 x 2 at 4 an SM, 66.9 us (104.9 in that shape with a block per row group, 85.5 in the best such
+# shape); Q8_0 16 x 4 at 1, 95.9 us (137.7 in Q4_0's); Q4_K 8 x 4 at 2, 120.6 us (134.7). Float
+# heads take Q4_0's shape, unmeasured. The head's call sites ask for head_config(fmt), so that a
+# slice of the head (the warm-up's) runs the same compiled kernel as the whole head.
 LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
 _HEAD_CONFIGS = MappingProxyType({
     "Q4_0": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4),
     "Q8_0": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1),
     "Q4_K": NativeGemvConfig(warps=8, rows_per_warp=4, blocks_per_sm=2),
+    "F32": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4),
+    "F16": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4),
 })
 
 
 def head_config(fmt: str) -> NativeGemvConfig:
-    """The launch shape of an output head in format ``fmt``."""
+    """The launch shape of an output head in format ``fmt``. A format the C++ rows do not serve
+    (Q6_K, Q4_1) gets Q4_0's: gemv runs such a head with its Numba kernel, which does not read it."""
     return _HEAD_CONFIGS.get(fmt, _HEAD_CONFIGS["Q4_0"])
 
 
