@@ -4,8 +4,10 @@ Rows: decode GEMVs per format and path (the linked C++ rows and the Numba kernel
 measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them)
 and one token's routed experts, the prefill expert
 products for chunks of 512 / 2,048 / 8,192 tokens routed top-8 (TFLOP/s), causal attention
-prefill at 4k / 32k (TFLOP/s), decode attention (GB/s of KV read), one resident decode layer and
-a whole decode token (48 layers, head, sampling) as plain launches, and the launches per token. Each figure is the median of --repeats CUDA-event timings after
+prefill at 4k / 32k (TFLOP/s), decode attention at positions 2k / 8k / 32k of the benchmark
+configs' 34,816-cell cache as the captured decode step launches it (GB/s of KV read, graph-timed),
+one resident decode layer and a whole decode token (48 layers, head, sampling) as plain launches,
+and the launches per token. Each figure is the median of --repeats CUDA-event timings after
 --warmup runs. Weights are random packed planes (fp16 scales kept small and finite), never read
 from a model. --tiny shrinks every shape so the script runs under the CUDA simulator, where the
 figures mean nothing (it checks that the script still works).
@@ -25,7 +27,9 @@ from numba import cuda
 from strata.gpu.graphs import capture_graph
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
-from strata.gpu.kernels.attention import DECODE_CONFIG, AttentionConfig, attention, default_num_splits
+from strata.gpu.kernels.attention import (
+    DECODE_CONFIG, AttentionConfig, attention, default_num_splits, split_partial_shapes,
+)
 from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
@@ -58,13 +62,16 @@ class Shapes(NamedTuple):
     prefill_tokens: tuple  # chunk sizes whose tokens are routed top_k each
     prefill_contexts: tuple
     decode_contexts: tuple
+    decode_cells: int  # the KV cache decode attention runs over (its splits are sized for all of it)
     num_sms: int
     gemv_cols: int  # K of the GEMV rows: the hidden size (tiny: one Q4_K super-block)
     aux_threads: int  # block size of the small kernels (routing, grouping, KV append); 0: their defaults
 
 
-QWEN3_30B = Shapes(2048, 32, 4, 128, 128, 768, 8, 151936, 48, (512, 2048, 8192), (4096, 32768), (4096, 32768), 132, 2048, 0)
-TINY = Shapes(32, 4, 2, 16, 3, 32, 2, 40, 2, (4,), (12,), (20,), 2, 256, 8)
+# decode_cells: the benchmark configs' context_tokens (configs/bench-h200.toml)
+QWEN3_30B = Shapes(2048, 32, 4, 128, 128, 768, 8, 151936, 48, (512, 2048, 8192), (4096, 32768), (2048, 8192, 32768),
+                   34816, 132, 2048, 0)
+TINY = Shapes(32, 4, 2, 16, 3, 32, 2, 40, 2, (4,), (12,), (20,), 24, 2, 256, 8)
 TINY_GEMV = GemvConfig(threads=32, lanes_per_row=8, rows_per_group=4)
 TINY_GEMM = GemmConfig(block_m=8, block_n=8, thread_m=2, thread_n=2)
 TINY_PREFILL = AttentionConfig(tokens_per_block=2, threads_per_row=4, kv_tile=8)
@@ -224,21 +231,28 @@ def bench_attention_prefill(s: Shapes, context: int, fmt: str, cfg: AttentionCon
 
 
 def bench_attention_decode(s: Shapes, context: int, fmt: str, cfg: AttentionConfig, timing) -> Row:
+    """One token's attention as the engine's captured decode step launches it: a cache of
+    s.decode_cells, splits sized for all of it, the KV length read from the position on the device,
+    a preallocated split workspace; timed as launches replayed in a CUDA graph."""
     rng = np.random.default_rng(4)
-    k_cache, v_cache = _filled_cache(s, fmt, context, rng)
+    k_cache, v_cache = _filled_cache(s, fmt, s.decode_cells, rng)
     q = device_randn((1, s.num_q_heads * s.head_dim), rng)
+    out = cuda.device_array(q.shape, np.float32)
     positions = cuda.to_device(np.array([context - 1], np.int32))
-    splits = default_num_splits(context, s.num_kv_heads, s.num_sms, cfg)
-    args = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_len=context,
-                num_splits=splits, config=cfg)
-    ms = median_ms(lambda: attention(q, k_cache, v_cache, positions, **args), *timing)
-    num_bytes = 2 * k_cache.nbytes * context / k_cache.num_rows
-    return Row(f"attention decode {fmt} cache, context {context}, {splits} splits", num_bytes / ms / 1e6, "GB/s",
-               HBM_BYTES_PER_S / 1e9, None)
+    splits = default_num_splits(s.decode_cells, s.num_kv_heads, s.num_sms, cfg)
+    workspace = tuple(cuda.device_array(shape, np.float32)
+                      for shape in split_partial_shapes(splits, 1, s.num_q_heads, s.head_dim))
+    args = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_len=s.decode_cells,
+                num_splits=splits, config=cfg, workspace=workspace, is_len_from_positions=True)
+    ms = graph_ms(lambda stream: attention(q, k_cache, v_cache, positions, out, stream=stream, **args), timing)
+    num_bytes = 2 * k_cache.nbytes * context / k_cache.num_rows  # the K and V rows up to the position
+    return Row(f"attention decode {fmt}, position {context} of {s.decode_cells}, {splits} splits",
+               num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9, None)
 
 
 def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_cfg: AttentionConfig, timing) -> list:
-    """One resident qwen3moe layer at decode, as its 10 plain launches; the token sits at context 4k."""
+    """One resident qwen3moe layer at decode, as its 10 plain launches; the token sits at the first
+    decode context (2k)."""
     rng = np.random.default_rng(5)
     d, hq, hk = s.head_dim, s.num_q_heads, s.num_kv_heads
     wq, wk, wv = (random_packed(fmt, n * d, s.hidden, rng) for n in (hq, hk, hk))
@@ -297,7 +311,8 @@ def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing) -> list:
         rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing)
     rows += [bench_attention_prefill(s, c, fmt, prefill_cfg, timing) for c in s.prefill_contexts
              for fmt in ("F16", "Q8_0", "Q4_0")]
-    rows += [bench_attention_decode(s, c, fmt, decode_cfg, timing) for c in s.decode_contexts for fmt in ("F16", "Q8_0")]
+    rows += [bench_attention_decode(s, c, fmt, decode_cfg, timing) for c in s.decode_contexts
+             for fmt in ("F16", "Q8_0", "Q4_0")]
     rows += bench_decode_layer(s, experts, "Q4_0", gemv_cfg, decode_cfg, timing)
     return rows
 
