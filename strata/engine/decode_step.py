@@ -87,7 +87,7 @@ class DecodeStep:
         self._attention: list = []
         self._experts: list = []
         self.is_resident: bool | None = None  # decided at a request's first token
-        self._prefetched = None  # the copies of the next layer's predicted experts
+        self._prefetched = None  # (ticket, experts): the copies of the next layer's predicted experts
         self._tables = None  # [L, N] int32 slot of every expert (resident)
         self._token = None  # a resident token's layers as one segment
         self._tails = GreedyTails(runner.ops, self._greedy_tail, self._capture)
@@ -247,11 +247,14 @@ class DecodeStep:
             host_ids, host_predicted = self._readback.now(ids, predicted)
             slot_of = runner.decode_slots(layer, host_ids, stats)  # [N]
             if self._prefetched is not None:  # this layer's experts staged ahead, maybe still in flight
-                ops.wait_staged(self._prefetched)
+                ticket, experts = self._prefetched
+                ops.wait_staged(ticket)
+                stats.prefetched_used += len(set(experts).intersection(host_ids.ravel().tolist()))
                 self._prefetched = None
             if host_predicted is not None:  # behind this layer's misses on the copy stream, beside its kernels
                 in_use = {int(s) for s in slot_of[host_ids[0]]}
-                self._prefetched = runner.prefetch(layer + 1, host_predicted, in_use, stats)
+                ticket, experts = runner.prefetch(layer + 1, host_predicted, in_use, stats)
+                self._prefetched = (ticket, experts) if experts else None
             row = self._slot_rows[layer:layer + 1]  # [1, k] pinned; its last copy ran before the wait above
             row[:] = slot_of[host_ids]
             ops.copy_in(self._slot_ids, row, is_queued=True)  # behind the staged copies, host not waiting

@@ -183,7 +183,8 @@ class Generation:
             geometry=report.geometry, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
             streamed_bytes=stream.streamed_bytes, num_chunks=stream.num_chunks,
             cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish,
-            prefill_streamed_bytes=self._prefill_streamed_bytes, prefetched_experts=stream.prefetched)
+            prefill_streamed_bytes=self._prefill_streamed_bytes, prefetched_experts=stream.prefetched,
+            prefetched_used_experts=stream.prefetched_used)
         self.engine.counters.record(self.stats)
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
 

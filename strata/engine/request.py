@@ -36,6 +36,7 @@ class RequestStats:
     finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled"
     prefill_streamed_bytes: int = 0  # the part of streamed_bytes that prefill streamed
     prefetched_experts: int = 0  # decode's experts staged ahead of their layer (hits when the prediction held)
+    prefetched_used_experts: int = 0  # of those, the ones their layer then routed the token to
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -60,7 +61,8 @@ class RequestStats:
                 f"PP {self.prefill_tokens_per_s:.1f} tok/s, TG {self.decode_tokens_per_s:.1f} tok/s | "
                 f"streamed {self.streamed_bytes / 2**20:.1f} MiB (prefill "
                 f"{self.prefill_streamed_bytes / 2**20:.1f}), expert-cache hit rate {self.cache_hit_rate:.1%}"
-                + (f" ({self.prefetched_experts} prefetched)" if self.prefetched_experts else "") + f" | {loan}")
+                + (f" ({self.prefetched_experts} prefetched, {self.prefetched_used_experts} used)"
+                   if self.prefetched_experts else "") + f" | {loan}")
 
 
 IsCancelled = Callable[[], bool]

@@ -51,6 +51,7 @@ class StreamStats:
     hits: int = 0
     misses: int = 0
     prefetched: int = 0  # experts decode staged ahead of their layer (in streamed_bytes, not in misses)
+    prefetched_used: int = 0  # of those, the ones their layer routed the token to (the rest were bytes spent early)
 
 
 @dataclasses.dataclass
@@ -262,14 +263,15 @@ class ModelRunner:
         self.ops.wait_staged(ticket)
         return slot_of
 
-    def prefetch(self, layer: int, host_ids: np.ndarray, in_use: set[int], stats: StreamStats):
+    def prefetch(self, layer: int, host_ids: np.ndarray, in_use: set[int], stats: StreamStats) -> tuple:
         """Insert and stage the experts ``host_ids`` of ``layer`` that are not cached, evicting by
-        the cache's policy outside ``in_use``; returns the copies' ticket (None: nothing staged)."""
+        the cache's policy outside ``in_use``; returns the copies' ticket (None: nothing staged)
+        and the experts staged."""
         uncached = [e for e in _distinct(host_ids) if self.cache.lookup(layer, e) < 0]
         slots, ticket = self._stage_into_cache(layer, uncached, in_use)
         stats.prefetched += len(slots)
         stats.streamed_bytes += len(slots) * self.cache.layout.slot_bytes
-        return ticket
+        return ticket, uncached[:len(slots)]
 
     def _stage_into_cache(self, layer: int, experts: list[int], protected: set[int]) -> tuple[list[int], object]:
         """Insert ``experts`` of ``layer`` into the cache (evicting outside ``protected``) as long as

@@ -101,10 +101,33 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path,
     owners = []
     capture = captured.ops.capture
     monkeypatch.setattr(captured.ops, "capture", lambda fn, owner: owners.append(owner) or capture(fn, owner))
+    events = []  # ("staged" | "routed", layer, experts) in the order the decode step saw them
+    prefetch, decode_slots = captured.runner.prefetch, captured.runner.decode_slots
+
+    def spied_prefetch(layer, ids, in_use, stats):
+        ticket, experts = prefetch(layer, ids, in_use, stats)
+        events.append(("staged", layer, set(experts)))
+        return ticket, experts
+
+    def spied_decode_slots(layer, ids, stats):
+        events.append(("routed", layer, set(ids.ravel().tolist())))
+        return decode_slots(layer, ids, stats)
+
+    monkeypatch.setattr(captured.runner, "prefetch", spied_prefetch)
+    monkeypatch.setattr(captured.runner, "decode_slots", spied_decode_slots)
     expected, _ = greedy(plain, prompt, num_generated)
     tokens, stats = greedy(captured, prompt, num_generated)
     assert tokens == expected == reference_greedy(tiny_path, prompt, num_generated)
     assert stats.cache_misses > 0 and stats.prefetched_experts > 0
+    # a staged expert counts as used when the next routing of its layer picks it
+    pending, num_used = {}, 0
+    for kind, layer, experts in events:
+        if kind == "staged":
+            pending[layer] = experts
+        else:
+            num_used += len(pending.pop(layer, set()) & experts)
+    assert stats.prefetched_experts == sum(len(e) for kind, _, e in events if kind == "staged")
+    assert stats.prefetched_used_experts == num_used
     # every layer's attention shares one scratch: a captured layer does not keep its own
     assert len(decode_scratches) >= captured.spec.num_layers and None not in decode_scratches
     assert len({id(s) for s in decode_scratches}) == 1
