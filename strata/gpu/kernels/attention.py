@@ -11,9 +11,10 @@ scores and the head dims for O. Query token t sits at q_positions[t] and sees ca
 For long contexts and few query rows (decode) the KV range is cut into `num_splits` slices, one
 block each; blocks write unnormalized partials (O, m, l) and a second launch combines them.
 
-One query token (decode) goes to attention_decode.py's kernel where it applies: a warp per query
-head, each key read once for the GQA group. This is the FFMA path. Prefill with at least MMA_MIN_TOKENS query tokens, one split and a head
-dim the tensor-core kernel serves goes to attention_mma.py instead (its Numba twin in the simulator).
+This is the FFMA path. One query token (decode) goes to attention_decode.py's kernel where that
+applies (a warp per query head, each key read once for the GQA group); prefill with at least
+MMA_MIN_TOKENS query tokens, one split and a head dim the tensor-core kernel serves goes to
+attention_mma.py (its Numba twin in the simulator).
 """
 
 from __future__ import annotations
