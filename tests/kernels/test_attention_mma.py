@@ -9,9 +9,9 @@ from kernel_data import dev, host, reference_dequant
 from strata.engine.ops import _has_cuda_device
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels.attention import attention, uses_tensor_cores
+from strata.gpu.kernels._common import MAX_STATIC_SHARED_BYTES
 from strata.gpu.kernels.attention_mma import (
     SERVING_CONFIG, MmaAttentionConfig, attention_mma, default_kv_tile, shared_bytes,
-    _MAX_STATIC_SHARED_BYTES,
 )
 from strata.gpu.kernels.kvcache import empty_kv_layer
 from strata.gpu.kernels.packing import pack, to_device
@@ -228,7 +228,7 @@ def test_fused_loop_equals_the_tile_step_and_the_reference(fmt, head_dim, kv_til
     np.testing.assert_allclose(fused, ref, **F16_TOLERANCE)
     # same fragments, same order of operations; only the staging code differs, and it rounds the same way
     # (the unfused kernel keeps Q beside one K/V tile pair, which a 64-row tile at head_dim 128 overflows)
-    if shared_bytes(head_dim, kv_tile, False, warps) <= _MAX_STATIC_SHARED_BYTES:
+    if shared_bytes(head_dim, kv_tile, False, warps) <= MAX_STATIC_SHARED_BYTES:
         step = _run(q, positions, caches, 8, 2, head_dim, MmaAttentionConfig(kv_tile=kv_tile, use_tensor_cores=True,
                                                                               warps=warps))
         np.testing.assert_allclose(fused, step, rtol=1e-4, atol=1e-5)
