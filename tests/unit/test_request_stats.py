@@ -1,0 +1,20 @@
+from strata.engine.planner import Geometry
+from strata.engine.request import RequestStats
+
+
+def _stats(**fields) -> RequestStats:
+    base = dict(prompt_tokens=100, unread_tokens=100, generated_tokens=11, geometry=Geometry(512, 64),
+                prefill_seconds=0.5, decode_seconds=0.25, streamed_bytes=3 * 2**20, num_chunks=1, cache_hits=30,
+                cache_misses=10, loan=None, finish_reason="length")
+    return RequestStats(**{**base, **fields})
+
+
+def test_the_timing_line_reports_rates_hit_rate_and_how_many_prefetches_were_used():
+    line = _stats(prefetched_experts=12, prefetched_used_experts=9).timing_line()
+    assert "PP 200.0 tok/s, TG 40.0 tok/s" in line  # 10 decode steps: the first token is prefill's
+    assert "expert-cache hit rate 75.0% (12 prefetched, 9 used)" in line
+    assert line.endswith("| loan off")
+
+
+def test_the_timing_line_leaves_out_prefetch_when_decode_staged_nothing_ahead():
+    assert "prefetched" not in _stats().timing_line()
