@@ -13,7 +13,7 @@ from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import AllocationError
 from strata.engine.ops import _has_cuda_device
-from strata.gpu.kernels import attention_decode
+from strata.gpu.kernels import attention_decode, attention_decode_mma, tensor_core
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, TRANSIENT_OWNERS
 from strata.model.gguf_file import open_gguf
 from strata.model.reference import KVCache, ReferenceModel
@@ -48,15 +48,21 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
 
 
-def test_decode_attention_kernel_in_the_captured_step_gives_the_reference_logits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("head_dim, module", [
+    pytest.param(32, attention_decode, id="ffma"),
+    pytest.param(64, attention_decode_mma, id="tensor-cores", marks=pytest.mark.skipif(
+        not tensor_core.is_available(), reason="the simulator runs its twin in tests/kernels; an engine there is slow")),
+])
+def test_decode_attention_kernel_in_the_captured_step_gives_the_reference_logits(tmp_path, monkeypatch, head_dim,
+                                                                                   module):
     # the tiny preset's head dim (16) goes to attention.py's kernel; at 32 a decode token's attention
-    # is attention_decode's, captured in the layers' segments over the shared split scratch, its KV
-    # length read from the position on the device
-    path = write_synthetic_model(tmp_path / "head-dim-32.gguf", with_overrides(PRESETS["tiny"], head_dim=32),
-                                 QType.Q4_0, seed=4)
+    # is attention_decode's, at 64 attention_decode_mma's (tensor cores), captured in the layers'
+    # segments over the shared split scratch, its KV length read from the position on the device
+    path = write_synthetic_model(tmp_path / f"head-dim-{head_dim}.gguf",
+                                 with_overrides(PRESETS["tiny"], head_dim=head_dim), QType.Q4_0, seed=4)
     kernels = []
-    decode_kernel = attention_decode.decode_kernel
-    monkeypatch.setattr(attention_decode, "decode_kernel", lambda *args: kernels.append(args) or decode_kernel(*args))
+    decode_kernel = module.decode_kernel
+    monkeypatch.setattr(module, "decode_kernel", lambda *args: kernels.append(args) or decode_kernel(*args))
     runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "greedy_on_device": False}
     engine = Engine.load(engine_config(path, runtime=runtime), show_progress=False)
     logits = []

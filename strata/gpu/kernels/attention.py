@@ -11,8 +11,9 @@ scores and the head dims for O. Query token t sits at q_positions[t] and sees ca
 For long contexts and few query rows (decode) the KV range is cut into `num_splits` slices, one
 block each; blocks write unnormalized partials (O, m, l) and a second launch combines them.
 
-This is the FFMA path. One query token (decode) goes to attention_decode.py's kernel where that
-applies (a warp per query head, each key read once for the GQA group); prefill with at least
+This is the FFMA path. One query token (decode) goes to attention_decode_mma.py's tensor-core
+kernel where that applies (head dims 64 and 128, its Numba twin in the simulator), else to
+attention_decode.py's (a warp per query head, each key read once for the GQA group); prefill with at least
 MMA_MIN_TOKENS query tokens, one split and a head dim the tensor-core kernel serves goes to
 attention_mma.py (its Numba twin in the simulator).
 """
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from . import attention_decode, tensor_core
+from . import attention_decode, attention_decode_mma, tensor_core
 from ._common import (
     IS_SIMULATOR, MAX_STATIC_SHARED_BYTES, OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty,
     stand_in,
@@ -269,7 +270,9 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     tokens_per_block * group * threads_per_row threads; static shared memory (rows * head_dim +
     kv_tile * (2 * head_dim + 1) + rows * kv_tile + 2 * threads) float32 with rows =
     tokens_per_block * group, at most 48 KiB (44 KiB for the default at head_dim 128, group 8).
-    One token where attention_decode.is_supported: attention_decode's kernel, grid (1, num_kv_heads,
+    One token where attention_decode_mma.is_supported: its kernel, grid (1, num_kv_heads, num_splits),
+    block attention_decode_mma.threads() (4 warps on a GPU), inputs rounded to f16 as in prefill;
+    else where attention_decode.is_supported: attention_decode's kernel, grid (1, num_kv_heads,
     num_splits), block group * 32 threads (config is still validated, and its kv_tile rounds a
     split length given by kv_len). With num_splits > 1 a second launch combines: grid (T,
     num_q_heads), block min(head_dim, 128).
@@ -310,7 +313,11 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     else:
         workspace = (stand_in(out, np.float32, 4), stand_in(out, np.float32, 3), stand_in(out, np.float32, 3))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if num_tokens == 1 and attention_decode.is_supported(head_dim, group):
+    if num_tokens == 1 and attention_decode_mma.is_supported(head_dim, group, k_cache.fmt):
+        is_twin = not tensor_core.is_available()
+        kernel = attention_decode_mma.decode_kernel(k_cache.fmt, head_dim, group, is_split, is_twin)
+        grid, threads = (1, num_kv_heads, num_splits), attention_decode_mma.threads(head_dim, group, is_twin)
+    elif num_tokens == 1 and attention_decode.is_supported(head_dim, group):
         kernel = attention_decode.decode_kernel(k_cache.fmt, head_dim, group, is_split)
         grid, threads = (1, num_kv_heads, num_splits), group * attention_decode.WARP
     else:

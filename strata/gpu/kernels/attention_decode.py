@@ -19,7 +19,8 @@ is decoded, measured slower (136-143 us at 32k).
 Splits write the same unnormalized partials (O, m, l) as attention.py, combined by its combine
 kernel; one split writes the normalized output. Needs head_dim a multiple of 32 and a group whose
 scores fit the static shared memory (up to 8 query heads per KV head at head_dim 128: 29 KiB);
-attention() sends one-token calls here when they hold.
+attention() sends one-token calls here when they hold and attention_decode_mma.py's tensor-core
+kernel does not serve them (head dims other than 64 and 128).
 """
 
 from __future__ import annotations

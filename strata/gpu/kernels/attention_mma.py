@@ -235,23 +235,18 @@ def _block_rows(head_dim: int, group: int, warps: int):
     return stage_q, key_end, write_out
 
 
-@functools.cache
-def _mma_attention_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, is_twin: bool, lto: bool,
-                          warps: int = WARPS_PER_BLOCK):
+def _kv_loop(fmt: str, head_dim: int, kv_tile: int, is_twin: bool, warps: int):
+    """The per-tile KV loop as a device function: every thread of the block calls
+    kv_loop(qs, ks, vs, row_last, scores, state, wl, <the cache's six planes>, kvh, begin, end), which
+    zeroes the state and runs the tile step over keys begin .. end - 1, tiles of kv_tile from begin.
+    Keys a tile holds past `end` are staged as zeros and must be masked by row_last (end is the last
+    key any row sees, or begin + a multiple of kv_tile)."""
     dequant8 = dequant8_for(fmt)
     tile_step = _twin_tile_step(head_dim, kv_tile) if is_twin else _cpp_tile_step(head_dim, kv_tile)
-    stage_q, key_end, write_out = _block_rows(head_dim, group, warps)
     stride = head_dim + ROW_PAD_HALVES
-    rows = warps * ROWS_PER_WARP
     threads = 32 * warps
     octets_per_row = head_dim // OCTET
-    q_size, kv_size = rows * stride, kv_tile * stride
-    # f16 shared arrays are only 2-byte aligned: every array a multiple of 16 bytes keeps each one on a
-    # 16-byte boundary, as the C++ 32-bit fragment loads and ldmatrix need
-    scores_size = rows * kv_tile if is_twin else 4
-    num_state = state_size(head_dim)
     m_off = head_dim // 2
-    jit_options = {"lto": True} if lto else {}  # the tile step's declaration links the C++ source
 
     @cuda.jit(device=True)
     def stage_kv(k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, kvh, key0, end, ks, vs, wl):
@@ -271,9 +266,40 @@ def _mma_attention_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, is_
                     ks[base + i] = np.float16(0.0)
                     vs[base + i] = np.float16(0.0)
 
+    @cuda.jit(device=True)
+    def kv_loop(qs, ks, vs, row_last, scores, state, wl, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra,
+                kvh, begin, end):
+        warp = cuda.threadIdx.x // 32
+        for i in range(m_off):
+            state[i] = np.float32(0.0)
+        for h in range(2):
+            state[m_off + h] = NEG_INF
+            state[m_off + 2 + h] = np.float32(0.0)
+        for key0 in range(begin, end, kv_tile):
+            cuda.syncthreads()  # every warp is done with the previous tile
+            stage_kv(k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, kvh, key0, end, ks, vs, wl)
+            cuda.syncthreads()
+            tile_step(qs, ks, vs, row_last, scores, warp, key0, state)
+
+    return kv_loop
+
+
+@functools.cache
+def _mma_attention_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, is_twin: bool, lto: bool,
+                          warps: int = WARPS_PER_BLOCK):
+    kv_loop = _kv_loop(fmt, head_dim, kv_tile, is_twin, warps)
+    stage_q, key_end, write_out = _block_rows(head_dim, group, warps)
+    stride = head_dim + ROW_PAD_HALVES
+    rows = warps * ROWS_PER_WARP
+    q_size, kv_size = rows * stride, kv_tile * stride
+    # f16 shared arrays are only 2-byte aligned: every array a multiple of 16 bytes keeps each one on a
+    # 16-byte boundary, as the C++ 32-bit fragment loads and ldmatrix need
+    scores_size = rows * kv_tile if is_twin else 4
+    num_state = state_size(head_dim)
+    jit_options = {"lto": True} if lto else {}  # the tile step's declaration links the C++ source
+
     @cuda.jit(**jit_options)
     def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, q_scale, out):
-        warp = cuda.threadIdx.x // 32
         kvh = cuda.blockIdx.y
         row_base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * rows  # the longest rows start first
         qs = cuda.shared.array(q_size, np.float16)  # [rows, stride]
@@ -284,18 +310,9 @@ def _mma_attention_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, is_
         state = cuda.local.array(num_state, np.float32)
         wl = cuda.local.array(OCTET, np.float32)
         stage_q(q, q_scale, kvh, row_base, q_positions, kv_len, qs, row_last)
-        for i in range(m_off):
-            state[i] = np.float32(0.0)
-        for h in range(2):
-            state[m_off + h] = NEG_INF
-            state[m_off + 2 + h] = np.float32(0.0)
         cuda.syncthreads()
-        end = key_end(row_last)
-        for key0 in range(0, end, kv_tile):
-            cuda.syncthreads()  # every warp is done with the previous tile
-            stage_kv(k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, kvh, key0, end, ks, vs, wl)
-            cuda.syncthreads()
-            tile_step(qs, ks, vs, row_last, scores, warp, key0, state)
+        kv_loop(qs, ks, vs, row_last, scores, state, wl, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra,
+                kvh, 0, key_end(row_last))
         write_out(state, kvh, row_base, out)
 
     return kernel
@@ -310,21 +327,31 @@ def _fused_source(fmt: str, head_dim: int, kv_tile: int, warps: int, stages: int
     return cuda.CUSource(text + line, name=f"{name}.cu"), name
 
 
-@functools.cache
-def _fused_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, warps: int, stages: int, lto: bool):
-    """The kernel whose KV loop is one call into the C++ fused loop; GPU only."""
+def fused_loop(fmt: str, head_dim: int, kv_tile: int, warps: int, stages: int):
+    """The C++ fused KV loop, declared: fused_loop(smem, row_last, begin, end, k_quants, k_scales, v_quants,
+    v_scales, quant_pitch, scale_pitch, col0, state), arguments as cuda/attention_mma.cu's attention_fused
+    takes them (pointers through tensor_core.ffi().from_buffer); GPU only."""
     source, name = _fused_source(fmt, head_dim, kv_tile, warps, stages)
     quant_ptr = tensor_core.HALF_PTR if fmt == "F16" else types.CPointer(types.uint32)
     i32 = tensor_core.INT32
-    # smem, row_last, end, k_quants, k_scales, v_quants, v_scales, quant_pitch, scale_pitch, col0, state
-    argtypes = (tensor_core.HALF_PTR, INT_PTR, i32, quant_ptr, tensor_core.HALF_PTR, quant_ptr, tensor_core.HALF_PTR,
-                i32, i32, i32, tensor_core.FLOAT_PTR)
-    fused_loop = cuda.declare_device(name, types.void(*argtypes), link=[source], abi="c")
+    argtypes = (tensor_core.HALF_PTR, INT_PTR, i32, i32, quant_ptr, tensor_core.HALF_PTR, quant_ptr,
+                tensor_core.HALF_PTR, i32, i32, i32, tensor_core.FLOAT_PTR)
+    return cuda.declare_device(name, types.void(*argtypes), link=[source], abi="c")
+
+
+def fused_buffer_size(head_dim: int, kv_tile: int, warps: int, stages: int) -> int:
+    """Halves of the fused loop's shared buffer: [rows, stride] Q, then [stages][2][kv_tile, stride] K/V."""
+    return (head_dim + ROW_PAD_HALVES) * max(warps * ROWS_PER_WARP, 2 * stages * kv_tile)
+
+
+@functools.cache
+def _fused_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, warps: int, stages: int, lto: bool):
+    """The kernel whose KV loop is one call into the C++ fused loop; GPU only."""
+    loop = fused_loop(fmt, head_dim, kv_tile, warps, stages)
     ffi = tensor_core.ffi()
     stage_q, key_end, write_out = _block_rows(head_dim, group, warps)
-    stride = head_dim + ROW_PAD_HALVES
     rows = warps * ROWS_PER_WARP
-    buf_size = stride * max(rows, 2 * stages * kv_tile)  # [rows, stride] Q, then [stages][2][kv_tile, stride] K/V
+    buf_size = fused_buffer_size(head_dim, kv_tile, warps, stages)
     num_state = state_size(head_dim)
     jit_options = {"lto": True} if lto else {}
 
@@ -338,10 +365,10 @@ def _fused_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, warps: int,
         stage_q(q, q_scale, kvh, row_base, q_positions, kv_len, buf, row_last)
         cuda.syncthreads()
         end = key_end(row_last)
-        fused_loop(ffi.from_buffer(buf), ffi.from_buffer(row_last), np.int32(end), ffi.from_buffer(k_quants),
-                   ffi.from_buffer(k_scales), ffi.from_buffer(v_quants), ffi.from_buffer(v_scales),
-                   np.int32(k_quants.shape[1]), np.int32(k_scales.shape[1]), np.int32(kvh * head_dim),
-                   ffi.from_buffer(state))
+        loop(ffi.from_buffer(buf), ffi.from_buffer(row_last), np.int32(0), np.int32(end), ffi.from_buffer(k_quants),
+             ffi.from_buffer(k_scales), ffi.from_buffer(v_quants), ffi.from_buffer(v_scales),
+             np.int32(k_quants.shape[1]), np.int32(k_scales.shape[1]), np.int32(kvh * head_dim),
+             ffi.from_buffer(state))
         write_out(state, kvh, row_base, out)
 
     return kernel

@@ -364,10 +364,13 @@ struct TileStager {
 }
 
 // smem: at entry the block's Q ([W * 16][D + 8], scaled, f16); then STAGES buffers of K [KT][D + 8] and
-// V [KT][D + 8]. row_last [W * 16]; keys 0 .. end - 1 are visible to some row; state as in the tile step,
-// written once at the end. STAGES 2: tile j + 1 is in flight while tile j is multiplied, one barrier a tile.
+// V [KT][D + 8]. row_last [W * 16]; the block reads keys begin .. end - 1 (0 .. end - 1 for prefill: every
+// key some row sees; one KV split of a decode token); state as in the tile step, written once at the end.
+// STAGES 2: tile j + 1 is in flight while tile j is multiplied, one barrier a tile. A warp whose rows are
+// all padding (row_last -1, as in a decode block whose group fills one warp) only stages.
 template <CacheFormat F, int D, int KT, int W, int STAGES>
-__device__ __forceinline__ void attention_fused(__half* smem, const int* row_last, int end, const void* k_quants,
+__device__ __forceinline__ void attention_fused(__half* smem, const int* row_last, int begin, int end,
+                                                const void* k_quants,
                                                 const __half* k_scales, const void* v_quants, const __half* v_scales,
                                                 int quant_pitch, int scale_pitch, int col0, float* state) {
   constexpr int LD = D + 8, TILE = KT * LD;
@@ -384,7 +387,7 @@ __device__ __forceinline__ void attention_fused(__half* smem, const int* row_las
   st.m[0] = st.m[1] = neg_inf();
   st.l[0] = st.l[1] = 0.f;
   TileStager<F, D, KT, 32 * W> stager{k_quants, k_scales, v_quants, v_scales, quant_pitch, scale_pitch, col0, end};
-  const int num_tiles = (end + KT - 1) / KT;
+  const int num_tiles = end > begin ? (end - begin + KT - 1) / KT : 0;
   __syncthreads();  // every warp holds its Q fragments: the buffers may overwrite Q
 
   auto compute = [&](int key0, const __half* k, const __half* v) {
@@ -394,18 +397,18 @@ __device__ __forceinline__ void attention_fused(__half* smem, const int* row_las
   if constexpr (STAGES == 1) {
     for (int j = 0; j < num_tiles; ++j) {
       if (j) __syncthreads();  // every warp is done with the previous tile
-      stager.load(j * KT, smem, smem + TILE);
+      stager.load(begin + j * KT, smem, smem + TILE);
       if constexpr (F == kF16) {
         cp_async_commit();
         cp_async_wait_all();
       }
       stager.store(smem, smem + TILE);
       __syncthreads();
-      compute(j * KT, smem, smem + TILE);
+      compute(begin + j * KT, smem, smem + TILE);
     }
   } else {
     if (num_tiles) {
-      stager.load(0, smem, smem + TILE);
+      stager.load(begin, smem, smem + TILE);
       cp_async_commit();
       stager.store(smem, smem + TILE);
     }
@@ -416,10 +419,10 @@ __device__ __forceinline__ void attention_fused(__half* smem, const int* row_las
       __syncthreads();  // tile j is in place, and every warp is done with tile j - 1, whose buffer is `next`
       const bool has_next = j + 1 < num_tiles;
       if (has_next) {
-        stager.load((j + 1) * KT, next, next + TILE);
+        stager.load(begin + (j + 1) * KT, next, next + TILE);
         cp_async_commit();
       }
-      compute(j * KT, cur, cur + TILE);
+      compute(begin + j * KT, cur, cur + TILE);
       if (has_next) stager.store(next, next + TILE);
     }
   }
@@ -446,8 +449,8 @@ STRATA_ATTENTION_TILE(128, 64)
 // The fused loop is instantiated on demand: attention_mma.py appends one STRATA_ATTENTION_FUSED line per kernel.
 #define STRATA_ATTENTION_FUSED(FMT, D, KT, W, S)                                                                 \
   extern "C" __device__ void strata_attention_mma_fused_##FMT##_d##D##_k##KT##_w##W##_s##S(                      \
-      __half* smem, const int* row_last, int end, const void* k_quants, const __half* k_scales,                 \
+      __half* smem, const int* row_last, int begin, int end, const void* k_quants, const __half* k_scales,      \
       const void* v_quants, const __half* v_scales, int quant_pitch, int scale_pitch, int col0, float* state) {  \
-    attention_fused<k##FMT, D, KT, W, S>(smem, row_last, end, k_quants, k_scales, v_quants, v_scales,            \
+    attention_fused<k##FMT, D, KT, W, S>(smem, row_last, begin, end, k_quants, k_scales, v_quants, v_scales,     \
                                          quant_pitch, scale_pitch, col0, state);                                 \
   }
