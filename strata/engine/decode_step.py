@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -143,11 +144,11 @@ class DecodeStep:
                     pending = ahead
                     ahead = _launch(layers, tail.segment, readback, self._token_id) if step + 1 < num_steps else None
                     stats.hits += spec.num_layers * spec.num_experts_used
-                    yield self._checked(readback.read(pending))
+                    yield self._checked(_timed_read(readback, pending, stats))
                 return
             for _ in range(num_steps):
                 self._layers(stats)
-                yield self._checked(readback.read(_launch(None, tail.segment, readback, self._token_id)))
+                yield self._checked(_timed_read(readback, _launch(None, tail.segment, readback, self._token_id), stats))
         except Exception as exc:
             error = exc
             raise
@@ -244,7 +245,9 @@ class DecodeStep:
             _, ids, _, predicted = attention.outputs
             # [1, k] each, read at once after the segment and before anything queued makes the
             # default stream wait for copies
+            started = time.perf_counter()
             host_ids, host_predicted = self._readback.now(ids, predicted)
+            stats.decode_wait_seconds += time.perf_counter() - started
             slot_of = runner.decode_slots(layer, host_ids, stats)  # [N]
             if self._prefetched is not None:  # this layer's experts staged ahead, maybe still in flight
                 ticket, experts = self._prefetched
@@ -370,6 +373,14 @@ class DecodeStep:
             # the routed ids go through the layer's table to slots on the device
             ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], cache.layout)
         return ()
+
+
+def _timed_read(readback, ticket, stats: StreamStats) -> int:
+    """readback.read(ticket), its wait added to the request's decode_wait_seconds."""
+    started = time.perf_counter()
+    token = readback.read(ticket)
+    stats.decode_wait_seconds += time.perf_counter() - started
+    return token
 
 
 def _launch(layers, tail, readback, token) -> int:

@@ -184,7 +184,7 @@ class Generation:
             streamed_bytes=stream.streamed_bytes, num_chunks=stream.num_chunks,
             cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish,
             prefill_streamed_bytes=self._prefill_streamed_bytes, prefetched_experts=stream.prefetched,
-            prefetched_used_experts=stream.prefetched_used)
+            prefetched_used_experts=stream.prefetched_used, decode_wait_seconds=stream.decode_wait_seconds)
         self.engine.counters.record(self.stats)
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
 

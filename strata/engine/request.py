@@ -37,6 +37,8 @@ class RequestStats:
     prefill_streamed_bytes: int = 0  # the part of streamed_bytes that prefill streamed
     prefetched_experts: int = 0  # decode's experts staged ahead of their layer (hits when the prediction held)
     prefetched_used_experts: int = 0  # of those, the ones their layer then routed the token to
+    decode_wait_seconds: float = 0.0  # captured decode: the host blocked on the device (the rest of decode_seconds
+    # is the host's own work, which the device waits for unless queued work covers it)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -62,7 +64,16 @@ class RequestStats:
                 f"streamed {self.streamed_bytes / 2**20:.1f} MiB (prefill "
                 f"{self.prefill_streamed_bytes / 2**20:.1f}), expert-cache hit rate {self.cache_hit_rate:.1%}"
                 + (f" ({self.prefetched_experts} prefetched, {self.prefetched_used_experts} used)"
-                   if self.prefetched_experts else "") + f" | {loan}")
+                   if self.prefetched_experts else "") + self._host_share() + f" | {loan}")
+
+    def _host_share(self) -> str:
+        """Per decode step: the host's waits on the device and its own work (captured decode only)."""
+        steps = max(0, self.generated_tokens - 1)
+        if not steps or self.decode_wait_seconds <= 0:
+            return ""
+        wait_ms = 1e3 * self.decode_wait_seconds / steps
+        busy_ms = 1e3 * max(0.0, self.decode_seconds - self.decode_wait_seconds) / steps
+        return f" | decode host: waiting {wait_ms:.1f} ms/token, busy {busy_ms:.1f}"
 
 
 IsCancelled = Callable[[], bool]

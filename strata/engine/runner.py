@@ -52,6 +52,7 @@ class StreamStats:
     misses: int = 0
     prefetched: int = 0  # experts decode staged ahead of their layer (in streamed_bytes, not in misses)
     prefetched_used: int = 0  # of those, the ones their layer routed the token to (the rest were bytes spent early)
+    decode_wait_seconds: float = 0.0  # captured decode: the host blocked on the device's routing and token ids
 
 
 @dataclasses.dataclass

@@ -125,6 +125,7 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path,
     tokens, stats = greedy(captured, prompt, num_generated)
     assert tokens == expected == reference_greedy(tiny_path, prompt, num_generated)
     assert stats.cache_misses > 0 and stats.prefetched_experts > 0
+    assert 0 < stats.decode_wait_seconds < stats.decode_seconds  # blocked on each layer's routing
     # a staged expert counts as used when the next routing of its layer picks it
     pending, num_used = {}, 0
     for kind, layer, experts in events:
@@ -169,6 +170,7 @@ def test_a_fully_cached_model_decodes_from_segments_kept_across_requests(tiny_pa
     tokens, stats = greedy(engine, prompt, num_generated)
     assert tokens == reference_greedy(tiny_path, prompt, num_generated)
     assert calls and stats.cache_misses == 0 and engine.cache.num_cached == spec.num_layers * spec.num_experts
+    assert 0 < stats.decode_wait_seconds < stats.decode_seconds  # blocked on each step's token id
     assert len(captured) == 2 and _lasting(engine) == dict(engine.idle_ledger.by_owner)
 
     head = engine.resources["output_head"]

@@ -18,3 +18,10 @@ def test_the_timing_line_reports_rates_hit_rate_and_how_many_prefetches_were_use
 
 def test_the_timing_line_leaves_out_prefetch_when_decode_staged_nothing_ahead():
     assert "prefetched" not in _stats().timing_line()
+
+
+def test_the_timing_line_splits_decode_into_the_hosts_waits_and_its_own_work():
+    # 10 decode steps in 0.25 s, 0.2 s of it blocked on the device: 20 ms a step waiting, 5 busy
+    line = _stats(decode_wait_seconds=0.2).timing_line()
+    assert "| decode host: waiting 20.0 ms/token, busy 5.0 |" in line
+    assert "decode host" not in _stats().timing_line()  # plain launches: not measured
