@@ -144,11 +144,12 @@ class DecodeStep:
                     pending = ahead
                     ahead = _launch(layers, tail.segment, readback, self._token_id) if step + 1 < num_steps else None
                     stats.hits += spec.num_layers * spec.num_experts_used
-                    yield self._checked(_timed_read(readback, pending, stats))
+                    yield self._checked(_waited(stats, readback.read, pending))
                 return
             for _ in range(num_steps):
                 self._layers(stats)
-                yield self._checked(_timed_read(readback, _launch(None, tail.segment, readback, self._token_id), stats))
+                ticket = _launch(None, tail.segment, readback, self._token_id)
+                yield self._checked(_waited(stats, readback.read, ticket))
         except Exception as exc:
             error = exc
             raise
@@ -245,9 +246,7 @@ class DecodeStep:
             _, ids, _, predicted = attention.outputs
             # [1, k] each, read at once after the segment and before anything queued makes the
             # default stream wait for copies
-            started = time.perf_counter()
-            host_ids, host_predicted = self._readback.now(ids, predicted)
-            stats.decode_wait_seconds += time.perf_counter() - started
+            host_ids, host_predicted = _waited(stats, self._readback.now, ids, predicted)
             slot_of = runner.decode_slots(layer, host_ids, stats)  # [N]
             if self._prefetched is not None:  # this layer's experts staged ahead, maybe still in flight
                 ticket, experts = self._prefetched
@@ -375,12 +374,12 @@ class DecodeStep:
         return ()
 
 
-def _timed_read(readback, ticket, stats: StreamStats) -> int:
-    """readback.read(ticket), its wait added to the request's decode_wait_seconds."""
+def _waited(stats: StreamStats, read, *args):
+    """read(*args), a readback that blocks on the device; its time is added to decode_wait_seconds."""
     started = time.perf_counter()
-    token = readback.read(ticket)
+    result = read(*args)
     stats.decode_wait_seconds += time.perf_counter() - started
-    return token
+    return result
 
 
 def _launch(layers, tail, readback, token) -> int:

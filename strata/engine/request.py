@@ -37,8 +37,9 @@ class RequestStats:
     prefill_streamed_bytes: int = 0  # the part of streamed_bytes that prefill streamed
     prefetched_experts: int = 0  # decode's experts staged ahead of their layer (hits when the prediction held)
     prefetched_used_experts: int = 0  # of those, the ones their layer then routed the token to
-    decode_wait_seconds: float = 0.0  # captured decode: the host blocked on the device (the rest of decode_seconds
-    # is the host's own work, which the device waits for unless queued work covers it)
+    # captured decode: the host blocked on the device's readbacks. The rest of decode_seconds is the host's
+    # own time: its per-layer bookkeeping and launches, and whatever the caller does between tokens
+    decode_wait_seconds: float = 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -51,7 +51,7 @@ def test_one_token_over_several_tiles_and_splits(fmt, num_splits):
     # a group of 8 query heads (Qwen3-30B-A3B's) in one block; 147 keys: whole tiles and a partial
     # one, splits that end inside the context and one cut by the position
     num_q_heads, num_kv_heads, head_dim, kv_len = 16, 2, 64, 147
-    assert attention_decode_mma.is_supported(head_dim, num_q_heads // num_kv_heads, fmt)
+    assert attention_decode_mma.is_supported(head_dim, num_q_heads // num_kv_heads)
     q, caches, values = _case(fmt, num_q_heads, num_kv_heads, head_dim, kv_len + 5, seed=90)
     out = _attend(q, caches, kv_len - 1, num_q_heads, num_kv_heads, head_dim, num_splits, kv_len + 5,
                   is_len_from_positions=True)
@@ -71,21 +71,31 @@ def test_one_token_replays_at_any_position(num_splits):
 
 
 def test_split_length_from_the_host_is_rounded_to_whole_tiles():
-    # kv_len from the host: attention() rounds the split length to its config's 32-key tiles; a
-    # tile past a split's end would otherwise add zero keys into the sum
+    # kv_len from the host: attention() rounds the split length to its config's 32 keys (96 here),
+    # the kernel to its own tile, which the simulator's twin makes 64 keys at head dim 128: a tile
+    # past a split's end would otherwise add zero keys into the sum (on a GPU the fused loop's
+    # 32-key tiles already divide 96)
     num_q_heads, num_kv_heads, head_dim, kv_len = 8, 1, 128, 200
     q, caches, values = _case("Q8_0", num_q_heads, num_kv_heads, head_dim, kv_len, seed=92)
     out = _attend(q, caches, kv_len - 1, num_q_heads, num_kv_heads, head_dim, 3, kv_len)
     np.testing.assert_allclose(out, _reference(q, values, kv_len - 1, num_q_heads, head_dim), **F16_TOLERANCE)
 
 
+def test_a_group_of_more_than_one_warps_rows():
+    # 24 query heads over one KV head: two warps hold real rows (16 + 8), the partials of both
+    num_q_heads, num_kv_heads, head_dim, kv_len = 24, 1, 64, 70
+    q, caches, values = _case("Q4_0", num_q_heads, num_kv_heads, head_dim, kv_len, seed=94)
+    for num_splits in (1, 2):
+        out = _attend(q, caches, kv_len - 1, num_q_heads, num_kv_heads, head_dim, num_splits, kv_len,
+                      is_len_from_positions=True)
+        np.testing.assert_allclose(out, _reference(q, values, kv_len - 1, num_q_heads, head_dim), **F16_TOLERANCE)
+
+
 def test_serves_head_dims_the_tensor_core_loop_exports():
-    assert attention_decode_mma.is_supported(128, 8, "Q4_0")
-    assert not attention_decode_mma.is_supported(32, 8, "Q4_0")  # attention_decode.py's kernel serves it
-    assert not attention_decode_mma.is_supported(128, 65, "Q4_0")  # more heads than the block's rows
-    warps, kv_tile = attention_decode_mma.launch_shape(128, 8, is_twin=False)
-    assert (warps, kv_tile) == (4, 32)
-    assert attention_decode_mma.num_shared_bytes(128, 8, is_twin=False) <= 48 * 1024
+    assert attention_decode_mma.is_supported(128, 8)
+    assert not attention_decode_mma.is_supported(32, 8)  # attention_decode.py's kernel serves it
+    assert not attention_decode_mma.is_supported(128, 65)  # more heads than the fused block's 64 rows
+    assert attention_decode_mma.launch_shape(128, 8, is_twin=False) == (4, 32)  # double-buffered 32-key tiles
 
 
 @pytest.mark.skipif(not tensor_core.is_available(), reason="the C++ fused loop needs a tensor-core GPU")

@@ -11,8 +11,10 @@
     tensor_core    declaring linked CUDA C++ device functions (cuda/*.cu) for Numba kernels
     norm, rope     RMSNorm; per-head q/k norm fused with RoPE (NeoX and normal)
     kvcache        K/V append in F16, Q8_0, Q4_0
-    attention      causal GQA over the cache, prefill and split-KV decode
+    attention      causal GQA over the cache, prefill (FFMA tiles) and the split-KV combine; dispatches
     attention_mma  prefill attention on tensor cores (flash-attention 2, fused C++ KV loop)
+    attention_decode_mma  one decode token on tensor cores: that KV loop over one KV split a block
+    attention_decode      one decode token in FFMA, a warp per query head (other head dims)
     moe_route      softmax top-k routing, grouping of routed pairs by expert
     moe            expert products, prefill (tiled, gathered) and decode (GEMV-shaped)
     activation     SwiGLU

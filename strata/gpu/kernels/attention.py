@@ -313,7 +313,7 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     else:
         workspace = (stand_in(out, np.float32, 4), stand_in(out, np.float32, 3), stand_in(out, np.float32, 3))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if num_tokens == 1 and attention_decode_mma.is_supported(head_dim, group, k_cache.fmt):
+    if num_tokens == 1 and attention_decode_mma.is_supported(head_dim, group):
         is_twin = not tensor_core.is_available()
         kernel = attention_decode_mma.decode_kernel(k_cache.fmt, head_dim, group, is_split, is_twin)
         grid, threads = (1, num_kv_heads, num_splits), attention_decode_mma.threads(head_dim, group, is_twin)

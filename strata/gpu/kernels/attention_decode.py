@@ -20,7 +20,8 @@ Splits write the same unnormalized partials (O, m, l) as attention.py, combined 
 kernel; one split writes the normalized output. Needs head_dim a multiple of 32 and a group whose
 scores fit the static shared memory (up to 8 query heads per KV head at head_dim 128: 29 KiB);
 attention() sends one-token calls here when they hold and attention_decode_mma.py's tensor-core
-kernel does not serve them (head dims other than 64 and 128).
+kernel does not serve them: head dims other than 64 and 128, groups of more than 64 query heads,
+or a GPU without tensor cores (or without cffi).
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ def _cpp_tile_step(head_dim: int, kv_tile: int):
     return tile_step
 
 
-def _block_rows(head_dim: int, group: int, warps: int):
+def block_rows(head_dim: int, group: int, warps: int):
     """Device functions for a block's query rows: staging Q and row_last, the last key, the output."""
     stride = head_dim + ROW_PAD_HALVES
     rows = warps * ROWS_PER_WARP
@@ -239,8 +239,8 @@ def _kv_loop(fmt: str, head_dim: int, kv_tile: int, is_twin: bool, warps: int):
     """The per-tile KV loop as a device function: every thread of the block calls
     kv_loop(qs, ks, vs, row_last, scores, state, wl, <the cache's six planes>, kvh, begin, end), which
     zeroes the state and runs the tile step over keys begin .. end - 1, tiles of kv_tile from begin.
-    Keys a tile holds past `end` are staged as zeros and must be masked by row_last (end is the last
-    key any row sees, or begin + a multiple of kv_tile)."""
+    Keys a tile holds from `end` on are staged as zeros and must be masked by row_last: `end` is one
+    past the last key any row sees, or begin plus a multiple of kv_tile."""
     dequant8 = dequant8_for(fmt)
     tile_step = _twin_tile_step(head_dim, kv_tile) if is_twin else _cpp_tile_step(head_dim, kv_tile)
     stride = head_dim + ROW_PAD_HALVES
@@ -285,34 +285,78 @@ def _kv_loop(fmt: str, head_dim: int, kv_tile: int, is_twin: bool, warps: int):
 
 
 @functools.cache
-def _mma_attention_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, is_twin: bool, lto: bool,
-                          warps: int = WARPS_PER_BLOCK):
-    kv_loop = _kv_loop(fmt, head_dim, kv_tile, is_twin, warps)
-    stage_q, key_end, write_out = _block_rows(head_dim, group, warps)
+def block_attend(fmt: str, head_dim: int, group: int, kv_tile: int, warps: int, is_twin: bool, fused: bool,
+                 stages: int = 2):
+    """attend(q, q_scale, kvh, row_base, q_positions, kv_len, state, <the cache's six planes>, begin, end),
+    called by every thread of a block: stages the block's query rows (row_base on, scaled by q_scale)
+    and runs the KV loop over keys begin .. end - 1 into state (end < 0: one past the last key any
+    row sees). The per-tile loop (the Numba twin, or the C++ tile step), or with `fused` the C++
+    fused loop (GPU only). The state's layout is state_size()'s; block_rows' write_out normalizes it."""
+    stage_q, key_end, _ = block_rows(head_dim, group, warps)
     stride = head_dim + ROW_PAD_HALVES
     rows = warps * ROWS_PER_WARP
-    q_size, kv_size = rows * stride, kv_tile * stride
-    # f16 shared arrays are only 2-byte aligned: every array a multiple of 16 bytes keeps each one on a
-    # 16-byte boundary, as the C++ 32-bit fragment loads and ldmatrix need
-    scores_size = rows * kv_tile if is_twin else 4
-    num_state = state_size(head_dim)
-    jit_options = {"lto": True} if lto else {}  # the tile step's declaration links the C++ source
+    if fused:
+        loop = fused_loop(fmt, head_dim, kv_tile, warps, stages)
+        ffi = tensor_core.ffi()
+        buf_size = fused_buffer_size(head_dim, kv_tile, warps, stages)
 
-    @cuda.jit(**jit_options)
-    def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, q_scale, out):
-        kvh = cuda.blockIdx.y
-        row_base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * rows  # the longest rows start first
+        @cuda.jit(device=True)
+        def attend_fused(q, q_scale, kvh, row_base, q_positions, kv_len, state, k_quants, k_scales, k_extra, v_quants,
+                         v_scales, v_extra, begin, end):
+            buf = cuda.shared.array(buf_size, np.float16, alignment=16)  # 16-byte copies and ldmatrix
+            row_last = cuda.shared.array(rows, np.int32)
+            stage_q(q, q_scale, kvh, row_base, q_positions, kv_len, buf, row_last)
+            cuda.syncthreads()
+            if end < 0:
+                end = key_end(row_last)
+            loop(ffi.from_buffer(buf), ffi.from_buffer(row_last), np.int32(begin), np.int32(end),
+                 ffi.from_buffer(k_quants), ffi.from_buffer(k_scales), ffi.from_buffer(v_quants),
+                 ffi.from_buffer(v_scales), np.int32(k_quants.shape[1]), np.int32(k_scales.shape[1]),
+                 np.int32(kvh * head_dim), ffi.from_buffer(state))
+
+        return attend_fused
+
+    kv_loop = _kv_loop(fmt, head_dim, kv_tile, is_twin, warps)
+    q_size, kv_size = rows * stride, kv_tile * stride
+    scores_size = rows * kv_tile if is_twin else 4
+
+    @cuda.jit(device=True)
+    def attend(q, q_scale, kvh, row_base, q_positions, kv_len, state, k_quants, k_scales, k_extra, v_quants, v_scales,
+               v_extra, begin, end):
+        # f16 shared arrays are only 2-byte aligned (the simulator takes no alignment): each a multiple
+        # of 16 bytes keeps each one on a 16-byte boundary, as the C++ 32-bit fragment loads need
         qs = cuda.shared.array(q_size, np.float16)  # [rows, stride]
         ks = cuda.shared.array(kv_size, np.float16)  # [kv_tile, stride]
         vs = cuda.shared.array(kv_size, np.float16)  # [kv_tile, stride]
         row_last = cuda.shared.array(rows, np.int32)
         scores = cuda.shared.array(scores_size, np.float32)  # [rows, kv_tile], twin only
-        state = cuda.local.array(num_state, np.float32)
         wl = cuda.local.array(OCTET, np.float32)
         stage_q(q, q_scale, kvh, row_base, q_positions, kv_len, qs, row_last)
         cuda.syncthreads()
+        if end < 0:
+            end = key_end(row_last)
         kv_loop(qs, ks, vs, row_last, scores, state, wl, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra,
-                kvh, 0, key_end(row_last))
+                kvh, begin, end)
+
+    return attend
+
+
+@functools.cache
+def _prefill_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, warps: int, is_twin: bool, fused: bool,
+                    stages: int, lto: bool):
+    attend = block_attend(fmt, head_dim, group, kv_tile, warps, is_twin, fused, stages)
+    _, _, write_out = block_rows(head_dim, group, warps)
+    rows = warps * ROWS_PER_WARP
+    num_state = state_size(head_dim)
+    jit_options = {"lto": True} if lto else {}  # the C++ declarations link their source
+
+    @cuda.jit(**jit_options)
+    def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, q_scale, out):
+        kvh = cuda.blockIdx.y
+        row_base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * rows  # the longest rows start first
+        state = cuda.local.array(num_state, np.float32)
+        attend(q, q_scale, kvh, row_base, q_positions, kv_len, state, k_quants, k_scales, k_extra, v_quants, v_scales,
+               v_extra, 0, -1)
         write_out(state, kvh, row_base, out)
 
     return kernel
@@ -342,36 +386,6 @@ def fused_loop(fmt: str, head_dim: int, kv_tile: int, warps: int, stages: int):
 def fused_buffer_size(head_dim: int, kv_tile: int, warps: int, stages: int) -> int:
     """Halves of the fused loop's shared buffer: [rows, stride] Q, then [stages][2][kv_tile, stride] K/V."""
     return (head_dim + ROW_PAD_HALVES) * max(warps * ROWS_PER_WARP, 2 * stages * kv_tile)
-
-
-@functools.cache
-def _fused_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, warps: int, stages: int, lto: bool):
-    """The kernel whose KV loop is one call into the C++ fused loop; GPU only."""
-    loop = fused_loop(fmt, head_dim, kv_tile, warps, stages)
-    ffi = tensor_core.ffi()
-    stage_q, key_end, write_out = _block_rows(head_dim, group, warps)
-    rows = warps * ROWS_PER_WARP
-    buf_size = fused_buffer_size(head_dim, kv_tile, warps, stages)
-    num_state = state_size(head_dim)
-    jit_options = {"lto": True} if lto else {}
-
-    @cuda.jit(**jit_options)
-    def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, q_scale, out):
-        kvh = cuda.blockIdx.y
-        row_base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * rows  # the longest rows start first
-        buf = cuda.shared.array(buf_size, np.float16, alignment=16)  # 16-byte copies and ldmatrix
-        row_last = cuda.shared.array(rows, np.int32)
-        state = cuda.local.array(num_state, np.float32)
-        stage_q(q, q_scale, kvh, row_base, q_positions, kv_len, buf, row_last)
-        cuda.syncthreads()
-        end = key_end(row_last)
-        loop(ffi.from_buffer(buf), ffi.from_buffer(row_last), np.int32(0), np.int32(end), ffi.from_buffer(k_quants),
-             ffi.from_buffer(k_scales), ffi.from_buffer(v_quants), ffi.from_buffer(v_scales),
-             np.int32(k_quants.shape[1]), np.int32(k_scales.shape[1]), np.int32(kvh * head_dim),
-             ffi.from_buffer(state))
-        write_out(state, kvh, row_base, out)
-
-    return kernel
 
 
 def _check_config(config: MmaAttentionConfig, head_dim: int, is_twin: bool) -> int:
@@ -451,10 +465,8 @@ def attention_mma(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, 
         k_cache, v_cache = f16_scratch
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     lto = bool(config.lto) and not is_twin
-    if config.fused and not is_twin:
-        kernel = _fused_kernel(k_cache.fmt, head_dim, group, kv_tile, config.warps, config.stages, lto)
-    else:
-        kernel = _mma_attention_kernel(k_cache.fmt, head_dim, group, kv_tile, is_twin, lto, config.warps)
+    kernel = _prefill_kernel(k_cache.fmt, head_dim, group, kv_tile, config.warps, is_twin,
+                             bool(config.fused) and not is_twin, config.stages, lto)
     grid = (ceil_div(num_tokens * group, config.warps * ROWS_PER_WARP), num_kv_heads)
     kernel[grid, 32 * config.warps](q, k_cache.quants, k_cache.scales, k_cache.extra, v_cache.quants, v_cache.scales,
                                     v_cache.extra, q_positions, kv_len, np.float32(scale * LOG2_E), out)
