@@ -22,6 +22,7 @@ FAST = MappingProxyType({"prefetch_w": True, "ldmatrix": True, "vector_stores": 
 GEMM_VARIANTS = MappingProxyType({
     "128x128 plain": {}, "128x128 prefetch_w": {"prefetch_w": True}, "128x128 ldmatrix": {"ldmatrix": True},
     "128x128 vector_stores": {"vector_stores": True}, "128x128 fast (default)": dict(FAST),
+    "128x128 fast lto": {**FAST, "lto": True},
     "128x64 plain": GEMM_TILES["128x64"], "128x64 fast step_k 64": {**GEMM_TILES["128x64"], **FAST, "step_k": 64},
     "128x64 fast stages 2": {**GEMM_TILES["128x64"], **FAST, "stages": 2},
     "64x64 fast stages 2": {**GEMM_TILES["64x64"], **FAST, "stages": 2},

@@ -9,7 +9,7 @@ import pytest
 
 from kernel_data import ALL_FORMATS, assert_close_to_scale, assert_dot_close, dev, host, random_matrix
 from strata.gpu.kernels import tensor_core
-from strata.gpu.kernels.gemm import MmaConfig, gemm
+from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, gemm, jit_options
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
 from strata.model import reference_ops
@@ -145,6 +145,11 @@ def test_mma_config_option_checks():
     from strata.gpu.kernels.gemm_mma import dual_mainloop_device
     with pytest.raises(ValueError, match="two weight tiles"):
         dual_mainloop_device("Q4_0", "Q4_0", MmaConfig(step_k=64, is_native=False))
+    with pytest.raises(ValueError, match="lto applies to the linked C"):
+        MmaConfig(lto=True, is_native=False).validate()
+    # kernels link with LTO only when the C++ main loop runs (not the twin, not the FFMA tiles)
+    assert jit_options(MmaConfig(lto=True, is_native=True)) == {"lto": True}
+    assert jit_options(MmaConfig(lto=True)) == jit_options(GemmConfig()) == jit_options(MmaConfig(is_native=True)) == {}
 
 
 # all options together fit the 48 KiB of static shared memory only with tiles up to 64 x 64
@@ -152,6 +157,7 @@ NATIVE_OPTION_CONFIGS = [MmaConfig(is_native=True, **options) for name, options 
                          if name != "all"] + [
     MmaConfig(block_m=64, block_n=64, warps_m=2, warps_n=2, is_native=True, **MAINLOOP_OPTIONS["all"]),
     MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, is_native=True, **MAINLOOP_OPTIONS["all"]),
+    MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True, lto=True),
 ]
 
 
@@ -162,15 +168,17 @@ NATIVE_OPTION_CONFIGS = [MmaConfig(is_native=True, **options) for name, options 
 def test_native_mainloop_options_agree_with_twin(fmt, config):
     num_cols = 544  # 17 x 32: a zero-filled half step when step_k = 64
     native = _check_gemm(fmt, 768 if fmt in ("Q4_K", "Q6_K") else num_cols, 170, config, num_tokens=131, num_rows=200)
-    twin = _check_gemm(fmt, 768 if fmt in ("Q4_K", "Q6_K") else num_cols, 170, config._replace(is_native=False),
-                       num_tokens=131, num_rows=200)
+    twin = _check_gemm(fmt, 768 if fmt in ("Q4_K", "Q6_K") else num_cols, 170,
+                       config._replace(is_native=False, lto=False), num_tokens=131, num_rows=200)
     assert np.max(np.abs(native - twin)) <= 1e-4 * np.max(np.abs(twin))
 
 
 @needs_tensor_cores
 @pytest.mark.parametrize("config", [MmaConfig(block_m=32, block_n=64, warps_m=2, warps_n=2, is_native=True,
                                               **MAINLOOP_OPTIONS["all"]),
-                                    MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True)])
+                                    MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True),
+                                    MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True,
+                                              lto=True)])
 def test_native_moe_prefill_options(config):
     num_tokens, num_experts, top_k, dim, ffn = 300, 8, 2, 256, 256  # K-quant rows hold whole 256-element blocks
     rng = np.random.default_rng(171)

@@ -94,6 +94,9 @@ class MmaConfig(NamedTuple):
         ldmatrix       fragments read with ldmatrix instead of 32-bit shared loads (C++ only)
         vector_stores  each thread stages whole octets of X and W as one 16-byte shared store
                        (C++ only; X loads become octet-per-thread)
+        lto            link-time optimization of the kernels with the linked C++ (C++ only): the mma
+                       step can inline, and its accumulators need not pass through local memory at
+                       every call
     """
 
     block_m: int = 128  # 128 x 128 with 8 warps of 32 x 64: fastest of the shapes measured on the H200
@@ -106,6 +109,7 @@ class MmaConfig(NamedTuple):
     stages: int = 1
     ldmatrix: bool = False
     vector_stores: bool = False
+    lto: bool = False
 
     @property
     def threads(self) -> int:
@@ -157,6 +161,8 @@ class MmaConfig(NamedTuple):
             raise ValueError(f"vector_stores: {self.threads} threads cannot stage {self.block_m} rows by octets evenly")
         if self.shared_bytes() > MAX_STATIC_SHARED_BYTES:
             raise ValueError(f"{self.shared_bytes()} bytes of shared memory exceed {MAX_STATIC_SHARED_BYTES}")
+        if self.lto and self.is_native is False:
+            raise ValueError("lto applies to the linked C++ (is_native); the Numba twin has nothing to link")
         if self.is_native is None:
             return self._replace(is_native=tensor_core.is_available())
         if self.is_native and not tensor_core.is_available():
@@ -318,6 +324,11 @@ def _ffma_dual_mainloop_device(fmt_a: str, fmt_b: str, config: GemmConfig):
     return device_gemm_dual_mainloop
 
 
+def jit_options(config) -> dict:
+    """cuda.jit options of a kernel running this config's main loop (link-time optimization when asked)."""
+    return {"lto": True} if getattr(config, "lto", False) and getattr(config, "is_native", False) else {}
+
+
 @functools.cache
 def _gemm_kernel(fmt: str, config, is_accumulate: bool):
     bm, bn = config.block_m, config.block_n
@@ -325,7 +336,7 @@ def _gemm_kernel(fmt: str, config, is_accumulate: bool):
     mainloop = mainloop_device(fmt, config)
     coords = acc_coords_device(config)
 
-    @cuda.jit
+    @cuda.jit(**jit_options(config))
     def gemm_kernel(x, quants, scales, extra, y):  # x [T, K], y [T, N]
         tid = cuda.threadIdx.x
         x_rows = cuda.shared.array(bm, np.int32)

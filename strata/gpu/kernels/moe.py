@@ -26,7 +26,7 @@ from numba import cuda
 
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .activation import device_silu_mul
-from .gemm import BLOCK_K, acc_coords_device, default_config, dual_mainloop_device, mainloop_device
+from .gemm import BLOCK_K, acc_coords_device, default_config, dual_mainloop_device, jit_options, mainloop_device
 from .block_reduce import device_inv_rms
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS, experts_supported, moe_experts_native
@@ -49,7 +49,7 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
         expert = tile_expert[tile]
         return slot_of_expert[expert] if is_mapped else expert
 
-    @cuda.jit
+    @cuda.jit(**jit_options(config))
     def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles,
                        slot_of_expert, hidden):
         tile = cuda.blockIdx.y
@@ -82,7 +82,7 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
             if m < rows and n < ffn:
                 hidden[start + m, n] = device_silu_mul(acc_g[idx], acc_u[idx])
 
-    @cuda.jit
+    @cuda.jit(**jit_options(config))
     def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
                     slot_of_expert, out):
         tile = cuda.blockIdx.y
