@@ -145,7 +145,7 @@ def test_mma_config_option_checks():
     from strata.gpu.kernels.gemm_mma import dual_mainloop_device
     with pytest.raises(ValueError, match="two weight tiles"):
         dual_mainloop_device("Q4_0", "Q4_0", MmaConfig(step_k=64, is_native=False))
-    with pytest.raises(ValueError, match="lto applies to the linked C"):
+    with pytest.raises(ValueError, match="lto=True links the C.. main loop, but is_native=False"):
         MmaConfig(lto=True, is_native=False).validate()
     # kernels link with LTO only when the C++ main loop runs (not the twin, not the FFMA tiles)
     assert jit_options(MmaConfig(lto=True, is_native=True)) == {"lto": True}

@@ -162,7 +162,8 @@ class MmaConfig(NamedTuple):
         if self.shared_bytes() > MAX_STATIC_SHARED_BYTES:
             raise ValueError(f"{self.shared_bytes()} bytes of shared memory exceed {MAX_STATIC_SHARED_BYTES}")
         if self.lto and self.is_native is False:
-            raise ValueError("lto applies to the linked C++ (is_native); the Numba twin has nothing to link")
+            raise ValueError("lto=True links the C++ main loop, but is_native=False runs the Numba twin, which has "
+                             "nothing to link: set lto=False, or is_native=True on a GPU with tensor cores")
         if self.is_native is None:
             return self._replace(is_native=tensor_core.is_available())
         if self.is_native and not tensor_core.is_available():
