@@ -191,7 +191,7 @@ def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing) -> list:
     x = device_randn((num_tokens, s.hidden), rng)
     ids, weights = moe_route(device_randn((num_tokens, s.num_experts), rng), s.top_k, **_aux(s))
     out = cuda.to_device(np.zeros((num_tokens, s.hidden), np.float32))
-    hidden = cuda.device_array((num_pairs, s.ffn), np.float32)
+    hidden = cuda.device_array((num_pairs, s.ffn), np.float16 if isinstance(cfg, MmaConfig) else np.float32)
     group_ms = median_ms(lambda: moe_group(ids, weights, s.num_experts, cfg.block_m, **_aux(s)), *timing)
     groups = moe_group(ids, weights, s.num_experts, cfg.block_m, **_aux(s))
     ms = median_ms(lambda: moe_experts_prefill(x, groups, *experts, out, num_experts=s.num_experts, hidden=hidden,

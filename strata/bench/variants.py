@@ -19,6 +19,7 @@ import numpy as np
 GEMM_TILES = MappingProxyType({"128x64": {"block_m": 128, "block_n": 64, "warps_m": 4, "warps_n": 2},
                                "64x64": {"block_m": 64, "block_n": 64, "warps_m": 2, "warps_n": 2}})
 FAST = MappingProxyType({"prefetch_w": True, "ldmatrix": True, "vector_stores": True})
+FUSED = MappingProxyType({"stages": 2, "fused": True})  # the C++ K loop; 128 x 128 gate/up tiles exceed 48 KiB
 GEMM_VARIANTS = MappingProxyType({
     "128x128 plain": {}, "128x128 prefetch_w": {"prefetch_w": True}, "128x128 ldmatrix": {"ldmatrix": True},
     "128x128 vector_stores": {"vector_stores": True}, "128x128 fast (default)": dict(FAST),
@@ -26,6 +27,10 @@ GEMM_VARIANTS = MappingProxyType({
     "128x64 plain": GEMM_TILES["128x64"], "128x64 fast step_k 64": {**GEMM_TILES["128x64"], **FAST, "step_k": 64},
     "128x64 fast stages 2": {**GEMM_TILES["128x64"], **FAST, "stages": 2},
     "64x64 fast stages 2": {**GEMM_TILES["64x64"], **FAST, "stages": 2},
+    "128x64 fused": {**GEMM_TILES["128x64"], **FUSED}, "128x64 fused lto": {**GEMM_TILES["128x64"], **FUSED, "lto": True},
+    "128x64 4x1 fused": {**GEMM_TILES["128x64"], "warps_n": 1, **FUSED},
+    "128x64 4x1 fused lto": {**GEMM_TILES["128x64"], "warps_n": 1, **FUSED, "lto": True},
+    "64x64 fused": {**GEMM_TILES["64x64"], **FUSED},
 })
 
 
@@ -36,7 +41,7 @@ def _attempt(fn) -> str:
         return f"FAILED {type(exc).__name__}: {str(exc)[:100]}"
 
 
-def gemm_sweep(timing) -> None:
+def gemm_sweep(timing, match: str = "") -> None:
     from strata.bench import kernels as b
     from strata.gpu.kernels.gemm import MmaConfig, gemm
 
@@ -45,6 +50,8 @@ def gemm_sweep(timing) -> None:
     w, x = b.random_packed("Q4_0", 4096, s.hidden, rng), b.device_randn((4096, s.hidden), rng)
     y_first = None
     for name, fields in GEMM_VARIANTS.items():
+        if match not in name:
+            continue
         config = MmaConfig(**fields).validate()
         moe = [_attempt(lambda n=n, c=config: f"{b.bench_moe_prefill(s, experts, n, c, timing)[0].figure:6.1f}")
                for n in (2048, 8192)]
@@ -148,6 +155,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("gemm", "attention", "gemv"), help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
+    parser.add_argument("--match", default="", help="only the GEMM variants whose name contains this text")
     args = parser.parse_args(argv)
     if not tensor_core.is_available():
         raise SystemExit("the variant sweeps need a GPU with tensor cores (compute capability 8.0+) and cffi")
@@ -155,7 +163,7 @@ def main(argv=None) -> int:
     sweeps = {"gemm": gemm_sweep, "attention": attention_sweep, "gemv": gemv_sweep}
     for name, sweep in sweeps.items():
         if args.only in (None, name):
-            sweep(timing)
+            sweep(timing, args.match) if name == "gemm" else sweep(timing)
     return 0
 
 

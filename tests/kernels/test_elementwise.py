@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from kernel_data import ALL_FORMATS, dev, host, random_matrix
-from strata.gpu.kernels.elementwise import add, embedding
+from strata.gpu.kernels.elementwise import add, embedding, to_float16
 from strata.gpu.kernels.packing import FORMATS
 from strata.model import reference_ops
 
@@ -46,3 +46,9 @@ def test_swiglu_matches_reference_including_large_negative_gates():
     out = host(swiglu(dev(gate), dev(up), threads=32))
     ref = reference_ops.silu(gate.astype(np.float64)) * up.astype(np.float64)
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-7)
+
+
+def test_to_float16_rounds_like_numpy():
+    x = np.random.default_rng(11).standard_normal((37, 70)).astype(np.float32) * 1e3
+    x[0, :4] = [65520.0, -1e-8, 6.1e-5, np.inf]  # overflow, underflow, subnormal, inf
+    np.testing.assert_array_equal(host(to_float16(dev(x))), x.astype(np.float16))

@@ -9,7 +9,7 @@ import pytest
 
 from kernel_data import ALL_FORMATS, assert_close_to_scale, assert_dot_close, dev, host, random_matrix
 from strata.gpu.kernels import tensor_core
-from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, gemm, jit_options
+from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, gemm, is_fused, jit_options
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
 from strata.model import reference_ops
@@ -147,10 +147,25 @@ def test_mma_config_option_checks():
         dual_mainloop_device("Q4_0", "Q4_0", MmaConfig(step_k=64, is_native=False))
     with pytest.raises(ValueError, match="lto=True links the C.. main loop, but is_native=False"):
         MmaConfig(lto=True, is_native=False).validate()
+    with pytest.raises(ValueError, match="fused=True runs double-buffered 32-wide K steps, but stages=1 and step_k=32"):
+        MmaConfig(fused=True).validate()
+    with pytest.raises(ValueError, match="fused=True runs the K loop in linked C.., but is_native=False"):
+        MmaConfig(fused=True, stages=2, is_native=False).validate()
+    # the fused loop takes Q4_0 / Q8_0 weights of one format, only where the C++ runs
+    fused = MmaConfig(fused=True, stages=2, is_native=True)
+    assert is_fused(fused, "Q4_0") and is_fused(fused, "Q8_0", "Q8_0")
+    assert not is_fused(fused, "Q4_K") and not is_fused(fused, "Q4_0", "Q8_0")
+    assert not is_fused(fused._replace(is_native=False), "Q4_0") and not is_fused(GemmConfig(), "Q4_0")
     # kernels link with LTO only when the C++ main loop runs (not the twin, not the FFMA tiles)
     assert jit_options(MmaConfig(lto=True, is_native=True)) == {"lto": True}
     assert jit_options(MmaConfig(lto=True)) == jit_options(GemmConfig()) == jit_options(MmaConfig(is_native=True)) == {}
 
+
+# the C++ fused K loop (Q4_0 / Q8_0; the other formats run the Numba loop under the same config)
+FUSED_CONFIGS = [MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, stages=2, fused=True, is_native=True),
+                 MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=1, stages=2, fused=True, is_native=True),
+                 MmaConfig(block_m=64, block_n=64, warps_m=2, warps_n=2, stages=2, fused=True, lto=True,
+                           is_native=True)]
 
 # all options together fit the 48 KiB of static shared memory only with tiles up to 64 x 64
 NATIVE_OPTION_CONFIGS = [MmaConfig(is_native=True, **options) for name, options in MAINLOOP_OPTIONS.items()
@@ -158,7 +173,7 @@ NATIVE_OPTION_CONFIGS = [MmaConfig(is_native=True, **options) for name, options 
     MmaConfig(block_m=64, block_n=64, warps_m=2, warps_n=2, is_native=True, **MAINLOOP_OPTIONS["all"]),
     MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, is_native=True, **MAINLOOP_OPTIONS["all"]),
     MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True, lto=True),
-]
+] + FUSED_CONFIGS
 
 
 @needs_tensor_cores
@@ -169,7 +184,16 @@ def test_native_mainloop_options_agree_with_twin(fmt, config):
     num_cols = 544  # 17 x 32: a zero-filled half step when step_k = 64
     native = _check_gemm(fmt, 768 if fmt in ("Q4_K", "Q6_K") else num_cols, 170, config, num_tokens=131, num_rows=200)
     twin = _check_gemm(fmt, 768 if fmt in ("Q4_K", "Q6_K") else num_cols, 170,
-                       config._replace(is_native=False, lto=False), num_tokens=131, num_rows=200)
+                       config._replace(is_native=False, lto=False, fused=False), num_tokens=131, num_rows=200)
+    assert np.max(np.abs(native - twin)) <= 1e-4 * np.max(np.abs(twin))
+
+
+@needs_tensor_cores
+@pytest.mark.parametrize("fmt", ("Q4_0", "Q8_0"))
+@pytest.mark.parametrize("config", FUSED_CONFIGS[:2])
+def test_native_fused_gemm_float16_activations(fmt, config):  # X read by cp.async as it is, no conversion
+    native = _check_gemm(fmt, 544, 175, config, num_tokens=131, num_rows=200, x_dtype=np.float16)
+    twin = _check_gemm(fmt, 544, 175, MmaConfig(is_native=False), num_tokens=131, num_rows=200, x_dtype=np.float16)
     assert np.max(np.abs(native - twin)) <= 1e-4 * np.max(np.abs(twin))
 
 
@@ -178,13 +202,16 @@ def test_native_mainloop_options_agree_with_twin(fmt, config):
                                               **MAINLOOP_OPTIONS["all"]),
                                     MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True),
                                     MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True,
-                                              lto=True)])
-def test_native_moe_prefill_options(config):
-    num_tokens, num_experts, top_k, dim, ffn = 300, 8, 2, 256, 256  # K-quant rows hold whole 256-element blocks
+                                              lto=True)] + FUSED_CONFIGS)
+@pytest.mark.parametrize("fmts", [("Q4_K", "Q4_0", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0"), ("Q8_0", "Q8_0", "Q4_0")])
+def test_native_moe_prefill_options(config, fmts):  # the fused loop runs where gate and up share a fused format
+    num_tokens, num_experts, top_k, dim, ffn = 300, 8, 2, 256, 288  # K-quant rows hold whole 256-element blocks
+    if fmts[0] == "Q4_K":
+        ffn = 256
     rng = np.random.default_rng(171)
-    gate, gate_v = random_matrix("Q4_K", num_experts * ffn, dim, 172)
-    up, up_v = random_matrix("Q4_0", num_experts * ffn, dim, 173)
-    down, down_v = random_matrix("Q6_K", num_experts * dim, ffn, 174)
+    gate, gate_v = random_matrix(fmts[0], num_experts * ffn, dim, 172)
+    up, up_v = random_matrix(fmts[1], num_experts * ffn, dim, 173)
+    down, down_v = random_matrix(fmts[2], num_experts * dim, ffn, 174)
     values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
               down_v.reshape(num_experts, dim, ffn))
     x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
@@ -194,3 +221,10 @@ def test_native_moe_prefill_options(config):
     out = dev(np.zeros((num_tokens, dim), np.float32))
     moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=config)
     assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)
+
+
+def test_cuda_sources_inline_their_local_headers():  # NVRTC does not search the sources' folder
+    for name in ("gemm_mma.cu", "attention_mma.cu"):
+        text = tensor_core.source_text(name)
+        assert '#include "common.cuh"' not in text and text.count("struct RawOctet {") == 1
+    assert tensor_core.source_text("gemv_rows.cu") == open(tensor_core.source("gemv_rows.cu")).read()

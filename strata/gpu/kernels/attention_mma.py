@@ -365,10 +365,8 @@ def _prefill_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, warps: in
 def _fused_source(fmt: str, head_dim: int, kv_tile: int, warps: int, stages: int):
     """attention_mma.cu with the one fused-loop instantiation a kernel calls, and that function's name."""
     name = f"strata_attention_mma_fused_{fmt}_d{head_dim}_k{kv_tile}_w{warps}_s{stages}"
-    with open(tensor_core.source("attention_mma.cu"), "rb") as f:
-        text = f.read()
-    line = f"\nSTRATA_ATTENTION_FUSED({fmt}, {head_dim}, {kv_tile}, {warps}, {stages})\n".encode()
-    return cuda.CUSource(text + line, name=f"{name}.cu"), name
+    line = f"\nSTRATA_ATTENTION_FUSED({fmt}, {head_dim}, {kv_tile}, {warps}, {stages})\n"
+    return tensor_core.cu_source("attention_mma.cu", line), name
 
 
 def fused_loop(fmt: str, head_dim: int, kv_tile: int, warps: int, stages: int):

@@ -1,4 +1,4 @@
-"""Embedding gather from a quantized table, the residual add, and a counter step."""
+"""Embedding gather from a quantized table, the residual add, a counter step, and float16 rounding."""
 
 from __future__ import annotations
 
@@ -103,3 +103,26 @@ def increment(values, *, threads: int = _DEFAULT_ADD_THREADS, stream=0):
     if values.shape[0]:
         _increment_kernel[ceil_div(values.shape[0], threads), threads, stream](values)
     return values
+
+
+@cuda.jit
+def _to_float16_kernel(x, out):  # out [n] = x [n] rounded to float16
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        out[i] = np.float16(x[i])
+
+
+def to_float16(x, out=None, *, threads: int = _DEFAULT_ADD_THREADS):
+    """x rounded to float16 (round to nearest even, as every f16 staging does): float32 in, any ndim.
+
+    Launch config: grid ceil(n / threads), block `threads` (default 256); one element per thread.
+    """
+    check_array("x", x, dtypes=np.float32)
+    if out is None:
+        out = empty(tuple(x.shape), np.float16, x)
+    check_array("out", out, dtypes=np.float16, shape=tuple(x.shape))
+    check_power_of_two("threads", threads)
+    n = int(np.prod(x.shape))
+    if n:
+        _to_float16_kernel[ceil_div(n, threads), threads](x.reshape(n), out.reshape(n))
+    return out

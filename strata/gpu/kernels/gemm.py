@@ -38,6 +38,7 @@ MMA_LD = BLOCK_K + 8  # halves per staged row on the tensor-core path (padding a
 MMA_STEP_KS = (32, 64)  # K elements staged per barrier pair on the tensor-core path
 MAX_STATIC_SHARED_BYTES = 48 * 1024
 _OCTETS_PER_STEP = BLOCK_K // OCTET
+FUSED_FORMATS = ("Q4_0", "Q8_0")  # the octet formats of cuda/common.cuh, which the fused K loop stages
 _MMA_WARP_TILES = ((1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (2, 8), (4, 8))  # (16-row, 8-column) mma tiles per warp in cuda/gemm_mma.cu
 
 
@@ -97,6 +98,9 @@ class MmaConfig(NamedTuple):
         lto            link-time optimization of the kernels with the linked C++ (C++ only): the mma
                        step can inline, and its accumulators need not pass through local memory at
                        every call
+        fused          the whole K loop in C++ (gemm_mma.py; C++ only, stages 2, step_k 32): the
+                       accumulators stay in registers; weights of FUSED_FORMATS with float16 X
+                       (the wrappers convert float32 X first), the Numba loop for the rest
     """
 
     block_m: int = 128  # 128 x 128 with 8 warps of 32 x 64: fastest of the shapes measured on the H200
@@ -110,6 +114,7 @@ class MmaConfig(NamedTuple):
     ldmatrix: bool = False
     vector_stores: bool = False
     lto: bool = False
+    fused: bool = False
 
     @property
     def threads(self) -> int:
@@ -164,11 +169,33 @@ class MmaConfig(NamedTuple):
         if self.lto and self.is_native is False:
             raise ValueError("lto=True links the C++ main loop, but is_native=False runs the Numba twin, which has "
                              "nothing to link: set lto=False, or is_native=True on a GPU with tensor cores")
+        if self.fused and (self.stages, self.step_k) != (2, 32):
+            raise ValueError(f"fused=True runs double-buffered 32-wide K steps, but stages={self.stages} and "
+                             f"step_k={self.step_k}: set stages=2 and step_k=32, or fused=False")
+        if self.fused and self.is_native is False:
+            raise ValueError("fused=True runs the K loop in linked C++, but is_native=False runs the Numba twin: "
+                             "set fused=False, or is_native=True on a GPU with tensor cores")
         if self.is_native is None:
             return self._replace(is_native=tensor_core.is_available())
         if self.is_native and not tensor_core.is_available():
             raise ValueError("is_native=True needs a GPU with tensor cores (compute capability 8.0+) and cffi")
         return self
+
+
+def is_fused(config, *fmts: str) -> bool:
+    """Whether weights of these formats run the C++ fused K loop under a validated config (X then float16)."""
+    return (isinstance(config, MmaConfig) and config.fused and bool(config.is_native)
+            and len(set(fmts)) == 1 and fmts[0] in FUSED_FORMATS)
+
+
+def staged_input(x, config, *fmts: str):
+    """x (checked C-contiguous) as the main loop for these weight formats reads it: float16 for the fused
+    loop (the values every MmaConfig loop stages anyway), x itself otherwise."""
+    if not is_fused(config, *fmts) or x.dtype == np.float16:
+        return x
+    from .elementwise import to_float16
+
+    return to_float16(x)
 
 
 def default_config():
@@ -390,5 +417,6 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
     if num_tokens == 0 or w.num_rows == 0:
         return y
     grid = (ceil_div(w.num_rows, config.block_n), ceil_div(num_tokens, config.block_m))
+    x = staged_input(x, config, w.fmt)
     _gemm_kernel(w.fmt, config, accumulate)[grid, config.threads](x, w.quants, w.scales, w.extra, y)
     return y

@@ -15,6 +15,12 @@ MmaConfig's main-loop options (register prefetch of W, 64-wide steps, double-buf
 ldmatrix fragments, 16-byte shared stores) change the schedule, never the numerics: the same
 f16-rounded inputs meet the same f32 products, summed in a different order at most.
 
+`fused` moves the whole K loop into C++ (cuda/gemm_mma.cu's gemm_fused, GPU only, Q4_0 / Q8_0
+weights, float16 X): the accumulators stay in registers from the first step to the last, X rows
+arrive by cp.async and W octets through registers into double-buffered tiles, one barrier a step.
+Where it does not apply (another format, float32 X, the simulator) the Numba loop runs; the
+numerics are the same.
+
 Accumulator r of mma tile (i, j) of a lane (g = lane / 4, t = lane % 4) is element
 (i * 16 + g + 8 * (r // 2), j * 8 + 2 * t + r % 2) of the warp tile: `acc_coords_device` maps it.
 """
@@ -28,11 +34,52 @@ from numba import cuda, types
 
 from . import tensor_core
 from ._common import OCTET
-from .gemm import BLOCK_K, MAX_STATIC_SHARED_BYTES, MmaConfig
+from .gemm import BLOCK_K, MAX_STATIC_SHARED_BYTES, MmaConfig, is_fused
 from .quant_device import dequant8_for, split_dequant8_for
 
 _OCTETS_PER_K32 = BLOCK_K // OCTET
 _WARP = 32
+_U32_PTR = types.CPointer(types.uint32)
+_INT_PTR = types.CPointer(types.int32)
+
+
+@functools.cache
+def _fused_loop(fmt: str, config: MmaConfig, num_weights: int):
+    """cuda/gemm_mma.cu's gemm_fused for this tile and format, declared (num_weights 1, or 2 sharing X)."""
+    bm, bn, wm, wn = config.block_m, config.block_n, config.warps_m, config.warps_n
+    name = f"strata_gemm_fused_{fmt}_m{bm}_n{bn}_w{wm}x{wn}_x{num_weights}"
+    line = f"\nSTRATA_GEMM_FUSED({fmt}, {bm}, {bn}, {wm}, {wn}, {num_weights})\n"
+    half, i32, f32 = tensor_core.HALF_PTR, tensor_core.INT32, tensor_core.FLOAT_PTR
+    argtypes = (half, i32, _INT_PTR, i32, _U32_PTR, half, _U32_PTR, half, i32, i32, i32, i32, half, half, half, f32, f32)
+    return tensor_core.declare(name, argtypes, "gemm_mma.cu", line)
+
+
+@functools.cache
+def _fused_mainloop_device(fmt: str, config: MmaConfig, num_weights: int):
+    """The (dual_)mainloop_device contract over the C++ fused loop; x float16, C-contiguous."""
+    ffi = tensor_core.ffi()
+    loop = _fused_loop(fmt, config, num_weights)
+    if num_weights == 1:
+        @cuda.jit(device=True)
+        def device_fused_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
+            w = ffi.from_buffer(ws)
+            a = ffi.from_buffer(acc)
+            loop(ffi.from_buffer(x), np.int32(x.shape[1]), ffi.from_buffer(x_rows), np.int32(x.shape[1] // BLOCK_K),
+                 ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(quants), ffi.from_buffer(scales),
+                 np.int32(quants.shape[1]), np.int32(scales.shape[1]), np.int32(w_row0), np.int32(w_row_end),
+                 ffi.from_buffer(xs), w, w, a, a)
+
+        return device_fused_mainloop
+
+    @cuda.jit(device=True)
+    def device_fused_dual_mainloop(x, x_rows, qa, sa, ea, qb, sb, eb, w_row0, w_row_end, xs, ws_a, ws_b, acc_a,
+                                   acc_b, tid):
+        loop(ffi.from_buffer(x), np.int32(x.shape[1]), ffi.from_buffer(x_rows), np.int32(x.shape[1] // BLOCK_K),
+             ffi.from_buffer(qa), ffi.from_buffer(sa), ffi.from_buffer(qb), ffi.from_buffer(sb), np.int32(qa.shape[1]),
+             np.int32(sa.shape[1]), np.int32(w_row0), np.int32(w_row_end), ffi.from_buffer(xs), ffi.from_buffer(ws_a),
+             ffi.from_buffer(ws_b), ffi.from_buffer(acc_a), ffi.from_buffer(acc_b))
+
+    return device_fused_dual_mainloop
 
 
 @functools.cache
@@ -251,6 +298,8 @@ def _w_stage_devices(fmt: str, config: MmaConfig):
 def mainloop_device(fmt: str, config: MmaConfig):
     """device_gemm_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
     gemm.mainloop_device's contract with float16 xs [config.xs_size], ws [config.ws_size]."""
+    if is_fused(config, fmt):
+        return _fused_mainloop_device(fmt, config, 1)
     load_x, store_x, xr_size = _x_stage_devices(config)
     load_w, store_w, rw_size, rf_size = _w_stage_devices(fmt, config)
     warp_tile = _warp_tile_device(config)
@@ -311,6 +360,8 @@ def dual_mainloop_device(fmt_a: str, fmt_b: str, config: MmaConfig):
     if config.shared_bytes(2) > MAX_STATIC_SHARED_BYTES:
         raise ValueError(f"{config} stages X and two weight tiles in {config.shared_bytes(2)} bytes of shared "
                          f"memory, over {MAX_STATIC_SHARED_BYTES}: use a smaller block_m/block_n, step_k or stages")
+    if is_fused(config, fmt_a, fmt_b):
+        return _fused_mainloop_device(fmt_a, config, 2)
     load_x, store_x, xr_size = _x_stage_devices(config)
     load_a, store_a, rwa_size, rfa_size = _w_stage_devices(fmt_a, config)
     load_b, store_b, rwb_size, rfb_size = _w_stage_devices(fmt_b, config)

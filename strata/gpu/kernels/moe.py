@@ -26,7 +26,8 @@ from numba import cuda
 
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .activation import device_silu_mul
-from .gemm import BLOCK_K, acc_coords_device, default_config, dual_mainloop_device, jit_options, mainloop_device
+from .gemm import (BLOCK_K, MmaConfig, acc_coords_device, default_config, dual_mainloop_device, jit_options,
+                   mainloop_device, staged_input)
 from .block_reduce import device_inv_rms
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS, experts_supported, moe_experts_native
@@ -35,13 +36,15 @@ from .packing import PackedMatrix, check_packed
 
 
 @functools.cache
-def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mapped: bool):
+def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mapped: bool, is_down_fused: bool):
     """is_mapped: tiles name expert ids and slot_of_expert [N] maps them to slots (-1: skip the tile);
-    otherwise tiles name slots already (slot_of_expert unused)."""
+    otherwise tiles name slots already (slot_of_expert unused). is_down_fused: the down product may run
+    the fused loop (its hidden input is float16)."""
     bm, bn = config.block_m, config.block_n
     xs_size, ws_size, acc_size, stage_dtype = config.xs_size, config.ws_size, config.acc_size, config.stage_dtype
     gate_up_loop = dual_mainloop_device(fmt_gate, fmt_up, config)
-    down_loop = mainloop_device(fmt_down, config)
+    down_loop = mainloop_device(fmt_down, config._replace(fused=False) if isinstance(config, MmaConfig) and not is_down_fused
+                                else config)
     coords = acc_coords_device(config)
 
     @cuda.jit(device=True)
@@ -131,11 +134,12 @@ def _check_experts(gate, up, down, num_experts, dim):
 
 
 def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
-                        num_experts: int, hidden=None, hidden_dtype=np.float32, config=None, slot_of_expert=None):
+                        num_experts: int, hidden=None, hidden_dtype=None, config=None, slot_of_expert=None):
     """out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
 
     groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
-    scratch (P = T * k) of hidden_dtype (float32 or float16). config: GemmConfig (FFMA) or
+    scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16 under an MmaConfig,
+    whose loops stage it as float16 anyway, else float32). config: GemmConfig (FFMA) or
     MmaConfig (tensor cores); default gemm.default_config(). slot_of_expert: optional [N] int32,
     when the groups name expert ids: tile t computes expert e with the weights of slot
     slot_of_expert[e], and is skipped where that is -1 (one grouping serves several launches, each
@@ -154,13 +158,17 @@ def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatr
         raise ValueError(f"groups were tiled by {groups.block_m} pairs but the GEMM tile is {config.block_m}")
     num_pairs = groups.pair_token.shape[0]
     if hidden is None:
+        if hidden_dtype is None:
+            hidden_dtype = np.float16 if isinstance(config, MmaConfig) else np.float32
         hidden = empty((num_pairs, ffn), hidden_dtype, x)
     check_array("hidden", hidden, dtypes=(np.float32, np.float16), shape=(num_pairs, ffn))
     is_mapped = slot_of_expert is not None
     if is_mapped:
         check_array("slot_of_expert", slot_of_expert, dtypes=np.int32, ndim=1)
     table = slot_of_expert if is_mapped else stand_in(groups.tile_expert, np.int32, 1)
-    gate_up_kernel, down_kernel = _prefill_kernels(gate.fmt, up.fmt, down.fmt, config, is_mapped)
+    x = staged_input(x, config, gate.fmt, up.fmt)
+    gate_up_kernel, down_kernel = _prefill_kernels(gate.fmt, up.fmt, down.fmt, config, is_mapped,
+                                                   hidden.dtype == np.float16)
     tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
     gate_up_kernel[(ceil_div(ffn, config.block_n), groups.max_tiles), config.threads](
         x, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, groups.pair_token, *tiles, hidden)

@@ -15,6 +15,8 @@ t = lane % 4): accumulator c[r] of a 16 x 8 tile is element (g + 8 * (r // 2), 2
 from __future__ import annotations
 
 import functools
+import hashlib
+import re
 from pathlib import Path
 
 from numba import types
@@ -22,6 +24,7 @@ from numba import types
 from ._common import IS_SIMULATOR
 
 CUDA_SOURCE_DIR = Path(__file__).with_name("cuda")
+_LOCAL_INCLUDE = re.compile(r'\s*#include "([\w.]+\.cuh)"')
 MMA_M, MMA_N, MMA_K = 16, 8, 16
 MIN_COMPUTE_CAPABILITY = (8, 0)  # mma.sync.m16n8k16 with f16 inputs
 
@@ -56,11 +59,30 @@ def source(name: str) -> str:
     return str(path)
 
 
-def declare(name: str, argtypes: tuple, source_name: str):
-    """Declare ``extern "C" __device__ void name(argtypes...)`` from kernels/cuda/<source_name>."""
+@functools.cache
+def source_text(name: str) -> str:
+    """A source under kernels/cuda/ with its local ``#include "x.cuh"`` lines replaced by those files' text
+    (NVRTC searches only the CUDA and Numba include paths, not the source's folder)."""
+    lines = []
+    for line in Path(source(name)).read_text().splitlines(keepends=True):
+        match = _LOCAL_INCLUDE.match(line)
+        lines.append(source_text(match.group(1)) if match else line)
+    return "".join(lines)
+
+
+def cu_source(name: str, suffix: str = ""):
+    """The linkable source of kernels/cuda/<name>, with `suffix` appended (on-demand instantiations)."""
     from numba import cuda
 
-    return cuda.declare_device(name, types.void(*argtypes), link=[source(source_name)], abi="c")
+    label = f"{name}-{hashlib.sha1(suffix.encode()).hexdigest()[:12]}" if suffix else name  # one name per text
+    return cuda.CUSource((source_text(name) + suffix).encode(), name=label)
+
+
+def declare(name: str, argtypes: tuple, source_name: str, suffix: str = ""):
+    """Declare ``extern "C" __device__ void name(argtypes...)`` from kernels/cuda/<source_name> (+ suffix)."""
+    from numba import cuda
+
+    return cuda.declare_device(name, types.void(*argtypes), link=[cu_source(source_name, suffix)], abi="c")
 
 
 HALF_PTR = types.CPointer(types.float16)

@@ -14,21 +14,11 @@
 // attention_fused below runs the same tile update over all of a block's KV tiles, staging them itself.
 #include <cuda_fp16.h>
 
+#include "common.cuh"
+
 namespace {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<unsigned*>(&h);
-}
-
-__device__ __forceinline__ void mma_16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                          unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // B fragments of two adjacent n-tiles (8 dims each) from a row-major [keys][dims] tile: x4 transposed.
 __device__ __forceinline__ void ldmatrix_x4_trans(const __half* row_ptr, unsigned& r0, unsigned& r1, unsigned& r2,
@@ -249,54 +239,9 @@ __device__ __forceinline__ void store_state(const RowState<D>& st, float* state)
 
 // ---- The fused KV loop: the whole block walks its KV tiles here, Q and O staying in registers. ----
 
-enum CacheFormat { kF16, kQ8_0, kQ4_0 };
-
-[[maybe_unused]] __device__ __forceinline__ void cp_async_16(__half* dst, const void* src, bool valid) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
-}
-[[maybe_unused]] __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-[[maybe_unused]] __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// 2^23 + b as a float minus the bias: small integer to float without a conversion instruction
-[[maybe_unused]] __device__ __forceinline__ float small_int(unsigned b, float bias) { return __int_as_float(0x4B000000 | b) - bias; }
-
-// One quantized octet (8 consecutive dims of one key) as read from the cache: two quant words and the block scale.
-struct RawOctet {
-  unsigned w0, w1;
-  float d;
-};
-
-template <CacheFormat F>
-__device__ __forceinline__ RawOctet load_octet(const unsigned* quants, const __half* scales, int key, int octet,
-                                               int quant_pitch, int scale_pitch) {
-  const int block = octet >> 2;
-  const int word = F == kQ8_0 ? block * 8 + (octet & 3) * 2 : block * 4 + (octet & 1) * 2;
-  const uint2 w = *reinterpret_cast<const uint2*>(quants + static_cast<size_t>(key) * quant_pitch + word);
-  return {w.x, w.y, __half2float(scales[static_cast<size_t>(key) * scale_pitch + block])};
-}
-
-// f32 products d * q rounded to f16, as the Numba dequantizers and their f16 staging do.
-template <CacheFormat F>
-__device__ __forceinline__ uint4 dequant_octet(const RawOctet& raw, int octet) {
-  float x[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (F == kQ8_0) {
-      x[i] = raw.d * small_int(((raw.w0 ^ 0x80808080u) >> (8 * i)) & 0xFF, 8388736.f);
-      x[4 + i] = raw.d * small_int(((raw.w1 ^ 0x80808080u) >> (8 * i)) & 0xFF, 8388736.f);
-    } else {  // Q4_0: byte j holds element j (low nibble) and j + 16 (high)
-      const int shift = ((octet & 3) >> 1) * 4;
-      x[i] = raw.d * small_int((raw.w0 >> (8 * i + shift)) & 0xF, 8388616.f);
-      x[4 + i] = raw.d * small_int((raw.w1 >> (8 * i + shift)) & 0xF, 8388616.f);
-    }
-  }
-  return {pack_half2(x[0], x[1]), pack_half2(x[2], x[3]), pack_half2(x[4], x[5]), pack_half2(x[6], x[7])};
-}
-
 // K and V of keys key0 .. key0 + KT - 1 into [KT][D + 8] f16 tiles; keys from `end` on are zeros (a NaN
 // in V would survive P = 0). Each thread owns octets tid, tid + THREADS, ... of each matrix.
-template <CacheFormat F, int D, int KT, int THREADS>
+template <OctetFormat F, int D, int KT, int THREADS>
 struct TileStager {
   static constexpr int LD = D + 8;
   static constexpr int OCTETS_PER_KEY = D / 8;
@@ -368,7 +313,7 @@ struct TileStager {
 // key some row sees; one KV split of a decode token); state as in the tile step, written once at the end.
 // STAGES 2: tile j + 1 is in flight while tile j is multiplied, one barrier a tile. A warp whose rows are
 // all padding (row_last -1, as in a decode block whose group fills one warp) only stages.
-template <CacheFormat F, int D, int KT, int W, int STAGES>
+template <OctetFormat F, int D, int KT, int W, int STAGES>
 __device__ __forceinline__ void attention_fused(__half* smem, const int* row_last, int begin, int end,
                                                 const void* k_quants,
                                                 const __half* k_scales, const void* v_quants, const __half* v_scales,
