@@ -228,3 +228,9 @@ def test_cuda_sources_inline_their_local_headers():  # NVRTC does not search the
         text = tensor_core.source_text(name)
         assert '#include "common.cuh"' not in text and text.count("struct RawOctet {") == 1
     assert tensor_core.source_text("gemv_rows.cu") == open(tensor_core.source("gemv_rows.cu")).read()
+
+
+def test_one_linkable_source_per_text():  # kernels dedupe link items by identity
+    pytest.importorskip("cffi")
+    assert tensor_core.cu_source("gemm_mma.cu") is tensor_core.cu_source("gemm_mma.cu")
+    assert tensor_core.cu_source("gemm_mma.cu", "x") is not tensor_core.cu_source("gemm_mma.cu")

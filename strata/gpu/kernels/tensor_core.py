@@ -70,8 +70,11 @@ def source_text(name: str) -> str:
     return "".join(lines)
 
 
+@functools.cache
 def cu_source(name: str, suffix: str = ""):
-    """The linkable source of kernels/cuda/<name>, with `suffix` appended (on-demand instantiations)."""
+    """The linkable source of kernels/cuda/<name>, with `suffix` appended (on-demand instantiations).
+    One object per text: a kernel links each object once, and two copies of a text would define its
+    symbols twice."""
     from numba import cuda
 
     label = f"{name}-{hashlib.sha1(suffix.encode()).hexdigest()[:12]}" if suffix else name  # one name per text
