@@ -430,7 +430,8 @@ class CudaOps:
             table = slot_of_expert if not isinstance(slot_of_expert, np.ndarray) else \
                 self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
             if groups is not None:
-                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=default_config(),
+                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots,
+                                    config=default_config(gate.fmt, up.fmt, down.fmt),
                                     slot_of_expert=table)
                 return
             if x.shape[0] <= _DECODE_MAX_TOKENS:
@@ -439,7 +440,7 @@ class CudaOps:
                 return
             # group by expert id (few: the grouping keeps a counter per expert in shared memory),
             # then point each tile at its expert's slot
-            config = default_config()  # tensor cores on the GPU, FFMA tiles in the simulator
+            config = default_config(gate.fmt, up.fmt, down.fmt)  # tensor cores on the GPU, FFMA in the simulator
             groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], config.block_m)
             tiles = groups.tile_expert.shape[0]
             _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)

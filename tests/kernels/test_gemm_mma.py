@@ -9,7 +9,7 @@ import pytest
 
 from kernel_data import ALL_FORMATS, assert_close_to_scale, assert_dot_close, dev, host, random_matrix
 from strata.gpu.kernels import tensor_core
-from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, gemm, is_fused, jit_options
+from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config, gemm, is_fused, jit_options
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
 from strata.model import reference_ops
@@ -214,7 +214,8 @@ def test_native_moe_prefill_options(config, fmts):  # the fused loop runs where 
     down, down_v = random_matrix(fmts[2], num_experts * dim, ffn, 174)
     values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
               down_v.reshape(num_experts, dim, ffn))
-    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    # scaled so that silu(g) * u stays inside float16's range (65,504) with Q8_0's weights of up to 16
+    x = 0.1 * rng.standard_normal((num_tokens, dim)).astype(np.float32)
     ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
     ids, weights = ids.astype(np.int32), weights.astype(np.float32)
     groups = moe_group(dev(ids), dev(weights), num_experts, config.block_m)
@@ -234,3 +235,12 @@ def test_one_linkable_source_per_text():  # kernels dedupe link items by identit
     pytest.importorskip("cffi")
     assert tensor_core.cu_source("gemm_mma.cu") is tensor_core.cu_source("gemm_mma.cu")
     assert tensor_core.cu_source("gemm_mma.cu", "x") is not tensor_core.cu_source("gemm_mma.cu")
+
+
+def test_default_config_per_weight_format():
+    if not tensor_core.is_available():
+        assert default_config("Q4_0") == default_config() == GemmConfig()
+        return
+    fused, numba_loop = default_config("Q4_0", "Q8_0"), default_config("Q4_0", "Q6_K")
+    assert is_fused(fused, "Q4_0") and default_config() == fused and not numba_loop.fused
+    assert fused.block_m == numba_loop.block_m  # one grouping of routed pairs serves both

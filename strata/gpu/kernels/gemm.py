@@ -17,7 +17,8 @@ Kernels stay generic: they size shared memory from the config (`xs_size`, `ws_si
 `stage_dtype`), keep `acc_size` accumulators per thread, and find the tile element of each
 accumulator with `acc_coords_device(config)`; the row gather, the staging of quantized weights
 and every epilogue (plain, residual add, MoE SwiGLU and weighted scatter in moe.py) are shared.
-`default_config()` picks tensor cores wherever they are available.
+`default_config(*formats)` picks tensor cores wherever they are available (the fused C++ K loop for Q4_0 /
+Q8_0 weights).
 """
 
 from __future__ import annotations
@@ -198,12 +199,19 @@ def staged_input(x, config, *fmts: str):
     return to_float16(x)
 
 
-def default_config():
-    """Tensor cores where available, else the FFMA tiles (the simulator). On the H200 the W prefetch,
-    ldmatrix fragments and 16-byte shared stores took the MoE prefill GEMM from 35 / 48 to 48 / 62
-    TFLOP/s at 2,048 / 8,192 routed tokens (dense 4096 x 4096 x 2048: 48 → 45)."""
+def default_config(*fmts: str):
+    """The tiles for weights of these formats (none given: the formats of the fused loop): tensor cores where
+    available, else the FFMA tiles (the simulator). Both tensor-core choices have block_m 128, so one
+    grouping of routed pairs (moe_route.moe_group) serves either.
+
+    On the H200 (MoE Q4_0 prefill at 2,048 / 8,192 routed tokens, dense 4096 x 4096 x 2048):
+    the fused C++ K loop on 128 x 64 tiles 69 / 114 / 67 TFLOP/s; the Numba loop's best, 128 x 128
+    tiles with W prefetch, ldmatrix fragments and 16-byte shared stores, 48 / 62 / 45, which the
+    formats without a fused loop keep."""
     if not tensor_core.is_available():
         return GemmConfig()
+    if all(fmt in FUSED_FORMATS for fmt in fmts):
+        return MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, stages=2, fused=True).validate()
     return MmaConfig(prefetch_w=True, ldmatrix=True, vector_stores=True).validate()
 
 
@@ -402,7 +410,7 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
     32 x 64, 256 threads, shared 40 * (block_m + block_n) float16 (20 KiB).
     """
     check_packed("w", w)
-    config = (config or default_config()).validate()
+    config = (config or default_config(w.fmt)).validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens = x.shape[0]
     if x.shape[1] != w.num_cols:

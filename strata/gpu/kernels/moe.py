@@ -140,7 +140,7 @@ def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatr
     groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
     scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16 under an MmaConfig,
     whose loops stage it as float16 anyway, else float32). config: GemmConfig (FFMA) or
-    MmaConfig (tensor cores); default gemm.default_config(). slot_of_expert: optional [N] int32,
+    MmaConfig (tensor cores); default gemm.default_config(<the three formats>). slot_of_expert: optional [N] int32,
     when the groups name expert ids: tile t computes expert e with the weights of slot
     slot_of_expert[e], and is skipped where that is -1 (one grouping serves several launches, each
     with the slots of the experts it has staged).
@@ -149,7 +149,7 @@ def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatr
     (ceil(F / block_n), max_tiles), down grid (ceil(H / block_n), max_tiles); blocks of tiles
     beyond num_tiles exit at once.
     """
-    config = (config or default_config()).validate()
+    config = (config or default_config(gate.fmt, up.fmt, down.fmt)).validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens, dim = x.shape
     ffn = _check_experts(gate, up, down, num_experts, dim)
