@@ -9,7 +9,8 @@ import pytest
 
 from kernel_data import ALL_FORMATS, assert_close_to_scale, assert_dot_close, dev, host, random_matrix
 from strata.gpu.kernels import tensor_core
-from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config, gemm, is_fused, jit_options
+from strata.gpu.kernels.gemm import (FUSED_FORMATS, GemmConfig, MmaConfig, default_config, gemm, is_fused,
+                                     jit_options)
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
 from strata.model import reference_ops
@@ -153,15 +154,15 @@ def test_mma_config_option_checks():
         MmaConfig(fused=True, stages=2, is_native=False).validate()
     # the fused loop takes Q4_0 / Q8_0 weights of one format, only where the C++ runs
     fused = MmaConfig(fused=True, stages=2, is_native=True)
-    assert is_fused(fused, "Q4_0") and is_fused(fused, "Q8_0", "Q8_0")
-    assert not is_fused(fused, "Q4_K") and not is_fused(fused, "Q4_0", "Q8_0")
+    assert is_fused(fused, "Q4_0") and is_fused(fused, "Q6_K", "Q6_K")
+    assert not is_fused(fused, "F16") and not is_fused(fused, "Q4_0", "Q8_0")
     assert not is_fused(fused._replace(is_native=False), "Q4_0") and not is_fused(GemmConfig(), "Q4_0")
     # kernels link with LTO only when the C++ main loop runs (not the twin, not the FFMA tiles)
     assert jit_options(MmaConfig(lto=True, is_native=True)) == {"lto": True}
     assert jit_options(MmaConfig(lto=True)) == jit_options(GemmConfig()) == jit_options(MmaConfig(is_native=True)) == {}
 
 
-# the C++ fused K loop (Q4_0 / Q8_0; the other formats run the Numba loop under the same config)
+# the C++ fused K loop (the block formats; F16 / F32 run the Numba loop under the same config)
 FUSED_CONFIGS = [MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, stages=2, fused=True, is_native=True),
                  MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=1, stages=2, fused=True, is_native=True),
                  MmaConfig(block_m=64, block_n=64, warps_m=2, warps_n=2, stages=2, fused=True, lto=True,
@@ -189,11 +190,13 @@ def test_native_mainloop_options_agree_with_twin(fmt, config):
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("fmt", ("Q4_0", "Q8_0"))
+@pytest.mark.parametrize("fmt", FUSED_FORMATS)
 @pytest.mark.parametrize("config", FUSED_CONFIGS[:2])
 def test_native_fused_gemm_float16_activations(fmt, config):  # X read by cp.async as it is, no conversion
-    native = _check_gemm(fmt, 544, 175, config, num_tokens=131, num_rows=200, x_dtype=np.float16)
-    twin = _check_gemm(fmt, 544, 175, MmaConfig(is_native=False), num_tokens=131, num_rows=200, x_dtype=np.float16)
+    num_cols = 768 if fmt in ("Q4_K", "Q6_K") else 544
+    native = _check_gemm(fmt, num_cols, 175, config, num_tokens=131, num_rows=200, x_dtype=np.float16)
+    twin = _check_gemm(fmt, num_cols, 175, MmaConfig(is_native=False), num_tokens=131, num_rows=200,
+                       x_dtype=np.float16)
     assert np.max(np.abs(native - twin)) <= 1e-4 * np.max(np.abs(twin))
 
 
@@ -203,7 +206,8 @@ def test_native_fused_gemm_float16_activations(fmt, config):  # X read by cp.asy
                                     MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True),
                                     MmaConfig(is_native=True, prefetch_w=True, ldmatrix=True, vector_stores=True,
                                               lto=True)] + FUSED_CONFIGS)
-@pytest.mark.parametrize("fmts", [("Q4_K", "Q4_0", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0"), ("Q8_0", "Q8_0", "Q4_0")])
+@pytest.mark.parametrize("fmts", [("Q4_K", "Q4_0", "Q6_K"), ("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0"),
+                                  ("Q8_0", "Q8_0", "Q4_0")])
 def test_native_moe_prefill_options(config, fmts):  # the fused loop runs where gate and up share a fused format
     num_tokens, num_experts, top_k, dim, ffn = 300, 8, 2, 256, 288  # K-quant rows hold whole 256-element blocks
     if fmts[0] == "Q4_K":
@@ -241,6 +245,6 @@ def test_default_config_per_weight_format():
     if not tensor_core.is_available():
         assert default_config("Q4_0") == default_config() == GemmConfig()
         return
-    fused, numba_loop = default_config("Q4_0", "Q8_0"), default_config("Q4_0", "Q6_K")
+    fused, numba_loop = default_config("Q4_0", "Q8_0"), default_config("Q4_0", "Q4_K")
     assert is_fused(fused, "Q4_0") and default_config() == fused and not numba_loop.fused
     assert fused.block_m == numba_loop.block_m  # one grouping of routed pairs serves both

@@ -39,7 +39,9 @@ MMA_LD = BLOCK_K + 8  # halves per staged row on the tensor-core path (padding a
 MMA_STEP_KS = (32, 64)  # K elements staged per barrier pair on the tensor-core path
 MAX_STATIC_SHARED_BYTES = 48 * 1024
 _OCTETS_PER_STEP = BLOCK_K // OCTET
-FUSED_FORMATS = ("Q4_0", "Q8_0")  # the octet formats of cuda/common.cuh, which the fused K loop stages
+FUSED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # the block formats cuda/gemm_mma.cu dequantizes
+# default_config's fused formats: those the GPU tests and the H200 sweep have run through the fused loop
+DEFAULT_FUSED_FORMATS = ("Q4_0", "Q8_0")
 _MMA_WARP_TILES = ((1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (2, 8), (4, 8))  # (16-row, 8-column) mma tiles per warp in cuda/gemm_mma.cu
 
 
@@ -200,17 +202,17 @@ def staged_input(x, config, *fmts: str):
 
 
 def default_config(*fmts: str):
-    """The tiles for weights of these formats (none given: the formats of the fused loop): tensor cores where
+    """The tiles for weights of these formats (none given: the fused loop's): tensor cores where
     available, else the FFMA tiles (the simulator). Both tensor-core choices have block_m 128, so one
     grouping of routed pairs (moe_route.moe_group) serves either.
 
     On the H200 (MoE Q4_0 prefill at 2,048 / 8,192 routed tokens, dense 4096 x 4096 x 2048):
     the fused C++ K loop on 128 x 64 tiles 69 / 114 / 67 TFLOP/s; the Numba loop's best, 128 x 128
     tiles with W prefetch, ldmatrix fragments and 16-byte shared stores, 48 / 62 / 45, which the
-    formats without a fused loop keep."""
+    other formats keep."""
     if not tensor_core.is_available():
         return GemmConfig()
-    if all(fmt in FUSED_FORMATS for fmt in fmts):
+    if all(fmt in DEFAULT_FUSED_FORMATS for fmt in fmts):
         return MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, stages=2, fused=True).validate()
     return MmaConfig(prefetch_w=True, ldmatrix=True, vector_stores=True).validate()
 

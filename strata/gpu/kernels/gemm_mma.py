@@ -15,8 +15,8 @@ MmaConfig's main-loop options (register prefetch of W, 64-wide steps, double-buf
 ldmatrix fragments, 16-byte shared stores) change the schedule, never the numerics: the same
 f16-rounded inputs meet the same f32 products, summed in a different order at most.
 
-`fused` moves the whole K loop into C++ (cuda/gemm_mma.cu's gemm_fused, GPU only, Q4_0 / Q8_0
-weights, float16 X): the accumulators stay in registers from the first step to the last, X rows
+`fused` moves the whole K loop into C++ (cuda/gemm_mma.cu's gemm_fused, GPU only, the block
+formats Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, float16 X): the accumulators stay in registers from the first step to the last, X rows
 arrive by cp.async and W octets through registers into double-buffered tiles, one barrier a step.
 Where it does not apply (another format, float32 X, the simulator) the Numba loop runs; the
 numerics are the same.
@@ -41,6 +41,7 @@ _OCTETS_PER_K32 = BLOCK_K // OCTET
 _WARP = 32
 _U32_PTR = types.CPointer(types.uint32)
 _INT_PTR = types.CPointer(types.int32)
+_U8_PTR = types.CPointer(types.uint8)
 
 
 @functools.cache
@@ -50,7 +51,8 @@ def _fused_loop(fmt: str, config: MmaConfig, num_weights: int):
     name = f"strata_gemm_fused_{fmt}_m{bm}_n{bn}_w{wm}x{wn}_x{num_weights}"
     line = f"\nSTRATA_GEMM_FUSED({fmt}, {bm}, {bn}, {wm}, {wn}, {num_weights})\n"
     half, i32, f32 = tensor_core.HALF_PTR, tensor_core.INT32, tensor_core.FLOAT_PTR
-    argtypes = (half, i32, _INT_PTR, i32, _U32_PTR, half, _U32_PTR, half, i32, i32, i32, i32, half, half, half, f32, f32)
+    argtypes = (half, i32, _INT_PTR, i32, _U32_PTR, half, _U8_PTR, _U32_PTR, half, _U8_PTR, i32, i32, i32, i32, i32,
+                half, half, half, f32, f32)
     return tensor_core.declare(name, argtypes, "gemm_mma.cu", line)
 
 
@@ -64,10 +66,10 @@ def _fused_mainloop_device(fmt: str, config: MmaConfig, num_weights: int):
         def device_fused_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
             w = ffi.from_buffer(ws)
             a = ffi.from_buffer(acc)
+            q, s, e = ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra)
             loop(ffi.from_buffer(x), np.int32(x.shape[1]), ffi.from_buffer(x_rows), np.int32(x.shape[1] // BLOCK_K),
-                 ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(quants), ffi.from_buffer(scales),
-                 np.int32(quants.shape[1]), np.int32(scales.shape[1]), np.int32(w_row0), np.int32(w_row_end),
-                 ffi.from_buffer(xs), w, w, a, a)
+                 q, s, e, q, s, e, np.int32(quants.shape[1]), np.int32(scales.shape[1]), np.int32(extra.shape[1]),
+                 np.int32(w_row0), np.int32(w_row_end), ffi.from_buffer(xs), w, w, a, a)
 
         return device_fused_mainloop
 
@@ -75,9 +77,10 @@ def _fused_mainloop_device(fmt: str, config: MmaConfig, num_weights: int):
     def device_fused_dual_mainloop(x, x_rows, qa, sa, ea, qb, sb, eb, w_row0, w_row_end, xs, ws_a, ws_b, acc_a,
                                    acc_b, tid):
         loop(ffi.from_buffer(x), np.int32(x.shape[1]), ffi.from_buffer(x_rows), np.int32(x.shape[1] // BLOCK_K),
-             ffi.from_buffer(qa), ffi.from_buffer(sa), ffi.from_buffer(qb), ffi.from_buffer(sb), np.int32(qa.shape[1]),
-             np.int32(sa.shape[1]), np.int32(w_row0), np.int32(w_row_end), ffi.from_buffer(xs), ffi.from_buffer(ws_a),
-             ffi.from_buffer(ws_b), ffi.from_buffer(acc_a), ffi.from_buffer(acc_b))
+             ffi.from_buffer(qa), ffi.from_buffer(sa), ffi.from_buffer(ea), ffi.from_buffer(qb), ffi.from_buffer(sb),
+             ffi.from_buffer(eb), np.int32(qa.shape[1]), np.int32(sa.shape[1]), np.int32(ea.shape[1]),
+             np.int32(w_row0), np.int32(w_row_end), ffi.from_buffer(xs), ffi.from_buffer(ws_a), ffi.from_buffer(ws_b),
+             ffi.from_buffer(acc_a), ffi.from_buffer(acc_b))
 
     return device_fused_dual_mainloop
 

@@ -23,7 +23,7 @@ __device__ __forceinline__ void mma_16816(float* c, unsigned a0, unsigned a1, un
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-enum OctetFormat { kF16, kQ8_0, kQ4_0 };
+enum OctetFormat { kF16, kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ6_K };
 
 [[maybe_unused]] __device__ __forceinline__ void cp_async_16(__half* dst, const void* src, bool valid) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));

@@ -123,20 +123,95 @@ extern "C" __device__ void strata_store8_f16(__half* dst, float v0, float v1, fl
 }
 
 // ---- The fused K loop: a block's whole GEMM tile, the accumulators in registers from the first step to the last. ----
-//
+
+// A packed weight matrix's planes (packing.py): quant words, f16 block fields, K-quant sub-block bytes.
+struct WeightPlanes {
+  const unsigned* quants;
+  const __half* scales;
+  const unsigned char* extra;
+  int quant_pitch, scale_pitch, extra_pitch;
+};
+
+// One octet of weights as loaded: quant words and the factors of its (sub-)block, x = d * q + m.
+struct RawWeights {
+  unsigned w0, w1, w2, w3;
+  float d, m;
+};
+
+// The octet's raw values; the same sums as quant_device.py's dequantizers (Q4_0 and Q8_0 as common.cuh reads them).
+template <OctetFormat F>
+__device__ __forceinline__ RawWeights load_weights(const WeightPlanes& p, int row, int octet) {
+  const unsigned* q = p.quants + static_cast<size_t>(row) * p.quant_pitch;
+  const __half* s = p.scales + static_cast<size_t>(row) * p.scale_pitch;
+  if constexpr (F == kQ4_0 || F == kQ8_0) {
+    const RawOctet r = load_octet<F>(p.quants, p.scales, row, octet, p.quant_pitch, p.scale_pitch);
+    return {r.w0, r.w1, 0u, 0u, r.d, 0.f};
+  } else if constexpr (F == kQ4_1) {  // d, m per 32; byte j holds element j (low nibble) and j + 16 (high)
+    const int block = octet >> 2;
+    const uint2 w = *reinterpret_cast<const uint2*>(q + block * 4 + (octet & 1) * 2);
+    return {w.x, w.y, 0u, 0u, __half2float(s[2 * block]), __half2float(s[2 * block + 1])};
+  } else if constexpr (F == kQ4_K) {  // 256 = 8 sub-blocks of 32; bytes 32c.. hold sub-blocks 2c (low), 2c + 1 (high)
+    const int sb = octet >> 5, sub = octet & 31, j = sub >> 2;
+    const uint2 w = *reinterpret_cast<const uint2*>(q + sb * 32 + (j >> 1) * 8 + (sub & 3) * 2);
+    const unsigned char* e = p.extra + static_cast<size_t>(row) * p.extra_pitch + sb * 12;
+    unsigned sc, mn;  // 6-bit scale and min of sub-block j
+    if (j < 4) {
+      sc = e[j] & 63;
+      mn = e[j + 4] & 63;
+    } else {
+      sc = (e[j + 4] & 0xF) | ((e[j - 4] >> 6) << 4);
+      mn = (e[j + 4] >> 4) | ((e[j] >> 6) << 4);
+    }
+    return {w.x, w.y, 0u, 0u, __half2float(s[2 * sb]) * static_cast<float>(sc),
+            -(__half2float(s[2 * sb + 1]) * static_cast<float>(mn))};
+  } else {  // Q6_K: element 32q + l of half n takes ql[64n + 32(q%2) + l] nibble q/2 and qh[32n + l] bits 2q
+    const int sb = octet >> 5, e = (octet & 31) * 8, n = e >> 7, qq = (e & 127) >> 5, l0 = e & 31;
+    const uint2 lo = *reinterpret_cast<const uint2*>(q + sb * 48 + n * 16 + (qq & 1) * 8 + (l0 >> 2));
+    const uint2 hi = *reinterpret_cast<const uint2*>(q + sb * 48 + 32 + n * 8 + (l0 >> 2));
+    const signed char sub_scale = static_cast<signed char>(
+        p.extra[static_cast<size_t>(row) * p.extra_pitch + sb * 16 + n * 8 + qq * 2 + (l0 >> 4)]);
+    return {lo.x, lo.y, hi.x, hi.y, __half2float(s[sb]) * static_cast<float>(sub_scale), 0.f};
+  }
+}
+
+template <OctetFormat F>
+__device__ __forceinline__ uint4 dequant_weights(const RawWeights& r, int octet) {
+  if constexpr (F == kQ4_0 || F == kQ8_0) {
+    return dequant_octet<F>(RawOctet{r.w0, r.w1, r.d}, octet);
+  } else {
+    float x[8];
+    if constexpr (F == kQ6_K) {
+      const int qq = (((octet & 31) * 8) & 127) >> 5, lo_shift = (qq >> 1) * 4, hi_shift = qq * 2;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[i] = r.d * small_int(((r.w0 >> (8 * i + lo_shift)) & 0xF) | (((r.w2 >> (8 * i + hi_shift)) & 3) << 4),
+                               8388640.f);
+        x[4 + i] = r.d * small_int(((r.w1 >> (8 * i + lo_shift)) & 0xF) | (((r.w3 >> (8 * i + hi_shift)) & 3) << 4),
+                                   8388640.f);
+      }
+    } else {  // Q4_1, Q4_K: d * q + m, nibbles as in Q4_0
+      const int shift = F == kQ4_1 ? ((octet & 3) >> 1) * 4 : (((octet & 31) >> 2) & 1) * 4;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[i] = r.d * small_int((r.w0 >> (8 * i + shift)) & 0xF, 8388608.f) + r.m;
+        x[4 + i] = r.d * small_int((r.w1 >> (8 * i + shift)) & 0xF, 8388608.f) + r.m;
+      }
+    }
+    return {pack_half2(x[0], x[1]), pack_half2(x[2], x[3]), pack_half2(x[4], x[5]), pack_half2(x[6], x[7])};
+  }
+}
+
 // acc_a (and acc_b for NUM_W 2, gate and up sharing the X tile) += X[x_rows] * W[w_row0 ..]^T over K = 32 * num_k32:
 //   x       f16 [rows][x_pitch] in global memory; x_rows [BM] (shared): the X row of each tile row, -1 a zero row
-//   W       packed Q4_0 / Q8_0 planes (quant words [rows][quant_pitch], f16 scales [rows][scale_pitch]);
-//           tile row n is W row w_row0 + n, zeros from w_row_end on
+//   wa, wb  packed weights of format F; tile row n is W row w_row0 + n, zeros from w_row_end on
 //   xs, wsa, wsb  shared f16 buffers of 2 x [BM][40] and 2 x [BN][40]: K steps of 32 alternate between them
 // The next step's X rows fly as cp.async copies and its W octets as registers while this step's mma run, then
 // the W octets are dequantized into the other buffer: one barrier a step. acc_* leave in gemm_mma.py's fragment
 // order, written once at the end. Every thread of the block calls it.
 template <OctetFormat F, int BM, int BN, int WARPS_M, int WARPS_N, int NUM_W>
 __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const int* x_rows, int num_k32,
-                                           const unsigned* qa, const __half* sa, const unsigned* qb, const __half* sb,
-                                           int quant_pitch, int scale_pitch, int w_row0, int w_row_end, __half* xs,
-                                           __half* wsa, __half* wsb, float* acc_a, float* acc_b) {
+                                           const WeightPlanes& wa, const WeightPlanes& wb, int w_row0, int w_row_end,
+                                           __half* xs, __half* wsa, __half* wsb, float* acc_a, float* acc_b) {
   constexpr int K = 32, LD = K + 8, THREADS = 32 * WARPS_M * WARPS_N;
   constexpr int MI = BM / WARPS_M / 16, NJ = BN / WARPS_N / 8;
   constexpr int X_OCTETS = BM * K / 8, W_OCTETS = BN * K / 8;
@@ -154,7 +229,7 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
         ca[i][j][r] = 0.f;
         if constexpr (NUM_W == 2) cb[i][j][r] = 0.f;
       }
-  RawOctet ra[PW], rb[NUM_W == 2 ? PW : 1];
+  RawWeights ra[PW], rb[NUM_W == 2 ? PW : 1];
 
   auto load = [&](int step, int buf) {  // X by cp.async into buffer buf, W octets into registers
 #pragma unroll
@@ -173,23 +248,23 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
       if (W_OCTETS % THREADS == 0 || idx < W_OCTETS) {
         const bool valid = w_row0 + n < w_row_end;
         const int row = valid ? w_row0 + n : 0;
-        ra[i] = load_octet<F>(qa, sa, row, octet, quant_pitch, scale_pitch);
-        if (!valid) ra[i].d = 0.f;
+        ra[i] = load_weights<F>(wa, row, octet);
+        if (!valid) ra[i].d = ra[i].m = 0.f;
         if constexpr (NUM_W == 2) {
-          rb[i] = load_octet<F>(qb, sb, row, octet, quant_pitch, scale_pitch);
-          if (!valid) rb[i].d = 0.f;
+          rb[i] = load_weights<F>(wb, row, octet);
+          if (!valid) rb[i].d = rb[i].m = 0.f;
         }
       }
     }
   };
-  auto store = [&](int buf) {  // the W octets dequantized into buffer buf, 16 bytes a store
+  auto store = [&](int step, int buf) {  // step's W octets dequantized into buffer buf, 16 bytes a store
 #pragma unroll
     for (int i = 0; i < PW; ++i) {
       const int idx = tid + i * THREADS, n = idx >> 2, oc = idx & 3;
       if (W_OCTETS % THREADS == 0 || idx < W_OCTETS) {
-        *reinterpret_cast<uint4*>(wsa + buf * BN * LD + n * LD + 8 * oc) = dequant_octet<F>(ra[i], oc);
+        *reinterpret_cast<uint4*>(wsa + buf * BN * LD + n * LD + 8 * oc) = dequant_weights<F>(ra[i], step * 4 + oc);
         if constexpr (NUM_W == 2)
-          *reinterpret_cast<uint4*>(wsb + buf * BN * LD + n * LD + 8 * oc) = dequant_octet<F>(rb[i], oc);
+          *reinterpret_cast<uint4*>(wsb + buf * BN * LD + n * LD + 8 * oc) = dequant_weights<F>(rb[i], step * 4 + oc);
       }
     }
   };
@@ -214,7 +289,7 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
 
   if (num_k32 > 0) {
     load(0, 0);
-    store(0);
+    store(0, 0);
   }
   for (int step = 0; step < num_k32; ++step) {
     const int cur = step & 1;
@@ -223,7 +298,7 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
     const bool has_next = step + 1 < num_k32;
     if (has_next) load(step + 1, cur ^ 1);
     compute(cur);
-    if (has_next) store(cur ^ 1);
+    if (has_next) store(step + 1, cur ^ 1);
   }
 #pragma unroll
   for (int i = 0; i < MI; ++i)
@@ -237,11 +312,14 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
 }
 
 // The fused loop is instantiated on demand: gemm_mma.py appends one STRATA_GEMM_FUSED line per kernel.
-#define STRATA_GEMM_FUSED(FMT, BM, BN, WM, WN, NW)                                                               \
-  extern "C" __device__ void strata_gemm_fused_##FMT##_m##BM##_n##BN##_w##WM##x##WN##_x##NW(                    \
-      const __half* x, int x_pitch, const int* x_rows, int num_k32, const unsigned* qa, const __half* sa,       \
-      const unsigned* qb, const __half* sb, int quant_pitch, int scale_pitch, int w_row0, int w_row_end,        \
-      __half* xs, __half* wsa, __half* wsb, float* acc_a, float* acc_b) {                                        \
-    gemm_fused<k##FMT, BM, BN, WM, WN, NW>(x, x_pitch, x_rows, num_k32, qa, sa, qb, sb, quant_pitch, scale_pitch, \
-                                           w_row0, w_row_end, xs, wsa, wsb, acc_a, acc_b);                       \
+#define STRATA_GEMM_FUSED(FMT, BM, BN, WM, WN, NW)                                                                 \
+  extern "C" __device__ void strata_gemm_fused_##FMT##_m##BM##_n##BN##_w##WM##x##WN##_x##NW(                      \
+      const __half* x, int x_pitch, const int* x_rows, int num_k32, const unsigned* qa, const __half* sa,         \
+      const unsigned char* ea, const unsigned* qb, const __half* sb, const unsigned char* eb, int quant_pitch,    \
+      int scale_pitch, int extra_pitch, int w_row0, int w_row_end, __half* xs, __half* wsa, __half* wsb,          \
+      float* acc_a, float* acc_b) {                                                                                \
+    const WeightPlanes wa{qa, sa, ea, quant_pitch, scale_pitch, extra_pitch};                                      \
+    const WeightPlanes wb{qb, sb, eb, quant_pitch, scale_pitch, extra_pitch};                                      \
+    gemm_fused<k##FMT, BM, BN, WM, WN, NW>(x, x_pitch, x_rows, num_k32, wa, wb, w_row0, w_row_end, xs, wsa, wsb,  \
+                                           acc_a, acc_b);                                                          \
   }
