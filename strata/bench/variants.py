@@ -163,7 +163,10 @@ def main(argv=None) -> int:
     sweeps = {"gemm": gemm_sweep, "attention": attention_sweep, "gemv": gemv_sweep}
     for name, sweep in sweeps.items():
         if args.only in (None, name):
-            sweep(timing, args.match) if name == "gemm" else sweep(timing)
+            if name == "gemm":
+                sweep(timing, args.match)
+            else:
+                sweep(timing)
     return 0
 
 

@@ -300,7 +300,8 @@ class CudaOps:
         if y.shape[0] == 1:
             gemv(weight.data, y[0], x[0], accumulate=True, stream=self._stream)
         else:
-            gemm(y, weight.data, x, accumulate=True)
+            with self._owning(ACTIVATIONS):  # gemm may stage a float16 copy of y
+                gemm(y, weight.data, x, accumulate=True)
 
     def qk_norm_rope(self, q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
                      freq_factors=None) -> None:

@@ -152,6 +152,9 @@ def test_mma_config_option_checks():
         MmaConfig(fused=True).validate()
     with pytest.raises(ValueError, match="fused=True runs the K loop in linked C.., but is_native=False"):
         MmaConfig(fused=True, stages=2, is_native=False).validate()
+    if not tensor_core.is_available():  # resolved to the twin, the C++-only options drop, and it validates again
+        resolved = MmaConfig(fused=True, stages=2, lto=True).validate()
+        assert not resolved.fused and not resolved.lto and resolved.validate() == resolved
     # the fused loop takes Q4_0 / Q8_0 weights of one format, only where the C++ runs
     fused = MmaConfig(fused=True, stages=2, is_native=True)
     assert is_fused(fused, "Q4_0") and is_fused(fused, "Q6_K", "Q6_K")
@@ -223,20 +226,23 @@ def test_native_moe_prefill_options(config, fmts):  # the fused loop runs where 
     ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
     ids, weights = ids.astype(np.int32), weights.astype(np.float32)
     groups = moe_group(dev(ids), dev(weights), num_experts, config.block_m)
-    out = dev(np.zeros((num_tokens, dim), np.float32))
-    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=config)
-    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)
+    expected = reference_ops.moe(x, ids, weights, *values)
+    for hidden_dtype in (None, np.float32):  # float32 hidden: down runs the Numba loop under a fused config
+        out = dev(np.zeros((num_tokens, dim), np.float32))
+        moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=config,
+                            hidden_dtype=hidden_dtype)
+        assert_close_to_scale(host(out), expected, 5e-3)
 
 
 def test_cuda_sources_inline_their_local_headers():  # NVRTC does not search the sources' folder
     for name in ("gemm_mma.cu", "attention_mma.cu"):
         text = tensor_core.source_text(name)
         assert '#include "common.cuh"' not in text and text.count("struct RawOctet {") == 1
-    assert tensor_core.source_text("gemv_rows.cu") == open(tensor_core.source("gemv_rows.cu")).read()
+    with open(tensor_core.source("gemv_rows.cu")) as f:  # no local include: the text as it is
+        assert tensor_core.source_text("gemv_rows.cu") == f.read()
 
 
 def test_one_linkable_source_per_text():  # kernels dedupe link items by identity
-    pytest.importorskip("cffi")
     assert tensor_core.cu_source("gemm_mma.cu") is tensor_core.cu_source("gemm_mma.cu")
     assert tensor_core.cu_source("gemm_mma.cu", "x") is not tensor_core.cu_source("gemm_mma.cu")
 
@@ -245,6 +251,16 @@ def test_default_config_per_weight_format():
     if not tensor_core.is_available():
         assert default_config("Q4_0") == default_config() == GemmConfig()
         return
-    fused, numba_loop = default_config("Q4_0", "Q8_0"), default_config("Q4_0", "Q4_K")
-    assert is_fused(fused, "Q4_0") and default_config() == fused and not numba_loop.fused
-    assert fused.block_m == numba_loop.block_m  # one grouping of routed pairs serves both
+    fused = default_config("Q4_0", "Q4_0", "Q8_0")
+    assert is_fused(fused, "Q4_0") and default_config() == fused
+    # a format outside the default's, or gate and up apart (their shared loop could not fuse): the Numba loop
+    for numba_loop in (default_config("Q4_0", "Q4_K"), default_config("Q4_0", "Q8_0", "Q4_0")):
+        assert not numba_loop.fused and numba_loop.block_m == fused.block_m  # one grouping serves both
+
+
+@needs_tensor_cores
+def test_fused_configs_dispatch_to_the_cpp_loop():
+    from strata.gpu.kernels import gemm_mma
+    config = FUSED_CONFIGS[0]
+    assert gemm_mma.mainloop_device("Q4_0", config) is gemm_mma._fused_mainloop_device("Q4_0", config, 1)
+    assert gemm_mma.dual_mainloop_device("Q6_K", "Q6_K", config) is gemm_mma._fused_mainloop_device("Q6_K", config, 2)

@@ -178,8 +178,9 @@ class MmaConfig(NamedTuple):
         if self.fused and self.is_native is False:
             raise ValueError("fused=True runs the K loop in linked C++, but is_native=False runs the Numba twin: "
                              "set fused=False, or is_native=True on a GPU with tensor cores")
-        if self.is_native is None:
-            return self._replace(is_native=tensor_core.is_available())
+        if self.is_native is None:  # without tensor cores the C++-only options fall back to the twin's loop
+            is_native = tensor_core.is_available()
+            return self._replace(is_native=is_native, fused=self.fused and is_native, lto=self.lto and is_native)
         if self.is_native and not tensor_core.is_available():
             raise ValueError("is_native=True needs a GPU with tensor cores (compute capability 8.0+) and cffi")
         return self
@@ -202,9 +203,10 @@ def staged_input(x, config, *fmts: str):
 
 
 def default_config(*fmts: str):
-    """The tiles for weights of these formats (none given: the fused loop's): tensor cores where
-    available, else the FFMA tiles (the simulator). Both tensor-core choices have block_m 128, so one
-    grouping of routed pairs (moe_route.moe_group) serves either.
+    """The tiles for weights of these formats (none given: the fused loop's; an MoE passes gate, up, down,
+    and gate and up share one loop, so they must share a format to fuse): tensor cores where available,
+    else the FFMA tiles (the simulator). Both tensor-core choices have block_m 128, so one grouping of
+    routed pairs (moe_route.moe_group) serves either.
 
     On the H200 (MoE Q4_0 prefill at 2,048 / 8,192 routed tokens, dense 4096 x 4096 x 2048):
     the fused C++ K loop on 128 x 64 tiles 69 / 114 / 67 TFLOP/s; the Numba loop's best, 128 x 128
@@ -212,7 +214,7 @@ def default_config(*fmts: str):
     other formats keep."""
     if not tensor_core.is_available():
         return GemmConfig()
-    if all(fmt in DEFAULT_FUSED_FORMATS for fmt in fmts):
+    if all(fmt in DEFAULT_FUSED_FORMATS for fmt in fmts) and len(set(fmts[:2])) <= 1:
         return MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, stages=2, fused=True).validate()
     return MmaConfig(prefetch_w=True, ldmatrix=True, vector_stores=True).validate()
 
@@ -408,8 +410,10 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
 
     Launch config: grid (ceil(N / block_n), ceil(T / block_m)), config.threads threads.
     GemmConfig (FFMA): (block_m / thread_m) * (block_n / thread_n) threads, shared 32 * (block_m +
-    block_n) float32; MmaConfig (tensor cores, the default on the GPU): 128 x 128 tiles, 8 warps of
-    32 x 64, 256 threads, shared 40 * (block_m + block_n) float16 (20 KiB).
+    block_n) float32; MmaConfig (tensor cores, the default on the GPU): for Q4_0 / Q8_0 weights the fused
+    loop on 128 x 64 tiles, 8 warps of 32 x 32, 256 threads, shared 2 * 40 * (block_m + block_n) float16
+    (30 KiB); for the others 128 x 128 tiles, 8 warps of 32 x 64, shared 40 * (block_m + block_n)
+    float16 (20 KiB).
     """
     check_packed("w", w)
     config = (config or default_config(w.fmt)).validate()

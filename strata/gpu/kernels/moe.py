@@ -36,15 +36,15 @@ from .packing import PackedMatrix, check_packed
 
 
 @functools.cache
-def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mapped: bool, is_down_fused: bool):
+def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mapped: bool, is_hidden_f16: bool):
     """is_mapped: tiles name expert ids and slot_of_expert [N] maps them to slots (-1: skip the tile);
-    otherwise tiles name slots already (slot_of_expert unused). is_down_fused: the down product may run
-    the fused loop (its hidden input is float16)."""
+    otherwise tiles name slots already (slot_of_expert unused). is_hidden_f16: the hidden scratch is
+    float16, so the down product may run the fused loop (which reads float16 X only)."""
     bm, bn = config.block_m, config.block_n
     xs_size, ws_size, acc_size, stage_dtype = config.xs_size, config.ws_size, config.acc_size, config.stage_dtype
     gate_up_loop = dual_mainloop_device(fmt_gate, fmt_up, config)
-    down_loop = mainloop_device(fmt_down, config._replace(fused=False) if isinstance(config, MmaConfig) and not is_down_fused
-                                else config)
+    is_down_unfused = isinstance(config, MmaConfig) and not is_hidden_f16
+    down_loop = mainloop_device(fmt_down, config._replace(fused=False) if is_down_unfused else config)
     coords = acc_coords_device(config)
 
     @cuda.jit(device=True)

@@ -5,7 +5,8 @@
 // words [rows][quant_pitch], f16 block scales [rows][scale_pitch]), read as two quant words and the
 // block scale, dequantized as f32 products d * q rounded to f16 (the values the Numba dequantizers
 // stage), stored as one 16-byte shared store.
-#pragma once
+#ifndef STRATA_COMMON_CUH
+#define STRATA_COMMON_CUH
 #include <cuda_fp16.h>
 
 namespace {
@@ -68,3 +69,5 @@ __device__ __forceinline__ uint4 dequant_octet(const RawOctet& raw, int octet) {
 }
 
 }  // namespace
+
+#endif  // STRATA_COMMON_CUH

@@ -207,7 +207,7 @@ __device__ __forceinline__ uint4 dequant_weights(const RawWeights& r, int octet)
 //   xs, wsa, wsb  shared f16 buffers of 2 x [BM][40] and 2 x [BN][40]: K steps of 32 alternate between them
 // The next step's X rows fly as cp.async copies and its W octets as registers while this step's mma run, then
 // the W octets are dequantized into the other buffer: one barrier a step. acc_* leave in gemm_mma.py's fragment
-// order, written once at the end. Every thread of the block calls it.
+// order, read at the start and written at the end. Every thread of the block calls it.
 template <OctetFormat F, int BM, int BN, int WARPS_M, int WARPS_N, int NUM_W>
 __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const int* x_rows, int num_k32,
                                            const WeightPlanes& wa, const WeightPlanes& wb, int w_row0, int w_row_end,
@@ -226,8 +226,8 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        ca[i][j][r] = 0.f;
-        if constexpr (NUM_W == 2) cb[i][j][r] = 0.f;
+        ca[i][j][r] = acc_a[(i * NJ + j) * 4 + r];
+        if constexpr (NUM_W == 2) cb[i][j][r] = acc_b[(i * NJ + j) * 4 + r];
       }
   RawWeights ra[PW], rb[NUM_W == 2 ? PW : 1];
 
