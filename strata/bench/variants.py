@@ -2,8 +2,8 @@
 
 The sweeps behind the defaults of ``gemm.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/PERFORMANCE.md): every MmaConfig main-loop variant on the MoE prefill
-products (2,048 and 8,192 routed tokens, Q4_0) and a dense 4096 x 4096 x 2048 GEMM, and every
-MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
+products (2,048 and 8,192 routed tokens; Q4_0, or --weight-format) and a dense 4096 x 4096 x 2048
+GEMM, and every MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
 block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
 largest difference from a reference output, so a fast but wrong variant shows. Needs a GPU with
 tensor cores.
@@ -22,12 +22,13 @@ FAST = MappingProxyType({"prefetch_w": True, "ldmatrix": True, "vector_stores": 
 FUSED = MappingProxyType({"stages": 2, "fused": True})  # the C++ K loop; 128 x 128 gate/up tiles exceed 48 KiB
 GEMM_VARIANTS = MappingProxyType({
     "128x128 plain": {}, "128x128 prefetch_w": {"prefetch_w": True}, "128x128 ldmatrix": {"ldmatrix": True},
-    "128x128 vector_stores": {"vector_stores": True}, "128x128 fast (default)": dict(FAST),
+    "128x128 vector_stores": {"vector_stores": True}, "128x128 fast (default elsewhere)": dict(FAST),
     "128x128 fast lto": {**FAST, "lto": True},
     "128x64 plain": GEMM_TILES["128x64"], "128x64 fast step_k 64": {**GEMM_TILES["128x64"], **FAST, "step_k": 64},
     "128x64 fast stages 2": {**GEMM_TILES["128x64"], **FAST, "stages": 2},
     "64x64 fast stages 2": {**GEMM_TILES["64x64"], **FAST, "stages": 2},
-    "128x64 fused": {**GEMM_TILES["128x64"], **FUSED}, "128x64 fused lto": {**GEMM_TILES["128x64"], **FUSED, "lto": True},
+    "128x64 fused (default Q4_0 / Q8_0)": {**GEMM_TILES["128x64"], **FUSED},
+    "128x64 fused lto": {**GEMM_TILES["128x64"], **FUSED, "lto": True},
     "128x64 4x1 fused": {**GEMM_TILES["128x64"], "warps_n": 1, **FUSED},
     "128x64 4x1 fused lto": {**GEMM_TILES["128x64"], "warps_n": 1, **FUSED, "lto": True},
     "64x64 fused": {**GEMM_TILES["64x64"], **FUSED},
@@ -41,13 +42,13 @@ def _attempt(fn) -> str:
         return f"FAILED {type(exc).__name__}: {str(exc)[:100]}"
 
 
-def gemm_sweep(timing, match: str = "") -> None:
+def gemm_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
     from strata.bench import kernels as b
     from strata.gpu.kernels.gemm import MmaConfig, gemm
 
     s, rng = b.QWEN3_30B, np.random.default_rng(0)
-    experts = b.make_experts(s, "Q4_0", rng)
-    w, x = b.random_packed("Q4_0", 4096, s.hidden, rng), b.device_randn((4096, s.hidden), rng)
+    experts = b.make_experts(s, fmt, rng)
+    w, x = b.random_packed(fmt, 4096, s.hidden, rng), b.device_randn((4096, s.hidden), rng)
     y_first = None
     for name, fields in GEMM_VARIANTS.items():
         if match not in name:
@@ -156,6 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=("gemm", "attention", "gemv"), help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--match", default="", help="only the GEMM variants whose name contains this text")
+    parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
+                        help="the GEMM sweep's weights (default Q4_0)")
     args = parser.parse_args(argv)
     if not tensor_core.is_available():
         raise SystemExit("the variant sweeps need a GPU with tensor cores (compute capability 8.0+) and cffi")
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
     for name, sweep in sweeps.items():
         if args.only in (None, name):
             if name == "gemm":
-                sweep(timing, args.match)
+                sweep(timing, args.match, args.weight_format)
             else:
                 sweep(timing)
     return 0
