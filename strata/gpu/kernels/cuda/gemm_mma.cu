@@ -201,6 +201,20 @@ __device__ __forceinline__ uint4 dequant_weights(const RawWeights& r, int octet)
   }
 }
 
+// Accumulator fragments between registers c and their array acc (gemm_mma.py's order): in, or back out.
+template <bool TO_REGISTERS, int MI, int NJ>
+__device__ __forceinline__ void move_accumulators(float (&c)[MI][NJ][4], float* acc) {
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if constexpr (TO_REGISTERS) c[i][j][r] = acc[(i * NJ + j) * 4 + r];
+        else acc[(i * NJ + j) * 4 + r] = c[i][j][r];
+      }
+}
+
 // acc_a (and acc_b for NUM_W 2, gate and up sharing the X tile) += X[x_rows] * W[w_row0 ..]^T over K = 32 * num_k32:
 //   x       f16 [rows][x_pitch] in global memory; x_rows [BM] (shared): the X row of each tile row, -1 a zero row
 //   wa, wb  packed weights of format F; tile row n is W row w_row0 + n, zeros from w_row_end on
@@ -220,15 +234,8 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
   const int x_off = (warp / WARPS_N) * (BM / WARPS_M) * LD, w_off = (warp % WARPS_N) * (BN / WARPS_N) * LD;
 
   float ca[MI][NJ][4], cb[NUM_W == 2 ? MI : 1][NUM_W == 2 ? NJ : 1][4];
-#pragma unroll
-  for (int i = 0; i < MI; ++i)
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        ca[i][j][r] = acc_a[(i * NJ + j) * 4 + r];
-        if constexpr (NUM_W == 2) cb[i][j][r] = acc_b[(i * NJ + j) * 4 + r];
-      }
+  move_accumulators<true>(ca, acc_a);
+  if constexpr (NUM_W == 2) move_accumulators<true>(cb, acc_b);
   RawWeights ra[PW], rb[NUM_W == 2 ? PW : 1];
 
   auto load = [&](int step, int buf) {  // X by cp.async into buffer buf, W octets into registers
@@ -300,15 +307,8 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
     compute(cur);
     if (has_next) store(step + 1, cur ^ 1);
   }
-#pragma unroll
-  for (int i = 0; i < MI; ++i)
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        acc_a[(i * NJ + j) * 4 + r] = ca[i][j][r];
-        if constexpr (NUM_W == 2) acc_b[(i * NJ + j) * 4 + r] = cb[i][j][r];
-      }
+  move_accumulators<false>(ca, acc_a);
+  if constexpr (NUM_W == 2) move_accumulators<false>(cb, acc_b);
 }
 
 // The fused loop is instantiated on demand: gemm_mma.py appends one STRATA_GEMM_FUSED line per kernel.
