@@ -16,8 +16,9 @@ ldmatrix fragments, 16-byte shared stores) change the schedule, never the numeri
 f16-rounded inputs meet the same f32 products, summed in a different order at most.
 
 `fused` moves the whole K loop into C++ (cuda/gemm_mma.cu's gemm_fused, GPU only, the block
-formats Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, float16 X): the accumulators stay in registers from the first step to the last, X rows
-arrive by cp.async and W octets through registers into double-buffered tiles, one barrier a step.
+formats Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, float16 X): the accumulators stay in registers from the
+first step to the last, X rows arrive by cp.async and W octets through registers into
+double-buffered tiles, one barrier a step.
 Where it does not apply (another format, float32 X, the simulator) the Numba loop runs; the
 numerics are the same.
 

@@ -140,10 +140,10 @@ def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatr
     groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
     scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16 under an MmaConfig,
     whose loops stage it as float16 anyway, else float32). config: GemmConfig (FFMA) or
-    MmaConfig (tensor cores); default gemm.default_config(<the three formats>). slot_of_expert: optional [N] int32,
-    when the groups name expert ids: tile t computes expert e with the weights of slot
-    slot_of_expert[e], and is skipped where that is -1 (one grouping serves several launches, each
-    with the slots of the experts it has staged).
+    MmaConfig (tensor cores); default gemm.default_config(<the three formats>).
+    slot_of_expert: optional [N] int32, when the groups name expert ids: tile t computes expert e
+    with the weights of slot slot_of_expert[e], and is skipped where that is -1 (one grouping serves
+    several launches, each with the slots of the experts it has staged).
 
     Launch config: two launches with gemm's block (config.threads threads): gate_up grid
     (ceil(F / block_n), max_tiles), down grid (ceil(H / block_n), max_tiles); blocks of tiles
