@@ -60,7 +60,7 @@ def gemm_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
         y = gemm(x, w, config=config).copy_to_host()
         y_first = y if y_first is None else y_first
         diff = np.max(np.abs(y - y_first)) / np.max(np.abs(y_first))
-        print(f"{name:26s} MoE 2,048 {moe[0]}  8,192 {moe[1]}  dense {2 * 4096 * 4096 * s.hidden / ms / 1e9:6.1f} "
+        print(f"{name:36s} MoE 2,048 {moe[0]}  8,192 {moe[1]}  dense {2 * 4096 * 4096 * s.hidden / ms / 1e9:6.1f} "
               f"TFLOP/s  max rel diff {diff:.1e}", flush=True)
 
 

@@ -155,7 +155,7 @@ def test_mma_config_option_checks():
     if not tensor_core.is_available():  # resolved to the twin, the C++-only options drop, and it validates again
         resolved = MmaConfig(fused=True, stages=2, lto=True).validate()
         assert not resolved.fused and not resolved.lto and resolved.validate() == resolved
-    # the fused loop takes Q4_0 / Q8_0 weights of one format, only where the C++ runs
+    # the fused loop takes the block formats, one format at a time, only where the C++ runs
     fused = MmaConfig(fused=True, stages=2, is_native=True)
     assert is_fused(fused, "Q4_0") and is_fused(fused, "Q6_K", "Q6_K")
     assert not is_fused(fused, "F16") and not is_fused(fused, "Q4_0", "Q8_0")

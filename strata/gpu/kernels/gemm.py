@@ -18,7 +18,7 @@ Kernels stay generic: they size shared memory from the config (`xs_size`, `ws_si
 accumulator with `acc_coords_device(config)`; the row gather, the staging of quantized weights
 and every epilogue (plain, residual add, MoE SwiGLU and weighted scatter in moe.py) are shared.
 `default_config(*formats)` picks tensor cores wherever they are available (the fused C++ K loop for Q4_0 /
-Q8_0 weights).
+Q8_0 weights; an MoE's gate and up only when they share a format).
 """
 
 from __future__ import annotations
