@@ -362,23 +362,18 @@ def _prefill_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, warps: in
     return kernel
 
 
-def _fused_source(fmt: str, head_dim: int, kv_tile: int, warps: int, stages: int):
-    """attention_mma.cu with the one fused-loop instantiation a kernel calls, and that function's name."""
-    name = f"strata_attention_mma_fused_{fmt}_d{head_dim}_k{kv_tile}_w{warps}_s{stages}"
-    line = f"\nSTRATA_ATTENTION_FUSED({fmt}, {head_dim}, {kv_tile}, {warps}, {stages})\n"
-    return tensor_core.cu_source("attention_mma.cu", line), name
-
-
 def fused_loop(fmt: str, head_dim: int, kv_tile: int, warps: int, stages: int):
     """The C++ fused KV loop, declared: fused_loop(smem, row_last, begin, end, k_quants, k_scales, v_quants,
     v_scales, quant_pitch, scale_pitch, col0, state), arguments as cuda/attention_mma.cu's attention_fused
-    takes them (pointers through tensor_core.ffi().from_buffer); GPU only."""
-    source, name = _fused_source(fmt, head_dim, kv_tile, warps, stages)
+    takes them (pointers through tensor_core.ffi().from_buffer); GPU only. The source is linked with
+    the one instantiation the kernel calls appended."""
+    name = f"strata_attention_mma_fused_{fmt}_d{head_dim}_k{kv_tile}_w{warps}_s{stages}"
+    line = f"\nSTRATA_ATTENTION_FUSED({fmt}, {head_dim}, {kv_tile}, {warps}, {stages})\n"
     quant_ptr = tensor_core.HALF_PTR if fmt == "F16" else types.CPointer(types.uint32)
     i32 = tensor_core.INT32
     argtypes = (tensor_core.HALF_PTR, INT_PTR, i32, i32, quant_ptr, tensor_core.HALF_PTR, quant_ptr,
                 tensor_core.HALF_PTR, i32, i32, i32, tensor_core.FLOAT_PTR)
-    return cuda.declare_device(name, types.void(*argtypes), link=[source], abi="c")
+    return tensor_core.declare(name, argtypes, "attention_mma.cu", line)
 
 
 def fused_buffer_size(head_dim: int, kv_tile: int, warps: int, stages: int) -> int:
