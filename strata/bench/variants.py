@@ -50,10 +50,8 @@ def gemm_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
     experts = b.make_experts(s, fmt, rng)
     w, x = b.random_packed(fmt, 4096, s.hidden, rng), b.device_randn((4096, s.hidden), rng)
     y_first = None
-    for name, fields in GEMM_VARIANTS.items():
-        if match not in name:
-            continue
-        config = MmaConfig(**fields).validate()
+    for name in [name for name in GEMM_VARIANTS if match in name]:
+        config = MmaConfig(**GEMM_VARIANTS[name]).validate()
         moe = [_attempt(lambda n=n, c=config: f"{b.bench_moe_prefill(s, experts, n, c, timing)[0].figure:6.1f}")
                for n in (2048, 8192)]
         ms = b.median_ms(lambda c=config: gemm(x, w, config=c), *timing)
@@ -160,6 +158,8 @@ def main(argv=None) -> int:
     parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
                         help="the GEMM sweep's weights (default Q4_0)")
     args = parser.parse_args(argv)
+    if not any(args.match in name for name in GEMM_VARIANTS):
+        parser.error(f"--match {args.match!r} names no GEMM variant; the variants: {', '.join(GEMM_VARIANTS)}")
     if not tensor_core.is_available():
         raise SystemExit("the variant sweeps need a GPU with tensor cores (compute capability 8.0+) and cffi")
     timing = (2, args.repeats)

@@ -26,3 +26,14 @@ def test_variant_sweeps_refuse_without_tensor_cores():
         pytest.skip("a GPU with tensor cores runs the sweeps for real")
     with pytest.raises(SystemExit, match="need a GPU with tensor cores"):
         variants.main([])
+
+
+def test_variant_sweep_refuses_a_match_that_names_no_variant(capsys):
+    import pytest
+
+    from strata.bench import variants
+
+    with pytest.raises(SystemExit) as exit_info:
+        variants.main(["--only", "gemm", "--match", "fuzed"])
+    assert exit_info.value.code == 2
+    assert "--match 'fuzed' names no GEMM variant" in capsys.readouterr().err
