@@ -22,12 +22,12 @@ FAST = MappingProxyType({"prefetch_w": True, "ldmatrix": True, "vector_stores": 
 FUSED = MappingProxyType({"stages": 2, "fused": True})  # the C++ K loop; 128 x 128 gate/up tiles exceed 48 KiB
 GEMM_VARIANTS = MappingProxyType({
     "128x128 plain": {}, "128x128 prefetch_w": {"prefetch_w": True}, "128x128 ldmatrix": {"ldmatrix": True},
-    "128x128 vector_stores": {"vector_stores": True}, "128x128 fast (default elsewhere)": dict(FAST),
+    "128x128 vector_stores": {"vector_stores": True}, "128x128 fast (default F16 / F32)": dict(FAST),
     "128x128 fast lto": {**FAST, "lto": True},
     "128x64 plain": GEMM_TILES["128x64"], "128x64 fast step_k 64": {**GEMM_TILES["128x64"], **FAST, "step_k": 64},
     "128x64 fast stages 2": {**GEMM_TILES["128x64"], **FAST, "stages": 2},
     "64x64 fast stages 2": {**GEMM_TILES["64x64"], **FAST, "stages": 2},
-    "128x64 fused (default Q4_0 / Q8_0)": {**GEMM_TILES["128x64"], **FUSED},
+    "128x64 fused (default)": {**GEMM_TILES["128x64"], **FUSED},
     "128x64 fused lto": {**GEMM_TILES["128x64"], **FUSED, "lto": True},
     "128x64 4x1 fused": {**GEMM_TILES["128x64"], "warps_n": 1, **FUSED},
     "128x64 4x1 fused lto": {**GEMM_TILES["128x64"], "warps_n": 1, **FUSED, "lto": True},

@@ -252,9 +252,9 @@ def test_default_config_per_weight_format():
         assert default_config("Q4_0") == default_config() == GemmConfig()
         return
     fused = default_config("Q4_0", "Q4_0", "Q8_0")
-    assert is_fused(fused, "Q4_0") and default_config() == fused
+    assert is_fused(fused, "Q4_0") and default_config() == fused == default_config("Q4_K", "Q4_K", "Q6_K") == default_config("Q4_1")
     # a format outside the default's, or gate and up apart (their shared loop could not fuse): the Numba loop
-    for numba_loop in (default_config("Q4_0", "Q4_K"), default_config("Q4_0", "Q8_0", "Q4_0")):
+    for numba_loop in (default_config("Q4_0", "F16"), default_config("Q4_0", "Q8_0", "Q4_0")):
         assert not numba_loop.fused and numba_loop.block_m == fused.block_m  # one grouping serves both
 
 

@@ -17,8 +17,8 @@ Kernels stay generic: they size shared memory from the config (`xs_size`, `ws_si
 `stage_dtype`), keep `acc_size` accumulators per thread, and find the tile element of each
 accumulator with `acc_coords_device(config)`; the row gather, the staging of quantized weights
 and every epilogue (plain, residual add, MoE SwiGLU and weighted scatter in moe.py) are shared.
-`default_config(*formats)` picks tensor cores wherever they are available (the fused C++ K loop for Q4_0 /
-Q8_0 weights; an MoE's gate and up only when they share a format).
+`default_config(*formats)` picks tensor cores wherever they are available (the fused C++ K loop for the
+block formats; an MoE's gate and up only when they share a format).
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ MMA_STEP_KS = (32, 64)  # K elements staged per barrier pair on the tensor-core 
 MAX_STATIC_SHARED_BYTES = 48 * 1024
 _OCTETS_PER_STEP = BLOCK_K // OCTET
 FUSED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # the block formats cuda/gemm_mma.cu dequantizes
-# default_config's fused formats: those the GPU tests and the H200 sweep have run through the fused loop
-DEFAULT_FUSED_FORMATS = ("Q4_0", "Q8_0")
 _MMA_WARP_TILES = ((1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (2, 8), (4, 8))  # (16-row, 8-column) mma tiles per warp in cuda/gemm_mma.cu
 
 
@@ -208,13 +206,14 @@ def default_config(*fmts: str):
     else the FFMA tiles (the simulator). Both tensor-core choices have block_m 128, so one grouping of
     routed pairs (moe_route.moe_group) serves either.
 
-    On the H200 (MoE Q4_0 prefill at 2,048 / 8,192 routed tokens, dense 4096 x 4096 x 2048):
-    the fused C++ K loop on 128 x 64 tiles 69 / 114 / 67 TFLOP/s; the Numba loop's best, 128 x 128
-    tiles with W prefetch, ldmatrix fragments and 16-byte shared stores, 48 / 62 / 45, which the
-    other formats keep."""
+    On the H200 (MoE prefill at 2,048 / 8,192 routed tokens, dense 4096 x 4096 x 2048, TFLOP/s):
+    the fused C++ K loop on 128 x 64 tiles, Q4_0 69 / 114 / 67, Q4_1 57 / 102 / 46, Q4_K 67 / 101 / 68,
+    Q6_K 50 / 89 / 41; the Numba loop's best, 128 x 128 tiles with W prefetch, ldmatrix fragments and
+    16-byte shared stores, Q4_0 48 / 62 / 45, Q4_1 37 / 50 / 48, Q4_K 35 / 49 / 34, Q6_K 31 / 43 / 40,
+    which F16 and F32 weights keep."""
     if not tensor_core.is_available():
         return GemmConfig()
-    if all(fmt in DEFAULT_FUSED_FORMATS for fmt in fmts) and len(set(fmts[:2])) <= 1:
+    if all(fmt in FUSED_FORMATS for fmt in fmts) and len(set(fmts[:2])) <= 1:
         return MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, stages=2, fused=True).validate()
     return MmaConfig(prefetch_w=True, ldmatrix=True, vector_stores=True).validate()
 
@@ -410,7 +409,7 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
 
     Launch config: grid (ceil(N / block_n), ceil(T / block_m)), config.threads threads.
     GemmConfig (FFMA): (block_m / thread_m) * (block_n / thread_n) threads, shared 32 * (block_m +
-    block_n) float32; MmaConfig (tensor cores, the default on the GPU): for Q4_0 / Q8_0 weights the fused
+    block_n) float32; MmaConfig (tensor cores, the default on the GPU): for the block formats the fused
     loop on 128 x 64 tiles, 8 warps of 32 x 32, 256 threads, shared 2 * 40 * (block_m + block_n) float16
     (30 KiB); for the others 128 x 128 tiles, 8 warps of 32 x 64, shared 40 * (block_m + block_n)
     float16 (20 KiB).
