@@ -19,7 +19,7 @@ import numpy as np
 GEMM_TILES = MappingProxyType({"128x64": {"block_m": 128, "block_n": 64, "warps_m": 4, "warps_n": 2},
                                "64x64": {"block_m": 64, "block_n": 64, "warps_m": 2, "warps_n": 2}})
 FAST = MappingProxyType({"prefetch_w": True, "ldmatrix": True, "vector_stores": True})
-FUSED = MappingProxyType({"stages": 2, "fused": True})  # the C++ K loop; 128 x 128 gate/up tiles exceed 48 KiB
+FUSED = MappingProxyType({"stages": 2, "fused": True})  # the C++ K loop; 128 x 128 gate/up tiles: dynamic shared
 GEMM_VARIANTS = MappingProxyType({
     "128x128 plain": {}, "128x128 prefetch_w": {"prefetch_w": True}, "128x128 ldmatrix": {"ldmatrix": True},
     "128x128 vector_stores": {"vector_stores": True}, "128x128 fast (default F16 / F32)": dict(FAST),
@@ -32,6 +32,8 @@ GEMM_VARIANTS = MappingProxyType({
     "128x64 4x1 fused": {**GEMM_TILES["128x64"], "warps_n": 1, **FUSED},
     "128x64 4x1 fused lto": {**GEMM_TILES["128x64"], "warps_n": 1, **FUSED, "lto": True},
     "64x64 fused": {**GEMM_TILES["64x64"], **FUSED},
+    "128x128 fused": dict(FUSED), "128x128 fused lto": {**FUSED, "lto": True},
+    "128x128 4x4 fused": {"warps_n": 4, **FUSED}, "128x128 4x4 fused lto": {"warps_n": 4, **FUSED, "lto": True},
 })
 
 

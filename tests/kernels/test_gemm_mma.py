@@ -134,18 +134,20 @@ def test_twin_moe_prefill_options(option):
     assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)
 
 
-def test_mma_config_option_checks():
+def test_mma_config_option_checks(monkeypatch):
     with pytest.raises(ValueError, match="step_k must be one of"):
         MmaConfig(step_k=128).validate()
     with pytest.raises(ValueError, match="stages must be 1 or 2"):
         MmaConfig(stages=3).validate()
-    with pytest.raises(ValueError, match="bytes of shared memory exceed"):
-        MmaConfig(block_m=256, block_n=128, warps_m=4, warps_n=2, step_k=64, stages=2).validate()
     config = MmaConfig(step_k=64, stages=2)
     assert config.xs_size == 2 * 72 * 128 and config.ws_size == 2 * 72 * 128
-    from strata.gpu.kernels.gemm_mma import dual_mainloop_device
-    with pytest.raises(ValueError, match="two weight tiles"):
-        dual_mainloop_device("Q4_0", "Q4_0", MmaConfig(step_k=64, is_native=False))
+    assert config.shared_bytes(2) == 2 * 3 * 2 * 72 * 128 + 4 * 128  # over 48 KiB: dynamic shared memory
+    # the limit is the device's (Hopper's in the simulator); an MoE's gate/up kernel stages two weight tiles
+    assert MmaConfig(block_m=256, block_n=128, warps_m=4, warps_n=2, step_k=64, stages=2).validate()
+    with monkeypatch.context() as patch:
+        patch.setattr(tensor_core, "max_shared_bytes", lambda: 48 * 1024)
+        with pytest.raises(ValueError, match="61952 bytes of shared memory .X and two weight tiles. exceed the 49152"):
+            MmaConfig(stages=2).validate()
     with pytest.raises(ValueError, match="lto=True links the C.. main loop, but is_native=False"):
         MmaConfig(lto=True, is_native=False).validate()
     with pytest.raises(ValueError, match="fused=True runs double-buffered 32-wide K steps, but stages=1 and step_k=32"):
@@ -163,13 +165,17 @@ def test_mma_config_option_checks():
     # kernels link with LTO only when the C++ main loop runs (not the twin, not the FFMA tiles)
     assert jit_options(MmaConfig(lto=True, is_native=True)) == {"lto": True}
     assert jit_options(MmaConfig(lto=True)) == jit_options(GemmConfig()) == jit_options(MmaConfig(is_native=True)) == {}
+    assert jit_options(MmaConfig(warps_n=4, is_native=True)) == {"launch_bounds": 512}  # 128 registers a thread
 
 
 # the C++ fused K loop (the block formats; F16 / F32 run the Numba loop under the same config)
 FUSED_CONFIGS = [MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, stages=2, fused=True, is_native=True),
                  MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=1, stages=2, fused=True, is_native=True),
                  MmaConfig(block_m=64, block_n=64, warps_m=2, warps_n=2, stages=2, fused=True, lto=True,
-                           is_native=True)]
+                           is_native=True),
+                 # 128 x 128: gate and up tiles in dynamic shared memory (61,952 bytes); 16 warps, launch bounds
+                 MmaConfig(stages=2, fused=True, is_native=True),
+                 MmaConfig(warps_n=4, stages=2, fused=True, is_native=True)]
 
 # all options together fit the 48 KiB of static shared memory only with tiles up to 64 x 64
 NATIVE_OPTION_CONFIGS = [MmaConfig(is_native=True, **options) for name, options in MAINLOOP_OPTIONS.items()

@@ -33,11 +33,11 @@ from . import tensor_core
 from ._common import OCTET, ceil_div, check_array, check_power_of_two, empty
 from .packing import PackedMatrix, check_packed
 from .quant_device import dequant8_for
+from .shared_tiles import dynamic_bytes, launch, shared_bytes, tiles_device
 
 BLOCK_K = 32  # elements of K staged per step: one legacy block, one K-quant sub-block
 MMA_LD = BLOCK_K + 8  # halves per staged row on the tensor-core path (padding against bank conflicts)
 MMA_STEP_KS = (32, 64)  # K elements staged per barrier pair on the tensor-core path
-MAX_STATIC_SHARED_BYTES = 48 * 1024
 _OCTETS_PER_STEP = BLOCK_K // OCTET
 FUSED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # the block formats cuda/gemm_mma.cu dequantizes
 _MMA_WARP_TILES = ((1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (2, 8), (4, 8))  # (16-row, 8-column) mma tiles per warp in cuda/gemm_mma.cu
@@ -143,8 +143,9 @@ class MmaConfig(NamedTuple):
         return self.stages * self.ld * self.block_n
 
     def shared_bytes(self, num_weights: int = 1) -> int:
-        """Static shared memory of a kernel staging X and `num_weights` weight tiles (plus its row list)."""
-        return 2 * (self.xs_size + num_weights * self.ws_size) + 4 * self.block_m
+        """Shared memory of a kernel staging X and `num_weights` weight tiles (plus its row list); over
+        48 KiB the tiles are dynamic shared memory (shared_tiles.py)."""
+        return shared_bytes(self, num_weights)
 
     stage_dtype = np.float16
 
@@ -165,8 +166,10 @@ class MmaConfig(NamedTuple):
             raise ValueError(f"stages must be 1 or 2, got {self.stages}")
         if self.vector_stores and (self.block_m * _OCTETS_PER_STEP) % self.threads:
             raise ValueError(f"vector_stores: {self.threads} threads cannot stage {self.block_m} rows by octets evenly")
-        if self.shared_bytes() > MAX_STATIC_SHARED_BYTES:
-            raise ValueError(f"{self.shared_bytes()} bytes of shared memory exceed {MAX_STATIC_SHARED_BYTES}")
+        limit = tensor_core.max_shared_bytes()
+        if self.shared_bytes(2) > limit:  # an MoE's gate/up kernel stages two weight tiles
+            raise ValueError(f"{self.shared_bytes(2)} bytes of shared memory (X and two weight tiles) exceed the "
+                             f"{limit} a block may have: lower block_m, block_n, step_k or stages")
         if self.lto and self.is_native is False:
             raise ValueError("lto=True links the C++ main loop, but is_native=False runs the Numba twin, which has "
                              "nothing to link: set lto=False, or is_native=True on a GPU with tensor cores")
@@ -364,23 +367,29 @@ def _ffma_dual_mainloop_device(fmt_a: str, fmt_b: str, config: GemmConfig):
 
 
 def jit_options(config) -> dict:
-    """cuda.jit options of a kernel running this config's main loop (link-time optimization when asked)."""
-    return {"lto": True} if getattr(config, "lto", False) and getattr(config, "is_native", False) else {}
+    """cuda.jit options of a kernel running this config's main loop: link-time optimization when asked;
+    over 256 threads, launch bounds, so that ptxas keeps to the 65,536 / threads registers a thread
+    may have (more, and every launch fails)."""
+    if not getattr(config, "is_native", False):
+        return {}
+    options = {"lto": True} if config.lto else {}
+    if config.threads > 256:
+        options["launch_bounds"] = config.threads
+    return options
 
 
 @functools.cache
 def _gemm_kernel(fmt: str, config, is_accumulate: bool):
-    bm, bn = config.block_m, config.block_n
-    xs_size, ws_size, acc_size, stage_dtype = config.xs_size, config.ws_size, config.acc_size, config.stage_dtype
+    bm, bn, acc_size = config.block_m, config.block_n, config.acc_size
     mainloop = mainloop_device(fmt, config)
     coords = acc_coords_device(config)
+    tiles = tiles_device(config, 1)
 
     @cuda.jit(**jit_options(config))
     def gemm_kernel(x, quants, scales, extra, y):  # x [T, K], y [T, N]
         tid = cuda.threadIdx.x
         x_rows = cuda.shared.array(bm, np.int32)
-        xs = cuda.shared.array(xs_size, stage_dtype)
-        ws = cuda.shared.array(ws_size, stage_dtype)
+        xs, ws = tiles()
         m0 = cuda.blockIdx.y * bm
         n0 = cuda.blockIdx.x * bn
         if tid < bm:
@@ -431,5 +440,6 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
         return y
     grid = (ceil_div(w.num_rows, config.block_n), ceil_div(num_tokens, config.block_m))
     x = staged_input(x, config, w.fmt)
-    _gemm_kernel(w.fmt, config, accumulate)[grid, config.threads](x, w.quants, w.scales, w.extra, y)
+    launch(_gemm_kernel(w.fmt, config, accumulate), grid, config.threads, dynamic_bytes(config, 1),
+           x, w.quants, w.scales, w.extra, y)
     return y

@@ -35,7 +35,7 @@ from numba import cuda, types
 
 from . import tensor_core
 from ._common import OCTET
-from .gemm import BLOCK_K, MAX_STATIC_SHARED_BYTES, MmaConfig, is_fused
+from .gemm import BLOCK_K, MmaConfig, is_fused
 from .quant_device import dequant8_for, split_dequant8_for
 
 _OCTETS_PER_K32 = BLOCK_K // OCTET
@@ -361,9 +361,6 @@ def mainloop_device(fmt: str, config: MmaConfig):
 @functools.cache
 def dual_mainloop_device(fmt_a: str, fmt_b: str, config: MmaConfig):
     """gemm.dual_mainloop_device's contract (gate and up sharing the X tile) on tensor cores."""
-    if config.shared_bytes(2) > MAX_STATIC_SHARED_BYTES:
-        raise ValueError(f"{config} stages X and two weight tiles in {config.shared_bytes(2)} bytes of shared "
-                         f"memory, over {MAX_STATIC_SHARED_BYTES}: use a smaller block_m/block_n, step_k or stages")
     if is_fused(config, fmt_a, fmt_b):
         return _fused_mainloop_device(fmt_a, config, 2)
     load_x, store_x, xr_size = _x_stage_devices(config)

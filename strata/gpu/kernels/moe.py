@@ -33,6 +33,7 @@ from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS, experts_supported, moe_experts_native
 from .moe_route import MoeGroups
 from .packing import PackedMatrix, check_packed
+from .shared_tiles import dynamic_bytes, launch, tiles_device
 
 
 @functools.cache
@@ -40,8 +41,8 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
     """is_mapped: tiles name expert ids and slot_of_expert [N] maps them to slots (-1: skip the tile);
     otherwise tiles name slots already (slot_of_expert unused). is_hidden_f16: the hidden scratch is
     float16, so the down product may run the fused loop (which reads float16 X only)."""
-    bm, bn = config.block_m, config.block_n
-    xs_size, ws_size, acc_size, stage_dtype = config.xs_size, config.ws_size, config.acc_size, config.stage_dtype
+    bm, bn, acc_size = config.block_m, config.block_n, config.acc_size
+    gate_up_tiles, down_tiles = tiles_device(config, 2), tiles_device(config, 1)
     gate_up_loop = dual_mainloop_device(fmt_gate, fmt_up, config)
     is_down_unfused = isinstance(config, MmaConfig) and not is_hidden_f16
     down_loop = mainloop_device(fmt_down, config._replace(fused=False) if is_down_unfused else config)
@@ -65,9 +66,7 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
         ffn = hidden.shape[1]
         start, rows = tile_start[tile], tile_rows[tile]
         x_rows = cuda.shared.array(bm, np.int32)
-        xs = cuda.shared.array(xs_size, stage_dtype)
-        ws_g = cuda.shared.array(ws_size, stage_dtype)
-        ws_u = cuda.shared.array(ws_size, stage_dtype)
+        xs, ws_g, ws_u = gate_up_tiles()
         if tid < bm:
             x_rows[tid] = pair_token[start + tid] if tid < rows else -1
         acc_g = cuda.local.array(acc_size, np.float32)
@@ -98,8 +97,7 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
         dim = out.shape[1]
         start, rows = tile_start[tile], tile_rows[tile]
         x_rows = cuda.shared.array(bm, np.int32)
-        xs = cuda.shared.array(xs_size, stage_dtype)
-        ws = cuda.shared.array(ws_size, stage_dtype)
+        xs, ws = down_tiles()
         if tid < bm:
             x_rows[tid] = start + tid if tid < rows else -1
         acc = cuda.local.array(acc_size, np.float32)
@@ -170,10 +168,10 @@ def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatr
     gate_up_kernel, down_kernel = _prefill_kernels(gate.fmt, up.fmt, down.fmt, config, is_mapped,
                                                    hidden.dtype == np.float16)
     tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
-    gate_up_kernel[(ceil_div(ffn, config.block_n), groups.max_tiles), config.threads](
-        x, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, groups.pair_token, *tiles, hidden)
-    down_kernel[(ceil_div(dim, config.block_n), groups.max_tiles), config.threads](
-        hidden, down.quants, down.scales, down.extra, groups.pair_token, groups.pair_weight, *tiles, out)
+    launch(gate_up_kernel, (ceil_div(ffn, config.block_n), groups.max_tiles), config.threads, dynamic_bytes(config, 2),
+           x, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, groups.pair_token, *tiles, hidden)
+    launch(down_kernel, (ceil_div(dim, config.block_n), groups.max_tiles), config.threads, dynamic_bytes(config, 1),
+           hidden, down.quants, down.scales, down.extra, groups.pair_token, groups.pair_weight, *tiles, out)
     return out
 
 

@@ -27,6 +27,7 @@ CUDA_SOURCE_DIR = Path(__file__).with_name("cuda")
 _LOCAL_INCLUDE = re.compile(r'\s*#include "([\w.]+\.cuh)"')
 MMA_M, MMA_N, MMA_K = 16, 8, 16
 MIN_COMPUTE_CAPABILITY = (8, 0)  # mma.sync.m16n8k16 with f16 inputs
+HOPPER_MAX_SHARED_BYTES = 227 * 1024  # a block's shared memory on sm_90, with the dynamic opt-in
 
 
 @functools.cache
@@ -41,6 +42,22 @@ def is_available() -> bool:
         return cuda.is_available() and cuda.get_current_device().compute_capability >= MIN_COMPUTE_CAPABILITY
     except Exception:
         return False
+
+
+@functools.cache
+def max_shared_bytes() -> int:
+    """The shared memory a block may have on this GPU with the dynamic opt-in; Hopper's where no GPU
+    with tensor cores runs (the simulator), so configs validate there as on the reference H200."""
+    if not is_available():
+        return HOPPER_MAX_SHARED_BYTES
+    from numba import cuda
+    from numba.cuda.cudadrv.driver import binding
+
+    attribute = binding.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    err, value = binding.cuDeviceGetAttribute(attribute, binding.CUdevice(cuda.get_current_device().id))
+    if err != binding.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cannot read the device's shared memory per block: {err}")
+    return int(value)
 
 
 @functools.cache

@@ -1,0 +1,102 @@
+"""The GEMM kernels' shared tiles: static arrays up to 48 KiB, slices of the dynamic block beyond.
+
+The simulator runs dynamic shared memory too, so lowering the static limit sends the twin GEMM and
+MoE kernels down the dynamic path here; on a GPU, the 128 x 128 fused configs of test_gemm_mma.py
+(61,952 bytes for gate and up) take it for real.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from kernel_data import assert_close_to_scale, dev, host, random_matrix
+from strata.gpu.kernels import gemm, moe, shared_tiles
+from strata.gpu.kernels.gemm import MmaConfig
+from strata.gpu.kernels.moe import moe_experts_prefill
+from strata.gpu.kernels.moe_route import moe_group
+from strata.model import reference_ops
+
+
+class _Tiles(NamedTuple):
+    xs_size: int = 24
+    ws_size: int = 8
+    block_m: int = 4
+    stage_dtype: type = np.float32
+
+
+@pytest.fixture
+def dynamic_only(monkeypatch):
+    """Every tile dynamic; kernels built under it are dropped before and after."""
+    caches = (shared_tiles.tiles_device, moe._prefill_kernels, gemm._gemm_kernel)
+    for cache in caches:
+        cache.cache_clear()
+    monkeypatch.setattr(shared_tiles, "MAX_STATIC_SHARED_BYTES", 0)
+    yield
+    for cache in caches:
+        cache.cache_clear()
+
+
+def test_sizes_and_when_tiles_are_dynamic():
+    config = MmaConfig(stages=2)  # 128 x 128: X 2 x 40 x 128 halves, each weight as much
+    assert shared_tiles.tile_bytes(config, 2) == 2 * 3 * 2 * 40 * 128
+    assert shared_tiles.shared_bytes(config, 2) == config.shared_bytes(2) == 61_952
+    assert shared_tiles.dynamic_bytes(config, 2) == 61_440  # the row list stays static
+    assert shared_tiles.dynamic_bytes(config, 1) == 0  # 41,472 bytes: static
+    assert shared_tiles.dynamic_bytes(MmaConfig(block_n=64, warps_n=2, stages=2), 2) == 0
+
+
+@pytest.mark.parametrize("num_weights", [1, 2])
+@pytest.mark.parametrize("is_dynamic", [False, True])
+def test_tiles_are_separate_and_sized(monkeypatch, num_weights, is_dynamic):
+    if is_dynamic:
+        monkeypatch.setattr(shared_tiles, "MAX_STATIC_SHARED_BYTES", 0)
+    config = _Tiles(block_m=4 + 2 * num_weights + is_dynamic)  # a config of its own: tiles_device is cached
+    tiles = shared_tiles.tiles_device(config, num_weights)
+
+    @cuda.jit
+    def fill(out):  # each tile's elements get its number, then every element is read back
+        i = cuda.threadIdx.x
+        arrays = tiles()
+        for t in range(len(arrays)):
+            if i < arrays[t].shape[0]:
+                arrays[t][i] = t + 1
+        cuda.syncthreads()
+        for t in range(len(arrays)):
+            if i < arrays[t].shape[0]:
+                out[t, i] = arrays[t][i]
+
+    out = np.zeros((num_weights + 1, config.xs_size), np.float32)
+    fill[1, config.xs_size, 0, shared_tiles.dynamic_bytes(config, num_weights)](out)
+    expected = np.zeros_like(out)
+    expected[0] = 1
+    for t in range(1, num_weights + 1):
+        expected[t, :config.ws_size] = t + 1
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_dynamic_tiles_serve_the_gemm(dynamic_only):
+    config = MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, stages=2, is_native=False)
+    w, values = random_matrix("Q4_0", 13, 64, seed=180)
+    x = np.random.default_rng(181).standard_normal((19, 64)).astype(np.float32)
+    y = host(gemm.gemm(dev(x), w, config=config))
+    assert_close_to_scale(y, x @ values.T, 5e-3)
+
+
+def test_dynamic_tiles_serve_the_moe_prefill(dynamic_only):
+    num_tokens, num_experts, top_k, dim, ffn = 9, 4, 2, 64, 96
+    config = MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, stages=2, prefetch_w=True, is_native=False)
+    rng = np.random.default_rng(182)
+    gate, gate_v = random_matrix("Q4_0", num_experts * ffn, dim, 183)
+    up, up_v = random_matrix("Q4_0", num_experts * ffn, dim, 184)
+    down, down_v = random_matrix("Q8_0", num_experts * dim, ffn, 185)
+    values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
+              down_v.reshape(num_experts, dim, ffn))
+    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
+    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
+    groups = moe_group(dev(ids), dev(weights), num_experts, config.block_m, threads=8)
+    out = dev(np.zeros((num_tokens, dim), np.float32))
+    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=config)
+    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)
