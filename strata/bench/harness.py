@@ -4,7 +4,8 @@ Each repetition is a new process (``strata.bench.one_run``) so no cache, allocat
 state carries over, as in the reference write-up's protocol. Arms: loan off (the config with
 ``loan.enabled = false``) and loan on (the config as written). The table reports the plan, PP and
 TG medians with ranges, bytes streamed per chunk, the expert-cache hit rate, the ratio of the
-prefill time to its roofline floor, and the ratio to the rival's figures on the same H200.
+prefill time to its roofline floor, the bytes decode streams a token and the ratio of its PCIe time
+to the decode time, and the ratio to the rival's figures on the same H200.
 """
 
 from __future__ import annotations
@@ -79,6 +80,20 @@ def prefill_floor_seconds(run: dict) -> float:
     return max(_prefill_bytes(run) / PCIE_BYTES_PER_S, flops / TENSOR_FLOPS_PER_S)
 
 
+def decode_floor_seconds(run: dict) -> float:
+    """The misses decode streamed over PCIe; where experts miss, decode waits on them (the resident
+    weights' reads from HBM take far less)."""
+    return _decode_bytes(run) / PCIE_BYTES_PER_S
+
+
+def _decode_bytes(run: dict) -> int:
+    return run["streamed_bytes"] - _prefill_bytes(run)
+
+
+def _decode_seconds(run: dict) -> float:
+    return run.get("decode_seconds", run["generated_tokens"] / run["decode_tokens_per_s"])
+
+
 def _prefill_bytes(run: dict) -> int:
     """Bytes prefill streamed (runs recorded before the split counted decode's misses too)."""
     return run.get("prefill_streamed_bytes", run["streamed_bytes"])
@@ -86,8 +101,9 @@ def _prefill_bytes(run: dict) -> int:
 
 def format_table(runs: list[dict]) -> str:
     header = ("| Prompt | Loan | Prompt chunk / ring | PP median (range) | TG median (range) | MiB streamed / chunk "
-              "| cache hit rate | floor / PP time | PP vs rival | TG vs rival |")
-    rows = [header, "| " + " | ".join(["---:"] * 10) + " |"]
+              "| cache hit rate | floor / PP time | MiB streamed / decoded token | PCIe / TG time | PP vs rival "
+              "| TG vs rival |")
+    rows = [header, "| " + " | ".join(["---:"] * 12) + " |"]
     groups: dict[tuple[int, str], list[dict]] = {}
     for run in runs:
         groups.setdefault((run["prompt_tokens"], run["loan"]), []).append(run)
@@ -97,9 +113,12 @@ def format_table(runs: list[dict]) -> str:
         plans = sorted({f"{r['chunk_tokens']:,} / {r['ring_slots']}" for r in group})
         per_chunk = statistics.median(_prefill_bytes(r) / max(1, r["num_chunks"]) for r in group) / 2**20
         floor = statistics.median(prefill_floor_seconds(r) / r["prefill_seconds"] for r in group)
+        per_token = statistics.median(_decode_bytes(r) / max(1, r["generated_tokens"]) for r in group) / 2**20
+        decode_floor = statistics.median(decode_floor_seconds(r) / _decode_seconds(r) for r in group)
         rival = RIVAL_PREFILL.get(length)
         cells = [f"{length:,}", arm, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",
                  f"{statistics.median(r['cache_hit_rate'] for r in group):.1%}", f"{floor:.2f}",
+                 f"{per_token:,.0f}", f"{decode_floor:.2f}",
                  f"{statistics.median(pp) / rival:.2f}×" if rival else "-",
                  f"{statistics.median(tg) / RIVAL_DECODE:.2f}×"]
         rows.append("| " + " | ".join(cells) + " |")

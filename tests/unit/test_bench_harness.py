@@ -7,7 +7,7 @@ import sys
 
 from engine_setup import LOAN_RUNTIME, write_small_moe
 
-from strata.bench.harness import format_table, prefill_floor_seconds
+from strata.bench.harness import decode_floor_seconds, format_table, prefill_floor_seconds
 
 
 def _config(tmp_path, model):
@@ -40,10 +40,14 @@ def test_bench_runs_both_arms_in_fresh_processes_and_prints_the_table(tmp_path):
 def test_table_medians_ranges_and_rival_ratios():
     run = {"prompt_tokens": 2048, "loan": "on", "prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 10.0,
            "chunk_tokens": 5376, "ring_slots": 128, "streamed_bytes": 2 * 2**30, "num_chunks": 1,
-           "cache_hit_rate": 0.25, "prefill_seconds": 2.048, "active_params": 3e9, "attention_width": 4096 * 48}
+           "cache_hit_rate": 0.25, "prefill_seconds": 2.048, "active_params": 3e9, "attention_width": 4096 * 48,
+           "prefill_streamed_bytes": 2**30, "generated_tokens": 128, "decode_seconds": 0.04}
     runs = [run, {**run, "prefill_tokens_per_s": 1200.0}, {**run, "prefill_tokens_per_s": 1100.0}]
     table = format_table(runs)
     assert "1,100.0 (1,000.0–1,200.0)" in table and "5,376 / 128" in table and "2,048 |" in table
     assert "0.25×" in table  # 1,100 against the rival's 4,394 at 2k
     flops = 2 * 3e9 * 2048 + 2 * 2048**2 * 4096 * 48
-    assert prefill_floor_seconds(run) == max(2 * 2**30 / 55e9, flops / 730e12)
+    assert prefill_floor_seconds(run) == max(2**30 / 55e9, flops / 730e12)
+    # decode streamed the other GiB: 8 MiB a token, 2**30 / 55e9 = 19.5 ms of PCIe in 40 ms of decode
+    assert decode_floor_seconds(run) == 2**30 / 55e9
+    assert "| 8 | 0.49 |" in table
