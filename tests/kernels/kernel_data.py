@@ -7,7 +7,10 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize as gguf_dequantize
 from numba import cuda
 
+from strata.gpu.kernels.moe import moe_experts_prefill
+from strata.gpu.kernels.moe_route import moe_group
 from strata.gpu.kernels.packing import FORMATS, PackedMatrix, pack, to_device
+from strata.model import reference_ops
 
 ALL_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "F16", "F32")
 # absolute tolerance of a dot product over K products of O(1) values with float32 accumulation,
@@ -76,3 +79,22 @@ def assert_close_to_scale(out: np.ndarray, ref: np.ndarray, rel: float):
     scale = np.max(np.abs(ref))
     worst = np.max(np.abs(out - ref))
     assert worst <= rel * scale, f"max |diff| {worst:.3g} exceeds {rel:g} x max |ref| {scale:.3g}"
+
+
+def check_moe_prefill(config, fmts: tuple[str, str, str], seed: int, *, num_tokens: int = 9, num_experts: int = 4,
+                      top_k: int = 2, dim: int = 64, ffn: int = 96) -> None:
+    """moe_experts_prefill under `config`, gate / up / down of `fmts`, against reference_ops.moe: x and
+    the routing from `seed`, the three matrices from seed + 1, + 2, + 3."""
+    rng = np.random.default_rng(seed)
+    gate, gate_v = random_matrix(fmts[0], num_experts * ffn, dim, seed + 1)
+    up, up_v = random_matrix(fmts[1], num_experts * ffn, dim, seed + 2)
+    down, down_v = random_matrix(fmts[2], num_experts * dim, ffn, seed + 3)
+    values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
+              down_v.reshape(num_experts, dim, ffn))
+    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
+    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
+    groups = moe_group(dev(ids), dev(weights), num_experts, config.block_m, threads=8)
+    out = dev(np.zeros((num_tokens, dim), np.float32))
+    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=config)
+    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)

@@ -7,7 +7,8 @@ Inputs are rounded to float16 on this path, so the bound is relative to sum |w x
 import numpy as np
 import pytest
 
-from kernel_data import ALL_FORMATS, assert_close_to_scale, assert_dot_close, dev, host, random_matrix
+from kernel_data import (ALL_FORMATS, assert_close_to_scale, assert_dot_close, check_moe_prefill, dev, host,
+                         random_matrix)
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels.gemm import (FUSED_FORMATS, GemmConfig, MmaConfig, default_config, gemm, is_fused,
                                      jit_options)
@@ -41,20 +42,7 @@ def test_twin_gemm_four_warps_float16_activations():
 
 
 def test_twin_moe_prefill_matches_reference():
-    num_tokens, num_experts, top_k, dim, ffn = 9, 4, 2, 32, 64
-    rng = np.random.default_rng(142)
-    gate, gate_v = random_matrix("Q4_0", num_experts * ffn, dim, 143)
-    up, up_v = random_matrix("Q8_0", num_experts * ffn, dim, 144)
-    down, down_v = random_matrix("Q4_1", num_experts * dim, ffn, 145)
-    values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
-              down_v.reshape(num_experts, dim, ffn))
-    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
-    ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
-    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
-    groups = moe_group(dev(ids), dev(weights), num_experts, TWIN_ONE_WARP.block_m, threads=8)
-    out = dev(np.zeros((num_tokens, dim), np.float32))
-    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=TWIN_ONE_WARP)
-    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)
+    check_moe_prefill(TWIN_ONE_WARP, ("Q4_0", "Q8_0", "Q4_1"), seed=142, dim=32, ffn=64)
 
 
 def test_mma_config_checks():
@@ -117,21 +105,7 @@ def test_twin_options_four_warps_float16_activations():
 
 @pytest.mark.parametrize("option", ["prefetch_w", "all"])
 def test_twin_moe_prefill_options(option):
-    num_tokens, num_experts, top_k, dim, ffn = 9, 4, 2, 64, 96
-    config = TWIN_ONE_WARP._replace(**MAINLOOP_OPTIONS[option])
-    rng = np.random.default_rng(164)
-    gate, gate_v = random_matrix("Q4_0", num_experts * ffn, dim, 165)
-    up, up_v = random_matrix("Q8_0", num_experts * ffn, dim, 166)
-    down, down_v = random_matrix("F16", num_experts * dim, ffn, 167)
-    values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
-              down_v.reshape(num_experts, dim, ffn))
-    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
-    ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
-    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
-    groups = moe_group(dev(ids), dev(weights), num_experts, config.block_m, threads=8)
-    out = dev(np.zeros((num_tokens, dim), np.float32))
-    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=config)
-    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)
+    check_moe_prefill(TWIN_ONE_WARP._replace(**MAINLOOP_OPTIONS[option]), ("Q4_0", "Q8_0", "F16"), seed=164)
 
 
 def test_mma_config_option_checks(monkeypatch):

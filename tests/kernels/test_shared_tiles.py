@@ -11,12 +11,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from kernel_data import assert_close_to_scale, dev, host, random_matrix
+from kernel_data import assert_close_to_scale, check_moe_prefill, dev, host, random_matrix
 from strata.gpu.kernels import gemm, moe, shared_tiles
 from strata.gpu.kernels.gemm import MmaConfig
-from strata.gpu.kernels.moe import moe_experts_prefill
-from strata.gpu.kernels.moe_route import moe_group
-from strata.model import reference_ops
 
 
 class _Tiles(NamedTuple):
@@ -85,18 +82,5 @@ def test_dynamic_tiles_serve_the_gemm(dynamic_only):
 
 
 def test_dynamic_tiles_serve_the_moe_prefill(dynamic_only):
-    num_tokens, num_experts, top_k, dim, ffn = 9, 4, 2, 64, 96
     config = MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, stages=2, prefetch_w=True, is_native=False)
-    rng = np.random.default_rng(182)
-    gate, gate_v = random_matrix("Q4_0", num_experts * ffn, dim, 183)
-    up, up_v = random_matrix("Q4_0", num_experts * ffn, dim, 184)
-    down, down_v = random_matrix("Q8_0", num_experts * dim, ffn, 185)
-    values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
-              down_v.reshape(num_experts, dim, ffn))
-    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
-    ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
-    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
-    groups = moe_group(dev(ids), dev(weights), num_experts, config.block_m, threads=8)
-    out = dev(np.zeros((num_tokens, dim), np.float32))
-    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=config)
-    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 5e-3)
+    check_moe_prefill(config, ("Q4_0", "Q4_0", "Q8_0"), seed=182)
