@@ -90,8 +90,16 @@ def _decode_bytes(run: dict) -> int:
     return run["streamed_bytes"] - _prefill_bytes(run)
 
 
+def _decode_steps(run: dict) -> int:
+    """Forward passes of decode: the first token comes from prefill's logits."""
+    return max(0, run["generated_tokens"] - 1)
+
+
 def _decode_seconds(run: dict) -> float:
-    return run.get("decode_seconds", run["generated_tokens"] / run["decode_tokens_per_s"])
+    if "decode_seconds" in run:
+        return run["decode_seconds"]
+    rate = run["decode_tokens_per_s"]
+    return _decode_steps(run) / rate if rate > 0 else 0.0
 
 
 def _prefill_bytes(run: dict) -> int:
@@ -101,7 +109,7 @@ def _prefill_bytes(run: dict) -> int:
 
 def format_table(runs: list[dict]) -> str:
     header = ("| Prompt | Loan | Prompt chunk / ring | PP median (range) | TG median (range) | MiB streamed / chunk "
-              "| cache hit rate | floor / PP time | MiB streamed / decoded token | PCIe / TG time | PP vs rival "
+              "| cache hit rate | floor / PP time | MiB streamed / decode step | PCIe / TG time | PP vs rival "
               "| TG vs rival |")
     rows = [header, "| " + " | ".join(["---:"] * 12) + " |"]
     groups: dict[tuple[int, str], list[dict]] = {}
@@ -113,8 +121,9 @@ def format_table(runs: list[dict]) -> str:
         plans = sorted({f"{r['chunk_tokens']:,} / {r['ring_slots']}" for r in group})
         per_chunk = statistics.median(_prefill_bytes(r) / max(1, r["num_chunks"]) for r in group) / 2**20
         floor = statistics.median(prefill_floor_seconds(r) / r["prefill_seconds"] for r in group)
-        per_token = statistics.median(_decode_bytes(r) / max(1, r["generated_tokens"]) for r in group) / 2**20
-        decode_floor = statistics.median(decode_floor_seconds(r) / _decode_seconds(r) for r in group)
+        per_token = statistics.median(_decode_bytes(r) / max(1, _decode_steps(r)) for r in group) / 2**20
+        decode_floor = statistics.median(decode_floor_seconds(r) / _decode_seconds(r) if _decode_seconds(r) > 0
+                                         else 0.0 for r in group)
         rival = RIVAL_PREFILL.get(length)
         cells = [f"{length:,}", arm, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",
                  f"{statistics.median(r['cache_hit_rate'] for r in group):.1%}", f"{floor:.2f}",

@@ -73,6 +73,39 @@ def test_tiles_are_separate_and_sized(monkeypatch, num_weights, is_dynamic):
     np.testing.assert_array_equal(out, expected)
 
 
+class _RecordingKernel:
+    """A dispatcher's launch surface: compiles by argument types and launches, recording both."""
+
+    def __init__(self):
+        self.calls = []
+
+    def typeof_pyval(self, value):
+        return type(value).__name__
+
+    def compile(self, argtypes):
+        self.calls.append(("compile", argtypes))
+        return f"compiled for {argtypes}"
+
+    def __getitem__(self, launch_config):
+        return lambda *args: self.calls.append(("launch", launch_config, args))
+
+
+@pytest.mark.parametrize("num_dynamic_bytes", [0, 40_000, 61_440])
+def test_launch_allows_every_dynamic_block(monkeypatch, num_dynamic_bytes):
+    # static arrays come with every dynamic block, so even 40,000 bytes may pass 48 KiB in all
+    allowed = []
+    monkeypatch.setattr(shared_tiles, "IS_SIMULATOR", False)
+    monkeypatch.setattr(shared_tiles, "allow_dynamic_shared", lambda compiled, n: allowed.append((compiled, n)))
+    kernel = _RecordingKernel()
+    shared_tiles.launch(kernel, (3, 2), 256, num_dynamic_bytes, 1, 2.0)
+    launch = ("launch", ((3, 2), 256, 0, num_dynamic_bytes), (1, 2.0))
+    if num_dynamic_bytes:
+        assert kernel.calls == [("compile", ("int", "float")), launch]
+        assert allowed == [("compiled for ('int', 'float')", num_dynamic_bytes)]
+    else:
+        assert kernel.calls == [launch] and allowed == []
+
+
 def test_dynamic_tiles_serve_the_gemm(dynamic_only):
     config = MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, stages=2, is_native=False)
     w, values = random_matrix("Q4_0", 13, 64, seed=180)

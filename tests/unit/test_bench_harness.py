@@ -48,6 +48,10 @@ def test_table_medians_ranges_and_rival_ratios():
     assert "0.25×" in table  # 1,100 against the rival's 4,394 at 2k
     flops = 2 * 3e9 * 2048 + 2 * 2048**2 * 4096 * 48
     assert prefill_floor_seconds(run) == max(2**30 / 55e9, flops / 730e12)
-    # decode streamed the other GiB: 8 MiB a token, 2**30 / 55e9 = 19.5 ms of PCIe in 40 ms of decode
+    # decode streamed the other GiB in 127 steps (the first token is prefill's): 8 MiB a step,
+    # 2**30 / 55e9 = 19.5 ms of PCIe in 40 ms of decode
     assert decode_floor_seconds(run) == 2**30 / 55e9
     assert "| 8 | 0.49 |" in table
+    one_token = {**run, "generated_tokens": 1, "decode_tokens_per_s": 0.0, "streamed_bytes": 2**30}
+    del one_token["decode_seconds"]
+    assert "| 0 | 0.00 |" in format_table([one_token])  # no decode step: no division by zero

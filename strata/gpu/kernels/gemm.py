@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda
 
 from . import tensor_core
-from ._common import OCTET, ceil_div, check_array, check_power_of_two, empty
+from ._common import IS_SIMULATOR, OCTET, ceil_div, check_array, check_power_of_two, empty
 from .packing import PackedMatrix, check_packed
 from .quant_device import dequant8_for
 from .shared_tiles import dynamic_bytes, launch, shared_bytes, tiles_device
@@ -367,13 +367,11 @@ def _ffma_dual_mainloop_device(fmt_a: str, fmt_b: str, config: GemmConfig):
 
 
 def jit_options(config) -> dict:
-    """cuda.jit options of a kernel running this config's main loop: link-time optimization when asked;
-    over 256 threads, launch bounds, so that ptxas keeps to the 65,536 / threads registers a thread
-    may have (more, and every launch fails)."""
-    if not getattr(config, "is_native", False):
-        return {}
-    options = {"lto": True} if config.lto else {}
-    if config.threads > 256:
+    """cuda.jit options of a kernel running this config's main loop: link-time optimization when asked
+    (the C++ loop only); on a GPU, over 256 threads, launch bounds, so that ptxas keeps to the
+    65,536 / threads registers a thread may have (more, and every launch fails)."""
+    options = {"lto": True} if getattr(config, "lto", False) and getattr(config, "is_native", False) else {}
+    if config.threads > 256 and not IS_SIMULATOR:  # the simulator's jit takes no launch bounds
         options["launch_bounds"] = config.threads
     return options
 

@@ -21,7 +21,7 @@ _ALIGNMENT = 16  # cp.async and the C++ loop's uint4 stores write 16 bytes at a 
 
 
 def tile_bytes(config, num_weights: int) -> int:
-    """Bytes of X's tile and `num_weights` weight tiles (each size a multiple of 16 bytes)."""
+    """Bytes of X's tile and `num_weights` weight tiles."""
     return np.dtype(config.stage_dtype).itemsize * (config.xs_size + num_weights * config.ws_size)
 
 
@@ -38,7 +38,8 @@ def dynamic_bytes(config, num_weights: int) -> int:
 @functools.cache
 def tiles_device(config, num_weights: int):
     """device_tiles() -> (xs, ws) or (xs, ws_a, ws_b): arrays of config.stage_dtype, of config.xs_size and
-    config.ws_size elements. (A device function may return a tuple of arrays it made, not one array.)"""
+    config.ws_size elements. (Numba refuses a device function returning one array it made itself;
+    a tuple of them it takes.)"""
     xs_size, ws_size, dtype = config.xs_size, config.ws_size, config.stage_dtype
     if not dynamic_bytes(config, num_weights):
         # the simulator tells shared arrays apart by their source line: one allocation a line
@@ -60,6 +61,10 @@ def tiles_device(config, num_weights: int):
 
         return device_static_dual_tiles
 
+    itemsize = np.dtype(dtype).itemsize
+    if (xs_size * itemsize) % _ALIGNMENT or (ws_size * itemsize) % _ALIGNMENT:
+        raise ValueError(f"tiles of {xs_size} and {ws_size} elements would leave the dynamic slices "
+                         f"unaligned to {_ALIGNMENT} bytes")
     if IS_SIMULATOR:  # which takes no alignment, and sizes the block by a dtype instance
         block_dtype = np.dtype(dtype)
 
@@ -85,17 +90,18 @@ def tiles_device(config, num_weights: int):
 
 
 def launch(kernel, grid, threads: int, num_dynamic_bytes: int, *args) -> None:
-    """kernel[grid, threads](*args) with `num_dynamic_bytes` of dynamic shared memory; over 48 KiB the
-    kernel compiled for these arguments is first allowed that much (once per compiled kernel)."""
-    if num_dynamic_bytes > MAX_STATIC_SHARED_BYTES and not IS_SIMULATOR:
-        compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-        if getattr(compiled, "strata_dynamic_shared_bytes", 0) < num_dynamic_bytes:
-            _allow_dynamic_shared(compiled, num_dynamic_bytes)
-            compiled.strata_dynamic_shared_bytes = num_dynamic_bytes
+    """kernel[grid, threads](*args) with `num_dynamic_bytes` of dynamic shared memory. A block may have
+    48 KiB of shared memory, static and dynamic together, unless its kernel is allowed more; the tiles
+    are dynamic only past that, so the kernel (as compiled for these arguments) is first allowed the
+    dynamic block: a driver call per launch, as the attribute is per device."""
+    if num_dynamic_bytes and not IS_SIMULATOR:
+        allow_dynamic_shared(kernel.compile(tuple(kernel.typeof_pyval(a) for a in args)), num_dynamic_bytes)
     kernel[grid, threads, 0, num_dynamic_bytes](*args)
 
 
-def _allow_dynamic_shared(compiled, num_bytes: int) -> None:
+def allow_dynamic_shared(compiled, num_bytes: int) -> None:
+    """Let the compiled kernel (numba-cuda's _Kernel) take `num_bytes` of dynamic shared memory on the
+    current device."""
     from numba.cuda.cudadrv.driver import binding, driver
 
     # the call numba-cuda makes for a function's shared-memory carveout (set_shared_memory_carveout);
