@@ -42,21 +42,22 @@ def tiles_device(config, num_weights: int):
     a tuple of them it takes.)"""
     xs_size, ws_size, dtype = config.xs_size, config.ws_size, config.stage_dtype
     if not dynamic_bytes(config, num_weights):
+        alignment = None if IS_SIMULATOR else _ALIGNMENT  # the simulator takes no alignment
         # the simulator tells shared arrays apart by their source line: one allocation a line
         if num_weights == 1:
             @cuda.jit(device=True)
             def device_static_tiles():
-                xs = cuda.shared.array(xs_size, dtype)
-                ws = cuda.shared.array(ws_size, dtype)
+                xs = cuda.shared.array(xs_size, dtype, alignment=alignment)
+                ws = cuda.shared.array(ws_size, dtype, alignment=alignment)
                 return xs, ws
 
             return device_static_tiles
 
         @cuda.jit(device=True)
         def device_static_dual_tiles():
-            xs = cuda.shared.array(xs_size, dtype)
-            ws_a = cuda.shared.array(ws_size, dtype)
-            ws_b = cuda.shared.array(ws_size, dtype)
+            xs = cuda.shared.array(xs_size, dtype, alignment=alignment)
+            ws_a = cuda.shared.array(ws_size, dtype, alignment=alignment)
+            ws_b = cuda.shared.array(ws_size, dtype, alignment=alignment)
             return xs, ws_a, ws_b
 
         return device_static_dual_tiles
