@@ -102,6 +102,12 @@ def _decode_seconds(run: dict) -> float:
     return _decode_steps(run) / rate if rate > 0 else 0.0
 
 
+def _decode_floor_share(run: dict) -> float:
+    """decode_floor_seconds over the decode time (0 without a decode step)."""
+    seconds = _decode_seconds(run)
+    return decode_floor_seconds(run) / seconds if seconds > 0 else 0.0
+
+
 def _prefill_bytes(run: dict) -> int:
     """Bytes prefill streamed (runs recorded before the split counted decode's misses too)."""
     return run.get("prefill_streamed_bytes", run["streamed_bytes"])
@@ -122,8 +128,7 @@ def format_table(runs: list[dict]) -> str:
         per_chunk = statistics.median(_prefill_bytes(r) / max(1, r["num_chunks"]) for r in group) / 2**20
         floor = statistics.median(prefill_floor_seconds(r) / r["prefill_seconds"] for r in group)
         per_token = statistics.median(_decode_bytes(r) / max(1, _decode_steps(r)) for r in group) / 2**20
-        decode_floor = statistics.median(decode_floor_seconds(r) / _decode_seconds(r) if _decode_seconds(r) > 0
-                                         else 0.0 for r in group)
+        decode_floor = statistics.median(_decode_floor_share(r) for r in group)
         rival = RIVAL_PREFILL.get(length)
         cells = [f"{length:,}", arm, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",
                  f"{statistics.median(r['cache_hit_rate'] for r in group):.1%}", f"{floor:.2f}",

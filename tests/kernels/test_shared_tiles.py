@@ -49,8 +49,9 @@ def test_sizes_and_when_tiles_are_dynamic():
 def test_tiles_are_separate_and_sized(monkeypatch, num_weights, is_dynamic):
     if is_dynamic:
         monkeypatch.setattr(shared_tiles, "MAX_STATIC_SHARED_BYTES", 0)
-    config = _Tiles(block_m=4 + 2 * num_weights + is_dynamic)  # a config of its own: tiles_device is cached
-    tiles = shared_tiles.tiles_device(config, num_weights)
+    config = _Tiles()
+    tiles = shared_tiles.tiles_device.__wrapped__(config, num_weights)  # uncached: the limit is patched
+    assert tiles.py_func.__name__.startswith("device_dynamic" if is_dynamic else "device_static")
 
     @cuda.jit
     def fill(out):  # each tile's elements get its number, then every element is read back
@@ -108,6 +109,7 @@ def test_launch_allows_every_dynamic_block(monkeypatch, num_dynamic_bytes):
 
 def test_dynamic_tiles_serve_the_gemm(dynamic_only):
     config = MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, stages=2, is_native=False)
+    assert shared_tiles.dynamic_bytes(config, 1) > 0  # the kernel's tiles_device takes the dynamic form
     w, values = random_matrix("Q4_0", 13, 64, seed=180)
     x = np.random.default_rng(181).standard_normal((19, 64)).astype(np.float32)
     y = host(gemm.gemm(dev(x), w, config=config))
@@ -116,4 +118,5 @@ def test_dynamic_tiles_serve_the_gemm(dynamic_only):
 
 def test_dynamic_tiles_serve_the_moe_prefill(dynamic_only):
     config = MmaConfig(block_m=16, block_n=8, warps_m=1, warps_n=1, stages=2, prefetch_w=True, is_native=False)
+    assert shared_tiles.dynamic_bytes(config, 1) > 0 and shared_tiles.dynamic_bytes(config, 2) > 0
     check_moe_prefill(config, ("Q4_0", "Q4_0", "Q8_0"), seed=182)
