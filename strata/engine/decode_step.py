@@ -238,29 +238,36 @@ class DecodeStep:
         return self._experts[layer]
 
     def _layers(self, stats: StreamStats) -> None:
-        """Every layer of a step whose experts may miss: two segments a layer, the host between."""
+        """Every layer of a step whose experts may miss: two segments a layer, the host between.
+
+        After layer l's routing is read back, the host stages its misses, replays its experts and
+        layer l+1's attention, and only then stages layer l+1's predicted experts, so that this
+        staging overlaps the GPU's work instead of preceding it. No staging waits for the kernels:
+        each follows a readback issued after every kernel that could read the slots it overwrites,
+        except this layer's experts, whose slots it protects (``in_use``)."""
         runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
+        self._attention_segment(0).replay()
         for layer in range(spec.num_layers):
-            attention = self._attention_segment(layer)
-            attention.replay()
-            _, ids, _, predicted = attention.outputs
+            _, ids, _, predicted = self._attention[layer].outputs
             # [1, k] each, read at once after the segment and before anything queued makes the
             # default stream wait for copies
             host_ids, host_predicted = _waited(stats, self._readback.now, ids, predicted)
-            slot_of = runner.decode_slots(layer, host_ids, stats)  # [N]
+            slot_of = runner.decode_slots(layer, host_ids, stats, is_after_compute=False)  # [N]
             if self._prefetched is not None:  # this layer's experts staged ahead, maybe still in flight
                 ticket, experts = self._prefetched
                 ops.wait_staged(ticket)
                 stats.prefetched_used += len(set(experts).intersection(host_ids.ravel().tolist()))
                 self._prefetched = None
-            if host_predicted is not None:  # behind this layer's misses on the copy stream, beside its kernels
-                in_use = {int(s) for s in slot_of[host_ids[0]]}
-                ticket, experts = runner.prefetch(layer + 1, host_predicted, in_use, stats)
-                self._prefetched = (ticket, experts) if experts else None
             row = self._slot_rows[layer:layer + 1]  # [1, k] pinned; its last copy ran before the wait above
             row[:] = slot_of[host_ids]
             ops.copy_in(self._slot_ids, row, is_queued=True)  # behind the staged copies, host not waiting
             self._experts_segment(layer).replay()
+            if layer + 1 < spec.num_layers:
+                self._attention_segment(layer + 1).replay()
+            if host_predicted is not None:  # behind this layer's misses on the copy stream, beside the kernels
+                in_use = {int(s) for s in slot_of[host_ids[0]]}
+                ticket, experts = runner.prefetch(layer + 1, host_predicted, in_use, stats, is_after_compute=False)
+                self._prefetched = (ticket, experts) if experts else None
 
     def compile_resident(self, token: int, position: int) -> None:
         """Run a resident token's launches once, uncaptured, over tables of no slots (every routed

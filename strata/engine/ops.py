@@ -88,10 +88,15 @@ class Ops(Protocol):
     def encode_experts(self, raw: np.ndarray, qtype: QType, shape: tuple[int, int]) -> np.ndarray:
         """[N, rows, row_bytes] GGUF bytes of N experts' matrix -> [N, size] in this backend's encoding."""
 
-    def stage_experts(self, storage: ArenaStorage, slots: Sequence[int], hosts: Sequence[np.ndarray]) -> Any:
+    def stage_experts(self, storage: ArenaStorage, slots: Sequence[int], hosts: Sequence[np.ndarray],
+                      is_after_compute: bool = True) -> Any:
         """Copy experts from host memory (``hosts[i]``, one packed slot each) into ``slots[i]``, after
         every computation issued so far. May run asynchronously (a copy stream): returns a ticket
-        (None when the copies are done on return) that ``wait_staged`` takes."""
+        (None when the copies are done on return) that ``wait_staged`` takes.
+
+        is_after_compute=False: the copies need not wait for computations issued so far, because the
+        caller knows none of those still running reads ``slots`` (it has read back a result issued
+        after every earlier reader, and what it issued since reads other slots)."""
     def wait_staged(self, ticket: Any) -> None:
         """Computations issued from now on read the copies of ``ticket``."""
     def slot_tables(self, host: np.ndarray) -> Any:

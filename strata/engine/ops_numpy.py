@@ -144,7 +144,7 @@ class NumpyOps:
     def encode_experts(self, raw: np.ndarray, qtype, shape) -> np.ndarray:
         return raw.reshape(raw.shape[0], -1)  # GGUF bytes as they are
 
-    def stage_experts(self, storage: NumpyArena, slots, hosts) -> None:
+    def stage_experts(self, storage: NumpyArena, slots, hosts, is_after_compute: bool = True) -> None:
         for slot, host in zip(slots, hosts):
             start = int(slot) * storage.slot_bytes
             storage.buffer[start:start + host.size] = host

@@ -251,11 +251,13 @@ class ModelRunner:
         stats.streamed_bytes += len(misses) * cache.layout.slot_bytes
         return slot_of, misses
 
-    def decode_slots(self, layer: int, host_ids: np.ndarray, stats: StreamStats) -> np.ndarray:
+    def decode_slots(self, layer: int, host_ids: np.ndarray, stats: StreamStats,
+                     is_after_compute: bool = True) -> np.ndarray:
         """[N] slots of the routed experts of a decode token: misses are inserted into the cache
-        (evicting by its policy) and staged, and the kernels issued next read them."""
+        (evicting by its policy) and staged, and the kernels issued next read them.
+        is_after_compute: as ``Ops.stage_experts`` takes it."""
         slot_of, misses = self._lookup(layer, host_ids, stats)
-        slots, ticket = self._stage_into_cache(layer, misses, set(slot_of[slot_of >= 0].tolist()))
+        slots, ticket = self._stage_into_cache(layer, misses, set(slot_of[slot_of >= 0].tolist()), is_after_compute)
         if len(slots) < len(misses):
             self.cache.forget(slots)
             raise EngineError(f"no expert-cache slot is free for a decode miss (layer {layer}); raise "
@@ -264,17 +266,19 @@ class ModelRunner:
         self.ops.wait_staged(ticket)
         return slot_of
 
-    def prefetch(self, layer: int, host_ids: np.ndarray, in_use: set[int], stats: StreamStats) -> tuple:
+    def prefetch(self, layer: int, host_ids: np.ndarray, in_use: set[int], stats: StreamStats,
+                 is_after_compute: bool = True) -> tuple:
         """Insert and stage the experts ``host_ids`` of ``layer`` that are not cached, evicting by
         the cache's policy outside ``in_use``; returns the copies' ticket (None: nothing staged)
-        and the experts staged."""
+        and the experts staged. is_after_compute: as ``Ops.stage_experts`` takes it."""
         uncached = [e for e in _distinct(host_ids) if self.cache.lookup(layer, e) < 0]
-        slots, ticket = self._stage_into_cache(layer, uncached, in_use)
+        slots, ticket = self._stage_into_cache(layer, uncached, in_use, is_after_compute)
         stats.prefetched += len(slots)
         stats.streamed_bytes += len(slots) * self.cache.layout.slot_bytes
         return ticket, uncached[:len(slots)]
 
-    def _stage_into_cache(self, layer: int, experts: list[int], protected: set[int]) -> tuple[list[int], object]:
+    def _stage_into_cache(self, layer: int, experts: list[int], protected: set[int],
+                          is_after_compute: bool = True) -> tuple[list[int], object]:
         """Insert ``experts`` of ``layer`` into the cache (evicting outside ``protected``) as long as
         slots can be had, and stage them; returns their slots and the copies' ticket (None: none).
         On an error nothing inserted stays: a later request must not compute with unfilled slots."""
@@ -289,7 +293,7 @@ class ModelRunner:
             if not slots:
                 return slots, None
             hosts = [self.pack.slot(layer, e) for e in experts[:len(slots)]]
-            return slots, self.ops.stage_experts(cache.storage, slots, hosts)
+            return slots, self.ops.stage_experts(cache.storage, slots, hosts, is_after_compute)
         except BaseException:
             cache.forget(slots)
             raise

@@ -65,10 +65,16 @@ class PlaneArena:
         # DMA per plane, with no array objects built per copy
         bases = [getattr(r, "base", None) for r in self._ranges]
         self._device_bases = bases if all(b is not None for b in bases) else None
-        # per plane [P]: device base address, bytes per slot, byte offset inside a host slot
-        self._plane_bases = np.array([int(b) for b in bases] if self._device_bases else [], dtype=np.uint64)
+        # per plane [P]: bytes per slot, byte offset inside a host slot; [S, P] every reserved slot's
+        # device address in each plane, and [n * P] sizes of n experts' DMAs (grown on demand)
         self._plane_bytes = np.array(self._plane_slot_bytes, dtype=np.uint64)
         self._plane_offsets = np.array([offset for *_, offset in self.planes], dtype=np.uint64)
+        self._slot_addresses = None
+        if self._device_bases:
+            plane_bases = np.array([int(b) for b in bases], dtype=np.uint64)
+            slot_ids = np.arange(self.num_slots_reserved, dtype=np.uint64)
+            self._slot_addresses = plane_bases[None, :] + slot_ids[:, None] * self._plane_bytes[None, :]
+        self._dma_sizes = self._plane_bytes.copy()
         self.copier = HostToDeviceCopier()
 
     @property
@@ -150,12 +156,13 @@ class PlaneArena:
                     start = int(slot) * num_bytes
                     plane_range.array[start:start + num_bytes].copy_to_device(host_slot[offset:offset + num_bytes])
             return
-        slot_ids = np.asarray(slots, dtype=np.uint64)  # [n]
+        num_copies = len(slots) * len(self.planes)
+        if len(self._dma_sizes) < num_copies:
+            self._dma_sizes = np.tile(self._plane_bytes, 2 * len(slots))
         sources = np.array([h.ctypes.data for h in host_slots], dtype=np.uint64)  # [n]
-        destinations = (self._plane_bases[None, :] + slot_ids[:, None] * self._plane_bytes[None, :]).ravel()  # [n*P]
+        destinations = self._slot_addresses[slots].ravel()  # [n*P]
         sources = (sources[:, None] + self._plane_offsets[None, :]).ravel()  # [n*P]
-        sizes = np.tile(self._plane_bytes, len(slot_ids))  # [n*P]
-        self.copier.copy(destinations, sources, sizes, stream)
+        self.copier.copy(destinations, sources, self._dma_sizes[:num_copies], stream)
 
     def close(self) -> None:
         self.unmap_to(0)
@@ -217,12 +224,15 @@ class CopyStream:
         self._events = [self._calls.event_create() for _ in range(_EVENTS_PER_STREAM)]
         self._next_event = 0
 
-    def stage(self, arena: PlaneArena, slots: Sequence[int], host_slots: Sequence[np.ndarray]):
-        """Copy after every kernel enqueued so far; returns the ticket that ``wait`` takes."""
+    def stage(self, arena: PlaneArena, slots: Sequence[int], host_slots: Sequence[np.ndarray],
+              is_after_compute: bool = True):
+        """Copy after every kernel enqueued so far (is_after_compute=False: after the copies queued
+        before only, see ``Ops.stage_experts``); returns the ticket that ``wait`` takes."""
         calls = self._calls
-        after_kernels = self._event()
-        calls.event_record(after_kernels, 0)
-        calls.stream_wait_event(self.handle, after_kernels)
+        if is_after_compute:
+            after_kernels = self._event()
+            calls.event_record(after_kernels, 0)
+            calls.stream_wait_event(self.handle, after_kernels)
         arena.stage_many(slots, host_slots, self.handle)
         copied = self._event()
         calls.event_record(copied, self.handle)

@@ -178,11 +178,11 @@ class CudaOps:
                  if p.shape != (1, 1) or name == "quants"]
         return np.concatenate(parts, axis=1)  # [N, planes of one expert]
 
-    def stage_experts(self, storage, slots, hosts):
+    def stage_experts(self, storage, slots, hosts, is_after_compute: bool = True):
         if self._copy_stream is None:  # the simulator: copied on return
             storage.stage_many(slots, hosts)
             return None
-        return self._copy_stream.stage(storage, slots, hosts)
+        return self._copy_stream.stage(storage, slots, hosts, is_after_compute)
 
     def wait_staged(self, ticket) -> None:
         if ticket is not None:

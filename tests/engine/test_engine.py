@@ -121,11 +121,11 @@ def test_a_failed_decode_copy_leaves_no_unfilled_expert_in_the_cache(moe_path, e
     stage = engine.ops.stage_experts
     calls = {"decode": 0}
 
-    def failing_decode_stage(storage, slots, hosts):
+    def failing_decode_stage(storage, slots, hosts, *args):
         if engine.workspace.geometry is None:  # decode: no prompt workspace
             calls["decode"] += 1
             raise RuntimeError("copy failed")
-        return stage(storage, slots, hosts)
+        return stage(storage, slots, hosts, *args)
 
     engine.ops.stage_experts = failing_decode_stage
     with pytest.raises(RuntimeError, match="copy failed"):

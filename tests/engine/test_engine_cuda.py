@@ -110,14 +110,14 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path,
     events = []  # ("staged" | "routed", layer, experts) in the order the decode step saw them
     prefetch, decode_slots = captured.runner.prefetch, captured.runner.decode_slots
 
-    def spied_prefetch(layer, ids, in_use, stats):
-        ticket, experts = prefetch(layer, ids, in_use, stats)
+    def spied_prefetch(layer, ids, in_use, stats, **kwargs):
+        ticket, experts = prefetch(layer, ids, in_use, stats, **kwargs)
         events.append(("staged", layer, set(experts)))
         return ticket, experts
 
-    def spied_decode_slots(layer, ids, stats):
+    def spied_decode_slots(layer, ids, stats, **kwargs):
         events.append(("routed", layer, set(ids.ravel().tolist())))
-        return decode_slots(layer, ids, stats)
+        return decode_slots(layer, ids, stats, **kwargs)
 
     monkeypatch.setattr(captured.runner, "prefetch", spied_prefetch)
     monkeypatch.setattr(captured.runner, "decode_slots", spied_decode_slots)

@@ -58,11 +58,12 @@ def test_stage_many_writes_the_bytes_stage_writes(monkeypatch):
     batched, layout = _arena(AddressedRange)
     one_by_one, _ = _arena(HostRange)
     rng = np.random.default_rng(0)
-    hosts = [rng.integers(0, 256, layout.slot_bytes, dtype=np.uint8) for _ in range(5)]
-    slots = [9, 0, 3, 15, 4]
-    batched.stage_many(slots, hosts)
-    for slot, host in zip(slots, hosts):
-        one_by_one.stage(slot, host)
-    assert copies == [len(slots) * len(batched.planes)]  # one call for the whole batch
+    batches = [[9, 0, 3, 15, 4], [int(s) for s in rng.permutation(16)[:13]]]  # the second outgrows the first's sizes
+    for slots in batches:
+        hosts = [rng.integers(0, 256, layout.slot_bytes, dtype=np.uint8) for _ in slots]
+        batched.stage_many(slots, hosts)
+        for slot, host in zip(slots, hosts):
+            one_by_one.stage(slot, host)
+    assert copies == [len(slots) * len(batched.planes) for slots in batches]  # one call a batch
     for plane_batched, plane_single in zip(batched._ranges, one_by_one._ranges):
         assert np.array_equal(plane_batched.host, plane_single.array.copy_to_host())

@@ -77,3 +77,45 @@ def test_the_default_stream_copies_one_by_one(driver):
     fake, copier = driver(), HostToDeviceCopier()
     copier.copy(*_copies(2), stream=None)
     assert fake.batches == [] and [s[3] for s in fake.singles] == [0, 0]
+
+
+class OrderingDriver:
+    """Records the stream and event calls a CopyStream makes, in order."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self._num_events = 0
+
+    def stream_create(self) -> int:
+        return 99
+
+    def event_create(self) -> int:
+        self._num_events += 1
+        return self._num_events
+
+    def event_record(self, event, stream) -> None:
+        self.calls.append(("record", stream))
+
+    def stream_wait_event(self, stream, event) -> None:
+        self.calls.append(("wait", stream))
+
+
+class RecordingArena:
+    def __init__(self, driver):
+        self.driver = driver
+
+    def stage_many(self, slots, host_slots, stream) -> None:
+        self.driver.calls.append(("copy", stream, list(slots)))
+
+
+@pytest.mark.parametrize("is_after_compute", [True, False])
+def test_staging_waits_for_the_kernels_only_when_asked(monkeypatch, is_after_compute):
+    fake = OrderingDriver()
+    monkeypatch.setattr(driver_calls, "load", lambda: fake)
+    stream = expert_arena.CopyStream()
+    ticket = stream.stage(RecordingArena(fake), [3, 5], [None, None], is_after_compute)
+    copied = [("copy", 99, [3, 5]), ("record", 99)]
+    # default stream (0): the event the copy stream waits on, recorded after the kernels issued so far
+    assert fake.calls == ([("record", 0), ("wait", 99)] + copied if is_after_compute else copied)
+    stream.wait(ticket)
+    assert fake.calls[-1] == ("wait", 0)
