@@ -125,7 +125,7 @@ def test_mma_config_option_checks(monkeypatch):
             MmaConfig(stages=2).validate()
     with pytest.raises(ValueError, match="lto=True links the C.. main loop, but is_native=False"):
         MmaConfig(lto=True, is_native=False).validate()
-    with pytest.raises(ValueError, match="fused=True runs double-buffered 32-wide K steps, but stages=1 and step_k=32"):
+    with pytest.raises(ValueError, match="fused=True runs double-buffered K steps, but stages=1: set stages=2"):
         MmaConfig(fused=True).validate()
     with pytest.raises(ValueError, match="fused=True runs the K loop in linked C.., but is_native=False"):
         MmaConfig(fused=True, stages=2, is_native=False).validate()
@@ -152,7 +152,13 @@ FUSED_CONFIGS = [MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, stages
                            is_native=True),
                  # 128 x 128: gate and up tiles in dynamic shared memory (61,952 bytes); 16 warps, launch bounds
                  MmaConfig(stages=2, fused=True, is_native=True),
-                 MmaConfig(warps_n=4, stages=2, fused=True, is_native=True)]
+                 MmaConfig(warps_n=4, stages=2, fused=True, is_native=True),
+                 # 64-wide K steps (a zero-filled half step where K is an odd multiple of 32); 128 x 64
+                 # gate and up tiles in dynamic shared memory (74,240 bytes)
+                 MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, step_k=64, stages=2, fused=True,
+                           is_native=True),
+                 MmaConfig(block_m=64, block_n=64, warps_m=2, warps_n=2, step_k=64, stages=2, fused=True,
+                           is_native=True)]
 
 # all options together: 64 x 64 tiles (larger ones stage through dynamic shared memory, as the fused 128 x 128 do)
 NATIVE_OPTION_CONFIGS = [MmaConfig(is_native=True, **options) for name, options in MAINLOOP_OPTIONS.items()

@@ -99,7 +99,7 @@ class MmaConfig(NamedTuple):
         lto            link-time optimization of the kernels with the linked C++ (C++ only): the mma
                        step can inline, and its accumulators need not pass through local memory at
                        every call
-        fused          the whole K loop in C++ (gemm_mma.py; C++ only, stages 2, step_k 32): the
+        fused          the whole K loop in C++ (gemm_mma.py; C++ only, stages 2, step_k 32 or 64): the
                        accumulators stay in registers; weights of FUSED_FORMATS with float16 X
                        (the wrappers convert float32 X first), the Numba loop for the rest
     """
@@ -173,9 +173,9 @@ class MmaConfig(NamedTuple):
         if self.lto and self.is_native is False:
             raise ValueError("lto=True links the C++ main loop, but is_native=False runs the Numba twin, which has "
                              "nothing to link: set lto=False, or is_native=True on a GPU with tensor cores")
-        if self.fused and (self.stages, self.step_k) != (2, 32):
-            raise ValueError(f"fused=True runs double-buffered 32-wide K steps, but stages={self.stages} and "
-                             f"step_k={self.step_k}: set stages=2 and step_k=32, or fused=False")
+        if self.fused and self.stages != 2:
+            raise ValueError(f"fused=True runs double-buffered K steps, but stages={self.stages}: set stages=2, "
+                             "or fused=False")
         if self.fused and self.is_native is False:
             raise ValueError("fused=True runs the K loop in linked C++, but is_native=False runs the Numba twin: "
                              "set fused=False, or is_native=True on a GPU with tensor cores")

@@ -18,7 +18,7 @@ f16-rounded inputs meet the same f32 products, summed in a different order at mo
 `fused` moves the whole K loop into C++ (cuda/gemm_mma.cu's gemm_fused, GPU only, the block
 formats Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, float16 X): the accumulators stay in registers from the
 first step to the last, X rows arrive by cp.async and W octets through registers into
-double-buffered tiles, one barrier a step.
+double-buffered tiles, one barrier a step of step_k (32 or 64) elements.
 Where it does not apply (another format, float32 X, the simulator) the Numba loop runs; the
 numerics are the same.
 
@@ -48,9 +48,9 @@ _U8_PTR = types.CPointer(types.uint8)
 @functools.cache
 def _fused_loop(fmt: str, config: MmaConfig, num_weights: int):
     """cuda/gemm_mma.cu's gemm_fused for this tile and format, declared (num_weights 1, or 2 sharing X)."""
-    bm, bn, wm, wn = config.block_m, config.block_n, config.warps_m, config.warps_n
-    name = f"strata_gemm_fused_{fmt}_m{bm}_n{bn}_w{wm}x{wn}_x{num_weights}"
-    line = f"\nSTRATA_GEMM_FUSED({fmt}, {bm}, {bn}, {wm}, {wn}, {num_weights})\n"
+    bm, bn, wm, wn, k = config.block_m, config.block_n, config.warps_m, config.warps_n, config.step_k
+    name = f"strata_gemm_fused_{fmt}_m{bm}_n{bn}_w{wm}x{wn}_x{num_weights}_k{k}"
+    line = f"\nSTRATA_GEMM_FUSED({fmt}, {bm}, {bn}, {wm}, {wn}, {num_weights}, {k})\n"
     half, i32, f32 = tensor_core.HALF_PTR, tensor_core.INT32, tensor_core.FLOAT_PTR
     argtypes = (half, i32, _INT_PTR, i32, _U32_PTR, half, _U8_PTR, _U32_PTR, half, _U8_PTR, i32, i32, i32, i32, i32,
                 half, half, half, f32, f32)

@@ -215,20 +215,24 @@ __device__ __forceinline__ void move_accumulators(float (&c)[MI][NJ][4], float* 
       }
 }
 
-// acc_a (and acc_b for NUM_W 2, gate and up sharing the X tile) += X[x_rows] * W[w_row0 ..]^T over K = 32 * num_k32:
+// acc_a (and acc_b for NUM_W 2, gate and up sharing the X tile) += X[x_rows] * W[w_row0 ..]^T over 32 * num_k32:
 //   x       f16 [rows][x_pitch] in global memory; x_rows [BM] (shared): the X row of each tile row, -1 a zero row
 //   wa, wb  packed weights of format F; tile row n is W row w_row0 + n, zeros from w_row_end on
-//   xs, wsa, wsb  shared f16 buffers of 2 x [BM][40] and 2 x [BN][40]: K steps of 32 alternate between them
+//   xs, wsa, wsb  shared f16 buffers of 2 x [BM][K + 8] and 2 x [BN][K + 8]: K steps (32 or 64 wide) alternate
+//           between them; a 64-wide last step over an odd num_k32 is zero-filled past the end
 // The next step's X rows fly as cp.async copies and its W octets as registers while this step's mma run, then
-// the W octets are dequantized into the other buffer: one barrier a step. acc_* leave in gemm_mma.py's fragment
-// order, read at the start and written at the end. Every thread of the block calls it.
-template <OctetFormat F, int BM, int BN, int WARPS_M, int WARPS_N, int NUM_W>
+// the W octets are dequantized into the other buffer: one barrier a step (a 64-wide step halves the barriers and
+// gives those loads twice the mma to hide behind). acc_* leave in gemm_mma.py's fragment order, read at the start
+// and written at the end. Every thread of the block calls it.
+template <OctetFormat F, int BM, int BN, int WARPS_M, int WARPS_N, int NUM_W, int K>
 __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const int* x_rows, int num_k32,
                                            const WeightPlanes& wa, const WeightPlanes& wb, int w_row0, int w_row_end,
                                            __half* xs, __half* wsa, __half* wsb, float* acc_a, float* acc_b) {
-  constexpr int K = 32, LD = K + 8, THREADS = 32 * WARPS_M * WARPS_N;
+  static_assert(K == 32 || K == 64, "K steps of 32 or 64");
+  constexpr int LD = K + 8, THREADS = 32 * WARPS_M * WARPS_N, ROW_OCTETS = K / 8, ROW_SHIFT = K == 32 ? 2 : 3;
   constexpr int MI = BM / WARPS_M / 16, NJ = BN / WARPS_N / 8;
-  constexpr int X_OCTETS = BM * K / 8, W_OCTETS = BN * K / 8;
+  constexpr int X_OCTETS = BM * ROW_OCTETS, W_OCTETS = BN * ROW_OCTETS;
+  const int num_octets = 4 * num_k32, num_steps = K == 32 ? num_k32 : (num_k32 + 1) / 2;  // octets of a row, steps
   constexpr int PX = (X_OCTETS + THREADS - 1) / THREADS, PW = (W_OCTETS + THREADS - 1) / THREADS;
   const int tid = threadIdx.x, warp = tid >> 5;
   const int x_off = (warp / WARPS_N) * (BM / WARPS_M) * LD, w_off = (warp % WARPS_N) * (BN / WARPS_N) * LD;
@@ -241,24 +245,27 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
   auto load = [&](int step, int buf) {  // X by cp.async into buffer buf, W octets into registers
 #pragma unroll
     for (int i = 0; i < PX; ++i) {
-      const int idx = tid + i * THREADS, m = idx >> 2, oc = idx & 3;
+      const int idx = tid + i * THREADS, m = idx >> ROW_SHIFT, oc = idx & (ROW_OCTETS - 1);
+      const int octet = step * ROW_OCTETS + oc;
       if (X_OCTETS % THREADS == 0 || idx < X_OCTETS) {
         const int row = x_rows[m];
-        cp_async_16(xs + buf * BM * LD + m * LD + 8 * oc, x + static_cast<size_t>(row < 0 ? 0 : row) * x_pitch +
-                    step * K + 8 * oc, row >= 0);
+        const bool is_in_row = K == 32 || octet < num_octets;  // 32-wide steps never pass the end of a row
+        cp_async_16(xs + buf * BM * LD + m * LD + 8 * oc,  // invalid: zeros, nothing read
+                    x + static_cast<size_t>(row < 0 ? 0 : row) * x_pitch + (is_in_row ? 8 * octet : 0),
+                    row >= 0 && is_in_row);
       }
     }
     cp_async_commit();
 #pragma unroll
     for (int i = 0; i < PW; ++i) {
-      const int idx = tid + i * THREADS, n = idx >> 2, octet = step * 4 + (idx & 3);
+      const int idx = tid + i * THREADS, n = idx >> ROW_SHIFT, octet = step * ROW_OCTETS + (idx & (ROW_OCTETS - 1));
       if (W_OCTETS % THREADS == 0 || idx < W_OCTETS) {
-        const bool valid = w_row0 + n < w_row_end;
+        const bool valid = w_row0 + n < w_row_end && (K == 32 || octet < num_octets);  // else row 0's octet 0, as zeros
         const int row = valid ? w_row0 + n : 0;
-        ra[i] = load_weights<F>(wa, row, octet);
+        ra[i] = load_weights<F>(wa, row, valid ? octet : 0);
         if (!valid) ra[i].d = ra[i].m = 0.f;
         if constexpr (NUM_W == 2) {
-          rb[i] = load_weights<F>(wb, row, octet);
+          rb[i] = load_weights<F>(wb, row, valid ? octet : 0);
           if (!valid) rb[i].d = rb[i].m = 0.f;
         }
       }
@@ -267,11 +274,13 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
   auto store = [&](int step, int buf) {  // step's W octets dequantized into buffer buf, 16 bytes a store
 #pragma unroll
     for (int i = 0; i < PW; ++i) {
-      const int idx = tid + i * THREADS, n = idx >> 2, oc = idx & 3;
+      const int idx = tid + i * THREADS, n = idx >> ROW_SHIFT, oc = idx & (ROW_OCTETS - 1);
+      const int octet = step * ROW_OCTETS + oc;
       if (W_OCTETS % THREADS == 0 || idx < W_OCTETS) {
-        *reinterpret_cast<uint4*>(wsa + buf * BN * LD + n * LD + 8 * oc) = dequant_weights<F>(ra[i], step * 4 + oc);
+        // an octet past the end has zero factors: zeros, whatever its position selects
+        *reinterpret_cast<uint4*>(wsa + buf * BN * LD + n * LD + 8 * oc) = dequant_weights<F>(ra[i], octet);
         if constexpr (NUM_W == 2)
-          *reinterpret_cast<uint4*>(wsb + buf * BN * LD + n * LD + 8 * oc) = dequant_weights<F>(rb[i], step * 4 + oc);
+          *reinterpret_cast<uint4*>(wsb + buf * BN * LD + n * LD + 8 * oc) = dequant_weights<F>(rb[i], octet);
       }
     }
   };
@@ -294,15 +303,15 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
     }
   };
 
-  if (num_k32 > 0) {
+  if (num_steps > 0) {
     load(0, 0);
     store(0, 0);
   }
-  for (int step = 0; step < num_k32; ++step) {
+  for (int step = 0; step < num_steps; ++step) {
     const int cur = step & 1;
     cp_async_wait_all();
     __syncthreads();  // step's tiles are in place, and every warp is done with the other buffer
-    const bool has_next = step + 1 < num_k32;
+    const bool has_next = step + 1 < num_steps;
     if (has_next) load(step + 1, cur ^ 1);
     compute(cur);
     if (has_next) store(step + 1, cur ^ 1);
@@ -312,14 +321,14 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
 }
 
 // The fused loop is instantiated on demand: gemm_mma.py appends one STRATA_GEMM_FUSED line per kernel.
-#define STRATA_GEMM_FUSED(FMT, BM, BN, WM, WN, NW)                                                                 \
-  extern "C" __device__ void strata_gemm_fused_##FMT##_m##BM##_n##BN##_w##WM##x##WN##_x##NW(                      \
+#define STRATA_GEMM_FUSED(FMT, BM, BN, WM, WN, NW, K)                                                              \
+  extern "C" __device__ void strata_gemm_fused_##FMT##_m##BM##_n##BN##_w##WM##x##WN##_x##NW##_k##K(               \
       const __half* x, int x_pitch, const int* x_rows, int num_k32, const unsigned* qa, const __half* sa,         \
       const unsigned char* ea, const unsigned* qb, const __half* sb, const unsigned char* eb, int quant_pitch,    \
       int scale_pitch, int extra_pitch, int w_row0, int w_row_end, __half* xs, __half* wsa, __half* wsb,          \
       float* acc_a, float* acc_b) {                                                                                \
     const WeightPlanes wa{qa, sa, ea, quant_pitch, scale_pitch, extra_pitch};                                      \
     const WeightPlanes wb{qb, sb, eb, quant_pitch, scale_pitch, extra_pitch};                                      \
-    gemm_fused<k##FMT, BM, BN, WM, WN, NW>(x, x_pitch, x_rows, num_k32, wa, wb, w_row0, w_row_end, xs, wsa, wsb,  \
-                                           acc_a, acc_b);                                                          \
+    gemm_fused<k##FMT, BM, BN, WM, WN, NW, K>(x, x_pitch, x_rows, num_k32, wa, wb, w_row0, w_row_end, xs, wsa,    \
+                                              wsb, acc_a, acc_b);                                                  \
   }
