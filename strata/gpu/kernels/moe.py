@@ -9,8 +9,9 @@ Prefill (moe_experts_prefill), two launches over the tiles of moe_route.moe_grou
         the X rows (gathered by pair_token) once per step for both the gate and the up rows of
         the tile's expert; the epilogue writes silu(g) * u to hidden [P, F] (float32 or float16).
     down: per (tile, block_n columns of H): hidden rows x down rows; the epilogue scales by
-        pair_weight and atomically adds into out[pair_token] (out is the residual stream). The
-        k experts of a token land in any order, so the float sum is not bitwise reproducible.
+        pair_weight and atomically adds into out[pair_token] (out is the residual stream), with
+        tensor cores two adjacent columns per vector reduction. The k experts of a token land in
+        any order, so the float sum is not bitwise reproducible.
 Decode (moe_experts_decode), two launches, GEMV-shaped (a few tokens):
     gate_up: grid (F row blocks, T * k pairs), optionally with the FFN RMSNorm fused in;
     down: grid (H row blocks, T); each row group loops over the token's k experts and adds
@@ -22,7 +23,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda
+from numba import cuda, types
 
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .activation import device_silu_mul
@@ -47,6 +48,7 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
     is_down_unfused = isinstance(config, MmaConfig) and not is_hidden_f16
     down_loop = mainloop_device(fmt_down, config._replace(fused=False) if is_down_unfused else config)
     coords = acc_coords_device(config)
+    add_pairs = _add_pairs_device(config)
 
     @cuda.jit(device=True)
     def tile_slot(tile_expert, slot_of_expert, tile):  # the slot holding the tile's expert, -1: none
@@ -106,13 +108,44 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
         cuda.syncthreads()
         n0 = cuda.blockIdx.x * bn
         down_loop(hidden, x_rows, dq, ds, de, expert * dim + n0, expert * dim + dim, xs, ws, acc, tid)
-        for idx in range(acc_size):
-            m, n = coords(tid, idx)
-            n += n0
-            if m < rows and n < dim:
-                cuda.atomic.add(out, (pair_token[start + m], n), pair_weight[start + m] * acc[idx])
+        add_pairs(out, acc, pair_token, pair_weight, start, rows, n0, tid)
 
     return gate_up_kernel, down_kernel
+
+
+@functools.cache
+def _add_pairs_device(config):
+    """device(out, acc, pair_token, pair_weight, start, rows, n0, tid): out[pair_token[start + m], n0 + n] +=
+    pair_weight[start + m] * acc of every accumulator (m, n) of the thread inside the tile's rows and out's
+    columns. With tensor cores (mma fragments: entries 2i and 2i + 1 are columns n, n + 1 of one row, n even)
+    one vector reduction adds each pair; otherwise one atomic add an entry."""
+    coords, acc_size = acc_coords_device(config), config.acc_size
+    if not (isinstance(config, MmaConfig) and config.is_native):
+        @cuda.jit(device=True)
+        def add_each(out, acc, pair_token, pair_weight, start, rows, n0, tid):
+            for idx in range(acc_size):
+                m, n = coords(tid, idx)
+                n += n0
+                if m < rows and n < out.shape[1]:
+                    cuda.atomic.add(out, (pair_token[start + m], n), pair_weight[start + m] * acc[idx])
+
+        return add_each
+    from . import tensor_core
+
+    ffi = tensor_core.ffi()
+    add2 = tensor_core.declare("strata_red_add2", (tensor_core.FLOAT_PTR, types.float32, types.float32),
+                               "reduce.cu")
+
+    @cuda.jit(device=True)
+    def add_pairs(out, acc, pair_token, pair_weight, start, rows, n0, tid):
+        for idx in range(0, acc_size, 2):
+            m, n = coords(tid, idx)
+            n += n0
+            if m < rows and n < out.shape[1]:  # n even and the width even: n + 1 is inside too
+                w = pair_weight[start + m]
+                add2(ffi.from_buffer(out[pair_token[start + m], n:]), w * acc[idx], w * acc[idx + 1])
+
+    return add_pairs
 
 
 def _check_experts(gate, up, down, num_experts, dim):

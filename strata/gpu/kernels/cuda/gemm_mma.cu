@@ -29,21 +29,14 @@ __device__ __forceinline__ void ldmatrix_x2(unsigned& r0, unsigned& r1, const __
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(shared_address(p)));
 }
 
-template <int MI, int NJ, bool LDMATRIX>
-__device__ __forceinline__ void load_fragments(const __half* x, const __half* w, int ld, int kk, unsigned (&a)[MI][4],
-                                               unsigned (&b)[NJ][2]) {
+template <int MI, bool LDMATRIX>
+__device__ __forceinline__ void load_a_fragments(const __half* x, int ld, int kk, unsigned (&a)[MI][4]) {
   const int lane = threadIdx.x & 31;
   if (LDMATRIX) {
-    // A: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+    // matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
     const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_col = kk + 8 * (lane >> 4);
 #pragma unroll
     for (int i = 0; i < MI; ++i) ldmatrix_x4(a[i][0], a[i][1], a[i][2], a[i][3], x + (i * 16 + a_row) * ld + a_col);
-    // B (W rows are B's columns): matrices (rows j*8.., k 0-7), (j*8.., k 8-15), ((j+1)*8.., k 0-7), ((j+1)*8.., k 8-15)
-    const int b_row = (lane & 7) + 8 * (lane >> 4), b_col = kk + 8 * ((lane >> 3) & 1);
-#pragma unroll
-    for (int j = 0; j + 1 < NJ; j += 2)
-      ldmatrix_x4(b[j][0], b[j][1], b[j + 1][0], b[j + 1][1], w + (j * 8 + b_row) * ld + b_col);
-    if (NJ % 2) ldmatrix_x2(b[NJ - 1][0], b[NJ - 1][1], w + ((NJ - 1) * 8 + (lane & 7)) * ld + b_col);
   } else {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -54,6 +47,21 @@ __device__ __forceinline__ void load_fragments(const __half* x, const __half* w,
       a[i][2] = *reinterpret_cast<const unsigned*>(p + 8);
       a[i][3] = *reinterpret_cast<const unsigned*>(p + 8 * ld + 8);
     }
+  }
+}
+
+template <int NJ, bool LDMATRIX>
+__device__ __forceinline__ void load_b_fragments(const __half* w, int ld, int kk, unsigned (&b)[NJ][2]) {
+  const int lane = threadIdx.x & 31;
+  if (LDMATRIX) {
+    // W rows are B's columns: matrices (rows j*8.., k 0-7), (j*8.., k 8-15), ((j+1)*8.., k 0-7), ((j+1)*8.., k 8-15)
+    const int b_row = (lane & 7) + 8 * (lane >> 4), b_col = kk + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int j = 0; j + 1 < NJ; j += 2)
+      ldmatrix_x4(b[j][0], b[j][1], b[j + 1][0], b[j + 1][1], w + (j * 8 + b_row) * ld + b_col);
+    if (NJ % 2) ldmatrix_x2(b[NJ - 1][0], b[NJ - 1][1], w + ((NJ - 1) * 8 + (lane & 7)) * ld + b_col);
+  } else {
+    const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       const __half* p = w + (j * 8 + g) * ld + kk + 2 * t;
@@ -61,6 +69,13 @@ __device__ __forceinline__ void load_fragments(const __half* x, const __half* w,
       b[j][1] = *reinterpret_cast<const unsigned*>(p + 8);
     }
   }
+}
+
+template <int MI, int NJ, bool LDMATRIX>
+__device__ __forceinline__ void load_fragments(const __half* x, const __half* w, int ld, int kk, unsigned (&a)[MI][4],
+                                               unsigned (&b)[NJ][2]) {
+  load_a_fragments<MI, LDMATRIX>(x, ld, kk, a);
+  load_b_fragments<NJ, LDMATRIX>(w, ld, kk, b);
 }
 
 template <int MI, int NJ, int K, bool LDMATRIX>
@@ -293,8 +308,8 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
       for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int j = 0; j < NJ; ++j) mma_16816(ca[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
-      if constexpr (NUM_W == 2) {
-        load_fragments<MI, NJ, true>(xs + buf * BM * LD + x_off, wsb + buf * BN * LD + w_off, LD, kk, a, b);
+      if constexpr (NUM_W == 2) {  // this step's X fragments again, against the second weight's
+        load_b_fragments<NJ, true>(wsb + buf * BN * LD + w_off, LD, kk, b);
 #pragma unroll
         for (int i = 0; i < MI; ++i)
 #pragma unroll

@@ -1,0 +1,14 @@
+// Vector reductions into global memory, for epilogues that add into a shared output (moe.py's down
+// product). A source of its own: a kernel links each source once, and the GEMM sources are linked
+// with their own instantiations.
+
+// dst[0] += a, dst[1] += b in one vector reduction (sm_90; dst 8-byte aligned): the MoE down
+// epilogue adds each accumulator pair (adjacent columns of one row) with half the atomics.
+extern "C" __device__ void strata_red_add2(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
