@@ -248,7 +248,7 @@ class DecodeStep:
         runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
         self._attention_segment(0).replay()
         for layer in range(spec.num_layers):
-            _, ids, _, predicted = self._attention[layer].outputs
+            _, ids, _, predicted = self._attention_segment(layer).outputs
             # [1, k] each, read at once after the segment and before anything queued makes the
             # default stream wait for copies
             host_ids, host_predicted = _waited(stats, self._readback.now, ids, predicted)

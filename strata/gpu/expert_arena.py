@@ -159,8 +159,11 @@ class PlaneArena:
         num_copies = len(slots) * len(self.planes)
         if len(self._dma_sizes) < num_copies:
             self._dma_sizes = np.tile(self._plane_bytes, 2 * len(slots))
+        slot_ids = np.asarray(slots, dtype=np.intp)  # [n]
+        if slot_ids.min() < 0:  # an index from the end would name another slot
+            raise ValueError(f"expert slots must be non-negative, got {slots}")
         sources = np.array([h.ctypes.data for h in host_slots], dtype=np.uint64)  # [n]
-        destinations = self._slot_addresses[slots].ravel()  # [n*P]
+        destinations = self._slot_addresses[slot_ids].ravel()  # [n*P]
         sources = (sources[:, None] + self._plane_offsets[None, :]).ravel()  # [n*P]
         self.copier.copy(destinations, sources, self._dma_sizes[:num_copies], stream)
 
@@ -210,8 +213,9 @@ class HostToDeviceCopier:
 
 class CopyStream:
     """A stream for expert copies that does not synchronize with the legacy default stream (where
-    the kernels run), and events that order the two: copies after the kernels enqueued before them,
-    and later kernels after the copies they read (``wait``). The host never waits."""
+    the kernels run), and events that order the two: copies after the kernels enqueued before them
+    (unless staged with ``is_after_compute=False``), and later kernels after the copies they read
+    (``wait``). The host never waits."""
 
     def __init__(self):
         from strata.gpu import driver_calls

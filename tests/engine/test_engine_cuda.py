@@ -110,12 +110,18 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path,
     events = []  # ("staged" | "routed", layer, experts) in the order the decode step saw them
     prefetch, decode_slots = captured.runner.prefetch, captured.runner.decode_slots
 
+    staging_options = []  # what each decode staging (no prompt workspace) was told about waiting for the kernels
+
     def spied_prefetch(layer, ids, in_use, stats, **kwargs):
+        if captured.workspace.geometry is None:
+            staging_options.append(kwargs)
         ticket, experts = prefetch(layer, ids, in_use, stats, **kwargs)
         events.append(("staged", layer, set(experts)))
         return ticket, experts
 
     def spied_decode_slots(layer, ids, stats, **kwargs):
+        if captured.workspace.geometry is None:
+            staging_options.append(kwargs)
         events.append(("routed", layer, set(ids.ravel().tolist())))
         return decode_slots(layer, ids, stats, **kwargs)
 
@@ -125,6 +131,8 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path,
     tokens, stats = greedy(captured, prompt, num_generated)
     assert tokens == expected == reference_greedy(tiny_path, prompt, num_generated)
     assert stats.cache_misses > 0 and stats.prefetched_experts > 0
+    # each follows a readback, so none waits for the kernels (the prefill's stagings do)
+    assert staging_options and all(o == {"is_after_compute": False} for o in staging_options)
     assert 0 < stats.decode_wait_seconds < stats.decode_seconds  # blocked on each layer's routing
     # a staged expert counts as used when the next routing of its layer picks it
     pending, num_used = {}, 0

@@ -201,9 +201,10 @@ def test_native_fused_gemm_float16_activations(fmt, config):  # X read by cp.asy
 @pytest.mark.parametrize("fmts", [("Q4_K", "Q4_0", "Q6_K"), ("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0"),
                                   ("Q8_0", "Q8_0", "Q4_0")])
 def test_native_moe_prefill_options(config, fmts):  # the fused loop runs where gate and up share a fused format
-    num_tokens, num_experts, top_k, dim, ffn = 300, 8, 2, 256, 288  # K-quant rows hold whole 256-element blocks
-    if fmts[0] == "Q4_K":
-        ffn = 256
+    # K-quant rows hold whole 256-element blocks; otherwise both K are odd multiples of 32 (a zero-filled
+    # half step of 64-wide steps, in gate/up's two-weight loop and in down's)
+    num_tokens, num_experts, top_k = 300, 8, 2
+    dim, ffn = (256, 256) if fmts[0] == "Q4_K" else (288, 288)
     rng = np.random.default_rng(171)
     gate, gate_v = random_matrix(fmts[0], num_experts * ffn, dim, 172)
     up, up_v = random_matrix(fmts[1], num_experts * ffn, dim, 173)

@@ -211,10 +211,11 @@ def default_config(*fmts: str):
 
     On the H200 (MoE prefill at 2,048 / 8,192 routed tokens, dense 4096 x 4096 x 2048, TFLOP/s):
     the fused C++ K loop on 128 x 64 tiles, Q4_0 69 / 114 / 67, Q4_1 57 / 102 / 46, Q4_K 67 / 101 / 68,
-    Q6_K 50 / 89 / 41 (Q4_0 75 / 122-125 / 67-71 since the MoE epilogue's vector reductions and the
-    gate/up loop's shared X fragments; 64-wide K steps 64 / 103 / 73); the Numba loop's best, 128 x 128 tiles with W prefetch, ldmatrix fragments and
-    16-byte shared stores, Q4_0 48 / 62 / 45, Q4_1 37 / 50 / 48, Q4_K 35 / 49 / 34, Q6_K 31 / 43 / 40,
-    which F16 and F32 weights keep."""
+    Q6_K 50 / 89 / 41. Later, Q4_0 75 / 122-125 / 67-71 with the MoE epilogue's vector reductions
+    and the gate/up loop's shared X fragments; its 64-wide K steps 64 / 103 / 73. The Numba loop's
+    best, 128 x 128 tiles with W prefetch, ldmatrix fragments and 16-byte shared stores, Q4_0
+    48 / 62 / 45, Q4_1 37 / 50 / 48, Q4_K 35 / 49 / 34, Q6_K 31 / 43 / 40, which F16 and F32 weights
+    keep."""
     if not tensor_core.is_available():
         return GemmConfig()
     if all(fmt in FUSED_FORMATS for fmt in fmts) and len(set(fmts[:2])) <= 1:

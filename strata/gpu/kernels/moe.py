@@ -48,7 +48,7 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
     is_down_unfused = isinstance(config, MmaConfig) and not is_hidden_f16
     down_loop = mainloop_device(fmt_down, config._replace(fused=False) if is_down_unfused else config)
     coords = acc_coords_device(config)
-    add_pairs = _add_pairs_device(config)
+    add_weighted = _add_weighted_device(config)
 
     @cuda.jit(device=True)
     def tile_slot(tile_expert, slot_of_expert, tile):  # the slot holding the tile's expert, -1: none
@@ -108,13 +108,13 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
         cuda.syncthreads()
         n0 = cuda.blockIdx.x * bn
         down_loop(hidden, x_rows, dq, ds, de, expert * dim + n0, expert * dim + dim, xs, ws, acc, tid)
-        add_pairs(out, acc, pair_token, pair_weight, start, rows, n0, tid)
+        add_weighted(out, acc, pair_token, pair_weight, start, rows, n0, tid)
 
     return gate_up_kernel, down_kernel
 
 
 @functools.cache
-def _add_pairs_device(config):
+def _add_weighted_device(config):
     """device(out, acc, pair_token, pair_weight, start, rows, n0, tid): out[pair_token[start + m], n0 + n] +=
     pair_weight[start + m] * acc of every accumulator (m, n) of the thread inside the tile's rows and out's
     columns. With tensor cores (mma fragments: entries 2i and 2i + 1 are columns n, n + 1 of one row, n even)

@@ -308,7 +308,7 @@ __device__ __forceinline__ void gemm_fused(const __half* x, int x_pitch, const i
       for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int j = 0; j < NJ; ++j) mma_16816(ca[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
-      if constexpr (NUM_W == 2) {  // this step's X fragments again, against the second weight's
+      if constexpr (NUM_W == 2) {  // the same X fragments (a), against the second weight's B fragments
         load_b_fragments<NJ, true>(wsb + buf * BN * LD + w_off, LD, kk, b);
 #pragma unroll
         for (int i = 0; i < MI; ++i)
