@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from strata.bench.provenance import code_identity
 from strata.config import Config
 
 PCIE_BYTES_PER_S = 55e9  # pinned host-to-device, measured on the reference H200
@@ -41,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, config: Config) -> int:
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
     arms = [a.strip() for a in args.arms.split(",")]
+    code = code_identity()
+    print(f"# {code}", file=sys.stderr, flush=True)
     runs = []
     for length in lengths:
         # arms interleaved per repetition: the first process after the GPU has idled runs slower
@@ -54,6 +57,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
                 result = _one(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile)
                 runs.append(result)
                 print(f"[{arm} {length} #{rep + 1}] {result['timing_line']}", file=sys.stderr, flush=True)
+                if result.get("code", code) != code:  # the run imported another tree than this process
+                    print(f"[{arm} {length} #{rep + 1}] ran {result['code']}", file=sys.stderr, flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(runs, indent=1))
     print(format_table(runs))

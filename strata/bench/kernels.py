@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 from numba import cuda
 
+from strata.bench.provenance import code_identity
 from strata.gpu.graphs import capture_graph
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
@@ -345,7 +346,7 @@ def main(argv=None) -> list:
     else:
         name = cuda.get_current_device().name
         device = name.decode() if isinstance(name, bytes) else str(name)
-    print(f"# strata kernel benchmarks on {device}; median of {repeats} after {warmup} warm-up")
+    print(f"# strata kernel benchmarks on {device}; median of {repeats} after {warmup} warm-up; {code_identity()}")
     rows = run(*configs, (warmup, repeats))
     print(format_table(rows))
     return rows

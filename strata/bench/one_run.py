@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from strata.bench.provenance import code_identity
 from strata.config import load_config
 
 
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
         "expert_bytes": engine.pack.num_bytes if engine.pack else 0,
         "active_params": _active_params(engine.spec),
         "attention_width": engine.spec.q_size * engine.spec.num_layers,
-        "timing_line": stats.timing_line(),
+        "timing_line": stats.timing_line(), "code": code_identity(),
     }
     print("STRATA-BENCH " + json.dumps(result), flush=True)
     engine.close()

@@ -154,6 +154,7 @@ def gemv_sweep(timing) -> None:
 
 
 def main(argv=None) -> int:
+    from strata.bench.provenance import code_identity
     from strata.gpu.kernels import tensor_core
 
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
@@ -168,6 +169,7 @@ def main(argv=None) -> int:
     if not tensor_core.is_available():
         raise SystemExit("the variant sweeps need a GPU with tensor cores (compute capability 8.0+) and cffi")
     timing = (2, args.repeats)
+    print(f"# {code_identity()}", flush=True)
     sweeps = {"gemm": gemm_sweep, "attention": attention_sweep, "gemv": gemv_sweep}
     for name, sweep in sweeps.items():
         if args.only in (None, name):

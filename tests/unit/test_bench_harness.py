@@ -8,6 +8,7 @@ import sys
 from engine_setup import LOAN_RUNTIME, write_small_moe
 
 from strata.bench.harness import decode_floor_seconds, format_table, prefill_floor_seconds
+from strata.bench.provenance import code_identity
 
 
 def _config(tmp_path, model):
@@ -32,6 +33,10 @@ def test_bench_runs_both_arms_in_fresh_processes_and_prints_the_table(tmp_path):
     runs = json.loads(out.read_text())
     assert [(r["loan"], r["prompt_tokens"], r["generated_tokens"]) for r in runs] == [("off", 40, 3), ("on", 40, 3)]
     assert all(r["prefill_tokens_per_s"] > 0 and r["num_chunks"] == 2 for r in runs)
+    # each run names the code it imported, the same as the harness's first line names
+    code = code_identity()
+    assert all(r["code"] == code for r in runs) and f"# {code}\n" in done.stderr
+    assert " ran strata" not in done.stderr
     assert "| 40 | off |" in done.stdout and "| 40 | on |" in done.stdout
     for name in ("off-40-1.prof", "on-40-1.prof"):
         assert pstats.Stats(str(profiles / name)).total_calls > 0
