@@ -3,7 +3,8 @@
 Rows: decode GEMVs per format and path (the linked C++ rows and the Numba kernel: GB/s against the
 measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them)
 and one token's routed experts, the prefill expert
-products for chunks of 512 / 2,048 / 8,192 tokens routed top-8 (TFLOP/s), causal attention
+products for chunks of 512 / 2,048 / 8,192 tokens routed top-8 (TFLOP/s, and gate/up and down each
+timed alone), causal attention
 prefill at 4k / 32k (TFLOP/s), decode attention at positions 2k / 8k / 32k of the benchmark
 configs' 34,816-cell cache as the captured decode step launches it (GB/s of KV read, graph-timed),
 one resident decode layer and a whole decode token (48 layers, head, sampling) as plain launches,
@@ -36,7 +37,7 @@ from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.gemv_native import LAYER_CONFIG, head_config
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
-from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
+from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill, moe_prefill_launches
 from strata.gpu.kernels.moe_route import moe_group, moe_route
 from strata.gpu.kernels.packing import PackedMatrix, plane_shapes
 from strata.gpu.kernels.rope import head_norm_rope
@@ -197,10 +198,16 @@ def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing) -> list:
     groups = moe_group(ids, weights, s.num_experts, cfg.block_m, **_aux(s))
     ms = median_ms(lambda: moe_experts_prefill(x, groups, *experts, out, num_experts=s.num_experts, hidden=hidden,
                                                config=cfg), *timing)
+    # each launch apart: gate and up are 2 of the 3 products, down the third
+    gate_up, down = moe_prefill_launches(x, groups, *experts, out, num_experts=s.num_experts, hidden=hidden, config=cfg)
+    gate_up_ms, down_ms = median_ms(gate_up, *timing), median_ms(down, *timing)
     flops = 2.0 * num_pairs * 3 * s.ffn * s.hidden
     path = "tensor cores" if isinstance(cfg, MmaConfig) and cfg.is_native else "FFMA" if isinstance(cfg, GemmConfig) else "mma twin"
     return [Row(f"prefill experts {experts[0].fmt} ({path}), {num_tokens} tokens x top-{s.top_k}", flops / ms / 1e9, "TFLOP/s",
                 TARGET_GEMM_FLOPS / 1e12, 1.0),
+            Row(f"  gate and up alone ({gate_up_ms * 1e3:.0f} us)", flops * 2 / 3 / gate_up_ms / 1e9, "TFLOP/s", None,
+                None),
+            Row(f"  down alone ({down_ms * 1e3:.0f} us)", flops / 3 / down_ms / 1e9, "TFLOP/s", None, None),
             Row(f"  grouping of {num_pairs} pairs (3 launches)", group_ms * 1e3, "us", None, None)]
 
 

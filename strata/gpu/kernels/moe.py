@@ -164,9 +164,12 @@ def _check_experts(gate, up, down, num_experts, dim):
     return ffn
 
 
-def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
-                        num_experts: int, hidden=None, hidden_dtype=None, config=None, slot_of_expert=None):
-    """out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
+def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
+                         num_experts: int, hidden=None, hidden_dtype=None, config=None, slot_of_expert=None):
+    """``moe_experts_prefill``'s two launches, checked and bound: (gate_up, down), each launching when
+    called; down reads the hidden scratch that gate_up writes. Benchmarks time them apart.
+
+    out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
 
     groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
     scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16 under an MmaConfig,
@@ -201,10 +204,28 @@ def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatr
     gate_up_kernel, down_kernel = _prefill_kernels(gate.fmt, up.fmt, down.fmt, config, is_mapped,
                                                    hidden.dtype == np.float16)
     tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
-    launch(gate_up_kernel, (ceil_div(ffn, config.block_n), groups.max_tiles), config.threads, dynamic_bytes(config, 2),
-           x, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, groups.pair_token, *tiles, hidden)
-    launch(down_kernel, (ceil_div(dim, config.block_n), groups.max_tiles), config.threads, dynamic_bytes(config, 1),
-           hidden, down.quants, down.scales, down.extra, groups.pair_token, groups.pair_weight, *tiles, out)
+
+    def launch_gate_up():
+        launch(gate_up_kernel, (ceil_div(ffn, config.block_n), groups.max_tiles), config.threads,
+               dynamic_bytes(config, 2), x, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra,
+               groups.pair_token, *tiles, hidden)
+
+    def launch_down():
+        launch(down_kernel, (ceil_div(dim, config.block_n), groups.max_tiles), config.threads,
+               dynamic_bytes(config, 1), hidden, down.quants, down.scales, down.extra, groups.pair_token,
+               groups.pair_weight, *tiles, out)
+
+    return launch_gate_up, launch_down
+
+
+def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
+                        num_experts: int, hidden=None, hidden_dtype=None, config=None, slot_of_expert=None):
+    """out [T, H] float32 += the routed experts of every token: ``moe_prefill_launches``' two launches."""
+    gate_up, down_launch = moe_prefill_launches(x, groups, gate, up, down, out, num_experts=num_experts, hidden=hidden,
+                                                hidden_dtype=hidden_dtype, config=config,
+                                                slot_of_expert=slot_of_expert)
+    gate_up()
+    down_launch()
     return out
 
 
