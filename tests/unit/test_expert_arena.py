@@ -67,3 +67,13 @@ def test_stage_many_writes_the_bytes_stage_writes(monkeypatch):
     assert copies == [len(slots) * len(batched.planes) for slots in batches]  # one call a batch
     for plane_batched, plane_single in zip(batched._ranges, one_by_one._ranges):
         assert np.array_equal(plane_batched.host, plane_single.array.copy_to_host())
+
+
+def test_stage_many_refuses_a_negative_slot_and_copies_nothing(monkeypatch):
+    copies = []
+    monkeypatch.setattr(expert_arena.HostToDeviceCopier, "copy", lambda self, *args, **kwargs: copies.append(args))
+    arena, layout = _arena(AddressedRange)
+    host = np.zeros(layout.slot_bytes, dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"expert slots must be non-negative, got \[2, -1\]"):
+        arena.stage_many([2, -1], [host, host])  # -1 would index the table from its end: the last slot
+    assert copies == []
