@@ -187,7 +187,9 @@ def make_experts(s: Shapes, fmt: str, rng) -> tuple:
             random_packed(fmt, s.num_experts * s.hidden, s.ffn, rng))
 
 
-def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing) -> list:
+def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg=None) -> list:
+    """The whole prefill expert products, then each launch alone, then the grouping; down_cfg: the
+    down launch's own tiles (moe_prefill_launches' down_config)."""
     rng = np.random.default_rng(2)
     num_pairs = num_tokens * s.top_k
     x = device_randn((num_tokens, s.hidden), rng)
@@ -197,9 +199,10 @@ def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing) -> list:
     group_ms = median_ms(lambda: moe_group(ids, weights, s.num_experts, cfg.block_m, **_aux(s)), *timing)
     groups = moe_group(ids, weights, s.num_experts, cfg.block_m, **_aux(s))
     ms = median_ms(lambda: moe_experts_prefill(x, groups, *experts, out, num_experts=s.num_experts, hidden=hidden,
-                                               config=cfg), *timing)
+                                               config=cfg, down_config=down_cfg), *timing)
     # each launch apart: gate and up are 2 of the 3 products, down the third
-    gate_up, down = moe_prefill_launches(x, groups, *experts, out, num_experts=s.num_experts, hidden=hidden, config=cfg)
+    gate_up, down = moe_prefill_launches(x, groups, *experts, out, num_experts=s.num_experts, hidden=hidden, config=cfg,
+                                         down_config=down_cfg)
     gate_up_ms, down_ms = median_ms(gate_up, *timing), median_ms(down, *timing)
     flops = 2.0 * num_pairs * 3 * s.ffn * s.hidden
     path = "tensor cores" if isinstance(cfg, MmaConfig) and cfg.is_native else "FFMA" if isinstance(cfg, GemmConfig) else "mma twin"

@@ -1,9 +1,9 @@
-"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|attention|gemv]``.
+"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe-down|attention|gemv]``.
 
 The sweeps behind the defaults of ``gemm.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/PERFORMANCE.md): every MmaConfig main-loop variant on the MoE prefill
 products (2,048 and 8,192 routed tokens; Q4_0, or --weight-format) and a dense 4096 x 4096 x 2048
-GEMM, and every MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
+GEMM; the MoE down launch on tiles of its own; every MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
 block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
 largest difference from a reference output, so a fast but wrong variant shows. Needs a GPU with
 tensor cores.
@@ -40,6 +40,18 @@ GEMM_VARIANTS = MappingProxyType({
 })
 
 
+# MoE prefill with the down launch on tiles of its own: (gate/up config, down config) overrides of the default
+MOE_DOWN_VARIANTS = MappingProxyType({
+    "down 128x64 fused (default)": {},
+    "down 128x64 fused step_k 64": {"step_k": 64},
+    "down 128x128 4x2 fused": {"block_n": 128},
+    "down 128x128 2x4 fused": {"block_n": 128, "warps_m": 2, "warps_n": 4},
+    "down 128x128 4x4 fused": {"block_n": 128, "warps_n": 4},
+    "down 128x128 4x2 fused step_k 64": {"block_n": 128, "step_k": 64},
+    "down 128x32 4x1 fused": {"block_n": 32, "warps_n": 1},
+})
+
+
 def _attempt(fn) -> str:
     try:
         return fn()
@@ -65,6 +77,26 @@ def gemm_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
         diff = np.max(np.abs(y - y_first)) / np.max(np.abs(y_first))
         print(f"{name:36s} MoE 2,048 {moe[0]}  8,192 {moe[1]}  dense {2 * 4096 * 4096 * s.hidden / ms / 1e9:6.1f} "
               f"TFLOP/s  max rel diff {diff:.1e}", flush=True)
+
+
+def moe_down_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
+    """The MoE prefill's down launch on tiles of its own (the gate/up launch keeps the default), at
+    2,048 and 8,192 routed tokens: the whole, and each launch alone, in TFLOP/s."""
+    from strata.bench import kernels as b
+    from strata.gpu.kernels.gemm import default_config
+
+    s, rng = b.QWEN3_30B, np.random.default_rng(0)
+    experts = b.make_experts(s, fmt, rng)
+    config = default_config(fmt, fmt, fmt)
+    for name in [name for name in MOE_DOWN_VARIANTS if match in name]:
+        down_config = config._replace(**MOE_DOWN_VARIANTS[name])
+
+        def figures(n, down_config=down_config):
+            whole, gate_up, down = b.bench_moe_prefill(s, experts, n, config, timing, down_config)[:3]
+            return f"{whole.figure:6.1f} (gate/up {gate_up.figure:6.1f}, down {down.figure:6.1f})"
+
+        print(f"{name:36s} MoE 2,048 {_attempt(lambda: figures(2048))}  8,192 {_attempt(lambda: figures(8192))} "
+              "TFLOP/s", flush=True)
 
 
 def attention_sweep(timing) -> None:
@@ -158,22 +190,23 @@ def main(argv=None) -> int:
     from strata.gpu.kernels import tensor_core
 
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("gemm", "attention", "gemv"), help="run one sweep")
+    parser.add_argument("--only", choices=("gemm", "moe-down", "attention", "gemv"), help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--match", default="", help="only the GEMM variants whose name contains this text")
     parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
                         help="the GEMM sweep's weights (default Q4_0)")
     args = parser.parse_args(argv)
-    if not any(args.match in name for name in GEMM_VARIANTS):
-        parser.error(f"--match {args.match!r} names no GEMM variant; the variants: {', '.join(GEMM_VARIANTS)}")
+    named = {**GEMM_VARIANTS, **MOE_DOWN_VARIANTS}
+    if not any(args.match in name for name in named):
+        parser.error(f"--match {args.match!r} names no GEMM or MoE down variant; the variants: {', '.join(named)}")
     if not tensor_core.is_available():
         raise SystemExit("the variant sweeps need a GPU with tensor cores (compute capability 8.0+) and cffi")
     timing = (2, args.repeats)
     print(f"# {code_identity()}", flush=True)
-    sweeps = {"gemm": gemm_sweep, "attention": attention_sweep, "gemv": gemv_sweep}
+    sweeps = {"gemm": gemm_sweep, "moe-down": moe_down_sweep, "attention": attention_sweep, "gemv": gemv_sweep}
     for name, sweep in sweeps.items():
         if args.only in (None, name):
-            if name == "gemm":
+            if name in ("gemm", "moe-down"):
                 sweep(timing, args.match, args.weight_format)
             else:
                 sweep(timing)

@@ -201,6 +201,19 @@ def test_native_fused_gemm_float16_activations(fmt, config):  # X read by cp.asy
 @pytest.mark.parametrize("fmts", [("Q4_K", "Q4_0", "Q6_K"), ("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0"),
                                   ("Q8_0", "Q8_0", "Q4_0")])
 def test_native_moe_prefill_options(config, fmts):  # the fused loop runs where gate and up share a fused format
+    _check_native_moe_prefill(config, fmts)
+
+
+@needs_tensor_cores
+@pytest.mark.parametrize("down_tiles", [dict(block_n=128), dict(block_n=128, warps_m=2, warps_n=4),
+                                        dict(block_n=32, warps_n=1), dict(step_k=64)],
+                         ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("fmts", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0")])
+def test_native_moe_prefill_down_tiles_of_its_own(down_tiles, fmts):
+    _check_native_moe_prefill(FUSED_CONFIGS[0], fmts, FUSED_CONFIGS[0]._replace(**down_tiles))
+
+
+def _check_native_moe_prefill(config, fmts, down_config=None):
     # K-quant rows hold whole 256-element blocks; otherwise both K are odd multiples of 32 (a zero-filled
     # half step of 64-wide steps, in gate/up's two-weight loop and in down's)
     num_tokens, num_experts, top_k = 300, 8, 2
@@ -220,7 +233,7 @@ def test_native_moe_prefill_options(config, fmts):  # the fused loop runs where 
     for hidden_dtype in (None, np.float32):  # float32 hidden: down runs the Numba loop under a fused config
         out = dev(np.zeros((num_tokens, dim), np.float32))
         moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, config=config,
-                            hidden_dtype=hidden_dtype)
+                            down_config=down_config, hidden_dtype=hidden_dtype)
         assert_close_to_scale(host(out), expected, 5e-3)
 
 

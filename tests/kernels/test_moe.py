@@ -80,6 +80,24 @@ def test_experts_reject_inconsistent_stacks():
     groups = moe_group(ids, weights, 2, 16)
     with pytest.raises(ValueError, match="tiled by 16 pairs"):
         moe_experts_prefill(x, groups, gate, up, down, out, num_experts=2, config=GEMM_TINY)
+    groups = moe_group(ids, weights, 2, GEMM_TINY.block_m)
+    with pytest.raises(ValueError, match=r"8 \(config\) and 16 \(down_config\) rows"):
+        moe_experts_prefill(x, groups, gate, up, down, out, num_experts=2, config=GEMM_TINY,
+                            down_config=GEMM_TINY._replace(block_m=16))
+
+
+def test_prefill_down_launch_on_tiles_of_its_own():
+    # the down launch's tiles 8 x 32 (one block covers the whole hidden width), gate/up's 8 x 8
+    (gate, up, down), values = _experts(("Q4_0", "Q4_0", "Q8_0"), 3, 32, 64, seed=98)
+    rng = np.random.default_rng(99)
+    x = rng.standard_normal((6, 32)).astype(np.float32)
+    ids, weights = reference_ops.route(rng.standard_normal((6, 3)), 2)
+    ids, weights = ids.astype(np.int32), weights.astype(np.float32)
+    groups = moe_group(dev(ids), dev(weights), 3, GEMM_TINY.block_m, threads=8)
+    out = dev(np.zeros((6, 32), np.float32))
+    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=3, config=GEMM_TINY,
+                        down_config=GemmConfig(block_m=8, block_n=32, thread_m=2, thread_n=4))
+    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 2e-6)
 
 
 def test_prefill_one_grouping_serves_launches_over_slot_tables():

@@ -26,7 +26,7 @@ class _Tiles(NamedTuple):
 @pytest.fixture
 def dynamic_only(monkeypatch):
     """Every tile dynamic; kernels built under it are dropped before and after."""
-    caches = (shared_tiles.tiles_device, moe._prefill_kernels, gemm._gemm_kernel)
+    caches = (shared_tiles.tiles_device, moe._gate_up_kernel, moe._down_kernel, gemm._gemm_kernel)
     for cache in caches:
         cache.cache_clear()
     monkeypatch.setattr(shared_tiles, "MAX_STATIC_SHARED_BYTES", 0)

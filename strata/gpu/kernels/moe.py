@@ -38,22 +38,25 @@ from .shared_tiles import dynamic_bytes, launch, tiles_device
 
 
 @functools.cache
-def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mapped: bool, is_hidden_f16: bool):
+def _tile_slot_device(is_mapped: bool):
     """is_mapped: tiles name expert ids and slot_of_expert [N] maps them to slots (-1: skip the tile);
-    otherwise tiles name slots already (slot_of_expert unused). is_hidden_f16: the hidden scratch is
-    float16, so the down product may run the fused loop (which reads float16 X only)."""
-    bm, bn, acc_size = config.block_m, config.block_n, config.acc_size
-    gate_up_tiles, down_tiles = tiles_device(config, 2), tiles_device(config, 1)
-    gate_up_loop = dual_mainloop_device(fmt_gate, fmt_up, config)
-    is_down_unfused = isinstance(config, MmaConfig) and not is_hidden_f16
-    down_loop = mainloop_device(fmt_down, config._replace(fused=False) if is_down_unfused else config)
-    coords = acc_coords_device(config)
-    add_weighted = _add_weighted_device(config)
-
+    otherwise tiles name slots already (slot_of_expert unused)."""
     @cuda.jit(device=True)
     def tile_slot(tile_expert, slot_of_expert, tile):  # the slot holding the tile's expert, -1: none
         expert = tile_expert[tile]
         return slot_of_expert[expert] if is_mapped else expert
+
+    return tile_slot
+
+
+@functools.cache
+def _gate_up_kernel(fmt_gate: str, fmt_up: str, config, is_mapped: bool):
+    """is_mapped as for _tile_slot_device."""
+    bm, bn, acc_size = config.block_m, config.block_n, config.acc_size
+    tiles = tiles_device(config, 2)
+    loop = dual_mainloop_device(fmt_gate, fmt_up, config)
+    coords = acc_coords_device(config)
+    tile_slot = _tile_slot_device(is_mapped)
 
     @cuda.jit(**jit_options(config))
     def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles,
@@ -68,7 +71,7 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
         ffn = hidden.shape[1]
         start, rows = tile_start[tile], tile_rows[tile]
         x_rows = cuda.shared.array(bm, np.int32)
-        xs, ws_g, ws_u = gate_up_tiles()
+        xs, ws_g, ws_u = tiles()
         if tid < bm:
             x_rows[tid] = pair_token[start + tid] if tid < rows else -1
         acc_g = cuda.local.array(acc_size, np.float32)
@@ -78,13 +81,27 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
             acc_u[i] = np.float32(0.0)
         cuda.syncthreads()
         n0 = cuda.blockIdx.x * bn
-        gate_up_loop(x, x_rows, gq, gs, ge, uq, us, ue, expert * ffn + n0, expert * ffn + ffn, xs, ws_g, ws_u,
-                     acc_g, acc_u, tid)
+        loop(x, x_rows, gq, gs, ge, uq, us, ue, expert * ffn + n0, expert * ffn + ffn, xs, ws_g, ws_u, acc_g, acc_u,
+             tid)
         for idx in range(acc_size):
             m, n = coords(tid, idx)
             n += n0
             if m < rows and n < ffn:
                 hidden[start + m, n] = device_silu_mul(acc_g[idx], acc_u[idx])
+
+    return gate_up_kernel
+
+
+@functools.cache
+def _down_kernel(fmt_down: str, config, is_mapped: bool, is_hidden_f16: bool):
+    """is_mapped as for _tile_slot_device. is_hidden_f16: the hidden scratch is float16, so the down
+    product may run the fused loop (which reads float16 X only)."""
+    bm, bn, acc_size = config.block_m, config.block_n, config.acc_size
+    tiles = tiles_device(config, 1)
+    is_unfused = isinstance(config, MmaConfig) and not is_hidden_f16
+    loop = mainloop_device(fmt_down, config._replace(fused=False) if is_unfused else config)
+    add_weighted = _add_weighted_device(config)
+    tile_slot = _tile_slot_device(is_mapped)
 
     @cuda.jit(**jit_options(config))
     def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
@@ -99,7 +116,7 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
         dim = out.shape[1]
         start, rows = tile_start[tile], tile_rows[tile]
         x_rows = cuda.shared.array(bm, np.int32)
-        xs, ws = down_tiles()
+        xs, ws = tiles()
         if tid < bm:
             x_rows[tid] = start + tid if tid < rows else -1
         acc = cuda.local.array(acc_size, np.float32)
@@ -107,10 +124,10 @@ def _prefill_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config, is_mappe
             acc[i] = np.float32(0.0)
         cuda.syncthreads()
         n0 = cuda.blockIdx.x * bn
-        down_loop(hidden, x_rows, dq, ds, de, expert * dim + n0, expert * dim + dim, xs, ws, acc, tid)
+        loop(hidden, x_rows, dq, ds, de, expert * dim + n0, expert * dim + dim, xs, ws, acc, tid)
         add_weighted(out, acc, pair_token, pair_weight, start, rows, n0, tid)
 
-    return gate_up_kernel, down_kernel
+    return down_kernel
 
 
 @functools.cache
@@ -165,7 +182,8 @@ def _check_experts(gate, up, down, num_experts, dim):
 
 
 def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
-                         num_experts: int, hidden=None, hidden_dtype=None, config=None, slot_of_expert=None):
+                         num_experts: int, hidden=None, hidden_dtype=None, config=None, down_config=None,
+                         slot_of_expert=None):
     """``moe_experts_prefill``'s two launches, checked and bound: (gate_up, down), each launching when
     called; down reads the hidden scratch that gate_up writes. Benchmarks time them apart.
 
@@ -174,22 +192,25 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
     scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16 under an MmaConfig,
     whose loops stage it as float16 anyway, else float32). config: GemmConfig (FFMA) or
-    MmaConfig (tensor cores); default gemm.default_config(<the three formats>).
+    MmaConfig (tensor cores); default gemm.default_config(<the three formats>). down_config: the
+    down launch's tiles where they differ (the same block_m: one grouping serves both); default config.
     slot_of_expert: optional [N] int32, when the groups name expert ids: tile t computes expert e
     with the weights of slot slot_of_expert[e], and is skipped where that is -1 (one grouping serves
     several launches, each with the slots of the experts it has staged).
 
-    Launch config: two launches with gemm's block (config.threads threads): gate_up grid
-    (ceil(F / block_n), max_tiles), down grid (ceil(H / block_n), max_tiles); blocks of tiles
-    beyond num_tiles exit at once.
+    Launch config: two launches of gemm's blocks: gate_up grid (ceil(F / config.block_n), max_tiles)
+    of config.threads, down grid (ceil(H / down_config.block_n), max_tiles) of down_config.threads;
+    blocks of tiles beyond num_tiles exit at once.
     """
     config = (config or default_config(gate.fmt, up.fmt, down.fmt)).validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens, dim = x.shape
     ffn = _check_experts(gate, up, down, num_experts, dim)
     check_array("out", out, dtypes=np.float32, shape=(num_tokens, dim))
-    if groups.block_m != config.block_m:
-        raise ValueError(f"groups were tiled by {groups.block_m} pairs but the GEMM tile is {config.block_m}")
+    down_config = down_config.validate() if down_config is not None else config
+    if groups.block_m != config.block_m or down_config.block_m != config.block_m:
+        raise ValueError(f"groups were tiled by {groups.block_m} pairs but the GEMM tiles are {config.block_m} "
+                         f"(config) and {down_config.block_m} (down_config) rows; group by the tiles' block_m")
     num_pairs = groups.pair_token.shape[0]
     if hidden is None:
         if hidden_dtype is None:
@@ -201,8 +222,8 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
         check_array("slot_of_expert", slot_of_expert, dtypes=np.int32, ndim=1)
     table = slot_of_expert if is_mapped else stand_in(groups.tile_expert, np.int32, 1)
     x = staged_input(x, config, gate.fmt, up.fmt)
-    gate_up_kernel, down_kernel = _prefill_kernels(gate.fmt, up.fmt, down.fmt, config, is_mapped,
-                                                   hidden.dtype == np.float16)
+    gate_up_kernel = _gate_up_kernel(gate.fmt, up.fmt, config, is_mapped)
+    down_kernel = _down_kernel(down.fmt, down_config, is_mapped, hidden.dtype == np.float16)
     tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
 
     def launch_gate_up():
@@ -211,18 +232,19 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
                groups.pair_token, *tiles, hidden)
 
     def launch_down():
-        launch(down_kernel, (ceil_div(dim, config.block_n), groups.max_tiles), config.threads,
-               dynamic_bytes(config, 1), hidden, down.quants, down.scales, down.extra, groups.pair_token,
+        launch(down_kernel, (ceil_div(dim, down_config.block_n), groups.max_tiles), down_config.threads,
+               dynamic_bytes(down_config, 1), hidden, down.quants, down.scales, down.extra, groups.pair_token,
                groups.pair_weight, *tiles, out)
 
     return launch_gate_up, launch_down
 
 
 def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
-                        num_experts: int, hidden=None, hidden_dtype=None, config=None, slot_of_expert=None):
+                        num_experts: int, hidden=None, hidden_dtype=None, config=None, down_config=None,
+                        slot_of_expert=None):
     """out [T, H] float32 += the routed experts of every token: ``moe_prefill_launches``' two launches."""
     gate_up, down_launch = moe_prefill_launches(x, groups, gate, up, down, out, num_experts=num_experts, hidden=hidden,
-                                                hidden_dtype=hidden_dtype, config=config,
+                                                hidden_dtype=hidden_dtype, config=config, down_config=down_config,
                                                 slot_of_expert=slot_of_expert)
     gate_up()
     down_launch()
