@@ -32,7 +32,7 @@ from strata.gpu.kernels._common import IS_SIMULATOR
 from strata.gpu.kernels.attention import (
     DECODE_CONFIG, AttentionConfig, attention, default_num_splits, split_partial_shapes,
 )
-from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config
+from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config, default_down_config
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.gemv_native import LAYER_CONFIG, head_config
@@ -309,7 +309,8 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
             Row("launches per decode token", launches, "launches", None, None)]
 
 
-def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing) -> list:
+def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, moe_down_cfg=None) -> list:
+    """moe_down_cfg: the MoE prefill's down tiles (None: gemm_cfg's)."""
     paths = (True, False) if tensor_core.is_available() else (False,)
     q_dim = s.num_q_heads * s.head_dim
     rows = [bench_gemv(s, fmt, n, k, gemv_cfg, native, timing) for fmt in ("Q4_0", "Q8_0", "Q4_K")
@@ -319,7 +320,7 @@ def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing) -> list:
     experts = make_experts(s, "Q4_0", np.random.default_rng(6))
     rows += [bench_moe_decode(s, experts, gemv_cfg, native, timing) for native in paths]
     for num_tokens in s.prefill_tokens:
-        rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing)
+        rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing, moe_down_cfg)
     rows += [bench_attention_prefill(s, c, fmt, prefill_cfg, timing) for c in s.prefill_contexts
              for fmt in ("F16", "Q8_0", "Q4_0")]
     rows += [bench_attention_decode(s, c, fmt, decode_cfg, timing) for c in s.decode_contexts
@@ -357,7 +358,7 @@ def main(argv=None) -> list:
         name = cuda.get_current_device().name
         device = name.decode() if isinstance(name, bytes) else str(name)
     print(f"# strata kernel benchmarks on {device}; median of {repeats} after {warmup} warm-up; {code_identity()}")
-    rows = run(*configs, (warmup, repeats))
+    rows = run(*configs, (warmup, repeats), moe_down_cfg=None if args.tiny else default_down_config())
     print(format_table(rows))
     return rows
 

@@ -42,13 +42,16 @@ GEMM_VARIANTS = MappingProxyType({
 
 # MoE prefill with the down launch on tiles of its own: (gate/up config, down config) overrides of the default
 MOE_DOWN_VARIANTS = MappingProxyType({
-    "down 128x64 fused (default)": {},
+    "down 128x64 fused (gate/up's tiles)": {},
     "down 128x64 fused step_k 64": {"step_k": 64},
     "down 128x128 4x2 fused": {"block_n": 128},
     "down 128x128 2x4 fused": {"block_n": 128, "warps_m": 2, "warps_n": 4},
     "down 128x128 4x4 fused": {"block_n": 128, "warps_n": 4},
     "down 128x128 4x2 fused step_k 64": {"block_n": 128, "step_k": 64},
     "down 128x32 4x1 fused": {"block_n": 32, "warps_n": 1},
+    "down 128x32 4x1 fused step_k 64": {"block_n": 32, "warps_n": 1, "step_k": 64},
+    "down 128x64 4x1 fused step_k 64 (default)": {"warps_n": 1, "step_k": 64},
+    "down 128x64 2x2 fused step_k 64": {"warps_m": 2, "step_k": 64},
 })
 
 

@@ -409,7 +409,7 @@ class CudaOps:
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``;
         with ``slot_of_expert`` None, ``ids`` [T, k] on the device are slots already (decode)."""
-        from strata.gpu.kernels.gemm import default_config
+        from strata.gpu.kernels.gemm import default_config, default_down_config
         from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
@@ -430,10 +430,12 @@ class CudaOps:
         with self._owning(ACTIVATIONS):
             table = slot_of_expert if not isinstance(slot_of_expert, np.ndarray) else \
                 self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
+            # tensor cores on the GPU (the down launch on tiles of its own), FFMA in the simulator
+            config = default_config(gate.fmt, up.fmt, down.fmt)
+            down_config = default_down_config(gate.fmt, up.fmt, down.fmt)
             if groups is not None:
-                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots,
-                                    config=default_config(gate.fmt, up.fmt, down.fmt),
-                                    slot_of_expert=table)
+                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=config,
+                                    down_config=down_config, slot_of_expert=table)
                 return
             if x.shape[0] <= _DECODE_MAX_TOKENS:
                 moe_experts_decode(x, _map_ids(ids, table, to_slots=True, stream=self._stream), weights, gate, up,
@@ -441,11 +443,11 @@ class CudaOps:
                 return
             # group by expert id (few: the grouping keeps a counter per expert in shared memory),
             # then point each tile at its expert's slot
-            config = default_config(gate.fmt, up.fmt, down.fmt)  # tensor cores on the GPU, FFMA in the simulator
             groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], config.block_m)
             tiles = groups.tile_expert.shape[0]
             _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)
-            moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=config)
+            moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=config,
+                                down_config=down_config)
 
     def ffn(self, x, gate: QTensor, up: QTensor, down: QTensor):
         from strata.gpu.kernels.activation import swiglu

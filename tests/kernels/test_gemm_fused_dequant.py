@@ -33,6 +33,20 @@ static inline float __half2float(__half h) { _Float16 f; memcpy(&f, &h, 2); retu
 static inline uint16_t to_half(float v) { _Float16 f = (_Float16)v; uint16_t h; memcpy(&h, &f, 2); return h; }
 static inline __half2 __floats2half2_rn(float a, float b) { return {to_half(a), to_half(b)}; }
 static inline float __int_as_float(unsigned b) { float f; memcpy(&f, &b, 4); return f; }
+static inline __half2 __float2half2_rn(float a) { return {to_half(a), to_half(a)}; }
+// a product or difference of two halves is exact in float: rounding it to half is the GPU's one rounding
+static inline __half2 __hsub2(__half2 a, __half2 b) {
+  return {to_half(__half2float(a.x) - __half2float(b.x)), to_half(__half2float(a.y) - __half2float(b.y))};
+}
+static inline __half2 __hmul2(__half2 a, __half2 b) {
+  return {to_half(__half2float(a.x) * __half2float(b.x)), to_half(__half2float(a.y) * __half2float(b.y))};
+}
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // byte i of the result: byte s_i of (y:x)
+  const uint64_t v = ((uint64_t)y << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+}
 """
 
 _MAIN = r"""

@@ -11,8 +11,8 @@ from kernel_data import (ALL_FORMATS, assert_close_to_scale, assert_dot_close, c
                          random_matrix)
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
-from strata.gpu.kernels.gemm import (FUSED_FORMATS, GemmConfig, MmaConfig, default_config, gemm, is_fused,
-                                     jit_options)
+from strata.gpu.kernels.gemm import (FUSED_FORMATS, GemmConfig, MmaConfig, default_config, default_down_config, gemm,
+                                     is_fused, jit_options)
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
 from strata.model import reference_ops
@@ -252,13 +252,17 @@ def test_one_linkable_source_per_text():  # kernels dedupe link items by identit
 
 def test_default_config_per_weight_format():
     if not tensor_core.is_available():
-        assert default_config("Q4_0") == default_config() == GemmConfig()
+        assert default_config("Q4_0") == default_config() == GemmConfig() == default_down_config("Q4_0", "Q4_0", "Q4_0")
         return
     fused = default_config("Q4_0", "Q4_0", "Q8_0")
     assert is_fused(fused, "Q4_0") and default_config() == fused == default_config("Q4_K", "Q4_K", "Q6_K") == default_config("Q4_1")
     # a format outside the default's, or gate and up apart (their shared loop could not fuse): the Numba loop
     for numba_loop in (default_config("Q4_0", "F16"), default_config("Q4_0", "Q8_0", "Q4_0")):
         assert not numba_loop.fused and numba_loop.block_m == fused.block_m  # one grouping serves both
+    # the MoE down launch: one weight, so 4 x 1 warps of 32 x 64 and 64-wide steps; the same rows per tile
+    down = default_down_config("Q4_K", "Q4_K", "Q6_K")
+    assert is_fused(down, "Q6_K") and (down.warps_n, down.step_k, down.block_m) == (1, 64, fused.block_m)
+    assert default_down_config("Q4_0", "Q8_0", "Q4_0") == default_config("Q4_0", "Q8_0", "Q4_0")
 
 
 @needs_tensor_cores

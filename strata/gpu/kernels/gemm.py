@@ -212,7 +212,8 @@ def default_config(*fmts: str):
     On the H200 (MoE prefill at 2,048 / 8,192 routed tokens, dense 4096 x 4096 x 2048, TFLOP/s):
     the fused C++ K loop on 128 x 64 tiles, Q4_0 69 / 114 / 67, Q4_1 57 / 102 / 46, Q4_K 67 / 101 / 68,
     Q6_K 50 / 89 / 41. Later, Q4_0 75 / 122-125 / 67-71 with the MoE epilogue's vector reductions
-    and the gate/up loop's shared X fragments; its 64-wide K steps 64 / 103 / 73. The Numba loop's
+    and the gate/up loop's shared X fragments; its 64-wide K steps 64 / 103 / 73. With Q4_0 and Q8_0
+    dequantized in half2 arithmetic, gate/up alone 110 / 160. The Numba loop's
     best, 128 x 128 tiles with W prefetch, ldmatrix fragments and 16-byte shared stores, Q4_0
     48 / 62 / 45, Q4_1 37 / 50 / 48, Q4_K 35 / 49 / 34, Q6_K 31 / 43 / 40, which F16 and F32 weights
     keep."""
@@ -221,6 +222,18 @@ def default_config(*fmts: str):
     if all(fmt in FUSED_FORMATS for fmt in fmts) and len(set(fmts[:2])) <= 1:
         return MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, stages=2, fused=True).validate()
     return MmaConfig(prefetch_w=True, ldmatrix=True, vector_stores=True).validate()
+
+
+def default_down_config(*fmts: str):
+    """The MoE down launch's tiles for experts of these formats (gate, up, down): where default_config
+    fuses, its 128 x 64 tiles on 4 x 1 warps (warp tiles 32 x 64, which one weight's accumulators allow)
+    with 64-wide K steps; otherwise default_config's. The same block_m: one grouping serves both launches.
+
+    On the H200 (Q4_0, down alone at 2,048 / 8,192 routed tokens, TFLOP/s): 96 / 147-151, against
+    87 / 125 on default_config's tiles (4 x 2 warps, 32-wide steps); 4 x 2 warps with 64-wide steps
+    85 / 127, 128 x 32 tiles 87 / 124, 128 x 128 tiles 75-80 / 107-112."""
+    config = default_config(*fmts)
+    return config._replace(warps_n=1, step_k=64).validate() if getattr(config, "fused", False) else config
 
 
 @functools.cache

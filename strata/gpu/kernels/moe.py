@@ -27,8 +27,8 @@ from numba import cuda, types
 
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .activation import device_silu_mul
-from .gemm import (BLOCK_K, MmaConfig, acc_coords_device, default_config, dual_mainloop_device, jit_options,
-                   mainloop_device, staged_input)
+from .gemm import (BLOCK_K, MmaConfig, acc_coords_device, default_config, default_down_config, dual_mainloop_device,
+                   jit_options, mainloop_device, staged_input)
 from .block_reduce import device_inv_rms
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS, experts_supported, moe_experts_native
@@ -193,7 +193,8 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16 under an MmaConfig,
     whose loops stage it as float16 anyway, else float32). config: GemmConfig (FFMA) or
     MmaConfig (tensor cores); default gemm.default_config(<the three formats>). down_config: the
-    down launch's tiles where they differ (the same block_m: one grouping serves both); default config.
+    down launch's tiles (the same block_m: one grouping serves both); default config where config is
+    given, else gemm.default_down_config(<the three formats>).
     slot_of_expert: optional [N] int32, when the groups name expert ids: tile t computes expert e
     with the weights of slot slot_of_expert[e], and is skipped where that is -1 (one grouping serves
     several launches, each with the slots of the experts it has staged).
@@ -202,12 +203,14 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     of config.threads, down grid (ceil(H / down_config.block_n), max_tiles) of down_config.threads;
     blocks of tiles beyond num_tiles exit at once.
     """
+    if down_config is None:
+        down_config = config if config is not None else default_down_config(gate.fmt, up.fmt, down.fmt)
     config = (config or default_config(gate.fmt, up.fmt, down.fmt)).validate()
+    down_config = down_config.validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens, dim = x.shape
     ffn = _check_experts(gate, up, down, num_experts, dim)
     check_array("out", out, dtypes=np.float32, shape=(num_tokens, dim))
-    down_config = down_config.validate() if down_config is not None else config
     if groups.block_m != config.block_m or down_config.block_m != config.block_m:
         raise ValueError(f"groups were tiled by {groups.block_m} pairs but the GEMM tiles are {config.block_m} "
                          f"(config) and {down_config.block_m} (down_config) rows; group by the tiles' block_m")

@@ -3,8 +3,8 @@
 //
 // Quantized octets: 8 consecutive elements of one row of a packed matrix (packing.py's planes: quant
 // words [rows][quant_pitch], f16 block scales [rows][scale_pitch]), read as two quant words and the
-// block scale, dequantized as f32 products d * q rounded to f16 (the values the Numba dequantizers
-// stage), stored as one 16-byte shared store.
+// block scale, dequantized to the f16 roundings of d * q (the values the Numba dequantizers stage),
+// stored as one 16-byte shared store.
 #ifndef STRATA_COMMON_CUH
 #define STRATA_COMMON_CUH
 #include <cuda_fp16.h>
@@ -51,21 +51,35 @@ __device__ __forceinline__ RawOctet load_octet(const unsigned* quants, const __h
   return {w.x, w.y, __half2float(scales[static_cast<size_t>(row) * scale_pitch + block])};
 }
 
+// Two halves d * (b - bias) from a word holding 1024 + b in each half (b a small integer): the bias subtracts
+// exactly and the product rounds once, so each half equals d * (b - bias) computed in float (exact there: an
+// 11-bit scale times an integer of at most 8 bits) and rounded to half, as the Numba dequantizers stage it.
+[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2(unsigned biased, unsigned bias, __half2 d) {
+  const __half2 h = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&biased), *reinterpret_cast<const __half2*>(&bias)), d);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+
+// Q4_0 and Q8_0: the four bytes of each word (Q4_0 nibbles masked to bytes, Q8_0 bytes offset to unsigned) are
+// set into the mantissas of 1024.0 (0x64XX) by byte permutes: a few integer and half2 instructions an octet
+// where float conversions took four a value.
 template <OctetFormat F>
 __device__ __forceinline__ uint4 dequant_octet(const RawOctet& raw, int octet) {
-  float x[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (F == kQ8_0) {
-      x[i] = raw.d * small_int(((raw.w0 ^ 0x80808080u) >> (8 * i)) & 0xFF, 8388736.f);
-      x[4 + i] = raw.d * small_int(((raw.w1 ^ 0x80808080u) >> (8 * i)) & 0xFF, 8388736.f);
-    } else {  // Q4_0: byte j holds element j (low nibble) and j + 16 (high)
-      const int shift = ((octet & 3) >> 1) * 4;
-      x[i] = raw.d * small_int((raw.w0 >> (8 * i + shift)) & 0xF, 8388616.f);
-      x[4 + i] = raw.d * small_int((raw.w1 >> (8 * i + shift)) & 0xF, 8388616.f);
-    }
+  const __half2 d = __float2half2_rn(raw.d);  // exact: the scale was a half
+  const unsigned bias = F == kQ8_0 ? 0x64806480u : 0x64086408u;  // 1024 + 128 (int8 offset), 1024 + 8
+  unsigned w0, w1;
+  if (F == kQ8_0) {
+    w0 = raw.w0 ^ 0x80808080u;
+    w1 = raw.w1 ^ 0x80808080u;
+  } else {  // Q4_0: byte j holds element j (low nibble) and j + 16 (high)
+    const int shift = ((octet & 3) >> 1) * 4;
+    w0 = (raw.w0 >> shift) & 0x0F0F0F0Fu;
+    w1 = (raw.w1 >> shift) & 0x0F0F0F0Fu;
   }
-  return {pack_half2(x[0], x[1]), pack_half2(x[2], x[3]), pack_half2(x[4], x[5]), pack_half2(x[6], x[7])};
+  // byte_perm selectors: result bytes (b0, 0x64, b1, 0x64) and (b2, 0x64, b3, 0x64)
+  return {scaled_half2(__byte_perm(w0, 0x64646464u, 0x4140), bias, d),
+          scaled_half2(__byte_perm(w0, 0x64646464u, 0x4342), bias, d),
+          scaled_half2(__byte_perm(w1, 0x64646464u, 0x4140), bias, d),
+          scaled_half2(__byte_perm(w1, 0x64646464u, 0x4342), bias, d)};
 }
 
 }  // namespace
