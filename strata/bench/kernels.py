@@ -1,18 +1,17 @@
 """Kernel benchmarks at Qwen3-30B-A3B shapes: `python -m strata.bench.kernels [--tiny]`.
 
 Rows: decode GEMVs per format and path (the linked C++ rows and the Numba kernel: GB/s against the
-measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them)
-and one token's routed experts, the prefill expert
-products for chunks of 512 / 2,048 / 8,192 tokens routed top-8 (TFLOP/s of the two bound launches queued
-back to back on X already in float16; then gate/up and down each timed alone, and the whole call of
-moe_experts_prefill, whose checks and float32-to-float16 copy of X run before the first launch), causal attention
-prefill at 4k / 32k (TFLOP/s), decode attention at positions 2k / 8k / 32k of the benchmark
-configs' 34,816-cell cache as the captured decode step launches it (GB/s of KV read, graph-timed),
-one resident decode layer and a whole decode token (48 layers, head, sampling) as plain launches,
-and the launches per token. Each figure is the median of --repeats CUDA-event timings after
---warmup runs. Weights are random packed planes (fp16 scales kept small and finite), never read
-from a model. --tiny shrinks every shape so the script runs under the CUDA simulator, where the
-figures mean nothing (it checks that the script still works).
+measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them) and
+one token's routed experts, the prefill expert products for chunks of 512 / 2,048 / 8,192 tokens routed
+top-8 (TFLOP/s of the two bound launches queued back to back on X already in float16; then gate/up and
+down each timed alone, and the whole call of moe_experts_prefill, whose checks and float32-to-float16
+copy of X run before the first launch), causal attention prefill at 4k / 32k (TFLOP/s), decode attention
+at positions 2k / 8k / 32k of the benchmark configs' 34,816-cell cache as the captured decode step
+launches it (GB/s of KV read, graph-timed), one resident decode layer and a whole decode token (48
+layers, head, sampling) as plain launches, and the launches per token. Each figure is the median of
+--repeats CUDA-event timings after --warmup runs. Weights are random packed planes (fp16 scales kept
+small and finite), never read from a model. --tiny shrinks every shape so the script runs under the CUDA
+simulator, where the figures mean nothing (it checks that the script still works).
 """
 
 from __future__ import annotations
@@ -189,8 +188,8 @@ def make_experts(s: Shapes, fmt: str, rng) -> tuple:
 
 
 def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg=None) -> list:
-    """The whole prefill expert products, then each launch alone, then the grouping; down_cfg: the
-    down launch's own tiles (moe_prefill_launches' down_config)."""
+    """Rows: both launches back to back (the bar), each alone, the whole moe_experts_prefill call, the
+    grouping. down_cfg: the down launch's own tiles (moe_prefill_launches' down_config)."""
     rng = np.random.default_rng(2)
     num_pairs = num_tokens * s.top_k
     x = device_randn((num_tokens, s.hidden), rng)

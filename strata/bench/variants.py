@@ -3,7 +3,8 @@
 The sweeps behind the defaults of ``gemm.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/PERFORMANCE.md): every MmaConfig main-loop variant on the MoE prefill
 products (2,048 and 8,192 routed tokens; Q4_0, or --weight-format) and a dense 4096 x 4096 x 2048
-GEMM; the MoE down launch on tiles of its own; every MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
+GEMM; the MoE down launch on tiles of its own (behind ``gemm.default_down_config()``); every
+MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
 block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
 largest difference from a reference output, so a fast but wrong variant shows. Needs a GPU with
 tensor cores.
@@ -40,7 +41,7 @@ GEMM_VARIANTS = MappingProxyType({
 })
 
 
-# MoE prefill with the down launch on tiles of its own: (gate/up config, down config) overrides of the default
+# the MoE prefill's down tiles, as overrides of default_config()'s (the gate/up launch keeps those)
 MOE_DOWN_VARIANTS = MappingProxyType({
     "down 128x64 fused (gate/up's tiles)": {},
     "down 128x64 fused step_k 64": {"step_k": 64},
@@ -84,7 +85,7 @@ def gemm_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
 
 def moe_down_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
     """The MoE prefill's down launch on tiles of its own (the gate/up launch keeps the default), at
-    2,048 and 8,192 routed tokens: the whole, and each launch alone, in TFLOP/s."""
+    2,048 and 8,192 routed tokens: both launches back to back, and each alone, in TFLOP/s."""
     from strata.bench import kernels as b
     from strata.gpu.kernels.gemm import default_config
 
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("gemm", "moe-down", "attention", "gemv"), help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
-    parser.add_argument("--match", default="", help="only the GEMM variants whose name contains this text")
+    parser.add_argument("--match", default="", help="only the GEMM and MoE down variants whose name contains this text")
     parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
                         help="the GEMM sweep's weights (default Q4_0)")
     args = parser.parse_args(argv)

@@ -55,7 +55,8 @@ __device__ __forceinline__ RawOctet load_octet(const unsigned* quants, const __h
 // exactly and the product rounds once, so each half equals d * (b - bias) computed in float (exact there: an
 // 11-bit scale times an integer of at most 8 bits) and rounded to half, as the Numba dequantizers stage it.
 [[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2(unsigned biased, unsigned bias, __half2 d) {
-  const __half2 h = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&biased), *reinterpret_cast<const __half2*>(&bias)), d);
+  const __half2 value = *reinterpret_cast<const __half2*>(&biased), offset = *reinterpret_cast<const __half2*>(&bias);
+  const __half2 h = __hmul2(__hsub2(value, offset), d);
   return *reinterpret_cast<const unsigned*>(&h);
 }
 
