@@ -5,9 +5,10 @@ The sweeps behind the defaults of ``gemm.default_config()`` and ``attention.py``
 products (2,048 and 8,192 routed tokens; Q4_0, or --weight-format) and a dense 4096 x 4096 x 2048
 GEMM; the MoE down launch on tiles of its own (behind ``gemm.default_down_config()``); every
 MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
-block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
-largest difference from a reference output, so a fast but wrong variant shows. Needs a GPU with
-tensor cores.
+block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line of the GEMM, attention
+and GEMV sweeps also reports the largest difference from a reference output, so a fast but wrong
+variant shows; the MoE down tiles are checked by test_gemm_mma.py's down-tile tests instead. Needs a
+GPU with tensor cores.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def moe_down_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
             whole, gate_up, down = b.bench_moe_prefill(s, experts, n, config, timing, down_config)[:3]
             return f"{whole.figure:6.1f} (gate/up {gate_up.figure:6.1f}, down {down.figure:6.1f})"
 
-        print(f"{name:36s} MoE 2,048 {_attempt(lambda: figures(2048))}  8,192 {_attempt(lambda: figures(8192))} "
+        print(f"{name:42s} MoE 2,048 {_attempt(lambda: figures(2048))}  8,192 {_attempt(lambda: figures(8192))} "
               "TFLOP/s", flush=True)
 
 
@@ -198,11 +199,12 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--match", default="", help="only the GEMM and MoE down variants whose name contains this text")
     parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
-                        help="the GEMM sweep's weights (default Q4_0)")
+                        help="the GEMM and MoE down sweeps' weights (default Q4_0)")
     args = parser.parse_args(argv)
-    named = {**GEMM_VARIANTS, **MOE_DOWN_VARIANTS}
+    named = {"gemm": GEMM_VARIANTS, "moe-down": MOE_DOWN_VARIANTS}.get(args.only, {**GEMM_VARIANTS, **MOE_DOWN_VARIANTS})
     if not any(args.match in name for name in named):
-        parser.error(f"--match {args.match!r} names no GEMM or MoE down variant; the variants: {', '.join(named)}")
+        parser.error(f"--match {args.match!r} names no GEMM or MoE down variant of this sweep; the variants: "
+                     f"{', '.join(named)}")
     if not tensor_core.is_available():
         raise SystemExit("the variant sweeps need a GPU with tensor cores (compute capability 8.0+) and cffi")
     timing = (2, args.repeats)

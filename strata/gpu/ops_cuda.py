@@ -430,24 +430,25 @@ class CudaOps:
         with self._owning(ACTIVATIONS):
             table = slot_of_expert if not isinstance(slot_of_expert, np.ndarray) else \
                 self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
-            # tensor cores on the GPU (the down launch on tiles of its own), FFMA in the simulator
-            config = default_config(gate.fmt, up.fmt, down.fmt)
-            down_config = default_down_config(gate.fmt, up.fmt, down.fmt)
             if groups is not None:
-                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=config,
-                                    down_config=down_config, slot_of_expert=table)
+                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots,
+                                    config=default_config(gate.fmt, up.fmt, down.fmt),
+                                    down_config=default_down_config(gate.fmt, up.fmt, down.fmt),
+                                    slot_of_expert=table)
                 return
             if x.shape[0] <= _DECODE_MAX_TOKENS:
                 moe_experts_decode(x, _map_ids(ids, table, to_slots=True, stream=self._stream), weights, gate, up,
                                    down, out, num_experts=num_slots, stream=self._stream)
                 return
             # group by expert id (few: the grouping keeps a counter per expert in shared memory),
-            # then point each tile at its expert's slot
+            # then point each tile at its expert's slot; tensor cores on the GPU (the down launch on
+            # tiles of its own), FFMA in the simulator
+            config = default_config(gate.fmt, up.fmt, down.fmt)
             groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], config.block_m)
             tiles = groups.tile_expert.shape[0]
             _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)
             moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=config,
-                                down_config=down_config)
+                                down_config=default_down_config(gate.fmt, up.fmt, down.fmt))
 
     def ffn(self, x, gate: QTensor, up: QTensor, down: QTensor):
         from strata.gpu.kernels.activation import swiglu

@@ -129,4 +129,5 @@ def test_fused_loop_dequantizes_like_gguf(dequantizer, fmt):
     subprocess.run([str(dequantizer / "dequant"), str(FUSED_FORMATS.index(fmt)), str(num_rows), str(num_cols),
                     *map(str, pitches), str(planes), str(out)], check=True)
     got = np.fromfile(out, np.float16).reshape(num_rows, num_cols)
-    np.testing.assert_array_equal(got, reference_dequant(raw, fmt).astype(np.float16))
+    expected = reference_dequant(raw, fmt).astype(np.float16)
+    np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))  # bit for bit: signed zeros too

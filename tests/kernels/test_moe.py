@@ -4,6 +4,7 @@ import pytest
 from kernel_data import assert_close_to_scale, dev, host, random_matrix
 from strata.gpu.kernels.gemm import GemmConfig
 from strata.gpu.kernels.gemv import GemvConfig
+from strata.gpu.kernels import moe
 from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group, moe_route
 from strata.model import reference_ops
@@ -78,7 +79,7 @@ def test_experts_reject_inconsistent_stacks():
     with pytest.raises(ValueError, match="down must be"):
         moe_experts_decode(x, ids, weights, gate, up, gate, out, num_experts=2)
     groups = moe_group(ids, weights, 2, 16)
-    with pytest.raises(ValueError, match="tiled by 16 pairs"):
+    with pytest.raises(ValueError, match="the groups' tiles are 16 pairs"):
         moe_experts_prefill(x, groups, gate, up, down, out, num_experts=2, config=GEMM_TINY)
     groups = moe_group(ids, weights, 2, GEMM_TINY.block_m)
     with pytest.raises(ValueError, match=r"8 \(config\) and 16 \(down_config\) rows"):
@@ -86,8 +87,16 @@ def test_experts_reject_inconsistent_stacks():
                             down_config=GEMM_TINY._replace(block_m=16))
 
 
-def test_prefill_down_launch_on_tiles_of_its_own():
-    # the down launch's tiles 8 x 32 (one block covers the whole hidden width), gate/up's 8 x 8
+def test_prefill_down_launch_on_tiles_of_its_own(monkeypatch):
+    # the down launch's tiles 8 x 32 (one block covers the whole hidden width, 32 threads), gate/up's 8 x 8
+    launches = []  # (grid, threads) of each launch, as launched
+    real_launch = moe.launch
+
+    def recording_launch(kernel, grid, threads, num_dynamic_bytes, *args):
+        launches.append((grid, threads))
+        real_launch(kernel, grid, threads, num_dynamic_bytes, *args)
+
+    monkeypatch.setattr(moe, "launch", recording_launch)
     (gate, up, down), values = _experts(("Q4_0", "Q4_0", "Q8_0"), 3, 32, 64, seed=98)
     rng = np.random.default_rng(99)
     x = rng.standard_normal((6, 32)).astype(np.float32)
@@ -98,6 +107,9 @@ def test_prefill_down_launch_on_tiles_of_its_own():
     moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=3, config=GEMM_TINY,
                         down_config=GemmConfig(block_m=8, block_n=32, thread_m=2, thread_n=4))
     assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 2e-6)
+    (gate_up_grid, gate_up_threads), (down_grid, down_threads) = launches
+    assert (gate_up_grid[0], gate_up_threads) == (64 // 8, GEMM_TINY.threads)  # ffn 64 in columns of 8
+    assert (down_grid[0], down_threads) == (1, 32)
 
 
 def test_prefill_one_grouping_serves_launches_over_slot_tables():

@@ -212,8 +212,8 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     ffn = _check_experts(gate, up, down, num_experts, dim)
     check_array("out", out, dtypes=np.float32, shape=(num_tokens, dim))
     if groups.block_m != config.block_m or down_config.block_m != config.block_m:
-        raise ValueError(f"groups were tiled by {groups.block_m} pairs but the GEMM tiles are {config.block_m} "
-                         f"(config) and {down_config.block_m} (down_config) rows; group by the tiles' block_m")
+        raise ValueError(f"the groups' tiles are {groups.block_m} pairs, the GEMM tiles {config.block_m} (config) "
+                         f"and {down_config.block_m} (down_config) rows: group with the configs' one block_m")
     num_pairs = groups.pair_token.shape[0]
     if hidden is None:
         if hidden_dtype is None:
