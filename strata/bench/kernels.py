@@ -5,13 +5,14 @@ measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as 
 one token's routed experts, the prefill expert products for chunks of 512 / 2,048 / 8,192 tokens routed
 top-8 (TFLOP/s of the two bound launches queued back to back on X as the main loop reads it, float16 for
 the fused loop; then gate/up and down each timed alone, and the whole call of moe_experts_prefill, whose
-checks and copy of X to float16 run before the first launch), causal attention prefill at 4k / 32k (TFLOP/s), decode attention
-at positions 2k / 8k / 32k of the benchmark configs' 34,816-cell cache as the captured decode step
-launches it (GB/s of KV read, graph-timed), one resident decode layer and a whole decode token (48
-layers, head, sampling) as plain launches, and the launches per token. Each figure is the median of
---repeats CUDA-event timings after --warmup runs. Weights are random packed planes (fp16 scales kept
-small and finite), never read from a model. --tiny shrinks every shape so the script runs under the CUDA
-simulator, where the figures mean nothing (it checks that the script still works).
+checks and copy of X to float16 run before the first launch), causal attention prefill at 4k / 32k
+(TFLOP/s), decode attention at positions 2k / 8k / 32k of the benchmark configs' 34,816-cell cache as
+the captured decode step launches it (GB/s of KV read, graph-timed), one resident decode layer and a
+whole decode token (48 layers, head, sampling) as plain launches, and the launches per token. Each
+figure is the median of --repeats CUDA-event timings after --warmup runs. Weights are random packed
+planes (fp16 scales kept small and finite), never read from a model. --tiny shrinks every shape so the
+script runs under the CUDA simulator, where the figures mean nothing (it checks that the script still
+works).
 """
 
 from __future__ import annotations

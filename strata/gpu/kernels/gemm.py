@@ -231,8 +231,8 @@ def default_down_config(*fmts: str):
 
     On the H200 (Q4_0, down alone at 2,048 / 8,192 routed tokens, TFLOP/s): 96-97 / 147-151, against
     87-88 / 125 on default_config's tiles (4 x 2 warps, 32-wide steps). Swept before the half2
-    dequantizer (two calls), against 85 / 121 on default_config's tiles: 89 / 138 for these, 4 x 2 warps with
-    64-wide steps 85 / 127, 128 x 32 tiles 87 / 124, 128 x 128 tiles 75-80 / 107-116."""
+    dequantizer (two calls), against 85 / 121 on default_config's tiles: 89 / 138 for these, 4 x 2 warps
+    with 64-wide steps 85 / 127, 128 x 32 tiles 87 / 124, 128 x 128 tiles 75-80 / 107-116."""
     config = default_config(*fmts)
     return config._replace(warps_n=1, step_k=64).validate() if getattr(config, "fused", False) else config
 
