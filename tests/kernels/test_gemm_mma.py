@@ -205,13 +205,18 @@ def test_native_moe_prefill_options(config, fmts):  # the fused loop runs where 
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("down_tiles", [dict(warps_n=1, step_k=64),  # default_down_config's
-                                        dict(block_n=128), dict(block_n=128, warps_m=2, warps_n=4),
+@pytest.mark.parametrize("down_tiles", [dict(block_n=128), dict(block_n=128, warps_m=2, warps_n=4),
                                         dict(block_n=32, warps_n=1), dict(step_k=64)],
                          ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
 @pytest.mark.parametrize("fmts", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0")])
 def test_native_moe_prefill_down_tiles_of_its_own(down_tiles, fmts):
     _check_native_moe_prefill(FUSED_CONFIGS[0], fmts, FUSED_CONFIGS[0]._replace(**down_tiles))
+
+
+@needs_tensor_cores
+@pytest.mark.parametrize("fmts", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0")])
+def test_native_moe_prefill_default_tiles(fmts):  # what the engine launches: each launch on its default tiles
+    _check_native_moe_prefill(default_config(*fmts), fmts, default_down_config(*fmts))
 
 
 def _check_native_moe_prefill(config, fmts, down_config=None):
