@@ -33,7 +33,8 @@ from strata.gpu.kernels._common import IS_SIMULATOR
 from strata.gpu.kernels.attention import (
     DECODE_CONFIG, AttentionConfig, attention, default_num_splits, split_partial_shapes,
 )
-from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config, default_down_config, staged_input
+from strata.gpu.kernels.gemm import (GemmConfig, MmaConfig, default_config, default_down_config, moe_block_m,
+                                     staged_input)
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.gemv_native import LAYER_CONFIG, head_config
@@ -211,7 +212,8 @@ def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg
     gate_up_ms, down_ms = median_ms(gate_up, *timing), median_ms(down, *timing)
     flops = 2.0 * num_pairs * 3 * s.ffn * s.hidden
     path = "tensor cores" if isinstance(cfg, MmaConfig) and cfg.is_native else "FFMA" if isinstance(cfg, GemmConfig) else "mma twin"
-    return [Row(f"prefill experts {experts[0].fmt} ({path}), {num_tokens} tokens x top-{s.top_k}", flops / ms / 1e9, "TFLOP/s",
+    return [Row(f"prefill experts {experts[0].fmt} ({path}, {cfg.block_m}-row tiles), {num_tokens} tokens x top-{s.top_k}",
+                flops / ms / 1e9, "TFLOP/s",
                 TARGET_GEMM_FLOPS / 1e12, 1.0),
             Row(f"  gate and up alone ({gate_up_ms * 1e3:.0f} us)", flops * 2 / 3 / gate_up_ms / 1e9, "TFLOP/s", None,
                 None),
@@ -316,8 +318,16 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
             Row("launches per decode token", launches, "launches", None, None)]
 
 
-def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, moe_down_cfg=None) -> list:
-    """moe_down_cfg: the MoE prefill's down tiles (None: gemm_cfg's)."""
+def default_moe_configs(s: Shapes, num_pairs: int) -> tuple:
+    """The engine's MoE prefill tiles for a chunk of num_pairs routed pairs: (gate/up config, down config)."""
+    block_m = moe_block_m(num_pairs, s.num_experts)
+    return default_config("Q4_0", "Q4_0", "Q4_0", block_m=block_m), default_down_config("Q4_0", "Q4_0", "Q4_0",
+                                                                                        block_m=block_m)
+
+
+def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, is_default_moe: bool = False) -> list:
+    """is_default_moe: the MoE prefill rows on the engine's tiles for each chunk (default_moe_configs),
+    else on gemm_cfg's."""
     paths = (True, False) if tensor_core.is_available() else (False,)
     q_dim = s.num_q_heads * s.head_dim
     rows = [bench_gemv(s, fmt, n, k, gemv_cfg, native, timing) for fmt in ("Q4_0", "Q8_0", "Q4_K")
@@ -327,7 +337,8 @@ def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, moe_down
     experts = make_experts(s, "Q4_0", np.random.default_rng(6))
     rows += [bench_moe_decode(s, experts, gemv_cfg, native, timing) for native in paths]
     for num_tokens in s.prefill_tokens:
-        rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing, moe_down_cfg)
+        cfg, down_cfg = default_moe_configs(s, num_tokens * s.top_k) if is_default_moe else (gemm_cfg, None)
+        rows += bench_moe_prefill(s, experts, num_tokens, cfg, timing, down_cfg)
     rows += [bench_attention_prefill(s, c, fmt, prefill_cfg, timing) for c in s.prefill_contexts
              for fmt in ("F16", "Q8_0", "Q4_0")]
     rows += [bench_attention_decode(s, c, fmt, decode_cfg, timing) for c in s.decode_contexts
@@ -337,13 +348,13 @@ def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, moe_down
 
 
 def format_table(rows: list) -> str:
-    lines = [f"| {'figure':<58} | {'value':>12} | {'unit':<9} | {'ceiling':>9} | {'ratio':>6} | {'target':>6} |",
-             f"| {'-' * 58} | {'-' * 12}:| {'-' * 9} | {'-' * 9}:| {'-' * 6}:| {'-' * 6}:|"]
+    lines = [f"| {'figure':<74} | {'value':>12} | {'unit':<9} | {'ceiling':>9} | {'ratio':>6} | {'target':>6} |",
+             f"| {'-' * 74} | {'-' * 12}:| {'-' * 9} | {'-' * 9}:| {'-' * 6}:| {'-' * 6}:|"]
     for r in rows:
         ceiling = f"{r.ceiling:9.4g}" if r.ceiling else " " * 9
         ratio = f"{r.figure / r.ceiling:6.3f}" if r.ceiling else " " * 6
         target = f"{r.target:6.2f}" if r.target else " " * 6
-        lines.append(f"| {r.name:<58} | {r.figure:12.4g} | {r.unit:<9} | {ceiling} | {ratio} | {target} |")
+        lines.append(f"| {r.name:<74} | {r.figure:12.4g} | {r.unit:<9} | {ceiling} | {ratio} | {target} |")
     return "\n".join(lines)
 
 
@@ -365,7 +376,7 @@ def main(argv=None) -> list:
         name = cuda.get_current_device().name
         device = name.decode() if isinstance(name, bytes) else str(name)
     print(f"# strata kernel benchmarks on {device}; median of {repeats} after {warmup} warm-up; {code_identity()}")
-    rows = run(*configs, (warmup, repeats), moe_down_cfg=None if args.tiny else default_down_config())
+    rows = run(*configs, (warmup, repeats), is_default_moe=not args.tiny)
     print(format_table(rows))
     return rows
 

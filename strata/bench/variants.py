@@ -1,14 +1,14 @@
-"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe-down|attention|gemv]``.
+"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe|attention|gemv]``.
 
 The sweeps behind the defaults of ``gemm.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/PERFORMANCE.md): every MmaConfig main-loop variant on the MoE prefill
 products (2,048 and 8,192 routed tokens; Q4_0, or --weight-format) and a dense 4096 x 4096 x 2048
-GEMM; the MoE down launch on tiles of its own (behind ``gemm.default_down_config()``); every
+GEMM; the MoE prefill's gate/up and down launches on tiles of their own, at 512 / 2,048 / 8,192
+routed tokens (behind ``gemm.default_config()`` and ``default_down_config()``); every
 MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
-block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line of the GEMM, attention
-and GEMV sweeps also reports the largest difference from a reference output, so a fast but wrong
-variant shows; the MoE down tiles are checked by test_gemm_mma.py's down-tile tests instead. Needs a
-GPU with tensor cores.
+block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
+largest difference from a reference output (the GEMM, attention and GEMV sweeps) or from the first
+variant's output (the MoE sweep), so a fast but wrong variant shows. Needs a GPU with tensor cores.
 """
 
 from __future__ import annotations
@@ -42,18 +42,19 @@ GEMM_VARIANTS = MappingProxyType({
 })
 
 
-# the MoE prefill's down tiles, as overrides of default_config()'s (the gate/up launch keeps those)
-MOE_DOWN_VARIANTS = MappingProxyType({
-    "down 128x64 fused (gate/up's tiles)": {},
-    "down 128x64 fused step_k 64": {"step_k": 64},
-    "down 128x128 4x2 fused": {"block_n": 128},
-    "down 128x128 2x4 fused": {"block_n": 128, "warps_m": 2, "warps_n": 4},
-    "down 128x128 4x4 fused": {"block_n": 128, "warps_n": 4},
-    "down 128x128 4x2 fused step_k 64": {"block_n": 128, "step_k": 64},
-    "down 128x32 4x1 fused": {"block_n": 32, "warps_n": 1},
-    "down 128x32 4x1 fused step_k 64": {"block_n": 32, "warps_n": 1, "step_k": 64},
-    "down 128x64 4x1 fused step_k 64 (default)": {"warps_n": 1, "step_k": 64},
-    "down 128x64 2x2 fused step_k 64": {"warps_m": 2, "step_k": 64},
+# the MoE prefill's tiles: (gate/up, down) as overrides of default_config()'s; the grouping's block_m is both's
+_BASE = MappingProxyType({**GEMM_TILES["128x64"], "step_k": 32, "stages": 2})
+_DOWN_4X1 = MappingProxyType({**_BASE, "warps_n": 1, "step_k": 64})
+_SMALL = MappingProxyType({**GEMM_TILES["64x64"], "step_k": 32, "stages": 2})
+MOE_VARIANTS = MappingProxyType({  # the first is the reference of the sweep's max rel diff
+    "128x64, down 4x1 step_k 64 (default)": (_BASE, _DOWN_4X1),
+    "128x64, down on gate/up's tiles": (_BASE, _BASE),
+    "64x64, down step_k 64": (_SMALL, {**_SMALL, "step_k": 64}),
+    "64x64, both step_k 64": ({**_SMALL, "step_k": 64}, {**_SMALL, "step_k": 64}),
+    "64x64, down on gate/up's tiles": (_SMALL, _SMALL),
+    "64x64, down 2x1 step_k 64": (_SMALL, {**_SMALL, "warps_n": 1, "step_k": 64}),
+    "64x128 2x4, down 64x64 step_k 64": ({**_SMALL, "block_n": 128, "warps_n": 4}, {**_SMALL, "step_k": 64}),
+    "64x128 2x2, down 64x64 step_k 64": ({**_SMALL, "block_n": 128}, {**_SMALL, "step_k": 64}),
 })
 
 
@@ -84,24 +85,41 @@ def gemm_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
               f"TFLOP/s  max rel diff {diff:.1e}", flush=True)
 
 
-def moe_down_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
-    """The MoE prefill's down launch on tiles of its own (the gate/up launch keeps the default), at
-    2,048 and 8,192 routed tokens: both launches back to back, and each alone, in TFLOP/s."""
+def moe_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
+    """The MoE prefill's two launches on each variant's tiles, at 512, 2,048 and 8,192 tokens routed top-8:
+    both launches back to back, and each alone, in TFLOP/s; then the largest difference of the output from
+    the first variant's (the k experts of a token add in any order, so a few ulps are expected)."""
     from strata.bench import kernels as b
     from strata.gpu.kernels.gemm import default_config
+    from strata.gpu.kernels.moe import moe_experts_prefill
+    from strata.gpu.kernels.moe_route import moe_group, moe_route
 
     s, rng = b.QWEN3_30B, np.random.default_rng(0)
     experts = b.make_experts(s, fmt, rng)
-    config = default_config(fmt, fmt, fmt)
-    for name in [name for name in MOE_DOWN_VARIANTS if match in name]:
-        down_config = config._replace(**MOE_DOWN_VARIANTS[name])
+    base = default_config(fmt, fmt, fmt)
+    x = b.device_randn((512, s.hidden), rng)
+    ids, weights = moe_route(b.device_randn((512, s.num_experts), rng), s.top_k)
+    first = None
+    for name in [name for name in MOE_VARIANTS if match in name]:
+        gate_up_tiles, down_tiles = MOE_VARIANTS[name]
+        config, down_config = base._replace(**gate_up_tiles), base._replace(**down_tiles)
 
-        def figures(n, down_config=down_config):
+        def figures(n, config=config, down_config=down_config):
             whole, gate_up, down = b.bench_moe_prefill(s, experts, n, config, timing, down_config)[:3]
-            return f"{whole.figure:6.1f} (gate/up {gate_up.figure:6.1f}, down {down.figure:6.1f})"
+            return f"{whole.figure:6.1f} ({gate_up.figure:5.1f}, {down.figure:5.1f})"
 
-        print(f"{name:42s} MoE 2,048 {_attempt(lambda: figures(2048))}  8,192 {_attempt(lambda: figures(8192))} "
-              "TFLOP/s", flush=True)
+        def diff(config=config, down_config=down_config):
+            nonlocal first
+            out = b.cuda.to_device(np.zeros((512, s.hidden), np.float32))
+            groups = moe_group(ids, weights, s.num_experts, config.block_m)
+            moe_experts_prefill(x, groups, *experts, out, num_experts=s.num_experts, config=config,
+                                down_config=down_config)
+            y = out.copy_to_host()
+            first = y if first is None else first
+            return f"{np.max(np.abs(y - first)) / np.max(np.abs(first)):.1e}"
+
+        print(f"{name:34s} " + "  ".join(f"{n:,} {_attempt(lambda n=n: figures(n))}" for n in (512, 2048, 8192))
+              + f"  max rel diff {_attempt(diff)}", flush=True)
 
 
 def attention_sweep(timing) -> None:
@@ -195,24 +213,24 @@ def main(argv=None) -> int:
     from strata.gpu.kernels import tensor_core
 
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("gemm", "moe-down", "attention", "gemv"), help="run one sweep")
+    parser.add_argument("--only", choices=("gemm", "moe", "attention", "gemv"), help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
-    parser.add_argument("--match", default="", help="only the GEMM and MoE down variants whose name contains this text")
+    parser.add_argument("--match", default="", help="only the GEMM and MoE variants whose name contains this text")
     parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
-                        help="the GEMM and MoE down sweeps' weights (default Q4_0)")
+                        help="the GEMM and MoE sweeps' weights (default Q4_0)")
     args = parser.parse_args(argv)
-    named = {"gemm": GEMM_VARIANTS, "moe-down": MOE_DOWN_VARIANTS}.get(args.only, {**GEMM_VARIANTS, **MOE_DOWN_VARIANTS})
+    named = {"gemm": GEMM_VARIANTS, "moe": MOE_VARIANTS}.get(args.only, {**GEMM_VARIANTS, **MOE_VARIANTS})
     if not any(args.match in name for name in named):
-        parser.error(f"--match {args.match!r} names no GEMM or MoE down variant of this sweep; the variants: "
+        parser.error(f"--match {args.match!r} names no GEMM or MoE variant of this sweep; the variants: "
                      f"{', '.join(named)}")
     if not tensor_core.is_available():
         raise SystemExit("the variant sweeps need a GPU with tensor cores (compute capability 8.0+) and cffi")
     timing = (2, args.repeats)
     print(f"# {code_identity()}", flush=True)
-    sweeps = {"gemm": gemm_sweep, "moe-down": moe_down_sweep, "attention": attention_sweep, "gemv": gemv_sweep}
+    sweeps = {"gemm": gemm_sweep, "moe": moe_sweep, "attention": attention_sweep, "gemv": gemv_sweep}
     for name, sweep in sweeps.items():
         if args.only in (None, name):
-            if name in ("gemm", "moe-down"):
+            if name in ("gemm", "moe"):
                 sweep(timing, args.match, args.weight_format)
             else:
                 sweep(timing)

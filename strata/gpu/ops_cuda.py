@@ -397,19 +397,19 @@ class CudaOps:
     def moe_groups(self, ids, weights, num_experts: int):
         """A prefill chunk's routed pairs grouped by expert id once per layer: every ring batch of the
         layer then launches only its two expert products (tiles of experts it has not staged exit)."""
-        from strata.gpu.kernels.gemm import default_config
+        from strata.gpu.kernels.gemm import moe_block_m
         from strata.gpu.kernels.moe_route import moe_group
 
         if ids.shape[0] <= _DECODE_MAX_TOKENS:
             return None
         ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
-        with self._owning(ACTIVATIONS):
-            return moe_group(ids, weights, num_experts, default_config().block_m)
+        with self._owning(ACTIVATIONS):  # the tiles' rows follow the chunk's rows an expert (moe() takes the groups')
+            return moe_group(ids, weights, num_experts, moe_block_m(ids.shape[0] * ids.shape[1], num_experts))
 
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``;
         with ``slot_of_expert`` None, ``ids`` [T, k] on the device are slots already (decode)."""
-        from strata.gpu.kernels.gemm import default_config, default_down_config
+        from strata.gpu.kernels.gemm import moe_block_m
         from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
@@ -430,11 +430,8 @@ class CudaOps:
         with self._owning(ACTIVATIONS):
             table = slot_of_expert if not isinstance(slot_of_expert, np.ndarray) else \
                 self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
-            if groups is not None:
-                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots,
-                                    config=default_config(gate.fmt, up.fmt, down.fmt),
-                                    down_config=default_down_config(gate.fmt, up.fmt, down.fmt),
-                                    slot_of_expert=table)
+            if groups is not None:  # each launch on its default tiles of the groups' block_m
+                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, slot_of_expert=table)
                 return
             if x.shape[0] <= _DECODE_MAX_TOKENS:
                 moe_experts_decode(x, _map_ids(ids, table, to_slots=True, stream=self._stream), weights, gate, up,
@@ -443,12 +440,11 @@ class CudaOps:
             # group by expert id (few: the grouping keeps a counter per expert in shared memory),
             # then point each tile at its expert's slot; tensor cores on the GPU (the down launch on
             # tiles of its own), FFMA in the simulator
-            config = default_config(gate.fmt, up.fmt, down.fmt)
-            groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], config.block_m)
+            block_m = moe_block_m(ids.shape[0] * ids.shape[1], table.shape[0])
+            groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], block_m)
             tiles = groups.tile_expert.shape[0]
             _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)
-            moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=config,
-                                down_config=default_down_config(gate.fmt, up.fmt, down.fmt))
+            moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots)
 
     def ffn(self, x, gate: QTensor, up: QTensor, down: QTensor):
         from strata.gpu.kernels.activation import swiglu

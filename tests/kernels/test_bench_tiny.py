@@ -37,4 +37,4 @@ def test_variant_sweep_refuses_a_match_that_names_no_variant(capsys):
     with pytest.raises(SystemExit) as exit_info:
         variants.main(["--only", "gemm", "--match", "fuzed"])
     assert exit_info.value.code == 2
-    assert "--match 'fuzed' names no GEMM or MoE down variant" in capsys.readouterr().err
+    assert "--match 'fuzed' names no GEMM or MoE variant" in capsys.readouterr().err

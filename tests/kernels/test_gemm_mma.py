@@ -11,8 +11,8 @@ from kernel_data import (ALL_FORMATS, assert_close_to_scale, assert_dot_close, c
                          random_matrix)
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
-from strata.gpu.kernels.gemm import (FUSED_FORMATS, GemmConfig, MmaConfig, default_config, default_down_config, gemm,
-                                     is_fused, jit_options)
+from strata.gpu.kernels.gemm import (FUSED_FORMATS, MOE_BLOCK_MS, MOE_SMALL_TILE_ROWS, GemmConfig, MmaConfig,
+                                     default_config, default_down_config, gemm, is_fused, jit_options, moe_block_m)
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
 from strata.model import reference_ops
@@ -214,12 +214,14 @@ def test_native_moe_prefill_down_tiles_of_its_own(down_tiles, fmts):
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("fmts", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0")])
-def test_native_moe_prefill_default_tiles(fmts):  # what the engine launches: each launch on its default tiles
-    _check_native_moe_prefill(default_config(*fmts), fmts, default_down_config(*fmts))
+@pytest.mark.parametrize("block_m", MOE_BLOCK_MS)
+@pytest.mark.parametrize("fmts", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0"), ("Q4_0", "Q4_0", "F16")])
+def test_native_moe_prefill_default_tiles(fmts, block_m):  # what the engine launches: each launch on its default tiles
+    _check_native_moe_prefill(default_config(*fmts, block_m=block_m), fmts, default_down_config(*fmts, block_m=block_m))
+    _check_native_moe_prefill(None, fmts, block_m=block_m)  # the defaults the wrapper takes from the groups
 
 
-def _check_native_moe_prefill(config, fmts, down_config=None):
+def _check_native_moe_prefill(config, fmts, down_config=None, block_m=None):
     # K-quant rows hold whole 256-element blocks; otherwise both K are odd multiples of 32 (a zero-filled
     # half step of 64-wide steps, in gate/up's two-weight loop and in down's)
     num_tokens, num_experts, top_k = 300, 8, 2
@@ -234,7 +236,7 @@ def _check_native_moe_prefill(config, fmts, down_config=None):
     x = 0.1 * rng.standard_normal((num_tokens, dim)).astype(np.float32)
     ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
     ids, weights = ids.astype(np.int32), weights.astype(np.float32)
-    groups = moe_group(dev(ids), dev(weights), num_experts, config.block_m)
+    groups = moe_group(dev(ids), dev(weights), num_experts, block_m or config.block_m)
     expected = reference_ops.moe(x, ids, weights, *values)
     for hidden_dtype in (None, np.float32):  # float32 hidden: down runs the Numba loop under a fused config
         out = dev(np.zeros((num_tokens, dim), np.float32))
@@ -270,6 +272,23 @@ def test_default_config_per_weight_format():
     down = default_down_config("Q4_K", "Q4_K", "Q6_K")
     assert is_fused(down, "Q6_K") and (down.warps_n, down.step_k, down.block_m) == (1, 64, fused.block_m)
     assert default_down_config("Q4_0", "Q8_0", "Q4_0") == default_config("Q4_0", "Q8_0", "Q4_0")
+    # 64-row tiles for small chunks: 2 x 2 warps, and the down launch on gate/up's tiles
+    small = default_config("Q4_0", "Q4_0", "Q4_0", block_m=64)
+    assert is_fused(small, "Q4_0") and (small.block_m, small.block_n, small.warps_m, small.warps_n) == (64, 64, 2, 2)
+    assert default_down_config("Q4_0", "Q4_0", "Q4_0", block_m=64) == small
+    assert default_config("Q4_0", "F16", block_m=64).block_m == 64
+
+
+def test_moe_tile_rows_follow_the_rows_an_expert():
+    with pytest.raises(ValueError, match=r"block_m must be one of \(64, 128\), got 32"):
+        default_config("Q4_0", block_m=32)
+    if not tensor_core.is_available():  # the FFMA tiles have rows of their own
+        assert {moe_block_m(n, 128) for n in (1, 4096, 65536)} == {GemmConfig().block_m}
+        return
+    assert moe_block_m(512 * 8, 128) == 64  # 32 rows an expert: the 128-row tiles would be three quarters padding
+    assert moe_block_m(MOE_SMALL_TILE_ROWS * 128 - 1, 128) == 64
+    assert moe_block_m(MOE_SMALL_TILE_ROWS * 128, 128) == 128
+    assert moe_block_m(2048 * 8, 128) == 128 and moe_block_m(8192 * 8, 128) == 128
 
 
 @needs_tensor_cores

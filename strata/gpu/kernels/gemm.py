@@ -37,6 +37,8 @@ from .shared_tiles import dynamic_bytes, launch, shared_bytes, tiles_device
 
 BLOCK_K = 32  # elements of K staged per step: one legacy block, one K-quant sub-block
 MMA_LD = BLOCK_K + 8  # halves per staged row on the tensor-core path (padding against bank conflicts)
+MOE_BLOCK_MS = (64, 128)  # the default tiles' rows (moe_block_m's choices)
+MOE_SMALL_TILE_ROWS = 96  # mean routed rows an expert below which the MoE prefill takes 64-row tiles
 MMA_STEP_KS = (32, 64)  # K elements staged per barrier pair on the tensor-core path
 _OCTETS_PER_STEP = BLOCK_K // OCTET
 FUSED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # the block formats cuda/gemm_mma.cu dequantizes
@@ -203,11 +205,11 @@ def staged_input(x, config, *fmts: str):
     return to_float16(x)
 
 
-def default_config(*fmts: str):
+def default_config(*fmts: str, block_m: int = 128):
     """The tiles for weights of these formats (none given: the fused loop's; an MoE passes gate, up, down,
     and gate and up share one loop, so they must share a format to fuse): tensor cores where available,
-    else the FFMA tiles (the simulator). Both tensor-core choices have block_m 128, so one grouping of
-    routed pairs (moe_route.moe_group) serves either.
+    else the FFMA tiles (the simulator, whose block_m is its own). block_m: the tile's rows, 128 or 64
+    (moe_block_m picks it for an MoE chunk; one grouping of routed pairs serves any tiles of its block_m).
 
     On the H200 (MoE prefill at 2,048 / 8,192 routed tokens, dense 4096 x 4096 x 2048, TFLOP/s):
     the fused C++ K loop on 128 x 64 tiles, Q4_0 69 / 114 / 67, Q4_1 57 / 102 / 46, Q4_K 67 / 101 / 68,
@@ -216,25 +218,47 @@ def default_config(*fmts: str):
     dequantized in half2 arithmetic, gate/up alone 110 / 160. The Numba loop's
     best, 128 x 128 tiles with W prefetch, ldmatrix fragments and 16-byte shared stores, Q4_0
     48 / 62 / 45, Q4_1 37 / 50 / 48, Q4_K 35 / 49 / 34, Q6_K 31 / 43 / 40, which F16 and F32 weights
-    keep."""
+    keep. With block_m 64 the same loops run on half the rows (2 x 2 warps for the fused loop)."""
+    if block_m not in MOE_BLOCK_MS:
+        raise ValueError(f"block_m must be one of {MOE_BLOCK_MS}, got {block_m}")
     if not tensor_core.is_available():
         return GemmConfig()
+    warps_m = block_m // 32
     if all(fmt in FUSED_FORMATS for fmt in fmts) and len(set(fmts[:2])) <= 1:
-        return MmaConfig(block_m=128, block_n=64, warps_m=4, warps_n=2, stages=2, fused=True).validate()
-    return MmaConfig(prefetch_w=True, ldmatrix=True, vector_stores=True).validate()
+        return MmaConfig(block_m=block_m, block_n=64, warps_m=warps_m, warps_n=2, stages=2, fused=True).validate()
+    return MmaConfig(block_m=block_m, warps_m=warps_m, prefetch_w=True, ldmatrix=True, vector_stores=True).validate()
 
 
-def default_down_config(*fmts: str):
+def default_down_config(*fmts: str, block_m: int = 128):
     """The MoE down launch's tiles for experts of these formats (gate, up, down): where default_config
-    fuses, its 128 x 64 tiles on 4 x 1 warps (warp tiles 32 x 64, which one weight's accumulators allow)
-    with 64-wide K steps; otherwise default_config's. The same block_m: one grouping serves both launches.
+    fuses 128-row tiles, its 128 x 64 tiles on 4 x 1 warps (warp tiles 32 x 64, which one weight's
+    accumulators allow) with 64-wide K steps; otherwise default_config's, 64-row tiles included. The same
+    block_m: one grouping serves both launches.
 
     On the H200 (Q4_0, down alone at 2,048 / 8,192 routed tokens, TFLOP/s): 96-97 / 147-151, against
     87-88 / 125 on default_config's tiles (4 x 2 warps, 32-wide steps). Swept before the half2
     dequantizer (two calls), against 85 / 121 on default_config's tiles: 89 / 138 for these, 4 x 2 warps
-    with 64-wide steps 85 / 127, 128 x 32 tiles 87 / 124, 128 x 128 tiles 75-80 / 107-116."""
-    config = default_config(*fmts)
-    return config._replace(warps_n=1, step_k=64).validate() if getattr(config, "fused", False) else config
+    with 64-wide steps 85 / 127, 128 x 32 tiles 87 / 124, 128 x 128 tiles 75-80 / 107-116. On 64-row
+    tiles at 512 / 2,048 tokens: gate/up's tiles 50.8 / 103.6, 64-wide steps 49.0 / 96.2, 2 x 1 warps
+    48.3 / 102.7."""
+    config = default_config(*fmts, block_m=block_m)
+    if getattr(config, "fused", False) and block_m == 128:
+        return config._replace(warps_n=1, step_k=64).validate()
+    return config
+
+
+def moe_block_m(num_pairs: int, num_experts: int) -> int:
+    """The MoE prefill tiles' rows (the grouping's block_m) for a chunk of num_pairs routed (token, expert)
+    pairs: with tensor cores, 64 where an expert gets fewer than MOE_SMALL_TILE_ROWS of them on average (an
+    expert's last tile is mostly padding, and a tile costs the same whatever its rows), else 128; without
+    them the FFMA tiles' rows.
+
+    On the H200 (Q4_0, both launches on default_config / default_down_config, TFLOP/s at 512 / 2,048 / 8,192
+    tokens routed top-8 of 128 experts: 32 / 128 / 512 rows an expert on average): 128-row tiles
+    40.5 / 113.0 / 162.5, 64-row tiles 61.1 / 111.0 / 143.5."""
+    if not tensor_core.is_available():
+        return GemmConfig().block_m
+    return 64 if num_pairs < MOE_SMALL_TILE_ROWS * num_experts else 128
 
 
 @functools.cache

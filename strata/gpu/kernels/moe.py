@@ -192,9 +192,9 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
     scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16 under an MmaConfig,
     whose loops stage it as float16 anyway, else float32). config: GemmConfig (FFMA) or
-    MmaConfig (tensor cores); default gemm.default_config(<the three formats>). down_config: the
-    down launch's tiles (the same block_m: one grouping serves both); default config where config is
-    given, else gemm.default_down_config(<the three formats>).
+    MmaConfig (tensor cores); default gemm.default_config(<the three formats>, block_m=groups.block_m).
+    down_config: the down launch's tiles (the same block_m: one grouping serves both); default config
+    where config is given, else gemm.default_down_config(<the three formats>, block_m=groups.block_m).
     slot_of_expert: optional [N] int32, when the groups name expert ids: tile t computes expert e
     with the weights of slot slot_of_expert[e], and is skipped where that is -1 (one grouping serves
     several launches, each with the slots of the experts it has staged).
@@ -203,9 +203,10 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     of config.threads, down grid (ceil(H / down_config.block_n), max_tiles) of down_config.threads;
     blocks of tiles beyond num_tiles exit at once.
     """
+    fmts, block_m = (gate.fmt, up.fmt, down.fmt), groups.block_m
     if down_config is None:
-        down_config = config if config is not None else default_down_config(gate.fmt, up.fmt, down.fmt)
-    config = (config or default_config(gate.fmt, up.fmt, down.fmt)).validate()
+        down_config = config if config is not None else default_down_config(*fmts, block_m=block_m)
+    config = (config or default_config(*fmts, block_m=block_m)).validate()
     down_config = down_config.validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens, dim = x.shape
