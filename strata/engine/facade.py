@@ -162,7 +162,8 @@ class Engine:
                  time.perf_counter() - started, num_bytes / 2**20)
 
     def warm_up(self) -> float:
-        """Compile every kernel a request uses: a tiny prefill through the staging ring, its logits,
+        """Compile every kernel a request uses: a tiny prefill through the staging ring (once per MoE
+        tile shape the backend picks between), its logits,
         one decode step, the launches of a fully cached model's decode token, and the greedy tail
         (head, bias, argmax) of device decode. Then the KV tokens
         are cleared, the expert cache is emptied and the ledger is checked against its state before.
@@ -177,7 +178,9 @@ class Engine:
             if geometry:
                 self.workspace.allocate(geometry)
             try:
-                hidden = self.runner.forward(tokens, 0, self.workspace if geometry else None, stats)
+                for tile_rows in self.ops.moe_tile_rows():  # the MoE kernels of every tile a chunk may take
+                    with self.ops.forcing_moe_tile_rows(tile_rows):
+                        hidden = self.runner.forward(tokens, 0, self.workspace if geometry else None, stats)
             finally:
                 self.ops.synchronize()  # no copy may still target the ring when the workspace goes
                 self.workspace.free()

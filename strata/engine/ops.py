@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy as np
@@ -137,6 +138,12 @@ class Ops(Protocol):
     def moe_groups(self, ids: Any, weights: Any, num_experts: int) -> Any:
         """The routed pairs grouped by expert once, for every ``moe`` call of a layer (None where the
         backend does not group)."""
+    def moe_tile_rows(self) -> tuple:
+        """The tile rows the backend's MoE prefill picks between per chunk, each its own compiled kernels;
+        (None,) where it has no choice."""
+    def forcing_moe_tile_rows(self, rows: int | None) -> AbstractContextManager:
+        """While open, every MoE prefill grouping takes tiles of ``rows`` (one of ``moe_tile_rows``; None:
+        the backend's choice). The warm-up compiles each tile's kernels this way."""
 
     def moe(self, out: Any, x: Any, ids: Any, weights: Any, storage: ArenaStorage, slot_of_expert: Any,
             layout: ExpertLayout, groups: Any = None) -> None:

@@ -78,6 +78,7 @@ class CudaOps:
         # the simulator runs each block as Python threads: a few SMs keep split decode attention cheap there
         self._num_sms = 4 if is_simulator else cuda.get_current_device().MULTIPROCESSOR_COUNT
         self._stream = 0  # where kernels launch: the default stream, or a graph builder while capturing
+        self._forced_tile_rows = None  # the MoE prefill tile rows while forcing_moe_tile_rows is open
         self._copy_stream = None
         if not is_simulator:
             from strata.gpu.expert_arena import CopyStream
@@ -397,19 +398,36 @@ class CudaOps:
     def moe_groups(self, ids, weights, num_experts: int):
         """A prefill chunk's routed pairs grouped by expert id once per layer: every ring batch of the
         layer then launches only its two expert products (tiles of experts it has not staged exit)."""
-        from strata.gpu.kernels.gemm import moe_block_m
         from strata.gpu.kernels.moe_route import moe_group
 
         if ids.shape[0] <= _DECODE_MAX_TOKENS:
             return None
         ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
         with self._owning(ACTIVATIONS):  # the tiles' rows follow the chunk's rows an expert (moe() takes the groups')
-            return moe_group(ids, weights, num_experts, moe_block_m(ids.shape[0] * ids.shape[1], num_experts))
+            return moe_group(ids, weights, num_experts, self._moe_block_m(ids.shape[0] * ids.shape[1], num_experts))
+
+    def moe_tile_rows(self) -> tuple:
+        from strata.gpu.kernels import tensor_core
+        from strata.gpu.kernels.gemm import MOE_BLOCK_MS
+
+        return MOE_BLOCK_MS if tensor_core.is_available() else (None,)  # the FFMA tiles have one shape
+
+    @contextlib.contextmanager
+    def forcing_moe_tile_rows(self, rows: int | None):
+        previous, self._forced_tile_rows = self._forced_tile_rows, rows
+        try:
+            yield
+        finally:
+            self._forced_tile_rows = previous
+
+    def _moe_block_m(self, num_pairs: int, num_experts: int) -> int:
+        from strata.gpu.kernels.gemm import moe_block_m
+
+        return self._forced_tile_rows or moe_block_m(num_pairs, num_experts)
 
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``;
         with ``slot_of_expert`` None, ``ids`` [T, k] on the device are slots already (decode)."""
-        from strata.gpu.kernels.gemm import moe_block_m
         from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
@@ -440,7 +458,7 @@ class CudaOps:
             # group by expert id (few: the grouping keeps a counter per expert in shared memory),
             # then point each tile at its expert's slot; tensor cores on the GPU (the down launch on
             # tiles of its own), FFMA in the simulator
-            block_m = moe_block_m(ids.shape[0] * ids.shape[1], table.shape[0])
+            block_m = self._moe_block_m(ids.shape[0] * ids.shape[1], table.shape[0])
             groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], block_m)
             tiles = groups.tile_expert.shape[0]
             _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)

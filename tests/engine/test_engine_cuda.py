@@ -6,6 +6,7 @@ import pytest
 from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy
 from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
+from numba import cuda
 
 from strata.engine.decode_step import DecodeStep
 from strata.engine.greedy_tail import BIAS_CAPACITY
@@ -14,6 +15,7 @@ from strata.engine.sampling import SamplingParams
 from strata.errors import AllocationError
 from strata.engine.ops import _has_cuda_device
 from strata.gpu.kernels import attention_decode, attention_decode_mma, tensor_core
+from strata.gpu.kernels.gemm import moe_block_m
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, TRANSIENT_OWNERS
 from strata.model.gguf_file import open_gguf
 from strata.model.reference import KVCache, ReferenceModel
@@ -32,12 +34,31 @@ def tiny_path(tmp_path_factory):
                                  seed=3, with_mtp=True)
 
 
-def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference(tiny_path):
+def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference(tiny_path, monkeypatch):
     # one test for both: the simulator runs each whole request slowly
     engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB",
                                                             "warmup": False}), show_progress=False)
     before = dict(engine.ledger.snapshot().by_owner)
+    grouped_rows = []  # the tile rows of every MoE prefill grouping
+    group = engine.ops.moe_groups
+
+    def recording_group(*args):
+        groups = group(*args)
+        if groups is not None:
+            grouped_rows.append(groups.block_m)
+        return groups
+
+    monkeypatch.setattr(engine.ops, "moe_groups", recording_group)
     assert engine.warm_up() > 0
+    # each tile shape a chunk may take has its kernels compiled (64 and 128 rows on tensor cores)
+    forced = {rows for rows in engine.ops.moe_tile_rows() if rows}
+    assert grouped_rows and forced <= set(grouped_rows) and len(set(grouped_rows)) == max(1, len(forced))
+    ids = cuda.to_device(np.zeros((8, 2), np.int32))
+    weights = cuda.to_device(np.ones((8, 2), np.float32))
+    with engine.ops.forcing_moe_tile_rows(128):
+        assert group(ids, weights, 4).block_m == 128
+    assert group(ids, weights, 4).block_m == moe_block_m(16, 4)
+    monkeypatch.undo()
     assert dict(engine.ledger.snapshot().by_owner) == before
     assert engine.kv_tokens == [] and engine.cache.num_cached == 0 and engine.cache.num_evictions == 0
     assert engine.cache.borrowable_bytes() > 0 and engine.workspace.geometry is None
