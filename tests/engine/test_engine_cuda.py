@@ -50,16 +50,11 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
 
     monkeypatch.setattr(engine.ops, "moe_groups", recording_group)
     assert engine.warm_up() > 0
+    monkeypatch.undo()
+    assert dict(engine.ledger.snapshot().by_owner) == before
     # each tile shape a chunk may take has its kernels compiled (64 and 128 rows on tensor cores)
     forced = {rows for rows in engine.ops.moe_tile_rows() if rows}
     assert grouped_rows and forced <= set(grouped_rows) and len(set(grouped_rows)) == max(1, len(forced))
-    ids = cuda.to_device(np.zeros((8, 2), np.int32))
-    weights = cuda.to_device(np.ones((8, 2), np.float32))
-    with engine.ops.forcing_moe_tile_rows(128):
-        assert group(ids, weights, 4).block_m == 128
-    assert group(ids, weights, 4).block_m == moe_block_m(16, 4)
-    monkeypatch.undo()
-    assert dict(engine.ledger.snapshot().by_owner) == before
     assert engine.kv_tokens == [] and engine.cache.num_cached == 0 and engine.cache.num_evictions == 0
     assert engine.cache.borrowable_bytes() > 0 and engine.workspace.geometry is None
     tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
@@ -67,6 +62,10 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     assert stats.streamed_bytes > 0
     idle = {k: v for k, v in engine.idle_ledger.by_owner.items()}
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
+    ids, weights = cuda.to_device(np.zeros((8, 2), np.int32)), cuda.to_device(np.ones((8, 2), np.float32))
+    with engine.ops.forcing_moe_tile_rows(128):  # what the warm-up does for each shape
+        assert engine.ops.moe_groups(ids, weights, 4).block_m == 128
+    assert engine.ops.moe_groups(ids, weights, 4).block_m == moe_block_m(16, 4)
 
 
 @pytest.mark.parametrize("head_dim, module", [
