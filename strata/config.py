@@ -58,8 +58,9 @@ class RuntimeConfig:
     remote_cache: str = option("", doc="address of a remote expert cache ('' : none)")
     peer_cache: bool = option(False, doc="peer-GPU expert cache")
     prefill_head_alias: bool = option(False, doc="reuse the output-head allocation as prompt workspace")
-    warmup: bool = option(True, doc="at load, run a tiny prefill and one decode step so that every kernel is "
-                                    "compiled before the first request (cuda and cudasim backends)")
+    warmup: bool = option(True, doc="at load, run a tiny prefill (once per MoE tile shape) and one decode step so "
+                                    "that every kernel is compiled before the first request (cuda and cudasim "
+                                    "backends)")
     expert_preload: bool = option(True, doc="at load, fill the expert cache's free slots from the expert pack (an "
                                             "equal share of every layer), so the first requests find experts cached")
     decode_graphs: bool = option(True, doc="decode a token as CUDA graphs: two per layer, or one for the token "

@@ -47,11 +47,11 @@ _BASE = MappingProxyType({**GEMM_TILES["128x64"], "step_k": 32, "stages": 2})
 _DOWN_4X1 = MappingProxyType({**_BASE, "warps_n": 1, "step_k": 64})
 _SMALL = MappingProxyType({**GEMM_TILES["64x64"], "step_k": 32, "stages": 2})
 MOE_VARIANTS = MappingProxyType({  # the first is the reference of the sweep's max rel diff
-    "128x64, down 4x1 step_k 64 (default)": (_BASE, _DOWN_4X1),
+    "128x64, down 4x1 step_k 64 (default from 96 rows an expert)": (_BASE, _DOWN_4X1),
     "128x64, down on gate/up's tiles": (_BASE, _BASE),
     "64x64, down step_k 64": (_SMALL, {**_SMALL, "step_k": 64}),
     "64x64, both step_k 64": ({**_SMALL, "step_k": 64}, {**_SMALL, "step_k": 64}),
-    "64x64, down on gate/up's tiles": (_SMALL, _SMALL),
+    "64x64, down on gate/up's tiles (default below 96)": (_SMALL, _SMALL),
     "64x64, down 2x1 step_k 64": (_SMALL, {**_SMALL, "warps_n": 1, "step_k": 64}),
     "64x128 2x4, down 64x64 step_k 64": ({**_SMALL, "block_n": 128, "warps_n": 4}, {**_SMALL, "step_k": 64}),
     "64x128 2x2, down 64x64 step_k 64": ({**_SMALL, "block_n": 128}, {**_SMALL, "step_k": 64}),

@@ -208,8 +208,8 @@ class Engine:
         seconds = time.perf_counter() - started
         if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
             log.warning("warm-up left the ledger at %s (before: %s)", after, before)
-        log.info("warm-up: %d-token prefill and one decode step in %.2f s (kernels compiled, state reset)",
-                 num_tokens, seconds)
+        log.info("warm-up: %d-token prefill (for %d MoE tile shape(s)) and one decode step in %.2f s (kernels "
+                 "compiled, state reset)", num_tokens, len(self.ops.moe_tile_rows()), seconds)
         return seconds
 
     def _warmup_logits(self, hidden) -> np.ndarray:

@@ -140,7 +140,7 @@ class Ops(Protocol):
         backend does not group)."""
     def moe_tile_rows(self) -> tuple:
         """The tile rows the backend's MoE prefill picks between per chunk, each its own compiled kernels;
-        (None,) where it has no choice."""
+        (None,) where it has no choice. Never empty."""
     def forcing_moe_tile_rows(self, rows: int | None) -> AbstractContextManager:
         """While open, every MoE prefill grouping takes tiles of ``rows`` (one of ``moe_tile_rows``; None:
         the backend's choice). The warm-up compiles each tile's kernels this way."""

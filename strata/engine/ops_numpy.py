@@ -10,7 +10,6 @@ cached and streamed experts are summed does not change the result.
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 
 import numpy as np
@@ -234,12 +233,12 @@ class NumpyOps:
     def moe_groups(self, ids, weights, num_experts: int) -> None:
         return None  # moe walks the routed ids itself
 
-
     def moe_tile_rows(self) -> tuple:
         return (None,)
 
-    def forcing_moe_tile_rows(self, rows):
+    def forcing_moe_tile_rows(self, rows: int | None):
         return contextlib.nullcontext()
+
     def moe(self, out, x, ids, weights, storage: NumpyArena, slot_of_expert, layout: ExpertLayout,
             groups=None) -> None:
         for expert in np.unique(ids):

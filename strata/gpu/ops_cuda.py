@@ -408,12 +408,14 @@ class CudaOps:
 
     def moe_tile_rows(self) -> tuple:
         from strata.gpu.kernels import tensor_core
-        from strata.gpu.kernels.gemm import MOE_BLOCK_MS
+        from strata.gpu.kernels.gemm import DEFAULT_BLOCK_MS
 
-        return MOE_BLOCK_MS if tensor_core.is_available() else (None,)  # the FFMA tiles have one shape
+        return DEFAULT_BLOCK_MS if tensor_core.is_available() else (None,)  # the FFMA tiles have one shape
 
     @contextlib.contextmanager
     def forcing_moe_tile_rows(self, rows: int | None):
+        if rows not in self.moe_tile_rows():
+            raise ValueError(f"MoE tile rows must be one of {self.moe_tile_rows()}, got {rows}")
         previous, self._forced_tile_rows = self._forced_tile_rows, rows
         try:
             yield

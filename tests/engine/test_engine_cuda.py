@@ -63,9 +63,13 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     idle = {k: v for k, v in engine.idle_ledger.by_owner.items()}
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
     ids, weights = cuda.to_device(np.zeros((8, 2), np.int32)), cuda.to_device(np.ones((8, 2), np.float32))
-    with engine.ops.forcing_moe_tile_rows(128):  # what the warm-up does for each shape
-        assert engine.ops.moe_groups(ids, weights, 4).block_m == 128
+    for rows in engine.ops.moe_tile_rows():  # what the warm-up does for each shape
+        with engine.ops.forcing_moe_tile_rows(rows):
+            assert engine.ops.moe_groups(ids, weights, 4).block_m == (rows or moe_block_m(16, 4))
     assert engine.ops.moe_groups(ids, weights, 4).block_m == moe_block_m(16, 4)
+    with pytest.raises(ValueError, match=r"MoE tile rows must be one of \(.*\), got 32"):
+        with engine.ops.forcing_moe_tile_rows(32):
+            pass
 
 
 @pytest.mark.parametrize("head_dim, module", [

@@ -11,7 +11,7 @@ from kernel_data import (ALL_FORMATS, assert_close_to_scale, assert_dot_close, c
                          random_matrix)
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
-from strata.gpu.kernels.gemm import (FUSED_FORMATS, MOE_BLOCK_MS, MOE_SMALL_TILE_ROWS, GemmConfig, MmaConfig,
+from strata.gpu.kernels.gemm import (FUSED_FORMATS, DEFAULT_BLOCK_MS, MOE_FULL_TILE_MIN_ROWS, GemmConfig, MmaConfig,
                                      default_config, default_down_config, gemm, is_fused, jit_options, moe_block_m)
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
@@ -214,7 +214,7 @@ def test_native_moe_prefill_down_tiles_of_its_own(down_tiles, fmts):
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("block_m", MOE_BLOCK_MS)
+@pytest.mark.parametrize("block_m", DEFAULT_BLOCK_MS)
 @pytest.mark.parametrize("fmts", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q4_0", "Q8_0"), ("Q4_0", "Q4_0", "F16")])
 def test_native_moe_prefill_default_tiles(fmts, block_m):  # what the engine launches: each launch on its default tiles
     _check_native_moe_prefill(default_config(*fmts, block_m=block_m), fmts, default_down_config(*fmts, block_m=block_m))
@@ -279,6 +279,21 @@ def test_default_config_per_weight_format():
     assert default_config("Q4_0", "F16", block_m=64).block_m == 64
 
 
+@pytest.mark.parametrize("fmts", [("Q4_0", "Q4_0", "Q4_0"), ("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0", "Q4_0"),
+                                  ("Q4_0", "Q4_0", "F16")])
+def test_the_chosen_tile_rows_are_both_launches_rows(fmts):  # one grouping serves both launches, on any backend
+    for num_pairs in (5, 4095, 4096, MOE_FULL_TILE_MIN_ROWS * 128 - 1, MOE_FULL_TILE_MIN_ROWS * 128, 65536):
+        block_m = moe_block_m(num_pairs, 128)
+        assert default_config(*fmts, block_m=block_m).block_m == block_m
+        assert default_down_config(*fmts, block_m=block_m).block_m == block_m
+    with pytest.raises(ValueError, match=r"the groups' tiles are 16 pairs, but the default tiles have \(64, 128\) rows"):
+        ids, weights = dev(np.zeros((8, 2), np.int32)), dev(np.ones((8, 2), np.float32))
+        w, _ = random_matrix("Q4_0", 4 * 32, 32, 1)
+        down, _ = random_matrix("Q4_0", 4 * 32, 32, 2)
+        moe_experts_prefill(dev(np.zeros((8, 32), np.float32)), moe_group(ids, weights, 4, 16), w, w, down,
+                            dev(np.zeros((8, 32), np.float32)), num_experts=4)
+
+
 def test_moe_tile_rows_follow_the_rows_an_expert():
     with pytest.raises(ValueError, match=r"block_m must be one of \(64, 128\), got 32"):
         default_config("Q4_0", block_m=32)
@@ -286,8 +301,8 @@ def test_moe_tile_rows_follow_the_rows_an_expert():
         assert {moe_block_m(n, 128) for n in (1, 4096, 65536)} == {GemmConfig().block_m}
         return
     assert moe_block_m(512 * 8, 128) == 64  # 32 rows an expert: the 128-row tiles would be three quarters padding
-    assert moe_block_m(MOE_SMALL_TILE_ROWS * 128 - 1, 128) == 64
-    assert moe_block_m(MOE_SMALL_TILE_ROWS * 128, 128) == 128
+    assert moe_block_m(MOE_FULL_TILE_MIN_ROWS * 128 - 1, 128) == 64
+    assert moe_block_m(MOE_FULL_TILE_MIN_ROWS * 128, 128) == 128
     assert moe_block_m(2048 * 8, 128) == 128 and moe_block_m(8192 * 8, 128) == 128
 
 

@@ -37,8 +37,8 @@ from .shared_tiles import dynamic_bytes, launch, shared_bytes, tiles_device
 
 BLOCK_K = 32  # elements of K staged per step: one legacy block, one K-quant sub-block
 MMA_LD = BLOCK_K + 8  # halves per staged row on the tensor-core path (padding against bank conflicts)
-MOE_BLOCK_MS = (64, 128)  # the default tiles' rows (moe_block_m's choices)
-MOE_SMALL_TILE_ROWS = 96  # mean routed rows an expert below which the MoE prefill takes 64-row tiles
+DEFAULT_BLOCK_MS = (64, 128)  # the rows default_config's tiles may have (moe_block_m's choices)
+MOE_FULL_TILE_MIN_ROWS = 96  # mean routed rows an expert from which the MoE prefill takes 128-row tiles (else 64)
 MMA_STEP_KS = (32, 64)  # K elements staged per barrier pair on the tensor-core path
 _OCTETS_PER_STEP = BLOCK_K // OCTET
 FUSED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # the block formats cuda/gemm_mma.cu dequantizes
@@ -219,8 +219,8 @@ def default_config(*fmts: str, block_m: int = 128):
     best, 128 x 128 tiles with W prefetch, ldmatrix fragments and 16-byte shared stores, Q4_0
     48 / 62 / 45, Q4_1 37 / 50 / 48, Q4_K 35 / 49 / 34, Q6_K 31 / 43 / 40, which F16 and F32 weights
     keep. With block_m 64 the same loops run on half the rows (2 x 2 warps for the fused loop)."""
-    if block_m not in MOE_BLOCK_MS:
-        raise ValueError(f"block_m must be one of {MOE_BLOCK_MS}, got {block_m}")
+    if block_m not in DEFAULT_BLOCK_MS:
+        raise ValueError(f"block_m must be one of {DEFAULT_BLOCK_MS}, got {block_m}")
     if not tensor_core.is_available():
         return GemmConfig()
     warps_m = block_m // 32
@@ -239,8 +239,8 @@ def default_down_config(*fmts: str, block_m: int = 128):
     87-88 / 125 on default_config's tiles (4 x 2 warps, 32-wide steps). Swept before the half2
     dequantizer (two calls), against 85 / 121 on default_config's tiles: 89 / 138 for these, 4 x 2 warps
     with 64-wide steps 85 / 127, 128 x 32 tiles 87 / 124, 128 x 128 tiles 75-80 / 107-116. On 64-row
-    tiles at 512 / 2,048 tokens: gate/up's tiles 50.8 / 103.6, 64-wide steps 49.0 / 96.2, 2 x 1 warps
-    48.3 / 102.7."""
+    tiles at 512 / 2,048 tokens, down alone: gate/up's tiles 50.8 / 103.6, 64-wide steps 49.0 / 96.2, 2 x 1 warps
+    48.3 / 102.7 (down alone)."""
     config = default_config(*fmts, block_m=block_m)
     if getattr(config, "fused", False) and block_m == 128:
         return config._replace(warps_n=1, step_k=64).validate()
@@ -249,7 +249,7 @@ def default_down_config(*fmts: str, block_m: int = 128):
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:
     """The MoE prefill tiles' rows (the grouping's block_m) for a chunk of num_pairs routed (token, expert)
-    pairs: with tensor cores, 64 where an expert gets fewer than MOE_SMALL_TILE_ROWS of them on average (an
+    pairs: with tensor cores, 64 where an expert gets fewer than MOE_FULL_TILE_MIN_ROWS of them on average (an
     expert's last tile is mostly padding, and a tile costs the same whatever its rows), else 128; without
     them the FFMA tiles' rows.
 
@@ -258,7 +258,7 @@ def moe_block_m(num_pairs: int, num_experts: int) -> int:
     40.5 / 113.0 / 162.5, 64-row tiles 61.1 / 111.0 / 143.5."""
     if not tensor_core.is_available():
         return GemmConfig().block_m
-    return 64 if num_pairs < MOE_SMALL_TILE_ROWS * num_experts else 128
+    return 64 if num_pairs < MOE_FULL_TILE_MIN_ROWS * num_experts else 128
 
 
 @functools.cache

@@ -27,7 +27,7 @@ from numba import cuda, types
 
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .activation import device_silu_mul
-from .gemm import (BLOCK_K, MmaConfig, acc_coords_device, default_config, default_down_config, dual_mainloop_device,
+from .gemm import (BLOCK_K, DEFAULT_BLOCK_MS, MmaConfig, acc_coords_device, default_config, default_down_config, dual_mainloop_device,
                    jit_options, mainloop_device, staged_input)
 from .block_reduce import device_inv_rms
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
@@ -189,7 +189,8 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
 
     out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
 
-    groups must come from moe_group(..., block_m=config.block_m); hidden: optional [P, F]
+    groups must come from moe_group(..., block_m=config.block_m), or, where config is None, with one of
+    gemm.DEFAULT_BLOCK_MS (gemm.moe_block_m picks it; the FFMA tiles' own without tensor cores); hidden: optional [P, F]
     scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16 under an MmaConfig,
     whose loops stage it as float16 anyway, else float32). config: GemmConfig (FFMA) or
     MmaConfig (tensor cores); default gemm.default_config(<the three formats>, block_m=groups.block_m).
@@ -204,6 +205,9 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     blocks of tiles beyond num_tiles exit at once.
     """
     fmts, block_m = (gate.fmt, up.fmt, down.fmt), groups.block_m
+    if config is None and block_m not in DEFAULT_BLOCK_MS:
+        raise ValueError(f"the groups' tiles are {block_m} pairs, but the default tiles have {DEFAULT_BLOCK_MS} rows: "
+                         "group with gemm.moe_block_m(num_pairs, num_experts), or pass config")
     if down_config is None:
         down_config = config if config is not None else default_down_config(*fmts, block_m=block_m)
     config = (config or default_config(*fmts, block_m=block_m)).validate()
