@@ -212,9 +212,8 @@ def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg
     gate_up_ms, down_ms = median_ms(gate_up, *timing), median_ms(down, *timing)
     flops = 2.0 * num_pairs * 3 * s.ffn * s.hidden
     path = "tensor cores" if isinstance(cfg, MmaConfig) and cfg.is_native else "FFMA" if isinstance(cfg, GemmConfig) else "mma twin"
-    return [Row(f"prefill experts {experts[0].fmt} ({path}, {cfg.block_m}-row tiles), {num_tokens} tokens x top-{s.top_k}",
-                flops / ms / 1e9, "TFLOP/s",
-                TARGET_GEMM_FLOPS / 1e12, 1.0),
+    name = f"prefill experts {experts[0].fmt} ({path}, {cfg.block_m}-row tiles), {num_tokens} tokens x top-{s.top_k}"
+    return [Row(name, flops / ms / 1e9, "TFLOP/s", TARGET_GEMM_FLOPS / 1e12, 1.0),
             Row(f"  gate and up alone ({gate_up_ms * 1e3:.0f} us)", flops * 2 / 3 / gate_up_ms / 1e9, "TFLOP/s", None,
                 None),
             Row(f"  down alone ({down_ms * 1e3:.0f} us)", flops / 3 / down_ms / 1e9, "TFLOP/s", None, None),

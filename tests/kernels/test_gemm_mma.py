@@ -286,12 +286,14 @@ def test_the_chosen_tile_rows_are_both_launches_rows(fmts):  # one grouping serv
         block_m = moe_block_m(num_pairs, 128)
         assert default_config(*fmts, block_m=block_m).block_m == block_m
         assert default_down_config(*fmts, block_m=block_m).block_m == block_m
-    with pytest.raises(ValueError, match=r"the groups' tiles are 16 pairs, but the default tiles have \(64, 128\) rows"):
-        ids, weights = dev(np.zeros((8, 2), np.int32)), dev(np.ones((8, 2), np.float32))
-        w, _ = random_matrix("Q4_0", 4 * 32, 32, 1)
-        down, _ = random_matrix("Q4_0", 4 * 32, 32, 2)
-        moe_experts_prefill(dev(np.zeros((8, 32), np.float32)), moe_group(ids, weights, 4, 16), w, w, down,
-                            dev(np.zeros((8, 32), np.float32)), num_experts=4)
+    ids, weights = dev(np.zeros((8, 2), np.int32)), dev(np.ones((8, 2), np.float32))
+    w, _ = random_matrix("Q4_0", 4 * 32, 32, 1)
+    down, _ = random_matrix("Q4_0", 4 * 32, 32, 2)
+    groups = moe_group(ids, weights, 4, 16)  # rows no default tile has
+    with pytest.raises(ValueError, match=r"the groups' tiles are 16 pairs, but the default tiles have \(64, 128\) "
+                                         "rows: group with gemm.moe_block_m"):
+        moe_experts_prefill(dev(np.zeros((8, 32), np.float32)), groups, w, w, down, dev(np.zeros((8, 32), np.float32)),
+                            num_experts=4)
 
 
 def test_moe_tile_rows_follow_the_rows_an_expert():

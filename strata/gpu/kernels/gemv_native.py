@@ -82,10 +82,11 @@ class NativeGemvConfig(NamedTuple):
 # in the fastest shape of `strata.bench.variants --only gemv` per format, 151,936 x 2,048: Q4_0
 # 8 x 2 at 4 an SM, 66.9 us (104.9 in that shape with a block per row group, 85.5 in the best such
 # shape); Q8_0 16 x 4 at 1, 95.9 us (137.7 in Q4_0's); Q4_K 8 x 4 at 2, 120.6 us (134.7). Float
-# heads keep 8 x 2 at 4 (Q4_0's shape before the re-sweep below), unmeasured. Later, four processes each: Q4_0 16 x 2 at 2 an SM
-# 2,679-2,723 GB/s against 2,634-2,673 for 8 x 2 at 4; Q4_K 8 x 1 at 4 1,712-1,713 against
-# 1,360-1,468 for 8 x 4 at 2. The head's call sites ask for head_config(fmt), so that a
-# slice of the head (the warm-up's) runs the same compiled kernel as the whole head.
+# heads keep 8 x 2 at 4 (Q4_0's shape before the re-sweep below), unmeasured. The re-sweep, four
+# processes each: Q4_0 16 x 2 at 2 an SM 2,679-2,723 GB/s against 2,634-2,673 for 8 x 2 at 4; Q4_K
+# 8 x 1 at 4 1,712-1,713 against 1,360-1,468 for 8 x 4 at 2. The head's call sites ask for
+# head_config(fmt), so that a slice of the head (the warm-up's) runs the same compiled kernel as the
+# whole head.
 LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
 _HEAD_CONFIGS = MappingProxyType({
     "Q4_0": NativeGemvConfig(warps=16, rows_per_warp=2, blocks_per_sm=2),

@@ -27,8 +27,8 @@ from numba import cuda, types
 
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .activation import device_silu_mul
-from .gemm import (BLOCK_K, DEFAULT_BLOCK_MS, MmaConfig, acc_coords_device, default_config, default_down_config, dual_mainloop_device,
-                   jit_options, mainloop_device, staged_input)
+from .gemm import (BLOCK_K, DEFAULT_BLOCK_MS, MmaConfig, acc_coords_device, default_config, default_down_config,
+                   dual_mainloop_device, jit_options, mainloop_device, staged_input)
 from .block_reduce import device_inv_rms
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS, experts_supported, moe_experts_native
@@ -189,11 +189,11 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
 
     out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
 
-    groups must come from moe_group(..., block_m=config.block_m), or, where config is None, with one of
-    gemm.DEFAULT_BLOCK_MS (gemm.moe_block_m picks it; the FFMA tiles' own without tensor cores); hidden: optional [P, F]
-    scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16 under an MmaConfig,
-    whose loops stage it as float16 anyway, else float32). config: GemmConfig (FFMA) or
-    MmaConfig (tensor cores); default gemm.default_config(<the three formats>, block_m=groups.block_m).
+    groups must come from moe_group(..., block_m=config.block_m), or, where config is None, with one
+    of gemm.DEFAULT_BLOCK_MS (gemm.moe_block_m picks it; the FFMA tiles' own without tensor cores).
+    hidden: optional [P, F] scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16
+    under an MmaConfig, whose loops stage it as float16 anyway, else float32). config: GemmConfig (FFMA)
+    or MmaConfig (tensor cores); default gemm.default_config(<the three formats>, block_m=groups.block_m).
     down_config: the down launch's tiles (the same block_m: one grouping serves both); default config
     where config is given, else gemm.default_down_config(<the three formats>, block_m=groups.block_m).
     slot_of_expert: optional [N] int32, when the groups name expert ids: tile t computes expert e
