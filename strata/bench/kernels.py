@@ -33,13 +33,14 @@ from strata.gpu.kernels._common import IS_SIMULATOR
 from strata.gpu.kernels.attention import (
     DECODE_CONFIG, AttentionConfig, attention, default_num_splits, split_partial_shapes,
 )
-from strata.gpu.kernels.gemm import (GemmConfig, MmaConfig, default_config, default_down_config, moe_block_m,
-                                     staged_input)
+from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config, staged_input
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.gemv_native import LAYER_CONFIG, head_config
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
-from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill, moe_prefill_launches
+from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill, moe_prefill_launches, prefill_tile_rows
+from strata.gpu.kernels import moe_rows
+from strata.gpu.kernels.elementwise import to_float16
 from strata.gpu.kernels.moe_route import moe_group, moe_route
 from strata.gpu.kernels.packing import PackedMatrix, plane_shapes
 from strata.gpu.kernels.rope import head_norm_rope
@@ -189,30 +190,41 @@ def make_experts(s: Shapes, fmt: str, rng) -> tuple:
             random_packed(fmt, s.num_experts * s.hidden, s.ffn, rng))
 
 
-def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg=None) -> list:
+def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg=None, block_m: int | None = None) -> list:
     """Rows: both launches back to back (the bar), each alone, the whole moe_experts_prefill call, the
-    grouping. down_cfg: the down launch's own tiles (moe_prefill_launches' down_config)."""
+    grouping. down_cfg: the down launch's own tiles (moe_prefill_launches' down_config). cfg None: the
+    engine's choice for groups of block_m pairs (moe_rows' kernels where they apply, else the default tiles)."""
     rng = np.random.default_rng(2)
     num_pairs = num_tokens * s.top_k
+    block_m = cfg.block_m if cfg is not None else block_m
     x = device_randn((num_tokens, s.hidden), rng)
     ids, weights = moe_route(device_randn((num_tokens, s.num_experts), rng), s.top_k, **_aux(s))
     out = cuda.to_device(np.zeros((num_tokens, s.hidden), np.float32))
-    hidden = cuda.device_array((num_pairs, s.ffn), np.float16 if isinstance(cfg, MmaConfig) else np.float32)
-    group_ms = median_ms(lambda: moe_group(ids, weights, s.num_experts, cfg.block_m, **_aux(s)), *timing)
-    groups = moe_group(ids, weights, s.num_experts, cfg.block_m, **_aux(s))
+    hidden = cuda.device_array((num_pairs, s.ffn), np.float32 if isinstance(cfg, GemmConfig) else np.float16)
+    group_ms = median_ms(lambda: moe_group(ids, weights, s.num_experts, block_m, **_aux(s)), *timing)
+    groups = moe_group(ids, weights, s.num_experts, block_m, **_aux(s))
     wrapper_ms = median_ms(lambda: moe_experts_prefill(x, groups, *experts, out, num_experts=s.num_experts,
                                                        hidden=hidden, config=cfg, down_config=down_cfg), *timing)
     # the two launches bound once and queued back to back: the expert products' GPU time plus one launch's
     # host cost; then each alone (gate and up are 2 of the 3 products, down the third). The whole call
-    # also checks its arguments and, for the fused loop, copies float32 X to float16 first.
-    x_staged = staged_input(x, cfg, experts[0].fmt, experts[1].fmt)  # float16 for the fused loop, else x
+    # also checks its arguments and, for the fused loop and the rows kernels, copies float32 X to float16 first.
+    is_rows = cfg is None and moe_rows.is_supported(groups, *experts)
+    if is_rows:
+        x_staged = to_float16(x)
+    else:
+        x_staged = staged_input(x, cfg or default_config(*(w.fmt for w in experts), block_m=block_m),
+                                experts[0].fmt, experts[1].fmt)  # float16 for the fused loop, else x
     gate_up, down = moe_prefill_launches(x_staged, groups, *experts, out, num_experts=s.num_experts, hidden=hidden,
                                          config=cfg, down_config=down_cfg)
     ms = median_ms(lambda: (gate_up(), down()), *timing)
     gate_up_ms, down_ms = median_ms(gate_up, *timing), median_ms(down, *timing)
     flops = 2.0 * num_pairs * 3 * s.ffn * s.hidden
-    path = "tensor cores" if isinstance(cfg, MmaConfig) and cfg.is_native else "FFMA" if isinstance(cfg, GemmConfig) else "mma twin"
-    name = f"prefill experts {experts[0].fmt} ({path}, {cfg.block_m}-row tiles), {num_tokens} tokens x top-{s.top_k}"
+    if is_rows:
+        path = "tensor cores, weight rows on M"
+    else:
+        path = ("tensor cores" if isinstance(cfg, MmaConfig) and cfg.is_native else "FFMA" if isinstance(cfg, GemmConfig)
+                else "mma twin" if cfg is not None else "default tiles")
+    name = f"prefill experts {experts[0].fmt} ({path}, {block_m}-row tiles), {num_tokens} tokens x top-{s.top_k}"
     return [Row(name, flops / ms / 1e9, "TFLOP/s", TARGET_GEMM_FLOPS / 1e12, 1.0),
             Row(f"  gate and up alone ({gate_up_ms * 1e3:.0f} us)", flops * 2 / 3 / gate_up_ms / 1e9, "TFLOP/s", None,
                 None),
@@ -317,16 +329,9 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
             Row("launches per decode token", launches, "launches", None, None)]
 
 
-def default_moe_configs(s: Shapes, num_pairs: int) -> tuple:
-    """The engine's MoE prefill tiles for a chunk of num_pairs routed pairs: (gate/up config, down config)."""
-    block_m = moe_block_m(num_pairs, s.num_experts)
-    return default_config("Q4_0", "Q4_0", "Q4_0", block_m=block_m), default_down_config("Q4_0", "Q4_0", "Q4_0",
-                                                                                        block_m=block_m)
-
-
 def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, is_default_moe: bool = False) -> list:
-    """is_default_moe: the MoE prefill rows on the engine's tiles for each chunk (default_moe_configs),
-    else on gemm_cfg's."""
+    """is_default_moe: the MoE prefill rows on the engine's kernels for each chunk (cfg None, on
+    moe_block_m's tile rows), else on gemm_cfg's."""
     paths = (True, False) if tensor_core.is_available() else (False,)
     q_dim = s.num_q_heads * s.head_dim
     rows = [bench_gemv(s, fmt, n, k, gemv_cfg, native, timing) for fmt in ("Q4_0", "Q8_0", "Q4_K")
@@ -336,8 +341,11 @@ def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, is_defau
     experts = make_experts(s, "Q4_0", np.random.default_rng(6))
     rows += [bench_moe_decode(s, experts, gemv_cfg, native, timing) for native in paths]
     for num_tokens in s.prefill_tokens:
-        cfg, down_cfg = default_moe_configs(s, num_tokens * s.top_k) if is_default_moe else (gemm_cfg, None)
-        rows += bench_moe_prefill(s, experts, num_tokens, cfg, timing, down_cfg)
+        if is_default_moe:  # the engine's kernels for the chunk: moe_rows' or default tiles, on its tile rows
+            block_m = prefill_tile_rows(num_tokens * s.top_k, s.num_experts, ("Q4_0",) * 3, s.hidden, s.ffn)
+            rows += bench_moe_prefill(s, experts, num_tokens, None, timing, block_m=block_m)
+        else:
+            rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing)
     rows += [bench_attention_prefill(s, c, fmt, prefill_cfg, timing) for c in s.prefill_contexts
              for fmt in ("F16", "Q8_0", "Q4_0")]
     rows += [bench_attention_decode(s, c, fmt, decode_cfg, timing) for c in s.decode_contexts

@@ -174,11 +174,12 @@ class Engine:
         num_tokens = geometry.chunk_tokens if geometry else WARMUP_MIN_TOKENS
         tokens = np.arange(3, 3 + num_tokens, dtype=np.int64) % self.spec.vocab_size
         stats = StreamStats()
+        layout = self.cache.layout if self.cache else None
         try:
             if geometry:
                 self.workspace.allocate(geometry)
             try:
-                for tile_rows in self.ops.moe_tile_rows():  # the MoE kernels of every tile a chunk may take
+                for tile_rows in self.ops.moe_tile_rows(layout):  # the MoE kernels of every tile a chunk may take
                     with self.ops.forcing_moe_tile_rows(tile_rows):
                         hidden = self.runner.forward(tokens, 0, self.workspace if geometry else None, stats)
             finally:
@@ -209,7 +210,7 @@ class Engine:
         if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
             log.warning("warm-up left the ledger at %s (before: %s)", after, before)
         log.info("warm-up: %d-token prefill (for %d MoE tile shape(s)) and one decode step in %.2f s (kernels "
-                 "compiled, state reset)", num_tokens, len(self.ops.moe_tile_rows()), seconds)
+                 "compiled, state reset)", num_tokens, len(self.ops.moe_tile_rows(layout)), seconds)
         return seconds
 
     def _warmup_logits(self, hidden) -> np.ndarray:

@@ -135,12 +135,12 @@ class Ops(Protocol):
         every layer: the layers run one after another on one stream. None where the backend needs none."""
     def route(self, x: Any, router: QTensor, num_used: int, is_norm: bool) -> tuple[Any, Any]:
         """ids [T, k] and weights [T, k] on the backend (``to_host`` the ids to pick experts there)."""
-    def moe_groups(self, ids: Any, weights: Any, num_experts: int) -> Any:
+    def moe_groups(self, ids: Any, weights: Any, num_experts: int, layout: ExpertLayout | None = None) -> Any:
         """The routed pairs grouped by expert once, for every ``moe`` call of a layer (None where the
-        backend does not group)."""
-    def moe_tile_rows(self) -> tuple:
-        """The tile rows the backend's MoE prefill picks between per chunk, each its own compiled kernels;
-        (None,) where it has no choice. Never empty."""
+        backend does not group); ``layout`` (the experts' formats and shapes) may decide the tiles."""
+    def moe_tile_rows(self, layout: ExpertLayout | None = None) -> tuple:
+        """The tile rows the backend's MoE prefill picks between per chunk for experts of ``layout`` (None:
+        any), each its own compiled kernels; (None,) where it has no choice. Never empty."""
     def forcing_moe_tile_rows(self, rows: int | None) -> AbstractContextManager:
         """While open, every MoE prefill grouping takes tiles of ``rows`` (one of ``moe_tile_rows``; None:
         the backend's choice). The warm-up compiles each tile's kernels this way."""

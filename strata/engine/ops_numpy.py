@@ -230,10 +230,10 @@ class NumpyOps:
         ids, weights = ref.route(logits, num_used, is_norm)
         return ids, weights
 
-    def moe_groups(self, ids, weights, num_experts: int) -> None:
+    def moe_groups(self, ids, weights, num_experts: int, layout: ExpertLayout | None = None) -> None:
         return None  # moe walks the routed ids itself
 
-    def moe_tile_rows(self) -> tuple:
+    def moe_tile_rows(self, layout: ExpertLayout | None = None) -> tuple:
         return (None,)
 
     def forcing_moe_tile_rows(self, rows: int | None):

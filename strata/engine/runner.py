@@ -206,7 +206,7 @@ class ModelRunner:
                                  spec.is_expert_weights_normalized)  # [T, k] on the backend
         acc = ops.moe_accumulator(x)  # [T, D]: zeroed, or x itself
         if plan is not None:  # every uncached expert streams; the routing stays on the backend
-            groups = ops.moe_groups(ids, weights, spec.num_experts)  # once for the layer's batches
+            groups = ops.moe_groups(ids, weights, spec.num_experts, cache.layout)  # once for the layer's batches
             if plan.cached_table is not None:
                 ops.moe(acc, h, ids, weights, cache.storage, plan.cached_table, cache.layout, groups)
             for batch in ring.take(layer):

@@ -395,7 +395,7 @@ class CudaOps:
     def moe_accumulator(self, x):
         return x  # the MoE kernels add into the residual stream: no zeroed array, no extra add
 
-    def moe_groups(self, ids, weights, num_experts: int):
+    def moe_groups(self, ids, weights, num_experts: int, layout: ExpertLayout | None = None):
         """A prefill chunk's routed pairs grouped by expert id once per layer: every ring batch of the
         layer then launches only its two expert products (tiles of experts it has not staged exit)."""
         from strata.gpu.kernels.moe_route import moe_group
@@ -404,13 +404,16 @@ class CudaOps:
             return None
         ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
         with self._owning(ACTIVATIONS):  # the tiles' rows follow the chunk's rows an expert (moe() takes the groups')
-            return moe_group(ids, weights, num_experts, self._moe_block_m(ids.shape[0] * ids.shape[1], num_experts))
+            return moe_group(ids, weights, num_experts,
+                             self._moe_block_m(ids.shape[0] * ids.shape[1], num_experts, layout))
 
-    def moe_tile_rows(self) -> tuple:
+    def moe_tile_rows(self, layout: ExpertLayout | None = None) -> tuple:
         from strata.gpu.kernels import tensor_core
-        from strata.gpu.kernels.gemm import DEFAULT_BLOCK_MS
+        from strata.gpu.kernels.moe import prefill_tile_row_choices
 
-        return DEFAULT_BLOCK_MS if tensor_core.is_available() else (None,)  # the FFMA tiles have one shape
+        if not tensor_core.is_available():
+            return (None,)  # the FFMA tiles have one shape
+        return prefill_tile_row_choices(*_expert_formats(layout))
 
     @contextlib.contextmanager
     def forcing_moe_tile_rows(self, rows: int | None):
@@ -422,10 +425,10 @@ class CudaOps:
         finally:
             self._forced_tile_rows = previous
 
-    def _moe_block_m(self, num_pairs: int, num_experts: int) -> int:
-        from strata.gpu.kernels.gemm import moe_block_m
+    def _moe_block_m(self, num_pairs: int, num_experts: int, layout: ExpertLayout | None) -> int:
+        from strata.gpu.kernels.moe import prefill_tile_rows
 
-        return self._forced_tile_rows or moe_block_m(num_pairs, num_experts)
+        return self._forced_tile_rows or prefill_tile_rows(num_pairs, num_experts, *_expert_formats(layout))
 
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``;
@@ -460,7 +463,7 @@ class CudaOps:
             # group by expert id (few: the grouping keeps a counter per expert in shared memory),
             # then point each tile at its expert's slot; tensor cores on the GPU (the down launch on
             # tiles of its own), FFMA in the simulator
-            block_m = self._moe_block_m(ids.shape[0] * ids.shape[1], table.shape[0])
+            block_m = self._moe_block_m(ids.shape[0] * ids.shape[1], table.shape[0], layout)
             groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], block_m)
             tiles = groups.tile_expert.shape[0]
             _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)
@@ -579,6 +582,14 @@ def _tiles_to_slots_kernel():
                 tile_expert[i] = slot_of_expert[expert]
 
     return tiles_to_slots_kernel
+
+
+def _expert_formats(layout: ExpertLayout | None) -> tuple:
+    """(formats of gate, up, down; hidden size; FFN size) of the experts, or nothing known without a layout."""
+    if layout is None:
+        return (), 0, 0
+    ffn, dim = layout.shapes[0]
+    return tuple(qtype.name for qtype in layout.qtypes), dim, ffn
 
 
 def packed_expert_layout(model) -> ExpertLayout:

@@ -12,6 +12,9 @@ Prefill (moe_experts_prefill), two launches over the tiles of moe_route.moe_grou
         pair_weight and atomically adds into out[pair_token] (out is the residual stream), with
         tensor cores two adjacent columns per vector reduction. The k experts of a token land in
         any order, so the float sum is not bitwise reproducible.
+    With neither config nor down_config given, groups of moe_rows.TILE_ROWS pairs and experts that
+    moe_rows serves (Q4_0 on tensor cores) run moe_rows' two launches instead: the weight rows on
+    the mma's M, the tile's tokens on its N. prefill_tile_rows picks a chunk's grouping accordingly.
 Decode (moe_experts_decode), two launches, GEMV-shaped (a few tokens):
     gate_up: grid (F row blocks, T * k pairs), optionally with the FFN RMSNorm fused in;
     down: grid (H row blocks, T); each row group loops over the token's k experts and adds
@@ -25,38 +28,27 @@ import functools
 import numpy as np
 from numba import cuda, types
 
+from . import moe_rows
 from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
 from .activation import device_silu_mul
 from .gemm import (BLOCK_K, DEFAULT_BLOCK_MS, MmaConfig, acc_coords_device, default_config, default_down_config,
-                   dual_mainloop_device, jit_options, mainloop_device, staged_input)
+                   dual_mainloop_device, jit_options, mainloop_device, moe_block_m, staged_input)
 from .block_reduce import device_inv_rms
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS, experts_supported, moe_experts_native
-from .moe_route import MoeGroups
+from .moe_route import MoeGroups, tile_slot_device
 from .packing import PackedMatrix, check_packed
 from .shared_tiles import dynamic_bytes, launch, tiles_device
 
 
 @functools.cache
-def _tile_slot_device(is_mapped: bool):
-    """is_mapped: tiles name expert ids and slot_of_expert [N] maps them to slots (-1: skip the tile);
-    otherwise tiles name slots already (slot_of_expert unused)."""
-    @cuda.jit(device=True)
-    def tile_slot(tile_expert, slot_of_expert, tile):  # the slot holding the tile's expert, -1: none
-        expert = tile_expert[tile]
-        return slot_of_expert[expert] if is_mapped else expert
-
-    return tile_slot
-
-
-@functools.cache
 def _gate_up_kernel(fmt_gate: str, fmt_up: str, config, is_mapped: bool):
-    """is_mapped as for _tile_slot_device."""
+    """is_mapped as for tile_slot_device."""
     bm, bn, acc_size = config.block_m, config.block_n, config.acc_size
     tiles = tiles_device(config, 2)
     loop = dual_mainloop_device(fmt_gate, fmt_up, config)
     coords = acc_coords_device(config)
-    tile_slot = _tile_slot_device(is_mapped)
+    tile_slot = tile_slot_device(is_mapped)
 
     @cuda.jit(**jit_options(config))
     def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles,
@@ -94,14 +86,14 @@ def _gate_up_kernel(fmt_gate: str, fmt_up: str, config, is_mapped: bool):
 
 @functools.cache
 def _down_kernel(fmt_down: str, config, is_mapped: bool, is_hidden_f16: bool):
-    """is_mapped as for _tile_slot_device. is_hidden_f16: the hidden scratch is float16, so the down
+    """is_mapped as for tile_slot_device. is_hidden_f16: the hidden scratch is float16, so the down
     product may run the fused loop (which reads float16 X only)."""
     bm, bn, acc_size = config.block_m, config.block_n, config.acc_size
     tiles = tiles_device(config, 1)
     is_unfused = isinstance(config, MmaConfig) and not is_hidden_f16
     loop = mainloop_device(fmt_down, config._replace(fused=False) if is_unfused else config)
     add_weighted = _add_weighted_device(config)
-    tile_slot = _tile_slot_device(is_mapped)
+    tile_slot = tile_slot_device(is_mapped)
 
     @cuda.jit(**jit_options(config))
     def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
@@ -205,6 +197,9 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     blocks of tiles beyond num_tiles exit at once.
     """
     fmts, block_m = (gate.fmt, up.fmt, down.fmt), groups.block_m
+    if config is None and down_config is None and moe_rows.is_supported(groups, gate, up, down) and (
+            hidden is None or hidden.dtype == np.float16) and hidden_dtype in (None, np.float16):
+        return _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_expert)
     if config is None and block_m not in DEFAULT_BLOCK_MS:
         raise ValueError(f"the groups' tiles are {block_m} pairs, but the default tiles have {DEFAULT_BLOCK_MS} rows: "
                          "group with gemm.moe_block_m(num_pairs, num_experts), or pass config")
@@ -245,6 +240,41 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
                groups.pair_weight, *tiles, out)
 
     return launch_gate_up, launch_down
+
+
+def prefill_tile_rows(num_pairs: int, num_experts: int, fmts: tuple = (), dim: int = 0, ffn: int = 0) -> int:
+    """The grouping's block_m for a prefill chunk of num_pairs routed pairs over experts of these formats
+    (gate, up, down) and sizes: moe_rows' tokens a tile where its kernels serve them (faster at every chunk
+    size measured), else gemm.moe_block_m's choice for the tile kernels (an empty fmts: unknown experts)."""
+    if moe_rows.serves(fmts, dim, ffn):
+        return moe_rows.TILE_ROWS
+    return moe_block_m(num_pairs, num_experts)
+
+
+def prefill_tile_row_choices(fmts: tuple = (), dim: int = 0, ffn: int = 0) -> tuple:
+    """Every block_m prefill_tile_rows may pick for these experts (each its own compiled kernels), with
+    tensor cores; the FFMA tiles' one shape is the caller's to name."""
+    return (moe_rows.TILE_ROWS,) if moe_rows.serves(fmts, dim, ffn) else DEFAULT_BLOCK_MS
+
+
+def _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_expert):
+    """moe_prefill_launches on moe_rows' kernels: the same checks, float16 X and hidden."""
+    from .elementwise import to_float16
+
+    check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
+    num_tokens, dim = x.shape
+    ffn = _check_experts(gate, up, down, num_experts, dim)
+    check_array("out", out, dtypes=np.float32, shape=(num_tokens, dim))
+    num_pairs = groups.pair_token.shape[0]
+    if hidden is None:
+        hidden = empty((num_pairs, ffn), np.float16, x)
+    check_array("hidden", hidden, dtypes=np.float16, shape=(num_pairs, ffn))
+    is_mapped = slot_of_expert is not None
+    if is_mapped:
+        check_array("slot_of_expert", slot_of_expert, dtypes=np.int32, ndim=1)
+    table = slot_of_expert if is_mapped else stand_in(groups.tile_expert, np.int32, 1)
+    x = x if x.dtype == np.float16 else to_float16(x)
+    return moe_rows.rows_launches(x, groups, gate, up, down, out, hidden, table, is_mapped)
 
 
 def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,

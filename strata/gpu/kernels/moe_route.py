@@ -183,6 +183,19 @@ class MoeGroups(NamedTuple):
         return self.tile_expert.shape[0]
 
 
+@functools.cache
+def tile_slot_device(is_mapped: bool):
+    """device(tile_expert, slot_of_expert, tile) -> the slot holding tile's expert, -1: none (skip the tile).
+    is_mapped: tiles name expert ids and slot_of_expert [N] maps them to slots; otherwise tiles name
+    slots already (slot_of_expert unused)."""
+    @cuda.jit(device=True)
+    def tile_slot(tile_expert, slot_of_expert, tile):
+        expert = tile_expert[tile]
+        return slot_of_expert[expert] if is_mapped else expert
+
+    return tile_slot
+
+
 def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound of sum_e ceil(count_e / block_m) over any routing of num_pairs pairs."""
     return ceil_div(num_pairs, block_m) + min(num_experts, num_pairs)

@@ -1,0 +1,219 @@
+// MoE expert products for chunks of few routed rows an expert (moe_rows.py): the weight rows are the
+// mma's M and the tile's tokens its N, so a tile of up to 64 tokens pays for whole 8-token groups only,
+// and each weight element is dequantized once a tile, straight into A fragments in registers.
+//
+// A block: WARPS warps, each owning 16 weight rows (rows g and g + 8 of a lane: g = lane / 4, t = lane % 4)
+// of the block's 16 * WARPS, against all the tile's tokens (8 groups of 8; groups past the tile's rows
+// are skipped). Every step stages 64 of K through a ring of STAGES by cp.async: the X rows of the tile,
+// and the weights' raw Q4_0 blocks (quant words and f16 scales); one barrier a step.
+//
+// K order inside an mma: the products of a 16-wide mma may pair A's and B's k in any order, as long as
+// both use the same. Lane t takes the physical elements 4t .. 4t + 3 of each 16-element half of a 32-element
+// block: quant word t of the block (bytes 4t .. 4t + 3 hold elements 4t .. 4t + 3 in their low nibbles,
+// 16 + 4t .. in their high), and one 8-byte load of each X row. In the mma those are logical
+// k 2t, 2t + 1 (registers a0 / a1, b0) and 2t + 8, 2t + 9 (a2 / a3, b1).
+//
+// Shared layouts (bank-conflict-free for the loads of a step):
+//   X   [STAGES][64 rows][64 halves]; the 16-byte chunk q of row r at chunk q ^ (2r mod 8)
+//   Wq  [STAGES][NW][64 rows][8 words]; the 4 words of block b of row r at 4 * (b ^ (r / 4 mod 2))
+//   Ws  [STAGES][NW][64 rows] words: the f16 scales of the row's two blocks
+// Numerics: each weight is the f16 rounding of d * (q - 8) (as gemm_mma.cu's dequantizer), X is f16,
+// the sums f32 in the mma.
+#include <cuda_fp16.h>
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int STEP_K = 64, STAGES = 3, TILE_TOKENS = 64, WARP_ROWS = 16;
+constexpr int X_STAGE_HALVES = TILE_TOKENS * STEP_K;           // 4,096 halves: 8 KiB
+constexpr int W_STAGE_WORDS = 64 * STEP_K / 8;                 // 64 rows x 2 blocks x 4 words: 2 KiB
+constexpr int S_STAGE_WORDS = 64;                              // a scale pair a row
+
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void copy4(void* dst, const void* src, bool valid) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0));
+}
+
+template <int N>
+__device__ __forceinline__ void wait_pending() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The f16 halves d * (q - 8) of the nibbles selected by `selector` (bytes (0, 1) or (2, 3)) of `nibbles`.
+__device__ __forceinline__ unsigned q4_pair(unsigned nibbles, unsigned selector, __half2 d) {
+  return scaled_half2(__byte_perm(nibbles, 0x64646464u, selector), 0x64086408u, d);
+}
+
+template <int NW>
+struct Smem {
+  __half* x;
+  unsigned* wq;
+  unsigned* ws;
+  int* rows;
+  __device__ explicit Smem(unsigned char* base)
+      : x(reinterpret_cast<__half*>(base)),
+        wq(reinterpret_cast<unsigned*>(base + 2 * STAGES * X_STAGE_HALVES)),
+        ws(wq + STAGES * NW * W_STAGE_WORDS),
+        rows(reinterpret_cast<int*>(ws + STAGES * NW * S_STAGE_WORDS)) {}
+};
+
+// acc[m][j] += W_m[w_row0 + 16 * warp ..][K] x X[rows of tokens 8j ..][K]^T over the whole K.
+//   x       f16 [.][x_pitch]; token n of the tile is X row pair_token[start + n] (GATHER) or start + n
+//   qa, sa (qb, sb)  Q4_0 planes of the NW weights; weight rows from w_row_end on read as zeros
+//   smem    moe_rows.py's shared block (Smem's layout); every thread of the block calls this
+template <int NW, int WARPS, bool GATHER>
+__device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_k32, const int* pair_token, int start,
+                                          int num_rows, const unsigned* qa, const __half* sa, const unsigned* qb,
+                                          const __half* sb, int quant_pitch, int scale_pitch, int w_row0,
+                                          int w_row_end, unsigned char* smem_base, float (&acc)[NW][8][4]) {
+  constexpr int THREADS = 32 * WARPS, BLOCK_ROWS = WARP_ROWS * WARPS;
+  static_assert(BLOCK_ROWS == 64, "the weight stages hold 64 rows");
+  const Smem<NW> smem(smem_base);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int num_groups = (num_rows + 7) >> 3, num_steps = num_k32 / 2;
+  if (tid < TILE_TOKENS) smem.rows[tid] = tid < num_rows ? (GATHER ? pair_token[start + tid] : start + tid) : -1;
+  __syncthreads();
+
+  auto load = [&](int step, int buf) {
+    __half* xs = smem.x + buf * X_STAGE_HALVES;
+    for (int i = tid; i < num_groups * 8 * 8; i += THREADS) {  // the tile's token groups x 8 chunks of 16 bytes
+      const int r = i >> 3, q = i & 7, row = smem.rows[r];
+      copy16(xs + r * STEP_K + 8 * (q ^ ((2 * r) & 7)),
+             x + static_cast<size_t>(row < 0 ? 0 : row) * x_pitch + step * STEP_K + 8 * q, row >= 0);
+    }
+#pragma unroll
+    for (int i = tid; i < NW * 64 * 2; i += THREADS) {  // quant words: 2 blocks of 16 bytes a row
+      const int m = i >> 7, r = (i >> 1) & 63, b = i & 1, w_row = w_row0 + r;
+      const bool is_row = w_row < w_row_end;
+      const unsigned* q = (m ? qb : qa) + static_cast<size_t>(is_row ? w_row : 0) * quant_pitch + 8 * step + 4 * b;
+      copy16(smem.wq + (buf * NW + m) * W_STAGE_WORDS + r * 8 + 4 * (b ^ ((r >> 2) & 1)), q, is_row);
+    }
+#pragma unroll
+    for (int i = tid; i < NW * 64; i += THREADS) {  // the rows' two block scales, 4 bytes
+      const int m = i >> 6, r = i & 63, w_row = w_row0 + r;
+      const bool is_row = w_row < w_row_end;
+      copy4(smem.ws + (buf * NW + m) * S_STAGE_WORDS + r,
+            (m ? sb : sa) + static_cast<size_t>(is_row ? w_row : 0) * scale_pitch + 2 * step, is_row);
+    }
+    cp_async_commit();
+  };
+
+  const int r0 = warp * WARP_ROWS + g, swizzle = (r0 >> 2) & 1, x_swizzle = (2 * g) & 7;
+  auto compute = [&](int buf) {
+    const __half* xs = smem.x + buf * X_STAGE_HALVES;
+    unsigned scales[NW][2];
+#pragma unroll
+    for (int m = 0; m < NW; ++m) {
+      scales[m][0] = smem.ws[(buf * NW + m) * S_STAGE_WORDS + r0];
+      scales[m][1] = smem.ws[(buf * NW + m) * S_STAGE_WORDS + r0 + 8];
+    }
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      unsigned lo[NW][4], hi[NW][4];  // A fragments of the block's two 16-element halves
+#pragma unroll
+      for (int m = 0; m < NW; ++m) {
+        const unsigned* wq = smem.wq + (buf * NW + m) * W_STAGE_WORDS + 4 * (b ^ swizzle) + t;
+        const unsigned w0 = wq[r0 * 8], w1 = wq[(r0 + 8) * 8];
+        const __half2 s0 = *reinterpret_cast<const __half2*>(&scales[m][0]);
+        const __half2 s1 = *reinterpret_cast<const __half2*>(&scales[m][1]);
+        const __half2 d0 = b ? __high2half2(s0) : __low2half2(s0), d1 = b ? __high2half2(s1) : __low2half2(s1);
+        const unsigned l0 = w0 & 0x0F0F0F0Fu, l1 = w1 & 0x0F0F0F0Fu;
+        const unsigned h0 = (w0 >> 4) & 0x0F0F0F0Fu, h1 = (w1 >> 4) & 0x0F0F0F0Fu;
+        lo[m][0] = q4_pair(l0, 0x4140, d0);
+        lo[m][1] = q4_pair(l1, 0x4140, d1);
+        lo[m][2] = q4_pair(l0, 0x4342, d0);
+        lo[m][3] = q4_pair(l1, 0x4342, d1);
+        hi[m][0] = q4_pair(h0, 0x4140, d0);
+        hi[m][1] = q4_pair(h1, 0x4140, d1);
+        hi[m][2] = q4_pair(h0, 0x4342, d0);
+        hi[m][3] = q4_pair(h1, 0x4342, d1);
+      }
+      const int chunk = 4 * b + (t >> 1), within = 4 * (t & 1);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (j < num_groups) {
+          const __half* row = xs + (8 * j + g) * STEP_K + within;
+          const uint2 xl = *reinterpret_cast<const uint2*>(row + 8 * (chunk ^ x_swizzle));
+          const uint2 xh = *reinterpret_cast<const uint2*>(row + 8 * ((chunk + 2) ^ x_swizzle));
+#pragma unroll
+          for (int m = 0; m < NW; ++m) {
+            mma_16816(acc[m][j], lo[m][0], lo[m][1], lo[m][2], lo[m][3], xl.x, xl.y);
+            mma_16816(acc[m][j], hi[m][0], hi[m][1], hi[m][2], hi[m][3], xh.x, xh.y);
+          }
+        }
+      }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_steps) load(s, s);
+    else cp_async_commit();
+  }
+  for (int step = 0; step < num_steps; ++step) {
+    wait_pending<STAGES - 2>();
+    __syncthreads();  // the step's stage is in place, and every warp is done with the stage loaded next
+    const int next = step + STAGES - 1;
+    if (next < num_steps) load(next, next % STAGES);
+    else cp_async_commit();
+    compute(step % STAGES);
+  }
+}
+
+__device__ __forceinline__ float silu_mul(float g, float u) {  // activation.py's device_silu_mul
+  const float e = expf(-fabsf(g));
+  const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+  return g * sigmoid * u;
+}
+
+}  // namespace
+
+// Gate and up of one expert tile: hidden[start + n][col0 + c] = silu(gate) * up (f16) for the block's 64 weight
+// rows (columns c of the expert's FFN, from w_row0 = expert * ffn + col0, up to w_row_end = expert * ffn + ffn).
+extern "C" __device__ void strata_moe_rows_gate_up_q4_0(const __half* x, int x_pitch, int num_k32,
+                                                        const int* pair_token, int start, int num_rows,
+                                                        const unsigned* gq, const __half* gs, const unsigned* uq,
+                                                        const __half* us, int quant_pitch, int scale_pitch,
+                                                        int w_row0, int w_row_end, __half* hidden, int hidden_pitch,
+                                                        int col0, unsigned char* smem) {
+  float acc[2][8][4] = {};
+  rows_tile<2, 4, true>(x, x_pitch, num_k32, pair_token, start, num_rows, gq, gs, uq, us, quant_pitch, scale_pitch,
+                        w_row0, w_row_end, smem, acc);
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, row = (threadIdx.x >> 5) * WARP_ROWS + g;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int n = 8 * j + 2 * t + (r & 1), c = row + 8 * (r >> 1);
+      if (n < num_rows && w_row0 + c < w_row_end)
+        hidden[static_cast<size_t>(start + n) * hidden_pitch + col0 + c] = __float2half_rn(silu_mul(acc[0][j][r], acc[1][j][r]));
+    }
+}
+
+// Down of one expert tile: out[pair_token[start + n]][col0 + c] += pair_weight[start + n] * (W_down hidden row
+// start + n) for the block's 64 output columns (weight rows from w_row0 = expert * dim + col0).
+extern "C" __device__ void strata_moe_rows_down_q4_0(const __half* hidden, int hidden_pitch, int num_k32,
+                                                     const int* pair_token, const float* pair_weight, int start,
+                                                     int num_rows, const unsigned* dq, const __half* ds,
+                                                     int quant_pitch, int scale_pitch, int w_row0, int w_row_end,
+                                                     float* out, int out_pitch, int col0, unsigned char* smem) {
+  float acc[1][8][4] = {};
+  rows_tile<1, 4, false>(hidden, hidden_pitch, num_k32, pair_token, start, num_rows, dq, ds, dq, ds, quant_pitch,
+                         scale_pitch, w_row0, w_row_end, smem, acc);
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, row = (threadIdx.x >> 5) * WARP_ROWS + g;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int n = 8 * j + 2 * t + (r & 1), c = row + 8 * (r >> 1);
+      if (n < num_rows && w_row0 + c < w_row_end)
+        atomicAdd(out + static_cast<size_t>(pair_token[start + n]) * out_pitch + col0 + c,
+                  pair_weight[start + n] * acc[0][j][r]);
+    }
+}

@@ -1,0 +1,142 @@
+"""MoE prefill expert products for chunks of few routed rows an expert (cuda/moe_rows.cu; GPU only, Q4_0).
+
+moe.py's tiles put the routed tokens on the mma's M (16 rows a fragment) and stage each tile's
+dequantized weights in shared memory; at 32 rows an expert (512 tokens routed top-8 of 128 experts)
+half of a 64-row tile is padding, and the staging of the weights is most of the loop. Here the roles
+swap: a block's warps each own 16 weight rows and run them against all the tokens of the tile, 8 at
+a time (the mma's N), so a tile of up to TILE_ROWS tokens pays for whole 8-token groups only; each
+weight element is dequantized once a tile, from a cp.async ring of raw Q4_0 blocks straight into
+A fragments in registers.
+
+Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and hidden, weights the
+f16 roundings of d * (q - 8), f32 sums): the two agree up to summation order.
+
+Launch config: gate_up grid (ceil(F / BLOCK_COLS), max_tiles), down grid (ceil(H / BLOCK_COLS),
+max_tiles), blocks of THREADS threads with SHARED_BYTES of static shared memory; blocks of tiles
+beyond num_tiles, or whose expert is not in the batch, exit at once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, types
+
+from . import tensor_core
+from ._common import is_c_contiguous, is_device_array
+from .moe_route import MoeGroups, tile_slot_device
+
+FORMATS = ("Q4_0",)
+TILE_ROWS = 64  # the groups' block_m: the tokens of a tile, 8 groups of 8
+BLOCK_COLS = 64  # weight rows of a block: 4 warps of 16
+THREADS = 128
+STEP_K = 64  # K staged a step: both dims must be multiples of it
+_STAGES = 3
+_ALIGN_BYTES = 16  # cp.async copies 16 bytes of quants (and 4 of scales) at a time
+
+
+def shared_bytes(num_weights: int) -> int:
+    """A block's shared memory (cuda/moe_rows.cu's Smem): X and raw weight stages, the tile's row list."""
+    x_stage, w_stage, s_stage = 2 * TILE_ROWS * STEP_K, 4 * BLOCK_COLS * STEP_K // 8, 4 * BLOCK_COLS
+    return _STAGES * (x_stage + num_weights * (w_stage + s_stage)) + 4 * TILE_ROWS
+
+
+def _is_aligned(w) -> bool:
+    return (is_device_array(w.quants) and is_c_contiguous(w.quants) and is_c_contiguous(w.scales)
+            and w.quants.device_ctypes_pointer.value % _ALIGN_BYTES == 0
+            and w.quants.shape[1] * 4 % _ALIGN_BYTES == 0
+            and w.scales.device_ctypes_pointer.value % 4 == 0 and w.scales.shape[1] % 2 == 0)
+
+
+def serves(fmts: tuple, dim: int, ffn: int) -> bool:
+    """True when these kernels run experts of these formats (gate, up, down) and sizes, given groups of
+    TILE_ROWS pairs and aligned planes: a GPU with tensor cores, Q4_0, hidden and FFN sizes multiples of STEP_K."""
+    return (tensor_core.is_available() and len(fmts) == 3 and all(fmt in FORMATS for fmt in fmts)
+            and dim > 0 and ffn > 0 and dim % STEP_K == 0 and ffn % STEP_K == 0)
+
+
+def is_supported(groups: MoeGroups, gate, up, down) -> bool:
+    """True when these kernels can run the chunk: serves() its experts, groups of TILE_ROWS pairs, and the
+    planes aligned for cp.async."""
+    return (groups.block_m == TILE_ROWS and serves((gate.fmt, up.fmt, down.fmt), gate.num_cols, down.num_cols)
+            and all(_is_aligned(w) for w in (gate, up, down)))
+
+
+_U32_PTR, _U8_PTR, _I32_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8), types.CPointer(types.int32)
+_I32, _HALF, _FLOAT = tensor_core.INT32, tensor_core.HALF_PTR, tensor_core.FLOAT_PTR
+
+
+@functools.cache
+def _gate_up_kernel(is_mapped: bool):
+    fn = tensor_core.declare("strata_moe_rows_gate_up_q4_0",
+                             (_HALF, _I32, _I32, _I32_PTR, _I32, _I32, _U32_PTR, _HALF, _U32_PTR, _HALF, _I32, _I32,
+                              _I32, _I32, _HALF, _I32, _I32, _U8_PTR), "moe_rows.cu")
+    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(2)
+
+    @cuda.jit
+    def gate_up_kernel(x, gq, gs, uq, us, pair_token, tile_expert, tile_start, tile_rows, num_tiles, slot_of_expert,
+                       hidden):
+        tile = cuda.blockIdx.y
+        if tile >= num_tiles[0]:
+            return
+        expert = tile_slot(tile_expert, slot_of_expert, tile)
+        if expert < 0:  # not in this batch: another launch of the same grouping computes it
+            return
+        smem = cuda.shared.array(num_bytes, np.uint8, alignment=16)
+        ffn = hidden.shape[1]
+        col0 = cuda.blockIdx.x * BLOCK_COLS
+        fn(ffi.from_buffer(x), np.int32(x.shape[1]), np.int32(x.shape[1] // 32), ffi.from_buffer(pair_token),
+           tile_start[tile], tile_rows[tile], ffi.from_buffer(gq), ffi.from_buffer(gs), ffi.from_buffer(uq),
+           ffi.from_buffer(us), np.int32(gq.shape[1]), np.int32(gs.shape[1]), np.int32(expert * ffn + col0),
+           np.int32(expert * ffn + ffn), ffi.from_buffer(hidden), np.int32(ffn), np.int32(col0),
+           ffi.from_buffer(smem))
+
+    return gate_up_kernel
+
+
+@functools.cache
+def _down_kernel(is_mapped: bool):
+    fn = tensor_core.declare("strata_moe_rows_down_q4_0",
+                             (_HALF, _I32, _I32, _I32_PTR, _FLOAT, _I32, _I32, _U32_PTR, _HALF, _I32, _I32, _I32,
+                              _I32, _FLOAT, _I32, _I32, _U8_PTR), "moe_rows.cu")
+    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(1)
+
+    @cuda.jit
+    def down_kernel(hidden, dq, ds, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
+                    slot_of_expert, out):
+        tile = cuda.blockIdx.y
+        if tile >= num_tiles[0]:
+            return
+        expert = tile_slot(tile_expert, slot_of_expert, tile)
+        if expert < 0:
+            return
+        smem = cuda.shared.array(num_bytes, np.uint8, alignment=16)
+        dim = out.shape[1]
+        col0 = cuda.blockIdx.x * BLOCK_COLS
+        fn(ffi.from_buffer(hidden), np.int32(hidden.shape[1]), np.int32(hidden.shape[1] // 32),
+           ffi.from_buffer(pair_token), ffi.from_buffer(pair_weight), tile_start[tile], tile_rows[tile],
+           ffi.from_buffer(dq), ffi.from_buffer(ds), np.int32(dq.shape[1]), np.int32(ds.shape[1]),
+           np.int32(expert * dim + col0), np.int32(expert * dim + dim), ffi.from_buffer(out), np.int32(dim),
+           np.int32(col0), ffi.from_buffer(smem))
+
+    return down_kernel
+
+
+def rows_launches(x, groups: MoeGroups, gate, up, down, out, hidden, table, is_mapped: bool):
+    """The (gate_up, down) launches of moe.moe_prefill_launches on these kernels; the caller checked the
+    arguments and is_supported(groups, gate, up, down). x [T, H] and hidden [P, F] float16; table: the
+    slot of each expert (is_mapped), else a stand-in."""
+    ffn, dim = hidden.shape[1], out.shape[1]
+    gate_up_kernel, down_kernel = _gate_up_kernel(is_mapped), _down_kernel(is_mapped)
+    tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
+
+    def launch_gate_up():
+        gate_up_kernel[(-(-ffn // BLOCK_COLS), groups.max_tiles), THREADS](
+            x, gate.quants, gate.scales, up.quants, up.scales, groups.pair_token, *tiles, hidden)
+
+    def launch_down():
+        down_kernel[(-(-dim // BLOCK_COLS), groups.max_tiles), THREADS](
+            hidden, down.quants, down.scales, groups.pair_token, groups.pair_weight, *tiles, out)
+
+    return launch_gate_up, launch_down
