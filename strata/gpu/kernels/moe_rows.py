@@ -11,9 +11,10 @@ A fragments in registers.
 Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and hidden, weights the
 f16 roundings of d * (q - 8), f32 sums): the two agree up to summation order.
 
-Launch config: gate_up grid (ceil(F / BLOCK_COLS), max_tiles), down grid (ceil(H / BLOCK_COLS),
-max_tiles), blocks of THREADS threads with SHARED_BYTES of static shared memory; blocks of tiles
-beyond num_tiles, or whose expert is not in the batch, exit at once.
+Launch config: gate_up grid (ceil(F / BLOCK_COLS), max_tiles), down grid (ceil(H / DOWN_BLOCK_COLS),
+max_tiles), blocks of THREADS threads with shared_bytes(2) of static shared memory (both launches stage
+two 64-row weights: gate and up, or two halves of down's 128 rows); blocks of tiles beyond num_tiles,
+or whose expert is not in the batch, exit at once.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from .moe_route import MoeGroups, tile_slot_device
 
 FORMATS = ("Q4_0",)
 TILE_ROWS = 64  # the groups' block_m: the tokens of a tile, 8 groups of 8
-BLOCK_COLS = 64  # weight rows of a block: 4 warps of 16
+BLOCK_COLS = 64  # gate/up: weight rows of a block (of gate and of up), 4 warps of 16
+DOWN_BLOCK_COLS = 128  # down: two 64-row halves, each warp 16 rows of both
 THREADS = 128
 STEP_K = 64  # K staged a step: both dims must be multiples of it
 _STAGES = 3
@@ -100,7 +102,7 @@ def _down_kernel(is_mapped: bool):
     fn = tensor_core.declare("strata_moe_rows_down_q4_0",
                              (_HALF, _I32, _I32, _I32_PTR, _FLOAT, _I32, _I32, _U32_PTR, _HALF, _I32, _I32, _I32,
                               _I32, _FLOAT, _I32, _I32, _U8_PTR), "moe_rows.cu")
-    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(1)
+    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(2)
 
     @cuda.jit
     def down_kernel(hidden, dq, ds, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
@@ -113,7 +115,7 @@ def _down_kernel(is_mapped: bool):
             return
         smem = cuda.shared.array(num_bytes, np.uint8, alignment=16)
         dim = out.shape[1]
-        col0 = cuda.blockIdx.x * BLOCK_COLS
+        col0 = cuda.blockIdx.x * DOWN_BLOCK_COLS
         fn(ffi.from_buffer(hidden), np.int32(hidden.shape[1]), np.int32(hidden.shape[1] // 32),
            ffi.from_buffer(pair_token), ffi.from_buffer(pair_weight), tile_start[tile], tile_rows[tile],
            ffi.from_buffer(dq), ffi.from_buffer(ds), np.int32(dq.shape[1]), np.int32(ds.shape[1]),
@@ -136,7 +138,7 @@ def rows_launches(x, groups: MoeGroups, gate, up, down, out, hidden, table, is_m
             x, gate.quants, gate.scales, up.quants, up.scales, groups.pair_token, *tiles, hidden)
 
     def launch_down():
-        down_kernel[(-(-dim // BLOCK_COLS), groups.max_tiles), THREADS](
+        down_kernel[(-(-dim // DOWN_BLOCK_COLS), groups.max_tiles), THREADS](
             hidden, down.quants, down.scales, groups.pair_token, groups.pair_weight, *tiles, out)
 
     return launch_gate_up, launch_down

@@ -65,13 +65,14 @@ struct Smem {
 
 // acc[m][j] += W_m[w_row0 + 16 * warp ..][K] x X[rows of tokens 8j ..][K]^T over the whole K.
 //   x       f16 [.][x_pitch]; token n of the tile is X row pair_token[start + n] (GATHER) or start + n
-//   qa, sa (qb, sb)  Q4_0 planes of the NW weights; weight rows from w_row_end on read as zeros
+//   qa, sa (qb, sb)  Q4_0 planes of the NW weights; rows from w_row_end (w_row_end_b for qb) on read as zeros
 //   smem    moe_rows.py's shared block (Smem's layout); every thread of the block calls this
 template <int NW, int WARPS, bool GATHER>
 __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_k32, const int* pair_token, int start,
                                           int num_rows, const unsigned* qa, const __half* sa, const unsigned* qb,
                                           const __half* sb, int quant_pitch, int scale_pitch, int w_row0,
-                                          int w_row_end, unsigned char* smem_base, float (&acc)[NW][8][4]) {
+                                          int w_row_end, int w_row_end_b, unsigned char* smem_base,
+                                          float (&acc)[NW][8][4]) {
   constexpr int THREADS = 32 * WARPS, BLOCK_ROWS = WARP_ROWS * WARPS;
   static_assert(BLOCK_ROWS == 64, "the weight stages hold 64 rows");
   const Smem<NW> smem(smem_base);
@@ -90,14 +91,14 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
 #pragma unroll
     for (int i = tid; i < NW * 64 * 2; i += THREADS) {  // quant words: 2 blocks of 16 bytes a row
       const int m = i >> 7, r = (i >> 1) & 63, b = i & 1, w_row = w_row0 + r;
-      const bool is_row = w_row < w_row_end;
+      const bool is_row = w_row < (m ? w_row_end_b : w_row_end);
       const unsigned* q = (m ? qb : qa) + static_cast<size_t>(is_row ? w_row : 0) * quant_pitch + 8 * step + 4 * b;
       copy16(smem.wq + (buf * NW + m) * W_STAGE_WORDS + r * 8 + 4 * (b ^ ((r >> 2) & 1)), q, is_row);
     }
 #pragma unroll
     for (int i = tid; i < NW * 64; i += THREADS) {  // the rows' two block scales, 4 bytes
       const int m = i >> 6, r = i & 63, w_row = w_row0 + r;
-      const bool is_row = w_row < w_row_end;
+      const bool is_row = w_row < (m ? w_row_end_b : w_row_end);
       copy4(smem.ws + (buf * NW + m) * S_STAGE_WORDS + r,
             (m ? sb : sa) + static_cast<size_t>(is_row ? w_row : 0) * scale_pitch + 2 * step, is_row);
     }
@@ -199,7 +200,7 @@ extern "C" __device__ void strata_moe_rows_gate_up_q4_0(const __half* x, int x_p
                                                         int col0, unsigned char* smem) {
   float acc[2][8][4] = {};
   rows_tile<2, 4, true>(x, x_pitch, num_k32, pair_token, start, num_rows, gq, gs, uq, us, quant_pitch, scale_pitch,
-                        w_row0, w_row_end, smem, acc);
+                        w_row0, w_row_end, w_row_end, smem, acc);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, row = (threadIdx.x >> 5) * WARP_ROWS + g;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
@@ -212,23 +213,28 @@ extern "C" __device__ void strata_moe_rows_gate_up_q4_0(const __half* x, int x_p
 }
 
 // Down of one expert tile: out[pair_token[start + n]][col0 + c] += pair_weight[start + n] * (W_down hidden row
-// start + n) for the block's 64 output columns (weight rows from w_row0 = expert * dim + col0).
+// start + n) for the block's 128 output columns (weight rows from w_row0 = expert * dim + col0, up to w_row_end =
+// expert * dim + dim), as two 64-row weights (the second from row w_row0 + 64): every warp then has two A
+// fragments for each X fragment, as gate/up does.
 extern "C" __device__ void strata_moe_rows_down_q4_0(const __half* hidden, int hidden_pitch, int num_k32,
                                                      const int* pair_token, const float* pair_weight, int start,
                                                      int num_rows, const unsigned* dq, const __half* ds,
                                                      int quant_pitch, int scale_pitch, int w_row0, int w_row_end,
                                                      float* out, int out_pitch, int col0, unsigned char* smem) {
-  float acc[1][8][4] = {};
-  rows_tile<1, 4, false>(hidden, hidden_pitch, num_k32, pair_token, start, num_rows, dq, ds, dq, ds, quant_pitch,
-                         scale_pitch, w_row0, w_row_end, smem, acc);
+  float acc[2][8][4] = {};
+  rows_tile<2, 4, false>(hidden, hidden_pitch, num_k32, pair_token, start, num_rows, dq, ds,
+                         dq + static_cast<size_t>(64) * quant_pitch, ds + static_cast<size_t>(64) * scale_pitch,
+                         quant_pitch, scale_pitch, w_row0, w_row_end, w_row_end - 64, smem, acc);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, row = (threadIdx.x >> 5) * WARP_ROWS + g;
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int n = 8 * j + 2 * t + (r & 1), c = row + 8 * (r >> 1);
-      if (n < num_rows && w_row0 + c < w_row_end)
-        atomicAdd(out + static_cast<size_t>(pair_token[start + n]) * out_pitch + col0 + c,
-                  pair_weight[start + n] * acc[0][j][r]);
-    }
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int n = 8 * j + 2 * t + (r & 1), c = 64 * m + row + 8 * (r >> 1);
+        if (n < num_rows && w_row0 + c < w_row_end)
+          atomicAdd(out + static_cast<size_t>(pair_token[start + n]) * out_pitch + col0 + c,
+                    pair_weight[start + n] * acc[m][j][r]);
+      }
 }
