@@ -28,19 +28,18 @@ from numba import cuda
 
 from strata.bench.provenance import code_identity
 from strata.gpu.graphs import capture_graph
-from strata.gpu.kernels import tensor_core
+from strata.gpu.kernels import moe_rows, tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
 from strata.gpu.kernels.attention import (
     DECODE_CONFIG, AttentionConfig, attention, default_num_splits, split_partial_shapes,
 )
+from strata.gpu.kernels.elementwise import to_float16
 from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config, staged_input
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.gemv_native import LAYER_CONFIG, head_config
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
 from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill, moe_prefill_launches, prefill_tile_rows
-from strata.gpu.kernels import moe_rows
-from strata.gpu.kernels.elementwise import to_float16
 from strata.gpu.kernels.moe_route import moe_group, moe_route
 from strata.gpu.kernels.packing import PackedMatrix, plane_shapes
 from strata.gpu.kernels.rope import head_norm_rope
@@ -194,13 +193,17 @@ def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg
     """Rows: both launches back to back (the bar), each alone, the whole moe_experts_prefill call, the
     grouping. down_cfg: the down launch's own tiles (moe_prefill_launches' down_config). cfg None: the
     engine's choice for groups of block_m pairs (moe_rows' kernels where they apply, else the default tiles)."""
+    if cfg is None and block_m is None:
+        raise ValueError("bench_moe_prefill: cfg None (the engine's kernels) needs the groups' block_m")
     rng = np.random.default_rng(2)
     num_pairs = num_tokens * s.top_k
     block_m = cfg.block_m if cfg is not None else block_m
+    fmts = tuple(w.fmt for w in experts)
+    tiles = cfg or default_config(*fmts, block_m=block_m)  # the tile kernels' config (or moe_rows' fallback)
     x = device_randn((num_tokens, s.hidden), rng)
     ids, weights = moe_route(device_randn((num_tokens, s.num_experts), rng), s.top_k, **_aux(s))
     out = cuda.to_device(np.zeros((num_tokens, s.hidden), np.float32))
-    hidden = cuda.device_array((num_pairs, s.ffn), np.float32 if isinstance(cfg, GemmConfig) else np.float16)
+    hidden = cuda.device_array((num_pairs, s.ffn), np.float32 if isinstance(tiles, GemmConfig) else np.float16)
     group_ms = median_ms(lambda: moe_group(ids, weights, s.num_experts, block_m, **_aux(s)), *timing)
     groups = moe_group(ids, weights, s.num_experts, block_m, **_aux(s))
     wrapper_ms = median_ms(lambda: moe_experts_prefill(x, groups, *experts, out, num_experts=s.num_experts,
@@ -212,8 +215,7 @@ def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg
     if is_rows:
         x_staged = to_float16(x)
     else:
-        x_staged = staged_input(x, cfg or default_config(*(w.fmt for w in experts), block_m=block_m),
-                                experts[0].fmt, experts[1].fmt)  # float16 for the fused loop, else x
+        x_staged = staged_input(x, tiles, experts[0].fmt, experts[1].fmt)  # float16 for the fused loop, else x
     gate_up, down = moe_prefill_launches(x_staged, groups, *experts, out, num_experts=s.num_experts, hidden=hidden,
                                          config=cfg, down_config=down_cfg)
     ms = median_ms(lambda: (gate_up(), down()), *timing)

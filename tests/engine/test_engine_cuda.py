@@ -14,7 +14,7 @@ from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import AllocationError
 from strata.engine.ops import _has_cuda_device
-from strata.gpu.kernels import attention_decode, attention_decode_mma, tensor_core
+from strata.gpu.kernels import attention_decode, attention_decode_mma, moe_rows, tensor_core
 from strata.gpu.kernels.gemm import moe_block_m
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, TRANSIENT_OWNERS
 from strata.model.gguf_file import open_gguf
@@ -52,8 +52,8 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     assert engine.warm_up() > 0
     monkeypatch.undo()
     assert dict(engine.ledger.snapshot().by_owner) == before
-    # each tile shape a chunk may take has its kernels compiled (64 and 128 rows on tensor cores, or
-    # moe_rows' 64 alone where its kernels serve the experts)
+    # each tile shape a chunk may take has its kernels compiled (64 and 128 rows on tensor cores: moe_rows'
+    # kernels do not serve this model's 32-wide expert FFN)
     forced = {rows for rows in engine.ops.moe_tile_rows(engine.cache.layout) if rows}
     assert grouped_rows and forced <= set(grouped_rows) and len(set(grouped_rows)) == max(1, len(forced))
     assert engine.kv_tokens == [] and engine.cache.num_cached == 0 and engine.cache.num_evictions == 0
@@ -71,6 +71,21 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     with pytest.raises(ValueError, match=r"MoE tile rows must be one of \(.*\), got 32"):
         with engine.ops.forcing_moe_tile_rows(32):
             pass
+
+
+@pytest.mark.skipif(not tensor_core.is_available(), reason="moe_rows' kernels need tensor cores")
+def test_experts_of_64_multiples_prefill_on_the_rows_kernels_and_give_the_reference_output(tmp_path, monkeypatch):
+    path = write_synthetic_model(tmp_path / "rows.gguf", with_overrides(PRESETS["tiny"], hidden_size=128,
+                                                                        expert_ffn_size=64), QType.Q4_0, seed=6)
+    engine = Engine.load(engine_config(path, runtime={"backend": BACKEND, "vram_budget": "64MiB"}),
+                         show_progress=False)
+    assert engine.ops.moe_tile_rows(engine.cache.layout) == (moe_rows.TILE_ROWS,)
+    launched = []
+    real = moe_rows.rows_launches
+    monkeypatch.setattr(moe_rows, "rows_launches", lambda *a, **k: launched.append(1) or real(*a, **k))
+    tokens, _ = greedy(engine, PROMPT, NUM_GENERATED)
+    assert launched
+    assert tokens == reference_greedy(path, PROMPT, NUM_GENERATED)
 
 
 @pytest.mark.parametrize("head_dim, module", [

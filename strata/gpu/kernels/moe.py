@@ -34,6 +34,7 @@ from .activation import device_silu_mul
 from .gemm import (BLOCK_K, DEFAULT_BLOCK_MS, MmaConfig, acc_coords_device, default_config, default_down_config,
                    dual_mainloop_device, jit_options, mainloop_device, moe_block_m, staged_input)
 from .block_reduce import device_inv_rms
+from .elementwise import to_float16
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS, experts_supported, moe_experts_native
 from .moe_route import MoeGroups, tile_slot_device
@@ -54,10 +55,8 @@ def _gate_up_kernel(fmt_gate: str, fmt_up: str, config, is_mapped: bool):
     def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles,
                        slot_of_expert, hidden):
         tile = cuda.blockIdx.y
-        if tile >= num_tiles[0]:
-            return
-        expert = tile_slot(tile_expert, slot_of_expert, tile)
-        if expert < 0:  # not in this batch: another launch of the same grouping computes it
+        expert = tile_slot(tile_expert, num_tiles, slot_of_expert, tile)
+        if expert < 0:  # past the tiles in use, or not in this batch (another launch of the grouping has it)
             return
         tid = cuda.threadIdx.x
         ffn = hidden.shape[1]
@@ -99,10 +98,8 @@ def _down_kernel(fmt_down: str, config, is_mapped: bool, is_hidden_f16: bool):
     def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
                     slot_of_expert, out):
         tile = cuda.blockIdx.y
-        if tile >= num_tiles[0]:
-            return
-        expert = tile_slot(tile_expert, slot_of_expert, tile)
-        if expert < 0:
+        expert = tile_slot(tile_expert, num_tiles, slot_of_expert, tile)
+        if expert < 0:  # past the tiles in use, or not in this batch (another launch of the grouping has it)
             return
         tid = cuda.threadIdx.x
         dim = out.shape[1]
@@ -194,8 +191,11 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
 
     Launch config: two launches of gemm's blocks: gate_up grid (ceil(F / config.block_n), max_tiles)
     of config.threads, down grid (ceil(H / down_config.block_n), max_tiles) of down_config.threads;
-    blocks of tiles beyond num_tiles exit at once.
+    blocks of tiles beyond num_tiles exit at once. On moe_rows' kernels (neither config given, groups of
+    moe_rows.TILE_ROWS pairs, experts it serves, hidden float16 or none): moe_rows' launch config.
     """
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        check_packed(name, w)
     fmts, block_m = (gate.fmt, up.fmt, down.fmt), groups.block_m
     if config is None and down_config is None and moe_rows.is_supported(groups, gate, up, down) and (
             hidden is None or hidden.dtype == np.float16) and hidden_dtype in (None, np.float16):
@@ -253,14 +253,15 @@ def prefill_tile_rows(num_pairs: int, num_experts: int, fmts: tuple = (), dim: i
 
 def prefill_tile_row_choices(fmts: tuple = (), dim: int = 0, ffn: int = 0) -> tuple:
     """Every block_m prefill_tile_rows may pick for these experts (each its own compiled kernels), with
-    tensor cores; the FFMA tiles' one shape is the caller's to name."""
-    return (moe_rows.TILE_ROWS,) if moe_rows.serves(fmts, dim, ffn) else DEFAULT_BLOCK_MS
+    tensor cores; with no experts named, every block_m it may pick for any. The FFMA tiles' one shape
+    is the caller's to name."""
+    if moe_rows.serves(fmts, dim, ffn):
+        return (moe_rows.TILE_ROWS,)
+    return DEFAULT_BLOCK_MS if fmts else tuple(sorted({*DEFAULT_BLOCK_MS, moe_rows.TILE_ROWS}))
 
 
 def _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_expert):
     """moe_prefill_launches on moe_rows' kernels: the same checks, float16 X and hidden."""
-    from .elementwise import to_float16
-
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens, dim = x.shape
     ffn = _check_experts(gate, up, down, num_experts, dim)

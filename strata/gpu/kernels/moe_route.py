@@ -185,11 +185,13 @@ class MoeGroups(NamedTuple):
 
 @functools.cache
 def tile_slot_device(is_mapped: bool):
-    """device(tile_expert, slot_of_expert, tile) -> the slot holding tile's expert, -1: none (skip the tile).
-    is_mapped: tiles name expert ids and slot_of_expert [N] maps them to slots; otherwise tiles name
-    slots already (slot_of_expert unused)."""
+    """device(tile_expert, num_tiles, slot_of_expert, tile) -> the slot holding tile's expert, -1: skip the
+    tile (past num_tiles[0], or its expert not in the batch). is_mapped: tiles name expert ids and
+    slot_of_expert [N] maps them to slots; otherwise tiles name slots already (slot_of_expert unused)."""
     @cuda.jit(device=True)
-    def tile_slot(tile_expert, slot_of_expert, tile):
+    def tile_slot(tile_expert, num_tiles, slot_of_expert, tile):
+        if tile >= num_tiles[0]:
+            return -1
         expert = tile_expert[tile]
         return slot_of_expert[expert] if is_mapped else expert
 

@@ -12,7 +12,7 @@ Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and 
 f16 roundings of d * (q - 8), f32 sums): the two agree up to summation order.
 
 Launch config: gate_up grid (ceil(F / BLOCK_COLS), max_tiles), down grid (ceil(H / DOWN_BLOCK_COLS),
-max_tiles), blocks of THREADS threads with shared_bytes(2) of static shared memory (both launches stage
+max_tiles), blocks of THREADS threads with shared_bytes() of static shared memory (both launches stage
 two 64-row weights: gate and up, or two halves of down's 128 rows); blocks of tiles beyond num_tiles,
 or whose expert is not in the batch, exit at once.
 """
@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda, types
 
 from . import tensor_core
-from ._common import is_c_contiguous, is_device_array
+from ._common import ceil_div, is_c_contiguous, is_device_array
 from .moe_route import MoeGroups, tile_slot_device
 
 FORMATS = ("Q4_0",)
@@ -38,10 +38,11 @@ _STAGES = 3
 _ALIGN_BYTES = 16  # cp.async copies 16 bytes of quants (and 4 of scales) at a time
 
 
-def shared_bytes(num_weights: int) -> int:
-    """A block's shared memory (cuda/moe_rows.cu's Smem): X and raw weight stages, the tile's row list."""
+def shared_bytes() -> int:
+    """A block's shared memory (cuda/moe_rows.cu's Smem<2>; both launches stage two 64-row weights): X and
+    raw weight stages, the tile's row list."""
     x_stage, w_stage, s_stage = 2 * TILE_ROWS * STEP_K, 4 * BLOCK_COLS * STEP_K // 8, 4 * BLOCK_COLS
-    return _STAGES * (x_stage + num_weights * (w_stage + s_stage)) + 4 * TILE_ROWS
+    return _STAGES * (x_stage + 2 * (w_stage + s_stage)) + 4 * TILE_ROWS
 
 
 def _is_aligned(w) -> bool:
@@ -74,16 +75,14 @@ def _gate_up_kernel(is_mapped: bool):
     fn = tensor_core.declare("strata_moe_rows_gate_up_q4_0",
                              (_HALF, _I32, _I32, _I32_PTR, _I32, _I32, _U32_PTR, _HALF, _U32_PTR, _HALF, _I32, _I32,
                               _I32, _I32, _HALF, _I32, _I32, _U8_PTR), "moe_rows.cu")
-    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(2)
+    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes()
 
     @cuda.jit
     def gate_up_kernel(x, gq, gs, uq, us, pair_token, tile_expert, tile_start, tile_rows, num_tiles, slot_of_expert,
                        hidden):
         tile = cuda.blockIdx.y
-        if tile >= num_tiles[0]:
-            return
-        expert = tile_slot(tile_expert, slot_of_expert, tile)
-        if expert < 0:  # not in this batch: another launch of the same grouping computes it
+        expert = tile_slot(tile_expert, num_tiles, slot_of_expert, tile)
+        if expert < 0:  # past the tiles in use, or not in this batch (another launch of the grouping has it)
             return
         smem = cuda.shared.array(num_bytes, np.uint8, alignment=16)
         ffn = hidden.shape[1]
@@ -102,16 +101,14 @@ def _down_kernel(is_mapped: bool):
     fn = tensor_core.declare("strata_moe_rows_down_q4_0",
                              (_HALF, _I32, _I32, _I32_PTR, _FLOAT, _I32, _I32, _U32_PTR, _HALF, _I32, _I32, _I32,
                               _I32, _FLOAT, _I32, _I32, _U8_PTR), "moe_rows.cu")
-    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(2)
+    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes()
 
     @cuda.jit
     def down_kernel(hidden, dq, ds, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
                     slot_of_expert, out):
         tile = cuda.blockIdx.y
-        if tile >= num_tiles[0]:
-            return
-        expert = tile_slot(tile_expert, slot_of_expert, tile)
-        if expert < 0:
+        expert = tile_slot(tile_expert, num_tiles, slot_of_expert, tile)
+        if expert < 0:  # past the tiles in use, or not in this batch (another launch of the grouping has it)
             return
         smem = cuda.shared.array(num_bytes, np.uint8, alignment=16)
         dim = out.shape[1]
@@ -134,11 +131,11 @@ def rows_launches(x, groups: MoeGroups, gate, up, down, out, hidden, table, is_m
     tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
 
     def launch_gate_up():
-        gate_up_kernel[(-(-ffn // BLOCK_COLS), groups.max_tiles), THREADS](
+        gate_up_kernel[(ceil_div(ffn, BLOCK_COLS), groups.max_tiles), THREADS](
             x, gate.quants, gate.scales, up.quants, up.scales, groups.pair_token, *tiles, hidden)
 
     def launch_down():
-        down_kernel[(-(-dim // DOWN_BLOCK_COLS), groups.max_tiles), THREADS](
+        down_kernel[(ceil_div(dim, DOWN_BLOCK_COLS), groups.max_tiles), THREADS](
             hidden, down.quants, down.scales, groups.pair_token, groups.pair_weight, *tiles, out)
 
     return launch_gate_up, launch_down

@@ -26,7 +26,7 @@ __device__ __forceinline__ void mma_16816(float* c, unsigned a0, unsigned a1, un
 
 enum OctetFormat { kF16, kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ6_K };
 
-[[maybe_unused]] __device__ __forceinline__ void cp_async_16(__half* dst, const void* src, bool valid) {
+[[maybe_unused]] __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
 }

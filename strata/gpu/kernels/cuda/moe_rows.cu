@@ -30,11 +30,6 @@ constexpr int X_STAGE_HALVES = TILE_TOKENS * STEP_K;           // 4,096 halves: 
 constexpr int W_STAGE_WORDS = 64 * STEP_K / 8;                 // 64 rows x 2 blocks x 4 words: 2 KiB
 constexpr int S_STAGE_WORDS = 64;                              // a scale pair a row
 
-__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
-}
-
 __device__ __forceinline__ void copy4(void* dst, const void* src, bool valid) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0));
@@ -85,7 +80,7 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
     __half* xs = smem.x + buf * X_STAGE_HALVES;
     for (int i = tid; i < num_groups * 8 * 8; i += THREADS) {  // the tile's token groups x 8 chunks of 16 bytes
       const int r = i >> 3, q = i & 7, row = smem.rows[r];
-      copy16(xs + r * STEP_K + 8 * (q ^ ((2 * r) & 7)),
+      cp_async_16(xs + r * STEP_K + 8 * (q ^ ((2 * r) & 7)),
              x + static_cast<size_t>(row < 0 ? 0 : row) * x_pitch + step * STEP_K + 8 * q, row >= 0);
     }
 #pragma unroll
@@ -93,7 +88,7 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
       const int m = i >> 7, r = (i >> 1) & 63, b = i & 1, w_row = w_row0 + r;
       const bool is_row = w_row < (m ? w_row_end_b : w_row_end);
       const unsigned* q = (m ? qb : qa) + static_cast<size_t>(is_row ? w_row : 0) * quant_pitch + 8 * step + 4 * b;
-      copy16(smem.wq + (buf * NW + m) * W_STAGE_WORDS + r * 8 + 4 * (b ^ ((r >> 2) & 1)), q, is_row);
+      cp_async_16(smem.wq + (buf * NW + m) * W_STAGE_WORDS + r * 8 + 4 * (b ^ ((r >> 2) & 1)), q, is_row);
     }
 #pragma unroll
     for (int i = tid; i < NW * 64; i += THREADS) {  // the rows' two block scales, 4 bytes
@@ -136,9 +131,8 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
         hi[m][3] = q4_pair(h1, 0x4342, d1);
       }
       const int chunk = 4 * b + (t >> 1), within = 4 * (t & 1);
-      // gate/up takes two token groups at a time, so that no mma waits on the one before it (each accumulator
-      // still takes its low half, then its high half); down measured faster one group at a time, with fewer
-      // registers live
+      // two token groups at a time, so that no mma waits on the one before it (each accumulator still takes
+      // its low half, then its high half); with one weight down measured faster one group at a time
       constexpr int AT_ONCE = NW == 2 ? 2 : 1;
 #pragma unroll
       for (int j = 0; j < 8; j += AT_ONCE) {
@@ -222,8 +216,10 @@ extern "C" __device__ void strata_moe_rows_down_q4_0(const __half* hidden, int h
                                                      int quant_pitch, int scale_pitch, int w_row0, int w_row_end,
                                                      float* out, int out_pitch, int col0, unsigned char* smem) {
   float acc[2][8][4] = {};
-  rows_tile<2, 4, false>(hidden, hidden_pitch, num_k32, pair_token, start, num_rows, dq, ds,
-                         dq + static_cast<size_t>(64) * quant_pitch, ds + static_cast<size_t>(64) * scale_pitch,
+  const bool has_second = w_row_end - w_row0 > 64;  // else every row of the second half reads as zeros
+  const unsigned* dq_second = has_second ? dq + static_cast<size_t>(64) * quant_pitch : dq;
+  const __half* ds_second = has_second ? ds + static_cast<size_t>(64) * scale_pitch : ds;
+  rows_tile<2, 4, false>(hidden, hidden_pitch, num_k32, pair_token, start, num_rows, dq, ds, dq_second, ds_second,
                          quant_pitch, scale_pitch, w_row0, w_row_end, w_row_end - 64, smem, acc);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, row = (threadIdx.x >> 5) * WARP_ROWS + g;
 #pragma unroll
