@@ -4,7 +4,8 @@ The sweeps behind the defaults of ``gemm.default_config()`` and ``attention.py``
 ``SERVING_CONFIG`` (docs/PERFORMANCE.md): every MmaConfig main-loop variant on the MoE prefill
 products (2,048 and 8,192 routed tokens; Q4_0, or --weight-format) and a dense 4096 x 4096 x 2048
 GEMM; the MoE prefill's gate/up and down launches on tiles of their own, at 512 / 2,048 / 8,192
-routed tokens (behind ``gemm.default_config()`` and ``default_down_config()``); every
+routed tokens (behind ``gemm.default_config()`` and ``default_down_config()``), and the engine's
+choice for Q4_0 experts, ``moe_rows``' kernels on 64-pair groups; every
 MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
 block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
 largest difference from a reference output (the GEMM, attention and GEMV sweeps) or from the first
@@ -47,11 +48,14 @@ _BASE = MappingProxyType({**GEMM_TILES["128x64"], "step_k": 32, "stages": 2})
 _DOWN_4X1 = MappingProxyType({**_BASE, "warps_n": 1, "step_k": 64})
 _SMALL = MappingProxyType({**GEMM_TILES["64x64"], "step_k": 32, "stages": 2})
 MOE_VARIANTS = MappingProxyType({  # the first is the reference of the sweep's max rel diff
-    "128x64, down 4x1 step_k 64 (default from 96 rows an expert)": (_BASE, _DOWN_4X1),
+    # None: no tiles given, 64-pair groups: moe_rows' kernels where they serve the experts (the engine's
+    # choice for Q4_0), else the default tiles
+    "weight rows on M, 64-pair groups (default for Q4_0)": None,
+    "128x64, down 4x1 step_k 64 (default tiles from 96 rows an expert)": (_BASE, _DOWN_4X1),
     "128x64, down on gate/up's tiles": (_BASE, _BASE),
     "64x64, down step_k 64": (_SMALL, {**_SMALL, "step_k": 64}),
     "64x64, both step_k 64": ({**_SMALL, "step_k": 64}, {**_SMALL, "step_k": 64}),
-    "64x64, down on gate/up's tiles (default below 96)": (_SMALL, _SMALL),
+    "64x64, down on gate/up's tiles (default tiles below 96)": (_SMALL, _SMALL),
     "64x64, down 2x1 step_k 64": (_SMALL, {**_SMALL, "warps_n": 1, "step_k": 64}),
     "64x128 2x4, down 64x64 step_k 64": ({**_SMALL, "block_n": 128, "warps_n": 4}, {**_SMALL, "step_k": 64}),
     "64x128 2x2, down 64x64 step_k 64": ({**_SMALL, "block_n": 128}, {**_SMALL, "step_k": 64}),
@@ -91,6 +95,7 @@ def moe_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
     the first variant's (the k experts of a token add in any order, so a few ulps are expected)."""
     from strata.bench import kernels as b
     from strata.gpu.kernels.gemm import default_config
+    from strata.gpu.kernels import moe_rows
     from strata.gpu.kernels.moe import moe_experts_prefill
     from strata.gpu.kernels.moe_route import moe_group, moe_route
 
@@ -101,17 +106,23 @@ def moe_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
     ids, weights = moe_route(b.device_randn((512, s.num_experts), rng), s.top_k)
     first = None
     for name in [name for name in MOE_VARIANTS if match in name]:
-        gate_up_tiles, down_tiles = MOE_VARIANTS[name]
-        config, down_config = base._replace(**gate_up_tiles), base._replace(**down_tiles)
+        tiles = MOE_VARIANTS[name]
+        if tiles is None:
+            config = down_config = None
+            block_m = moe_rows.TILE_ROWS
+        else:
+            config, down_config = base._replace(**tiles[0]), base._replace(**tiles[1])
+            block_m = config.block_m
 
-        def figures(n, config=config, down_config=down_config):
-            whole, gate_up, down = b.bench_moe_prefill(s, experts, n, config, timing, down_config)[:3]
+        def figures(n, config=config, down_config=down_config, block_m=block_m):
+            whole, gate_up, down = b.bench_moe_prefill(s, experts, n, config, timing, down_config,
+                                                       block_m=block_m)[:3]
             return f"{whole.figure:6.1f} ({gate_up.figure:5.1f}, {down.figure:5.1f})"
 
-        def diff(config=config, down_config=down_config):
+        def diff(config=config, down_config=down_config, block_m=block_m):
             nonlocal first
             out = b.cuda.to_device(np.zeros((512, s.hidden), np.float32))
-            groups = moe_group(ids, weights, s.num_experts, config.block_m)
+            groups = moe_group(ids, weights, s.num_experts, block_m)
             moe_experts_prefill(x, groups, *experts, out, num_experts=s.num_experts, config=config,
                                 down_config=down_config)
             y = out.copy_to_host()
