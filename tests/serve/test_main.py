@@ -50,8 +50,11 @@ def test_a_config_without_serve_is_refused(tiny_model, tmp_path, capsys, no_bind
 
 def test_strata_config_serves_until_interrupted(tiny_model, tmp_path):
     config = write_config(tmp_path / "serve.toml", tiny_model)
+    # a job started in the background of a non-interactive shell inherits SIGINT ignored, and Python then
+    # installs no handler for it: the server must see Ctrl-C as a terminal would deliver it
     process = subprocess.Popen([sys.executable, "-m", "strata.cli", "--config", str(config)], stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
     reader.start()
