@@ -4,8 +4,24 @@ Each repetition is a new process (``strata.bench.one_run``) so no cache, allocat
 state carries over, as in the reference write-up's protocol. Arms: loan off (the config with
 ``loan.enabled = false``) and loan on (the config as written). The table reports the plan, PP and
 TG medians with ranges, bytes streamed per chunk, the expert-cache hit rate, the ratio of the
-prefill time to its roofline floor, the bytes decode streams a token and the ratio of its PCIe time
-to the decode time, and the ratio to the rival's figures on the same H200.
+prefill floor to the prefill time, the bytes decode streams and reads from VRAM a step, the ratio
+of the decode floor to the decode time, and every PP and TG median as a ratio to the rival's
+figures on the same H200 and model shape, both with its experts in host RAM and with the whole
+model in VRAM (the rival has no 8k figure for prefill; the table says so).
+
+Floors (rates measured on the reference H200, DESIGN.md):
+
+- prefill: ``max(prefill streamed bytes / 55 GB/s, FLOPs / 730 TFLOP/s)``, FLOPs being
+  ``2 * active params * n + 2 * n**2 * attention width`` (causal attention).
+- decode, over its ``S = generated - 1`` steps (the first token comes from prefill's logits):
+  ``max(PCIe, HBM)`` with ``PCIe = decode streamed bytes / 55 GB/s`` and
+  ``HBM = (S * (dense + head + experts) + kv_cell * (S * P + S * (S + 1) / 2)) / 3.9 TB/s``:
+  a decode step reads the dense weights without the embedding table (``dense``), the output head
+  (``head``), the top-k routed experts of every layer (``experts``, missed or cached: a miss
+  lands in VRAM and is read there) and the KV cache of every token so far (step ``i`` of a
+  ``P``-token prompt attends to ``P + i`` cells of ``kv_cell`` bytes). The terms are a max, not a
+  sum: the staging of one layer's misses can overlap the reads of others, so only the larger of
+  the two is a lower bound. A run recorded without the read sizes has an HBM term of 0.
 """
 
 from __future__ import annotations
@@ -22,9 +38,13 @@ from strata.config import Config
 
 PCIE_BYTES_PER_S = 55e9  # pinned host-to-device, measured on the reference H200
 TENSOR_FLOPS_PER_S = 730e12  # cuBLAS fp16 tensor cores, measured on the reference H200
+HBM_BYTES_PER_S = 3.9e12  # HBM copy (Numba kernel, read + write), measured on the reference H200
 # llama.cpp on the same H200 and model shape, experts in host RAM, its best batch size
 RIVAL_PREFILL = {2048: 4394.0, 32768: 4739.0}
 RIVAL_DECODE = 32.4
+# the same rival with the whole model in VRAM
+RIVAL_VRAM_PREFILL = {2048: 12042.0, 32768: 8685.0}
+RIVAL_VRAM_DECODE = 316.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,9 +106,17 @@ def prefill_floor_seconds(run: dict) -> float:
 
 
 def decode_floor_seconds(run: dict) -> float:
-    """The misses decode streamed over PCIe; where experts miss, decode waits on them (the resident
-    weights' reads from HBM take far less)."""
-    return _decode_bytes(run) / PCIE_BYTES_PER_S
+    """max(decode streamed bytes / PCIe, decode VRAM reads / HBM): see the module's docstring."""
+    return max(_decode_bytes(run) / PCIE_BYTES_PER_S, decode_vram_bytes(run) / HBM_BYTES_PER_S)
+
+
+def decode_vram_bytes(run: dict) -> float:
+    """Bytes all decode steps read from VRAM: weights a token reads, times the steps, plus the KV
+    cache at each step's context (0 for a run recorded without the read sizes)."""
+    steps, prompt = _decode_steps(run), run["prompt_tokens"]
+    weights = run.get("dense_read_bytes", 0) + run.get("head_read_bytes", 0) + run.get("expert_read_bytes", 0)
+    cells = steps * prompt + steps * (steps + 1) / 2
+    return steps * weights + run.get("kv_bytes_per_cell", 0) * cells
 
 
 def _decode_bytes(run: dict) -> int:
@@ -120,9 +148,10 @@ def _prefill_bytes(run: dict) -> int:
 
 def format_table(runs: list[dict]) -> str:
     header = ("| Prompt | Loan | Prompt chunk / ring | PP median (range) | TG median (range) | MiB streamed / chunk "
-              "| cache hit rate | floor / PP time | MiB streamed / decode step | PCIe / TG time | PP vs rival "
-              "| TG vs rival |")
-    rows = [header, "| " + " | ".join(["---:"] * 12) + " |"]
+              "| cache hit rate | floor / PP time | MiB streamed / decode step | MiB read from VRAM / decode step "
+              "| decode floor / TG time | PP vs rival, experts in RAM | PP vs rival, all in VRAM "
+              "| TG vs rival, experts in RAM | TG vs rival, all in VRAM |")
+    rows = [header, "| " + " | ".join(["---:"] * 15) + " |"]
     groups: dict[tuple[int, str], list[dict]] = {}
     for run in runs:
         groups.setdefault((run["prompt_tokens"], run["loan"]), []).append(run)
@@ -133,15 +162,27 @@ def format_table(runs: list[dict]) -> str:
         per_chunk = statistics.median(_prefill_bytes(r) / max(1, r["num_chunks"]) for r in group) / 2**20
         floor = statistics.median(prefill_floor_seconds(r) / r["prefill_seconds"] for r in group)
         per_token = statistics.median(_decode_bytes(r) / max(1, _decode_steps(r)) for r in group) / 2**20
+        vram_per_token = statistics.median(decode_vram_bytes(r) / max(1, _decode_steps(r)) for r in group) / 2**20
         decode_floor = statistics.median(_decode_floor_share(r) for r in group)
-        rival = RIVAL_PREFILL.get(length)
+        pp_median, tg_median = statistics.median(pp), statistics.median(tg)
         cells = [f"{length:,}", arm, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",
                  f"{statistics.median(r['cache_hit_rate'] for r in group):.1%}", f"{floor:.2f}",
-                 f"{per_token:,.0f}", f"{decode_floor:.2f}",
-                 f"{statistics.median(pp) / rival:.2f}×" if rival else "-",
-                 f"{statistics.median(tg) / RIVAL_DECODE:.2f}×"]
+                 f"{per_token:,.0f}", f"{vram_per_token:,.0f}", f"{decode_floor:.2f}",
+                 _prefill_ratio(pp_median, length, RIVAL_PREFILL), _prefill_ratio(pp_median, length, RIVAL_VRAM_PREFILL),
+                 _ratio(tg_median, RIVAL_DECODE), _ratio(tg_median, RIVAL_VRAM_DECODE)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _prefill_ratio(median: float, length: int, rival: dict[int, float]) -> str:
+    if length not in rival:
+        name = f"{length // 1024}k" if length % 1024 == 0 else f"{length:,}-token"
+        return f"rival has no {name} figure"
+    return _ratio(median, rival[length])
+
+
+def _ratio(median: float, rival: float) -> str:
+    return f"{median / rival:.2f}× of {rival:,.0f}" if rival >= 100 else f"{median / rival:.2f}× of {rival:,.1f}"
 
 
 def _median_range(values: list[float]) -> str:

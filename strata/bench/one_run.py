@@ -80,11 +80,33 @@ def main(argv=None) -> int:
         "expert_bytes": engine.pack.num_bytes if engine.pack else 0,
         "active_params": _active_params(engine.spec),
         "attention_width": engine.spec.q_size * engine.spec.num_layers,
+        **decode_read_bytes(engine.model, engine.placement),
         "timing_line": stats.timing_line(), "code": code_identity(),
     }
     print("STRATA-BENCH " + json.dumps(result), flush=True)
     engine.close()
     return 0
+
+
+def decode_read_bytes(model, placement) -> dict:
+    """What one decode token reads from VRAM, apart from the KV cache, and the KV bytes a cell.
+
+    ``dense_read_bytes``: the placement's dense weights without the embedding table (a token reads
+    one row of it); ``head_read_bytes``: the output head (the embedding table when tied);
+    ``expert_read_bytes``: the top-k routed experts of every main layer (a layer's expert tensors
+    over its expert count, times k); ``kv_bytes_per_cell``: the placement's KV bytes over its cells.
+    """
+    spec, tensors = model.spec, model.tensors
+    embedding = tensors["token_embd.weight"].nbytes
+    head = tensors["output.weight"].nbytes if "output.weight" in tensors else embedding
+    experts = 0
+    if spec.is_moe:
+        for layer in range(spec.num_layers):
+            names = (f"blk.{layer}.{t}.weight" for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+            layer_bytes = sum(tensors[n].nbytes for n in names if n in tensors)
+            experts += layer_bytes * spec.num_experts_used // spec.num_experts
+    return {"dense_read_bytes": placement.dense_bytes - embedding, "head_read_bytes": head,
+            "expert_read_bytes": experts, "kv_bytes_per_cell": placement.kv_bytes / max(1, placement.kv_cells)}
 
 
 def _active_params(spec) -> int:

@@ -7,7 +7,7 @@ import sys
 
 from engine_setup import LOAN_RUNTIME, write_small_moe
 
-from strata.bench.harness import decode_floor_seconds, format_table, prefill_floor_seconds
+from strata.bench.harness import decode_floor_seconds, decode_vram_bytes, format_table, prefill_floor_seconds
 from strata.bench.provenance import code_identity
 
 
@@ -33,6 +33,9 @@ def test_bench_runs_both_arms_in_fresh_processes_and_prints_the_table(tmp_path):
     runs = json.loads(out.read_text())
     assert [(r["loan"], r["prompt_tokens"], r["generated_tokens"]) for r in runs] == [("off", 40, 3), ("on", 40, 3)]
     assert all(r["prefill_tokens_per_s"] > 0 and r["num_chunks"] == 2 for r in runs)
+    # what a decode token reads from VRAM, for the decode floor's HBM term
+    assert all(r["dense_read_bytes"] > 0 and r["head_read_bytes"] > 0 and r["expert_read_bytes"] > 0
+               and r["kv_bytes_per_cell"] > 0 and decode_vram_bytes(r) > 0 for r in runs)
     # each run names the code it imported, the same as the harness's first line names
     code = code_identity()
     assert all(r["code"] == code for r in runs) and f"# {code}\n" in done.stderr
@@ -50,13 +53,52 @@ def test_table_medians_ranges_and_rival_ratios():
     runs = [run, {**run, "prefill_tokens_per_s": 1200.0}, {**run, "prefill_tokens_per_s": 1100.0}]
     table = format_table(runs)
     assert "1,100.0 (1,000.0–1,200.0)" in table and "5,376 / 128" in table and "2,048 |" in table
-    assert "0.25×" in table  # 1,100 against the rival's 4,394 at 2k
+    assert "| 0.25× of 4,394 |" in table  # 1,100 against the rival's 4,394 at 2k
     flops = 2 * 3e9 * 2048 + 2 * 2048**2 * 4096 * 48
     assert prefill_floor_seconds(run) == max(2**30 / 55e9, flops / 730e12)
     # decode streamed the other GiB in 127 steps (the first token is prefill's): 8 MiB a step,
     # 2**30 / 55e9 = 19.5 ms of PCIe in 40 ms of decode
     assert decode_floor_seconds(run) == 2**30 / 55e9
-    assert "| 8 | 0.49 |" in table
+    # a run recorded without the VRAM read sizes reads 0 MiB from VRAM: its floor is PCIe alone
+    assert "| 8 | 0 | 0.49 |" in table
     one_token = {**run, "generated_tokens": 1, "decode_tokens_per_s": 0.0, "streamed_bytes": 2**30}
     del one_token["decode_seconds"]
-    assert "| 0 | 0.00 |" in format_table([one_token])  # no decode step: no division by zero
+    assert "| 0 | 0 | 0.00 |" in format_table([one_token])  # no decode step: no division by zero
+
+
+def test_table_ratios_to_both_rivals_at_every_length():
+    run = {"loan": "on", "prefill_tokens_per_s": 6000.0, "decode_tokens_per_s": 63.2, "chunk_tokens": 5376,
+           "ring_slots": 128, "streamed_bytes": 2**30, "prefill_streamed_bytes": 2**30, "num_chunks": 1,
+           "cache_hit_rate": 0.5, "prefill_seconds": 1.0, "active_params": 3e9, "attention_width": 4096 * 48,
+           "generated_tokens": 128, "decode_seconds": 2.0}
+    rows = format_table([{**run, "prompt_tokens": n} for n in (2048, 8192, 32768)]).splitlines()
+    two_k, eight_k, thirty_two_k = rows[2:]
+    assert "PP vs rival, experts in RAM | PP vs rival, all in VRAM" in rows[0]
+    assert "TG vs rival, experts in RAM | TG vs rival, all in VRAM |" in rows[0]
+    # prefill: 6,000 against 4,394 and 12,042 at 2k, 4,739 and 8,685 at 32k; no rival figure at 8k
+    assert "| 1.37× of 4,394 | 0.50× of 12,042 |" in two_k
+    assert "| 1.27× of 4,739 | 0.69× of 8,685 |" in thirty_two_k
+    assert "| rival has no 8k figure | rival has no 8k figure |" in eight_k and "| - |" not in eight_k
+    # decode at every length: 63.2 against 32.4 in host RAM and 316 all in VRAM
+    for row in (two_k, eight_k, thirty_two_k):
+        assert row.endswith("| 1.95× of 32.4 | 0.20× of 316 |")
+
+
+def test_decode_floor_reads_vram_when_nothing_streams():
+    # fully resident: nothing streamed, so the PCIe term is 0 and the HBM term is the floor
+    run = {"prompt_tokens": 2048, "loan": "off", "prefill_tokens_per_s": 8000.0, "decode_tokens_per_s": 240.0,
+           "chunk_tokens": 2048, "ring_slots": 128, "streamed_bytes": 0, "prefill_streamed_bytes": 0,
+           "num_chunks": 1, "cache_hit_rate": 1.0, "prefill_seconds": 0.256, "active_params": 3e9,
+           "attention_width": 4096 * 48, "generated_tokens": 5, "decode_seconds": 0.02,
+           "dense_read_bytes": 500 * 2**20, "head_read_bytes": 167 * 2**20, "expert_read_bytes": 973 * 2**20,
+           "kv_bytes_per_cell": 27648.0}
+    # 4 decode steps attend to 2,049..2,052 cells: 4 * 2,048 + 10 = 8,202 cells of KV in all
+    expected = 4 * 1640 * 2**20 + 8202 * 27648.0
+    assert decode_vram_bytes(run) == expected
+    assert decode_floor_seconds(run) == expected / 3.9e12 > 0
+    row = format_table([run]).splitlines()[2]
+    per_step = expected / 4 / 2**20
+    assert f"| 0 | {per_step:,.0f} | {expected / 3.9e12 / 0.02:.2f} |" in row
+    # where the misses take longer over PCIe than the reads from VRAM, PCIe is the floor
+    streaming = {**run, "streamed_bytes": 2**30}
+    assert decode_floor_seconds(streaming) == 2**30 / 55e9 > expected / 3.9e12
