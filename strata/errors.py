@@ -26,6 +26,10 @@ class ModelFormatError(StrataError):
     """A GGUF file is truncated, malformed, or holds something Strata does not support."""
 
 
+class StaleExpertPackError(ModelFormatError):
+    """An expert pack was written from another GGUF, or by another pack format: it must be written again."""
+
+
 class AllocationError(StrataError):
     """Device memory could not be allocated; the loan retries a smaller prefill geometry on this."""
 

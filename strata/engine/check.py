@@ -2,14 +2,27 @@
 
 A dry run: the ledger is charged exactly as a load would charge it, but nothing is uploaded or
 packed, so it answers in seconds even for a model far larger than the machine's GPU.
+
+Each placement table is the budget during a prefill of one plan: the owners, the plan's prefill
+workspace (activations and attention scratch from free memory, the staging ring in slots the
+expert cache lends), and what stays free; its rows add up to the budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import Mapping
 
 from strata.config import Config
 from strata.engine.ops import select_backend
+from strata.engine.planner import WorkspaceCosts
+from strata.engine.workspace import borrowed_bytes
+from strata.hooktypes import Geometry, PlannerBudget
+
+EXPERT_CACHE_OWNER = "expert_cache"
+WORKSPACE_ROW = "prefill_workspace"
+_ROW = "  {:<38}{:>16}{:>11}{:>9}{}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,22 +37,98 @@ def run(args: argparse.Namespace, config: Config) -> int:
     print(f"model: {engine.model.path.name} ({spec.arch}, {spec.num_layers} layers, "
           f"{spec.num_experts} experts of which {spec.num_experts_used} per token)")
     print(f"backend: {select_backend(config)}")
+    print(format_context(config, engine.placement.kv_cells, engine.context_tokens))
+    deferred = [n for n, r in engine.resources.items() if not r.is_resident]
     if config.loan.enabled:
-        deferred = [n for n, r in engine.resources.items() if not r.is_resident]
         print(f"loan: admitted with plugins {', '.join(engine.plugins.names) or '(none)'}; "
               f"startup loan defers {', '.join(deferred) or 'nothing'}")
     else:
         print("loan: off (loan.enabled is false)")
-    print("placement after startup (deferred resources not resident):")
-    print(engine.ledger.format())
-    print("idle placement (every resource resident):")
-    for owner, num_bytes in engine.idle_ledger.by_owner.items():
-        print(f"  {owner:<24}{num_bytes / 2**20:>12.1f}{num_bytes / engine.ledger.budget_bytes:>9.1%}")
-    without = engine.loan.plan_preview(is_loan=False)
-    print(f"plan without the loan (chunk / ring): {without}")
+    costs, budget_bytes = engine.placement.costs, engine.ledger.budget_bytes
+    without, idle_budget = engine.loan.plan_preview(is_loan=False), idle_planner_budget(engine)
+    with_loan, startup_budget = engine.loan.startup_geometry, engine.loan.budget()
     if config.loan.enabled:
-        print(f"plan with the loan (chunk / ring): {engine.loan.startup_geometry}")
+        print(f"placement after startup (deferred resources not resident) with the workspace of the plan with "
+              f"the loan ({with_loan}):")
+        owners = {**engine.ledger.snapshot().by_owner, **{name: 0 for name in deferred}}
+        print(format_placement(owners, budget_bytes, costs, with_loan, startup_budget.borrowable_cache_bytes))
+    print(f"idle placement (every resource resident) with the workspace of the plan without the loan ({without}):")
+    print(format_placement(engine.idle_ledger.by_owner, budget_bytes, costs, without,
+                           idle_budget.borrowable_cache_bytes))
     cached = engine.cache.num_cached if engine.cache else 0
-    print("planner: " + engine.planner.explain(engine.loan.budget(), engine.loan.startup_geometry,
-                                               unread_tokens=engine.context_tokens - 1, cached_slots=cached))
+    longest_prompt_tokens = engine.context_tokens - 1
+    print(f"plan without the loan (chunk / ring): {without}")
+    print("  planner: " + engine.planner.explain(idle_budget, without, longest_prompt_tokens, cached))
+    if config.loan.enabled:
+        print(f"plan with the loan (chunk / ring): {with_loan}")
+        print("  planner: " + engine.planner.explain(startup_budget, with_loan, longest_prompt_tokens, cached))
     return 0
+
+
+def idle_planner_budget(engine) -> PlannerBudget:
+    """The budget ``plan_preview(is_loan=False)`` plans in: every deferred resource back in place."""
+    budget = engine.loan.budget()
+    deferred_bytes = sum(r.num_bytes for r in engine.resources.values() if not r.is_resident)
+    return dataclasses.replace(budget, free_bytes=max(0, budget.free_bytes - deferred_bytes))
+
+
+def format_context(config: Config, kv_cells: int, served_tokens: int) -> str:
+    configured = config.runtime.context_tokens
+    if served_tokens >= configured:
+        return f"context: {configured:,} tokens (runtime.context_tokens) in {kv_cells:,} resident KV cells"
+    return (f"context: {configured:,} tokens configured (runtime.context_tokens), {served_tokens:,} served "
+            f"(prompts up to {served_tokens - 1:,} tokens)\n"
+            f"  why: runtime.kv_resident_cells = {kv_cells:,} and Strata keeps every KV cell on the GPU (no host "
+            "tier for KV cells yet); raise runtime.kv_resident_cells to serve the configured context, or set "
+            f"runtime.context_tokens = {served_tokens} to configure what is served")
+
+
+def format_placement(owners: Mapping[str, int], budget_bytes: int, costs: WorkspaceCosts, geometry: Geometry | None,
+                     borrowable_cache_bytes: int) -> str:
+    """Owners, the prefill workspace of ``geometry`` and free memory in bytes, MiB and share of
+    the budget; the indented rows are the parts of the workspace."""
+    owners = dict(sorted(owners.items()))
+    rows = [_ROW.format("owner", "bytes", "MiB", "share", "")]
+    lent_bytes, from_free_bytes = _workspace_sources(costs, geometry, borrowable_cache_bytes,
+                                                     EXPERT_CACHE_OWNER in owners)
+    if lent_bytes:
+        owners[EXPERT_CACHE_OWNER] -= lent_bytes
+    for owner, num_bytes in owners.items():
+        note = f"  ({lent_bytes:,} bytes lent to {WORKSPACE_ROW})" if owner == EXPERT_CACHE_OWNER and lent_bytes \
+            else "  (deferred by the startup loan)" if not num_bytes else ""
+        rows.append(_row(owner, num_bytes, budget_bytes, note))
+    if geometry is not None:
+        rows.extend(_workspace_rows(costs, geometry, lent_bytes, from_free_bytes, budget_bytes))
+    free_bytes = budget_bytes - sum(owners.values()) - lent_bytes - from_free_bytes
+    rows.append(_row("free", free_bytes, budget_bytes))
+    rows.append(_row("budget", budget_bytes, budget_bytes))
+    return "\n".join(rows)
+
+
+def _workspace_sources(costs: WorkspaceCosts, geometry: Geometry | None, borrowable_cache_bytes: int,
+                       has_cache: bool) -> tuple[int, int]:
+    """(bytes of cache slots lent to the workspace, bytes it takes from free memory)."""
+    if geometry is None:
+        return 0, 0
+    borrowed = borrowed_bytes(costs, geometry, borrowable_cache_bytes) if has_cache else 0
+    slot_bytes = max(1, costs.bytes_per_ring_slot)
+    lent = -(-borrowed // slot_bytes) * slot_bytes  # the cache lends whole slots
+    return lent, costs.workspace_bytes(geometry) - borrowed
+
+
+def _workspace_rows(costs: WorkspaceCosts, geometry: Geometry, lent_bytes: int, from_free_bytes: int,
+                    budget_bytes: int) -> list[str]:
+    activation_bytes = costs.workspace_bytes(Geometry(geometry.chunk_tokens, 0))
+    ring_bytes = geometry.ring_slots * costs.bytes_per_ring_slot
+    note = f"  ({lent_bytes:,} lent by {EXPERT_CACHE_OWNER}, {from_free_bytes:,} from free memory)"
+    rows = [_row(WORKSPACE_ROW, lent_bytes + from_free_bytes, budget_bytes, note),
+            _row(f"  chunk {geometry.chunk_tokens:,}: activations, scratch", activation_bytes, budget_bytes),
+            _row(f"  ring {geometry.ring_slots:,} slots", ring_bytes, budget_bytes)]
+    rounding_bytes = lent_bytes + from_free_bytes - activation_bytes - ring_bytes
+    if rounding_bytes:
+        rows.append(_row("  rounded up to whole cache slots", rounding_bytes, budget_bytes))
+    return rows
+
+
+def _row(label: str, num_bytes: int, budget_bytes: int, note: str = "") -> str:
+    return _ROW.format(label, f"{num_bytes:,}", f"{num_bytes / 2**20:.1f}", f"{num_bytes / budget_bytes:.2%}", note)

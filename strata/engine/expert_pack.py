@@ -7,11 +7,13 @@ would take three copies. The pack lays each expert out as one slot of ``layout.s
 
 ``strata pack`` writes it to ``<model>.strpack`` beside the GGUF (a 4 KiB JSON header, then slots
 in (layer, expert) order); the engine reads it into pinned memory, or packs the GGUF in memory at
-load when no pack file is configured.
+load when no pack file is configured. The header records the source GGUF's identity
+(``source_identity``), and a pack of another GGUF or another pack format is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Callable
@@ -20,12 +22,15 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from strata.engine.ops import ExpertLayout
-from strata.errors import ModelFormatError
+from strata.errors import ModelFormatError, StaleExpertPackError
 from strata.model.gguf_file import GgufModel
 
 ALIGN_BYTES = 256
 HEADER_BYTES = 4096
-MAGIC = "strata-expert-pack-1"
+MAGIC_PREFIX = "strata-expert-pack-"
+MAGIC = MAGIC_PREFIX + "2"  # 2: the header records the source GGUF's identity
+SOURCE_SAMPLE_BYTES = 4096  # of every expert matrix, hashed into the source identity
+REPACK_FIX = "write it again with `strata --config FILE pack` (FILE: the configuration whose model.expert_pack it is)"
 _MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
@@ -85,9 +90,11 @@ class ExpertPack:
                 progress(layer + 1)
         return pack
 
-    def write(self, path: Path, source: Path) -> None:
-        header = json.dumps({"magic": MAGIC, "source": source.name, "num_layers": self.num_layers,
-                             "num_experts": self.num_experts, **_layout_json(self.layout)}).encode()
+    def write(self, path: Path, model: GgufModel) -> None:
+        """Write the pack to ``path``, its header naming ``model`` (the GGUF it was packed from)."""
+        header = json.dumps({"magic": MAGIC, "source": str(model.path.resolve()), **source_identity(model),
+                             "num_layers": self.num_layers, "num_experts": self.num_experts,
+                             **_layout_json(self.layout)}).encode()
         if len(header) >= HEADER_BYTES:
             raise ValueError("expert pack header too long")
         with open(path, "wb") as f:
@@ -99,24 +106,61 @@ class ExpertPack:
     @classmethod
     def read(cls, path: Path, model: GgufModel, layout: ExpertLayout,
              allocate: Callable[[int], np.ndarray]) -> ExpertPack:
-        """Load a pack written for ``model`` in ``layout`` into memory from ``allocate`` (pinned on CUDA)."""
+        """Load a pack written for ``model`` in ``layout`` into memory from ``allocate`` (pinned on CUDA).
+
+        Raises ``StaleExpertPackError`` for a pack of another GGUF, layout or pack format."""
         spec = model.spec
         try:
             with open(path, "rb") as f:
                 header = json.loads(f.read(HEADER_BYTES).rstrip(b"\0"))
-                expected = {"magic": MAGIC, "num_layers": spec.num_layers, "num_experts": spec.num_experts,
-                            **_layout_json(layout)}
-                wrong = {k: header.get(k) for k, v in expected.items() if header.get(k) != v}
-                if wrong:
-                    raise ModelFormatError(f"{path}: expert pack does not match {model.path.name}: {wrong}; "
-                                           "rewrite it with `strata pack`")
+                _check_header(path, header, model, layout)
                 pack = cls(layout, spec.num_layers, spec.num_experts,
                            allocate(spec.num_layers * spec.num_experts * layout.slot_bytes))
                 if f.readinto(memoryview(pack.buffer)) != pack.num_bytes:
-                    raise ModelFormatError(f"{path}: expert pack is truncated; rewrite it with `strata pack`")
+                    raise ModelFormatError(f"{path}: expert pack is truncated; {REPACK_FIX}")
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelFormatError(f"{path}: cannot read expert pack: {exc}") from exc
         return pack
+
+
+def source_identity(model: GgufModel) -> dict:
+    """What ties a pack to its GGUF, cheap for a file of many GB: the file's size, and a SHA-256 of
+    its header, metadata and tensor table and of the first bytes of every expert matrix the pack
+    copies (a GGUF written again with other weights of the same shape keeps the same header)."""
+    digest = hashlib.sha256()
+    with open(model.path, "rb") as f:
+        digest.update(f.read(model.data_offset_bytes))
+    for layer in range(model.spec.num_layers):
+        for name in _MATRICES:
+            data = model.tensors[f"blk.{layer}.{name}.weight"].data
+            digest.update(data.reshape(-1)[:SOURCE_SAMPLE_BYTES].tobytes())
+    return {"source_bytes": model.path.stat().st_size, "source_sha256": digest.hexdigest()}
+
+
+def _check_header(path: Path, header: dict, model: GgufModel, layout: ExpertLayout) -> None:
+    magic = header.get("magic") if isinstance(header, dict) else None
+    if not isinstance(magic, str) or not magic.startswith(MAGIC_PREFIX):
+        raise ModelFormatError(f"{path}: not an expert pack (no {MAGIC_PREFIX}* header); {REPACK_FIX}")
+    if magic != MAGIC:
+        raise StaleExpertPackError(f"{path}: expert pack format {magic!r}, this Strata reads {MAGIC!r} (which "
+                                   f"records the GGUF a pack was written from); {REPACK_FIX}")
+    identity = source_identity(model)
+    if {k: header.get(k) for k in identity} != identity:
+        raise StaleExpertPackError(
+            f"{path} was packed from {header.get('source')} ({_identity_text(header)}), not from {model.path} "
+            f"({_identity_text(identity)}): the GGUF changed or is another one; {REPACK_FIX}")
+    spec = model.spec
+    expected = {"num_layers": spec.num_layers, "num_experts": spec.num_experts, **_layout_json(layout)}
+    wrong = {k: header.get(k) for k, v in expected.items() if header.get(k) != v}
+    if wrong:
+        raise StaleExpertPackError(f"{path}: expert pack does not match {model.path.name} in the "
+                                   f"{layout.encoding} encoding: {wrong}; {REPACK_FIX}")
+
+
+def _identity_text(identity: dict) -> str:
+    size = identity.get("source_bytes")
+    size_text = f"{size:,} bytes" if isinstance(size, int) else "size unknown"
+    return f"{size_text}, sha256 {str(identity.get('source_sha256'))[:16]}"
 
 
 def _check_layer_layout(model: GgufModel, layer: int, layout: ExpertLayout) -> None:

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     with tqdm(total=model.spec.num_layers, desc="packing experts", unit="layer", file=sys.stderr) as bar:
         pack = ExpertPack.from_gguf(model, layout, lambda n: np.empty(n, np.uint8), ops.encode_experts,
                                     lambda done: bar.update(done - bar.n))
-    pack.write(out, model.path)
+    pack.write(out, model)
     print(f"wrote {out}: {pack.num_bytes / 2**30:.2f} GiB, {model.spec.num_layers} layers x "
           f"{model.spec.num_experts} experts of {layout.slot_bytes:,} bytes ({layout.encoding} encoding) "
           f"in {time.perf_counter() - started:.1f} s; set model.expert_pack = \"{out}\"")

@@ -55,6 +55,7 @@ class Planner:
         self.config = config
         self.cost_model = cost_model
         self.max_chunk_tokens = config.max_chunk_tokens
+        self.context_tokens = context_tokens
         if context_tokens:
             quantum = config.chunk_quantum_tokens
             self.max_chunk_tokens = min(self.max_chunk_tokens, max(quantum, _round_up(context_tokens, quantum)))
@@ -78,14 +79,31 @@ class Planner:
                 f"({quantum} tokens, {min_ring} ring slots: {need / 2**20:.1f} MiB); "
                 "raise runtime.vram_budget or lower planner.chunk_quantum_tokens"
             )
-        chunk_cap = self.max_chunk_tokens
-        if unread_tokens is not None:
-            chunk_cap = min(chunk_cap, _round_up(max(1, unread_tokens), quantum))
-        room = total - ring * costs.bytes_per_ring_slot
-        if not costs.is_activation_borrowable:
-            room = min(room, budget.free_bytes + budget.adjust_bytes - costs.fixed_bytes)
-        chunk = min(chunk_cap, room // max(1, costs.bytes_per_chunk_token)) // quantum * quantum
+        chunk = min(limit.value for limit in self._chunk_limits(budget, ring, unread_tokens))
         return Geometry(chunk_tokens=max(quantum, chunk), ring_slots=int(ring))
+
+    def _chunk_limits(self, budget: PlannerBudget, ring_slots: int, unread_tokens: int | None) -> list[Limit]:
+        """Every bound on the chunk, each already in whole quanta: the plan takes the smallest."""
+        quantum, costs = self.config.chunk_quantum_tokens, self.costs
+        limits = []
+        if unread_tokens is not None:
+            limits.append(Limit(_round_up(max(1, unread_tokens), quantum),
+                                f"the unread prompt ({unread_tokens:,} tokens)"))
+        if self.max_chunk_tokens < self.config.max_chunk_tokens:
+            reason = f"the context ({self.context_tokens:,} tokens)"
+        else:
+            reason = f"planner.max_chunk_tokens ({self.config.max_chunk_tokens:,})"
+        limits.append(Limit(self.max_chunk_tokens // quantum * quantum, reason))
+        room = budget.total_bytes - costs.fixed_bytes - ring_slots * costs.bytes_per_ring_slot
+        where = "left after the ring"
+        if not costs.is_activation_borrowable:
+            free_room = budget.free_bytes + budget.adjust_bytes - costs.fixed_bytes
+            if free_room < room:
+                room, where = free_room, "outside the expert cache, where activations must live"
+        num_tokens = room // max(1, costs.bytes_per_chunk_token)
+        limits.append(Limit(num_tokens // quantum * quantum,
+                            f"the free memory {where} ({room / 2**20:.1f} MiB: {num_tokens:,} tokens)"))
+        return limits
 
     def growth_allowance(self, free_bytes: int, unread_tokens: int | None, cached_slots: int = 0) -> int:
         """Free bytes the expert cache may grow into before planning: all of them when activations
@@ -117,14 +135,29 @@ class Planner:
 
     def _ring_slots(self, budget: PlannerBudget, room_bytes: int) -> int:
         """Ring slots for this budget, or -1 when not even the smallest ring fits."""
-        costs = self.costs
-        if not costs.target_ring_slots:
+        if not self.costs.target_ring_slots:
             return 0
-        cap = largest_ring_slots(self.config, costs.target_ring_slots)
-        if costs.is_ring_in_cache:
-            room_bytes = min(room_bytes, budget.borrowable_cache_bytes)
-        ring = min(cap, max(0, room_bytes) // max(1, costs.bytes_per_ring_slot))
+        ring = min(limit.value for limit in self._ring_limits(budget, room_bytes))
         return ring if ring >= self.config.min_ring_slots else -1
+
+    def _ring_limits(self, budget: PlannerBudget, room_bytes: int) -> list[Limit]:
+        """Every bound on the ring of a model with experts to stream; the plan takes the smallest.
+        ``room_bytes``: the budget less the fixed workspace and the smallest chunk."""
+        costs, config = self.costs, self.config
+        target = costs.target_ring_slots
+        if config.max_ring_slots < max(config.min_ring_slots, target):
+            reason = f"planner.max_ring_slots ({config.max_ring_slots:,})"
+        elif target < config.min_ring_slots:
+            reason = f"planner.min_ring_slots ({config.min_ring_slots:,}), above one layer's {target:,} experts"
+        else:
+            reason = f"the target of one layer's experts ({target:,})"
+        limits = [Limit(largest_ring_slots(config, target), reason)]
+        room_reason = f"the free memory left after the smallest chunk ({max(0, room_bytes) / 2**20:.1f} MiB)"
+        if costs.is_ring_in_cache and budget.borrowable_cache_bytes < room_bytes:
+            room_bytes = budget.borrowable_cache_bytes
+            room_reason = f"the borrowable expert cache ({room_bytes / 2**20:.1f} MiB)"
+        limits.append(Limit(max(0, room_bytes) // max(1, costs.bytes_per_ring_slot), room_reason))
+        return limits
 
     def smaller(self, geometry: Geometry) -> Geometry | None:
         """The next geometry to try after an allocation failure: one quantum less, then half the ring."""
@@ -137,6 +170,8 @@ class Planner:
 
     def explain(self, budget: PlannerBudget, geometry: Geometry, unread_tokens: int | None = None,
                 cached_slots: int | None = None) -> str:
+        """The memory arithmetic of ``geometry`` (planned for ``budget`` and ``unread_tokens``), the
+        limits that bound its chunk and ring, and with a cost model the predicted prefill time."""
         costs = self.costs
         text = (
             f"budget {budget.total_bytes / 2**20:.1f} MiB (free {budget.free_bytes / 2**20:.1f}, borrowable cache "
@@ -146,10 +181,39 @@ class Planner:
             + (f" + fixed {costs.fixed_bytes / 2**20:.1f} MiB" if costs.fixed_bytes else "")
             + f" = {costs.workspace_bytes(geometry) / 2**20:.1f} MiB"
         )
+        text += "; " + self._explain_limits(budget, geometry, unread_tokens)
         if self.cost_model is not None and unread_tokens and cached_slots is not None:
             cost = self.cost_model.cost(unread_tokens, geometry.chunk_tokens, cached_slots - geometry.ring_slots)
             text += f"; {unread_tokens:,} tokens with {cached_slots:,} cached experts: " + self.cost_model.describe(cost)
         return text
+
+    def _explain_limits(self, budget: PlannerBudget, geometry: Geometry, unread_tokens: int | None) -> str:
+        quantum, costs = self.config.chunk_quantum_tokens, self.costs
+        if costs.target_ring_slots:
+            room = budget.total_bytes - costs.fixed_bytes - quantum * costs.bytes_per_chunk_token
+            ring_text = "ring " + _bound_by(self._ring_limits(budget, room), geometry.ring_slots)
+        else:
+            ring_text = "no ring (no experts to stream)"
+        limits = self._chunk_limits(budget, geometry.ring_slots, unread_tokens)
+        if min(limit.value for limit in limits) < quantum:  # the plan's floor: one quantum
+            limits = [Limit(quantum, f"planner.chunk_quantum_tokens ({quantum:,}), the smallest chunk")]
+        return f"chunk {_bound_by(limits, geometry.chunk_tokens)}, {ring_text}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """One bound on a plan's chunk tokens or ring slots: the most it allows, and what it is."""
+
+    value: int
+    reason: str
+
+
+def _bound_by(limits: list[Limit], chosen: int) -> str:
+    """The limits that hold ``chosen`` where it is: every one that allows no more than the smallest."""
+    planned = min(limit.value for limit in limits)
+    if chosen != planned:
+        return f"{chosen:,} set outside the planner (for this budget it plans {planned:,})"
+    return "bound by " + " and ".join(limit.reason for limit in limits if limit.value == planned)
 
 
 def largest_ring_slots(config: PlannerConfig, target_ring_slots: int) -> int:

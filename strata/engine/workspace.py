@@ -16,6 +16,15 @@ from strata.hooktypes import Geometry
 OWNER = "prompt_workspace"
 
 
+def borrowed_bytes(costs: WorkspaceCosts, geometry: Geometry, borrowable_bytes: int) -> int:
+    """Expert-cache storage the workspace of ``geometry`` borrows: the ring, and where the backend
+    allows, as much of the activations as the borrowable slots hold (the rest is charged apart)."""
+    if not costs.is_activation_borrowable:
+        return geometry.ring_slots * costs.bytes_per_ring_slot
+    slot_bytes = costs.bytes_per_ring_slot
+    return min(costs.workspace_bytes(geometry), borrowable_bytes // slot_bytes * slot_bytes)
+
+
 class PromptWorkspace:
     def __init__(self, ops: Ops, cache: ExpertCache | None, costs: WorkspaceCosts):
         self.ops = ops
@@ -33,13 +42,9 @@ class PromptWorkspace:
         if ring_bytes > borrowable:
             raise AllocationError(f"the staging ring of {geometry.ring_slots} slots needs {ring_bytes >> 20} MiB of "
                                   f"expert-cache slots; {borrowable >> 20} MiB are borrowable")
-        if not self.cache:
-            borrow = 0
-        elif self.costs.is_activation_borrowable:
-            borrow = min(need, borrowable // self.costs.bytes_per_ring_slot * self.costs.bytes_per_ring_slot)
-        else:
-            # the ring only: activations are the backend's own allocations, charged as they are made
-            borrow, need = ring_bytes, ring_bytes
+        borrow = borrowed_bytes(self.costs, geometry, borrowable) if self.cache else 0
+        if self.cache and not self.costs.is_activation_borrowable:
+            need = ring_bytes  # activations are the backend's own allocations, charged as they are made
         first_slot = -1
         if borrow:
             first_slot, _ = self.cache.lend(borrow)

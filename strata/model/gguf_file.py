@@ -46,6 +46,7 @@ class GgufModel:
     metadata: dict[str, Any]
     spec: ModelSpec
     tensors: dict[str, TensorRef]
+    data_offset_bytes: int = 0  # where tensor data begins: header, metadata and tensor table lie before it
 
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor as float32 in its NumPy shape."""
@@ -63,7 +64,8 @@ def open_gguf(path: str | os.PathLike[str]) -> GgufModel:
     metadata = read_metadata(reader)
     spec = spec_from_metadata(metadata, tensors.keys(), source=str(path))
     _check_tensors(path, spec, tensors)
-    return GgufModel(path=path, metadata=metadata, spec=spec, tensors=tensors)
+    return GgufModel(path=path, metadata=metadata, spec=spec, tensors=tensors,
+                     data_offset_bytes=int(reader.data_offset))
 
 
 def open_reader(path: str | os.PathLike[str]) -> GGUFReader:

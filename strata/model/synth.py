@@ -92,8 +92,12 @@ PRESETS: dict[str, SynthShape] = {
 
 
 def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype: QType, seed: int,
-                          with_mtp: bool = False) -> Path:
-    """Write the model to `path` (through a temporary file, renamed when complete)."""
+                          with_mtp: bool = False, is_header_only: bool = False) -> Path:
+    """Write the model to `path` (through a temporary file, renamed when complete).
+
+    ``is_header_only`` writes the real header and tensor table and leaves the tensor data a hole
+    (a sparse file of the full size, all zeros): a 30B-shape file in a second and no disk, for
+    what reads only shapes and sizes (placement, the planner, ``strata check``)."""
     path, qtype = Path(path), QType(qtype)
     if qtype not in SUPPORTED_QTYPES:
         raise ValueError(f"synthetic models support {', '.join(t.name for t in SUPPORTED_QTYPES)}, not {qtype.name}")
@@ -103,13 +107,16 @@ def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype
     writer = GGUFWriter(tmp, ARCH)
     _add_metadata(writer, shape, spec, qtype, build_vocab(shape.vocab_size))
     for name, (tensor_shape, tensor_qtype) in plan.items():
-        nbytes = int(np.prod(tensor_shape[:-1], dtype=np.int64)) * quants.row_nbytes(tensor_qtype, tensor_shape[-1])
-        writer.add_tensor_info(name, tensor_shape, np.dtype(np.float32), nbytes, raw_dtype=tensor_qtype)
+        writer.add_tensor_info(name, tensor_shape, np.dtype(np.float32), _tensor_nbytes(tensor_shape, tensor_qtype),
+                               raw_dtype=tensor_qtype)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        _write_tensor_data(writer.fout[0], plan, seed, writer.data_alignment)
+        if is_header_only:
+            _leave_tensor_data_a_hole(writer.fout[0], plan, writer.data_alignment)
+        else:
+            _write_tensor_data(writer.fout[0], plan, seed, writer.data_alignment)
         writer.close()
         os.replace(tmp, path)
     finally:
@@ -118,12 +125,25 @@ def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype
     return path
 
 
+def _tensor_nbytes(tensor_shape: tuple[int, ...], qtype: QType) -> int:
+    return int(np.prod(tensor_shape[:-1], dtype=np.int64)) * quants.row_nbytes(qtype, tensor_shape[-1])
+
+
 def _write_tensor_data(fout, plan: dict[str, tuple[tuple[int, ...], QType]], seed: int, alignment: int) -> None:
     for index, (name, (tensor_shape, tensor_qtype)) in enumerate(plan.items()):
         rng = np.random.default_rng([seed, index])  # per tensor: its bytes do not depend on the others
         fout.write(bytes(-fout.tell() % alignment))
         for chunk in _tensor_chunks(rng, name, tensor_shape, tensor_qtype):
             chunk.tofile(fout)
+
+
+def _leave_tensor_data_a_hole(fout, plan: dict[str, tuple[tuple[int, ...], QType]], alignment: int) -> None:
+    end = fout.tell()
+    for tensor_shape, tensor_qtype in plan.values():
+        end += -end % alignment + _tensor_nbytes(tensor_shape, tensor_qtype)
+    fout.flush()
+    fout.truncate(end)
+    fout.seek(end)
 
 
 def tensor_plan(spec: ModelSpec, qtype: QType) -> dict[str, tuple[tuple[int, ...], QType]]:

@@ -174,3 +174,15 @@ def test_the_project_tokenizer_reads_the_written_vocabulary(tmp_path):
         ids = tokenizer.encode(text)
         assert ids == trained.encode(text).ids
         assert tokenizer.decode(ids) == text
+
+
+def test_a_header_only_model_has_the_full_files_size_and_tensor_table_and_no_data(tmp_path):
+    full = open_gguf(write_synthetic_model(tmp_path / "full.gguf", TINY, Q.Q4_0, seed=0, with_mtp=True))
+    hollow = open_gguf(write_synthetic_model(tmp_path / "hollow.gguf", TINY, Q.Q4_0, seed=0, with_mtp=True,
+                                             is_header_only=True))
+    assert hollow.path.stat().st_size == full.path.stat().st_size and hollow.spec == full.spec
+    assert hollow.data_offset_bytes == full.data_offset_bytes
+    assert hollow.path.read_bytes()[:hollow.data_offset_bytes] == full.path.read_bytes()[:full.data_offset_bytes]
+    assert {n: (r.qtype, r.shape) for n, r in hollow.tensors.items()} == \
+        {n: (r.qtype, r.shape) for n, r in full.tensors.items()}
+    assert not hollow.tensors["blk.0.ffn_up_exps.weight"].data.any()

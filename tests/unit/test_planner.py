@@ -84,3 +84,44 @@ def test_explain_prints_memory_and_predicted_times():
 def test_growth_that_prefill_does_not_fill_never_beats_the_bigger_chunk():
     planner = Planner(COSTS, PlannerConfig(), cost_model=_model(pcie_bytes_per_s=2e9, compute_flops_per_s=1e15))
     assert planner.fastest_chunk(8192 * MIB, unread_tokens=32768, cached_slots=0, max_chunk=16384) == 16384
+
+
+def _reasons(planner: Planner, budget: PlannerBudget, unread_tokens: int | None = None,
+             geometry: Geometry | None = None) -> str:
+    geometry = geometry or planner.plan(budget, unread_tokens)
+    return planner.explain(budget, geometry, unread_tokens)
+
+
+def test_explain_names_the_limit_that_bound_the_chunk():
+    budget = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=512 * MIB)
+    text = _reasons(Planner(COSTS, PlannerConfig()), budget)
+    assert "chunk bound by the free memory outside the expert cache, where activations must live (1024.0 MiB: " \
+           "4,096 tokens)" in text
+    text = _reasons(Planner(COSTS, PlannerConfig()), budget, unread_tokens=300)
+    assert "chunk bound by the unread prompt (300 tokens)" in text
+    assert "chunk bound by planner.max_chunk_tokens (1,024)" in _reasons(
+        Planner(COSTS, PlannerConfig(max_chunk_tokens=1024)), budget)
+    assert "chunk bound by the context (1,000 tokens)" in _reasons(Planner(COSTS, PlannerConfig(), 1000), budget)
+    borrowing = dataclasses.replace(COSTS, is_activation_borrowable=True)
+    assert "chunk bound by the free memory left after the ring (1280.0 MiB: 5,120 tokens)" in _reasons(
+        Planner(borrowing, PlannerConfig()), budget)
+
+
+def test_explain_names_every_limit_that_binds_and_a_geometry_set_elsewhere():
+    planner = Planner(COSTS, PlannerConfig(max_chunk_tokens=4096))
+    budget = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=512 * MIB)
+    assert "chunk bound by planner.max_chunk_tokens (4,096) and the free memory outside" in _reasons(planner, budget)
+    text = _reasons(planner, budget, geometry=Geometry(chunk_tokens=1024, ring_slots=64))
+    assert "chunk 1,024 set outside the planner (for this budget it plans 4,096)" in text
+
+
+def test_explain_names_the_limit_that_bound_the_ring():
+    budget = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=512 * MIB)
+    assert "ring bound by the target of one layer's experts (64)" in _reasons(Planner(COSTS, PlannerConfig()), budget)
+    assert "ring bound by planner.max_ring_slots (16)" in _reasons(
+        Planner(COSTS, PlannerConfig(max_ring_slots=16)), budget)
+    small_cache = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=40 * MIB)
+    text = _reasons(Planner(COSTS, PlannerConfig()), small_cache)
+    assert "ring bound by the borrowable expert cache (40.0 MiB)" in text and "ring 10 ×" in text
+    dense = dataclasses.replace(COSTS, target_ring_slots=0, is_ring_in_cache=False)
+    assert "no ring (no experts to stream)" in _reasons(Planner(dense, PlannerConfig()), budget)

@@ -1,0 +1,180 @@
+"""`strata check` and `strata pack` through the command line, and the pack's tie to its GGUF."""
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engine_setup import SMALL_MOE, greedy
+from gguf import GGMLQuantizationType as QType
+
+from strata.cli import main
+from strata.config import load_config
+from strata.engine.expert_pack import HEADER_BYTES
+from strata.engine.facade import Engine
+from strata.errors import StaleExpertPackError
+from strata.model.synth import PRESETS, write_synthetic_model
+
+REPO = Path(__file__).resolve().parents[2]
+ALL_PLUGINS = ["loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan"]
+# a top-level row of a placement table: label, bytes, MiB, share, note (parts of the workspace are indented)
+ROW = re.compile(r"^  (\S[^\s]*)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)%(.*)$")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two GGUFs of the same shape, written with different seeds."""
+    folder = tmp_path_factory.mktemp("models")
+    return [write_synthetic_model(folder / f"small-moe-mtp-{seed}.gguf", SMALL_MOE, QType.Q4_0, seed=seed,
+                                  with_mtp=True) for seed in (7, 8)]
+
+
+def write_config(path: Path, model: Path, expert_pack: Path | None = None, is_loan: bool = True,
+                 **runtime) -> Path:
+    runtime_lines = "\n".join(f"{key} = {json.dumps(value)}" for key, value in runtime.items())
+    pack_line = f"expert_pack = {json.dumps(str(expert_pack))}" if expert_pack else ""
+    loan_table = f"[loan]\n        enabled = true\n        plugins = {json.dumps(ALL_PLUGINS)}" if is_loan else ""
+    path.write_text(textwrap.dedent(f"""
+        [model]
+        path = {json.dumps(str(model))}
+        {pack_line}
+        [runtime]
+        backend = "numpy"
+        context_tokens = 1024
+        vram_budget = "160MiB"
+        vram_elastic = true
+        vmm_segment = "64MiB"
+        serve = true
+        mtp = true
+        spec_depth = 2
+        {runtime_lines}
+        [planner]
+        chunk_quantum_tokens = 16
+        max_ring_slots = 16
+        max_chunk_tokens = 64
+        {loan_table}
+    """))
+    return path
+
+
+def placement_tables(out: str) -> list[dict[str, tuple[int, str]]]:
+    """Each placement table's top-level rows: label → (bytes, the rest of the line)."""
+    tables, table = [], None
+    for line in out.splitlines():
+        if "placement" in line and line.endswith(":"):
+            table = {}
+            tables.append(table)
+            continue
+        match = ROW.match(line) if table is not None else None
+        if match:
+            label, num_bytes, mib, share, note = match.groups()
+            table[label] = (int(num_bytes.replace(",", "")), float(mib), float(share), note)
+        elif table is not None and not line.startswith("    ") and not line.startswith("  owner"):
+            table = None
+    return tables
+
+
+def run_check(config: Path, capsys) -> str:
+    assert main(["--config", str(config), "check"]) == 0
+    return capsys.readouterr().out
+
+
+def test_check_prints_every_owner_in_bytes_and_share_and_both_plans_with_their_reasons(models, tmp_path, capsys):
+    config = write_config(tmp_path / "check.toml", models[0])
+    out = run_check(config, capsys)
+    engine = Engine.load(load_config(config), show_progress=False, is_dry_run=True)
+    budget_bytes = engine.ledger.budget_bytes
+    startup, idle = placement_tables(out)
+    for table, owners in ((startup, engine.ledger.snapshot().by_owner), (idle, engine.idle_ledger.by_owner)):
+        assert set(owners) | {"prefill_workspace", "free", "budget"} <= set(table)
+        for label, (num_bytes, mib, share, _) in table.items():
+            assert mib == pytest.approx(num_bytes / 2**20, abs=0.051)
+            assert share == pytest.approx(100 * num_bytes / budget_bytes, abs=0.0051)
+        for owner, num_bytes in owners.items():
+            lent = table["expert_cache"][3] if owner == "expert_cache" else ""
+            lent_bytes = int(re.search(r"\(([\d,]+) bytes lent", lent).group(1).replace(",", "")) if lent else 0
+            assert table[owner][0] + lent_bytes == num_bytes
+        assert table["budget"][0] == budget_bytes
+        assert sum(v[0] for k, v in table.items() if k != "budget") == budget_bytes
+        assert table["free"][0] >= 0 and table["prefill_workspace"][0] > 0
+    for name in ("verifier", "output_head", "mtp_draft_head", "mtp_experts"):  # the startup loan defers them
+        assert startup[name][0] == 0 and "deferred" in startup[name][3] and idle[name][0] > 0
+    without, with_loan = engine.loan.plan_preview(is_loan=False), engine.loan.startup_geometry
+    assert f"plan without the loan (chunk / ring): {without}" in out
+    assert f"plan with the loan (chunk / ring): {with_loan}" in out
+    reasons = [line for line in out.splitlines() if line.startswith("  planner: ")]
+    assert len(reasons) == 2 and all("chunk bound by" in r and "ring bound by" in r for r in reasons)
+    assert "context: 1,024 tokens (runtime.context_tokens) in 1,024 resident KV cells" in out
+
+
+def test_check_without_the_loan_prints_one_plan_and_the_idle_table(models, tmp_path, capsys):
+    out = run_check(write_config(tmp_path / "off.toml", models[0], is_loan=False), capsys)
+    assert "loan: off" in out and "plan with the loan" not in out
+    (idle,) = placement_tables(out)
+    assert {"free", "prefill_workspace", "verifier"} <= set(idle)
+    assert "planner: " in out and "chunk bound by" in out
+
+
+def test_check_says_why_the_served_context_is_shorter_than_the_configured_one(models, tmp_path, capsys):
+    out = run_check(write_config(tmp_path / "cut.toml", models[0], kv_resident_cells=512), capsys)
+    assert "context: 1,024 tokens configured (runtime.context_tokens), 512 served (prompts up to 511 tokens)" in out
+    assert "runtime.kv_resident_cells = 512" in out and "no host tier for KV cells" in out
+
+
+def test_pack_writes_a_file_that_the_engine_loads(models, tmp_path, capsys):
+    pack = tmp_path / "small.strpack"
+    config = write_config(tmp_path / "pack.toml", models[0])
+    assert main(["--config", str(config), "pack", "--out", str(pack)]) == 0
+    assert f"wrote {pack}" in capsys.readouterr().out
+    engine = Engine.load(load_config(write_config(tmp_path / "packed.toml", models[0], expert_pack=pack)),
+                         show_progress=False)
+    in_memory = Engine.load(load_config(config), show_progress=False)
+    assert np.array_equal(engine.pack.buffer, in_memory.pack.buffer)
+    prompt = list(range(3, 60))
+    assert greedy(engine, prompt, 4)[0] == greedy(in_memory, prompt, 4)[0]
+
+
+def test_a_pack_of_another_gguf_of_the_same_shape_is_refused(models, tmp_path, capsys):
+    pack = tmp_path / "seed7.strpack"
+    assert main(["--config", str(write_config(tmp_path / "a.toml", models[0]), ), "pack", "--out", str(pack)]) == 0
+    other = load_config(write_config(tmp_path / "b.toml", models[1], expert_pack=pack))
+    with pytest.raises(StaleExpertPackError) as refused:
+        Engine.load(other, show_progress=False)
+    message = str(refused.value)
+    assert str(pack) in message and models[0].name in message and models[1].name in message
+    assert "strata --config FILE pack" in message
+
+
+def test_a_pack_of_the_previous_format_is_refused_with_the_same_fix(models, tmp_path, capsys):
+    pack = tmp_path / "old.strpack"
+    assert main(["--config", str(write_config(tmp_path / "a.toml", models[0])), "pack", "--out", str(pack)]) == 0
+    with open(pack, "r+b") as f:  # the version-1 header: no identity of the source
+        header = json.loads(f.read(HEADER_BYTES).rstrip(b"\0"))
+        header = {k: v for k, v in header.items() if not k.startswith("source_")}
+        f.seek(0)
+        f.write(json.dumps({**header, "magic": "strata-expert-pack-1"}).encode().ljust(HEADER_BYTES, b"\0"))
+    config = load_config(write_config(tmp_path / "old.toml", models[0], expert_pack=pack))
+    with pytest.raises(StaleExpertPackError, match=r"'strata-expert-pack-1'.*strata --config FILE pack"):
+        Engine.load(config, show_progress=False)
+
+
+def test_check_on_the_benchmark_configuration_gives_the_documented_plans(tmp_path, capsys):
+    # the real header and tensor table of the benchmark's model, its tensor data a hole: the dry
+    # run reads only shapes and sizes (docs/PERFORMANCE.md, "Prompt chunk / ring": 768 / 128 and 5,376 / 128)
+    model = write_synthetic_model(tmp_path / "qwen3-30b-a3b-q4_0-mtp.gguf", PRESETS["qwen3-30b-a3b"], QType.Q4_0,
+                                  seed=0, with_mtp=True, is_header_only=True)
+    text, num_paths = re.subn(r'(?m)^(path|expert_pack) = "[^"]*?(\.gguf|\.strpack)"$',
+                              lambda m: f'{m[1]} = "{model.with_suffix(m[2])}"',
+                              (REPO / "configs" / "bench-h200.toml").read_text())
+    assert num_paths == 2
+    config = tmp_path / "bench-h200.toml"
+    config.write_text(text)
+    out = run_check(config, capsys)
+    assert "backend: cuda" in out  # the dry run charges as the GPU would, and touches none
+    assert "plan without the loan (chunk / ring): 768 / 128\n" in out
+    assert "plan with the loan (chunk / ring): 5,376 / 128\n" in out
+    reasons = [line for line in out.splitlines() if line.startswith("  planner: ")]
+    assert all("chunk bound by the free memory" in r and "ring bound by the target of one layer's experts (128)" in r
+               for r in reasons) and len(reasons) == 2
