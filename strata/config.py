@@ -57,7 +57,8 @@ class RuntimeConfig:
     helper_cache: bool = option(False, doc="helper-process expert cache")
     remote_cache: str = option("", doc="address of a remote expert cache ('' : none)")
     peer_cache: bool = option(False, doc="peer-GPU expert cache")
-    prefill_head_alias: bool = option(False, doc="reuse the output-head allocation as prompt workspace")
+    prefill_head_alias: bool = option(False, doc="without the loan: lend the output head's VRAM to every prefill's prompt "
+                                                 "workspace (uploaded again from its host copy after prefill)")
     warmup: bool = option(True, doc="at load, run a tiny prefill (once per MoE tile shape) and one decode step so "
                                     "that every kernel is compiled before the first request (cuda and cudasim "
                                     "backends)")
@@ -66,6 +67,9 @@ class RuntimeConfig:
     decode_graphs: bool = option(True, doc="decode a token as CUDA graphs: two per layer, or one for the token "
                                            "when every expert is cached (cuda backend; MoE models without a "
                                            "shared expert); with warmup, captured at load and kept across requests")
+    copy_overlap: bool = option(True, doc="decode's expert copies run on a copy stream alongside the kernels; false: "
+                                          "the kernels issued after a staging wait for it at once (prefill sets "
+                                          "its own for its staging ring; a request puts this one back before decode)")
     decode_prefetch: bool = option(True, doc="with decode_graphs: stage the experts the next layer's router picks "
                                              "from this layer's hidden state while this layer computes (its "
                                              "default follows decode_graphs)")

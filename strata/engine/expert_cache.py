@@ -7,6 +7,8 @@ whose slots lie beyond the new end: no resident expert ever moves.
 
 During prefill the prompt workspace (staging ring and activations) borrows the top slots of the
 mapped range (``lend``), evicting what they held; ``min_cache_slots`` stay for cached experts.
+After prefill the request's transaction puts the residency back (``CacheResidency``): what the
+ring evicted is staged again into the same slots before the first decoded token.
 
 At load the cache is filled from the expert pack (``fill``, ``runtime.expert_preload``), an equal
 share of every layer. Policy: decode inserts every streamed expert (least recently used evicted);
@@ -173,8 +175,62 @@ class ExpertCache:
     def num_cached(self) -> int:
         return len(self._lru)
 
+    # --- residency: the runtime state a prefill changes (``RuntimeState``) ---------------------
+
+    def residency(self) -> tuple[tuple[Key, int], ...]:
+        """Every cached expert and its slot, least recently used first."""
+        return tuple(self._lru.items())
+
+    def restore_residency(self, snapshot: tuple[tuple[Key, int], ...]) -> list[tuple[Key, int]]:
+        """Hold exactly ``snapshot`` again, in its recency order: experts cached since it was taken
+        are dropped, and experts evicted since go back to the slots they had. Returns those
+        (key, slot) pairs: the caller stages their bytes. Needs no slot lent and the snapshot's mapped."""
+        if self._lent_slots:
+            raise RuntimeError("the expert cache cannot restore its residency while the workspace borrows its slots")
+        wanted = dict(snapshot)
+        beyond = [slot for slot in wanted.values() if slot >= self.num_slots]
+        if beyond:
+            raise RuntimeError(f"slot {beyond[0]} of the residency to restore is not mapped ({self.num_slots} slots)")
+        for slot, key in list(self._key_of.items()):
+            if wanted.get(key) != slot:
+                self._evict_slot(slot)
+        missing = [(key, slot) for key, slot in snapshot if key not in self._lru]
+        for key, slot in missing:
+            self._free.discard(slot)
+            self._key_of[slot] = key
+        self._lru = OrderedDict(snapshot)
+        return missing
+
     def _evict_slot(self, slot: int) -> None:
         key = self._key_of.pop(slot, None)
         if key is not None:
             del self._lru[key]
             self._free.add(slot)
+
+
+class CacheResidency:
+    """The cache's residency as runtime state (``strata.engine.runtime_state.Residency``): restoring
+    stages the experts evicted since the snapshot from the expert pack, into their old slots."""
+
+    def __init__(self, cache: ExpertCache, pack: ExpertPack | None):
+        self.cache = cache
+        self.pack = pack
+
+    def snapshot(self) -> tuple[tuple[Key, int], ...]:
+        return self.cache.residency()
+
+    def restore(self, snapshot: tuple[tuple[Key, int], ...]) -> int:
+        cache, ops = self.cache, self.cache.ops
+        missing = cache.restore_residency(snapshot)
+        if missing and self.pack is None:
+            cache.forget([slot for _, slot in missing])
+            raise RuntimeError("the expert cache lost experts and has no expert pack to stage them from")
+        for first in range(0, len(missing), _FILL_BATCH):
+            batch = missing[first:first + _FILL_BATCH]
+            slots = [slot for _, slot in batch]
+            try:
+                ops.wait_staged(ops.stage_experts(cache.storage, slots, [self.pack.slot(*key) for key, _ in batch]))
+            except BaseException:
+                cache.forget([slot for _, slot in missing[first:]])  # never computed with unfilled slots
+                raise
+        return len(missing) * cache.layout.slot_bytes

@@ -25,7 +25,7 @@ from strata.config import Config
 from strata.engine.admission import admit
 from strata.engine.counters import EngineCounters
 from strata.engine.decode_resources import ArenaResource, TensorsResource
-from strata.engine.expert_cache import ExpertCache
+from strata.engine.expert_cache import CacheResidency, ExpertCache
 from strata.engine.expert_pack import ExpertPack
 from strata.engine.generation import Generation, output_head
 from strata.engine.loan import LoanTransaction
@@ -36,7 +36,7 @@ from strata.engine.planner import Planner, largest_ring_slots
 from strata.engine.prefill_cost import PrefillCostModel
 from strata.engine.resources import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
 from strata.engine.runner import DeviceWeights, ModelRunner, StreamStats
-from strata.engine.runtime_state import RuntimeState
+from strata.engine.runtime_state import RuntimeSettings, RuntimeState
 from strata.engine.sampling import SamplingParams
 from strata.engine.workspace import PromptWorkspace
 from strata.errors import AllocationError
@@ -107,7 +107,9 @@ class Engine:
             chunk_overhead_s=config.planner.chunk_overhead_s) if layout else None
         planner = Planner(placement.costs, config.planner, placement.kv_cells, cost_model)
         workspace = PromptWorkspace(ops, cache, placement.costs)
-        state = RuntimeState()
+        state = RuntimeState(RuntimeSettings(copy_overlap=config.runtime.copy_overlap),
+                             apply=lambda settings: setattr(ops, "is_copy_overlapped", settings.copy_overlap),
+                             residency=CacheResidency(cache, pack) if cache else None)
         loan = LoanTransaction(config=config, plugins=plugins, ledger=ledger, resources=resources, cache=cache,
                                planner=planner, workspace=workspace, state=state)
         loan.start()
@@ -124,6 +126,12 @@ class Engine:
                    load_ledger=LedgerSnapshot(ledger.budget_bytes, dict(sorted(expected.items()))),
                    model_name=config.model.name or model.path.stem,
                    context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
+        rt = config.runtime
+        if rt.context_tokens > placement.kv_cells:
+            log.warning("runtime.context_tokens = %d is cut to %d tokens (prompts up to %d): runtime.kv_resident_cells "
+                        "= %d and Strata keeps every KV cell on the GPU (no host tier for KV cells yet); raise "
+                        "runtime.kv_resident_cells or set runtime.context_tokens = %d", rt.context_tokens,
+                        placement.kv_cells, placement.kv_cells - 1, placement.kv_cells, placement.kv_cells)
         is_warming_up = config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run
         if is_warming_up:
             engine.warm_up()
@@ -248,7 +256,8 @@ class Engine:
     def generate(self, prompt_tokens: Sequence[int], params: SamplingParams,
                  is_cancelled: Callable[[], bool] = lambda: False) -> Generation:
         """Tokens for ``prompt_tokens``; iterate the result. Raises ``RequestError`` for a prompt that
-        leaves no room in the context."""
+        leaves no room in the context. One request at a time: a generation that starts while another
+        is unfinished ends that one first (its iteration stops, finish reason "cancelled")."""
         return Generation(self, list(prompt_tokens), params, is_cancelled)
 
     def format_placement(self) -> str:
@@ -256,6 +265,9 @@ class Engine:
 
     def format_plan(self) -> str:
         lines = [f"startup plan (chunk / ring): {self.loan.startup_geometry}"]
+        if self.loan.aliased_names():
+            lines.append(f"plan with the output head lent to prefill (runtime.prefill_head_alias): "
+                         f"{self.loan.plan_preview(is_loan=False)}")
         if self.config.loan.enabled:
             lines.append(f"plan without the loan: {self.loan.plan_preview(is_loan=False)}; "
                          f"with it: {self.loan.plan_preview(is_loan=True)}")
@@ -292,7 +304,7 @@ def _decode_resources(config: Config, model: GgufModel, ops, placement: Placemen
         resources[VERIFIER] = ArenaResource(VERIFIER, ops, placement.verifier_bytes)
     if "output.weight" in model.tensors:
         resources[OUTPUT_HEAD] = TensorsResource(OUTPUT_HEAD, ops, {"output": model.tensors["output.weight"]},
-                                                 is_loaned)
+                                                 is_loaned or rt.prefill_head_alias)
     if rt.mtp and spec.num_nextn_layers:
         prefix = f"blk.{spec.num_layers}."
         block = {n: r for n, r in model.tensors.items() if n.startswith(prefix)}

@@ -50,6 +50,9 @@ class Generation:
         unread = np.asarray(prompt[reuse:], dtype=np.int64)
         engine.kv_tokens = prompt[:reuse]
         stream = StreamStats()
+        previous = engine.current_generation
+        if previous is not None and previous is not self:
+            previous.close()  # one request at a time: an unfinished one ends here, "cancelled"
         engine.current_generation = self
         engine.runner.end_request()  # segments of a request whose iteration was abandoned
         engine.ops.trim_memory()  # what a failed request left for reuse must not shrink the plan
@@ -61,7 +64,9 @@ class Generation:
             hidden = None  # the last chunk's [T, D]: not held while the first decode token is captured
         except BaseException as exc:
             engine.counters.record_failure(engine.loan.last_report, not isinstance(exc, LoanRestoreError))
+            engine.current_generation = None
             raise
+        stream.streamed_bytes += engine.state.restaged_bytes  # the cache's residency, put back for decode
         engine.kv_tokens = list(prompt)
         prefill_seconds = time.perf_counter() - started
         self._prefill_streamed_bytes = stream.streamed_bytes
@@ -155,10 +160,9 @@ class Generation:
 
     def _prefill(self, unread: np.ndarray, start: int, geometry: Geometry, stream: StreamStats):
         runner, hidden = self.engine.runner, None
-        # prefill streams whole layers (balanced, overlapped, synchronized before each layer's
-        # launch) and samples nothing; the loan transaction puts the decode settings back
-        self.engine.state.update(pcie_balancing=True, adaptive_overlap=geometry.ring_slots > 1,
-                                 residency_prelaunch_sync=True, logit_bias=(), mtp_draft_sampling=False)
+        # the ring overlaps its copies with the kernels when it has two halves, and prefill samples
+        # nothing; the loan transaction puts decode's settings back
+        self.engine.state.update(copy_overlap=geometry.ring_slots >= 2, logit_bias=())
         try:
             for first in range(0, len(unread), geometry.chunk_tokens):
                 chunk = unread[first:first + geometry.chunk_tokens]

@@ -3,10 +3,14 @@
 decide → release in plugin order → grow the elastic expert cache → adjust the planner budget →
 plan → allocate the workspace (smaller geometries on failure, bounded) → prefill → finally:
 free the workspace, shrink the cache, restore resources in reverse order, put back the runtime
-state, run the restore hooks, and check that the ledger and state equal what they were before.
+state (settings, and the expert cache's residency that the ring and the shrink evicted), run the
+restore hooks, and check that the ledger and state equal what they were before.
 
 With ``loan.enabled`` false the same object plans and allocates, and no hook runs: the plan is the
-one a build without plugins makes. The sequence of hooks is documented in ``strata.hooks``.
+one a build without plugins makes, or, with ``runtime.prefill_head_alias``, the one it makes with
+the output head's bytes lent to the prompt workspace (released before planning, uploaded again
+from its host copy after prefill, like a loan's release). The sequence of hooks is documented in
+``strata.hooks``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Callable, Mapping, Protocol, TypeVar
 
 from strata.config import Config
 from strata.engine.planner import Planner
-from strata.engine.resources import ElasticCache, Resource
+from strata.engine.resources import OUTPUT_HEAD, ElasticCache, Resource
 from strata.engine.runtime_state import RuntimeState
 from strata.errors import AllocationError, LoanRestoreError, PluginError
 from strata.gpu.ledger import TRANSIENT_OWNERS, VramLedger
@@ -25,6 +29,7 @@ from strata.plugins import PluginHost
 
 T = TypeVar("T")
 RESTORE_ATTEMPTS = 3
+_ALIAS_REASON = "output head lent to the prompt workspace (runtime.prefill_head_alias)"
 
 
 class Workspace(Protocol):
@@ -116,6 +121,11 @@ class LoanTransaction:
             else:
                 self._restore_all(released)  # a vetoed startup loan gives everything back first
                 released = []
+                for name in self.aliased_names():
+                    self.resources[name].release()
+                    released.append(name)
+                if released:
+                    report = dataclasses.replace(report, reason=f"{report.reason}; {_ALIAS_REASON}")
             geometry = self._plan(ctx, vote.is_run)
             geometry, num_retries = self._allocate(geometry)
             report = dataclasses.replace(report, geometry=geometry, num_retries=num_retries)
@@ -126,14 +136,21 @@ class LoanTransaction:
 
     def plan_preview(self, is_loan: bool) -> Geometry:
         """The geometry an unbounded prompt gets from the idle engine (every resource resident),
-        without the loan or with its release."""
+        without the loan (with the head alias, when configured) or with its release."""
         budget = self.budget()
         idle_free = budget.free_bytes - sum(r.num_bytes for r in self.resources.values() if not r.is_resident)
-        freed = 0
+        names = self.aliased_names()
         if is_loan and self.is_enabled:
             names = self._release_names(self._context(LoanRequest(0, 0, 0, is_startup_loan=True)), already=[])
-            freed = sum(self.resources[n].num_bytes for n in names)
+        freed = sum(self.resources[n].num_bytes for n in names)
         return self.planner.plan(dataclasses.replace(budget, free_bytes=max(0, idle_free + freed)))
+
+    def aliased_names(self) -> list[str]:
+        """What every prefill without the loan lends to its prompt workspace: the native output head
+        under ``runtime.prefill_head_alias`` (admission refuses the alias with the loan on)."""
+        if self.config.runtime.prefill_head_alias and OUTPUT_HEAD in self.resources:
+            return [OUTPUT_HEAD]
+        return []
 
     def _context(self, request: LoanRequest) -> LoanContext:
         return LoanContext(self.config, request, self.resources, self.startup_geometry)
@@ -200,7 +217,10 @@ class LoanTransaction:
             except Exception as exc:
                 failures.append(f"{step}: {exc!r}")
         failures.extend(self._restore_all(released, raise_now=False))
-        self.state.put_back(captured)
+        try:
+            self.state.put_back(captured)
+        except Exception as exc:
+            failures.append(f"put back the runtime state: {exc!r}")
         if is_loan:
             failures.extend(f"restore hook of {p}: {e!r}" for p, e in
                             self.plugins.call_reversed("strata_prefill_restore", ctx=ctx))

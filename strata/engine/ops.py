@@ -68,6 +68,7 @@ class Ops(Protocol):
     name: str
     ledger: VramLedger
     is_activation_borrowable: bool  # prompt activations may live in borrowed expert-cache storage
+    is_copy_overlapped: bool  # RuntimeSettings.copy_overlap: see stage_experts
 
     # memory
     def alloc(self, owner: str, shape: tuple[int, ...], dtype: Any) -> Any: ...
@@ -93,7 +94,8 @@ class Ops(Protocol):
                       is_after_compute: bool = True) -> Any:
         """Copy experts from host memory (``hosts[i]``, one packed slot each) into ``slots[i]``, after
         every computation issued so far. May run asynchronously (a copy stream): returns a ticket
-        (None when the copies are done on return) that ``wait_staged`` takes.
+        (None when the copies are done on return) that ``wait_staged`` takes. With
+        ``is_copy_overlapped`` false, computations issued after this call wait for its copies.
 
         is_after_compute=False: the copies need not wait for computations issued so far, because the
         caller knows none of those still running reads ``slots`` (it has read back a result issued

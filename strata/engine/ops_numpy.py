@@ -89,6 +89,7 @@ class NumpyKv:
 class NumpyOps:
     name = "numpy"
     is_activation_borrowable = True  # activations may live in borrowed expert-cache bytes
+    is_copy_overlapped = True  # copies are done on return: nothing to overlap or wait for
 
     def __init__(self, ledger: VramLedger):
         self.ledger = ledger

@@ -44,6 +44,7 @@ class CudaKv:
 
 class CudaOps:
     is_activation_borrowable = False  # activations are the kernels' own allocations
+    is_copy_overlapped = True  # RuntimeSettings.copy_overlap, set by the engine's RuntimeState
 
     def __init__(self, ledger: VramLedger, device: int = 0, is_simulator: bool = False):
         self.ledger = ledger
@@ -183,7 +184,10 @@ class CudaOps:
         if self._copy_stream is None:  # the simulator: copied on return
             storage.stage_many(slots, hosts)
             return None
-        return self._copy_stream.stage(storage, slots, hosts, is_after_compute)
+        ticket = self._copy_stream.stage(storage, slots, hosts, is_after_compute)
+        if not self.is_copy_overlapped:
+            self._copy_stream.wait(ticket)  # what is issued from here on runs after the copies
+        return ticket
 
     def wait_staged(self, ticket) -> None:
         if ticket is not None:

@@ -108,7 +108,7 @@ def test_expert_pack_file_round_trip(moe_path, expected, tmp_path):
 
     model = open_gguf(moe_path)
     pack = ExpertPack.from_gguf(model, expert_layout(model), lambda n: np.empty(n, np.uint8))
-    pack.write(tmp_path / "small.strpack", moe_path)
+    pack.write(tmp_path / "small.strpack", model)
     engine = Engine.load(engine_config(moe_path, model={"path": str(moe_path),
                                                         "expert_pack": str(tmp_path / "small.strpack")}),
                          show_progress=False)
@@ -122,7 +122,7 @@ def test_a_failed_decode_copy_leaves_no_unfilled_expert_in_the_cache(moe_path, e
     calls = {"decode": 0}
 
     def failing_decode_stage(storage, slots, hosts, *args):
-        if engine.workspace.geometry is None:  # decode: no prompt workspace
+        if len(engine.kv_tokens) >= len(PROMPT):  # decode: the prompt is in the KV cache
             calls["decode"] += 1
             raise RuntimeError("copy failed")
         return stage(storage, slots, hosts, *args)
@@ -141,21 +141,25 @@ def test_a_decode_miss_without_a_free_slot_is_refused_and_leaves_the_cache_whole
 
     engine = Engine.load(engine_config(moe_path, planner={"max_chunk_tokens": 32}), show_progress=False)
     greedy(engine, PROMPT[::-1], 2)
-    cache, insert = engine.cache, engine.cache.insert
-    inserted = []
+    cache, insert, stage_into_cache = engine.cache, engine.cache.insert, engine.runner._stage_into_cache
+    inserted = []  # the slots of the staging call under way
 
-    def insert_once(layer, expert, protected):  # the first decode token's second miss finds no slot
+    def staging_call(*args, **kwargs):
+        inserted.clear()
+        return stage_into_cache(*args, **kwargs)
+
+    def insert_once(layer, expert, protected):  # a decode layer's second miss finds no slot
         if inserted:
             return -1
         inserted.append(insert(layer, expert, protected))
         return inserted[-1]
 
-    cache.insert = insert_once
+    cache.insert, engine.runner._stage_into_cache = insert_once, staging_call
     with pytest.raises(EngineError, match="no expert-cache slot is free for a decode miss .* raise "
                                           "runtime.vram_budget"):
         greedy(engine, PROMPT, 4)
     assert inserted and inserted[0] not in cache._key_of  # the one inserted is forgotten, not left unfilled
-    cache.insert = insert
+    cache.insert, engine.runner._stage_into_cache = insert, stage_into_cache
     assert greedy(engine, PROMPT, 12)[0] == expected
 
 
@@ -172,10 +176,10 @@ def test_an_abandoned_generation_collected_late_leaves_the_next_request_alone(mo
     next(iter(abandoned))  # one token, then dropped without close(): a reference cycle keeps it
     current = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12))
     events = iter(current)
-    tokens = [next(events).token_id]
+    tokens = [next(events).token_id]  # the next request ended the unfinished one before it began
     num_released = len(released)
     del abandoned
-    gc.collect()  # its cleanup runs now, in the middle of the next request, and must not touch it
+    gc.collect()  # collected in the middle of the next request, it must not touch it
     assert engine.current_generation is current and len(released) == num_released
     tokens += [event.token_id for event in events if event.token_id >= 0]
     assert tokens == expected
@@ -191,3 +195,18 @@ def test_closing_a_generation_ends_its_request_at_once(moe_path):
     next(iter(generation))
     generation.close()
     assert generation.stats.finish_reason == "cancelled" and engine.current_generation is None
+
+
+def test_requests_never_interleave_a_new_one_ends_the_unfinished_one(moe_path, expected):
+    from strata.engine.sampling import SamplingParams
+
+    engine = Engine.load(engine_config(moe_path), show_progress=False)
+    first = engine.generate(PROMPT[:40], SamplingParams(temperature=0, max_tokens=8))
+    first_events = iter(first)
+    taken = [next(first_events).token_id, next(first_events).token_id]
+    tokens, stats = greedy(engine, PROMPT, 12)
+    assert tokens == expected and stats.finish_reason == "length"
+    assert first.stats.finish_reason == "cancelled" and first.stats.generated_tokens == len(taken)
+    assert list(first_events) == []  # it yields nothing more: its KV cache now holds the other prompt
+    assert engine.current_generation is None
+    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)

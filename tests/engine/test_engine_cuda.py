@@ -73,6 +73,20 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
             pass
 
 
+# the simulator runs one two-chunk prompt; a GPU every chunk size from a quantum to the whole prompt
+CHUNK_SIZES = [16, 32, 64] if BACKEND == "cuda" else [16]
+
+
+@pytest.mark.parametrize("max_chunk", CHUNK_SIZES)
+def test_greedy_output_equals_the_reference_at_every_chunk_size(tiny_path, max_chunk):
+    prompt = PROMPT if BACKEND == "cuda" else [int(t) for t in np.random.default_rng(7).integers(3, 500, size=20)]
+    engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB", "warmup": False},
+                                       planner={"max_chunk_tokens": max_chunk}), show_progress=False)
+    tokens, stats = greedy(engine, prompt, NUM_GENERATED)
+    assert stats.num_chunks == -(-len(prompt) // max_chunk) > 1
+    assert tokens == reference_greedy(tiny_path, prompt, NUM_GENERATED)
+
+
 @pytest.mark.skipif(not tensor_core.is_available(), reason="moe_rows' kernels need tensor cores")
 def test_experts_of_64_multiples_prefill_on_the_rows_kernels_and_give_the_reference_output(tmp_path, monkeypatch):
     path = write_synthetic_model(tmp_path / "rows.gguf", with_overrides(PRESETS["tiny"], hidden_size=128,

@@ -1,11 +1,15 @@
 """The loan transaction on the engine's own resources (numpy backend)."""
 
 
+import dataclasses
+
 import numpy as np
 import pytest
-from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy, write_small_moe
+from engine_setup import LOAN_RUNTIME, SMALL_MOE, engine_config, greedy, reference_greedy, write_small_moe
+from gguf import GGMLQuantizationType as QType
 
 from strata.engine.facade import Engine
+from strata.model.synth import write_synthetic_model
 from strata.engine.runtime_state import RuntimeSettings
 
 ALL_PLUGINS = ["loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan"]
@@ -16,6 +20,18 @@ PROMPTS = [[int(t) for t in np.random.default_rng(seed).integers(3, 500, size=n)
 @pytest.fixture(scope="module")
 def mtp_path(tmp_path_factory):
     return write_small_moe(tmp_path_factory.mktemp("models") / "small-moe-mtp.gguf", with_mtp=True)
+
+
+# 256 experts of 442 KiB (110 MiB) against a 140 MiB budget: the cache holds about half of them,
+# prefill streams through a ring borrowed from the cache, and a loan grows the cache by a segment
+STREAMING = {"vram_budget": "140MiB", "context_tokens": 2048}
+
+
+@pytest.fixture(scope="module")
+def streaming_path(tmp_path_factory):
+    spec = dataclasses.replace(SMALL_MOE, num_layers=4, hidden_size=256, num_experts=64, expert_ffn_size=1024)
+    return write_synthetic_model(tmp_path_factory.mktemp("models") / "streaming-moe-mtp.gguf", spec, QType.Q4_0,
+                                 seed=7, with_mtp=True)
 
 
 def loan_engine(path, is_loan=True, planner=None, **runtime):
@@ -82,24 +98,44 @@ def test_the_plan_with_the_loan_is_larger_when_memory_limits_the_chunk(mtp_path)
     assert stats.loan.is_taken and stats.geometry.chunk_tokens >= with_loan.chunk_tokens
 
 
-def test_runtime_state_is_put_back_before_the_first_decoded_token(mtp_path):
-    engine = loan_engine(mtp_path)
+def test_runtime_state_is_put_back_before_the_first_decoded_token(streaming_path):
+    # decode's copies are configured not to overlap; the ring's two halves overlap theirs, and its
+    # slots, borrowed from the cache, evict experts decode had cached
+    engine = loan_engine(streaming_path, is_loan=False, copy_overlap=False, **STREAMING)
     forced = 123
-    engine.state.update(logit_bias=((forced, 1e4),), mtp_draft_sampling=True, pcie_balancing=False)
-    before = engine.state.settings
-    seen = []
+    engine.state.update(logit_bias=((forced, 1e4),))
+    before_settings, before_residency = engine.state.settings, engine.cache.residency()
+    seen = []  # (is prefill, copies overlapped, logit bias, cache residency) at every forward
 
-    def prefill_then_check(*args, **kwargs):
-        result = real_forward(*args, **kwargs)
-        seen.append(engine.state.settings)
-        return result
+    def recording(tokens, start, workspace, stats):
+        seen.append((workspace is not None, engine.ops.is_copy_overlapped, engine.state.settings.logit_bias,
+                     engine.cache.residency()))
+        return real_forward(tokens, start, workspace, stats)
 
     real_forward = engine.runner.forward
-    engine.runner.forward = prefill_then_check
-    tokens, _ = greedy(engine, PROMPTS[0], 2)
-    assert seen[0] != before  # prefill ran with its own settings ...
-    assert seen[-1] == before and engine.state.settings == before  # ... and decode with the captured ones
+    engine.runner.forward = recording
+    tokens, stats = greedy(engine, PROMPTS[0], 3)
+    prefill = [s[1:] for s in seen if s[0]]
+    decode = [s[1:] for s in seen if not s[0]]
+    assert len(prefill) > 1 and all(s[:2] == (True, ()) for s in prefill)  # prefill ran with its own settings
+    assert prefill[0][2] != before_residency  # ... and the ring evicted cached experts
+    assert decode[0] == (False, before_settings.logit_bias, before_residency)  # decode starts from the captured
     assert tokens[0] == forced  # the logit bias was back for the first token
+    evicted = set(before_residency) - set(prefill[0][2])
+    assert engine.state.restaged_bytes == len(evicted) * engine.cache.layout.slot_bytes > 0
+    assert stats.prefill_streamed_bytes >= engine.state.restaged_bytes
+
+
+def test_the_loan_grows_the_cache_and_output_equals_output_without_it(streaming_path):
+    with_loan = loan_engine(streaming_path, **STREAMING)
+    without = loan_engine(streaming_path, is_loan=False, **STREAMING)
+    base_bytes = with_loan.cache.mapped_bytes
+    a, a_stats = greedy(with_loan, PROMPTS[0], 4)
+    b, b_stats = greedy(without, PROMPTS[0], 4)
+    assert a_stats.loan.grown_bytes >= with_loan.config.runtime.vmm_segment_bytes
+    assert a_stats.cache_misses > 0 and a_stats.geometry == b_stats.geometry and a == b
+    assert with_loan.cache.mapped_bytes == base_bytes
+    assert dict(with_loan.ledger.snapshot().by_owner) == dict(with_loan.idle_ledger.by_owner)
 
 
 def test_a_failure_mid_prefill_restores_every_resource_and_the_next_request_is_served(mtp_path):
@@ -119,7 +155,7 @@ def test_a_failure_mid_prefill_restores_every_resource_and_the_next_request_is_s
         greedy(engine, PROMPTS[0], 4)
     assert all(r.is_resident for r in engine.resources.values())
     assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
-    assert engine.state.settings == RuntimeSettings()
+    assert engine.state.settings == RuntimeSettings(copy_overlap=engine.config.runtime.copy_overlap)
     assert engine.counters.num_failed_requests == 1 and engine.counters.num_loans_failed == 1
     assert engine.counters.restored_bytes == engine.counters.released_bytes > 0
     tokens, stats = greedy(engine, PROMPTS[0], 4)
@@ -145,3 +181,21 @@ def test_loans_work_when_activations_cannot_borrow_cache_storage(mtp_path, monke
     for prompt, tokens in zip(PROMPTS, expected):
         assert greedy(engine, prompt, 4)[0] == tokens
         assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+
+
+def test_the_head_alias_lends_the_output_head_to_every_prefill_without_the_loan(tmp_path):
+    # a 32k vocabulary makes the head worth 200 chunk tokens; the budget leaves the chunk ~400
+    spec = dataclasses.replace(SMALL_MOE, vocab_size=32768)
+    path = write_synthetic_model(tmp_path / "wide-head.gguf", spec, QType.Q4_0, seed=7, with_mtp=True)
+    aliased, plain = (loan_engine(path, is_loan=False, planner={"max_chunk_tokens": 1024, "cache_keep_share": 1.0},
+                                  vram_budget="76MiB", prefill_head_alias=is_alias) for is_alias in (True, False))
+    gained_tokens = aliased.loan.plan_preview(is_loan=False).chunk_tokens - plain.loan.startup_geometry.chunk_tokens
+    head_tokens = aliased.resources["output_head"].num_bytes / aliased.placement.costs.bytes_per_chunk_token
+    assert head_tokens > 100 and abs(gained_tokens - head_tokens) <= aliased.config.planner.chunk_quantum_tokens
+    prompt = PROMPTS[0] + PROMPTS[2][:200]  # 500 tokens: one chunk with the alias, two without
+    a, a_stats = greedy(aliased, prompt, 4)
+    b, b_stats = greedy(plain, prompt, 4)
+    assert (a_stats.num_chunks, b_stats.num_chunks) == (1, 2) and a == b
+    assert "runtime.prefill_head_alias" in a_stats.loan.reason and not a_stats.loan.is_taken
+    assert aliased.resources["output_head"].is_resident
+    assert dict(aliased.ledger.snapshot().by_owner) == dict(aliased.idle_ledger.by_owner)

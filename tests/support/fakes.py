@@ -136,6 +136,26 @@ class FakeWorkspace:
             self._history.append("free")
 
 
+class FakeResidency:
+    """Counts the cached experts a prefill evicted; restoring stages them back (once nothing is lent)."""
+
+    def __init__(self, cache: FakeCache, history: list, faults: Faults):
+        self._cache = cache
+        self._history = history
+        self._faults = faults
+        self.evicted = 0
+
+    def snapshot(self) -> int:
+        return self.evicted
+
+    def restore(self, snapshot: int) -> int:
+        self._faults.check("residency")
+        assert self._cache.lent_bytes == 0, "the workspace must give borrowed cache back before residency returns"
+        restaged, self.evicted = self.evicted - snapshot, snapshot
+        self._history.append(f"restage:{restaged}")
+        return restaged * MIB
+
+
 class FakeEngine:
     """The loan's collaborators wired together over one ledger, as the engine wires the real ones."""
 
@@ -156,7 +176,8 @@ class FakeEngine:
                                              target_ring_slots=128)
         self.planner = Planner(self.costs, config.planner)
         self.workspace = FakeWorkspace(self.costs, self.ledger, self.cache, self.history, self.faults)
-        self.state = RuntimeState()
+        self.residency = FakeResidency(self.cache, self.history, self.faults)
+        self.state = RuntimeState(residency=self.residency)
         self.loan = LoanTransaction(config=config, plugins=host, ledger=self.ledger, resources=self.resources,
                                     cache=self.cache, planner=self.planner, workspace=self.workspace, state=self.state)
 
@@ -164,7 +185,8 @@ class FakeEngine:
         def run(geometry):
             self.faults.check("prefill")
             self.history.append(f"prefill:{geometry}")
-            self.state.update(adaptive_overlap=False, logit_bias=((1, -5.0),))  # prefill changes settings
+            self.state.update(copy_overlap=False, logit_bias=((1, -5.0),))  # prefill changes settings
+            self.residency.evicted += 3  # and the ring's borrowed slots evict cached experts
             return geometry
 
         unread = prompt_tokens if unread_tokens is None else unread_tokens

@@ -138,10 +138,23 @@ def test_retain_startup_chunk_keeps_the_startup_geometry_for_the_first_request()
 
 def test_runtime_state_changed_by_prefill_is_put_back():
     engine = started()
-    engine.state.update(logit_bias=((7, 2.0),), mtp_draft_sampling=True)
-    before = engine.state.settings
+    engine.state.update(logit_bias=((7, 2.0),), copy_overlap=True)
+    before = engine.state.capture()
     engine.prefill(2_000)
-    assert engine.state.settings == before
+    assert engine.state.capture() == before
+    assert engine.residency.evicted == 0 and engine.state.restaged_bytes == 3 * MIB
+    # the residency comes back once the workspace has given the cache's slots back and the cache shrank
+    assert engine.history.index("free") < engine.history.index("restage:3")
+    assert engine.history.index(f"shrink:{engine.cache.base_bytes // MIB}MiB") < engine.history.index("restage:3")
+
+
+def test_a_residency_that_cannot_be_staged_again_says_the_engine_is_unhealthy():
+    engine = started()
+    engine.faults.arm("residency", times=1)
+    with pytest.raises(LoanRestoreError, match="put back the runtime state.*injected fault at residency"):
+        engine.prefill(2_000)
+    assert engine.state.settings == RuntimeSettings()  # settings come back before the residency is tried
+    assert all(r.is_resident for r in engine.resources.values())
 
 
 def test_budget_adjustments_are_summed():
