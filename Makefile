@@ -32,7 +32,14 @@ BENCH_ARGS ?= --prompt-tokens 2048,8192,32768 --gen-tokens 128 --reps 3
 gpu-test: setup
 	$(BIN)/python -m pytest -q tests/kernels tests/engine/test_engine_cuda.py tests/gpu $(PYTEST_ARGS)
 
-bench-h200: setup
-	test -f $(BENCH_MODEL) || $(BIN)/strata synth --preset qwen3-30b-a3b --qtype Q4_0 --mtp $(BENCH_MODEL)
-	test -f $(BENCH_MODEL:.gguf=.strpack) || $(BIN)/strata --config configs/bench-h200.toml pack
+BENCH_PACK := $(BENCH_MODEL:.gguf=.strpack)
+
+$(BENCH_MODEL): | $(BIN)/strata
+	$(BIN)/strata synth --preset qwen3-30b-a3b --qtype Q4_0 --mtp $(BENCH_MODEL)
+
+# packed again whenever the model is newer (a pack refuses any GGUF but its own)
+$(BENCH_PACK): $(BENCH_MODEL) | $(BIN)/strata
+	$(BIN)/strata --config configs/bench-h200.toml pack
+
+bench-h200: setup $(BENCH_PACK)
 	$(BIN)/strata --config configs/bench-h200.toml bench $(BENCH_ARGS)

@@ -31,7 +31,7 @@ plan is the one a build without plugins makes)::
     finally, also when any step above raised:
         (engine frees the workspace, shrinks the cache, restores released resources in reverse
          order and puts back the runtime state captured before release: settings, and the
-         expert cache's residency, staging again what the ring and the shrink evicted)
+         expert cache's residency, staging again what the ring evicted)
         strata_prefill_restore(ctx)     reverse plugin order
         (engine checks the ledger and runtime state equal what they were before)
 """

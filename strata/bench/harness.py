@@ -120,7 +120,8 @@ def decode_vram_bytes(run: dict) -> float:
 
 
 def _decode_bytes(run: dict) -> int:
-    return run["streamed_bytes"] - _prefill_bytes(run)
+    """Bytes decode streamed: the request's, less prefill's and the residency restaged between them."""
+    return run["streamed_bytes"] - _prefill_bytes(run) - run.get("restaged_bytes", 0)
 
 
 def _decode_steps(run: dict) -> int:

@@ -52,24 +52,32 @@ def run(args: argparse.Namespace, config: Config) -> int:
               f"the loan ({with_loan}):")
         owners = {**engine.ledger.snapshot().by_owner, **{name: 0 for name in deferred}}
         print(format_placement(owners, budget_bytes, costs, with_loan, startup_budget.borrowable_cache_bytes))
-    print(f"idle placement (every resource resident) with the workspace of the plan without the loan ({without}):")
-    print(format_placement(engine.idle_ledger.by_owner, budget_bytes, costs, without,
-                           idle_budget.borrowable_cache_bytes))
+    aliased = engine.loan.aliased_names()
+    print(f"idle placement (every resource resident{', the output head lent to prefill' if aliased else ''}) "
+          f"with the workspace of the plan without the loan ({without}):")
+    print(format_placement({**engine.idle_ledger.by_owner, **{name: 0 for name in aliased}}, budget_bytes, costs,
+                           without, idle_budget.borrowable_cache_bytes,
+                           zero_note="lent to the prompt workspace (runtime.prefill_head_alias)" if aliased
+                           else "deferred by the startup loan"))
     cached = engine.cache.num_cached if engine.cache else 0
-    longest_prompt_tokens = engine.context_tokens - 1
+    longest_prompt_tokens = engine.context_tokens - 1  # for the predicted time; the plans take any prompt
     print(f"plan without the loan (chunk / ring): {without}")
-    print("  planner: " + engine.planner.explain(idle_budget, without, longest_prompt_tokens, cached))
+    print("  planner: " + engine.planner.explain(idle_budget, without, cached_slots=cached,
+                                                 predicted_tokens=longest_prompt_tokens))
     if config.loan.enabled:
         print(f"plan with the loan (chunk / ring): {with_loan}")
-        print("  planner: " + engine.planner.explain(startup_budget, with_loan, longest_prompt_tokens, cached))
+        print("  planner: " + engine.planner.explain(startup_budget, with_loan, cached_slots=cached,
+                                                     predicted_tokens=longest_prompt_tokens))
     return 0
 
 
 def idle_planner_budget(engine) -> PlannerBudget:
-    """The budget ``plan_preview(is_loan=False)`` plans in: every deferred resource back in place."""
+    """The budget ``plan_preview(is_loan=False)`` plans in: every deferred resource back in place,
+    and what ``runtime.prefill_head_alias`` lends to prefill freed."""
     budget = engine.loan.budget()
     deferred_bytes = sum(r.num_bytes for r in engine.resources.values() if not r.is_resident)
-    return dataclasses.replace(budget, free_bytes=max(0, budget.free_bytes - deferred_bytes))
+    aliased_bytes = sum(engine.resources[name].num_bytes for name in engine.loan.aliased_names())
+    return dataclasses.replace(budget, free_bytes=max(0, budget.free_bytes - deferred_bytes + aliased_bytes))
 
 
 def format_context(config: Config, kv_cells: int, served_tokens: int) -> str:
@@ -84,9 +92,10 @@ def format_context(config: Config, kv_cells: int, served_tokens: int) -> str:
 
 
 def format_placement(owners: Mapping[str, int], budget_bytes: int, costs: WorkspaceCosts, geometry: Geometry | None,
-                     borrowable_cache_bytes: int) -> str:
+                     borrowable_cache_bytes: int, zero_note: str = "deferred by the startup loan") -> str:
     """Owners, the prefill workspace of ``geometry`` and free memory in bytes, MiB and share of
-    the budget; the indented rows are the parts of the workspace."""
+    the budget; the indented rows are the parts of the workspace. ``zero_note``: why an owner
+    holds nothing."""
     owners = dict(sorted(owners.items()))
     rows = [_ROW.format("owner", "bytes", "MiB", "share", "")]
     lent_bytes, from_free_bytes = _workspace_sources(costs, geometry, borrowable_cache_bytes,
@@ -95,7 +104,7 @@ def format_placement(owners: Mapping[str, int], budget_bytes: int, costs: Worksp
         owners[EXPERT_CACHE_OWNER] -= lent_bytes
     for owner, num_bytes in owners.items():
         note = f"  ({lent_bytes:,} bytes lent to {WORKSPACE_ROW})" if owner == EXPERT_CACHE_OWNER and lent_bytes \
-            else "  (deferred by the startup loan)" if not num_bytes else ""
+            else f"  ({zero_note})" if not num_bytes else ""
         rows.append(_row(owner, num_bytes, budget_bytes, note))
     if geometry is not None:
         rows.extend(_workspace_rows(costs, geometry, lent_bytes, from_free_bytes, budget_bytes))

@@ -111,15 +111,19 @@ class ExpertPack:
         Raises ``StaleExpertPackError`` for a pack of another GGUF, layout or pack format."""
         spec = model.spec
         try:
+            identity = source_identity(model)
+        except OSError as exc:
+            raise ModelFormatError(f"{model.path}: cannot read the GGUF to check its expert pack: {exc}") from exc
+        try:
             with open(path, "rb") as f:
                 header = json.loads(f.read(HEADER_BYTES).rstrip(b"\0"))
-                _check_header(path, header, model, layout)
+                _check_header(path, header, identity, model, layout)
                 pack = cls(layout, spec.num_layers, spec.num_experts,
                            allocate(spec.num_layers * spec.num_experts * layout.slot_bytes))
                 if f.readinto(memoryview(pack.buffer)) != pack.num_bytes:
                     raise ModelFormatError(f"{path}: expert pack is truncated; {REPACK_FIX}")
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelFormatError(f"{path}: cannot read expert pack: {exc}") from exc
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelFormatError(f"{path}: cannot read expert pack: {exc}; {REPACK_FIX}") from exc
         return pack
 
 
@@ -137,14 +141,13 @@ def source_identity(model: GgufModel) -> dict:
     return {"source_bytes": model.path.stat().st_size, "source_sha256": digest.hexdigest()}
 
 
-def _check_header(path: Path, header: dict, model: GgufModel, layout: ExpertLayout) -> None:
+def _check_header(path: Path, header: dict, identity: dict, model: GgufModel, layout: ExpertLayout) -> None:
     magic = header.get("magic") if isinstance(header, dict) else None
     if not isinstance(magic, str) or not magic.startswith(MAGIC_PREFIX):
         raise ModelFormatError(f"{path}: not an expert pack (no {MAGIC_PREFIX}* header); {REPACK_FIX}")
     if magic != MAGIC:
         raise StaleExpertPackError(f"{path}: expert pack format {magic!r}, this Strata reads {MAGIC!r} (which "
                                    f"records the GGUF a pack was written from); {REPACK_FIX}")
-    identity = source_identity(model)
     if {k: header.get(k) for k in identity} != identity:
         raise StaleExpertPackError(
             f"{path} was packed from {header.get('source')} ({_identity_text(header)}), not from {model.path} "

@@ -39,7 +39,7 @@ from strata.engine.runner import DeviceWeights, ModelRunner, StreamStats
 from strata.engine.runtime_state import RuntimeSettings, RuntimeState
 from strata.engine.sampling import SamplingParams
 from strata.engine.workspace import PromptWorkspace
-from strata.errors import AllocationError
+from strata.errors import AllocationError, ConfigError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, LedgerSnapshot, VramLedger
 from strata.model.gguf_file import GgufModel, open_gguf
 from strata.model.locate import resolve_model_path
@@ -100,6 +100,7 @@ class Engine:
                             max_slots=spec.num_layers * spec.num_experts
                             + largest_ring_slots(config.planner, placement.costs.target_ring_slots)) if layout else None
         if cache:
+            _check_cache_maps_a_segment(config, placement, cache)
             cache.min_cache_slots = _min_cache_slots(config, cache.num_slots, spec)
         cost_model = PrefillCostModel.from_spec(
             spec, layout.slot_bytes, pcie_bytes_per_s=config.planner.pcie_bytes_per_s,
@@ -277,6 +278,21 @@ class Engine:
         self.runner.reset_decode()
         self.ops.synchronize()
         self.ops.trim_memory()
+
+
+def _check_cache_maps_a_segment(config: Config, placement: Placement, cache: ExpertCache) -> None:
+    """The staging ring lives in the expert cache, so a cache of no slot cannot prefill. A segment
+    costs more than runtime.vmm_segment where each plane of the packed experts is rounded up to
+    the device's mapping granularity."""
+    if cache.num_slots:
+        return
+    short_mib = (cache.segment_bytes - placement.cache_base_bytes) / 2**20
+    raise ConfigError(
+        f"a VRAM budget of {placement.budget_bytes / 2**20:.0f} MiB (runtime.vram_budget) leaves "
+        f"{placement.cache_base_bytes / 2**20:.0f} MiB for the expert cache, less than one of its segments "
+        f"({cache.segment_bytes / 2**20:.0f} MiB: runtime.vmm_segment of expert slots, each plane rounded up to "
+        f"the device's mapping granularity), and prefill stages experts in cache slots; raise "
+        f"runtime.vram_budget by at least {short_mib:.0f} MiB")
 
 
 def _min_cache_slots(config: Config, base_slots: int, spec) -> int:

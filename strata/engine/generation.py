@@ -34,6 +34,7 @@ class Generation:
         self.is_cancelled = is_cancelled
         self.stats: RequestStats | None = None
         self._prefill_streamed_bytes = 0
+        self._restaged_bytes = 0
         self._events = self._run()
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -66,7 +67,7 @@ class Generation:
             engine.counters.record_failure(engine.loan.last_report, not isinstance(exc, LoanRestoreError))
             engine.current_generation = None
             raise
-        stream.streamed_bytes += engine.state.restaged_bytes  # the cache's residency, put back for decode
+        self._restaged_bytes = engine.state.restaged_bytes  # the cache's residency, put back for decode
         engine.kv_tokens = list(prompt)
         prefill_seconds = time.perf_counter() - started
         self._prefill_streamed_bytes = stream.streamed_bytes
@@ -185,9 +186,10 @@ class Generation:
         self.stats = RequestStats(
             prompt_tokens=len(self.prompt), unread_tokens=num_unread, generated_tokens=generated,
             geometry=report.geometry, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
-            streamed_bytes=stream.streamed_bytes, num_chunks=stream.num_chunks,
+            streamed_bytes=stream.streamed_bytes + self._restaged_bytes, num_chunks=stream.num_chunks,
             cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish,
-            prefill_streamed_bytes=self._prefill_streamed_bytes, prefetched_experts=stream.prefetched,
+            prefill_streamed_bytes=self._prefill_streamed_bytes, restaged_bytes=self._restaged_bytes,
+            prefetched_experts=stream.prefetched,
             prefetched_used_experts=stream.prefetched_used, decode_wait_seconds=stream.decode_wait_seconds)
         self.engine.counters.record(self.stats)
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line

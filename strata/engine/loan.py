@@ -3,7 +3,7 @@
 decide → release in plugin order → grow the elastic expert cache → adjust the planner budget →
 plan → allocate the workspace (smaller geometries on failure, bounded) → prefill → finally:
 free the workspace, shrink the cache, restore resources in reverse order, put back the runtime
-state (settings, and the expert cache's residency that the ring and the shrink evicted), run the
+state (settings, and the expert cache's residency, staging again what the ring evicted), run the
 restore hooks, and check that the ledger and state equal what they were before.
 
 With ``loan.enabled`` false the same object plans and allocates, and no hook runs: the plan is the

@@ -169,9 +169,10 @@ class Planner:
         return None
 
     def explain(self, budget: PlannerBudget, geometry: Geometry, unread_tokens: int | None = None,
-                cached_slots: int | None = None) -> str:
+                cached_slots: int | None = None, predicted_tokens: int | None = None) -> str:
         """The memory arithmetic of ``geometry`` (planned for ``budget`` and ``unread_tokens``), the
-        limits that bound its chunk and ring, and with a cost model the predicted prefill time."""
+        limits that bound its chunk and ring, and with a cost model the predicted prefill time of
+        ``predicted_tokens`` (default: the unread tokens) with ``cached_slots`` cached experts."""
         costs = self.costs
         text = (
             f"budget {budget.total_bytes / 2**20:.1f} MiB (free {budget.free_bytes / 2**20:.1f}, borrowable cache "
@@ -182,9 +183,11 @@ class Planner:
             + f" = {costs.workspace_bytes(geometry) / 2**20:.1f} MiB"
         )
         text += "; " + self._explain_limits(budget, geometry, unread_tokens)
-        if self.cost_model is not None and unread_tokens and cached_slots is not None:
-            cost = self.cost_model.cost(unread_tokens, geometry.chunk_tokens, cached_slots - geometry.ring_slots)
-            text += f"; {unread_tokens:,} tokens with {cached_slots:,} cached experts: " + self.cost_model.describe(cost)
+        predicted_tokens = predicted_tokens or unread_tokens
+        if self.cost_model is not None and predicted_tokens and cached_slots is not None:
+            cost = self.cost_model.cost(predicted_tokens, geometry.chunk_tokens, cached_slots - geometry.ring_slots)
+            text += (f"; {predicted_tokens:,} tokens with {cached_slots:,} cached experts: "
+                     + self.cost_model.describe(cost))
         return text
 
     def _explain_limits(self, budget: PlannerBudget, geometry: Geometry, unread_tokens: int | None) -> str:

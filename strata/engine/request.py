@@ -35,6 +35,7 @@ class RequestStats:
     loan: LoanReport | None
     finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled"
     prefill_streamed_bytes: int = 0  # the part of streamed_bytes that prefill streamed
+    restaged_bytes: int = 0  # the part staged after prefill to put back the experts its ring evicted
     prefetched_experts: int = 0  # decode's experts staged ahead of their layer (hits when the prediction held)
     prefetched_used_experts: int = 0  # of those, the ones their layer then routed the token to
     # captured decode: the host blocked on the device's readbacks. The rest of decode_seconds is the host's
@@ -62,8 +63,9 @@ class RequestStats:
         return (f"prompt {self.prompt_tokens} tok, unread {self.unread_tokens}, generated {self.generated_tokens} "
                 f"({self.finish_reason}) | plan {plan} in {self.num_chunks} chunk(s) | "
                 f"PP {self.prefill_tokens_per_s:.1f} tok/s, TG {self.decode_tokens_per_s:.1f} tok/s | "
-                f"streamed {self.streamed_bytes / 2**20:.1f} MiB (prefill "
-                f"{self.prefill_streamed_bytes / 2**20:.1f}), expert-cache hit rate {self.cache_hit_rate:.1%}"
+                f"streamed {self.streamed_bytes / 2**20:.1f} MiB (prefill {self.prefill_streamed_bytes / 2**20:.1f}"
+                + (f", restaged {self.restaged_bytes / 2**20:.1f}" if self.restaged_bytes else "")
+                + f"), expert-cache hit rate {self.cache_hit_rate:.1%}"
                 + (f" ({self.prefetched_experts} prefetched, {self.prefetched_used_experts} used)"
                    if self.prefetched_experts else "") + self._host_share() + f" | {loan}")
 

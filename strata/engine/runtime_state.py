@@ -7,10 +7,11 @@ restored every resource, before the first decoded token:
   by its ring, no logit bias) and decode gets the captured ones back; ``apply`` hands each value
   to whoever reads it (the ops backend's copy overlap).
 - the expert cache's residency (which expert sits in which slot, in recency order). The prompt
-  workspace borrows the cache's top slots for the staging ring and a loan's shrink unmaps slots,
-  both evicting what decode had cached; putting the residency back stages those experts again into
-  the slots they had, so decode finds the cache as the previous request left it and slot tables
-  kept by captured decode graphs stay valid.
+  workspace borrows the cache's top slots for the staging ring, evicting what decode had cached
+  there; putting the residency back stages those experts again into the slots they had, so decode
+  finds the cache as the previous request left it, and a fully cached model stays fully cached
+  (its captured decode graphs are kept). Experts cached since the capture are dropped (prefill
+  inserts none: expert_cache.py's policy).
 
 The sampling state is not here: a request's sampler is created from its seed after this put-back,
 so no prefill can touch it.

@@ -1,5 +1,6 @@
 """`strata check` and `strata pack` through the command line, and the pack's tie to its GGUF."""
 
+import dataclasses
 import json
 import re
 import textwrap
@@ -14,7 +15,7 @@ from strata.cli import main
 from strata.config import load_config
 from strata.engine.expert_pack import HEADER_BYTES
 from strata.engine.facade import Engine
-from strata.errors import StaleExpertPackError
+from strata.errors import ModelFormatError, StaleExpertPackError
 from strata.model.synth import PRESETS, write_synthetic_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,8 +33,10 @@ def models(tmp_path_factory):
 
 
 def write_config(path: Path, model: Path, expert_pack: Path | None = None, is_loan: bool = True,
-                 **runtime) -> Path:
-    runtime_lines = "\n".join(f"{key} = {json.dumps(value)}" for key, value in runtime.items())
+                 max_chunk_tokens: int = 64, **runtime) -> Path:
+    runtime = {"backend": "numpy", "context_tokens": 1024, "vram_budget": "160MiB", "vram_elastic": True,
+               "vmm_segment": "64MiB", "serve": True, "mtp": True, "spec_depth": 2, **runtime}
+    runtime_lines = "\n        ".join(f"{key} = {json.dumps(value)}" for key, value in runtime.items())
     pack_line = f"expert_pack = {json.dumps(str(expert_pack))}" if expert_pack else ""
     loan_table = f"[loan]\n        enabled = true\n        plugins = {json.dumps(ALL_PLUGINS)}" if is_loan else ""
     path.write_text(textwrap.dedent(f"""
@@ -41,19 +44,11 @@ def write_config(path: Path, model: Path, expert_pack: Path | None = None, is_lo
         path = {json.dumps(str(model))}
         {pack_line}
         [runtime]
-        backend = "numpy"
-        context_tokens = 1024
-        vram_budget = "160MiB"
-        vram_elastic = true
-        vmm_segment = "64MiB"
-        serve = true
-        mtp = true
-        spec_depth = 2
         {runtime_lines}
         [planner]
         chunk_quantum_tokens = 16
         max_ring_slots = 16
-        max_chunk_tokens = 64
+        max_chunk_tokens = {max_chunk_tokens}
         {loan_table}
     """))
     return path
@@ -115,6 +110,43 @@ def test_check_without_the_loan_prints_one_plan_and_the_idle_table(models, tmp_p
     (idle,) = placement_tables(out)
     assert {"free", "prefill_workspace", "verifier"} <= set(idle)
     assert "planner: " in out and "chunk bound by" in out
+
+
+def test_check_with_the_head_alias_lends_the_output_head_to_the_workspace_of_the_plan(tmp_path, capsys):
+    # a 32k vocabulary makes the head worth ~200 chunk tokens
+    model = write_synthetic_model(tmp_path / "wide-head.gguf", dataclasses.replace(SMALL_MOE, vocab_size=32768),
+                                  QType.Q4_0, seed=7, with_mtp=True)
+    # on the GPU's layout activations take free memory: the chunk is bound by it, the head's bytes in it
+    out = run_check(write_config(tmp_path / "alias.toml", model, is_loan=False, max_chunk_tokens=16384,
+                                 context_tokens=16384, prefill_head_alias=True, backend="cuda"), capsys)
+    (idle,) = placement_tables(out)
+    assert idle["output_head"][0] == 0 and "runtime.prefill_head_alias" in idle["output_head"][3]
+    assert idle["free"][0] >= 0 and sum(v[0] for k, v in idle.items() if k != "budget") == idle["budget"][0]
+    assert "set outside the planner" not in out and "chunk bound by" in out
+
+
+def test_a_budget_that_leaves_the_cache_less_than_one_segment_is_refused_with_the_fix(tmp_path, capsys):
+    # on the GPU a segment is 64 MiB of slots with each plane rounded up to the mapping granularity:
+    # 72 MiB for this model, so 90 MiB leaves the cache its 64 MiB share and no segment
+    model = write_synthetic_model(tmp_path / "wide-head.gguf", dataclasses.replace(SMALL_MOE, vocab_size=32768),
+                                  QType.Q4_0, seed=7, with_mtp=True)
+    config = write_config(tmp_path / "short.toml", model, is_loan=False, vram_budget="90MiB", backend="cuda")
+    assert main(["--config", str(config), "check"]) == 2
+    error = capsys.readouterr().err
+    assert "less than one of its segments (72 MiB" in error and "raise runtime.vram_budget by at least 8 MiB" in error
+
+
+def test_check_explains_plans_for_a_context_one_past_a_quantum_as_the_planner_made_them(models, tmp_path, capsys):
+    out = run_check(write_config(tmp_path / "odd.toml", models[0], context_tokens=1025), capsys)
+    assert "set outside the planner" not in out and "chunk bound by" in out
+
+
+def test_a_file_that_is_not_an_expert_pack_is_refused_with_the_fix(models, tmp_path):
+    pack = tmp_path / "noise.strpack"
+    pack.write_bytes(bytes(range(256)) * 64)
+    config = load_config(write_config(tmp_path / "noise.toml", models[0], expert_pack=pack))
+    with pytest.raises(ModelFormatError, match=r"cannot read expert pack.*strata --config FILE pack"):
+        Engine.load(config, show_progress=False)
 
 
 def test_check_says_why_the_served_context_is_shorter_than_the_configured_one(models, tmp_path, capsys):
