@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
                            without, idle_budget.borrowable_cache_bytes,
                            zero_note="lent to the prompt workspace (runtime.prefill_head_alias)" if aliased
                            else "deferred by the startup loan"))
-    cached = engine.cache.num_cached if engine.cache else 0
+    cached = _cached_after_load(engine, config)
     longest_prompt_tokens = engine.context_tokens - 1  # for the predicted time; the plans take any prompt
     print(f"plan without the loan (chunk / ring): {without}")
     print("  planner: " + engine.planner.explain(idle_budget, without, cached_slots=cached,
@@ -69,6 +69,16 @@ def run(args: argparse.Namespace, config: Config) -> int:
         print("  planner: " + engine.planner.explain(startup_budget, with_loan, cached_slots=cached,
                                                      predicted_tokens=longest_prompt_tokens))
     return 0
+
+
+def _cached_after_load(engine, config: Config) -> int:
+    """Experts cached once a real load is done: the dry run loads no pack, and the preload would
+    fill every slot of the cache (``runtime.expert_preload``), up to the model's experts."""
+    if engine.cache is None:
+        return 0
+    if not config.runtime.expert_preload:
+        return engine.cache.num_cached
+    return min(engine.cache.num_slots, engine.spec.num_layers * engine.spec.num_experts)
 
 
 def idle_planner_budget(engine) -> PlannerBudget:
