@@ -11,14 +11,13 @@ expert cache lends), and what stays free; its rows add up to the budget.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Mapping
 
 from strata.config import Config
 from strata.engine.ops import select_backend
 from strata.engine.planner import WorkspaceCosts
 from strata.engine.workspace import borrowed_bytes
-from strata.hooktypes import Geometry, PlannerBudget
+from strata.hooktypes import Geometry
 
 EXPERT_CACHE_OWNER = "expert_cache"
 WORKSPACE_ROW = "prefill_workspace"
@@ -45,7 +44,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     else:
         print("loan: off (loan.enabled is false)")
     costs, budget_bytes = engine.placement.costs, engine.ledger.budget_bytes
-    without, idle_budget = engine.loan.plan_preview(is_loan=False), idle_planner_budget(engine)
+    without, idle_budget = engine.loan.plan_preview(is_loan=False), engine.loan.preview_budget(is_loan=False)
     with_loan, startup_budget = engine.loan.startup_geometry, engine.loan.budget()
     if config.loan.enabled:
         print(f"placement after startup (deferred resources not resident) with the workspace of the plan with "
@@ -79,15 +78,6 @@ def _cached_after_load(engine, config: Config) -> int:
     if not config.runtime.expert_preload:
         return engine.cache.num_cached
     return min(engine.cache.num_slots, engine.spec.num_layers * engine.spec.num_experts)
-
-
-def idle_planner_budget(engine) -> PlannerBudget:
-    """The budget ``plan_preview(is_loan=False)`` plans in: every deferred resource back in place,
-    and what ``runtime.prefill_head_alias`` lends to prefill freed."""
-    budget = engine.loan.budget()
-    deferred_bytes = sum(r.num_bytes for r in engine.resources.values() if not r.is_resident)
-    aliased_bytes = sum(engine.resources[name].num_bytes for name in engine.loan.aliased_names())
-    return dataclasses.replace(budget, free_bytes=max(0, budget.free_bytes - deferred_bytes + aliased_bytes))
 
 
 def format_context(config: Config, kv_cells: int, served_tokens: int) -> str:

@@ -137,13 +137,17 @@ class LoanTransaction:
     def plan_preview(self, is_loan: bool) -> Geometry:
         """The geometry an unbounded prompt gets from the idle engine (every resource resident),
         without the loan (with the head alias, when configured) or with its release."""
+        return self.planner.plan(self.preview_budget(is_loan))
+
+    def preview_budget(self, is_loan: bool) -> PlannerBudget:
+        """The budget ``plan_preview`` plans in: the idle engine's, less what it lends to prefill."""
         budget = self.budget()
         idle_free = budget.free_bytes - sum(r.num_bytes for r in self.resources.values() if not r.is_resident)
         names = self.aliased_names()
         if is_loan and self.is_enabled:
             names = self._release_names(self._context(LoanRequest(0, 0, 0, is_startup_loan=True)), already=[])
         freed = sum(self.resources[n].num_bytes for n in names)
-        return self.planner.plan(dataclasses.replace(budget, free_bytes=max(0, idle_free + freed)))
+        return dataclasses.replace(budget, free_bytes=max(0, idle_free + freed))
 
     def aliased_names(self) -> list[str]:
         """What every prefill without the loan lends to its prompt workspace: the native output head
