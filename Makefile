@@ -29,7 +29,13 @@ test: setup
 BENCH_MODEL := /tmp/models/qwen3-30b-a3b-q4_0-mtp.gguf
 BENCH_ARGS ?= --prompt-tokens 2048,8192,32768 --gen-tokens 128 --reps 3
 
-gpu-test: setup
+# the tensor-core kernels pass pointers through cffi (the `gpu` extra); without it they are off
+GPU_EXTRA := $(VENV)/.gpu-extra
+$(GPU_EXTRA): $(BIN)/strata
+	$(BIN)/python -m pip install -q -e '.[test,gpu]'
+	touch $(GPU_EXTRA)
+
+gpu-test: setup $(GPU_EXTRA)
 	$(BIN)/python -m pytest -q tests/kernels tests/engine/test_engine_cuda.py tests/gpu $(PYTEST_ARGS)
 
 BENCH_PACK := $(BENCH_MODEL:.gguf=.strpack)
@@ -41,5 +47,5 @@ $(BENCH_MODEL): | $(BIN)/strata
 $(BENCH_PACK): $(BENCH_MODEL) | $(BIN)/strata
 	$(BIN)/strata --config configs/bench-h200.toml pack
 
-bench-h200: setup $(BENCH_PACK)
+bench-h200: setup $(GPU_EXTRA) $(BENCH_PACK)
 	$(BIN)/strata --config configs/bench-h200.toml bench $(BENCH_ARGS)

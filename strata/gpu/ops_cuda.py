@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 
 import numpy as np
 from numba import cuda  # a module global: the simulator swaps it inside kernels
@@ -28,6 +29,8 @@ from strata.engine.ops import ExpertLayout, QTensor
 from strata.gpu import driver_calls
 from strata.gpu.ledger import ACTIVATIONS_OWNER as ACTIVATIONS
 from strata.gpu.ledger import VramLedger
+
+log = logging.getLogger(__name__)
 
 _DECODE_MAX_TOKENS = 4  # up to this many tokens the MoE runs GEMV-shaped, without grouping
 _KV_FORMATS = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
@@ -70,6 +73,7 @@ class CudaOps:
 
             cuda.select_device(device)
             self._is_charged_by_hand = not is_ledger_managed()
+            _warn_without_tensor_cores()
         self._manual: dict[int, tuple[object, object]] = {}  # charged by hand: id → (array, charge)
         self._capture_owner = None  # the owner charged for a capture's allocations, while it runs
         self._rope: dict[tuple, object] = {}
@@ -541,6 +545,15 @@ def kv_scratch_bytes_per_cell(head_dim: int, kv_width: int, kv_type: str, *, has
 
     fmt = _KV_FORMATS[kv_type]
     return 4 * kv_width if fmt != "F16" and has_tensor_cores and is_supported(head_dim, fmt) else 0
+
+
+def _warn_without_tensor_cores() -> None:
+    from strata.gpu.kernels import tensor_core
+
+    reason = tensor_core.unavailable_reason()
+    if reason is not None:
+        log.warning("the tensor-core kernels are off: %s. Prefill runs the pure-Numba kernels, several times slower "
+                    "(FFMA peaks near 15 TFLOP/s)", reason)
 
 
 def _map_ids(ids, table, *, to_slots: bool, stream=0):

@@ -33,15 +33,29 @@ HOPPER_MAX_SHARED_BYTES = 227 * 1024  # a block's shared memory on sm_90, with t
 @functools.cache
 def is_available() -> bool:
     """True on a real GPU of compute capability 8.0+ with cffi installed (the pointer passing)."""
+    return unavailable_reason() is None
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why the tensor-core kernels cannot run here, with the fix where there is one; None when they can."""
     if IS_SIMULATOR:
-        return False
+        return "the CUDA simulator runs the pure-Numba twins"
     try:
-        import cffi  # noqa: F401
         from numba import cuda
 
-        return cuda.is_available() and cuda.get_current_device().compute_capability >= MIN_COMPUTE_CAPABILITY
-    except Exception:
-        return False
+        if not cuda.is_available():
+            return "no CUDA GPU is available"
+        capability = cuda.get_current_device().compute_capability
+    except Exception as exc:
+        return f"the GPU cannot be queried ({exc!r})"
+    if capability < MIN_COMPUTE_CAPABILITY:
+        return f"the GPU's compute capability {capability} is below {MIN_COMPUTE_CAPABILITY} (mma.sync with f16)"
+    try:
+        import cffi  # noqa: F401
+    except ImportError:
+        return "cffi is not installed; install it (pip install 'strata[gpu]') to pass tiles to the CUDA C++ kernels"
+    return None
 
 
 @functools.cache
