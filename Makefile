@@ -35,8 +35,10 @@ $(GPU_EXTRA): $(BIN)/strata
 	$(BIN)/python -m pip install -q -e '.[test,gpu]'
 	touch $(GPU_EXTRA)
 
+# GPU_TESTS runs a part, e.g. GPU_TESTS=tests/engine/test_engine_cuda.py (the whole set compiles every kernel cold)
+GPU_TESTS ?= tests/kernels tests/engine/test_engine_cuda.py tests/gpu
 gpu-test: setup $(GPU_EXTRA)
-	$(BIN)/python -m pytest -q tests/kernels tests/engine/test_engine_cuda.py tests/gpu $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(GPU_TESTS) $(PYTEST_ARGS)
 
 BENCH_PACK := $(BENCH_MODEL:.gguf=.strpack)
 
