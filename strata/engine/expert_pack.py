@@ -13,6 +13,7 @@ load when no pack file is configured. The header records the source GGUF's ident
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -110,21 +111,44 @@ class ExpertPack:
 
         Raises ``StaleExpertPackError`` for a pack of another GGUF, layout or pack format."""
         spec = model.spec
-        try:
-            identity = source_identity(model)
-        except OSError as exc:
-            raise ModelFormatError(f"{model.path}: cannot read the GGUF to check its expert pack: {exc}") from exc
-        try:
-            with open(path, "rb") as f:
-                header = json.loads(f.read(HEADER_BYTES).rstrip(b"\0"))
-                _check_header(path, header, identity, model, layout)
-                pack = cls(layout, spec.num_layers, spec.num_experts,
-                           allocate(spec.num_layers * spec.num_experts * layout.slot_bytes))
-                if f.readinto(memoryview(pack.buffer)) != pack.num_bytes:
-                    raise ModelFormatError(f"{path}: expert pack is truncated; {REPACK_FIX}")
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelFormatError(f"{path}: cannot read expert pack: {exc}; {REPACK_FIX}") from exc
+        with _opened(path) as f:
+            _check_header(path, _read_header(f), _identity(model), model, layout)
+            pack = cls(layout, spec.num_layers, spec.num_experts,
+                       allocate(spec.num_layers * spec.num_experts * layout.slot_bytes))
+            if f.readinto(memoryview(pack.buffer)) != pack.num_bytes:
+                raise ModelFormatError(f"{path}: expert pack is truncated; {REPACK_FIX}")
         return pack
+
+    @staticmethod
+    def check(path: Path, model: GgufModel, layout: ExpertLayout) -> None:
+        """Refuse, as ``read`` would, a pack that is not ``model``'s in ``layout``, reading its header and
+        size only (``strata check``, which loads nothing)."""
+        spec = model.spec
+        with _opened(path) as f:
+            _check_header(path, _read_header(f), _identity(model), model, layout)
+            if path.stat().st_size < HEADER_BYTES + spec.num_layers * spec.num_experts * layout.slot_bytes:
+                raise ModelFormatError(f"{path}: expert pack is truncated; {REPACK_FIX}")
+
+
+@contextlib.contextmanager
+def _opened(path: Path):
+    """The pack file; a file that cannot be read, or whose header is not JSON, is refused with the fix."""
+    try:
+        with open(path, "rb") as f:
+            yield f
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFormatError(f"{path}: cannot read expert pack: {exc}; {REPACK_FIX}") from exc
+
+
+def _read_header(f) -> dict:
+    return json.loads(f.read(HEADER_BYTES).rstrip(b"\0"))
+
+
+def _identity(model: GgufModel) -> dict:
+    try:
+        return source_identity(model)
+    except OSError as exc:
+        raise ModelFormatError(f"{model.path}: cannot read the GGUF to check its expert pack: {exc}") from exc
 
 
 def source_identity(model: GgufModel) -> dict:
@@ -137,7 +161,7 @@ def source_identity(model: GgufModel) -> dict:
     for layer in range(model.spec.num_layers):
         for name in _MATRICES:
             data = model.tensors[f"blk.{layer}.{name}.weight"].data
-            digest.update(data.reshape(-1)[:SOURCE_SAMPLE_BYTES].tobytes())
+            digest.update(data.reshape(-1).view(np.uint8)[:SOURCE_SAMPLE_BYTES].tobytes())
     return {"source_bytes": model.path.stat().st_size, "source_sha256": digest.hexdigest()}
 
 

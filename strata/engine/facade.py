@@ -95,6 +95,8 @@ class Engine:
                           config.runtime.kv_type)
         decode_ws = ops.alloc("decode_workspace", (placement.decode_workspace_bytes,), "uint8")
         pack = _expert_pack(config, model, ops, layout, show_progress) if layout and not is_dry_run else None
+        if layout and is_dry_run and config.model.expert_pack is not None:
+            ExpertPack.check(config.model.expert_pack, model, layout)  # what the load would refuse
         cache = ExpertCache(ops, layout, segment_bytes=config.runtime.vmm_segment_bytes,
                             reserved_bytes=placement.cache_reserved_bytes, base_bytes=placement.cache_base_bytes,
                             max_slots=spec.num_layers * spec.num_experts

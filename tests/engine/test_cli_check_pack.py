@@ -149,6 +149,22 @@ def test_a_file_that_is_not_an_expert_pack_is_refused_with_the_fix(models, tmp_p
         Engine.load(config, show_progress=False)
 
 
+def test_check_refuses_the_packs_a_load_would_refuse_with_the_same_fix(models, tmp_path, capsys):
+    pack = tmp_path / "seed7.strpack"
+    assert main(["--config", str(write_config(tmp_path / "a.toml", models[0])), "pack", "--out", str(pack)]) == 0
+    capsys.readouterr()
+    assert main(["--config", str(write_config(tmp_path / "own.toml", models[0], expert_pack=pack)), "check"]) == 0
+    assert main(["--config", str(write_config(tmp_path / "b.toml", models[1], expert_pack=pack)), "check"]) == 2
+    assert "the GGUF changed or is another one; write it again with `strata --config FILE pack`" in capsys.readouterr().err
+    missing = tmp_path / "missing.strpack"
+    assert main(["--config", str(write_config(tmp_path / "c.toml", models[0], expert_pack=missing)), "check"]) == 2
+    assert f"{missing}: cannot read expert pack" in capsys.readouterr().err
+    short = tmp_path / "short.strpack"
+    short.write_bytes(pack.read_bytes()[:-1])
+    assert main(["--config", str(write_config(tmp_path / "d.toml", models[0], expert_pack=short)), "check"]) == 2
+    assert f"{short}: expert pack is truncated" in capsys.readouterr().err
+
+
 def test_check_says_why_the_served_context_is_shorter_than_the_configured_one(models, tmp_path, capsys):
     out = run_check(write_config(tmp_path / "cut.toml", models[0], kv_resident_cells=512), capsys)
     assert "context: 1,024 tokens configured (runtime.context_tokens), 512 served (prompts up to 511 tokens)" in out
@@ -198,7 +214,8 @@ def test_check_on_the_benchmark_configuration_gives_the_documented_plans(tmp_pat
     model = write_synthetic_model(tmp_path / "qwen3-30b-a3b-q4_0-mtp.gguf", PRESETS["qwen3-30b-a3b"], QType.Q4_0,
                                   seed=0, with_mtp=True, is_header_only=True)
     text, num_paths = re.subn(r'(?m)^(path|expert_pack) = "[^"]*?(\.gguf|\.strpack)"$',
-                              lambda m: f'{m[1]} = "{model.with_suffix(m[2])}"',
+                              lambda m: f'{m[1]} = "{model.with_suffix(m[2])}"' if m[1] == "path"
+                              else "# no expert pack: it lives in host memory, and this model's hole has no experts",
                               (REPO / "configs" / "bench-h200.toml").read_text())
     assert num_paths == 2
     config = tmp_path / "bench-h200.toml"
