@@ -81,14 +81,14 @@ def _cached_after_load(engine, config: Config) -> int:
 
 
 def format_context(config: Config, kv_cells: int, served_tokens: int) -> str:
+    from strata.engine.facade import context_cut_reason
+
     configured = config.runtime.context_tokens
     if served_tokens >= configured:
         return f"context: {configured:,} tokens (runtime.context_tokens) in {kv_cells:,} resident KV cells"
     return (f"context: {configured:,} tokens configured (runtime.context_tokens), {served_tokens:,} served "
             f"(prompts up to {served_tokens - 1:,} tokens)\n"
-            f"  why: runtime.kv_resident_cells = {kv_cells:,} and Strata keeps every KV cell on the GPU (no host "
-            "tier for KV cells yet); raise runtime.kv_resident_cells to serve the configured context, or set "
-            f"runtime.context_tokens = {served_tokens} to configure what is served")
+            f"  why: {context_cut_reason(kv_cells)}")
 
 
 def format_placement(owners: Mapping[str, int], budget_bytes: int, costs: WorkspaceCosts, geometry: Geometry | None,

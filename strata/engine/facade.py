@@ -131,10 +131,8 @@ class Engine:
                    context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
         rt = config.runtime
         if rt.context_tokens > placement.kv_cells:
-            log.warning("runtime.context_tokens = %d is cut to %d tokens (prompts up to %d): runtime.kv_resident_cells "
-                        "= %d and Strata keeps every KV cell on the GPU (no host tier for KV cells yet); raise "
-                        "runtime.kv_resident_cells or set runtime.context_tokens = %d", rt.context_tokens,
-                        placement.kv_cells, placement.kv_cells - 1, placement.kv_cells, placement.kv_cells)
+            log.warning("runtime.context_tokens = %d is cut to %d tokens (prompts up to %d): %s", rt.context_tokens,
+                        placement.kv_cells, placement.kv_cells - 1, context_cut_reason(placement.kv_cells))
         is_warming_up = config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run
         if is_warming_up:
             engine.warm_up()
@@ -331,6 +329,13 @@ def _decode_resources(config: Config, model: GgufModel, ops, placement: Placemen
                                                     {n: r for n, r in block.items() if n not in experts}, is_loaned)
         resources[MTP_EXPERTS] = TensorsResource(MTP_EXPERTS, ops, experts, is_loaned)
     return resources
+
+
+def context_cut_reason(kv_cells: int) -> str:
+    """Why fewer tokens than ``runtime.context_tokens`` are served, and the two fixes."""
+    return (f"runtime.kv_resident_cells = {kv_cells:,} and Strata keeps every KV cell on the GPU (no host tier for "
+            "KV cells yet); raise runtime.kv_resident_cells to serve the configured context, or set "
+            f"runtime.context_tokens = {kv_cells} to configure what is served")
 
 
 def _expert_pack(config: Config, model: GgufModel, ops, layout, show_progress: bool) -> ExpertPack:
