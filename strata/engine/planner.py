@@ -68,7 +68,7 @@ class Planner:
         quantum = self.config.chunk_quantum_tokens
         costs = self.costs
         total = budget.total_bytes - costs.fixed_bytes
-        ring = self._ring_slots(budget, total - quantum * costs.bytes_per_chunk_token)
+        ring = self._ring_slots(budget, self._ring_room(budget))
         activation_room = total if costs.is_activation_borrowable else \
             budget.free_bytes + budget.adjust_bytes - costs.fixed_bytes
         if ring < 0 or activation_room < quantum * costs.bytes_per_chunk_token:
@@ -81,6 +81,11 @@ class Planner:
             )
         chunk = min(limit.value for limit in self._chunk_limits(budget, ring, unread_tokens))
         return Geometry(chunk_tokens=max(quantum, chunk), ring_slots=int(ring))
+
+    def _ring_room(self, budget: PlannerBudget) -> int:
+        """The bytes the ring may take: the budget less the fixed workspace and one quantum's tokens."""
+        costs = self.costs
+        return budget.total_bytes - costs.fixed_bytes - self.config.chunk_quantum_tokens * costs.bytes_per_chunk_token
 
     def _chunk_limits(self, budget: PlannerBudget, ring_slots: int, unread_tokens: int | None) -> list[Limit]:
         """Every bound on the chunk, each already in whole quanta: the plan takes the smallest."""
@@ -193,8 +198,7 @@ class Planner:
     def _explain_limits(self, budget: PlannerBudget, geometry: Geometry, unread_tokens: int | None) -> str:
         quantum, costs = self.config.chunk_quantum_tokens, self.costs
         if costs.target_ring_slots:
-            room = budget.total_bytes - costs.fixed_bytes - quantum * costs.bytes_per_chunk_token
-            ring_text = "ring " + _bound_by(self._ring_limits(budget, room), geometry.ring_slots)
+            ring_text = "ring " + _bound_by(self._ring_limits(budget, self._ring_room(budget)), geometry.ring_slots)
         else:
             ring_text = "no ring (no experts to stream)"
         limits = self._chunk_limits(budget, geometry.ring_slots, unread_tokens)
