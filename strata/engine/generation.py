@@ -47,14 +47,14 @@ class Generation:
 
     def _run(self) -> Iterator[TokenEvent]:
         engine, prompt, params = self.engine, self.prompt, self.params
-        reuse = _common_prefix(engine.kv_tokens, prompt)
-        unread = np.asarray(prompt[reuse:], dtype=np.int64)
-        engine.kv_tokens = prompt[:reuse]
-        stream = StreamStats()
         previous = engine.current_generation
         if previous is not None and previous is not self:
             previous.close()  # one request at a time: an unfinished one ends here, "cancelled"
         engine.current_generation = self
+        reuse = _common_prefix(engine.kv_tokens, prompt)  # the KV cells as the previous request left them
+        unread = np.asarray(prompt[reuse:], dtype=np.int64)
+        engine.kv_tokens = prompt[:reuse]
+        stream = StreamStats()
         engine.runner.end_request()  # segments of a request whose iteration was abandoned
         engine.ops.trim_memory()  # what a failed request left for reuse must not shrink the plan
         started = time.perf_counter()
