@@ -136,19 +136,26 @@ class ExpertCache:
         keys = [(layer, e) for e in range(num_experts) for layer in range(num_layers) if (layer, e) not in self._lru]
         keys = keys[:len(self._free)]
         lowest = sorted(self._free)[:len(keys)]  # when every expert fits, the workspace borrows free top slots
-        for first in range(0, len(keys), _FILL_BATCH):
-            batch, slots = keys[first:first + _FILL_BATCH], lowest[first:first + _FILL_BATCH]
-            for key, slot in zip(batch, slots):
-                self._free.discard(slot)
-                self._lru[key] = slot
-                self._key_of[slot] = key
-            try:
-                self.ops.wait_staged(self.ops.stage_experts(self.storage, slots, [pack.slot(*key) for key in batch]))
-            except BaseException:
-                self.forget(slots)
-                raise
+        for key, slot in zip(keys, lowest):
+            self._free.discard(slot)
+            self._lru[key] = slot
+            self._key_of[slot] = key
+        self.stage_from(pack, list(zip(keys, lowest)))
         self.ops.synchronize()
         return len(keys)
+
+    def stage_from(self, pack: ExpertPack, placed: list[tuple[Key, int]]) -> None:
+        """Stage the experts of ``placed`` (already in the cache's tables) from ``pack`` into their
+        slots, a batch a driver call. On a failure the slots not yet filled are forgotten, so no
+        kernel computes with them."""
+        for first in range(0, len(placed), _FILL_BATCH):
+            batch = placed[first:first + _FILL_BATCH]
+            try:
+                self.ops.wait_staged(self.ops.stage_experts(self.storage, [slot for _, slot in batch],
+                                                            [pack.slot(*key) for key, _ in batch]))
+            except BaseException:
+                self.forget([slot for _, slot in placed[first:]])
+                raise
 
     def clear(self) -> None:
         """Forget every cached expert (the mapped range stays as it is)."""
@@ -220,17 +227,10 @@ class CacheResidency:
         return self.cache.residency()
 
     def restore(self, snapshot: tuple[tuple[Key, int], ...]) -> int:
-        cache, ops = self.cache, self.cache.ops
+        cache = self.cache
         missing = cache.restore_residency(snapshot)
         if missing and self.pack is None:
             cache.forget([slot for _, slot in missing])
             raise RuntimeError("the expert cache lost experts and has no expert pack to stage them from")
-        for first in range(0, len(missing), _FILL_BATCH):
-            batch = missing[first:first + _FILL_BATCH]
-            slots = [slot for _, slot in batch]
-            try:
-                ops.wait_staged(ops.stage_experts(cache.storage, slots, [self.pack.slot(*key) for key, _ in batch]))
-            except BaseException:
-                cache.forget([slot for _, slot in missing[first:]])  # never computed with unfilled slots
-                raise
+        cache.stage_from(self.pack, missing)
         return len(missing) * cache.layout.slot_bytes
