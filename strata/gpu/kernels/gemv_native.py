@@ -9,8 +9,9 @@ C++), and the warp's partial sums meet in shuffles (which the simulator lacks: a
 
 Each kernel first stages its activations into shared memory as float32 (RMSNorm-ed on the way when
 a norm weight is given, as the Numba kernels do), each 32-element group padded to 36 floats so
-that lanes reading neighbouring groups start on different banks, then its warps call one C++
-function per row (or row pair). Formats: Q4_0, Q8_0, Q4_K, and F32 / F16 rows (the routers); the
+that lanes reading neighbouring groups start on different banks, then its warps call C++: gemv one
+loop over each warp's row groups (loading a group's rows while it multiplies the group before), the
+others one function per row group (or row pair). Formats: Q4_0, Q8_0, Q4_K, and F32 / F16 rows (the routers); the
 expert kernels take the three quantized ones. The Numba kernels remain the path for the other
 formats, the simulator, and the reference the GPU tests compare this one against (same roundings
 of x, sums in another order).
@@ -78,20 +79,17 @@ class NativeGemvConfig(NamedTuple):
 
 # Measured on the H200 (graph-timed, Qwen3-30B-A3B shapes): 8 warps of 2 rows for the layers'
 # matrices (2,048-4,096 rows are latency-bound: more rows per warp is fewer warps in flight). A
-# vocabulary-sized head runs blocks that loop over row groups (at most blocks_per_sm blocks an SM),
-# in the fastest shape of `strata.bench.variants --only gemv` per format, 151,936 x 2,048: Q4_0
-# 8 x 2 at 4 an SM, 66.9 us (104.9 in that shape with a block per row group, 85.5 in the best such
-# shape); Q8_0 16 x 4 at 1, 95.9 us (137.7 in Q4_0's); Q4_K 8 x 4 at 2, 120.6 us (134.7). Float
-# heads keep 8 x 2 at 4 (Q4_0's shape before the re-sweep below), unmeasured. The re-sweep, four
-# processes each: Q4_0 16 x 2 at 2 an SM 2,679-2,723 GB/s against 2,634-2,673 for 8 x 2 at 4; Q4_K
-# 8 x 1 at 4 1,712-1,713 against 1,360-1,468 for 8 x 4 at 2. The head's call sites ask for
-# head_config(fmt), so that a slice of the head (the warm-up's) runs the same compiled kernel as the
-# whole head.
+# vocabulary-sized head runs blocks that loop over row groups (at most blocks_per_sm blocks an SM), each
+# warp loading its next group while it multiplies the last, in the fastest shape of a sweep of 151,936 x
+# 2,048 heads (docs/PERFORMANCE.md, 2026-12-01): Q4_0 16 x 2 at 1 an SM, 2,971 GB/s (2,919 at 2 an SM);
+# Q8_0 8 x 1 at 8, 3,498 (3,492 for 16 x 1 at 4); Q4_K 16 x 2 at 1, 2,290 (2,249 at 2 an SM). Float
+# heads keep 8 x 2 at 4, unmeasured. The head's call sites ask for head_config(fmt), so that a slice of
+# the head (the warm-up's) runs the same compiled kernel as the whole head.
 LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
 _HEAD_CONFIGS = MappingProxyType({
-    "Q4_0": NativeGemvConfig(warps=16, rows_per_warp=2, blocks_per_sm=2),
-    "Q8_0": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1),
-    "Q4_K": NativeGemvConfig(warps=8, rows_per_warp=1, blocks_per_sm=4),
+    "Q4_0": NativeGemvConfig(warps=16, rows_per_warp=2, blocks_per_sm=1),
+    "Q8_0": NativeGemvConfig(warps=8, rows_per_warp=1, blocks_per_sm=8),
+    "Q4_K": NativeGemvConfig(warps=16, rows_per_warp=2, blocks_per_sm=1),
     "F32": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4),
     "F16": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4),
 })
@@ -123,7 +121,14 @@ def is_supported(w, num_x_rows: int = 1) -> bool:
         return False
     return (all(is_c_contiguous(p) for p in (w.quants, w.scales, w.extra))
             and w.quants.device_ctypes_pointer.value % _ALIGN_BYTES == 0
-            and w.quants.shape[1] * w.quants.dtype.itemsize % _ALIGN_BYTES == 0)
+            and w.quants.shape[1] * w.quants.dtype.itemsize % _ALIGN_BYTES == 0
+            and (w.fmt != "Q4_K" or _is_word_aligned(w.scales, w.extra)))
+
+
+def _is_word_aligned(*planes) -> bool:
+    """True when every plane starts on a 4-byte boundary: the Q4_K rows read a super-block's d and dmin,
+    and its 12 scale bytes, as 32-bit words (each row's share of both planes is a whole number of words)."""
+    return all(p.device_ctypes_pointer.value % 4 == 0 for p in planes)
 
 
 def _suffix(fmt: str) -> str:
@@ -191,13 +196,23 @@ def _declare_rows(fmt: str, rows_per_warp: int):
         "gemv_rows.cu")
 
 
+def _declare_loop(fmt: str, rows_per_warp: int):
+    quants_ptr = {"F32": tensor_core.FLOAT_PTR, "F16": tensor_core.HALF_PTR}.get(fmt, _U32_PTR)  # the plane's dtype
+    return tensor_core.declare(
+        f"strata_gemv_loop_{_suffix(fmt)}_r{rows_per_warp}",
+        (tensor_core.FLOAT_PTR, quants_ptr, *_PLANES[1:], _I64, _I64, _I64, *_STRIDES, tensor_core.FLOAT_PTR,
+         tensor_core.INT32, tensor_core.INT32),
+        "gemv_rows.cu")
+
+
 @functools.cache
 def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bool, is_accumulate: bool):
     warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
-    rows_fn = _declare_rows(fmt, rows_per_warp)
+    loop_fn = _declare_loop(fmt, rows_per_warp)
     stage = _stage_device(num_cols, threads, has_norm)
     ffi = tensor_core.ffi()
     num_x = x_floats(num_cols)
+    accumulate = np.int32(is_accumulate)
 
     @cuda.jit
     def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [1, K], y [N]
@@ -206,21 +221,11 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         stage(x, 0, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
-        lane = tid % _WARP
-        num_rows = y.shape[0]
-        out = cuda.local.array(rows_per_warp, np.float32)
-        # row0 is the same for the whole warp: the shuffles need every lane
-        for row0 in range((cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp, num_rows,
-                          cuda.gridDim.x * warps * rows_per_warp):
-            rows_fn(ffi.from_buffer(out), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
-                    row0, min(rows_per_warp, num_rows - row0), words, halves, extra_bytes, ffi.from_buffer(xs),
-                    num_cols)
-            for r in range(rows_per_warp):
-                if lane == r and row0 + r < num_rows:
-                    if is_accumulate:
-                        y[row0 + r] += out[r]
-                    else:
-                        y[row0 + r] = out[r]
+        # each warp's row groups, row_step apart: the C++ loads a group's rows while it multiplies the last ones
+        row_begin = (cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp
+        loop_fn(ffi.from_buffer(y), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
+                row_begin, cuda.gridDim.x * warps * rows_per_warp, y.shape[0], words, halves, extra_bytes,
+                ffi.from_buffer(xs), num_cols, accumulate)
 
     return gemv_kernel
 

@@ -2,19 +2,24 @@
 // (gemv_native.py). One warp computes whole rows: its lanes take the row's 16-byte quant chunks
 // (`items`) in turn, load every chunk of the call before any arithmetic (the loads are what the
 // HBM has to keep in flight), multiply in registers with the block scale factored out, and meet
-// in warp shuffles; every lane gets the totals.
+// in warp shuffles; every lane gets the totals. A warp of R rows loads each activation vector once
+// for all R (the same item of every row meets the same activations), so that shared memory, not
+// the HBM, stops being the limit: a 4-bit item is 16 bytes of weights against 128 of activations.
 //
 // Activations come from shared memory as float32 (16-byte aligned), each group of 32 elements
 // followed by 4 floats of padding (XSTRIDE = 36): lanes reading neighbouring 32-element groups with
 // 16-byte loads then start on different banks (Q4_0, Q8_0, F32, F16; Q4_K's lanes read two
-// 16-element halves of sub-block pairs and still meet 2-way conflicts).
+// 16-element halves of sub-block pairs and still meet 2-way conflicts). They are read with
+// ld.shared from the 32-bit shared address: through the generic pointer the kernels pass, every
+// load would first test which memory it points to.
 //
 // Items per format (a row of K elements):
 //   Q4_0  one 18-byte block per item (16 quant bytes, d): byte j holds element j (low nibble)
 //         and element j + 16 (high); K / 32 items
 //   Q8_0  half a 34-byte block per item: 16 int8 elements, the block's d; K / 16 items
 //   Q4_K  16 of a super-block's 128 quant bytes per item: bytes 32c + 16h .. +15 hold elements
-//         16h .. 16h+15 of sub-blocks 2c (low nibbles) and 2c + 1 (high); K / 32 items
+//         16h .. 16h+15 of sub-blocks 2c (low nibbles) and 2c + 1 (high); K / 32 items. The
+//         super-block's d and dmin are read as one word and its 12 scale bytes as three.
 //   F32 / F16  4 / 8 values per item (the routers); K / 4 or K / 8 items
 // Small integers become floats through the exponent trick (0x4B000000 | q is 2^23 + q), as in
 // quant_device.py.
@@ -40,8 +45,20 @@ __device__ __forceinline__ float byte_as_float(u32 word, int k, float bias) {
   return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7540u | k)) - bias;
 }
 
-__device__ __forceinline__ float4 load_x4(const float* xs, int index) {
-  return *reinterpret_cast<const float4*>(xs + index);
+__device__ __forceinline__ u32 shared_address(const float* xs) {
+  return static_cast<u32>(__cvta_generic_to_shared(xs));
+}
+
+// 4 floats at float index `index` of the shared activations at shared address xs. volatile: a load the
+// compiler deems free of effects may be speculated out of its branch, past the end of the activations.
+__device__ __forceinline__ float4 load_x4(u32 xs, int index) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(xs + 4 * index));
+  return v;
+}
+
+__device__ __forceinline__ float half_at(const __half* p) {
+  return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
 }
 
 __device__ __forceinline__ float dot4_bytes(u32 word, float4 x, float bias) {
@@ -59,6 +76,8 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+__device__ __forceinline__ u32 word_of(const uint4& q, int j) { return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w; }
+
 // One item: its 16 quant bytes and the scales it needs (d: Q4_0 / Q8_0; Q4_K: dl, ml and dh, mh,
 // d * scale and dmin * min of the sub-blocks in its low and high nibbles).
 struct Item {
@@ -73,25 +92,36 @@ struct RowPlanes {
   const u8* extra;
 };
 
+// Each format: items(K); load(row, i), the item i of a row; dot<R>(it, xs, i, acc), acc[r] += the
+// product of it[r] (item i of R rows) with its activations, read once for all R.
+
 // ---- Q4_0 ----
 struct Q40 {
   __device__ static int items(int num_cols) { return num_cols / 32; }
   __device__ static Item load(const RowPlanes& r, int i) {
     Item it;
     it.q = load_stream(r.quants + 4 * i);
-    it.d = __half2float(r.scales[i]);
+    it.d = half_at(r.scales + i);
     return it;
   }
-  __device__ static float dot(const Item& it, const float* xs, int i) {
-    const float* x = xs + i * XSTRIDE;
-    const u32 w[4] = {it.q.x, it.q.y, it.q.z, it.q.w};
-    float s = 0.f;
+  template <int R>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
+    const u32 x = xs + 4 * i * XSTRIDE;
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      s += dot4_bytes(w[j] & 0x0F0F0F0Fu, load_x4(x, 4 * j), 8388616.f);
-      s += dot4_bytes((w[j] >> 4) & 0x0F0F0F0Fu, load_x4(x, 16 + 4 * j), 8388616.f);
+      const float4 lo = load_x4(x, 4 * j), hi = load_x4(x, 16 + 4 * j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const u32 w = word_of(it[r].q, j);
+        s[r] += dot4_bytes(w & 0x0F0F0F0Fu, lo, 8388616.f);
+        s[r] += dot4_bytes((w >> 4) & 0x0F0F0F0Fu, hi, 8388616.f);
+      }
     }
-    return it.d * s;
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] += it[r].d * s[r];
   }
 };
 
@@ -101,16 +131,23 @@ struct Q80 {
   __device__ static Item load(const RowPlanes& r, int i) {
     Item it;
     it.q = load_stream(r.quants + 4 * i);
-    it.d = __half2float(r.scales[i >> 1]);
+    it.d = half_at(r.scales + (i >> 1));
     return it;
   }
-  __device__ static float dot(const Item& it, const float* xs, int i) {
-    const float* x = xs + (i >> 1) * XSTRIDE + (i & 1) * 16;
-    const u32 w[4] = {it.q.x, it.q.y, it.q.z, it.q.w};
-    float s = 0.f;
+  template <int R>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
+    const u32 x = xs + 4 * ((i >> 1) * XSTRIDE + (i & 1) * 16);
+    float s[R];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) s += dot4_bytes(w[j] ^ 0x80808080u, load_x4(x, 4 * j), 8388736.f);
-    return it.d * s;
+    for (int r = 0; r < R; ++r) s[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float4 v = load_x4(x, 4 * j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[r] += dot4_bytes(word_of(it[r].q, j) ^ 0x80808080u, v, 8388736.f);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] += it[r].d * s[r];
   }
 };
 
@@ -122,10 +159,15 @@ struct F32 {
     it.q = load_stream(r.quants + 4 * i);
     return it;
   }
-  __device__ static float dot(const Item& it, const float* xs, int i) {
+  template <int R>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
     const float4 x = load_x4(xs, (i >> 3) * XSTRIDE + (i & 7) * 4);
-    return fmaf(__uint_as_float(it.q.w), x.w,
-                fmaf(__uint_as_float(it.q.z), x.z, fmaf(__uint_as_float(it.q.y), x.y, __uint_as_float(it.q.x) * x.x)));
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint4& q = it[r].q;
+      acc[r] += fmaf(__uint_as_float(q.w), x.w,
+                     fmaf(__uint_as_float(q.z), x.z, fmaf(__uint_as_float(q.y), x.y, __uint_as_float(q.x) * x.x)));
+    }
   }
 };
 
@@ -140,21 +182,34 @@ struct F16 {
     const float2 w = __half22float2(*reinterpret_cast<const __half2*>(&word));
     return fmaf(w.y, b, w.x * a);
   }
-  __device__ static float dot(const Item& it, const float* xs, int i) {
-    const float* x = xs + (i >> 2) * XSTRIDE + (i & 3) * 8;
-    const float4 a = load_x4(x, 0), b = load_x4(x, 4);
-    return (dot2(it.q.x, a.x, a.y) + dot2(it.q.y, a.z, a.w)) + (dot2(it.q.z, b.x, b.y) + dot2(it.q.w, b.z, b.w));
+  template <int R>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
+    const int x = (i >> 2) * XSTRIDE + (i & 3) * 8;
+    const float4 a = load_x4(xs, x), b = load_x4(xs, x + 4);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint4& q = it[r].q;
+      acc[r] += (dot2(q.x, a.x, a.y) + dot2(q.y, a.z, a.w)) + (dot2(q.z, b.x, b.y) + dot2(q.w, b.z, b.w));
+    }
   }
 };
 
 // ---- Q4_K ----
-__device__ __forceinline__ void q4_k_scale_min(const u8* q, int j, float& sc, float& mn) {
-  if (j < 4) {
-    sc = float(q[j] & 63);
-    mn = float(q[j + 4] & 63);
-  } else {
-    sc = float((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-    mn = float((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+// The 6-bit scales and mins of sub-blocks 2c and 2c + 1 from the super-block's 12 scale bytes, held as
+// words e0 (bytes 0-3), e1 (4-7), e2 (8-11). Sub-block j < 4: scale byte j & 63, min byte j + 4 & 63;
+// j >= 4: scale (byte j + 4 & 15) | (byte j - 4 >> 6) << 4, min (byte j + 4 >> 4) | (byte j >> 6) << 4.
+__device__ __forceinline__ void q4_k_scales_mins(u32 e0, u32 e1, u32 e2, int c, float (&sc)[2], float (&mn)[2]) {
+  // both sub-blocks at once, a byte each: bytes 2c % 4 and the next of each word, moved to bytes 0 and 1
+  const bool is_low = c < 2;
+  const int shift = 16 * (c & 1);
+  const u32 mask = is_low ? 0x3F3Fu : 0x0F0Fu;
+  const u32 top = is_low ? 0u : 0x3030u;  // j >= 4: bits 6-7 of bytes j - 4 (scale) and j (min), as bits 4-5
+  const u32 sc2 = (((is_low ? e0 : e2) >> shift) & mask) | (((e0 >> shift) >> 2) & top);
+  const u32 mn2 = (((is_low ? e1 : e2 >> 4) >> shift) & mask) | (((e1 >> shift) >> 2) & top);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    sc[k] = byte_as_float(sc2, k, 8388608.f);
+    mn[k] = byte_as_float(mn2, k, 8388608.f);
   }
 }
 
@@ -164,41 +219,57 @@ struct Q4K {
     Item it;
     const int sb = i >> 3, c = (i >> 1) & 3;
     it.q = load_stream(r.quants + 4 * i);
-    const float d = __half2float(r.scales[2 * sb]), dmin = __half2float(r.scales[2 * sb + 1]);
-    float sc, mn;
-    q4_k_scale_min(r.extra + 12 * sb, 2 * c, sc, mn);
-    it.dl = d * sc;
-    it.ml = dmin * mn;
-    q4_k_scale_min(r.extra + 12 * sb, 2 * c + 1, sc, mn);
-    it.dh = d * sc;
-    it.mh = dmin * mn;
+    // d and dmin: halves 2sb and 2sb + 1, one word (a row has 2 halves a super-block); 12 scale bytes a super-block
+    const u32 dm_word = __ldg(reinterpret_cast<const u32*>(r.scales) + sb);
+    const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(&dm_word));
+    const u32* e = reinterpret_cast<const u32*>(r.extra) + 3 * sb;
+    float sc[2], mn[2];
+    q4_k_scales_mins(__ldg(e), __ldg(e + 1), __ldg(e + 2), c, sc, mn);
+    it.dl = dm.x * sc[0];
+    it.ml = dm.y * mn[0];
+    it.dh = dm.x * sc[1];
+    it.mh = dm.y * mn[1];
     return it;
   }
-  __device__ static float dot(const Item& it, const float* xs, int i) {
+  template <int R>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
     // item i: super-block i / 8, chunk c = (i / 2) % 4, half h = i % 2; sub-block 2c is x group 8sb + 2c
     const int sb = i >> 3, c = (i >> 1) & 3, h = i & 1;
-    const float* xl = xs + (8 * sb + 2 * c) * XSTRIDE + 16 * h;
-    const float* xh = xl + XSTRIDE;
-    const u32 w[4] = {it.q.x, it.q.y, it.q.z, it.q.w};
-    float sl = 0.f, sh = 0.f, xsum_l = 0.f, xsum_h = 0.f;
+    const int xl = (8 * sb + 2 * c) * XSTRIDE + 16 * h, xh = xl + XSTRIDE;
+    float sl[R], sh[R], xsum_l = 0.f, xsum_h = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) sl[r] = sh[r] = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float4 a = load_x4(xl, 4 * j), b = load_x4(xh, 4 * j);
-      sl += dot4_bytes(w[j] & 0x0F0F0F0Fu, a, 8388608.f);
-      sh += dot4_bytes((w[j] >> 4) & 0x0F0F0F0Fu, b, 8388608.f);
+      const float4 a = load_x4(xs, xl + 4 * j), b = load_x4(xs, xh + 4 * j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const u32 w = word_of(it[r].q, j);
+        sl[r] += dot4_bytes(w & 0x0F0F0F0Fu, a, 8388608.f);
+        sh[r] += dot4_bytes((w >> 4) & 0x0F0F0F0Fu, b, 8388608.f);
+      }
       xsum_l += sum4(a);
       xsum_h += sum4(b);
     }
-    return (it.dl * sl - it.ml * xsum_l) + (it.dh * sh - it.mh * xsum_h);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      acc[r] += (it[r].dl * sl[r] - it[r].ml * xsum_l) + (it[r].dh * sh[r] - it[r].mh * xsum_h);
   }
 };
 
-// R rows of one or two matrices, all items of each, against the same activations xs.
+__device__ __forceinline__ RowPlanes row_planes(const u32* quants, const __half* scales, const u8* extra,
+                                                long long row, int words_per_row, int halves_per_row,
+                                                int extra_per_row) {
+  return RowPlanes{quants + row * words_per_row, scales + row * halves_per_row, extra + row * extra_per_row};
+}
+
+// R rows of one or two matrices, all items of each, against the same activations xs. Every row is
+// read: a caller with fewer rows repeats its last one and drops the repeats' totals.
 template <class F, int R, int UNROLL>
-__device__ __forceinline__ void rows_dot(float* out, const RowPlanes (&rows)[R], int num_rows, const float* xs,
-                                         int num_cols) {
+__device__ __forceinline__ void rows_dot(float* out, const RowPlanes (&rows)[R], const float* xs, int num_cols) {
   const int lane = threadIdx.x & 31;
   const int num_items = F::items(num_cols);
+  const u32 xs_shared = shared_address(xs);
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
@@ -208,21 +279,76 @@ __device__ __forceinline__ void rows_dot(float* out, const RowPlanes (&rows)[R],
     for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        if (r < num_rows && i0 + 32 * u < num_items) it[u][r] = F::load(rows[r], i0 + 32 * u);
+        if (i0 + 32 * u < num_items) it[u][r] = F::load(rows[r], i0 + 32 * u);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (r < num_rows && i0 + 32 * u < num_items) acc[r] += F::dot(it[u][r], xs, i0 + 32 * u);
+      if (i0 + 32 * u < num_items) F::template dot<R>(it[u], xs_shared, i0 + 32 * u, acc);
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
 }
 
-__device__ __forceinline__ RowPlanes row_planes(const u32* quants, const __half* scales, const u8* extra,
-                                                long long row, int words_per_row, int halves_per_row,
-                                                int extra_per_row) {
-  return RowPlanes{quants + row * words_per_row, scales + row * halves_per_row, extra + row * extra_per_row};
+// Rows row_begin, row_begin + row_step, ... of a num_rows-row matrix, R at a time, into y (added to it when
+// accumulate): the call's whole share of a GEMV. Each step (a group of R rows, 32 * UNROLL of their items)
+// loads the next step's items before it multiplies its own, so that a warp keeps its loads in flight while it
+// computes; a group at a time, each group's arithmetic left the warp's share of the HBM idle.
+template <class F, int R, int UNROLL>
+__device__ __forceinline__ void rows_loop(float* y, const u32* quants, const __half* scales, const u8* extra,
+                                          long long row_begin, long long row_step, long long num_rows,
+                                          int words_per_row, int halves_per_row, int extra_per_row, const float* xs,
+                                          int num_cols, bool accumulate) {
+  constexpr int CHUNK = 32 * UNROLL;
+  const int lane = threadIdx.x & 31;
+  const int num_items = F::items(num_cols);
+  const u32 xs_shared = shared_address(xs);
+  // the items lane + 32 u from i0 of rows row0 .. row0 + R - 1 (the last row repeated past num_rows)
+  auto load_step = [&](Item (&it)[UNROLL][R], long long row0, int i0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const long long row = row0 + r < num_rows ? row0 + r : num_rows - 1;
+      const RowPlanes planes = row_planes(quants, scales, extra, row, words_per_row, halves_per_row, extra_per_row);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+        if (i0 + lane + 32 * u < num_items) it[u][r] = F::load(planes, i0 + lane + 32 * u);
+    }
+  };
+  long long row0 = row_begin;
+  int i0 = 0;
+  if (row0 >= num_rows) return;
+  Item cur[UNROLL][R];
+  load_step(cur, row0, 0);
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (;;) {
+    long long next_row0 = row0;
+    int next_i0 = i0 + CHUNK;
+    if (next_i0 >= num_items) {
+      next_i0 = 0;
+      next_row0 += row_step;
+    }
+    const bool has_next = next_row0 < num_rows;
+    Item next[UNROLL][R];
+    if (has_next) load_step(next, next_row0, next_i0);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+      if (i0 + lane + 32 * u < num_items) F::template dot<R>(cur[u], xs_shared, i0 + lane + 32 * u, acc);
+    if (next_i0 == 0) {  // the group's last step
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float total = warp_sum(acc[r]);
+        if (lane == r && row0 + r < num_rows) y[row0 + r] = accumulate ? y[row0 + r] + total : total;
+        acc[r] = 0.f;
+      }
+    }
+    if (!has_next) break;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r) cur[u][r] = next[u][r];
+    row0 = next_row0;
+    i0 = next_i0;
+  }
 }
 
 // Output row n of the routed experts' down projection: sum_e weight[e] * W[slot[e] * dim + n] . x_e,
@@ -234,10 +360,11 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
                                           int extra_per_row, const float* xs, int x_stride, int num_cols) {
   const int lane = threadIdx.x & 31;
   const int per_row = F::items(num_cols), num_items = top_k * per_row;
+  const u32 xs_shared = shared_address(xs);
   float acc = 0.f;
   int e = lane / per_row, i = lane % per_row;  // the item lane + 32 u of the flattened list
   for (int i0 = lane; i0 < num_items; i0 += 32 * UNROLL) {
-    Item it[UNROLL];
+    Item it[UNROLL][1];
     int ee[UNROLL], ii[UNROLL];
     bool ok[UNROLL];
 #pragma unroll
@@ -247,13 +374,17 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
       const int slot = e < top_k ? slots[e] : -1;
       ok[u] = i0 + 32 * u < num_items && slot >= 0 && slot < num_slots;
       if (ok[u])
-        it[u] = F::load(row_planes(quants, scales, extra, (long long)slot * dim + n, words_per_row, halves_per_row,
-                                   extra_per_row), i);
+        it[u][0] = F::load(row_planes(quants, scales, extra, (long long)slot * dim + n, words_per_row, halves_per_row,
+                                      extra_per_row), i);
       for (i += 32; i >= per_row; i -= per_row) ++e;
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
-      if (ok[u]) acc += weights[ee[u]] * F::dot(it[u], xs + ee[u] * x_stride, ii[u]);
+      if (ok[u]) {
+        float product[1] = {0.f};
+        F::template dot<1>(it[u], xs_shared + 4 * ee[u] * x_stride, ii[u], product);
+        acc += weights[ee[u]] * product[0];
+      }
   }
   return warp_sum(acc);
 }
@@ -266,8 +397,18 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
                                   int extra_per_row, const float* xs, int num_cols) {                                \
     RowPlanes rows[R];                                                                                               \
     for (int r = 0; r < R; ++r)                                                                                      \
-      rows[r] = row_planes(quants, scales, extra, row0 + r, words_per_row, halves_per_row, extra_per_row);           \
-    rows_dot<F, R, UNROLL>(out, rows, num_rows, xs, num_cols);                                                       \
+      rows[r] = row_planes(quants, scales, extra, row0 + (r < num_rows ? r : num_rows - 1), words_per_row,            \
+                           halves_per_row, extra_per_row);                                                           \
+    rows_dot<F, R, UNROLL>(out, rows, xs, num_cols);                                                                 \
+  }
+
+#define STRATA_GEMV_LOOP(NAME, F, R, UNROLL)                                                                         \
+  extern "C" __device__ void NAME(float* y, const u32* quants, const __half* scales, const u8* extra,                \
+                                  long long row_begin, long long row_step, long long num_rows, int words_per_row,    \
+                                  int halves_per_row, int extra_per_row, const float* xs, int num_cols,              \
+                                  int accumulate) {                                                                  \
+    rows_loop<F, R, UNROLL>(y, quants, scales, extra, row_begin, row_step, num_rows, words_per_row, halves_per_row,  \
+                            extra_per_row, xs, num_cols, accumulate != 0);                                           \
   }
 
 #define STRATA_GEMV_PAIR(NAME, F)                                                                                    \
@@ -277,7 +418,7 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
                                   int num_cols) {                                                                    \
     const RowPlanes rows[2] = {row_planes(qa, sa, ea, row, words_per_row, halves_per_row, extra_per_row),            \
                                row_planes(qb, sb, eb, row, words_per_row, halves_per_row, extra_per_row)};           \
-    rows_dot<F, 2, 2>(out, rows, 2, xs, num_cols);                                                                   \
+    rows_dot<F, 2, 2>(out, rows, xs, num_cols);                                                                   \
   }
 
 #define STRATA_DOWN_ROW(NAME, F)                                                                                     \
@@ -305,6 +446,21 @@ STRATA_GEMV_ROWS(strata_gemv_rows_f32_r4, F32, 4, 2)
 STRATA_GEMV_ROWS(strata_gemv_rows_f16_r1, F16, 1, 4)
 STRATA_GEMV_ROWS(strata_gemv_rows_f16_r2, F16, 2, 4)
 STRATA_GEMV_ROWS(strata_gemv_rows_f16_r4, F16, 4, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_0_r1, Q40, 1, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_0_r2, Q40, 2, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_0_r4, Q40, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_q8_0_r1, Q80, 1, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q8_0_r2, Q80, 2, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q8_0_r4, Q80, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r1, Q4K, 1, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r2, Q4K, 2, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r4, Q4K, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_f32_r1, F32, 1, 4)
+STRATA_GEMV_LOOP(strata_gemv_loop_f32_r2, F32, 2, 4)
+STRATA_GEMV_LOOP(strata_gemv_loop_f32_r4, F32, 4, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_f16_r1, F16, 1, 4)
+STRATA_GEMV_LOOP(strata_gemv_loop_f16_r2, F16, 2, 4)
+STRATA_GEMV_LOOP(strata_gemv_loop_f16_r4, F16, 4, 2)
 STRATA_GEMV_PAIR(strata_gemv_pair_q4_0, Q40)
 STRATA_GEMV_PAIR(strata_gemv_pair_q8_0, Q80)
 STRATA_GEMV_PAIR(strata_gemv_pair_q4_k, Q4K)

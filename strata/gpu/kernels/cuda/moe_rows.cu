@@ -19,6 +19,11 @@
 //   Ws  [STAGES][NW][64 rows] words: the f16 scales of the row's two blocks
 // Numerics: each weight is the f16 rounding of d * (q - 8) (as gemm_mma.cu's dequantizer), X is f16,
 // the sums f32 in the mma.
+//
+// Every shared access goes through the block's 32-bit shared addresses (ld.shared / st.shared): the kernels
+// pass the shared block as a generic pointer, through which each load would first test which memory it is.
+// A thread's cp.async sources and destinations are fixed but for the step's K offset and the stage, so
+// they are set once before the K loop: at few tokens a tile the loop's work is mostly the weights' side.
 #include <cuda_fp16.h>
 
 #include "common.cuh"
@@ -30,9 +35,31 @@ constexpr int X_STAGE_HALVES = TILE_TOKENS * STEP_K;           // 4,096 halves: 
 constexpr int W_STAGE_WORDS = 64 * STEP_K / 8;                 // 64 rows x 2 blocks x 4 words: 2 KiB
 constexpr int S_STAGE_WORDS = 64;                              // a scale pair a row
 
-__device__ __forceinline__ void copy4(void* dst, const void* src, bool valid) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0));
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// cp.async of 16 / 4 bytes to shared address dst; nothing is read (zeros are written) unless valid
+__device__ __forceinline__ void copy16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void copy4(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
+
+// volatile: each stays between the barriers and cp.async waits that order it against the ring's copies
+__device__ __forceinline__ unsigned load_shared(unsigned addr) {
+  unsigned v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint2 load_shared2(unsigned addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void store_shared(unsigned addr, int v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v));
 }
 
 template <int N>
@@ -45,17 +72,15 @@ __device__ __forceinline__ unsigned q4_pair(unsigned nibbles, unsigned selector,
   return scaled_half2(__byte_perm(nibbles, 0x64646464u, selector), 0x64086408u, d);
 }
 
+// The shared block's regions as 32-bit shared addresses (bytes).
 template <int NW>
 struct Smem {
-  __half* x;
-  unsigned* wq;
-  unsigned* ws;
-  int* rows;
+  unsigned x, wq, ws, rows;
   __device__ explicit Smem(unsigned char* base)
-      : x(reinterpret_cast<__half*>(base)),
-        wq(reinterpret_cast<unsigned*>(base + 2 * STAGES * X_STAGE_HALVES)),
-        ws(wq + STAGES * NW * W_STAGE_WORDS),
-        rows(reinterpret_cast<int*>(ws + STAGES * NW * S_STAGE_WORDS)) {}
+      : x(shared_address(base)),
+        wq(x + 2 * STAGES * X_STAGE_HALVES),
+        ws(wq + 4 * STAGES * NW * W_STAGE_WORDS),
+        rows(ws + 4 * STAGES * NW * S_STAGE_WORDS) {}
 };
 
 // acc[m][j] += W_m[w_row0 + 16 * warp ..][K] x X[rows of tokens 8j ..][K]^T over the whole K.
@@ -70,52 +95,61 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
                                           float (&acc)[NW][8][4]) {
   constexpr int THREADS = 32 * WARPS, BLOCK_ROWS = WARP_ROWS * WARPS;
   static_assert(BLOCK_ROWS == 64, "the weight stages hold 64 rows");
+  static_assert(NW == 2 && THREADS == 128, "a thread copies one quant chunk of each weight and one scale word a step");
   const Smem<NW> smem(smem_base);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int num_groups = (num_rows + 7) >> 3, num_steps = num_k32 / 2;
-  if (tid < TILE_TOKENS) smem.rows[tid] = tid < num_rows ? (GATHER ? pair_token[start + tid] : start + tid) : -1;
+  if (tid < TILE_TOKENS)
+    store_shared(smem.rows + 4 * tid, tid < num_rows ? (GATHER ? pair_token[start + tid] : start + tid) : -1);
   __syncthreads();
 
+  // X: 16-byte chunk xq of tile rows xr + 16 k (k < 4, rows of the tile's groups), at chunk xq ^ (2r mod 8),
+  // the same for every k
+  const int xq = tid & 7, xr = tid >> 3;
+  const unsigned x_dst = smem.x + 2 * (xr * STEP_K + 8 * (xq ^ ((2 * xr) & 7)));
+  // weights: quant chunk wb (16 bytes) of row wr of each weight, and the scale pair of row sr of weight sm
+  const int wr = (tid >> 1) & 63, wb = tid & 1, sr = tid & 63, sm = tid >> 6;
+  const bool is_wa = w_row0 + wr < w_row_end, is_wb = w_row0 + wr < w_row_end_b;
+  const bool is_s = w_row0 + sr < (sm ? w_row_end_b : w_row_end);
+  const unsigned* wa_src = qa + static_cast<size_t>(is_wa ? w_row0 + wr : 0) * quant_pitch + 4 * wb;
+  const unsigned* wb_src = qb + static_cast<size_t>(is_wb ? w_row0 + wr : 0) * quant_pitch + 4 * wb;
+  const __half* s_src = (sm ? sb : sa) + static_cast<size_t>(is_s ? w_row0 + sr : 0) * scale_pitch;
+  const unsigned w_dst = smem.wq + 4 * (wr * 8 + 4 * (wb ^ ((wr >> 2) & 1)));
+  const unsigned s_dst = smem.ws + 4 * (sm * S_STAGE_WORDS + sr);
+
   auto load = [&](int step, int buf) {
-    __half* xs = smem.x + buf * X_STAGE_HALVES;
-    for (int i = tid; i < num_groups * 8 * 8; i += THREADS) {  // the tile's token groups x 8 chunks of 16 bytes
-      const int r = i >> 3, q = i & 7, row = smem.rows[r];
-      cp_async_16(xs + r * STEP_K + 8 * (q ^ ((2 * r) & 7)),
-             x + static_cast<size_t>(row < 0 ? 0 : row) * x_pitch + step * STEP_K + 8 * q, row >= 0);
-    }
 #pragma unroll
-    for (int i = tid; i < NW * 64 * 2; i += THREADS) {  // quant words: 2 blocks of 16 bytes a row
-      const int m = i >> 7, r = (i >> 1) & 63, b = i & 1, w_row = w_row0 + r;
-      const bool is_row = w_row < (m ? w_row_end_b : w_row_end);
-      const unsigned* q = (m ? qb : qa) + static_cast<size_t>(is_row ? w_row : 0) * quant_pitch + 8 * step + 4 * b;
-      cp_async_16(smem.wq + (buf * NW + m) * W_STAGE_WORDS + r * 8 + 4 * (b ^ ((r >> 2) & 1)), q, is_row);
+    for (int k = 0; k < 4; ++k) {
+      const int r = xr + 16 * k;
+      if (r < 8 * num_groups) {
+        const int row = static_cast<int>(load_shared(smem.rows + 4 * r));
+        copy16(x_dst + 2 * (buf * X_STAGE_HALVES + 16 * k * STEP_K),
+               x + static_cast<size_t>(row < 0 ? 0 : row) * x_pitch + step * STEP_K + 8 * xq, row >= 0);
+      }
     }
-#pragma unroll
-    for (int i = tid; i < NW * 64; i += THREADS) {  // the rows' two block scales, 4 bytes
-      const int m = i >> 6, r = i & 63, w_row = w_row0 + r;
-      const bool is_row = w_row < (m ? w_row_end_b : w_row_end);
-      copy4(smem.ws + (buf * NW + m) * S_STAGE_WORDS + r,
-            (m ? sb : sa) + static_cast<size_t>(is_row ? w_row : 0) * scale_pitch + 2 * step, is_row);
-    }
+    const unsigned w_stage = w_dst + 4 * buf * NW * W_STAGE_WORDS;
+    copy16(w_stage, wa_src + 8 * step, is_wa);
+    copy16(w_stage + 4 * W_STAGE_WORDS, wb_src + 8 * step, is_wb);
+    copy4(s_dst + 4 * buf * NW * S_STAGE_WORDS, s_src + 2 * step, is_s);
     cp_async_commit();
   };
 
   const int r0 = warp * WARP_ROWS + g, swizzle = (r0 >> 2) & 1, x_swizzle = (2 * g) & 7;
   auto compute = [&](int buf) {
-    const __half* xs = smem.x + buf * X_STAGE_HALVES;
+    const unsigned xs = smem.x + 2 * buf * X_STAGE_HALVES;
     unsigned scales[NW][2];
 #pragma unroll
     for (int m = 0; m < NW; ++m) {
-      scales[m][0] = smem.ws[(buf * NW + m) * S_STAGE_WORDS + r0];
-      scales[m][1] = smem.ws[(buf * NW + m) * S_STAGE_WORDS + r0 + 8];
+      scales[m][0] = load_shared(smem.ws + 4 * ((buf * NW + m) * S_STAGE_WORDS + r0));
+      scales[m][1] = load_shared(smem.ws + 4 * ((buf * NW + m) * S_STAGE_WORDS + r0 + 8));
     }
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       unsigned lo[NW][4], hi[NW][4];  // A fragments of the block's two 16-element halves
 #pragma unroll
       for (int m = 0; m < NW; ++m) {
-        const unsigned* wq = smem.wq + (buf * NW + m) * W_STAGE_WORDS + 4 * (b ^ swizzle) + t;
-        const unsigned w0 = wq[r0 * 8], w1 = wq[(r0 + 8) * 8];
+        const unsigned wq = smem.wq + 4 * ((buf * NW + m) * W_STAGE_WORDS + 4 * (b ^ swizzle) + t);
+        const unsigned w0 = load_shared(wq + 4 * r0 * 8), w1 = load_shared(wq + 4 * (r0 + 8) * 8);
         const __half2 s0 = *reinterpret_cast<const __half2*>(&scales[m][0]);
         const __half2 s1 = *reinterpret_cast<const __half2*>(&scales[m][1]);
         const __half2 d0 = b ? __high2half2(s0) : __low2half2(s0), d1 = b ? __high2half2(s1) : __low2half2(s1);
@@ -140,9 +174,9 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
           uint2 xl[AT_ONCE], xh[AT_ONCE];
 #pragma unroll
           for (int p = 0; p < AT_ONCE; ++p) {
-            const __half* row = xs + (8 * (j + p) + g) * STEP_K + within;  // a group past the tile: read, unused
-            xl[p] = *reinterpret_cast<const uint2*>(row + 8 * (chunk ^ x_swizzle));
-            xh[p] = *reinterpret_cast<const uint2*>(row + 8 * ((chunk + 2) ^ x_swizzle));
+            const unsigned row = xs + 2 * ((8 * (j + p) + g) * STEP_K + within);  // a group past the tile: read, unused
+            xl[p] = load_shared2(row + 2 * 8 * (chunk ^ x_swizzle));
+            xh[p] = load_shared2(row + 2 * 8 * ((chunk + 2) ^ x_swizzle));
           }
 #pragma unroll
           for (int p = 0; p < AT_ONCE; ++p)
