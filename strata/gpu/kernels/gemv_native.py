@@ -187,6 +187,21 @@ def _stage_device(num_cols: int, threads: int, has_norm: bool):
     return device_stage
 
 
+@cuda.jit(device=True)
+def device_stage_half_sums(xs, num_groups, tid, num_threads):
+    """The sums of each staged 32-element group's two 16-element halves, into the group's padding (floats
+    32 and 33 of its X_STRIDE), in the order the Q4_K rows would sum them (four quads, each as two pairs):
+    the C++ Q4_K loop reads them instead of summing them again for every row. The caller syncs before
+    (the staging) and after."""
+    for half in range(tid, 2 * num_groups, num_threads):
+        base = (half // 2) * X_STRIDE + (half % 2) * 16
+        total = np.float32(0.0)
+        for j in range(4):
+            b = base + 4 * j
+            total += (xs[b] + xs[b + 1]) + (xs[b + 2] + xs[b + 3])
+        xs[(half // 2) * X_STRIDE + X_GROUP + half % 2] = total
+
+
 def _declare_rows(fmt: str, rows_per_warp: int):
     quants_ptr = {"F32": tensor_core.FLOAT_PTR, "F16": tensor_core.HALF_PTR}.get(fmt, _U32_PTR)  # the plane's dtype
     return tensor_core.declare(
@@ -213,14 +228,20 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
     ffi = tensor_core.ffi()
     num_x = x_floats(num_cols)
     accumulate = np.int32(is_accumulate)
+    has_half_sums = fmt == "Q4_K"  # its loop reads the activations' half sums staged in the padding
+    # a head's 512-thread blocks: ptxas must keep to 128 registers a thread, or every launch fails
+    options = {"launch_bounds": threads} if threads > 256 else {}
 
-    @cuda.jit
+    @cuda.jit(**options)
     def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [1, K], y [N]
         tid = cuda.threadIdx.x
         red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         stage(x, 0, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
+        if has_half_sums:
+            device_stage_half_sums(xs, num_cols // X_GROUP, tid, threads)
+            cuda.syncthreads()
         # each warp's row groups, row_step apart: the C++ loads a group's rows while it multiplies the last ones
         row_begin = (cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp
         loop_fn(ffi.from_buffer(y), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),

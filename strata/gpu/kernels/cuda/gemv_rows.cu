@@ -57,6 +57,12 @@ __device__ __forceinline__ float4 load_x4(u32 xs, int index) {
   return v;
 }
 
+__device__ __forceinline__ float load_x1(u32 xs, int index) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(xs + 4 * index));
+  return v;
+}
+
 __device__ __forceinline__ float half_at(const __half* p) {
   return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
 }
@@ -213,7 +219,10 @@ __device__ __forceinline__ void q4_k_scales_mins(u32 e0, u32 e1, u32 e2, int c, 
   }
 }
 
-struct Q4K {
+// STAGED_SUMS: the activations' 16-element half sums were staged in each group's padding (floats 32 and 33 of
+// its 36, summed in the order used here), and are read rather than summed again for every item.
+template <bool STAGED_SUMS>
+struct Q4KT {
   __device__ static int items(int num_cols) { return num_cols / 32; }
   __device__ static Item load(const RowPlanes& r, int i) {
     Item it;
@@ -248,14 +257,21 @@ struct Q4K {
         sl[r] += dot4_bytes(w & 0x0F0F0F0Fu, a, 8388608.f);
         sh[r] += dot4_bytes((w >> 4) & 0x0F0F0F0Fu, b, 8388608.f);
       }
-      xsum_l += sum4(a);
-      xsum_h += sum4(b);
+      if (!STAGED_SUMS) {
+        xsum_l += sum4(a);
+        xsum_h += sum4(b);
+      }
+    }
+    if (STAGED_SUMS) {
+      xsum_l = load_x1(xs, xl - 16 * h + 32 + h);
+      xsum_h = load_x1(xs, xh - 16 * h + 32 + h);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)
       acc[r] += (it[r].dl * sl[r] - it[r].ml * xsum_l) + (it[r].dh * sh[r] - it[r].mh * xsum_h);
   }
 };
+using Q4K = Q4KT<false>;
 
 __device__ __forceinline__ RowPlanes row_planes(const u32* quants, const __half* scales, const u8* extra,
                                                 long long row, int words_per_row, int halves_per_row,
@@ -452,9 +468,9 @@ STRATA_GEMV_LOOP(strata_gemv_loop_q4_0_r4, Q40, 4, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_q8_0_r1, Q80, 1, 2)
 STRATA_GEMV_LOOP(strata_gemv_loop_q8_0_r2, Q80, 2, 2)
 STRATA_GEMV_LOOP(strata_gemv_loop_q8_0_r4, Q80, 4, 1)
-STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r1, Q4K, 1, 2)
-STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r2, Q4K, 2, 2)
-STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r4, Q4K, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r1, Q4KT<true>, 1, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r2, Q4KT<true>, 2, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r4, Q4KT<true>, 4, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r1, F32, 1, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r2, F32, 2, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r4, F32, 4, 2)
