@@ -6,6 +6,7 @@ that asking for it is refused and that the automatic choice falls back to the Nu
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from kernel_data import assert_close_to_scale, assert_dot_close, dev, host, random_matrix
 from strata.engine.ops import _has_cuda_device
@@ -176,3 +177,40 @@ def test_asking_for_the_native_path_where_it_cannot_run_names_the_fallback():
         assert not gemv_native.is_supported(q4)
         with pytest.raises(ValueError, match="native GEMV needs a GPU"):
             gemv(q4, dev(x), native=True)
+
+
+def _half_sums_kernel():
+    @cuda.jit
+    def stage_sums(xs, num_groups):
+        gemv_native.device_stage_half_sums(xs, num_groups, cuda.threadIdx.x, cuda.blockDim.x)
+
+    return stage_sums
+
+
+@pytest.mark.parametrize("num_groups", [1, 3, 8])
+def test_q4_k_half_sums_fill_each_groups_padding_in_the_rows_order(num_groups):
+    staged = np.full((num_groups, gemv_native.X_STRIDE), np.nan, np.float32)
+    staged[:, :32] = np.random.default_rng(450 + num_groups).standard_normal((num_groups, 32)).astype(np.float32)
+    xs = dev(staged.reshape(-1))
+    _half_sums_kernel()[1, 32](xs, num_groups)
+    got = host(xs).reshape(num_groups, gemv_native.X_STRIDE)
+    np.testing.assert_array_equal(got[:, :32], staged[:, :32])  # the activations stay as staged
+    for g in range(num_groups):
+        for half in range(2):
+            total = np.float32(0.0)  # four quads, each as two pairs: the Q4_K rows' own order, to the bit
+            for quad in staged[g, 16 * half:16 * half + 16].reshape(4, 4):
+                total = np.float32(total + np.float32(np.float32(quad[0] + quad[1]) + np.float32(quad[2] + quad[3])))
+            assert got[g, 32 + half] == total
+    assert np.isnan(got[:, 34:]).all()  # the rest of the padding is untouched
+
+
+class _Plane:
+    def __init__(self, address):
+        self.device_ctypes_pointer = type("Pointer", (), {"value": address})()
+
+
+def test_q4_k_rows_need_word_aligned_scale_planes():
+    # the Q4_K rows read d and dmin, and the 12 scale bytes, as 32-bit words
+    assert gemv_native._is_word_aligned(_Plane(4096), _Plane(4100))
+    assert not gemv_native._is_word_aligned(_Plane(4096), _Plane(4098))
+    assert not gemv_native._is_word_aligned(_Plane(4097), _Plane(4096))
