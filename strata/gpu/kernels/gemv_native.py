@@ -230,8 +230,8 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
     accumulate = np.int32(is_accumulate)
     has_half_sums = fmt == "Q4_K"  # its loop reads the activations' half sums staged in the padding
 
-    # no launch bounds: with them (512 threads) ptxas schedules the loop worse, measured 5-9% slower on
-    # the H200 heads; its registers (115 for the Q4_K loop of 2 rows) fit a 512-thread block without them
+    # no launch bounds or register cap: with either (512 threads, 128 registers) the heads measured 4-10%
+    # slower on the H200; the loop's registers (115 for Q4_K's of 2 rows) fit a 512-thread block without
     @cuda.jit
     def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [1, K], y [N]
         tid = cuda.threadIdx.x
