@@ -4,6 +4,8 @@ The C++ path needs a real GPU (warp shuffles, linked CUDA C++); in the simulator
 that asking for it is refused and that the automatic choice falls back to the Numba kernels.
 """
 
+import functools
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -179,29 +181,37 @@ def test_asking_for_the_native_path_where_it_cannot_run_names_the_fallback():
             gemv(q4, dev(x), native=True)
 
 
-def _half_sums_kernel():
+@functools.cache
+def _q4_k_staging_kernel(num_cols: int):
+    stage = gemv_native._stage_device(num_cols, 32, False, True)
+
     @cuda.jit
-    def stage_sums(xs, num_groups):
-        gemv_native.device_stage_half_sums(xs, num_groups, cuda.threadIdx.x, cuda.blockDim.x)
+    def stage_q4_k(x, xs):
+        tid = cuda.threadIdx.x
+        stage(x, 0, x[0], np.float32(0.0), xs, xs, 0, tid)
+        cuda.syncthreads()
+        gemv_native.device_stage_half_sums(xs, num_cols // 32, tid, cuda.blockDim.x)
 
-    return stage_sums
+    return stage_q4_k
 
 
-@pytest.mark.parametrize("num_groups", [1, 3, 8])
-def test_q4_k_half_sums_fill_each_groups_padding_in_the_rows_order(num_groups):
-    staged = np.full((num_groups, gemv_native.X_STRIDE), np.nan, np.float32)
-    staged[:, :32] = np.random.default_rng(450 + num_groups).standard_normal((num_groups, 32)).astype(np.float32)
-    xs = dev(staged.reshape(-1))
-    _half_sums_kernel()[1, 32](xs, num_groups)
-    got = host(xs).reshape(num_groups, gemv_native.X_STRIDE)
-    np.testing.assert_array_equal(got[:, :32], staged[:, :32])  # the activations stay as staged
-    for g in range(num_groups):
+@pytest.mark.parametrize("num_super_blocks", [1, 3])
+def test_q4_k_staging_spaces_super_blocks_and_sums_each_half_in_the_rows_order(num_super_blocks):
+    num_cols = 256 * num_super_blocks
+    x = np.random.default_rng(450 + num_super_blocks).standard_normal((1, num_cols)).astype(np.float32)
+    xs = dev(np.full(gemv_native.x_floats(num_cols, True), np.nan, np.float32))
+    _q4_k_staging_kernel(num_cols)[1, 32](dev(x), xs)
+    got = host(xs).reshape(num_super_blocks, gemv_native.Q4_K_SB_STRIDE)
+    assert np.isnan(got[:, -4:]).all()  # the 4 floats that move the next super-block onto other banks
+    groups = got[:, :-4].reshape(num_super_blocks * 8, gemv_native.X_STRIDE)
+    np.testing.assert_array_equal(groups[:, :32], x.reshape(-1, 32))
+    for g, group in enumerate(groups):
         for half in range(2):
-            total = np.float32(0.0)  # four quads, each as two pairs: the Q4_K rows' own order, to the bit
-            for quad in staged[g, 16 * half:16 * half + 16].reshape(4, 4):
+            total = np.float32(0.0)  # four quads, each as two pairs, to the bit
+            for quad in group[16 * half:16 * half + 16].reshape(4, 4):
                 total = np.float32(total + np.float32(np.float32(quad[0] + quad[1]) + np.float32(quad[2] + quad[3])))
-            assert got[g, 32 + half] == total
-    assert np.isnan(got[:, 34:]).all()  # the rest of the padding is untouched
+            assert group[32 + half] == total, (g, half)
+    assert np.isnan(groups[:, 34:]).all()
 
 
 class _Plane:

@@ -40,6 +40,9 @@ from .activation import device_silu_mul
 FORMATS = ("Q4_0", "Q8_0", "Q4_K", "F32", "F16")
 EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K")  # the gate/up pair and down row functions
 X_GROUP, X_STRIDE = 32, 36
+# gemv's Q4_K activations: each 256-element super-block's 8 groups 4 floats further on than 8 groups, so that
+# the C++ loop's lanes of two super-blocks start on other banks (cuda/gemv_rows.cu's Q4K_SB_STRIDE)
+Q4_K_BLOCK, Q4_K_SB_STRIDE = 256, 8 * X_STRIDE + 4
 _WARP = 32
 _MAX_SHARED_BYTES = 48 * 1024
 _RESERVED_SHARED_BYTES = 4096  # headroom for the kernels' other shared arrays (the norm's per-warp sums)
@@ -82,14 +85,14 @@ class NativeGemvConfig(NamedTuple):
 # vocabulary-sized head runs blocks that loop over row groups (at most blocks_per_sm blocks an SM), each
 # warp loading its next group while it multiplies the last, in the fastest shape of a sweep of 151,936 x
 # 2,048 heads (docs/PERFORMANCE.md, 2026-12-01): Q4_0 16 x 2 at 1 an SM, 2,971 GB/s (2,919 at 2 an SM);
-# Q8_0 8 x 1 at 8, 3,498 (3,492 for 16 x 1 at 4); Q4_K 16 x 2 at 1, 2,290 (2,249 at 2 an SM). Float
+# Q8_0 8 x 1 at 8, 3,498 (3,492 for 16 x 1 at 4); Q4_K 16 x 4 at 1, 2,789-2,822 (2,692-2,697 for 16 x 2). Float
 # heads keep 8 x 2 at 4, unmeasured. The head's call sites ask for head_config(fmt), so that a slice of
 # the head (the warm-up's) runs the same compiled kernel as the whole head.
 LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
 _HEAD_CONFIGS = MappingProxyType({
     "Q4_0": NativeGemvConfig(warps=16, rows_per_warp=2, blocks_per_sm=1),
     "Q8_0": NativeGemvConfig(warps=8, rows_per_warp=1, blocks_per_sm=8),
-    "Q4_K": NativeGemvConfig(warps=16, rows_per_warp=2, blocks_per_sm=1),
+    "Q4_K": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1),
     "F32": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4),
     "F16": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4),
 })
@@ -106,9 +109,19 @@ def _num_sms() -> int:
     return cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
-def x_floats(num_cols: int) -> int:
-    """Shared floats for one staged activation row of num_cols elements."""
+def x_floats(num_cols: int, is_q4_k_layout: bool = False) -> int:
+    """Shared floats for one staged activation row of num_cols elements (in gemv's Q4_K layout when asked)."""
+    if is_q4_k_layout:
+        return num_cols // Q4_K_BLOCK * Q4_K_SB_STRIDE
     return num_cols // X_GROUP * X_STRIDE
+
+
+@cuda.jit(device=True)
+def device_group_start(group, is_q4_k_layout):
+    """The first shared float of staged 32-element group `group`."""
+    if is_q4_k_layout:
+        return (group // 8) * Q4_K_SB_STRIDE + (group % 8) * X_STRIDE
+    return group * X_STRIDE
 
 
 def is_supported(w, num_x_rows: int = 1) -> bool:
@@ -116,8 +129,9 @@ def is_supported(w, num_x_rows: int = 1) -> bool:
     C-contiguous and 16-byte aligned, and num_x_rows staged rows of activations fitting in shared memory."""
     if not tensor_core.is_available() or w.fmt not in FORMATS or not is_device_array(w.quants):
         return False
-    block_elems = 256 if w.fmt == "Q4_K" else X_GROUP
-    if w.num_cols % block_elems or 4 * x_floats(w.num_cols) * num_x_rows > _MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES:
+    block_elems = Q4_K_BLOCK if w.fmt == "Q4_K" else X_GROUP
+    num_x = x_floats(w.num_cols, w.fmt == "Q4_K")  # the larger of the two layouts
+    if w.num_cols % block_elems or 4 * num_x * num_x_rows > _MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES:
         return False
     return (all(is_c_contiguous(p) for p in (w.quants, w.scales, w.extra))
             and w.quants.device_ctypes_pointer.value % _ALIGN_BYTES == 0
@@ -169,9 +183,10 @@ def device_inv_rms_shuffled(x, x_row, eps, red, tid, num_threads):
 
 
 @functools.cache
-def _stage_device(num_cols: int, threads: int, has_norm: bool):
+def _stage_device(num_cols: int, threads: int, has_norm: bool, is_q4_k_layout: bool = False):
     """device_stage(x, x_row, norm_w, eps, red, xs, xs_off, tid): x[x_row], RMSNorm-ed with norm_w when
-    has_norm (red: a float per warp), into padded xs from xs_off. The caller syncs before reading xs."""
+    has_norm (red: a float per warp), into padded xs from xs_off (in gemv's Q4_K layout when asked). The
+    caller syncs before reading xs."""
 
     @cuda.jit(device=True)
     def device_stage(x, x_row, norm_w, eps, red, xs, xs_off, tid):
@@ -182,24 +197,25 @@ def _stage_device(num_cols: int, threads: int, has_norm: bool):
             v = np.float32(x[x_row, k])
             if has_norm:
                 v *= inv_rms * norm_w[k]
-            xs[xs_off + (k // X_GROUP) * X_STRIDE + k % X_GROUP] = v
+            xs[xs_off + device_group_start(k // X_GROUP, is_q4_k_layout) + k % X_GROUP] = v
 
     return device_stage
 
 
 @cuda.jit(device=True)
 def device_stage_half_sums(xs, num_groups, tid, num_threads):
-    """The sums of each staged 32-element group's two 16-element halves, into the group's padding (floats
-    32 and 33 of its X_STRIDE), in the order the Q4_K rows would sum them (four quads, each as two pairs):
-    the C++ Q4_K loop reads them instead of summing them again for every row. The caller syncs before
-    (the staging) and after."""
+    """The sums of each staged 32-element group's two 16-element halves (gemv's Q4_K layout), into the
+    group's padding (floats 32 and 33 from its start), each as four quads of two pairs: the C++ Q4_K loop
+    reads them for the mins instead of summing them again for every row. The caller syncs before (the
+    staging) and after."""
     for half in range(tid, 2 * num_groups, num_threads):
-        base = (half // 2) * X_STRIDE + (half % 2) * 16
+        start = device_group_start(half // 2, True)
+        base = start + (half % 2) * 16
         total = np.float32(0.0)
         for j in range(4):
             b = base + 4 * j
             total += (xs[b] + xs[b + 1]) + (xs[b + 2] + xs[b + 3])
-        xs[(half // 2) * X_STRIDE + X_GROUP + half % 2] = total
+        xs[start + X_GROUP + half % 2] = total
 
 
 def _declare_rows(fmt: str, rows_per_warp: int):
@@ -224,14 +240,14 @@ def _declare_loop(fmt: str, rows_per_warp: int):
 def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bool, is_accumulate: bool):
     warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
     loop_fn = _declare_loop(fmt, rows_per_warp)
-    stage = _stage_device(num_cols, threads, has_norm)
+    is_q4_k = fmt == "Q4_K"  # its loop reads the Q4_K layout, with the half sums staged in the padding
+    stage = _stage_device(num_cols, threads, has_norm, is_q4_k)
     ffi = tensor_core.ffi()
-    num_x = x_floats(num_cols)
+    num_x = x_floats(num_cols, is_q4_k)
     accumulate = np.int32(is_accumulate)
-    has_half_sums = fmt == "Q4_K"  # its loop reads the activations' half sums staged in the padding
 
     # no launch bounds or register cap: with either (512 threads, 128 registers) the heads measured 4-10%
-    # slower on the H200; the loop's registers (115 for Q4_K's of 2 rows) fit a 512-thread block without
+    # slower on the H200; the loops' registers fit a 512-thread block without (they launch at 16 warps)
     @cuda.jit
     def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [1, K], y [N]
         tid = cuda.threadIdx.x
@@ -239,7 +255,7 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         stage(x, 0, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
-        if has_half_sums:
+        if is_q4_k:
             device_stage_half_sums(xs, num_cols // X_GROUP, tid, threads)
             cuda.syncthreads()
         # each warp's row groups, row_step apart: the C++ loads a group's rows while it multiplies the last ones

@@ -19,7 +19,8 @@
 //   Q8_0  half a 34-byte block per item: 16 int8 elements, the block's d; K / 16 items
 //   Q4_K  16 of a super-block's 128 quant bytes per item: bytes 32c + 16h .. +15 hold elements
 //         16h .. 16h+15 of sub-blocks 2c (low nibbles) and 2c + 1 (high); K / 32 items. The
-//         super-block's d and dmin are read as one word and its 12 scale bytes as three.
+//         super-block's d and dmin are read as one word and its 12 scale bytes as three. gemv's
+//         loop takes 32 bytes an item (Q4KWide: both halves, K / 64 items) from its own layout.
 //   F32 / F16  4 / 8 values per item (the routers); K / 4 or K / 8 items
 // Small integers become floats through the exponent trick (0x4B000000 | q is 2^23 + q), as in
 // quant_device.py.
@@ -87,7 +88,7 @@ __device__ __forceinline__ u32 word_of(const uint4& q, int j) { return j == 0 ? 
 // One item: its 16 quant bytes and the scales it needs (d: Q4_0 / Q8_0; Q4_K: dl, ml and dh, mh,
 // d * scale and dmin * min of the sub-blocks in its low and high nibbles).
 struct Item {
-  uint4 q;
+  uint4 q, q2;  // q2: the second 16 bytes of a wide Q4_K item
   float d;
   float dl, ml, dh, mh;
 };
@@ -219,25 +220,26 @@ __device__ __forceinline__ void q4_k_scales_mins(u32 e0, u32 e1, u32 e2, int c, 
   }
 }
 
-// STAGED_SUMS: the activations' 16-element half sums were staged in each group's padding (floats 32 and 33 of
-// its 36, summed in the order used here), and are read rather than summed again for every item.
-template <bool STAGED_SUMS>
-struct Q4KT {
+// The scales of an item's sub-blocks 2c and 2c + 1 of super-block sb: d * scale and dmin * min of each.
+__device__ __forceinline__ void q4_k_item_scales(const RowPlanes& r, int sb, int c, Item& it) {
+  // d and dmin: halves 2sb and 2sb + 1, one word (a row has 2 halves a super-block); 12 scale bytes a super-block
+  const u32 dm_word = __ldg(reinterpret_cast<const u32*>(r.scales) + sb);
+  const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(&dm_word));
+  const u32* e = reinterpret_cast<const u32*>(r.extra) + 3 * sb;
+  float sc[2], mn[2];
+  q4_k_scales_mins(__ldg(e), __ldg(e + 1), __ldg(e + 2), c, sc, mn);
+  it.dl = dm.x * sc[0];
+  it.ml = dm.y * mn[0];
+  it.dh = dm.x * sc[1];
+  it.mh = dm.y * mn[1];
+}
+
+struct Q4K {
   __device__ static int items(int num_cols) { return num_cols / 32; }
   __device__ static Item load(const RowPlanes& r, int i) {
     Item it;
-    const int sb = i >> 3, c = (i >> 1) & 3;
     it.q = load_stream(r.quants + 4 * i);
-    // d and dmin: halves 2sb and 2sb + 1, one word (a row has 2 halves a super-block); 12 scale bytes a super-block
-    const u32 dm_word = __ldg(reinterpret_cast<const u32*>(r.scales) + sb);
-    const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(&dm_word));
-    const u32* e = reinterpret_cast<const u32*>(r.extra) + 3 * sb;
-    float sc[2], mn[2];
-    q4_k_scales_mins(__ldg(e), __ldg(e + 1), __ldg(e + 2), c, sc, mn);
-    it.dl = dm.x * sc[0];
-    it.ml = dm.y * mn[0];
-    it.dh = dm.x * sc[1];
-    it.mh = dm.y * mn[1];
+    q4_k_item_scales(r, i >> 3, (i >> 1) & 3, it);
     return it;
   }
   template <int R>
@@ -257,21 +259,57 @@ struct Q4KT {
         sl[r] += dot4_bytes(w & 0x0F0F0F0Fu, a, 8388608.f);
         sh[r] += dot4_bytes((w >> 4) & 0x0F0F0F0Fu, b, 8388608.f);
       }
-      if (!STAGED_SUMS) {
-        xsum_l += sum4(a);
-        xsum_h += sum4(b);
-      }
-    }
-    if (STAGED_SUMS) {
-      xsum_l = load_x1(xs, xl - 16 * h + 32 + h);
-      xsum_h = load_x1(xs, xh - 16 * h + 32 + h);
+      xsum_l += sum4(a);
+      xsum_h += sum4(b);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)
       acc[r] += (it[r].dl * sl[r] - it[r].ml * xsum_l) + (it[r].dh * sh[r] - it[r].mh * xsum_h);
   }
 };
-using Q4K = Q4KT<false>;
+
+// Q4_K for the gemv loop: 32 quant bytes an item, whole sub-blocks 2c and 2c + 1 (low and high nibbles of bytes
+// 32c .. 32c + 31), so that the item's scales are read and decoded once for 64 elements; K / 64 items. Its
+// activations come in gemv_native's Q4_K layout: each super-block's 8 groups Q4K_SB_STRIDE floats after the
+// last's (4 more than 8 groups), so that lanes of two super-blocks start on other banks, and each group's two
+// 16-element half sums staged in its padding (floats 32 and 33).
+constexpr int Q4K_SB_STRIDE = 8 * XSTRIDE + 4;
+
+struct Q4KWide {
+  __device__ static int items(int num_cols) { return num_cols / 64; }
+  __device__ static Item load(const RowPlanes& r, int i) {
+    Item it;
+    it.q = load_stream(r.quants + 8 * i);
+    it.q2 = load_stream(r.quants + 8 * i + 4);
+    q4_k_item_scales(r, i >> 2, i & 3, it);
+    return it;
+  }
+  template <int R>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
+    // item i: super-block i / 4, chunk c = i % 4: sub-blocks 2c and 2c + 1 are groups 2c and 2c + 1 of the super-block
+    const int xl = (i >> 2) * Q4K_SB_STRIDE + 2 * (i & 3) * XSTRIDE, xh = xl + XSTRIDE;
+    float sl[R], sh[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) sl[r] = sh[r] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float4 a = load_x4(xs, xl + 16 * h + 4 * j), b = load_x4(xs, xh + 16 * h + 4 * j);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const u32 w = word_of(h ? it[r].q2 : it[r].q, j);
+          sl[r] += dot4_bytes(w & 0x0F0F0F0Fu, a, 8388608.f);
+          sh[r] += dot4_bytes((w >> 4) & 0x0F0F0F0Fu, b, 8388608.f);
+        }
+      }
+    const float xsum_l = load_x1(xs, xl + 32) + load_x1(xs, xl + 33);
+    const float xsum_h = load_x1(xs, xh + 32) + load_x1(xs, xh + 33);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      acc[r] += (it[r].dl * sl[r] - it[r].ml * xsum_l) + (it[r].dh * sh[r] - it[r].mh * xsum_h);
+  }
+};
 
 __device__ __forceinline__ RowPlanes row_planes(const u32* quants, const __half* scales, const u8* extra,
                                                 long long row, int words_per_row, int halves_per_row,
@@ -468,9 +506,9 @@ STRATA_GEMV_LOOP(strata_gemv_loop_q4_0_r4, Q40, 4, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_q8_0_r1, Q80, 1, 2)
 STRATA_GEMV_LOOP(strata_gemv_loop_q8_0_r2, Q80, 2, 2)
 STRATA_GEMV_LOOP(strata_gemv_loop_q8_0_r4, Q80, 4, 1)
-STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r1, Q4KT<true>, 1, 2)
-STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r2, Q4KT<true>, 2, 2)
-STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r4, Q4KT<true>, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r1, Q4KWide, 1, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r2, Q4KWide, 2, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r4, Q4KWide, 4, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r1, F32, 1, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r2, F32, 2, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r4, F32, 4, 2)
