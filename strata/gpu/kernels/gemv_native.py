@@ -11,8 +11,10 @@ Each kernel first stages its activations into shared memory as float32 (RMSNorm-
 a norm weight is given, as the Numba kernels do), each 32-element group padded to 36 floats so
 that lanes reading neighbouring groups start on different banks, then its warps call C++: gemv one
 loop over each warp's row groups (loading a group's rows while it multiplies the group before), the
-others one function per row group (or row pair). Formats: Q4_0, Q8_0, Q4_K, and F32 / F16 rows (the routers); the
-expert kernels take the three quantized ones. The Numba kernels remain the path for the other
+others one function per row group (or row pair). gemv stages a Q4_K matrix's activations in a layout of
+its own (each super-block's 8 groups Q4_K_SB_STRIDE floats apart, each group's two half sums in its
+padding), which its loop's 32-byte items read. Formats: Q4_0, Q8_0, Q4_K, and F32 / F16 rows (the
+routers); the expert kernels take the three quantized ones. The Numba kernels remain the path for the other
 formats, the simulator, and the reference the GPU tests compare this one against (same roundings
 of x, sums in another order).
 
