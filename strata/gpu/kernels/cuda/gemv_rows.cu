@@ -54,7 +54,9 @@ __device__ __forceinline__ u32 shared_address(const float* xs) {
 // compiler deems free of effects may be speculated out of its branch, past the end of the activations.
 __device__ __forceinline__ float4 load_x4(u32 xs, int index) {
   float4 v;
-  asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(xs + 4 * index));
+  asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(xs + 4 * index));
   return v;
 }
 
@@ -83,7 +85,9 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ u32 word_of(const uint4& q, int j) { return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w; }
+__device__ __forceinline__ u32 word_of(const uint4& q, int j) {
+  return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;
+}
 
 // One item: its 16 quant bytes and the scales it needs (d: Q4_0 / Q8_0; Q4_K: dl, ml and dh, mh,
 // d * scale and dmin * min of the sub-blocks in its low and high nibbles).
