@@ -220,20 +220,23 @@ def device_stage_half_sums(xs, num_groups, tid, num_threads):
         xs[start + X_GROUP + half % 2] = total
 
 
+def _quants_ptr(fmt: str):
+    """The C type of a matrix's quants plane as the C++ rows take it (a float matrix's values)."""
+    return {"F32": tensor_core.FLOAT_PTR, "F16": tensor_core.HALF_PTR}.get(fmt, _U32_PTR)
+
+
 def _declare_rows(fmt: str, rows_per_warp: int):
-    quants_ptr = {"F32": tensor_core.FLOAT_PTR, "F16": tensor_core.HALF_PTR}.get(fmt, _U32_PTR)  # the plane's dtype
     return tensor_core.declare(
         f"strata_gemv_rows_{_suffix(fmt)}_r{rows_per_warp}",
-        (tensor_core.FLOAT_PTR, quants_ptr, *_PLANES[1:], _I64, tensor_core.INT32, *_STRIDES, tensor_core.FLOAT_PTR,
-         tensor_core.INT32),
+        (tensor_core.FLOAT_PTR, _quants_ptr(fmt), *_PLANES[1:], _I64, tensor_core.INT32, *_STRIDES,
+         tensor_core.FLOAT_PTR, tensor_core.INT32),
         "gemv_rows.cu")
 
 
 def _declare_loop(fmt: str, rows_per_warp: int):
-    quants_ptr = {"F32": tensor_core.FLOAT_PTR, "F16": tensor_core.HALF_PTR}.get(fmt, _U32_PTR)  # the plane's dtype
     return tensor_core.declare(
         f"strata_gemv_loop_{_suffix(fmt)}_r{rows_per_warp}",
-        (tensor_core.FLOAT_PTR, quants_ptr, *_PLANES[1:], _I64, _I64, _I64, *_STRIDES, tensor_core.FLOAT_PTR,
+        (tensor_core.FLOAT_PTR, _quants_ptr(fmt), *_PLANES[1:], _I64, _I64, _I64, *_STRIDES, tensor_core.FLOAT_PTR,
          tensor_core.INT32, tensor_core.INT32),
         "gemv_rows.cu")
 
