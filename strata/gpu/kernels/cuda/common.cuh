@@ -11,14 +11,14 @@
 
 namespace {
 
-[[maybe_unused]] __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<unsigned*>(&h);
 }
 
 // c[0..3] += A (16 x 16, f16) * B (16 x 8, f16), f32 accumulators in the m16n8k16 fragment layout
-[[maybe_unused]] __device__ __forceinline__ void mma_16816(float* c, unsigned a0, unsigned a1, unsigned a2,
-                                                          unsigned a3, unsigned b0, unsigned b1) {
+__device__ __forceinline__ void mma_16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          unsigned b0, unsigned b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -26,17 +26,9 @@ namespace {
 
 enum OctetFormat { kF16, kQ8_0, kQ4_0, kQ4_1, kQ4_K, kQ6_K };
 
-// The 32-bit shared-memory address of a generic pointer into shared memory (what ld.shared, ldmatrix and
-// cp.async take).
-[[maybe_unused]] __device__ __forceinline__ unsigned shared_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-// cp.async of 16 bytes to shared address dst; nothing is read (zeros are written) unless valid
-[[maybe_unused]] __device__ __forceinline__ void cp_async_16_shared(unsigned dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
 [[maybe_unused]] __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  cp_async_16_shared(shared_address(dst), src, valid);
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
 }
 [[maybe_unused]] __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 [[maybe_unused]] __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }

@@ -35,7 +35,14 @@ constexpr int X_STAGE_HALVES = TILE_TOKENS * STEP_K;           // 4,096 halves: 
 constexpr int W_STAGE_WORDS = 64 * STEP_K / 8;                 // 64 rows x 2 blocks x 4 words: 2 KiB
 constexpr int S_STAGE_WORDS = 64;                              // a scale pair a row
 
-// cp.async of 4 bytes to shared address dst, through L1; nothing is read (zeros are written) unless valid
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// cp.async of 16 / 4 bytes to shared address dst; nothing is read (zeros are written) unless valid
+__device__ __forceinline__ void copy16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
 __device__ __forceinline__ void copy4(unsigned dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
@@ -116,13 +123,13 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
       const int r = xr + 16 * k;
       if (r < 8 * num_groups) {
         const int row = static_cast<int>(load_shared(smem.rows + 4 * r));
-        cp_async_16_shared(x_dst + 2 * (buf * X_STAGE_HALVES + 16 * k * STEP_K),
-                           x + static_cast<size_t>(row < 0 ? 0 : row) * x_pitch + step * STEP_K + 8 * xq, row >= 0);
+        copy16(x_dst + 2 * (buf * X_STAGE_HALVES + 16 * k * STEP_K),
+               x + static_cast<size_t>(row < 0 ? 0 : row) * x_pitch + step * STEP_K + 8 * xq, row >= 0);
       }
     }
     const unsigned w_stage = w_dst + 4 * buf * NW * W_STAGE_WORDS;
-    cp_async_16_shared(w_stage, wa_src + 8 * step, is_wa);
-    cp_async_16_shared(w_stage + 4 * W_STAGE_WORDS, wb_src + 8 * step, is_wb);
+    copy16(w_stage, wa_src + 8 * step, is_wa);
+    copy16(w_stage + 4 * W_STAGE_WORDS, wb_src + 8 * step, is_wb);
     copy4(s_dst + 4 * buf * NW * S_STAGE_WORDS, s_src + 2 * step, is_s);
     cp_async_commit();
   };
