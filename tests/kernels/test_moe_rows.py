@@ -28,7 +28,7 @@ def _routing(num_tokens, num_experts, top_k, seed):
 
 
 def test_the_shared_stages_fit_static_shared_memory():
-    assert moe_rows.shared_bytes() == 38_656 <= 48 * 1024  # cuda/moe_rows.cu's Smem<2>: 24 + 12 + 1.5 + 0.25 KiB
+    assert moe_rows.shared_bytes() == 38_400 <= 48 * 1024  # cuda/moe_rows.cu's 3 stages of 8 + 4 + 0.5 KiB
 
 
 def test_chunks_take_the_rows_kernels_tiles_where_they_serve_the_experts():
@@ -69,6 +69,25 @@ def test_rows_path_matches_reference_moe(num_tokens, num_experts, dim, ffn):
     moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts)
     ref = residual + reference_ops.moe(x, ids, weights, *values)
     assert_close_to_scale(host(out), ref, 2e-3)  # X and hidden rounded to fp16
+
+
+@needs_tensor_cores
+def test_every_number_of_token_groups_a_tile_matches_reference_moe():
+    # one expert for each tile size 1 .. 8 groups of 8 tokens (a full group and a partial one each), a full tile,
+    # and 70 tokens (a full tile and one of 6); dim 192: down's second 128-column block has no second half
+    rows_per_expert = np.array([1, 9, 17, 25, 33, 41, 49, 57, 64, 70])
+    num_experts, dim, ffn = len(rows_per_expert), 192, 128
+    rng = np.random.default_rng(80)
+    ids = rng.permutation(np.repeat(np.arange(num_experts), rows_per_expert)).astype(np.int32).reshape(-1, 1)  # [T, 1]
+    weights = rng.uniform(0.5, 1.5, ids.shape).astype(np.float32)
+    num_tokens = ids.shape[0]
+    (gate, up, down), values = _experts("Q4_0", num_experts, dim, ffn, seed=81)
+    x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+    groups = moe_group(dev(ids), dev(weights), num_experts, moe_rows.TILE_ROWS)
+    assert moe_rows.is_supported(groups, gate, up, down)
+    out = dev(np.zeros((num_tokens, dim), np.float32))
+    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts)
+    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 2e-3)  # X and hidden in fp16
 
 
 @needs_tensor_cores

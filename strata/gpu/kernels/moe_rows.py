@@ -6,7 +6,9 @@ half of a 64-row tile is padding, and the staging of the weights is most of the 
 swap: a block's warps each own 16 weight rows and run them against all the tokens of the tile, 8 at
 a time (the mma's N), so a tile of up to TILE_ROWS tokens pays for whole 8-token groups only; each
 weight element is dequantized once a tile, from a cp.async ring of raw Q4_0 blocks straight into
-A fragments in registers.
+A fragments in registers. The tile's number of 8-token groups picks one of eight compiled loops
+(a switch on the tile's rows), so a tile of 32 tokens runs exactly 4 groups' mma and holds their
+accumulators only.
 
 Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and hidden, weights the
 f16 roundings of d * (q - 8), f32 sums): the two agree up to summation order.
@@ -39,10 +41,10 @@ _ALIGN_BYTES = 16  # cp.async copies 16 bytes of quants (and 4 of scales) at a t
 
 
 def shared_bytes() -> int:
-    """A block's shared memory (cuda/moe_rows.cu's Smem<2>; both launches stage two 64-row weights): X and
-    raw weight stages, the tile's row list."""
+    """A block's shared memory (cuda/moe_rows.cu's STAGES stages; both launches stage two 64-row weights):
+    a stage holds X, then the two weights' raw quant blocks, then their scales."""
     x_stage, w_stage, s_stage = 2 * TILE_ROWS * STEP_K, 4 * BLOCK_COLS * STEP_K // 8, 4 * BLOCK_COLS
-    return _STAGES * (x_stage + 2 * (w_stage + s_stage)) + 4 * TILE_ROWS
+    return _STAGES * (x_stage + 2 * (w_stage + s_stage))
 
 
 def _is_aligned(w) -> bool:
