@@ -33,7 +33,6 @@ from strata.gpu.kernels._common import IS_SIMULATOR
 from strata.gpu.kernels.attention import (
     DECODE_CONFIG, AttentionConfig, attention, default_num_splits, split_partial_shapes,
 )
-from strata.gpu.kernels.elementwise import to_float16
 from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config, staged_input
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
@@ -210,12 +209,10 @@ def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg
                                                        hidden=hidden, config=cfg, down_config=down_cfg), *timing)
     # the two launches bound once and queued back to back: the expert products' GPU time plus one launch's
     # host cost; then each alone (gate and up are 2 of the 3 products, down the third). The whole call
-    # also checks its arguments and, for the fused loop and the rows kernels, copies float32 X to float16 first.
+    # also checks its arguments and, for the fused loop and the rows kernels, copies X to float16 first (the rows
+    # kernels' launches are bound to a staged copy: moe_rows.stage_x).
     is_rows = cfg is None and moe_rows.is_supported(groups, *experts)
-    if is_rows:
-        x_staged = to_float16(x)
-    else:
-        x_staged = staged_input(x, tiles, experts[0].fmt, experts[1].fmt)  # float16 for the fused loop, else x
+    x_staged = x if is_rows else staged_input(x, tiles, experts[0].fmt, experts[1].fmt)  # float16 for the fused loop
     gate_up, down = moe_prefill_launches(x_staged, groups, *experts, out, num_experts=s.num_experts, hidden=hidden,
                                          config=cfg, down_config=down_cfg)
     ms = median_ms(lambda: (gate_up(), down()), *timing)

@@ -31,6 +31,16 @@ def test_the_shared_stages_fit_static_shared_memory():
     assert moe_rows.shared_bytes() == 38_400 <= 48 * 1024  # cuda/moe_rows.cu's 3 stages of 8 + 4 + 0.5 KiB
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_stage_x_rounds_to_float16_and_orders_each_column_quad_0_2_1_3(dtype):
+    x = np.random.default_rng(90).standard_normal((5, 12)).astype(dtype)
+    staged = host(moe_rows.stage_x(dev(x)))
+    assert staged.dtype == np.float16
+    np.testing.assert_array_equal(staged, x.astype(np.float16).reshape(5, 3, 4)[:, :, [0, 2, 1, 3]].reshape(5, 12))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        moe_rows.stage_x(dev(np.zeros((2, 6), np.float32)))
+
+
 def test_chunks_take_the_rows_kernels_tiles_where_they_serve_the_experts():
     q4_0 = ("Q4_0",) * 3
     for num_pairs in (512 * 8, 8192 * 8):

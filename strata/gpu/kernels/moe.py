@@ -34,7 +34,6 @@ from .activation import device_silu_mul
 from .gemm import (BLOCK_K, DEFAULT_BLOCK_MS, MmaConfig, acc_coords_device, default_config, default_down_config,
                    dual_mainloop_device, jit_options, mainloop_device, moe_block_m, staged_input)
 from .block_reduce import device_inv_rms
-from .elementwise import to_float16
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS, experts_supported, moe_experts_native
 from .moe_route import MoeGroups, tile_slot_device
@@ -274,7 +273,7 @@ def _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_
     if is_mapped:
         check_array("slot_of_expert", slot_of_expert, dtypes=np.int32, ndim=1)
     table = slot_of_expert if is_mapped else stand_in(groups.tile_expert, np.int32, 1)
-    x = x if x.dtype == np.float16 else to_float16(x)
+    x = moe_rows.stage_x(x)  # float16, column quads in the kernels' K order
     return moe_rows.rows_launches(x, groups, gate, up, down, out, hidden, table, is_mapped)
 
 

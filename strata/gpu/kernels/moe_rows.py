@@ -11,7 +11,9 @@ A fragments in registers. The tile's number of 8-token groups picks one of eight
 accumulators only.
 
 Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and hidden, weights the
-f16 roundings of d * (q - 8), f32 sums): the two agree up to summation order.
+f16 roundings of d * (q - 8), f32 sums): the two agree up to summation order. The kernels read X,
+and gate/up writes hidden, with each aligned quad of columns in the order (0, 2, 1, 3) (stage_x):
+that is the K order in which one mask of a Q4_0 quant word yields a pair of weights.
 
 Launch config: gate_up grid (ceil(F / BLOCK_COLS), max_tiles), down grid (ceil(H / DOWN_BLOCK_COLS),
 max_tiles), blocks of THREADS threads with shared_bytes() of static shared memory (both launches stage
@@ -27,7 +29,7 @@ import numpy as np
 from numba import cuda, types
 
 from . import tensor_core
-from ._common import ceil_div, is_c_contiguous, is_device_array
+from ._common import ceil_div, check_array, empty, is_c_contiguous, is_device_array
 from .moe_route import MoeGroups, tile_slot_device
 
 FORMATS = ("Q4_0",)
@@ -45,6 +47,36 @@ def shared_bytes() -> int:
     a stage holds X, then the two weights' raw quant blocks, then their scales."""
     x_stage, w_stage, s_stage = 2 * TILE_ROWS * STEP_K, 4 * BLOCK_COLS * STEP_K // 8, 4 * BLOCK_COLS
     return _STAGES * (x_stage + 2 * (w_stage + s_stage))
+
+
+@cuda.jit
+def _stage_x_kernel(x, out):  # one thread an aligned quad of columns: out [T, H] f16 = x's, quads as (0, 2, 1, 3)
+    i = cuda.grid(1)
+    num_quads = x.shape[1] // 4
+    if i < x.shape[0] * num_quads:
+        row, c = i // num_quads, 4 * (i % num_quads)
+        out[row, c] = np.float16(x[row, c])
+        out[row, c + 1] = np.float16(x[row, c + 2])
+        out[row, c + 2] = np.float16(x[row, c + 1])
+        out[row, c + 3] = np.float16(x[row, c + 3])
+
+
+def stage_x(x, out=None, *, threads: int = 256):
+    """x [T, H] (float32 or float16, H a multiple of 4) as these kernels read it: float16 (round to nearest
+    even), each aligned quad of columns in the order (0, 2, 1, 3).
+
+    Launch config: grid ceil(T * H / 4 / threads), block `threads`; one quad per thread.
+    """
+    check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
+    if x.shape[1] % 4:
+        raise ValueError(f"x has {x.shape[1]} columns: stage_x permutes aligned quads, so it needs a multiple of 4")
+    if out is None:
+        out = empty(tuple(x.shape), np.float16, x)
+    check_array("out", out, dtypes=np.float16, shape=tuple(x.shape))
+    num_quads = x.shape[0] * x.shape[1] // 4
+    if num_quads:
+        _stage_x_kernel[ceil_div(num_quads, threads), threads](x, out)
+    return out
 
 
 def _is_aligned(w) -> bool:
@@ -126,8 +158,8 @@ def _down_kernel(is_mapped: bool):
 
 def rows_launches(x, groups: MoeGroups, gate, up, down, out, hidden, table, is_mapped: bool):
     """The (gate_up, down) launches of moe.moe_prefill_launches on these kernels; the caller checked the
-    arguments and is_supported(groups, gate, up, down). x [T, H] and hidden [P, F] float16; table: the
-    slot of each expert (is_mapped), else a stand-in."""
+    arguments and is_supported(groups, gate, up, down). x [T, H] float16 from stage_x, hidden [P, F] float16
+    (its columns in stage_x's order); table: the slot of each expert (is_mapped), else a stand-in."""
     ffn, dim = hidden.shape[1], out.shape[1]
     gate_up_kernel, down_kernel = _gate_up_kernel(is_mapped), _down_kernel(is_mapped)
     tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)

@@ -12,8 +12,11 @@
 // K order inside an mma: the products of a 16-wide mma may pair A's and B's k in any order, as long as
 // both use the same. Lane t takes the physical elements 4t .. 4t + 3 of each 16-element half of a 32-element
 // block: quant word t of the block (bytes 4t .. 4t + 3 hold elements 4t .. 4t + 3 in their low nibbles,
-// 16 + 4t .. in their high), and one 8-byte load of each X row. In the mma those are logical
-// k 2t, 2t + 1 (registers a0 / a1, b0) and 2t + 8, 2t + 9 (a2 / a3, b1).
+// 16 + 4t .. in their high), and one 8-byte load of each X row. In the mma, elements 4t and 4t + 2 are
+// logical k 2t, 2t + 1 (registers a0 / a1, b0), and 4t + 1 and 4t + 3 are 2t + 8, 2t + 9 (a2 / a3, b1):
+// one mask of a quant word then sets two nibbles (bytes 0 and 2, or 1 and 3) into the mantissas of a half2
+// (Marlin's dequantization), with no byte permutes. X holds each aligned quad of columns in the order
+// (0, 2, 1, 3) (moe_rows.stage_x; gate/up writes hidden so), so that one 8-byte load of X gives b0 and b1.
 //
 // A stage's shared layout (bank-conflict-free for the loads of a step), all three regions at one stage offset:
 //   X   [64 tokens][64 halves]; the 16-byte chunk q of row r at chunk q ^ (2r mod 8)
@@ -83,27 +86,49 @@ __device__ __forceinline__ void wait_pending() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// The f16 halves d * (q - 8) of the nibbles selected by `selector` (bytes (0, 1) or (2, 3)) of `nibbles`.
-__device__ __forceinline__ unsigned q4_pair(unsigned nibbles, unsigned selector, __half2 d) {
-  return scaled_half2(__byte_perm(nibbles, 0x64646464u, selector), 0x64086408u, d);
+// Two f16 halves d * (q - 8) of the nibbles set by a mask (0x000F000F: the low nibbles of bytes 0 and 2;
+// 0x00F000F0: their high nibbles) of `word`, into the mantissas of 1024.0 (`one024`: 0x64006400): a low nibble
+// reads 1024 + q, less 1032 is q - 8; a high one reads 1024 + 16q, times 1/16 less 72 is q - 8 (exact in one
+// rounding). The product with d rounds once, as gemm_mma.cu's dequantizer.
+template <unsigned MASK>
+__device__ __forceinline__ unsigned mask_into(unsigned word, unsigned one024) {  // (word & MASK) | one024
+  unsigned r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(word), "n"(MASK), "r"(one024));
+  return r;
+}
+__device__ __forceinline__ unsigned q4_low_pair(unsigned word, __half2 d, unsigned one024) {
+  return scaled_half2(mask_into<0x000F000Fu>(word, one024), 0x64086408u, d);
+}
+__device__ __forceinline__ unsigned q4_high_pair(unsigned word, __half2 d, unsigned one024) {
+  const unsigned biased = mask_into<0x00F000F0u>(word, one024);
+  const __half2 value = *reinterpret_cast<const __half2*>(&biased);
+  const __half2 h = __hmul2(__hfma2(value, __float2half2_rn(0.0625f), __float2half2_rn(-72.f)), d);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+
+// 0x64006400 in a register that ptxas does not see as a constant: given two immediates, it splits each
+// mask_into in two LOP3 (one operand of a LOP3 may be an immediate), a third of the dequantization's work
+__device__ __forceinline__ unsigned opaque_one024() {
+  unsigned v;
+  asm volatile("mov.b32 %0, 0x64006400;" : "=r"(v));
+  return v;
 }
 
 // A fragments of block b's two 16-element halves (lo: low nibbles, hi: high) of rows g and g + 8, from their
 // quant words w0, w1 and scale words s0, s1 (the f16 scales of the row's blocks 0 and 1).
 __device__ __forceinline__ void dequant_block(unsigned w0, unsigned w1, unsigned s0, unsigned s1, int b,
-                                              unsigned (&lo)[4], unsigned (&hi)[4]) {
+                                              unsigned one024, unsigned (&lo)[4], unsigned (&hi)[4]) {
   const __half2 h0 = *reinterpret_cast<const __half2*>(&s0), h1 = *reinterpret_cast<const __half2*>(&s1);
   const __half2 d0 = b ? __high2half2(h0) : __low2half2(h0), d1 = b ? __high2half2(h1) : __low2half2(h1);
-  const unsigned l0 = w0 & 0x0F0F0F0Fu, l1 = w1 & 0x0F0F0F0Fu;
-  const unsigned u0 = (w0 >> 4) & 0x0F0F0F0Fu, u1 = (w1 >> 4) & 0x0F0F0F0Fu;
-  lo[0] = q4_pair(l0, 0x4140, d0);
-  lo[1] = q4_pair(l1, 0x4140, d1);
-  lo[2] = q4_pair(l0, 0x4342, d0);
-  lo[3] = q4_pair(l1, 0x4342, d1);
-  hi[0] = q4_pair(u0, 0x4140, d0);
-  hi[1] = q4_pair(u1, 0x4140, d1);
-  hi[2] = q4_pair(u0, 0x4342, d0);
-  hi[3] = q4_pair(u1, 0x4342, d1);
+  const unsigned v0 = w0 >> 8, v1 = w1 >> 8;  // bytes 1 and 3 where bytes 0 and 2 were
+  lo[0] = q4_low_pair(w0, d0, one024);
+  lo[1] = q4_low_pair(w1, d1, one024);
+  lo[2] = q4_low_pair(v0, d0, one024);
+  lo[3] = q4_low_pair(v1, d1, one024);
+  hi[0] = q4_high_pair(w0, d0, one024);
+  hi[1] = q4_high_pair(w1, d1, one024);
+  hi[2] = q4_high_pair(v0, d0, one024);
+  hi[3] = q4_high_pair(v1, d1, one024);
 }
 
 // The X copies of a thread from K (rows xr + 16k, k >= K, of the tile's 8G): xoff[k] the row's offset in
@@ -198,15 +223,17 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
   const unsigned x_rd[2][2] = {{x_row + 16 * ((t >> 1) ^ x_swizzle), x_row + 16 * ((2 + (t >> 1)) ^ x_swizzle)},
                                {x_row + 16 * ((4 + (t >> 1)) ^ x_swizzle), x_row + 16 * ((6 + (t >> 1)) ^ x_swizzle)}};
 
+  const unsigned one024 = opaque_one024();
   auto compute = [&](unsigned stage) {
     const uint4 scales = load_shared4(s_rd + stage);  // weight 0 rows g, g + 8; weight 1 rows g, g + 8
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       const unsigned wq = w_rd[b] + stage;
       unsigned lo[NW][4], hi[NW][4];
-      dequant_block(load_shared<0>(wq), load_shared<ROW_HALF_BYTES>(wq), scales.x, scales.y, b, lo[0], hi[0]);
+      dequant_block(load_shared<0>(wq), load_shared<ROW_HALF_BYTES>(wq), scales.x, scales.y, b, one024, lo[0],
+                    hi[0]);
       dequant_block(load_shared<W_BYTES>(wq), load_shared<W_BYTES + ROW_HALF_BYTES>(wq), scales.z, scales.w, b,
-                    lo[1], hi[1]);
+                    one024, lo[1], hi[1]);
       group_mmas<0, G>(acc, lo, hi, x_rd[b][0] + stage, x_rd[b][1] + stage);
     }
   };
@@ -252,8 +279,10 @@ __device__ __forceinline__ void gate_up_tile(const __half* x, int x_pitch, int n
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int n = 8 * j + 2 * t + (r & 1), c = row + 8 * (r >> 1);
+      const int stored = (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1);  // quads in the order (0, 2, 1, 3), as X's
       if (n < num_rows && w_row0 + c < w_row_end)
-        hidden[static_cast<size_t>(start + n) * hidden_pitch + col0 + c] = __float2half_rn(silu_mul(acc[0][j][r], acc[1][j][r]));
+        hidden[static_cast<size_t>(start + n) * hidden_pitch + col0 + stored] =
+            __float2half_rn(silu_mul(acc[0][j][r], acc[1][j][r]));
     }
 }
 
@@ -283,7 +312,8 @@ __device__ __forceinline__ void down_tile(const __half* hidden, int hidden_pitch
 }  // namespace
 
 // Gate and up of one expert tile: hidden[start + n][col0 + c] = silu(gate) * up (f16) for the block's 64 weight
-// rows (columns c of the expert's FFN, from w_row0 = expert * ffn + col0, up to w_row_end = expert * ffn + ffn).
+// rows (columns c of the expert's FFN, from w_row0 = expert * ffn + col0, up to w_row_end = expert * ffn + ffn),
+// each aligned quad of columns stored in the order (0, 2, 1, 3). x: staged by moe_rows.stage_x.
 extern "C" __device__ void strata_moe_rows_gate_up_q4_0(const __half* x, int x_pitch, int num_k32,
                                                         const int* pair_token, int start, int num_rows,
                                                         const unsigned* gq, const __half* gs, const unsigned* uq,
