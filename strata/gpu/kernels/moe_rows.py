@@ -29,7 +29,7 @@ import numpy as np
 from numba import cuda, types
 
 from . import tensor_core
-from ._common import ceil_div, check_array, empty, is_c_contiguous, is_device_array
+from ._common import IS_SIMULATOR, ceil_div, check_array, empty, is_c_contiguous, is_device_array
 from .moe_route import MoeGroups, tile_slot_device
 
 FORMATS = ("Q4_0",)
@@ -40,6 +40,7 @@ THREADS = 128
 STEP_K = 64  # K staged a step: both dims must be multiples of it
 _STAGES = 3
 _ALIGN_BYTES = 16  # cp.async copies 16 bytes of quants (and 4 of scales) at a time
+_MAX_REGISTERS = 128  # 4 blocks of THREADS an SM: the register file is 64 K registers
 
 
 def shared_bytes() -> int:
@@ -137,7 +138,9 @@ def _down_kernel(is_mapped: bool):
                               _I32, _FLOAT, _I32, _I32, _U8_PTR), "moe_rows.cu")
     ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes()
 
-    @cuda.jit
+    # at 129 registers (as built without a cap) an SM holds 3 of these blocks, at 128 four; only GPU builds
+    # take the cap (the simulator's jit has no such option, and never runs these kernels)
+    @cuda.jit(**({} if IS_SIMULATOR else {"max_registers": _MAX_REGISTERS}))
     def down_kernel(hidden, dq, ds, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
                     slot_of_expert, out):
         tile = cuda.blockIdx.y
