@@ -109,7 +109,19 @@ def _aux(s: Shapes) -> dict:
     return {"threads": s.aux_threads} if s.aux_threads else {}
 
 
-def median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+QUEUE_AHEAD_US = 2000  # a GPU wait longer than the host takes to queue any benchmarked call's launches
+
+
+@cuda.jit
+def _gpu_wait_kernel(num_us):  # one thread sleeping num_us microseconds (nanosleep: roughly)
+    for _ in range(num_us):
+        cuda.nanosleep(1000)
+
+
+def median_ms(fn: Callable[[], object], warmup: int, repeats: int, is_queued: bool = False) -> float:
+    """Median milliseconds between CUDA events around fn. is_queued: each timed call is queued behind a
+    GPU wait, so that the host cost of its launches (Numba's argument handling, up to ~100 µs a launch)
+    overlaps the wait instead of falling between the events: fn's GPU time (queued_ms)."""
     for _ in range(warmup):
         fn()
     cuda.synchronize()
@@ -121,42 +133,19 @@ def median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
             times.append((time.perf_counter() - t0) * 1e3)
             continue
         start, end = cuda.event(), cuda.event()
+        if is_queued:
+            _gpu_wait_kernel[1, 1](QUEUE_AHEAD_US)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-QUEUE_AHEAD_US = 2000  # a GPU wait longer than the host takes to queue any benchmarked call's launches
-
-
-@cuda.jit
-def _gpu_wait_kernel(num_us):  # one thread sleeping num_us microseconds (nanosleep: roughly)
-    for _ in range(num_us):
-        cuda.nanosleep(1000)
 
 
 def queued_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Milliseconds of GPU time of fn's launches: each timed call is queued behind a GPU wait, so that
-    the host cost of its launches (Numba's argument handling, tens of microseconds a launch) overlaps
-    the wait instead of falling between the events; plain median_ms in the simulator."""
-    if IS_SIMULATOR:
-        return median_ms(fn, warmup, repeats)
-    for _ in range(warmup):
-        fn()
-    cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = cuda.event(), cuda.event()
-        _gpu_wait_kernel[1, 1](QUEUE_AHEAD_US)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Milliseconds of GPU time of fn's launches (median_ms with is_queued)."""
+    return median_ms(fn, warmup, repeats, is_queued=True)
 
 
 def device_randn(shape, rng, scale=1.0, dtype=np.float32):
