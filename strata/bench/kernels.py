@@ -126,7 +126,8 @@ def median_ms(fn: Callable[[], object], warmup: int, repeats: int, is_queued: bo
         fn()
     cuda.synchronize()
     times = []
-    for _ in range(repeats):
+    wait_us = QUEUE_AHEAD_US
+    while len(times) < repeats:
         if IS_SIMULATOR:  # simulator events record no time: wall clock, meaningless but alive
             t0 = time.perf_counter()
             fn()
@@ -134,11 +135,15 @@ def median_ms(fn: Callable[[], object], warmup: int, repeats: int, is_queued: bo
             continue
         start, end = cuda.event(), cuda.event()
         if is_queued:
-            _gpu_wait_kernel[1, 1](QUEUE_AHEAD_US)
+            _gpu_wait_kernel[1, 1](wait_us)
         start.record()
         fn()
+        is_overrun = is_queued and start.query()  # the wait ended before fn was queued: host time counted
         end.record()
         end.synchronize()
+        if is_overrun:  # nanosleep may sleep less than asked: wait longer and time this call again
+            wait_us *= 2
+            continue
         times.append(start.elapsed_time(end))
     return statistics.median(times)
 
@@ -209,8 +214,8 @@ def make_experts(s: Shapes, fmt: str, rng) -> tuple:
 
 
 def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg=None, block_m: int | None = None) -> list:
-    """Rows: both launches back to back (the bar), each alone, the whole moe_experts_prefill call, the
-    grouping. down_cfg: the down launch's own tiles (moe_prefill_launches' down_config). cfg None: the
+    """Rows: both launches back to back, GPU time (the bar), each alone, the two as plain calls (the first
+    launch's host cost counted), the whole moe_experts_prefill call, the grouping. down_cfg: the down launch's own tiles (moe_prefill_launches' down_config). cfg None: the
     engine's choice for groups of block_m pairs (moe_rows' kernels where they apply, else the default tiles)."""
     if cfg is None and block_m is None:
         raise ValueError("bench_moe_prefill: cfg None (the engine's kernels) needs the groups' block_m")

@@ -173,7 +173,8 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
                          num_experts: int, hidden=None, hidden_dtype=None, config=None, down_config=None,
                          slot_of_expert=None):
     """``moe_experts_prefill``'s two launches, checked and bound: (gate_up, down), each launching when
-    called; down reads the hidden scratch that gate_up writes. Benchmarks time them apart.
+    called; down reads the hidden scratch that gate_up writes. Benchmarks time them apart. On
+    moe_rows' kernels X is staged (moe_rows.stage_x) when they are bound: they read x as it was then.
 
     out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
 

@@ -95,9 +95,11 @@ def serves(fmts: tuple, dim: int, ffn: int) -> bool:
 
 
 def is_supported(groups: MoeGroups, gate, up, down) -> bool:
-    """True when these kernels can run the chunk: serves() its experts, groups of TILE_ROWS pairs, and the
-    planes aligned for cp.async."""
+    """True when these kernels can run the chunk: serves() its experts, groups of TILE_ROWS pairs, X and
+    hidden indexed in 32 bits (the kernels' row offsets are int), and the planes aligned for cp.async."""
+    num_pairs = groups.pair_token.shape[0]  # X has at most as many rows, hidden as many
     return (groups.block_m == TILE_ROWS and serves((gate.fmt, up.fmt, down.fmt), gate.num_cols, down.num_cols)
+            and num_pairs * max(gate.num_cols, down.num_cols) < 2**31
             and all(_is_aligned(w) for w in (gate, up, down)))
 
 

@@ -6,7 +6,7 @@
 // the block's 64, of two weights (gate and up, or two halves of down), against all the tile's tokens in
 // groups of 8. The number of groups G is a template argument, picked once a tile (a switch on the tile's
 // rows): every loop over groups unrolls to exactly G, and a tile of 4 groups holds 32 accumulators, not 64.
-// Every step stages 64 of K through a ring of STAGES by cp.async: the X rows of the tile's groups, and the
+// Every step stages 64 of K through a ring of STAGES by cp.async: the X rows of the tile's tokens, and the
 // weights' raw Q4_0 blocks (quant words and f16 scales); one barrier a step.
 //
 // K order inside an mma: the products of a 16-wide mma may pair A's and B's k in any order, as long as
@@ -180,7 +180,7 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
                                           int w_row_end, int w_row_end_b, unsigned char* smem_base,
                                           float (&acc)[NW][G][4]) {
   static_assert(G >= 1 && G <= 8, "a tile holds up to 64 tokens");
-  constexpr int KX = (G + 1) / 2;  // X rows a thread copies: 16 threads a row chunk... 8G rows of 8 chunks
+  constexpr int KX = (G + 1) / 2;  // X rows a thread copies: 8 threads a row (a 16-byte chunk each), 16 rows a pass
   const unsigned smem = shared_address(smem_base);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int num_steps = num_k32 / 2;
@@ -245,7 +245,7 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
     else cp_async_commit();
     loaded += STAGE_BYTES;
   }
-  unsigned computed = 0;  // loaded: the stage of step + STAGES - 1, the one computed STAGES - 1 steps ago
+  unsigned computed = 0;  // loaded: the stage of step + STAGES - 1, the one computed the step before
   for (int step = 0; step < num_steps; ++step) {
     wait_pending<STAGES - 2>();
     __syncthreads();  // the step's stage is in place, and every warp is done with the stage loaded next
