@@ -106,6 +106,9 @@ __device__ __forceinline__ unsigned q4_high_pair(unsigned word, __half2 d, unsig
   return *reinterpret_cast<const unsigned*>(&h);
 }
 
+// Where moe_rows.stage_x puts column c of a row: each aligned quad in the order (0, 2, 1, 3).
+__device__ __forceinline__ int staged_column(int c) { return (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1); }
+
 // 0x64006400 in a register that ptxas does not see as a constant: given two immediates, it splits each
 // mask_into in two LOP3 (one operand of a LOP3 may be an immediate), a third of the dequantization's work
 __device__ __forceinline__ unsigned opaque_one024() {
@@ -274,14 +277,14 @@ __device__ __forceinline__ void gate_up_tile(const __half* x, int x_pitch, int n
   rows_tile<G, true>(x, x_pitch, num_k32, pair_token, start, num_rows, gq, gs, uq, us, quant_pitch, scale_pitch,
                      w_row0, w_row_end, w_row_end, smem, acc);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, row = (threadIdx.x >> 5) * WARP_ROWS + g;
+  const int stored_row = staged_column(row);  // and row + 8 at stored_row + 8: a quad moves as a whole
 #pragma unroll
   for (int j = 0; j < G; ++j)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int n = 8 * j + 2 * t + (r & 1), c = row + 8 * (r >> 1);
-      const int stored = (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1);  // quads in the order (0, 2, 1, 3), as X's
       if (n < num_rows && w_row0 + c < w_row_end)
-        hidden[static_cast<size_t>(start + n) * hidden_pitch + col0 + stored] =
+        hidden[static_cast<size_t>(start + n) * hidden_pitch + col0 + stored_row + 8 * (r >> 1)] =
             __float2half_rn(silu_mul(acc[0][j][r], acc[1][j][r]));
     }
 }

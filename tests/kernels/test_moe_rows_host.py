@@ -1,0 +1,152 @@
+"""moe_rows.cu's dequantization and K order, run on the host against gguf-py and stage_x.
+
+The simulator cannot run linked C++, so this test compiles the kernel's A-fragment dequantizer
+(dequant_block and the pairs under it) and its hidden-column order, as their source text stands,
+for the CPU with g++ (CUDA's half type and intrinsics replaced by float16 shims). It checks that
+each lane's registers hold the f16 roundings of d * (q - 8) of the physical elements the kernel's
+comments name, and that pairing them with X as stage_x lays it out (an 8-byte load a lane, as
+the mma's B fragments) gives the same products as W x X^T. The tensor-core loop around them is
+tested on the GPU (test_moe_rows).
+"""
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from kernel_data import dev, host, random_gguf_bytes, reference_dequant
+from strata.gpu.kernels import moe_rows, tensor_core
+from strata.gpu.kernels.packing import pack
+
+_SHIMS = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+struct __half2 { uint16_t x, y; };
+static inline float half_value(uint16_t h) { _Float16 f; memcpy(&f, &h, 2); return (float)f; }
+static inline uint16_t to_half(float v) { _Float16 f = (_Float16)v; uint16_t h; memcpy(&h, &f, 2); return h; }
+static inline __half2 __float2half2_rn(float a) { return {to_half(a), to_half(a)}; }
+static inline __half2 __low2half2(__half2 a) { return {a.x, a.x}; }
+static inline __half2 __high2half2(__half2 a) { return {a.y, a.y}; }
+// a product or difference of two halves is exact in float: rounding it to half is the GPU's one rounding
+static inline __half2 __hsub2(__half2 a, __half2 b) {
+  return {to_half(half_value(a.x) - half_value(b.x)), to_half(half_value(a.y) - half_value(b.y))};
+}
+static inline __half2 __hmul2(__half2 a, __half2 b) {
+  return {to_half(half_value(a.x) * half_value(b.x)), to_half(half_value(a.y) * half_value(b.y))};
+}
+// exact for the dequantizer's operands ((1024 + 16q) / 16 - 72 is an integer), so one rounding as on the GPU
+static inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
+  return {to_half(fmaf(half_value(a.x), half_value(b.x), half_value(c.x))),
+          to_half(fmaf(half_value(a.y), half_value(b.y), half_value(c.y)))};
+}
+template <unsigned MASK> static inline unsigned mask_into(unsigned word, unsigned one024) { return (word & MASK) | one024; }
+"""
+
+_MAIN = r"""
+// argv: rows cols tokens quant_pitch scale_pitch planes.bin x_staged.bin weights.out products.out columns.out
+int main(int argc, char** argv) {
+  const int rows = atoi(argv[1]), cols = atoi(argv[2]), tokens = atoi(argv[3]);
+  const int qp = atoi(argv[4]), sp = atoi(argv[5]);
+  std::vector<unsigned> q((size_t)rows * qp);
+  std::vector<uint16_t> s((size_t)rows * sp), x((size_t)tokens * cols), w((size_t)rows * cols);
+  std::vector<double> products((size_t)rows * tokens, 0.0);
+  FILE* f = fopen(argv[6], "rb");
+  if (fread(q.data(), 4, q.size(), f) != q.size() || fread(s.data(), 2, s.size(), f) != s.size()) return 1;
+  fclose(f);
+  f = fopen(argv[7], "rb");
+  if (fread(x.data(), 2, x.size(), f) != x.size()) return 1;
+  fclose(f);
+  for (int r = 0; r < rows; ++r)
+    for (int kb = 0; kb < cols / 32; ++kb)
+      for (int t = 0; t < 4; ++t) {  // lane t of the rows' warp, as rows g and g + 8 both (w1 = w0)
+        const unsigned word = q[(size_t)r * qp + 4 * kb + t];
+        unsigned scale;  // the f16 scales of blocks 2 * (kb / 2) and 2 * (kb / 2) + 1: one step's scale word
+        memcpy(&scale, &s[(size_t)r * sp + 2 * (kb / 2)], 4);
+        unsigned lo[4], hi[4];
+        dequant_block(word, word, scale, scale, kb & 1, 0x64006400u, lo, hi);
+        // the comments' K order: a0 holds elements 4t, 4t + 2; a2 holds 4t + 1, 4t + 3; hi from 16 on
+        const int element[8] = {4 * t, 4 * t + 2, 4 * t + 1, 4 * t + 3, 16 + 4 * t, 18 + 4 * t, 17 + 4 * t, 19 + 4 * t};
+        const unsigned reg[4] = {lo[0], lo[2], hi[0], hi[2]};
+        for (int i = 0; i < 8; ++i) w[(size_t)r * cols + 32 * kb + element[i]] = (uint16_t)(reg[i / 2] >> (16 * (i % 2)));
+        // the mma: b0 / b1 are the halves at stored positions 4t .. 4t + 3 (16 + 4t .. for hi) of X's row
+        for (int n = 0; n < tokens; ++n) {
+          const uint16_t* xs = &x[(size_t)n * cols + 32 * kb];
+          double sum = 0.0;
+          for (int i = 0; i < 8; ++i) {
+            const int stored = (i < 4 ? 4 * t : 16 + 4 * t) + i % 4;
+            sum += (double)half_value((uint16_t)(reg[i / 2] >> (16 * (i % 2)))) * half_value(xs[stored]);
+          }
+          products[(size_t)r * tokens + n] += sum;
+        }
+      }
+  std::vector<int> columns(64);
+  for (int c = 0; c < 64; ++c) columns[c] = staged_column(c);
+  f = fopen(argv[8], "wb"); fwrite(w.data(), 2, w.size(), f); fclose(f);
+  f = fopen(argv[9], "wb"); fwrite(products.data(), 8, products.size(), f); fclose(f);
+  f = fopen(argv[10], "wb"); fwrite(columns.data(), 4, columns.size(), f); fclose(f);
+  return 0;
+}
+"""
+
+
+def _between(text: str, start: str, end: str) -> str:
+    first = text.index(start)
+    return text[first:text.index(end, first)]
+
+
+@pytest.fixture(scope="module")
+def fragments(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    common = tensor_core.source_text("common.cuh")
+    rows_cu = tensor_core.source_text("moe_rows.cu")
+    source = "\n".join([
+        _SHIMS,
+        _between(common, "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
+        _between(rows_cu, "__device__ __forceinline__ unsigned q4_low_pair", "// 0x64006400 in a register"),
+        _between(rows_cu, "// A fragments of block b", "// The X copies of a thread"),
+        _MAIN,
+    ]).replace("[[maybe_unused]] ", "")
+    folder = tmp_path_factory.mktemp("moe_rows_host")
+    (folder / "probe.cpp").write_text("int main() { _Float16 h = (_Float16)1.0f; return (int)(float)h - 1; }\n")
+    if subprocess.run(["g++", "-std=c++17", "-o", str(folder / "probe"), str(folder / "probe.cpp")],
+                      capture_output=True).returncode:
+        pytest.skip("g++ without _Float16")
+    (folder / "fragments.cpp").write_text(source)
+    done = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-o", str(folder / "fragments"),
+                           str(folder / "fragments.cpp")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]  # the extracted C++ no longer compiles for the host
+    return folder
+
+
+def test_lanes_dequantize_like_gguf_and_pair_with_stage_x_as_w_times_x(fragments):
+    num_rows, num_cols, num_tokens = 5, 128, 3  # 4 blocks: both of a step's scales, two steps
+    rng = np.random.default_rng(30)
+    raw = random_gguf_bytes("Q4_0", num_rows, num_cols, rng)
+    packed = pack(raw, "Q4_0")
+    x = rng.standard_normal((num_tokens, num_cols)).astype(np.float32)
+    staged = host(moe_rows.stage_x(dev(x)))
+    with open(fragments / "planes.bin", "wb") as f:
+        f.write(np.ascontiguousarray(packed.quants, np.uint32).tobytes())
+        f.write(np.ascontiguousarray(packed.scales, np.float16).tobytes())
+    staged.tofile(fragments / "x.bin")
+    subprocess.run([str(fragments / "fragments"), str(num_rows), str(num_cols), str(num_tokens),
+                    str(packed.quants.shape[1]), str(packed.scales.shape[1]), str(fragments / "planes.bin"),
+                    str(fragments / "x.bin"), *(str(fragments / name) for name in ("w.out", "p.out", "c.out"))],
+                   check=True)
+    weights = np.fromfile(fragments / "w.out", np.float16).reshape(num_rows, num_cols)
+    expected = reference_dequant(raw, "Q4_0").astype(np.float16)
+    np.testing.assert_array_equal(weights.view(np.uint16), expected.view(np.uint16))  # bit for bit
+    products = np.fromfile(fragments / "p.out", np.float64).reshape(num_rows, num_tokens)
+    reference = expected.astype(np.float64) @ x.astype(np.float16).astype(np.float64).T  # [rows, tokens]
+    np.testing.assert_allclose(products, reference, rtol=1e-12, atol=1e-12)
+    columns = np.fromfile(fragments / "c.out", np.int32)  # gate/up's hidden columns, as down reads them
+    row = np.arange(64, dtype=np.float32)[None, :]
+    np.testing.assert_array_equal(host(moe_rows.stage_x(dev(row)))[0, columns], row[0])
