@@ -110,6 +110,7 @@ def _aux(s: Shapes) -> dict:
 
 
 QUEUE_AHEAD_US = 2000  # a GPU wait longer than the host takes to queue any benchmarked call's launches
+_MAX_QUEUE_AHEAD_US = 64 * QUEUE_AHEAD_US
 
 
 @cuda.jit
@@ -142,6 +143,9 @@ def median_ms(fn: Callable[[], object], warmup: int, repeats: int, is_queued: bo
         end.record()
         end.synchronize()
         if is_overrun:  # nanosleep may sleep less than asked: wait longer and time this call again
+            if wait_us >= _MAX_QUEUE_AHEAD_US:
+                raise RuntimeError(f"the host still queued the timed call after a {wait_us} µs GPU wait: the call "
+                                   "synchronizes, or the host is too slow to time its GPU work with median_ms(is_queued)")
             wait_us *= 2
             continue
         times.append(start.elapsed_time(end))
@@ -215,8 +219,9 @@ def make_experts(s: Shapes, fmt: str, rng) -> tuple:
 
 def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg=None, block_m: int | None = None) -> list:
     """Rows: both launches back to back, GPU time (the bar), each alone, the two as plain calls (the first
-    launch's host cost counted), the whole moe_experts_prefill call, the grouping. down_cfg: the down launch's own tiles (moe_prefill_launches' down_config). cfg None: the
-    engine's choice for groups of block_m pairs (moe_rows' kernels where they apply, else the default tiles)."""
+    launch's host cost counted), the whole moe_experts_prefill call, the grouping. down_cfg: the down
+    launch's own tiles (moe_prefill_launches' down_config). cfg None: the engine's choice for groups of
+    block_m pairs (moe_rows' kernels where they apply, else the default tiles)."""
     if cfg is None and block_m is None:
         raise ValueError("bench_moe_prefill: cfg None (the engine's kernels) needs the groups' block_m")
     rng = np.random.default_rng(2)

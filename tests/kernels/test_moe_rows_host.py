@@ -3,7 +3,7 @@
 The simulator cannot run linked C++, so this test compiles the kernel's A-fragment dequantizer
 (dequant_block and the pairs under it) and its hidden-column order, as their source text stands,
 for the CPU with g++ (CUDA's half type and intrinsics replaced by float16 shims). It checks that
-each lane's registers hold the f16 roundings of d * (q - 8) of the physical elements the kernel's
+each lane's registers, for both of its rows, hold the f16 roundings of d * (q - 8) of the physical elements the kernel's
 comments name, and that pairing them with X as stage_x lays it out (an 8-byte load a lane, as
 the mma's B fragments) gives the same products as W x X^T. The tensor-core loop around them is
 tested on the GPU (test_moe_rows).
@@ -51,12 +51,14 @@ template <unsigned MASK> static inline unsigned mask_into(unsigned word, unsigne
 
 _MAIN = r"""
 // argv: rows cols tokens quant_pitch scale_pitch planes.bin x_staged.bin weights.out products.out columns.out
+// Row r is a lane's row g, and row (r + 1) mod rows its row g + 8: weights.out holds both sets of registers'
+// weights, [2][rows][cols] (from row g's, then from row g + 8's), products.out [2][rows][tokens] likewise.
 int main(int argc, char** argv) {
   const int rows = atoi(argv[1]), cols = atoi(argv[2]), tokens = atoi(argv[3]);
   const int qp = atoi(argv[4]), sp = atoi(argv[5]);
   std::vector<unsigned> q((size_t)rows * qp);
-  std::vector<uint16_t> s((size_t)rows * sp), x((size_t)tokens * cols), w((size_t)rows * cols);
-  std::vector<double> products((size_t)rows * tokens, 0.0);
+  std::vector<uint16_t> s((size_t)rows * sp), x((size_t)tokens * cols), w((size_t)2 * rows * cols);
+  std::vector<double> products((size_t)2 * rows * tokens, 0.0);
   FILE* f = fopen(argv[6], "rb");
   if (fread(q.data(), 4, q.size(), f) != q.size() || fread(s.data(), 2, s.size(), f) != s.size()) return 1;
   fclose(f);
@@ -65,25 +67,31 @@ int main(int argc, char** argv) {
   fclose(f);
   for (int r = 0; r < rows; ++r)
     for (int kb = 0; kb < cols / 32; ++kb)
-      for (int t = 0; t < 4; ++t) {  // lane t of the rows' warp, as rows g and g + 8 both (w1 = w0)
-        const unsigned word = q[(size_t)r * qp + 4 * kb + t];
-        unsigned scale;  // the f16 scales of blocks 2 * (kb / 2) and 2 * (kb / 2) + 1: one step's scale word
-        memcpy(&scale, &s[(size_t)r * sp + 2 * (kb / 2)], 4);
+      for (int t = 0; t < 4; ++t) {  // lane t of the rows' warp
+        const int r8 = (r + 1) % rows;
+        unsigned scale0, scale8;  // the f16 scales of blocks 2 * (kb / 2) and 2 * (kb / 2) + 1: a step's scale word
+        memcpy(&scale0, &s[(size_t)r * sp + 2 * (kb / 2)], 4);
+        memcpy(&scale8, &s[(size_t)r8 * sp + 2 * (kb / 2)], 4);
         unsigned lo[4], hi[4];
-        dequant_block(word, word, scale, scale, kb & 1, 0x64006400u, lo, hi);
-        // the comments' K order: a0 holds elements 4t, 4t + 2; a2 holds 4t + 1, 4t + 3; hi from 16 on
+        dequant_block(q[(size_t)r * qp + 4 * kb + t], q[(size_t)r8 * qp + 4 * kb + t], scale0, scale8, kb & 1,
+                      0x64006400u, lo, hi);
+        // the comments' K order: a0 (a1) holds elements 4t, 4t + 2; a2 (a3) holds 4t + 1, 4t + 3; hi from 16 on
         const int element[8] = {4 * t, 4 * t + 2, 4 * t + 1, 4 * t + 3, 16 + 4 * t, 18 + 4 * t, 17 + 4 * t, 19 + 4 * t};
-        const unsigned reg[4] = {lo[0], lo[2], hi[0], hi[2]};
-        for (int i = 0; i < 8; ++i) w[(size_t)r * cols + 32 * kb + element[i]] = (uint16_t)(reg[i / 2] >> (16 * (i % 2)));
-        // the mma: b0 / b1 are the halves at stored positions 4t .. 4t + 3 (16 + 4t .. for hi) of X's row
-        for (int n = 0; n < tokens; ++n) {
-          const uint16_t* xs = &x[(size_t)n * cols + 32 * kb];
-          double sum = 0.0;
-          for (int i = 0; i < 8; ++i) {
-            const int stored = (i < 4 ? 4 * t : 16 + 4 * t) + i % 4;
-            sum += (double)half_value((uint16_t)(reg[i / 2] >> (16 * (i % 2)))) * half_value(xs[stored]);
+        for (int half = 0; half < 2; ++half) {  // row g's registers (a0, a2), then row g + 8's (a1, a3)
+          const int row = half ? r8 : r;
+          const unsigned reg[4] = {lo[half], lo[2 + half], hi[half], hi[2 + half]};
+          uint16_t* w_row = &w[((size_t)half * rows + row) * cols + 32 * kb];
+          for (int i = 0; i < 8; ++i) w_row[element[i]] = (uint16_t)(reg[i / 2] >> (16 * (i % 2)));
+          // the mma: b0 / b1 are the halves at stored positions 4t .. 4t + 3 (16 + 4t .. for hi) of X's row
+          for (int n = 0; n < tokens; ++n) {
+            const uint16_t* xs = &x[(size_t)n * cols + 32 * kb];
+            double sum = 0.0;
+            for (int i = 0; i < 8; ++i) {
+              const int stored = (i < 4 ? 4 * t : 16 + 4 * t) + i % 4;
+              sum += (double)half_value((uint16_t)(reg[i / 2] >> (16 * (i % 2)))) * half_value(xs[stored]);
+            }
+            products[((size_t)half * rows + row) * tokens + n] += sum;
           }
-          products[(size_t)r * tokens + n] += sum;
         }
       }
   std::vector<int> columns(64);
@@ -141,12 +149,14 @@ def test_lanes_dequantize_like_gguf_and_pair_with_stage_x_as_w_times_x(fragments
                     str(packed.quants.shape[1]), str(packed.scales.shape[1]), str(fragments / "planes.bin"),
                     str(fragments / "x.bin"), *(str(fragments / name) for name in ("w.out", "p.out", "c.out"))],
                    check=True)
-    weights = np.fromfile(fragments / "w.out", np.float16).reshape(num_rows, num_cols)
+    weights = np.fromfile(fragments / "w.out", np.float16).reshape(2, num_rows, num_cols)  # rows g, rows g + 8
     expected = reference_dequant(raw, "Q4_0").astype(np.float16)
-    np.testing.assert_array_equal(weights.view(np.uint16), expected.view(np.uint16))  # bit for bit
-    products = np.fromfile(fragments / "p.out", np.float64).reshape(num_rows, num_tokens)
+    for from_registers in weights:
+        np.testing.assert_array_equal(from_registers.view(np.uint16), expected.view(np.uint16))  # bit for bit
+    products = np.fromfile(fragments / "p.out", np.float64).reshape(2, num_rows, num_tokens)
     reference = expected.astype(np.float64) @ x.astype(np.float16).astype(np.float64).T  # [rows, tokens]
-    np.testing.assert_allclose(products, reference, rtol=1e-12, atol=1e-12)
+    for from_registers in products:
+        np.testing.assert_allclose(from_registers, reference, rtol=1e-12, atol=1e-12)
     columns = np.fromfile(fragments / "c.out", np.int32)  # gate/up's hidden columns, as down reads them
     row = np.arange(64, dtype=np.float32)[None, :]
     np.testing.assert_array_equal(host(moe_rows.stage_x(dev(row)))[0, columns], row[0])
