@@ -6,41 +6,22 @@ float16 shims) and compares every element with gguf-py's values rounded to float
 the Numba dequantizers stage. The tensor-core loop around them is tested on the GPU.
 """
 
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
+from host_cpp import HALF_SHIMS, between, build
 from kernel_data import random_gguf_bytes, reference_dequant
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels.gemm import FUSED_FORMATS
 from strata.gpu.kernels.packing import pack
 
-_SHIMS = r"""
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
-#define __device__
-#define __forceinline__ inline
-typedef uint16_t __half;
-struct __half2 { uint16_t x, y; };
+_SHIMS = HALF_SHIMS + r"""
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
-static inline float __half2float(__half h) { _Float16 f; memcpy(&f, &h, 2); return (float)f; }
-static inline uint16_t to_half(float v) { _Float16 f = (_Float16)v; uint16_t h; memcpy(&h, &f, 2); return h; }
 static inline __half2 __floats2half2_rn(float a, float b) { return {to_half(a), to_half(b)}; }
 static inline float __int_as_float(unsigned b) { float f; memcpy(&f, &b, 4); return f; }
-static inline __half2 __float2half2_rn(float a) { return {to_half(a), to_half(a)}; }
-// a product or difference of two halves is exact in float: rounding it to half is the GPU's one rounding
-static inline __half2 __hsub2(__half2 a, __half2 b) {
-  return {to_half(__half2float(a.x) - __half2float(b.x)), to_half(__half2float(a.y) - __half2float(b.y))};
-}
-static inline __half2 __hmul2(__half2 a, __half2 b) {
-  return {to_half(__half2float(a.x) * __half2float(b.x)), to_half(__half2float(a.y) * __half2float(b.y))};
-}
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // byte i of the result: byte s_i of (y:x)
   const uint64_t v = ((uint64_t)y << 32) | x;
   unsigned r = 0;
@@ -84,34 +65,20 @@ int main(int argc, char** argv) {  // format rows cols quant_pitch scale_pitch e
 """
 
 
-def _between(text: str, start: str, end: str) -> str:
-    first = text.index(start)
-    return text[first:text.index(end, first)]
-
-
 @pytest.fixture(scope="module")
 def dequantizer(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++")
     common = tensor_core.source_text("common.cuh")
     gemm = tensor_core.source_text("gemm_mma.cu")
     source = "\n".join([
         _SHIMS,
-        _between(common, "__device__ __forceinline__ unsigned pack_half2", "// c[0..3] +="),
-        _between(common, "enum OctetFormat", "[[maybe_unused]] __device__ __forceinline__ void cp_async_16"),
-        _between(common, "// 2^23 + b", "}  // namespace"),
-        _between(gemm, "// A packed weight matrix's planes", "// acc_a (and acc_b"),
+        between(common, "__device__ __forceinline__ unsigned pack_half2", "// c[0..3] +="),
+        between(common, "enum OctetFormat", "[[maybe_unused]] __device__ __forceinline__ void cp_async_16"),
+        between(common, "// 2^23 + b", "}  // namespace"),
+        between(gemm, "// A packed weight matrix's planes", "// acc_a (and acc_b"),
         _MAIN,
     ])
     folder = tmp_path_factory.mktemp("fused_dequant")
-    (folder / "probe.cpp").write_text("int main() { _Float16 h = (_Float16)1.0f; return (int)(float)h - 1; }\n")
-    if subprocess.run(["g++", "-std=c++17", "-o", str(folder / "probe"), str(folder / "probe.cpp")],
-                      capture_output=True).returncode:
-        pytest.skip("g++ without _Float16")
-    (folder / "dequant.cpp").write_text(source)
-    done = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-o", str(folder / "dequant"),
-                           str(folder / "dequant.cpp")], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]  # the extracted C++ no longer compiles for the host
+    build(folder, "dequant", source)
     return folder
 
 

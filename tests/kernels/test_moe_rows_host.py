@@ -9,42 +9,23 @@ the mma's B fragments) gives the same products as W x X^T. The tensor-core loop 
 tested on the GPU (test_moe_rows).
 """
 
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
+from host_cpp import HALF_SHIMS, between, build
 from kernel_data import dev, host, random_gguf_bytes, reference_dequant
 from strata.gpu.kernels import moe_rows, tensor_core
 from strata.gpu.kernels.packing import pack
 
-_SHIMS = r"""
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
-#define __device__
-#define __forceinline__ inline
-struct __half2 { uint16_t x, y; };
-static inline float half_value(uint16_t h) { _Float16 f; memcpy(&f, &h, 2); return (float)f; }
-static inline uint16_t to_half(float v) { _Float16 f = (_Float16)v; uint16_t h; memcpy(&h, &f, 2); return h; }
-static inline __half2 __float2half2_rn(float a) { return {to_half(a), to_half(a)}; }
+_SHIMS = HALF_SHIMS + r"""
 static inline __half2 __low2half2(__half2 a) { return {a.x, a.x}; }
 static inline __half2 __high2half2(__half2 a) { return {a.y, a.y}; }
-// a product or difference of two halves is exact in float: rounding it to half is the GPU's one rounding
-static inline __half2 __hsub2(__half2 a, __half2 b) {
-  return {to_half(half_value(a.x) - half_value(b.x)), to_half(half_value(a.y) - half_value(b.y))};
-}
-static inline __half2 __hmul2(__half2 a, __half2 b) {
-  return {to_half(half_value(a.x) * half_value(b.x)), to_half(half_value(a.y) * half_value(b.y))};
-}
 // exact for the dequantizer's operands ((1024 + 16q) / 16 - 72 is an integer), so one rounding as on the GPU
 static inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
-  return {to_half(fmaf(half_value(a.x), half_value(b.x), half_value(c.x))),
-          to_half(fmaf(half_value(a.y), half_value(b.y), half_value(c.y)))};
+  return {to_half(fmaf(__half2float(a.x), __half2float(b.x), __half2float(c.x))),
+          to_half(fmaf(__half2float(a.y), __half2float(b.y), __half2float(c.y)))};
 }
 template <unsigned MASK> static inline unsigned mask_into(unsigned word, unsigned one024) { return (word & MASK) | one024; }
 """
@@ -88,7 +69,7 @@ int main(int argc, char** argv) {
             double sum = 0.0;
             for (int i = 0; i < 8; ++i) {
               const int stored = (i < 4 ? 4 * t : 16 + 4 * t) + i % 4;
-              sum += (double)half_value((uint16_t)(reg[i / 2] >> (16 * (i % 2)))) * half_value(xs[stored]);
+              sum += (double)__half2float((uint16_t)(reg[i / 2] >> (16 * (i % 2)))) * __half2float(xs[stored]);
             }
             products[((size_t)half * rows + row) * tokens + n] += sum;
           }
@@ -104,33 +85,19 @@ int main(int argc, char** argv) {
 """
 
 
-def _between(text: str, start: str, end: str) -> str:
-    first = text.index(start)
-    return text[first:text.index(end, first)]
-
-
 @pytest.fixture(scope="module")
 def fragments(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++")
     common = tensor_core.source_text("common.cuh")
     rows_cu = tensor_core.source_text("moe_rows.cu")
     source = "\n".join([
         _SHIMS,
-        _between(common, "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
-        _between(rows_cu, "__device__ __forceinline__ unsigned q4_low_pair", "// 0x64006400 in a register"),
-        _between(rows_cu, "// A fragments of block b", "// The X copies of a thread"),
+        between(common, "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
+        between(rows_cu, "__device__ __forceinline__ unsigned q4_low_pair", "// 0x64006400 in a register"),
+        between(rows_cu, "// A fragments of block b", "// The X copies of a thread"),
         _MAIN,
     ]).replace("[[maybe_unused]] ", "")
     folder = tmp_path_factory.mktemp("moe_rows_host")
-    (folder / "probe.cpp").write_text("int main() { _Float16 h = (_Float16)1.0f; return (int)(float)h - 1; }\n")
-    if subprocess.run(["g++", "-std=c++17", "-o", str(folder / "probe"), str(folder / "probe.cpp")],
-                      capture_output=True).returncode:
-        pytest.skip("g++ without _Float16")
-    (folder / "fragments.cpp").write_text(source)
-    done = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-o", str(folder / "fragments"),
-                           str(folder / "fragments.cpp")], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]  # the extracted C++ no longer compiles for the host
+    build(folder, "fragments", source)
     return folder
 
 
