@@ -44,7 +44,14 @@ import pluggy
 
 if TYPE_CHECKING:
     from strata.config import Config
-    from strata.hooktypes import Geometry, LoanContext, LoanVote, PlannerBudget, Rejection, ResourceView
+    from strata.hooktypes import (
+        Geometry,
+        LoanContext,
+        LoanVote,
+        PlannerBudget,
+        Rejection,
+        ResourceView,
+    )
 
 PROJECT = "strata"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -9,9 +9,9 @@ def pytest_sessionstart(session):
     """On a real GPU, install the ledger's memory manager before any test makes the CUDA context:
     a context made first by a kernel test would keep Numba's own manager, and the engines made in
     it later could not capture decode graphs (``CudaOps.can_capture``)."""
-    from strata.engine.ops import _has_cuda_device
+    from strata.backend.select import has_cuda_device
 
-    if _has_cuda_device():
+    if has_cuda_device():
         from strata.gpu.memory import install_ledger
 
         install_ledger(None)

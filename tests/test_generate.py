@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
+from strata.cli.generate import GenerationStats, generate_tokens
 from strata.engine.sampling import SamplingParams
 from strata.errors import ConfigError
-from strata.generate import GenerationStats, generate_tokens
 from strata.model.gguf_file import open_gguf
 from strata.model.reference import KVCache, ReferenceModel
 from strata.model.synth import PRESETS, write_synthetic_model

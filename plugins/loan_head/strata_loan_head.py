@@ -5,8 +5,8 @@ Prefill needs neither: the first token's logits are computed after the restore. 
 head is tied to the token embeddings has none to release, since prefill reads the embeddings.
 """
 
-from strata.engine.admission import mtp_rejections
-from strata.engine.resources import OUTPUT_HEAD, VERIFIER
+from strata.engine.loan.admission import mtp_rejections
+from strata.engine.loan.resources import OUTPUT_HEAD, VERIFIER
 from strata.hooks import hookimpl
 from strata.hooktypes import Rejection
 

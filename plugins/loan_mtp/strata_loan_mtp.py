@@ -5,8 +5,8 @@ them, before the first generated token. Requires ``runtime.mtp`` with ``runtime.
 and a model with an MTP block.
 """
 
-from strata.engine.admission import mtp_rejections
-from strata.engine.resources import MTP_DRAFT_HEAD, MTP_EXPERTS
+from strata.engine.loan.admission import mtp_rejections
+from strata.engine.loan.resources import MTP_DRAFT_HEAD, MTP_EXPERTS
 from strata.hooks import hookimpl
 from strata.hooktypes import Rejection
 

@@ -32,14 +32,23 @@ from strata.gpu.graphs import capture_graph
 from strata.gpu.kernels import moe_rows, tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
 from strata.gpu.kernels.attention import (
-    DECODE_CONFIG, AttentionConfig, attention, default_num_splits, split_partial_shapes,
+    DECODE_CONFIG,
+    AttentionConfig,
+    attention,
+    default_num_splits,
+    split_partial_shapes,
 )
 from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config, staged_input
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.gemv_native import LAYER_CONFIG, head_config
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
-from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill, moe_prefill_launches, prefill_tile_rows
+from strata.gpu.kernels.moe import (
+    moe_experts_decode,
+    moe_experts_prefill,
+    moe_prefill_launches,
+    prefill_tile_rows,
+)
 from strata.gpu.kernels.moe_route import moe_group, moe_route
 from strata.gpu.kernels.packing import PackedMatrix, plane_shapes
 from strata.gpu.kernels.rope import head_norm_rope

@@ -102,7 +102,7 @@ def format_table(rows: list[LogitsError], kv_type: str) -> str:
 
 
 def main(argv=None) -> int:
-    from strata.engine.ops import _has_cuda_device
+    from strata.backend.select import has_cuda_device
 
     parser = argparse.ArgumentParser(prog="python -m strata.bench.logits_error", description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny model, a short prompt and two formats "
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", choices=("cuda", "cudasim", "numpy"),
                         help="the engine's backend (default: cuda with a GPU, else cudasim)")
     args = parser.parse_args(argv)
-    backend = args.backend or ("cuda" if _has_cuda_device() else "cudasim")
+    backend = args.backend or ("cuda" if has_cuda_device() else "cudasim")
     num_prompt, num_decode = (20, 2) if args.tiny else (200, 8)
     formats = (QType.Q8_0, QType.Q4_0) if args.tiny else FORMATS
     rows = run_all(backend, num_prompt, num_decode, args.kv_type, formats, TINY_SHAPE if args.tiny else SHAPE)

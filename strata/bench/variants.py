@@ -94,8 +94,8 @@ def moe_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
     both launches back to back, and each alone, in TFLOP/s; then the largest difference of the output from
     the first variant's (the k experts of a token add in any order, so a few ulps are expected)."""
     from strata.bench import kernels as b
-    from strata.gpu.kernels.gemm import default_config
     from strata.gpu.kernels import moe_rows
+    from strata.gpu.kernels.gemm import default_config
     from strata.gpu.kernels.moe import moe_experts_prefill
     from strata.gpu.kernels.moe_route import moe_group, moe_route
 

@@ -21,26 +21,36 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from strata.backend.dry_run import DryRunOps
+from strata.backend.select import make_ops, select_backend
 from strata.config import Config
-from strata.engine.admission import admit
 from strata.engine.counters import EngineCounters
-from strata.engine.decode_resources import ArenaResource, TensorsResource
-from strata.engine.expert_cache import CacheResidency, ExpertCache
-from strata.engine.expert_pack import ExpertPack
 from strata.engine.generation import Generation, output_head
-from strata.engine.loan import LoanTransaction
-from strata.engine.ops import make_ops, select_backend
-from strata.engine.ops_numpy import DryRunOps
-from strata.engine.placement import Placement, plan_placement
-from strata.engine.planner import Planner, largest_ring_slots
-from strata.engine.prefill_cost import PrefillCostModel
-from strata.engine.resources import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
+from strata.engine.loan.admission import admit
+from strata.engine.loan.resources import (
+    MTP_DRAFT_HEAD,
+    MTP_EXPERTS,
+    OUTPUT_HEAD,
+    VERIFIER,
+)
+from strata.engine.loan.runtime_state import RuntimeSettings, RuntimeState
+from strata.engine.loan.transaction import LoanTransaction
+from strata.engine.memory.decode_resources import ArenaResource, TensorsResource
+from strata.engine.memory.expert_cache import CacheResidency, ExpertCache
+from strata.engine.memory.expert_pack import ExpertPack
+from strata.engine.memory.workspace import PromptWorkspace
+from strata.engine.planning.placement import Placement, plan_placement
+from strata.engine.planning.planner import Planner, largest_ring_slots
+from strata.engine.planning.prefill_cost import PrefillCostModel
 from strata.engine.runner import DeviceWeights, ModelRunner, StreamStats
-from strata.engine.runtime_state import RuntimeSettings, RuntimeState
 from strata.engine.sampling import SamplingParams
-from strata.engine.workspace import PromptWorkspace
 from strata.errors import AllocationError, ConfigError
-from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, LedgerSnapshot, VramLedger
+from strata.gpu.ledger import (
+    ACTIVATIONS_OWNER,
+    DECODE_GRAPHS_OWNER,
+    LedgerSnapshot,
+    VramLedger,
+)
 from strata.model.gguf_file import GgufModel, open_gguf
 from strata.model.locate import resolve_model_path
 from strata.model.tokenizer import Tokenizer

@@ -12,7 +12,13 @@ import numpy as np
 
 from strata.engine.request import RequestStats, TokenEvent
 from strata.engine.runner import StreamStats
-from strata.engine.sampling import SamplingParams, StopMatcher, check_bias_ids, make_rng, sample
+from strata.engine.sampling import (
+    SamplingParams,
+    StopMatcher,
+    check_bias_ids,
+    make_rng,
+    sample,
+)
 from strata.errors import LoanRestoreError, RequestError
 from strata.hooktypes import Geometry
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from strata.engine.loan import LoanReport
+from strata.engine.loan.transaction import LoanReport
 from strata.hooktypes import Geometry
 
 

@@ -23,13 +23,13 @@ import dataclasses
 
 import numpy as np
 
-from strata.engine.decode_resources import upload_tensor
-from strata.engine.decode_step import DecodeStep, can_use_segments
-from strata.engine.expert_cache import ExpertCache
-from strata.engine.expert_pack import ExpertPack
-from strata.engine.ops import Ops, QTensor
-from strata.engine.staging_ring import RingBatch, StagingRing
-from strata.engine.workspace import PromptWorkspace
+from strata.backend.ops import Ops, QTensor
+from strata.engine.decode.step import DecodeStep, can_use_segments
+from strata.engine.memory.decode_resources import upload_tensor
+from strata.engine.memory.expert_cache import ExpertCache
+from strata.engine.memory.expert_pack import ExpertPack
+from strata.engine.memory.staging_ring import RingBatch, StagingRing
+from strata.engine.memory.workspace import PromptWorkspace
 from strata.errors import EngineError
 from strata.model.gguf_file import GgufModel
 from strata.model.spec import ModelSpec

@@ -14,7 +14,6 @@ state h_t (before the output norm) and the embedding of token t+1:
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from types import MappingProxyType
 
 import numpy as np
@@ -24,10 +23,20 @@ from gguf.quants import quantize as gguf_quantize
 
 from strata.errors import EngineError
 from strata.model import reference_ops as ops
-from strata.model.reference_ops import (  # noqa: F401  the reference's vocabulary, importable from here
-    attention, embed, ffn, moe, output_head, rms_norm, rope, rope_angles, route, shared_expert, softmax,
-)
 from strata.model.gguf_file import GgufModel
+from strata.model.reference_ops import (  # noqa: F401  the reference's vocabulary, importable from here
+    attention,
+    embed,
+    ffn,
+    moe,
+    output_head,
+    rms_norm,
+    rope,
+    rope_angles,
+    route,
+    shared_expert,
+    softmax,
+)
 from strata.model.spec import ModelSpec, tensor_shapes
 
 GetWeight = Callable[[str], np.ndarray]

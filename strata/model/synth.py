@@ -26,8 +26,12 @@ from gguf import GGUFWriter, LlamaFileType
 from strata.model import quants
 from strata.model.gguf_file import open_gguf
 from strata.model.spec import ModelSpec, tensor_shapes
+from strata.model.synth_blocks import (
+    SUPPORTED_QTYPES,
+    norm_weight,
+    random_tensor_chunks,
+)
 from strata.model.synth_check import format_histogram, is_spread, routing_histogram
-from strata.model.synth_blocks import SUPPORTED_QTYPES, norm_weight, random_tensor_chunks
 from strata.model.synth_vocab import SynthVocab, build_vocab, train_tokenizer
 
 ARCH = "qwen3moe"

@@ -13,13 +13,17 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tokenizers import Regex
+from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
 
 from strata.errors import ModelFormatError
 from strata.model.pretokenize import PreTokenizer, pre_tokenizer_for
-from strata.model.special_tokens import SpecialTokens, TokenAttr, attrs_from_types, resolve_special_tokens
+from strata.model.special_tokens import (
+    SpecialTokens,
+    TokenAttr,
+    attrs_from_types,
+    resolve_special_tokens,
+)
 
 SUPPORTED_MODELS = ("gpt2",)
 _RENDERED_AS_TEXT = TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from strata.config import Config
-from strata.serve.errors import ApiError, INVALID_REQUEST, SERVER_ERROR, error_body
+from strata.serve.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, error_body
 from strata.serve.routes import router
 from strata.serve.state import ServeState
 

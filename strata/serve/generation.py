@@ -22,7 +22,14 @@ from strata.serve.body import read_json_object
 from strata.serve.errors import ApiError, bad_request, busy
 from strata.serve.responses import ResponseShapes
 from strata.serve.schemas import Kind, parse_request
-from strata.serve.worker import DONE, ERROR, TOKEN, Job, QueueFullError, WorkerStoppedError
+from strata.serve.worker import (
+    DONE,
+    ERROR,
+    TOKEN,
+    Job,
+    QueueFullError,
+    WorkerStoppedError,
+)
 
 RETRY_AFTER_S = 1
 _ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import logging
 import sys
-
 from typing import TYPE_CHECKING
 
 from strata.config import Config

@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as QType
 
 from strata.cli import main
 from strata.config import load_config
-from strata.engine.expert_pack import HEADER_BYTES
 from strata.engine.facade import Engine
+from strata.engine.memory.expert_pack import HEADER_BYTES
 from strata.errors import ModelFormatError, StaleExpertPackError
 from strata.model.synth import PRESETS, write_synthetic_model
 

@@ -103,7 +103,8 @@ def test_a_prompt_longer_than_the_context_is_refused(moe_path):
 
 
 def test_expert_pack_file_round_trip(moe_path, expected, tmp_path):
-    from strata.engine.expert_pack import ExpertPack, expert_layout
+    from strata.backend.layouts import expert_layout
+    from strata.engine.memory.expert_pack import ExpertPack
     from strata.model.gguf_file import open_gguf
 
     model = open_gguf(moe_path)

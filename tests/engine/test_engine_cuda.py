@@ -8,20 +8,25 @@ from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 from numba import cuda
 
-from strata.engine.decode_step import DecodeStep
-from strata.engine.greedy_tail import BIAS_CAPACITY
+from strata.backend.select import has_cuda_device
+from strata.engine.decode.greedy_tail import BIAS_CAPACITY
+from strata.engine.decode.step import DecodeStep
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import AllocationError
-from strata.engine.ops import _has_cuda_device
-from strata.gpu.kernels import attention_decode, attention_decode_mma, moe_rows, tensor_core
+from strata.gpu.kernels import (
+    attention_decode,
+    attention_decode_mma,
+    moe_rows,
+    tensor_core,
+)
 from strata.gpu.kernels.gemm import moe_block_m
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, TRANSIENT_OWNERS
 from strata.model.gguf_file import open_gguf
 from strata.model.reference import KVCache, ReferenceModel
 from strata.model.synth import PRESETS, with_overrides, write_synthetic_model
 
-BACKEND = "cuda" if _has_cuda_device() else "cudasim"
+BACKEND = "cuda" if has_cuda_device() else "cudasim"
 pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
                                 reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)")
 NUM_PROMPT, NUM_GENERATED = (70, 8) if BACKEND == "cuda" else (6, 2)

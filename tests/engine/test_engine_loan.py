@@ -5,12 +5,19 @@ import dataclasses
 
 import numpy as np
 import pytest
-from engine_setup import LOAN_RUNTIME, SMALL_MOE, engine_config, greedy, reference_greedy, write_small_moe
+from engine_setup import (
+    LOAN_RUNTIME,
+    SMALL_MOE,
+    engine_config,
+    greedy,
+    reference_greedy,
+    write_small_moe,
+)
 from gguf import GGMLQuantizationType as QType
 
 from strata.engine.facade import Engine
+from strata.engine.loan.runtime_state import RuntimeSettings
 from strata.model.synth import write_synthetic_model
-from strata.engine.runtime_state import RuntimeSettings
 
 ALL_PLUGINS = ["loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan"]
 PROMPTS = [[int(t) for t in np.random.default_rng(seed).integers(3, 500, size=n)]
@@ -172,7 +179,7 @@ def test_admission_fails_before_anything_is_loaded(mtp_path):
 def test_loans_work_when_activations_cannot_borrow_cache_storage(mtp_path, monkeypatch):
     # the CUDA backend keeps activations out of the expert cache; the loan then grows the cache only
     # by what the largest useful chunk leaves free
-    from strata.engine.ops_numpy import NumpyOps
+    from strata.backend.numpy_ops import NumpyOps
 
     expected = [greedy(loan_engine(mtp_path, is_loan=False), p, 4)[0] for p in PROMPTS]
     monkeypatch.setattr(NumpyOps, "is_activation_borrowable", False)

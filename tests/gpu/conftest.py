@@ -2,9 +2,9 @@ import pytest
 
 
 def pytest_collection_modifyitems(config, items):
-    from strata.engine.ops import _has_cuda_device
+    from strata.backend.select import has_cuda_device
 
-    if _has_cuda_device():
+    if has_cuda_device():
         return
     skip = pytest.mark.skip(reason="needs a real CUDA device (not the simulator)")
     for item in items:

@@ -27,8 +27,8 @@ def _scattered_copies(cuda, rng, num_copies: int):
 def test_staged_copies_land_every_byte_on_the_copy_stream(is_batched, monkeypatch):
     from numba import cuda
 
+    from strata.backend.expert_arena import CopyStream, HostToDeviceCopier
     from strata.gpu import driver_calls
-    from strata.gpu.expert_arena import CopyStream, HostToDeviceCopier
 
     cuda.current_context()  # the driver calls act on the current context
     calls = driver_calls.load()
@@ -53,7 +53,7 @@ def test_staged_copies_land_every_byte_on_the_copy_stream(is_batched, monkeypatc
 def test_a_kernel_after_wait_reads_the_staged_bytes():
     from numba import cuda
 
-    from strata.gpu.expert_arena import CopyStream
+    from strata.backend.expert_arena import CopyStream
 
     @cuda.jit
     def total(values, out):
@@ -66,7 +66,7 @@ def test_a_kernel_after_wait_reads_the_staged_bytes():
             self.copies = copies
 
         def stage_many(self, slots, host_slots, stream):
-            from strata.gpu.expert_arena import HostToDeviceCopier
+            from strata.backend.expert_arena import HostToDeviceCopier
 
             HostToDeviceCopier().copy(*self.copies, stream)
 

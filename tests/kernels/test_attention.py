@@ -2,10 +2,15 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize as gguf_quantize
-
 from kernel_data import dev, host, reference_dequant
+
 from strata.gpu.kernels import attention_decode
-from strata.gpu.kernels.attention import AttentionConfig, attention, decode_config, split_partial_shapes
+from strata.gpu.kernels.attention import (
+    AttentionConfig,
+    attention,
+    decode_config,
+    split_partial_shapes,
+)
 from strata.gpu.kernels.packing import pack, to_device
 from strata.model import reference_ops
 

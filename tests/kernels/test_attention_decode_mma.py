@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize as gguf_quantize
-
 from kernel_data import dev, host, reference_dequant
+
 from strata.gpu.kernels import attention_decode_mma, tensor_core
 from strata.gpu.kernels.attention import attention, split_partial_shapes
 from strata.gpu.kernels.packing import pack, to_device

@@ -4,14 +4,18 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize as gguf_quantize
-
 from kernel_data import dev, host, reference_dequant
-from strata.engine.ops import _has_cuda_device
+
+from strata.backend.select import has_cuda_device
 from strata.gpu.kernels import tensor_core
-from strata.gpu.kernels.attention import attention, uses_tensor_cores
 from strata.gpu.kernels._common import MAX_STATIC_SHARED_BYTES
+from strata.gpu.kernels.attention import attention, uses_tensor_cores
 from strata.gpu.kernels.attention_mma import (
-    SERVING_CONFIG, MmaAttentionConfig, attention_mma, default_kv_tile, shared_bytes,
+    SERVING_CONFIG,
+    MmaAttentionConfig,
+    attention_mma,
+    default_kv_tile,
+    shared_bytes,
 )
 from strata.gpu.kernels.kvcache import empty_kv_layer
 from strata.gpu.kernels.packing import pack, to_device
@@ -181,7 +185,7 @@ def test_attention_mma_rejects_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
 @pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("head_dim, kv_tile", [(64, 64), (64, 16), (128, 48), (128, 32)])
 def test_tensor_cores_equal_the_twin_and_the_reference(fmt, head_dim, kv_tile):
@@ -197,7 +201,7 @@ def test_tensor_cores_equal_the_twin_and_the_reference(fmt, head_dim, kv_tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
 def test_tensor_cores_with_link_time_optimization():
     q, positions, caches, ref = _case("Q4_0", 32, 4, 128, 100, 300, seed=86)
     out = _run(q, positions, caches, 32, 4, 128, MmaAttentionConfig(lto=True))
@@ -205,7 +209,7 @@ def test_tensor_cores_with_link_time_optimization():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
 @pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("head_dim, kv_tile", [(128, 0), (128, 16), (64, 0)])
 def test_eight_warps_on_tensor_cores(fmt, head_dim, kv_tile):
@@ -216,7 +220,7 @@ def test_eight_warps_on_tensor_cores(fmt, head_dim, kv_tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
 @pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("head_dim, kv_tile, warps, stages", [
     (128, 32, 4, 2), (128, 64, 4, 1), (128, 32, 8, 2), (128, 16, 8, 1), (64, 64, 4, 2), (64, 16, 8, 2),
@@ -235,14 +239,14 @@ def test_fused_loop_equals_the_tile_step_and_the_reference(fmt, head_dim, kv_til
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
 def test_serving_kernel_over_a_dequantized_copy_equals_the_quantized_cache(fmt):
     _check_copy_equals_cache(fmt, 32, 4, 128, 100, 300, seed=91, config=SERVING_CONFIG)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+@pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
 @pytest.mark.parametrize("fmt", ["F16", "Q4_0"])
 def test_fused_loop_with_link_time_optimization_at_qwen3_shapes(fmt):
     q, positions, caches, ref = _case(fmt, 32, 4, 128, 100, 300, seed=91)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
-
 from kernel_data import ALL_FORMATS, dev, host, random_matrix
+
 from strata.gpu.kernels.elementwise import add, embedding, to_float16
 from strata.gpu.kernels.packing import FORMATS
 from strata.model import reference_ops

@@ -1,7 +1,14 @@
 import numpy as np
 import pytest
+from kernel_data import (
+    ALL_FORMATS,
+    assert_dot_close,
+    cols_around_blocks,
+    dev,
+    host,
+    random_matrix,
+)
 
-from kernel_data import ALL_FORMATS, assert_dot_close, cols_around_blocks, dev, host, random_matrix
 from strata.gpu.kernels.gemm import GemmConfig, gemm
 
 TINY = GemmConfig(block_m=8, block_n=8, thread_m=2, thread_n=2)  # 16 threads

@@ -10,9 +10,9 @@ import subprocess
 
 import numpy as np
 import pytest
-
 from host_cpp import HALF_SHIMS, between, build
 from kernel_data import random_gguf_bytes, reference_dequant
+
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels.gemm import FUSED_FORMATS
 from strata.gpu.kernels.packing import pack

@@ -6,13 +6,31 @@ Inputs are rounded to float16 on this path, so the bound is relative to sum |w x
 
 import numpy as np
 import pytest
+from kernel_data import (
+    ALL_FORMATS,
+    assert_close_to_scale,
+    assert_dot_close,
+    check_moe_prefill,
+    dev,
+    host,
+    random_matrix,
+)
 
-from kernel_data import (ALL_FORMATS, assert_close_to_scale, assert_dot_close, check_moe_prefill, dev, host,
-                         random_matrix)
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
-from strata.gpu.kernels.gemm import (FUSED_FORMATS, DEFAULT_BLOCK_MS, MOE_FULL_TILE_MIN_ROWS, GemmConfig, MmaConfig,
-                                     default_config, default_down_config, gemm, is_fused, jit_options, moe_block_m)
+from strata.gpu.kernels.gemm import (
+    DEFAULT_BLOCK_MS,
+    FUSED_FORMATS,
+    MOE_FULL_TILE_MIN_ROWS,
+    GemmConfig,
+    MmaConfig,
+    default_config,
+    default_down_config,
+    gemm,
+    is_fused,
+    jit_options,
+    moe_block_m,
+)
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
 from strata.model import reference_ops

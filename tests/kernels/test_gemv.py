@@ -1,7 +1,14 @@
 import numpy as np
 import pytest
+from kernel_data import (
+    ALL_FORMATS,
+    assert_dot_close,
+    cols_around_blocks,
+    dev,
+    host,
+    random_matrix,
+)
 
-from kernel_data import ALL_FORMATS, assert_dot_close, cols_around_blocks, dev, host, random_matrix
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.model import reference_ops
 

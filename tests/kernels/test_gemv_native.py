@@ -8,10 +8,16 @@ import functools
 
 import numpy as np
 import pytest
+from kernel_data import (
+    assert_close_to_scale,
+    assert_dot_close,
+    dev,
+    host,
+    random_matrix,
+)
 from numba import cuda
 
-from kernel_data import assert_close_to_scale, assert_dot_close, dev, host, random_matrix
-from strata.engine.ops import _has_cuda_device
+from strata.backend.select import has_cuda_device
 from strata.gpu.kernels import gemv_native
 from strata.gpu.kernels.gemv import gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
@@ -19,7 +25,7 @@ from strata.gpu.kernels.gemv_native import NativeGemvConfig
 from strata.gpu.kernels.moe import moe_experts_decode
 from strata.model import reference_ops
 
-needs_gpu = pytest.mark.skipif(not _has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+needs_gpu = pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
 BLOCK_ELEMS = {"Q4_0": 32, "Q8_0": 32, "Q4_K": 256, "F32": 32, "F16": 32}
 
 
@@ -174,7 +180,7 @@ def test_asking_for_the_native_path_where_it_cannot_run_names_the_fallback():
         gemv(w, dev(x), native=True)
     # the automatic choice runs wherever it can: here the Numba kernel (Q6_K, or no GPU at all)
     assert_dot_close(host(gemv(w, dev(x))), values.astype(np.float64) @ x, np.abs(values) @ np.abs(x))
-    if not _has_cuda_device():
+    if not has_cuda_device():
         q4, _ = random_matrix("Q4_0", 4, 256, seed=442)
         assert not gemv_native.is_supported(q4)
         with pytest.raises(ValueError, match="native GEMV needs a GPU"):

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize as gguf_quantize
-
 from kernel_data import dev, reference_dequant
+
 from strata.gpu.kernels.kvcache import append_kv, dequantize_kv, empty_kv_layer
 from strata.gpu.kernels.packing import unpack
 

@@ -3,8 +3,14 @@ a 4-token prefill (GEMM, grouped experts) then one decode token (GEMV with fused
 reads the prefill's KV cache."""
 
 import numpy as np
+from kernel_data import (
+    assert_close_to_scale,
+    dev,
+    host,
+    random_gguf_bytes,
+    reference_dequant,
+)
 
-from kernel_data import assert_close_to_scale, dev, host, random_gguf_bytes, reference_dequant
 from strata.gpu.kernels.attention import AttentionConfig, attention
 from strata.gpu.kernels.gemm import GemmConfig, gemm
 from strata.gpu.kernels.gemv import GemvConfig, gemv

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
-
 from kernel_data import dev, host
+
 from strata.gpu.kernels.moe_route import BLOCK_ROUTE_MAX_TOKENS, moe_group, moe_route
 from strata.model import reference_ops
 

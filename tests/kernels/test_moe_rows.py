@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from kernel_data import assert_close_to_scale, dev, host, random_matrix
+
 from strata.gpu.kernels import moe, moe_rows, tensor_core
 from strata.gpu.kernels.gemm import default_config, default_down_config
 from strata.gpu.kernels.moe import moe_experts_prefill

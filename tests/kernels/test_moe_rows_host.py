@@ -13,9 +13,9 @@ import subprocess
 
 import numpy as np
 import pytest
-
 from host_cpp import HALF_SHIMS, between, build
 from kernel_data import dev, host, random_gguf_bytes, reference_dequant
+
 from strata.gpu.kernels import moe_rows, tensor_core
 from strata.gpu.kernels.packing import pack
 

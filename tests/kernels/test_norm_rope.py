@@ -1,9 +1,12 @@
 import numpy as np
 import pytest
+from kernel_data import dev, host
 from numba import cuda
 
-from kernel_data import dev, host
-from strata.gpu.kernels.block_reduce import device_block_sum_serial, device_block_sum_tree
+from strata.gpu.kernels.block_reduce import (
+    device_block_sum_serial,
+    device_block_sum_tree,
+)
 from strata.gpu.kernels.norm import head_rms_norm, rms_norm
 from strata.gpu.kernels.rope import head_norm_rope, rope_inv_freq
 from strata.model import reference_ops

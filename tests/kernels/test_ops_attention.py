@@ -5,12 +5,12 @@ import pytest
 from kernel_data import dev, host
 from numba import config as numba_config
 
-from strata.engine.ops import _has_cuda_device, make_ops
+from strata.backend.select import has_cuda_device, make_ops
 from strata.gpu.kernels import attention_mma
 from strata.gpu.kernels.attention import attention
 from strata.gpu.ledger import VramLedger
 
-BACKEND = "cuda" if _has_cuda_device() else "cudasim"
+BACKEND = "cuda" if has_cuda_device() else "cudasim"
 pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
                                 reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)")
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 2, 1, 64  # a head dim the tensor-core kernel (or its twin) serves

@@ -5,10 +5,10 @@ for its copies; with it on, nothing waits until ``wait_staged``. The copy stream
 import pytest
 from numba import config as numba_config
 
-from strata.engine.ops import _has_cuda_device, make_ops
+from strata.backend.select import has_cuda_device, make_ops
 from strata.gpu.ledger import VramLedger
 
-BACKEND = "cuda" if _has_cuda_device() else "cudasim"
+BACKEND = "cuda" if has_cuda_device() else "cudasim"
 pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
                                 reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)")
 

@@ -7,13 +7,13 @@ from gguf import GGMLQuantizationType as QType
 from kernel_data import dev, host, random_gguf_bytes
 from numba import config as numba_config
 
+from strata.backend.select import has_cuda_device, make_ops
 from strata.engine import sampling
-from strata.engine.ops import _has_cuda_device, make_ops
 from strata.gpu.kernels.elementwise import increment
 from strata.gpu.kernels.sample import add_logit_bias
 from strata.gpu.ledger import VramLedger
 
-BACKEND = "cuda" if _has_cuda_device() else "cudasim"
+BACKEND = "cuda" if has_cuda_device() else "cudasim"
 pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
                                 reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)")
 

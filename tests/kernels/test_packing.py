@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
-
 from kernel_data import ALL_FORMATS, random_gguf_bytes
+
 from strata.gpu.kernels.packing import FORMATS, check_packed, pack, plane_shapes, unpack
 
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
-
 from kernel_data import dev, host
+
 from strata.engine import sampling
 from strata.gpu.kernels.sample import argmax, sample
 

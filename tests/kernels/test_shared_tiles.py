@@ -9,9 +9,15 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from kernel_data import (
+    assert_close_to_scale,
+    check_moe_prefill,
+    dev,
+    host,
+    random_matrix,
+)
 from numba import cuda
 
-from kernel_data import assert_close_to_scale, check_moe_prefill, dev, host, random_matrix
 from strata.gpu.kernels import gemm, moe, shared_tiles
 from strata.gpu.kernels.gemm import MmaConfig
 

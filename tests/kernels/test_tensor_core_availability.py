@@ -7,7 +7,7 @@ import types
 import numba
 import pytest
 
-from strata.gpu import ops_cuda
+from strata.backend import cuda_ops as ops_cuda
 from strata.gpu.kernels import tensor_core
 
 

@@ -23,7 +23,7 @@ def smollm2():
 
 
 def test_greedy_continuation_of_the_capital_of_france_begins_with_paris(smollm2):
-    from strata.generate import generate_tokens
+    from strata.cli.generate import generate_tokens
 
     model, tokenizer = smollm2
     prompt = np.array(tokenizer.encode("The capital of France is"))
@@ -42,7 +42,7 @@ def test_prefill_and_token_by_token_decode_agree_on_real_weights(smollm2):
 
 
 def test_generate_command_streams_text_and_reports_timing(smollm2, capsys):
-    from strata.generate import run
+    from strata.cli.generate import run
 
     args = SimpleNamespace(prompt="The capital of France is", chat=False, max_tokens=6, temperature=0.0,
                            top_k=0, top_p=1.0, seed=None)
@@ -54,7 +54,7 @@ def test_generate_command_streams_text_and_reports_timing(smollm2, capsys):
 
 
 def test_generate_chat_renders_the_template_and_stops_on_end_of_turn(smollm2, capsys):
-    from strata.generate import encode_prompt, run
+    from strata.cli.generate import encode_prompt, run
 
     model, tokenizer = smollm2
     ids = encode_prompt(tokenizer, "What is the capital of France?", is_chat=True)

@@ -11,7 +11,13 @@ from gguf import GGMLQuantizationType as Q
 from strata.model import quants
 from strata.model.gguf_file import open_gguf
 from strata.model.synth import (
-    PRESETS, SynthShape, add_arguments, routing_histogram, run, sample_prompt_tokens, tensor_plan,
+    PRESETS,
+    SynthShape,
+    add_arguments,
+    routing_histogram,
+    run,
+    sample_prompt_tokens,
+    tensor_plan,
     write_synthetic_model,
 )
 from strata.model.synth_blocks import SUPPORTED_QTYPES, random_rows

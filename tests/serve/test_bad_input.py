@@ -3,7 +3,13 @@
 import httpx
 import openai
 import pytest
-from serve_harness import RunningServer, engine_loader, error_of, make_config, openai_client
+from serve_harness import (
+    RunningServer,
+    engine_loader,
+    error_of,
+    make_config,
+    openai_client,
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

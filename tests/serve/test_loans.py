@@ -4,8 +4,16 @@ import random
 
 import httpx
 import pytest
-from serve_harness import (RunningServer, engine_loader, error_of, install_fault_plugin, make_config, metric_values,
-                           openai_client, sse_events)
+from serve_harness import (
+    RunningServer,
+    engine_loader,
+    error_of,
+    install_fault_plugin,
+    make_config,
+    metric_values,
+    openai_client,
+    sse_events,
+)
 
 LOAN_RUNTIME = {"vram_elastic": True, "vmm_segment": "64MiB"}
 LOAN = {"enabled": True, "plugins": ["repeat_loan", "retain_startup_chunk"], "repeat_loan": {"min_tokens": 256}}

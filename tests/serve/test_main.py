@@ -11,7 +11,6 @@ import time
 import httpx
 import pytest
 import uvicorn
-
 from serve_harness import make_config
 
 from strata.cli import main

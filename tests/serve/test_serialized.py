@@ -8,8 +8,16 @@ import time
 import httpx
 import openai
 import pytest
-from serve_harness import (ControlledEngine, RunningServer, engine_loader, error_of, make_config, metric_values,
-                           openai_client, sse_events)
+from serve_harness import (
+    ControlledEngine,
+    RunningServer,
+    engine_loader,
+    error_of,
+    make_config,
+    metric_values,
+    openai_client,
+    sse_events,
+)
 
 from strata.errors import LoanRestoreError
 

@@ -161,9 +161,9 @@ class FakeEngine:
 
     def __init__(self, config, host, resource_mib: dict[str, int], budget_mib: int = 8192,
                  cache_mib: int = 1024, resident_mib: int = 2048, costs=None):
-        from strata.engine.loan import LoanTransaction
-        from strata.engine.planner import Planner, WorkspaceCosts
-        from strata.engine.runtime_state import RuntimeState
+        from strata.engine.loan.runtime_state import RuntimeState
+        from strata.engine.loan.transaction import LoanTransaction
+        from strata.engine.planning.planner import Planner, WorkspaceCosts
 
         self.history: list[str] = []
         self.faults = Faults()

@@ -2,7 +2,7 @@ import pytest
 from fakes import FakeEngine
 from loan_setup import ALL_RESOURCES_MIB, make_config, make_host
 
-from strata.engine.admission import admit
+from strata.engine.loan.admission import admit
 from strata.errors import AdmissionError
 
 RULES = [

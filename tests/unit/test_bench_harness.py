@@ -7,7 +7,12 @@ import sys
 
 from engine_setup import LOAN_RUNTIME, write_small_moe
 
-from strata.bench.harness import decode_floor_seconds, decode_vram_bytes, format_table, prefill_floor_seconds
+from strata.bench.harness import (
+    decode_floor_seconds,
+    decode_vram_bytes,
+    format_table,
+    prefill_floor_seconds,
+)
 from strata.bench.provenance import code_identity
 
 

@@ -10,7 +10,7 @@ import pytest
 from fakes import MIB, FakeEngine
 from loan_setup import ALL_RESOURCES_MIB, make_config
 
-from strata.engine.admission import admit
+from strata.engine.loan.admission import admit
 from strata.errors import AdmissionError, ConfigError
 from strata.plugins import load_plugins
 

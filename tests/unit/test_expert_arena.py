@@ -7,9 +7,9 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 
-from strata.engine.ops import ExpertLayout
-from strata.gpu import expert_arena
-from strata.gpu.expert_arena import HostRange, PlaneArena
+from strata.backend import expert_arena
+from strata.backend.expert_arena import HostRange, PlaneArena
+from strata.backend.ops import ExpertLayout
 from strata.gpu.ledger import VramLedger
 
 pytestmark = pytest.mark.skipif(not numba_config.ENABLE_CUDASIM, reason="needs NUMBA_ENABLE_CUDASIM=1")

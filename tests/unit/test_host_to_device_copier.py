@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
+from strata.backend.expert_arena import HostToDeviceCopier
 from strata.errors import EngineError
-from strata.gpu import driver_calls, expert_arena
-from strata.gpu.expert_arena import HostToDeviceCopier
+from strata.backend import expert_arena
+from strata.gpu import driver_calls
 
 
 class RecordingDriver:

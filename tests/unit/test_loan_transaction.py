@@ -2,7 +2,7 @@ import pytest
 from fakes import MIB, FakeEngine
 from loan_setup import ALL_RESOURCES_MIB, make_config, make_host
 
-from strata.engine.runtime_state import RuntimeSettings
+from strata.engine.loan.runtime_state import RuntimeSettings
 from strata.errors import AllocationError, LoanRestoreError, PluginError
 from strata.hooks import hookimpl
 

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from strata.config import PlannerConfig
-from strata.engine.planner import Planner, WorkspaceCosts
-from strata.engine.prefill_cost import PrefillCostModel
+from strata.engine.planning.planner import Planner, WorkspaceCosts
+from strata.engine.planning.prefill_cost import PrefillCostModel
 from strata.errors import AllocationError
 from strata.hooktypes import Geometry, PlannerBudget
 

@@ -1,4 +1,4 @@
-from strata.engine.planner import Geometry
+from strata.engine.planning.planner import Geometry
 from strata.engine.request import RequestStats
 
 

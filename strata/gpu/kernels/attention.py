@@ -29,10 +29,22 @@ from numba import cuda
 
 from . import attention_decode, attention_decode_mma, tensor_core
 from ._common import (
-    IS_SIMULATOR, MAX_STATIC_SHARED_BYTES, OCTET, ceil_div, check_array, check_positive, check_power_of_two, empty,
+    IS_SIMULATOR,
+    MAX_STATIC_SHARED_BYTES,
+    OCTET,
+    ceil_div,
+    check_array,
+    check_positive,
+    check_power_of_two,
+    empty,
     stand_in,
 )
-from .attention_mma import SERVING_CONFIG, attention_mma, check_attention_io, is_supported
+from .attention_mma import (
+    SERVING_CONFIG,
+    attention_mma,
+    check_attention_io,
+    is_supported,
+)
 from .block_reduce import NEG_INF
 from .packing import PackedMatrix
 from .quant_device import dequant8_for

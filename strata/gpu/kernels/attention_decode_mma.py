@@ -26,8 +26,16 @@ from numba import cuda
 
 from . import tensor_core
 from ._common import IS_SIMULATOR, OCTET, ceil_div
-from .attention_mma import CPP_HEAD_DIMS, LN_2, LOG2_E, ROWS_PER_WARP, block_attend, block_rows, default_kv_tile, \
-    state_size
+from .attention_mma import (
+    CPP_HEAD_DIMS,
+    LN_2,
+    LOG2_E,
+    ROWS_PER_WARP,
+    block_attend,
+    block_rows,
+    default_kv_tile,
+    state_size,
+)
 
 FUSED_WARPS = 4  # every warp stages; only the first ceil(group / 16) multiply
 FUSED_BUFFERS = 2  # K/V tile buffers of the fused loop: tile j + 1 loads while tile j multiplies

@@ -32,7 +32,15 @@ import numpy as np
 from numba import cuda, types
 
 from . import tensor_core
-from ._common import MAX_STATIC_SHARED_BYTES, OCTET, ceil_div, check_array, check_positive, empty, is_device_array
+from ._common import (
+    MAX_STATIC_SHARED_BYTES,
+    OCTET,
+    ceil_div,
+    check_array,
+    check_positive,
+    empty,
+    is_device_array,
+)
 from .block_reduce import NEG_INF
 from .kvcache import KV_FORMATS, dequantize_kv
 from .packing import PackedMatrix, check_packed

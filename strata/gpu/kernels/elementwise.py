@@ -7,7 +7,14 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ._common import OCTET, ceil_div, check_array, check_power_of_two, empty, is_device_array
+from ._common import (
+    OCTET,
+    ceil_div,
+    check_array,
+    check_power_of_two,
+    empty,
+    is_device_array,
+)
 from .packing import PackedMatrix, check_packed
 from .quant_device import dequant8_for
 

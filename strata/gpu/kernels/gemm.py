@@ -30,7 +30,14 @@ import numpy as np
 from numba import cuda
 
 from . import tensor_core
-from ._common import IS_SIMULATOR, OCTET, ceil_div, check_array, check_power_of_two, empty
+from ._common import (
+    IS_SIMULATOR,
+    OCTET,
+    ceil_div,
+    check_array,
+    check_power_of_two,
+    empty,
+)
 from .packing import PackedMatrix, check_packed
 from .quant_device import dequant8_for
 from .shared_tiles import dynamic_bytes, launch, shared_bytes, tiles_device

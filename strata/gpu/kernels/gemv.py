@@ -21,9 +21,18 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from ._common import OCTET, ceil_div, check_array, check_power_of_two, empty, is_finite_number, stand_in
+from ._common import (
+    OCTET,
+    ceil_div,
+    check_array,
+    check_power_of_two,
+    empty,
+    is_finite_number,
+    stand_in,
+)
 from .block_reduce import device_inv_rms
-from .gemv_native import FORMATS as NATIVE_FORMATS, LAYER_CONFIG, NativeGemvConfig, gemv_native
+from .gemv_native import FORMATS as NATIVE_FORMATS
+from .gemv_native import LAYER_CONFIG, NativeGemvConfig, gemv_native
 from .gemv_native import is_supported as is_native_supported
 from .packing import PackedMatrix, check_packed
 from .quant_dot import dot8_for

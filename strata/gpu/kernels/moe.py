@@ -29,13 +29,33 @@ import numpy as np
 from numba import cuda, types
 
 from . import moe_rows
-from ._common import OCTET, ceil_div, check_array, check_positive, empty, is_finite_number, stand_in
+from ._common import (
+    OCTET,
+    ceil_div,
+    check_array,
+    check_positive,
+    empty,
+    is_finite_number,
+    stand_in,
+)
 from .activation import device_silu_mul
-from .gemm import (BLOCK_K, DEFAULT_BLOCK_MS, MmaConfig, acc_coords_device, default_config, default_down_config,
-                   dual_mainloop_device, jit_options, mainloop_device, moe_block_m, staged_input)
 from .block_reduce import device_inv_rms
+from .gemm import (
+    BLOCK_K,
+    DEFAULT_BLOCK_MS,
+    MmaConfig,
+    acc_coords_device,
+    default_config,
+    default_down_config,
+    dual_mainloop_device,
+    jit_options,
+    mainloop_device,
+    moe_block_m,
+    staged_input,
+)
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
-from .gemv_native import FORMATS as NATIVE_FORMATS, experts_supported, moe_experts_native
+from .gemv_native import FORMATS as NATIVE_FORMATS
+from .gemv_native import experts_supported, moe_experts_native
 from .moe_route import MoeGroups, tile_slot_device
 from .packing import PackedMatrix, check_packed
 from .shared_tiles import dynamic_bytes, launch, tiles_device

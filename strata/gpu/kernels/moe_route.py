@@ -26,7 +26,14 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import cuda
 
-from ._common import IS_SIMULATOR, ceil_div, check_array, check_positive, check_power_of_two, empty
+from ._common import (
+    IS_SIMULATOR,
+    ceil_div,
+    check_array,
+    check_positive,
+    check_power_of_two,
+    empty,
+)
 from .block_reduce import NEG_INF
 
 WEIGHT_SUM_FLOOR = np.float32(6.103515625e-5)  # llama.cpp clamps the top-k sum to the smallest f16 normal

@@ -29,7 +29,14 @@ import numpy as np
 from numba import cuda, types
 
 from . import tensor_core
-from ._common import IS_SIMULATOR, ceil_div, check_array, empty, is_c_contiguous, is_device_array
+from ._common import (
+    IS_SIMULATOR,
+    ceil_div,
+    check_array,
+    empty,
+    is_c_contiguous,
+    is_device_array,
+)
 from .moe_route import MoeGroups, tile_slot_device
 
 FORMATS = ("Q4_0",)

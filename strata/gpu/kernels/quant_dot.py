@@ -19,7 +19,12 @@ from numba import cuda
 
 from ._common import OCTET
 from .quant_device import (
-    TWO_23, TWO_23_PLUS_8, TWO_23_PLUS_32, TWO_23_PLUS_128, device_q4_k_scale_min, device_sign_extend_byte,
+    TWO_23,
+    TWO_23_PLUS_8,
+    TWO_23_PLUS_32,
+    TWO_23_PLUS_128,
+    device_q4_k_scale_min,
+    device_sign_extend_byte,
     device_small_int_to_float,
 )
 

@@ -22,7 +22,13 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._common import check_array, check_positive, is_device_array, is_finite_number, stand_in
+from ._common import (
+    check_array,
+    check_positive,
+    is_device_array,
+    is_finite_number,
+    stand_in,
+)
 from .block_reduce import device_block_sum
 
 ROPE_MODES = ("neox", "normal")

@@ -25,7 +25,14 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._common import ceil_div, check_array, check_power_of_two, empty, is_device_array, is_finite_number
+from ._common import (
+    ceil_div,
+    check_array,
+    check_power_of_two,
+    empty,
+    is_device_array,
+    is_finite_number,
+)
 from .block_reduce import NEG_INF
 
 MAX_TOP_K = 64

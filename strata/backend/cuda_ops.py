@@ -25,7 +25,8 @@ import logging
 import numpy as np
 from numba import cuda  # a module global: the simulator swaps it inside kernels
 
-from strata.engine.ops import ExpertLayout, QTensor
+from strata.backend.layouts import packed_expert_layout
+from strata.backend.ops import ExpertLayout, QTensor
 from strata.gpu import driver_calls
 from strata.gpu.ledger import ACTIVATIONS_OWNER as ACTIVATIONS
 from strata.gpu.ledger import VramLedger
@@ -86,7 +87,7 @@ class CudaOps:
         self._forced_tile_rows = None  # the MoE prefill tile rows while forcing_moe_tile_rows is open
         self._copy_stream = None
         if not is_simulator:
-            from strata.gpu.expert_arena import CopyStream
+            from strata.backend.expert_arena import CopyStream
 
             self._copy_stream = CopyStream()
 
@@ -159,7 +160,7 @@ class CudaOps:
         return self.cuda.pinned_array(num_bytes, dtype=np.uint8)  # page-locked: DMA at full PCIe rate
 
     def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout):
-        from strata.gpu.expert_arena import HostRange, PlaneArena
+        from strata.backend.expert_arena import HostRange, PlaneArena
 
         if self.is_simulator:
             return PlaneArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, granularity=256,
@@ -364,7 +365,11 @@ class CudaOps:
         return default_num_splits(kv.num_cells, kv.num_kv_heads, self._num_sms)
 
     def attention(self, q, kv: CudaKv, layer: int, start: int, positions=None, split_scratch=None):
-        from strata.gpu.kernels.attention import attention, decode_config, uses_tensor_cores
+        from strata.gpu.kernels.attention import (
+            attention,
+            decode_config,
+            uses_tensor_cores,
+        )
 
         num_tokens, num_heads, head_dim = q.shape
         if positions is None:
@@ -607,14 +612,3 @@ def _expert_formats(layout: ExpertLayout | None) -> tuple:
         return (), 0, 0
     ffn, dim = layout.shapes[0]
     return tuple(qtype.name for qtype in layout.qtypes), dim, ffn
-
-
-def packed_expert_layout(model) -> ExpertLayout:
-    """Slots holding each matrix's packed planes (quants, scales, extra) one after the other."""
-    from strata.engine.expert_pack import expert_layout
-    from strata.gpu.kernels.packing import plane_shapes
-
-    def encoded_bytes(qtype, shape) -> int:
-        return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in plane_shapes(qtype.name, *shape).values())
-
-    return expert_layout(model, encoded_bytes, encoding="packed-planes")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from strata.engine.ops import Ops, QTensor
+from strata.backend.ops import Ops, QTensor
 from strata.model.gguf_file import TensorRef
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from strata.engine.expert_pack import ExpertPack
-from strata.engine.ops import ArenaStorage, Ops
+from strata.backend.ops import ArenaStorage, Ops
+from strata.engine.memory.expert_pack import ExpertPack
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from strata.engine.ops import ExpertLayout, QTensor
+from strata.backend.ops import ExpertLayout, QTensor
 from strata.gpu.ledger import Charge, VramLedger
 from strata.model import quants
 from strata.model import reference_ops as ref
@@ -139,7 +139,7 @@ class NumpyOps:
         return storage.buffer[offset:offset + num_bytes].view(dtype).reshape(shape)
 
     def expert_layout(self, model) -> ExpertLayout:
-        from strata.engine.expert_pack import expert_layout
+        from strata.backend.layouts import expert_layout
 
         return expert_layout(model)
 
@@ -276,51 +276,3 @@ def _expert_matrices(buffer: np.ndarray, slot: int, layout: ExpertLayout) -> lis
         raw = buffer[base + offset:base + offset + size].reshape(shape[0], -1)
         mats.append(quants.dequantize(raw, qtype, shape))
     return mats
-
-
-class DryRunOps(NumpyOps):
-    """Charges the ledger exactly as a load on ``backend`` would and allocates nothing: for ``strata check``."""
-
-    name = "dry-run"
-
-    def __init__(self, ledger: VramLedger, backend: str = "numpy"):
-        super().__init__(ledger)
-        self.backend = backend
-        self.is_activation_borrowable = backend == "numpy"
-
-    def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
-        if self.backend == "numpy":
-            return 0
-        from strata.gpu.ops_cuda import kv_scratch_bytes_per_cell
-
-        return kv_scratch_bytes_per_cell(head_dim, kv_width, kv_type, has_tensor_cores=True)
-
-    def expert_layout(self, model) -> ExpertLayout:
-        if self.backend == "numpy":
-            return super().expert_layout(model)
-        from strata.gpu.ops_cuda import packed_expert_layout
-
-        return packed_expert_layout(model)
-
-    def alloc(self, owner: str, shape, dtype) -> np.ndarray:
-        return self._track_placeholder(owner, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-
-    def upload(self, owner: str, host: np.ndarray) -> np.ndarray:
-        return self._track_placeholder(owner, host.nbytes)
-
-    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout):
-        if self.backend == "numpy":
-            return NumpyArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, is_backed=False)
-        from strata.gpu.expert_arena import CountingRange, PlaneArena
-
-        return PlaneArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, granularity=2 << 20,
-                          make_range=CountingRange)
-
-    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type):
-        probe = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type)
-        return self._track_placeholder(owner, probe.data.nbytes * num_layers * num_cells)
-
-    def _track_placeholder(self, owner: str, num_bytes: int) -> np.ndarray:
-        placeholder = np.empty(0, dtype=np.uint8)
-        self._charges[id(placeholder)] = (placeholder, self.ledger.charge(owner, num_bytes))
-        return placeholder

@@ -19,9 +19,9 @@ import dataclasses
 from typing import Callable, Mapping, Protocol, TypeVar
 
 from strata.config import Config
-from strata.engine.planner import Planner
-from strata.engine.resources import OUTPUT_HEAD, ElasticCache, Resource
-from strata.engine.runtime_state import RuntimeState
+from strata.engine.loan.resources import OUTPUT_HEAD, ElasticCache, Resource
+from strata.engine.loan.runtime_state import RuntimeState
+from strata.engine.planning.planner import Planner
 from strata.errors import AllocationError, LoanRestoreError, PluginError
 from strata.gpu.ledger import TRANSIENT_OWNERS, VramLedger
 from strata.hooktypes import Geometry, LoanContext, LoanRequest, LoanVote, PlannerBudget

@@ -12,11 +12,11 @@ from strata.errors import StrataError
 # command → (module, needs a config, help). Each module has add_arguments(parser) and run(args[, config]).
 COMMANDS = {
     "serve": ("strata.serve.main", True, "serve the OpenAI-compatible API (the default command)"),
-    "check": ("strata.engine.check", True, "print admission, placement by owner and the plan with and without the loan"),
-    "plugins": ("strata.plugin_list", True, "list installed plugins, where each came from and its hooks"),
-    "generate": ("strata.generate", True, "generate text from a prompt in this process"),
+    "check": ("strata.cli.check", True, "print admission, placement by owner and the plan with and without the loan"),
+    "plugins": ("strata.cli.plugins", True, "list installed plugins, where each came from and its hooks"),
+    "generate": ("strata.cli.generate", True, "generate text from a prompt in this process"),
     "synth": ("strata.model.synth", False, "write a synthetic qwen3moe GGUF with random weights"),
-    "pack": ("strata.engine.pack", True, "write the expert pack beside the GGUF"),
+    "pack": ("strata.cli.pack", True, "write the expert pack beside the GGUF"),
     "bench": ("strata.bench.harness", True, "benchmark prefill and decode in fresh processes"),
 }
 

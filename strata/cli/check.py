@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 from typing import Mapping
 
+from strata.backend.select import select_backend
 from strata.config import Config
-from strata.engine.ops import select_backend
-from strata.engine.planner import WorkspaceCosts
-from strata.engine.workspace import borrowed_bytes
+from strata.engine.memory.workspace import borrowed_bytes
+from strata.engine.planning.planner import WorkspaceCosts
 from strata.hooktypes import Geometry
 
 EXPERT_CACHE_OWNER = "expert_cache"

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from strata.engine.ops import ExpertLayout
+from strata.backend.ops import ExpertLayout
 from strata.errors import EngineError
 from strata.gpu.ledger import Charge, VramLedger
 

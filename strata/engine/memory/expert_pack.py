@@ -22,34 +22,16 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from strata.engine.ops import ExpertLayout
+from strata.backend.layouts import EXPERT_MATRICES
+from strata.backend.ops import ExpertLayout
 from strata.errors import ModelFormatError, StaleExpertPackError
 from strata.model.gguf_file import GgufModel
 
-ALIGN_BYTES = 256
 HEADER_BYTES = 4096
 MAGIC_PREFIX = "strata-expert-pack-"
 MAGIC = MAGIC_PREFIX + "2"  # 2: the header records the source GGUF's identity
 SOURCE_SAMPLE_BYTES = 4096  # of every expert matrix, hashed into the source identity
 REPACK_FIX = "write it again with `strata --config FILE pack` (FILE: the configuration whose model.expert_pack it is)"
-_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-
-
-def expert_layout(model: GgufModel, encoded_bytes: Callable[[QType, tuple[int, int]], int] | None = None,
-                  encoding: str = "gguf") -> ExpertLayout:
-    """Where gate, up and down sit in a slot. ``encoded_bytes(qtype, shape)`` is the size of one
-    matrix in the backend's encoding (default: the GGUF bytes)."""
-    refs = [model.tensors[f"blk.0.{name}.weight"] for name in _MATRICES]
-    shapes = tuple(tuple(r.shape[1:]) for r in refs)
-    qtypes = tuple(QType(r.qtype) for r in refs)
-    sizes = tuple(encoded_bytes(q, s) if encoded_bytes else r.nbytes // r.shape[0]
-                  for q, s, r in zip(qtypes, shapes, refs))
-    offsets, offset = [], 0
-    for size in sizes:
-        offsets.append(offset)
-        offset += _align(size)
-    return ExpertLayout(qtypes=qtypes, shapes=shapes, offsets=tuple(offsets), sizes=sizes, slot_bytes=offset,
-                        encoding=encoding)
 
 
 class ExpertPack:
@@ -82,7 +64,7 @@ class ExpertPack:
             _check_layer_layout(model, layer, layout)
             slots = pack.buffer[layer * spec.num_experts * layout.slot_bytes:
                                 (layer + 1) * spec.num_experts * layout.slot_bytes].reshape(spec.num_experts, -1)
-            for name, qtype, shape, offset, size in zip(_MATRICES, layout.qtypes, layout.shapes, layout.offsets,
+            for name, qtype, shape, offset, size in zip(EXPERT_MATRICES, layout.qtypes, layout.shapes, layout.offsets,
                                                         layout.sizes):
                 data = model.tensors[f"blk.{layer}.{name}.weight"].data  # [N, rows, row_bytes]
                 encoded = encode(data, qtype, shape) if encode else data.reshape(spec.num_experts, -1)
@@ -159,7 +141,7 @@ def source_identity(model: GgufModel) -> dict:
     with open(model.path, "rb") as f:
         digest.update(f.read(model.data_offset_bytes))
     for layer in range(model.spec.num_layers):
-        for name in _MATRICES:
+        for name in EXPERT_MATRICES:
             data = model.tensors[f"blk.{layer}.{name}.weight"].data
             digest.update(data.reshape(-1).view(np.uint8)[:SOURCE_SAMPLE_BYTES].tobytes())
     return {"source_bytes": model.path.stat().st_size, "source_sha256": digest.hexdigest()}
@@ -191,7 +173,7 @@ def _identity_text(identity: dict) -> str:
 
 
 def _check_layer_layout(model: GgufModel, layer: int, layout: ExpertLayout) -> None:
-    for name, qtype in zip(_MATRICES, layout.qtypes):
+    for name, qtype in zip(EXPERT_MATRICES, layout.qtypes):
         ref = model.tensors[f"blk.{layer}.{name}.weight"]
         if ref.qtype != qtype:
             raise ModelFormatError(f"{model.path}: blk.{layer}.{name}.weight is {ref.qtype.name}; the expert pack "
@@ -202,7 +184,3 @@ def _layout_json(layout: ExpertLayout) -> dict:
     return {"encoding": layout.encoding, "qtypes": [int(q) for q in layout.qtypes],
             "shapes": [list(s) for s in layout.shapes], "offsets": list(layout.offsets), "sizes": list(layout.sizes),
             "slot_bytes": layout.slot_bytes}
-
-
-def _align(num_bytes: int) -> int:
-    return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES

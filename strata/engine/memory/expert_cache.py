@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from strata.engine.ops import ExpertLayout, Ops
+from strata.backend.ops import ExpertLayout, Ops
 
 if TYPE_CHECKING:
-    from strata.engine.expert_pack import ExpertPack
+    from strata.engine.memory.expert_pack import ExpertPack
 
 Key = tuple[int, int]  # (layer, expert)
 _FILL_BATCH = 256  # experts per staging call when filling the cache
@@ -216,7 +216,7 @@ class ExpertCache:
 
 
 class CacheResidency:
-    """The cache's residency as runtime state (``strata.engine.runtime_state.Residency``): restoring
+    """The cache's residency as runtime state (``strata.engine.loan.runtime_state.Residency``): restoring
     stages the experts evicted since the snapshot from the expert pack, into their old slots."""
 
     def __init__(self, cache: ExpertCache, pack: ExpertPack | None):

@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, config: Config) -> int:
     from tqdm import tqdm
 
-    from strata.engine.expert_pack import ExpertPack
-    from strata.engine.ops import make_ops, select_backend
+    from strata.backend.select import make_ops, select_backend
+    from strata.engine.memory.expert_pack import ExpertPack
 
     model = open_gguf(resolve_model_path(config.model.path))
     if not model.spec.is_moe:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from strata.backend.ops import ExpertLayout
 from strata.config import Config
-from strata.engine.ops import ExpertLayout
-from strata.engine.planner import WorkspaceCosts
+from strata.engine.planning.planner import WorkspaceCosts
 from strata.errors import ConfigError
 from strata.model.gguf_file import GgufModel
 from strata.model.spec import ModelSpec

@@ -19,8 +19,6 @@ from typing import Any, Protocol
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from strata.config import Config
-from strata.errors import ConfigError
 from strata.gpu.ledger import VramLedger
 
 
@@ -158,44 +156,3 @@ class Ops(Protocol):
     def shared_expert_add(self, acc: Any, shared: Any, h: Any, gate_inp: Any | None) -> None: ...
     def add(self, x: Any, y: Any) -> None: ...  # x += y (nothing when y is x's accumulator itself)
     def logits(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray: ...  # last row -> [V] host
-
-
-def select_backend(config: Config) -> str:
-    """The backend name for ``runtime.backend``; ``auto`` is cuda when a GPU is present, else numpy."""
-    wanted = config.runtime.backend
-    if wanted != "auto":
-        return wanted
-    return "cuda" if _has_cuda_device() else "numpy"
-
-
-def make_ops(name: str, ledger: VramLedger, device: int = 0) -> Ops:
-    if name == "numpy":
-        from strata.engine.ops_numpy import NumpyOps
-
-        return NumpyOps(ledger)
-    if name in ("cuda", "cudasim"):
-        from numba import config as numba_config
-
-        if name == "cudasim" and not numba_config.ENABLE_CUDASIM:
-            raise ConfigError("runtime.backend = 'cudasim' runs the kernels in Numba's CUDA simulator, which must be "
-                              "switched on before start: set NUMBA_ENABLE_CUDASIM=1 in the environment")
-        if name == "cuda" and numba_config.ENABLE_CUDASIM:
-            raise ConfigError("runtime.backend = 'cuda' but NUMBA_ENABLE_CUDASIM=1 is set; unset it, or use "
-                              "runtime.backend = 'cudasim'")
-        try:
-            from strata.gpu.ops_cuda import CudaOps
-        except ImportError as exc:
-            raise ConfigError(f"runtime.backend = {name!r} is not available in this build ({exc}); "
-                              'use runtime.backend = "numpy"') from exc
-        return CudaOps(ledger, device=device, is_simulator=name == "cudasim")
-    raise ConfigError(f"runtime.backend = {name!r}: allowed values are 'auto', 'cuda', 'cudasim', 'numpy'")
-
-
-def _has_cuda_device() -> bool:
-    try:
-        from numba import config as numba_config
-        from numba import cuda
-
-        return not numba_config.ENABLE_CUDASIM and bool(cuda.is_available())
-    except Exception:  # no driver, no toolkit: the CPU it is
-        return False

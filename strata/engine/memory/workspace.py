@@ -7,9 +7,9 @@ activations; whatever does not fit is charged to ``prompt_workspace``. ``allocat
 
 from __future__ import annotations
 
-from strata.engine.expert_cache import ExpertCache
-from strata.engine.ops import Ops
-from strata.engine.planner import WorkspaceCosts
+from strata.backend.ops import Ops
+from strata.engine.memory.expert_cache import ExpertCache
+from strata.engine.planning.planner import WorkspaceCosts
 from strata.errors import AllocationError
 from strata.hooktypes import Geometry
 

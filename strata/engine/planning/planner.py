@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from strata.config import PlannerConfig
-from strata.engine.prefill_cost import PrefillCostModel
+from strata.engine.planning.prefill_cost import PrefillCostModel
 from strata.errors import AllocationError
 from strata.hooktypes import Geometry, PlannerBudget
 

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from strata.engine.greedy_tail import GreedyTails
+from strata.engine.decode.greedy_tail import GreedyTails
 from strata.errors import EngineError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 

@@ -1,0 +1,57 @@
+"""Ops that charge the ledger as a real load would and allocate nothing: ``strata check``'s backend."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strata.backend.numpy_ops import NumpyArena, NumpyKv, NumpyOps
+from strata.backend.ops import ExpertLayout
+from strata.gpu.ledger import VramLedger
+
+
+class DryRunOps(NumpyOps):
+    """Charges the ledger exactly as a load on ``backend`` would and allocates nothing: for ``strata check``."""
+
+    name = "dry-run"
+
+    def __init__(self, ledger: VramLedger, backend: str = "numpy"):
+        super().__init__(ledger)
+        self.backend = backend
+        self.is_activation_borrowable = backend == "numpy"
+
+    def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
+        if self.backend == "numpy":
+            return 0
+        from strata.backend.cuda_ops import kv_scratch_bytes_per_cell
+
+        return kv_scratch_bytes_per_cell(head_dim, kv_width, kv_type, has_tensor_cores=True)
+
+    def expert_layout(self, model) -> ExpertLayout:
+        if self.backend == "numpy":
+            return super().expert_layout(model)
+        from strata.backend.layouts import packed_expert_layout
+
+        return packed_expert_layout(model)
+
+    def alloc(self, owner: str, shape, dtype) -> np.ndarray:
+        return self._track_placeholder(owner, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+
+    def upload(self, owner: str, host: np.ndarray) -> np.ndarray:
+        return self._track_placeholder(owner, host.nbytes)
+
+    def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout):
+        if self.backend == "numpy":
+            return NumpyArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, is_backed=False)
+        from strata.backend.expert_arena import CountingRange, PlaneArena
+
+        return PlaneArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, granularity=2 << 20,
+                          make_range=CountingRange)
+
+    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type):
+        probe = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type)
+        return self._track_placeholder(owner, probe.data.nbytes * num_layers * num_cells)
+
+    def _track_placeholder(self, owner: str, num_bytes: int) -> np.ndarray:
+        placeholder = np.empty(0, dtype=np.uint8)
+        self._charges[id(placeholder)] = (placeholder, self.ledger.charge(owner, num_bytes))
+        return placeholder
