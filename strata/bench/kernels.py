@@ -38,7 +38,8 @@ from strata.gpu.kernels.attention import (
     default_num_splits,
     split_partial_shapes,
 )
-from strata.gpu.kernels.gemm import GemmConfig, MmaConfig, default_config, staged_input
+from strata.gpu.kernels.gemm import staged_input
+from strata.gpu.kernels.gemm_config import GemmConfig, MmaConfig, default_config
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.gemv_native import LAYER_CONFIG, head_config

@@ -1,10 +1,10 @@
 """Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe|attention|gemv]``.
 
-The sweeps behind the defaults of ``gemm.default_config()`` and ``attention.py``'s
+The sweeps behind the defaults of ``gemm_config.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/PERFORMANCE.md): every MmaConfig main-loop variant on the MoE prefill
 products (2,048 and 8,192 routed tokens; Q4_0, or --weight-format) and a dense 4096 x 4096 x 2048
 GEMM; the MoE prefill's gate/up and down launches on tiles of their own, at 512 / 2,048 / 8,192
-routed tokens (behind ``gemm.default_config()`` and ``default_down_config()``), and the engine's
+routed tokens (behind ``gemm_config.default_config()`` and ``default_down_config()``), and the engine's
 choice for Q4_0 experts, ``moe_rows``' kernels on 64-pair groups; every
 MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
 block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
@@ -71,7 +71,8 @@ def _attempt(fn) -> str:
 
 def gemm_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
     from strata.bench import kernels as b
-    from strata.gpu.kernels.gemm import MmaConfig, gemm
+    from strata.gpu.kernels.gemm import gemm
+    from strata.gpu.kernels.gemm_config import MmaConfig
 
     s, rng = b.QWEN3_30B, np.random.default_rng(0)
     experts = b.make_experts(s, fmt, rng)
@@ -95,7 +96,7 @@ def moe_sweep(timing, match: str = "", fmt: str = "Q4_0") -> None:
     the first variant's (the k experts of a token add in any order, so a few ulps are expected)."""
     from strata.bench import kernels as b
     from strata.gpu.kernels import moe_rows
-    from strata.gpu.kernels.gemm import default_config
+    from strata.gpu.kernels.gemm_config import default_config
     from strata.gpu.kernels.moe import moe_experts_prefill
     from strata.gpu.kernels.moe_route import moe_group, moe_route
 

@@ -20,7 +20,7 @@ from strata.gpu.kernels import (
     moe_rows,
     tensor_core,
 )
-from strata.gpu.kernels.gemm import moe_block_m
+from strata.gpu.kernels.gemm_config import moe_block_m
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, TRANSIENT_OWNERS
 from strata.model.gguf_file import open_gguf
 from strata.model.reference import KVCache, ReferenceModel

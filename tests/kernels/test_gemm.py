@@ -9,7 +9,8 @@ from kernel_data import (
     random_matrix,
 )
 
-from strata.gpu.kernels.gemm import GemmConfig, gemm
+from strata.gpu.kernels.gemm import gemm
+from strata.gpu.kernels.gemm_config import GemmConfig
 
 TINY = GemmConfig(block_m=8, block_n=8, thread_m=2, thread_n=2)  # 16 threads
 NUM_TOKENS, NUM_ROWS = 11, 13  # neither a multiple of the 8 x 8 tile

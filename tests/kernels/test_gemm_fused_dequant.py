@@ -14,7 +14,7 @@ from host_cpp import HALF_SHIMS, between, build
 from kernel_data import random_gguf_bytes, reference_dequant
 
 from strata.gpu.kernels import tensor_core
-from strata.gpu.kernels.gemm import FUSED_FORMATS
+from strata.gpu.kernels.gemm_config import FUSED_FORMATS
 from strata.gpu.kernels.packing import pack
 
 _SHIMS = HALF_SHIMS + r"""

@@ -18,7 +18,8 @@ from kernel_data import (
 
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
-from strata.gpu.kernels.gemm import (
+from strata.gpu.kernels.gemm import gemm, jit_options
+from strata.gpu.kernels.gemm_config import (
     DEFAULT_BLOCK_MS,
     FUSED_FORMATS,
     MOE_FULL_TILE_MIN_ROWS,
@@ -26,9 +27,7 @@ from strata.gpu.kernels.gemm import (
     MmaConfig,
     default_config,
     default_down_config,
-    gemm,
     is_fused,
-    jit_options,
     moe_block_m,
 )
 from strata.gpu.kernels.moe import moe_experts_prefill
@@ -309,7 +308,7 @@ def test_the_chosen_tile_rows_are_both_launches_rows(fmts):  # one grouping serv
     down, _ = random_matrix("Q4_0", 4 * 32, 32, 2)
     groups = moe_group(ids, weights, 4, 16)  # rows no default tile has
     with pytest.raises(ValueError, match=r"the groups' tiles are 16 pairs, but the default tiles have \(64, 128\) "
-                                         "rows: group with gemm.moe_block_m"):
+                                         "rows: group with gemm_config.moe_block_m"):
         moe_experts_prefill(dev(np.zeros((8, 32), np.float32)), groups, w, w, down, dev(np.zeros((8, 32), np.float32)),
                             num_experts=4)
 

@@ -12,7 +12,8 @@ from kernel_data import (
 )
 
 from strata.gpu.kernels.attention import AttentionConfig, attention
-from strata.gpu.kernels.gemm import GemmConfig, gemm
+from strata.gpu.kernels.gemm import gemm
+from strata.gpu.kernels.gemm_config import GemmConfig
 from strata.gpu.kernels.gemv import GemvConfig, gemv
 from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer

@@ -3,7 +3,7 @@ import pytest
 from kernel_data import assert_close_to_scale, dev, host, random_matrix
 
 from strata.gpu.kernels import moe
-from strata.gpu.kernels.gemm import GemmConfig
+from strata.gpu.kernels.gemm_config import GemmConfig
 from strata.gpu.kernels.gemv import GemvConfig
 from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group, moe_route

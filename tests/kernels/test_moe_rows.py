@@ -5,7 +5,7 @@ import pytest
 from kernel_data import assert_close_to_scale, dev, host, random_matrix
 
 from strata.gpu.kernels import moe, moe_rows, tensor_core
-from strata.gpu.kernels.gemm import default_config, default_down_config
+from strata.gpu.kernels.gemm_config import default_config, default_down_config
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
 from strata.model import reference_ops

@@ -19,7 +19,7 @@ from kernel_data import (
 from numba import cuda
 
 from strata.gpu.kernels import gemm, moe, shared_tiles
-from strata.gpu.kernels.gemm import MmaConfig
+from strata.gpu.kernels.gemm_config import MmaConfig
 
 
 class _Tiles(NamedTuple):

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from strata.backend import expert_arena
 from strata.backend.expert_arena import HostToDeviceCopier
 from strata.errors import EngineError
-from strata.backend import expert_arena
 from strata.gpu import driver_calls
 
 

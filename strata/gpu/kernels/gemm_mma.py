@@ -35,7 +35,7 @@ from numba import cuda, types
 
 from . import tensor_core
 from ._common import OCTET
-from .gemm import BLOCK_K, MmaConfig, is_fused
+from .gemm_config import BLOCK_K, MmaConfig, is_fused
 from .quant_device import dequant8_for, split_dequant8_for
 
 _OCTETS_PER_K32 = BLOCK_K // OCTET

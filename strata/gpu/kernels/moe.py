@@ -41,17 +41,19 @@ from ._common import (
 from .activation import device_silu_mul
 from .block_reduce import device_inv_rms
 from .gemm import (
-    BLOCK_K,
-    DEFAULT_BLOCK_MS,
-    MmaConfig,
     acc_coords_device,
-    default_config,
-    default_down_config,
     dual_mainloop_device,
     jit_options,
     mainloop_device,
-    moe_block_m,
     staged_input,
+)
+from .gemm_config import (
+    BLOCK_K,
+    DEFAULT_BLOCK_MS,
+    MmaConfig,
+    default_config,
+    default_down_config,
+    moe_block_m,
 )
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS
@@ -199,10 +201,10 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
 
     groups must come from moe_group(..., block_m=config.block_m), or, where config is None, with one
-    of gemm.DEFAULT_BLOCK_MS (gemm.moe_block_m picks it; the FFMA tiles' own without tensor cores).
+    of gemm_config.DEFAULT_BLOCK_MS (gemm_config.moe_block_m picks it; the FFMA tiles' own without tensor cores).
     hidden: optional [P, F] scratch (P = T * k) of hidden_dtype (float32 or float16; by default float16
     under an MmaConfig, whose loops stage it as float16 anyway, else float32). config: GemmConfig (FFMA)
-    or MmaConfig (tensor cores); default gemm.default_config(<the three formats>, block_m=groups.block_m).
+    or MmaConfig (tensor cores); default gemm_config.default_config(<the three formats>, block_m=groups.block_m).
     down_config: the down launch's tiles (the same block_m: one grouping serves both); default config
     where config is given, else gemm.default_down_config(<the three formats>, block_m=groups.block_m).
     slot_of_expert: optional [N] int32, when the groups name expert ids: tile t computes expert e
@@ -222,7 +224,7 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
         return _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_expert)
     if config is None and block_m not in DEFAULT_BLOCK_MS:
         raise ValueError(f"the groups' tiles are {block_m} pairs, but the default tiles have {DEFAULT_BLOCK_MS} rows: "
-                         "group with gemm.moe_block_m(num_pairs, num_experts), or pass config")
+                         "group with gemm_config.moe_block_m(num_pairs, num_experts), or pass config")
     if down_config is None:
         down_config = config if config is not None else default_down_config(*fmts, block_m=block_m)
     config = (config or default_config(*fmts, block_m=block_m)).validate()
@@ -265,7 +267,7 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
 def prefill_tile_rows(num_pairs: int, num_experts: int, fmts: tuple = (), dim: int = 0, ffn: int = 0) -> int:
     """The grouping's block_m for a prefill chunk of num_pairs routed pairs over experts of these formats
     (gate, up, down) and sizes: moe_rows' tokens a tile where its kernels serve them (faster at every chunk
-    size measured), else gemm.moe_block_m's choice for the tile kernels (an empty fmts: unknown experts)."""
+    size measured), else gemm_config.moe_block_m's choice for the tile kernels (an empty fmts: unknown experts)."""
     if moe_rows.serves(fmts, dim, ffn):
         return moe_rows.TILE_ROWS
     return moe_block_m(num_pairs, num_experts)
