@@ -81,7 +81,7 @@ def _cached_after_load(engine, config: Config) -> int:
 
 
 def format_context(config: Config, kv_cells: int, served_tokens: int) -> str:
-    from strata.engine.facade import context_cut_reason
+    from strata.engine.loading import context_cut_reason
 
     configured = config.runtime.context_tokens
     if served_tokens >= configured:

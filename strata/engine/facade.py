@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -24,51 +23,46 @@ import numpy as np
 from strata.backend.dry_run import DryRunOps
 from strata.backend.select import make_ops, select_backend
 from strata.config import Config
-from strata.engine.counters import EngineCounters
-from strata.engine.generation import Generation, output_head
+from strata.engine import loading
+from strata.engine.core import EngineCore
+from strata.engine.generation import Generation
 from strata.engine.loan.admission import admit
-from strata.engine.loan.resources import (
-    MTP_DRAFT_HEAD,
-    MTP_EXPERTS,
-    OUTPUT_HEAD,
-    VERIFIER,
-)
 from strata.engine.loan.runtime_state import RuntimeSettings, RuntimeState
 from strata.engine.loan.transaction import LoanTransaction
-from strata.engine.memory.decode_resources import ArenaResource, TensorsResource
+from strata.engine.memory.decode_resources import TensorsResource
 from strata.engine.memory.expert_cache import CacheResidency, ExpertCache
 from strata.engine.memory.expert_pack import ExpertPack
 from strata.engine.memory.workspace import PromptWorkspace
-from strata.engine.planning.placement import Placement, plan_placement
+from strata.engine.planning.placement import plan_placement
 from strata.engine.planning.planner import Planner, largest_ring_slots
 from strata.engine.planning.prefill_cost import PrefillCostModel
 from strata.engine.runner import DeviceWeights, ModelRunner, StreamStats
 from strata.engine.sampling import SamplingParams
-from strata.errors import AllocationError, ConfigError
+from strata.errors import AllocationError
 from strata.gpu.ledger import (
     ACTIVATIONS_OWNER,
     DECODE_GRAPHS_OWNER,
     LedgerSnapshot,
     VramLedger,
 )
-from strata.model.gguf_file import GgufModel, open_gguf
+from strata.model.gguf_file import open_gguf
 from strata.model.locate import resolve_model_path
 from strata.model.tokenizer import Tokenizer
 from strata.plugins import load_plugins
 
-NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
 WARMUP_HEAD_ROWS = 256  # rows of a held-back head that the warm-up's logits kernel reads
 WARMUP_MIN_TOKENS = 24  # above the decode MoE kernels' 4 tokens and block routing's 16: prefill's kernels run
 log = logging.getLogger("strata.engine")
 
 
-class Engine:
-    def __init__(self, **parts):
-        self.__dict__.update(parts)
-        self.counters = EngineCounters()
-        self.kv_tokens: list[int] = []  # tokens whose K and V are in the cache, in order
-        self.current_generation = None  # the request whose decode state (segments, cached blocks) is live
-        self.kept_decode_bytes = 0  # what decode's segments kept across requests hold (``prepare_decode``)
+@dataclasses.dataclass(eq=False)
+class Engine(EngineCore):
+    """A loaded engine: ``load`` builds it, ``generate`` serves one request at a time.
+
+    :ivar kept_decode_bytes: what decode's segments kept across requests hold (``prepare_decode``).
+    """
+
+    kept_decode_bytes: int = 0
 
     @property
     def idle_ledger(self) -> LedgerSnapshot:
@@ -87,14 +81,14 @@ class Engine:
         tokenizer = Tokenizer.from_metadata(model.metadata)
         plugins, config = load_plugins(config)
         backend = select_backend(config)
-        ledger = VramLedger(_budget_bytes(config, backend, model))
+        ledger = VramLedger(loading.budget_bytes(config, backend, model))
         ops = DryRunOps(ledger, backend) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
         spec = model.spec
         layout = ops.expert_layout(model) if spec.is_moe else None
         placement = plan_placement(config, model, layout, ledger.budget_bytes, ops.is_activation_borrowable,
                                    ops.prefill_kv_scratch_bytes_per_cell(spec.head_dim, spec.kv_size,
                                                                          config.runtime.kv_type))
-        resources = _decode_resources(config, model, ops, placement)
+        resources = loading.decode_resources(config, model, ops, placement)
         admit(config, plugins, resources)
         if not is_dry_run:
             for resource in resources.values():
@@ -103,8 +97,10 @@ class Engine:
         weights = DeviceWeights(ops, model)
         kv = ops.kv_cache("kv_cache", spec.num_layers, placement.kv_cells, spec.num_kv_heads, spec.head_dim,
                           config.runtime.kv_type)
-        decode_ws = ops.alloc("decode_workspace", (placement.decode_workspace_bytes,), "uint8")
-        pack = _expert_pack(config, model, ops, layout, show_progress) if layout and not is_dry_run else None
+        # charged, not yet read: freeing it moves the documented plans (the 8 GiB benchmark's loan chunk);
+        # MTP verification is its reader to come
+        decode_workspace = ops.alloc("decode_workspace", (placement.decode_workspace_bytes,), "uint8")
+        pack = loading.expert_pack(config, model, ops, layout, show_progress) if layout and not is_dry_run else None
         if layout and is_dry_run and config.model.expert_pack is not None:
             ExpertPack.check(config.model.expert_pack, model, layout)  # what the load would refuse
         cache = ExpertCache(ops, layout, segment_bytes=config.runtime.vmm_segment_bytes,
@@ -112,8 +108,8 @@ class Engine:
                             max_slots=spec.num_layers * spec.num_experts
                             + largest_ring_slots(config.planner, placement.costs.target_ring_slots)) if layout else None
         if cache:
-            _check_cache_maps_a_segment(config, placement, cache)
-            cache.min_cache_slots = _min_cache_slots(config, cache.num_slots, spec)
+            loading.check_cache_maps_a_segment(config, placement, cache)
+            cache.min_cache_slots = loading.min_cache_slots(config, cache.num_slots, spec)
         cost_model = PrefillCostModel.from_spec(
             spec, layout.slot_bytes, pcie_bytes_per_s=config.planner.pcie_bytes_per_s,
             compute_flops_per_s=config.planner.compute_flops_per_s,
@@ -133,16 +129,16 @@ class Engine:
         runner = ModelRunner(spec, ops, weights, kv, cache, pack, config.runtime.decode_graphs,
                              config.runtime.decode_prefetch)
         engine = cls(config=config, model=model, spec=spec, tokenizer=tokenizer, plugins=plugins, backend=backend,
-                   ledger=ledger, ops=ops, placement=placement, resources=resources, weights=weights, kv=kv,
-                   decode_workspace=decode_ws, pack=pack, cache=cache, planner=planner, workspace=workspace,
-                   state=state, loan=loan, runner=runner,
-                   load_ledger=LedgerSnapshot(ledger.budget_bytes, dict(sorted(expected.items()))),
-                   model_name=config.model.name or model.path.stem,
-                   context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
+                     ledger=ledger, ops=ops, placement=placement, resources=resources, weights=weights, kv=kv,
+                     decode_workspace=decode_workspace, pack=pack, cache=cache, planner=planner, workspace=workspace, state=state, loan=loan,
+                     runner=runner,
+                     load_ledger=LedgerSnapshot(ledger.budget_bytes, dict(sorted(expected.items()))),
+                     model_name=config.model.name or model.path.stem,
+                     context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
         rt = config.runtime
         if rt.context_tokens > placement.kv_cells:
             log.warning("runtime.context_tokens = %d is cut to %d tokens (prompts up to %d): %s", rt.context_tokens,
-                        placement.kv_cells, placement.kv_cells - 1, context_cut_reason(placement.kv_cells))
+                        placement.kv_cells, placement.kv_cells - 1, loading.context_cut_reason(placement.kv_cells))
         is_warming_up = config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run
         if is_warming_up:
             engine.warm_up()
@@ -166,7 +162,7 @@ class Engine:
         started = time.perf_counter()
         num_bytes = 0
         try:
-            self.runner.prepare_decode(output_head(self) if self.config.runtime.greedy_on_device and is_head_here
+            self.runner.prepare_decode(self.output_head() if self.config.runtime.greedy_on_device and is_head_here
                                        else None)
             num_bytes = self.ledger.snapshot().by_owner.get(DECODE_GRAPHS_OWNER, 0)
             self.loan.plan_preview(is_loan=False)  # every resource resident, as a request without a loan
@@ -243,7 +239,7 @@ class Engine:
         for the call (the same kernels run on it)."""
         head = self.resources.get("output_head")
         if head is None or head.is_resident:
-            yield output_head(self)[1]
+            yield self.output_head()[1]
             return
         ref = head.sources["output"]
         num_rows = min(WARMUP_HEAD_ROWS, int(np.prod(ref.shape[:-1])))
@@ -288,77 +284,3 @@ class Engine:
         self.runner.reset_decode()
         self.ops.synchronize()
         self.ops.trim_memory()
-
-
-def _check_cache_maps_a_segment(config: Config, placement: Placement, cache: ExpertCache) -> None:
-    """The staging ring lives in the expert cache, so a cache of no slot cannot prefill. A segment
-    costs more than runtime.vmm_segment where each plane of the packed experts is rounded up to
-    the device's mapping granularity."""
-    if cache.num_slots:
-        return
-    short_mib = (cache.segment_bytes - placement.cache_base_bytes) / 2**20
-    raise ConfigError(
-        f"a VRAM budget of {placement.budget_bytes / 2**20:.0f} MiB (runtime.vram_budget) leaves "
-        f"{placement.cache_base_bytes / 2**20:.0f} MiB for the expert cache, less than one of its segments "
-        f"({cache.segment_bytes / 2**20:.0f} MiB: runtime.vmm_segment of expert slots, each plane rounded up to "
-        f"the device's mapping granularity), and prefill stages experts in cache slots; raise "
-        f"runtime.vram_budget by at least {short_mib:.0f} MiB")
-
-
-def _min_cache_slots(config: Config, base_slots: int, spec) -> int:
-    """Slots the prompt workspace may never borrow: a share of the startup cache (leaving the smallest
-    staging ring borrowable), and at least one token's experts, which decode needs together."""
-    keep = int(base_slots * config.planner.cache_keep_share)
-    return max(spec.num_experts_used, min(keep, base_slots - config.planner.min_ring_slots))
-
-
-def _budget_bytes(config: Config, backend: str, model: GgufModel) -> int:
-    if config.runtime.vram_budget_bytes:
-        return config.runtime.vram_budget_bytes
-    if backend == "numpy":
-        return model.path.stat().st_size + NUMPY_HEADROOM_BYTES
-    from strata.gpu.device import free_device_bytes
-
-    return int(free_device_bytes(config.runtime.device) * 0.9)
-
-
-def _decode_resources(config: Config, model: GgufModel, ops, placement: Placement) -> dict:
-    spec, rt = model.spec, config.runtime
-    resources = {}
-    is_loaned = config.loan.enabled  # loaned weights keep a packed host copy for their restores
-    if rt.mtp and rt.spec_depth:
-        resources[VERIFIER] = ArenaResource(VERIFIER, ops, placement.verifier_bytes)
-    if "output.weight" in model.tensors:
-        resources[OUTPUT_HEAD] = TensorsResource(OUTPUT_HEAD, ops, {"output": model.tensors["output.weight"]},
-                                                 is_loaned or rt.prefill_head_alias)
-    if rt.mtp and spec.num_nextn_layers:
-        prefix = f"blk.{spec.num_layers}."
-        block = {n: r for n, r in model.tensors.items() if n.startswith(prefix)}
-        experts = {n: r for n, r in block.items() if "_exps." in n}
-        resources[MTP_DRAFT_HEAD] = TensorsResource(MTP_DRAFT_HEAD, ops,
-                                                    {n: r for n, r in block.items() if n not in experts}, is_loaned)
-        resources[MTP_EXPERTS] = TensorsResource(MTP_EXPERTS, ops, experts, is_loaned)
-    return resources
-
-
-def context_cut_reason(kv_cells: int) -> str:
-    """Why fewer tokens than ``runtime.context_tokens`` are served, and the two fixes."""
-    return (f"runtime.kv_resident_cells = {kv_cells:,} and Strata keeps every KV cell on the GPU (no host tier for "
-            "KV cells yet); raise runtime.kv_resident_cells to serve the configured context, or set "
-            f"runtime.context_tokens = {kv_cells} to configure what is served")
-
-
-def _expert_pack(config: Config, model: GgufModel, ops, layout, show_progress: bool) -> ExpertPack:
-    if config.model.expert_pack is not None:
-        return ExpertPack.read(config.model.expert_pack, model, layout, ops.host_buffer)
-    progress = None
-    if show_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=model.spec.num_layers, desc="packing experts", unit="layer", file=sys.stderr)
-        progress = lambda done: bar.update(done - bar.n)
-    try:
-        return ExpertPack.from_gguf(model, layout, ops.host_buffer, ops.encode_experts, progress)
-    finally:
-        if show_progress:
-            bar.close()

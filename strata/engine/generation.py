@@ -1,4 +1,5 @@
-"""One request: reuse the KV prefix, prefill the unread tokens inside the loan, then decode."""
+"""One request, one way: reuse the KV prefix → the loan lends memory and yields the geometry →
+prefill the unread tokens in it → the loan restores → decode token by token."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from strata.engine.core import EngineCore
 from strata.engine.request import RequestStats, TokenEvent
 from strata.engine.runner import StreamStats
 from strata.engine.sampling import (
@@ -22,9 +23,6 @@ from strata.engine.sampling import (
 from strata.errors import LoanRestoreError, RequestError
 from strata.hooktypes import Geometry
 
-if TYPE_CHECKING:
-    from strata.engine.facade import Engine
-
 log = logging.getLogger("strata.engine")
 FLUSH_TOKEN_ID = -1  # a TokenEvent with this id carries text released at the end of the stream
 
@@ -32,7 +30,7 @@ FLUSH_TOKEN_ID = -1  # a TokenEvent with this id carries text released at the en
 class Generation:
     """Iterate for TokenEvents; ``stats`` is set once the iteration ends (also when it is closed early)."""
 
-    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, is_cancelled: Callable[[], bool]):
+    def __init__(self, engine: EngineCore, prompt: list[int], params: SamplingParams, is_cancelled: Callable[[], bool]):
         _check_prompt(prompt, engine.context_tokens, engine.spec.vocab_size)
         self.engine = engine
         self.prompt = prompt
@@ -53,20 +51,15 @@ class Generation:
 
     def _run(self) -> Iterator[TokenEvent]:
         engine, prompt, params = self.engine, self.prompt, self.params
-        previous = engine.current_generation
-        if previous is not None and previous is not self:
-            previous.close()  # one request at a time: an unfinished one ends here, "cancelled"
-        engine.current_generation = self
-        reuse = _common_prefix(engine.kv_tokens, prompt)  # the KV cells as the previous request left them
+        self._take_engine()
+        reuse = self._reuse_prefix()
         unread = np.asarray(prompt[reuse:], dtype=np.int64)
-        engine.kv_tokens = prompt[:reuse]
         stream = StreamStats()
-        engine.runner.end_request()  # segments of a request whose iteration was abandoned
-        engine.ops.trim_memory()  # what a failed request left for reuse must not shrink the plan
         started = time.perf_counter()
         try:
-            hidden, report = engine.loan.run(len(prompt), len(unread),
-                                             lambda geometry: self._prefill(unread, reuse, geometry, stream))
+            with engine.loan.lend(len(prompt), len(unread)) as geometry:
+                hidden = self._prefill(unread, reuse, geometry, stream)
+            report = engine.loan.last_report
             logits = self._logits(hidden)  # after the loan: the output head is back
             hidden = None  # the last chunk's [T, D]: not held while the first decode token is captured
         except BaseException as exc:
@@ -115,6 +108,23 @@ class Generation:
                 self._finish(report, len(unread), generated, finish, prefill_seconds, decode_seconds, stream)
                 self._release(is_failing=sys.exc_info()[0] is not None)
 
+    def _take_engine(self) -> None:
+        """One request at a time: an unfinished one ends here ("cancelled"), and what it left goes."""
+        engine = self.engine
+        previous = engine.current_generation
+        if previous is not None and previous is not self:
+            previous.close()
+        engine.current_generation = self
+        engine.runner.end_request()  # segments of a request whose iteration was abandoned
+        engine.ops.trim_memory()  # what a failed request left for reuse must not shrink the plan
+
+    def _reuse_prefix(self) -> int:
+        """Keep the KV cells of the prompt's prefix that the previous request left; returns their count."""
+        engine = self.engine
+        reuse = _common_prefix(engine.kv_tokens, self.prompt)
+        engine.kv_tokens = self.prompt[:reuse]
+        return reuse
+
     def _host_tokens(self, logits: np.ndarray, rng: np.random.Generator, stream: StreamStats) -> Iterator[int]:
         """Each token sampled on the host from the logits of the one before; the next token is
         computed only when the caller asks for it."""
@@ -140,7 +150,7 @@ class Generation:
         ids = np.array([token_id for token_id, _ in bias], dtype=np.int32)
         check_bias_ids(ids, engine.spec.vocab_size)  # the device adds at these ids unchecked
         values = np.array([value for _, value in bias], dtype=np.float32)
-        steps = engine.runner.greedy_tokens(token, position, num_steps, output_head(engine), (ids, values), stream)
+        steps = engine.runner.greedy_tokens(token, position, num_steps, engine.output_head(), (ids, values), stream)
         try:
             for next_token in steps:
                 engine.kv_tokens.append(token)
@@ -183,7 +193,7 @@ class Generation:
 
     def _logits(self, hidden) -> np.ndarray:
         engine = self.engine
-        logits = output_logits(engine, hidden)
+        logits = engine.output_logits(hidden)
         for token, bias in engine.state.settings.logit_bias:
             logits[token] += np.float32(bias)  # in float32, as the device adds it
         return logits
@@ -199,19 +209,6 @@ class Generation:
             prefetched_used_experts=stream.prefetched_used, decode_wait_seconds=stream.decode_wait_seconds)
         self.engine.counters.record(self.stats)
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
-
-
-def output_head(engine: Engine) -> tuple:
-    """(output norm, head QTensor, eps): the native head when the model has one, else the tied embedding."""
-    head = engine.resources.get("output_head")
-    head_tensor = head.tensors["output"] if head is not None else engine.weights.matrices["token_embd"]
-    return engine.weights.vectors["output_norm"], head_tensor, engine.spec.rms_norm_eps
-
-
-def output_logits(engine: Engine, hidden) -> np.ndarray:
-    """[V] host logits of the last row of ``hidden``, through the native head when the model has one."""
-    norm, head_tensor, eps = output_head(engine)
-    return engine.ops.logits(hidden, norm, head_tensor, eps)
 
 
 def _common_prefix(cached: list[int], prompt: list[int]) -> int:

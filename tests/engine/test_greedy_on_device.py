@@ -9,7 +9,6 @@ import pytest
 from engine_setup import engine_config, write_small_moe
 
 from strata.engine.facade import Engine
-from strata.engine.generation import output_logits
 from strata.engine.sampling import SamplingParams
 
 PROMPT = [int(t) for t in np.random.default_rng(8).integers(3, 500, size=40)]
@@ -29,7 +28,7 @@ class RecordingRunner:
         ids, values = bias
         self.calls.append((token, position, num_steps, ids.tolist(), values.tolist()))
         for _ in range(num_steps):
-            logits = output_logits(self._engine, self._runner.forward(np.array([token]), position, None, stats))
+            logits = self._engine.output_logits(self._runner.forward(np.array([token]), position, None, stats))
             for token_id, value in zip(ids, values):
                 logits[token_id] += value
             token, position = int(np.argmax(logits)), position + 1

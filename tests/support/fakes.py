@@ -190,4 +190,6 @@ class FakeEngine:
             return geometry
 
         unread = prompt_tokens if unread_tokens is None else unread_tokens
-        return self.loan.run(prompt_tokens, unread, run)
+        with self.loan.lend(prompt_tokens, unread) as geometry:
+            result = run(geometry)
+        return result, self.loan.last_report

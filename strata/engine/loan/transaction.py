@@ -15,8 +15,10 @@ from its host copy after prefill, like a loan's release). The sequence of hooks 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable, Mapping, Protocol, TypeVar
+from collections.abc import Iterator
+from typing import Mapping, Protocol
 
 from strata.config import Config
 from strata.engine.loan.resources import OUTPUT_HEAD, ElasticCache, Resource
@@ -27,7 +29,6 @@ from strata.gpu.ledger import TRANSIENT_OWNERS, VramLedger
 from strata.hooktypes import Geometry, LoanContext, LoanRequest, LoanVote, PlannerBudget
 from strata.plugins import PluginHost
 
-T = TypeVar("T")
 RESTORE_ATTEMPTS = 3
 _ALIAS_REASON = "output head lent to the prompt workspace (runtime.prefill_head_alias)"
 
@@ -94,7 +95,13 @@ class LoanTransaction:
                 resource.restore()
         self.startup_geometry = self.planner.plan(self.budget())
 
-    def run(self, prompt_tokens: int, unread_tokens: int, prefill: Callable[[Geometry], T]) -> tuple[T, LoanReport]:
+    @contextlib.contextmanager
+    def lend(self, prompt_tokens: int, unread_tokens: int) -> Iterator[Geometry]:
+        """The loan around one request's prefill: ``with loan.lend(...) as geometry:`` prefill in it.
+
+        Entering decides, releases, grows the cache, plans and allocates the workspace; leaving (also
+        by an exception) frees, restores and checks, then ``last_report`` says what the loan did.
+        """
         request = LoanRequest(self._num_requests, prompt_tokens, unread_tokens,
                               is_startup_loan=self.is_enabled and self._num_requests == 0)
         self._num_requests += 1
@@ -129,7 +136,7 @@ class LoanTransaction:
             geometry = self._plan(ctx, vote.is_run)
             geometry, num_retries = self._allocate(geometry)
             report = dataclasses.replace(report, geometry=geometry, num_retries=num_retries)
-            return prefill(geometry), report
+            yield geometry
         finally:
             self.last_report = report
             self._close(ctx, vote.is_run, released, captured, cache_bytes_before, expected)

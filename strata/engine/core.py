@@ -1,0 +1,85 @@
+"""What a loaded engine is made of: its parts, declared once, and the state it keeps between requests.
+
+``Engine`` (facade.py) builds these parts in ``Engine.load`` and adds the load-time work (warm-up,
+kept decode segments); a request (generation.py) reads them and updates the state between
+requests: the tokens whose K and V are in the cache, the request that owns decode, the counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from strata.backend.ops import Ops, QTensor
+from strata.config import Config
+from strata.engine.counters import EngineCounters
+from strata.engine.loan.resources import OUTPUT_HEAD, Resource
+from strata.engine.loan.runtime_state import RuntimeState
+from strata.engine.loan.transaction import LoanTransaction
+from strata.engine.memory.expert_cache import ExpertCache
+from strata.engine.memory.expert_pack import ExpertPack
+from strata.engine.memory.workspace import PromptWorkspace
+from strata.engine.planning.placement import Placement
+from strata.engine.planning.planner import Planner
+from strata.engine.runner import DeviceWeights, ModelRunner
+from strata.gpu.ledger import LedgerSnapshot, VramLedger
+from strata.model.gguf_file import GgufModel
+from strata.model.spec import ModelSpec
+from strata.model.tokenizer import Tokenizer
+from strata.plugins import PluginHost
+
+
+@dataclasses.dataclass(eq=False)
+class EngineCore:
+    """The loaded parts, and the state carried from one request to the next.
+
+    :ivar backend: the ops backend's name (``numpy``, ``cuda``, ``cudasim``).
+    :ivar kv: the KV cache, in the backend's own type.
+    :ivar decode_workspace: decode's reserved bytes (placement's ``decode_workspace``).
+    :ivar pack: the routed experts in host memory; None for a dense model or a dry run.
+    :ivar cache: the elastic expert cache in VRAM; None for a dense model.
+    :ivar load_ledger: what the load holds by owner, counting resources a startup loan defers.
+    :ivar context_tokens: tokens a request may reach: ``runtime.context_tokens`` cut to the KV cells.
+    :ivar kv_tokens: tokens whose K and V are in the cache, in order (the next request's reusable prefix).
+    :ivar current_generation: the request whose decode state (segments, cached blocks) is live.
+    """
+
+    config: Config
+    model: GgufModel
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    plugins: PluginHost
+    backend: str
+    ledger: VramLedger
+    ops: Ops
+    placement: Placement
+    resources: dict[str, Resource]
+    weights: DeviceWeights
+    kv: Any
+    decode_workspace: Any
+    pack: ExpertPack | None
+    cache: ExpertCache | None
+    planner: Planner
+    workspace: PromptWorkspace
+    state: RuntimeState
+    loan: LoanTransaction
+    runner: ModelRunner
+    load_ledger: LedgerSnapshot
+    model_name: str
+    context_tokens: int
+    counters: EngineCounters = dataclasses.field(default_factory=EngineCounters)
+    kv_tokens: list[int] = dataclasses.field(default_factory=list)
+    current_generation: Any = None
+
+    def output_head(self) -> tuple[Any, QTensor, float]:
+        """(output norm, head, eps): the native head when the model has one, else the tied embedding."""
+        head = self.resources.get(OUTPUT_HEAD)
+        head_tensor = head.tensors["output"] if head is not None else self.weights.matrices["token_embd"]
+        return self.weights.vectors["output_norm"], head_tensor, self.spec.rms_norm_eps
+
+    def output_logits(self, hidden) -> np.ndarray:
+        """[V] host logits of the last row of ``hidden`` [T, D]."""
+        norm, head_tensor, eps = self.output_head()
+        return self.ops.logits(hidden, norm, head_tensor, eps)

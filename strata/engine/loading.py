@@ -1,0 +1,102 @@
+"""The parts ``Engine.load`` assembles that need more than a constructor call: the VRAM budget, the
+decode-only resources the loan may lend, the host expert pack, and the checks on what placement left."""
+
+from __future__ import annotations
+
+import sys
+
+from strata.backend.ops import ExpertLayout, Ops
+from strata.config import Config
+from strata.engine.loan.resources import (
+    MTP_DRAFT_HEAD,
+    MTP_EXPERTS,
+    OUTPUT_HEAD,
+    VERIFIER,
+    Resource,
+)
+from strata.engine.memory.decode_resources import ArenaResource, TensorsResource
+from strata.engine.memory.expert_cache import ExpertCache
+from strata.engine.memory.expert_pack import ExpertPack
+from strata.engine.planning.placement import Placement
+from strata.errors import ConfigError
+from strata.model.gguf_file import GgufModel
+from strata.model.spec import ModelSpec
+
+NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
+
+
+def check_cache_maps_a_segment(config: Config, placement: Placement, cache: ExpertCache) -> None:
+    """The staging ring lives in the expert cache, so a cache of no slot cannot prefill. A segment
+    costs more than runtime.vmm_segment where each plane of the packed experts is rounded up to
+    the device's mapping granularity."""
+    if cache.num_slots:
+        return
+    short_mib = (cache.segment_bytes - placement.cache_base_bytes) / 2**20
+    raise ConfigError(
+        f"a VRAM budget of {placement.budget_bytes / 2**20:.0f} MiB (runtime.vram_budget) leaves "
+        f"{placement.cache_base_bytes / 2**20:.0f} MiB for the expert cache, less than one of its segments "
+        f"({cache.segment_bytes / 2**20:.0f} MiB: runtime.vmm_segment of expert slots, each plane rounded up to "
+        f"the device's mapping granularity), and prefill stages experts in cache slots; raise "
+        f"runtime.vram_budget by at least {short_mib:.0f} MiB")
+
+
+def min_cache_slots(config: Config, base_slots: int, spec: ModelSpec) -> int:
+    """Slots the prompt workspace may never borrow: a share of the startup cache (leaving the smallest
+    staging ring borrowable), and at least one token's experts, which decode needs together."""
+    keep = int(base_slots * config.planner.cache_keep_share)
+    return max(spec.num_experts_used, min(keep, base_slots - config.planner.min_ring_slots))
+
+
+def budget_bytes(config: Config, backend: str, model: GgufModel) -> int:
+    """``runtime.vram_budget``; unset, the model file plus headroom on numpy, 90% of the free VRAM on a GPU."""
+    if config.runtime.vram_budget_bytes:
+        return config.runtime.vram_budget_bytes
+    if backend == "numpy":
+        return model.path.stat().st_size + NUMPY_HEADROOM_BYTES
+    from strata.gpu.device import free_device_bytes
+
+    return int(free_device_bytes(config.runtime.device) * 0.9)
+
+
+def decode_resources(config: Config, model: GgufModel, ops: Ops, placement: Placement) -> dict[str, Resource]:
+    """The decode-only resources this model and configuration have, by name, none of them uploaded yet."""
+    spec, rt = model.spec, config.runtime
+    resources = {}
+    is_loaned = config.loan.enabled  # loaned weights keep a packed host copy for their restores
+    if rt.mtp and rt.spec_depth:
+        resources[VERIFIER] = ArenaResource(VERIFIER, ops, placement.verifier_bytes)
+    if "output.weight" in model.tensors:
+        resources[OUTPUT_HEAD] = TensorsResource(OUTPUT_HEAD, ops, {"output": model.tensors["output.weight"]},
+                                                 is_loaned or rt.prefill_head_alias)
+    if rt.mtp and spec.num_nextn_layers:
+        prefix = f"blk.{spec.num_layers}."
+        block = {n: r for n, r in model.tensors.items() if n.startswith(prefix)}
+        experts = {n: r for n, r in block.items() if "_exps." in n}
+        resources[MTP_DRAFT_HEAD] = TensorsResource(MTP_DRAFT_HEAD, ops,
+                                                    {n: r for n, r in block.items() if n not in experts}, is_loaned)
+        resources[MTP_EXPERTS] = TensorsResource(MTP_EXPERTS, ops, experts, is_loaned)
+    return resources
+
+
+def context_cut_reason(kv_cells: int) -> str:
+    """Why fewer tokens than ``runtime.context_tokens`` are served, and the two fixes."""
+    return (f"runtime.kv_resident_cells = {kv_cells:,} and Strata keeps every KV cell on the GPU (no host tier for "
+            "KV cells yet); raise runtime.kv_resident_cells to serve the configured context, or set "
+            f"runtime.context_tokens = {kv_cells} to configure what is served")
+
+
+def expert_pack(config: Config, model: GgufModel, ops: Ops, layout: ExpertLayout, show_progress: bool) -> ExpertPack:
+    """The routed experts in host memory: read from ``model.expert_pack``, or packed from the GGUF now."""
+    if config.model.expert_pack is not None:
+        return ExpertPack.read(config.model.expert_pack, model, layout, ops.host_buffer)
+    progress = None
+    if show_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=model.spec.num_layers, desc="packing experts", unit="layer", file=sys.stderr)
+        progress = lambda done: bar.update(done - bar.n)
+    try:
+        return ExpertPack.from_gguf(model, layout, ops.host_buffer, ops.encode_experts, progress)
+    finally:
+        if show_progress:
+            bar.close()
