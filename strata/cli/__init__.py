@@ -37,9 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        if "serve" not in COMMANDS:
-            parser.error("give a command: " + ", ".join(COMMANDS))
+    if args.command is None:  # serve is the default command
         args = parser.parse_args([*argv, "serve"])
     command = args.command
     module_name, needs_config, _ = COMMANDS[command]
