@@ -1,0 +1,2 @@
+"""Decode token by token: the captured per-layer segments (CUDA graphs) and the greedy tail that
+picks the next token on the device."""
