@@ -9,7 +9,7 @@ of the decode floor to the decode time, and every PP and TG median as a ratio to
 figures on the same H200 and model shape, both with its experts in host RAM and with the whole
 model in VRAM (the rival has no 8k figure for prefill; the table says so).
 
-Floors (rates measured on the reference H200, DESIGN.md):
+Floors (rates measured on the reference H200: docs/PERFORMANCE.md, "The machine and its ceilings"):
 
 - prefill: ``max(prefill streamed bytes / 55 GB/s, FLOPs / 730 TFLOP/s)``, FLOPs being
   ``2 * active params * n + 2 * n**2 * attention width`` (causal attention).

@@ -1,7 +1,7 @@
 """Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe|attention|gemv]``.
 
 The sweeps behind the defaults of ``gemm_config.default_config()`` and ``attention.py``'s
-``SERVING_CONFIG`` (docs/PERFORMANCE.md): every MmaConfig main-loop variant on the MoE prefill
+``SERVING_CONFIG`` (docs/performance-log.md): every MmaConfig main-loop variant on the MoE prefill
 products (2,048 and 8,192 routed tokens; Q4_0, or --weight-format) and a dense 4096 x 4096 x 2048
 GEMM; the MoE prefill's gate/up and down launches on tiles of their own, at 512 / 2,048 / 8,192
 routed tokens (behind ``gemm_config.default_config()`` and ``default_down_config()``), and the engine's

@@ -86,7 +86,7 @@ class NativeGemvConfig(NamedTuple):
 # matrices (2,048-4,096 rows are latency-bound: more rows per warp is fewer warps in flight). A
 # vocabulary-sized head runs blocks that loop over row groups (at most blocks_per_sm blocks an SM), each
 # warp loading its next group while it multiplies the last, in the fastest shape of a sweep of 151,936 x
-# 2,048 heads (docs/PERFORMANCE.md, 2026-12-01): Q4_0 16 x 2 at 1 an SM, 2,971 GB/s (2,919 at 2 an SM);
+# 2,048 heads (docs/performance-log.md, 2026-12-01): Q4_0 16 x 2 at 1 an SM, 2,971 GB/s (2,919 at 2 an SM);
 # Q8_0 8 x 1 at 8, 3,498 (3,492 for 16 x 1 at 4); Q4_K 16 x 4 at 1, 2,789-2,822 (2,692-2,697 for 16 x 2). Float
 # heads keep 8 x 2 at 4, unmeasured. The head's call sites ask for head_config(fmt), so that a slice of
 # the head (the warm-up's) runs the same compiled kernel as the whole head.
