@@ -40,8 +40,9 @@ def main() -> None:
     box(ax, 6.0, 7.6, 2.6, 1.4, "strata/cli", "strata check, pack,\nplugins, generate", TOP)
     box(ax, 8.8, 7.6, 2.9, 1.4, "strata/bench", "fresh-process harness\nkernel benchmarks", TOP)
 
-    box(ax, 3.2, 4.3, 5.4, 2.6, "strata/engine",
+    box(ax, 3.2, 4.15, 5.4, 2.8, "strata/engine",
         "facade.py   Engine: load, warm-up, generate\n"
+        "core        its parts; loading: load's helpers\n"
         "generation  one request: prefix, loan, decode\n"
         "loan/       transaction, admission, state\n"
         "planning/   placement, planner, cost model\n"
@@ -69,7 +70,7 @@ def main() -> None:
     arrow(ax, (10.9, 7.6), (8.65, 1.3), "kernels.py,\nvariants.py", at=(9.75, 3.6))
     arrow(ax, (2.8, 6.9), (3.2, 6.2), "hooks", at=(2.35, 6.45))
     arrow(ax, (1.5, 5.95), (1.5, 6.35), "entry points")
-    arrow(ax, (5.9, 4.3), (5.9, 3.8), "Ops")
+    arrow(ax, (5.9, 4.15), (5.9, 3.8), "Ops")
     arrow(ax, (5.9, 2.35), (5.9, 1.9))
     arrow(ax, (3.2, 4.6), (2.8, 3.8))
     arrow(ax, (3.2, 3.0), (2.8, 2.8))

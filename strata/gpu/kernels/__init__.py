@@ -14,6 +14,8 @@ Decode products (matrix-vector):
 
 Prefill products (matrix-matrix):
     gemm           prefill matrix-matrix, dequantization fused into shared-memory tiles (FFMA tiles)
+    gemm_config    the GEMM's tile configurations, GemmConfig (FFMA) and MmaConfig (tensor cores), and the
+                   defaults that pick between them for a weight format and a chunk's routed rows
     gemm_mma       the same products on tensor cores: f16 tiles, mma.m16n8k16 fragments (cuda/gemm_mma.cu,
                    and its fused C++ K loop for the block formats)
     shared_tiles   the GEMM kernels' shared-memory tiles: static arrays up to 48 KiB, one dynamic block beyond
