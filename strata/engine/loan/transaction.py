@@ -21,12 +21,12 @@ from collections.abc import Iterator
 from typing import Mapping, Protocol
 
 from strata.config import Config
-from strata.engine.loan.resources import OUTPUT_HEAD, ElasticCache, Resource
+from strata.engine.loan.resources import ElasticCache, Resource
 from strata.engine.loan.runtime_state import RuntimeState
 from strata.engine.planning.planner import Planner
 from strata.errors import AllocationError, LoanRestoreError, PluginError
 from strata.gpu.ledger import TRANSIENT_OWNERS, VramLedger
-from strata.hooktypes import Geometry, LoanContext, LoanRequest, LoanVote, PlannerBudget
+from strata.hooktypes import OUTPUT_HEAD, Geometry, LoanContext, LoanRequest, LoanVote, PlannerBudget
 from strata.plugins import PluginHost
 
 RESTORE_ATTEMPTS = 3
