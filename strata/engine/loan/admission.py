@@ -51,8 +51,8 @@ def admit(config: Config, plugins: PluginHost, resources: Mapping[str, ResourceV
     if not config.loan.enabled:
         return
     rejections = core_rejections(config)
-    for _, found in plugins.call_in_order("strata_loan_admit", config=config, resources=resources):
-        rejections.extend(found or ())
+    for found in plugins.call("strata_loan_admit", config=config, resources=resources):
+        rejections.extend(found)
     if rejections:
         raise AdmissionError(rejections)
 
