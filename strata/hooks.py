@@ -1,8 +1,17 @@
 """The plugin contract: every hook a Strata plugin may implement.
 
-Hook names read ``strata_<subsystem>_<event>``. Plugins are called in the order of
-``loan.plugins`` in the TOML (the allow-list); restore runs in the reverse order. A plugin may
-accept fewer arguments than a spec lists (pluggy's opt-in arguments).
+Hook names read ``strata_<subsystem>_<event>``. Every hook is called through pluggy, with its
+semantics: a plugin may accept fewer arguments than a spec lists (opt-in arguments), a
+``firstresult`` hook stops at the first non-None result, and None results are dropped.
+
+Order: plugins run in the order of ``loan.plugins`` in the TOML (the allow-list). pluggy's marks
+apply on top: ``@hookimpl(tryfirst=True)`` runs before the allow-list order, ``trylast=True``
+after it, and a wrapper (``wrapper=True`` or ``hookwrapper=True``) runs around all the others,
+seeing and able to replace their results. Two hooks are called once per plugin instead, so marks
+order only that plugin's own implementations there: ``strata_config_tables`` (in allow-list
+order, so every table is attributed to the plugin declaring it) and ``strata_prefill_restore``
+(in reverse order, every plugin's hook running even when one raises). An exception escaping any
+other hook fails startup or the request with a ``PluginError`` naming the plugin it came from.
 
 The whole sequence, in one place
 --------------------------------
@@ -32,7 +41,7 @@ plan is the one a build without plugins makes)::
         (engine frees the workspace, shrinks the cache, restores released resources in reverse
          order and puts back the runtime state captured before release: settings, and the
          expert cache's residency, staging again what the ring evicted)
-        strata_prefill_restore(ctx)     reverse plugin order
+        strata_prefill_restore(ctx)     reverse plugin order, one call per plugin
         (engine checks the ledger and runtime state equal what they were before)
 """
 
@@ -66,7 +75,7 @@ def strata_config_tables() -> Mapping[str, type]:
         against the frozen dataclass (fields made with ``strata.schema.option``) and the instance is
         available as ``config.plugin_options(plugin_name)``. The key must be the plugin's own name.
 
-    Called once at startup, for every enabled plugin, before admission.
+    Called once at startup, before admission: once per enabled plugin, in plugin order.
     """
 
 
@@ -143,7 +152,7 @@ def strata_prefill_restore(ctx: LoanContext) -> None:
 
     :param ctx: the loan context.
 
-    Called in reverse plugin order inside the transaction's ``finally``, also after a failed
-    prefill. Put back state the plugin itself changed; resources need nothing from the plugin.
-    An exception here is reported after the remaining restore hooks have run.
+    Called once per plugin, in reverse plugin order, inside the transaction's ``finally``, also
+    after a failed prefill. Put back state the plugin itself changed; resources need nothing from
+    the plugin. An exception here is reported after the remaining plugins' restore hooks have run.
     """

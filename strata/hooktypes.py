@@ -1,12 +1,19 @@
-"""Values that cross the plugin contract. Plugins import these; they hold no engine internals."""
+"""Values and rules that cross the plugin contract. Plugins import these (and ``strata.hooks``)
+only; they hold no engine internals."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Mapping, Protocol
+from typing import TYPE_CHECKING, Iterable, Mapping, Protocol
 
 if TYPE_CHECKING:
     from strata.config import Config
+
+# The decode-only resources the engine may offer for release, in the reference's order of mention.
+VERIFIER = "verifier"
+OUTPUT_HEAD = "output_head"
+MTP_EXPERTS = "mtp_experts"
+MTP_DRAFT_HEAD = "mtp_draft_head"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +104,29 @@ class LoanContext:
     request: LoanRequest
     resources: Mapping[str, ResourceView]
     startup_geometry: Geometry | None
+
+
+def offered(names: Iterable[str], resources: Mapping[str, ResourceView]) -> list[str]:
+    """The ``names`` that ``resources`` holds, in the order of ``names``."""
+    return [name for name in names if name in resources]
+
+
+def mtp_rejections(config: Config, plugin: str) -> list[Rejection]:
+    """The rule shared by the MTP and head loans: MTP speculation on, depth at least 2."""
+    rt = config.runtime
+    if not rt.mtp:
+        return [Rejection("runtime.mtp", rt.mtp, f"{plugin} defers decode resources that exist only with MTP",
+                          f"set runtime.mtp = true and runtime.spec_depth >= 2 {_or_remove(plugin)}")]
+    if rt.spec_depth < 2:
+        return [Rejection("runtime.spec_depth", rt.spec_depth, f"{plugin} needs MTP speculation depth >= 2",
+                          f"set runtime.spec_depth = 2 or more {_or_remove(plugin)}")]
+    return []
+
+
+def model_rejection(config: Config, plugin: str, problem: str, fix: str) -> Rejection:
+    """The model lacks what ``plugin`` releases: ``problem`` says what, ``fix`` which model to use."""
+    return Rejection("model.path", str(config.model.path), problem, f"{fix} {_or_remove(plugin)}")
+
+
+def _or_remove(plugin: str) -> str:
+    return f"or remove {plugin} from loan.plugins"

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import traceback
 from importlib import metadata
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pluggy
 
@@ -28,9 +29,14 @@ class PluginInfo:
     is_enabled: bool
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PluginHost:
-    """The loaded, enabled plugins and their manager; calls hooks in allow-list order."""
+    """The enabled plugins on their manager; every hook call goes through pluggy.
+
+    pluggy calls the implementation registered last first, so ``new_host`` registers the plugins in
+    reverse ``loan.plugins`` order: a plain call then runs them in allow-list order, and pluggy's
+    ``firstresult``, ``tryfirst``/``trylast``, wrappers and opt-in arguments apply on top.
+    """
 
     pm: pluggy.PluginManager
     names: tuple[str, ...]
@@ -39,34 +45,76 @@ class PluginHost:
     def hook(self) -> Any:
         return self.pm.hook
 
-    def call_in_order(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Every implementation's result with the plugin's name, in ``loan.plugins`` order."""
+    def call(self, hook_name: str, **kwargs: Any) -> Any:
+        """One pluggy call: the non-None results in call order, or the first one for a firstresult hook.
+
+        An exception escaping an implementation becomes a ``PluginError`` naming its plugin.
+        """
+        try:
+            return getattr(self.pm.hook, hook_name)(**kwargs)
+        except Exception as exc:
+            raise PluginError(f"{name_plugins(self._raisers(hook_name, exc))} failed in {hook_name}: "
+                              f"{exc!r}") from exc
+
+    def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """One pluggy call per plugin, in allow-list order: each plugin's results with its name."""
         results = []
-        for impl in self._ordered(hook_name):
+        for name, caller in self._plugin_callers(hook_name):
             try:
-                results.append((impl.plugin_name, _call_impl(impl, kwargs)))
+                results.append((name, caller(**kwargs)))
             except Exception as exc:
-                raise PluginError(f"plugin {impl.plugin_name!r} failed in {hook_name}: {exc!r}") from exc
+                raise PluginError(f"plugin {name!r} failed in {hook_name}: {exc!r}") from exc
         return results
 
-    def call_reversed(self, hook_name: str, **kwargs: Any) -> list[tuple[str, BaseException]]:
-        """Call in reverse order; every implementation runs even if one raises. Returns the failures."""
+    def call_each_reversed(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Exception]]:
+        """One pluggy call per plugin, in reverse allow-list order; every plugin's runs even if one
+        raises. Returns the failures."""
         failures = []
-        for impl in reversed(self._ordered(hook_name)):
+        for name, caller in reversed(self._plugin_callers(hook_name)):
             try:
-                _call_impl(impl, kwargs)
+                caller(**kwargs)
             except Exception as exc:  # reported by the caller after all have run
-                failures.append((impl.plugin_name, exc))
+                failures.append((name, exc))
         return failures
 
-    def _ordered(self, hook_name: str) -> list[pluggy.HookImpl]:
+    def implementers(self, hook_name: str) -> tuple[str, ...]:
+        """The plugins implementing the hook, in allow-list order (any registered outside it last)."""
+        found = {impl.plugin_name for impl in getattr(self.pm.hook, hook_name).get_hookimpls()}
         rank = {name: i for i, name in enumerate(self.names)}
-        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
-        return sorted(impls, key=lambda impl: rank.get(impl.plugin_name, len(rank)))
+        return tuple(sorted(found, key=lambda name: (rank.get(name, len(rank)), name)))
+
+    def _plugin_callers(self, hook_name: str) -> list[tuple[str, pluggy.HookCaller]]:
+        registered = {name: plugin for name, plugin in self.pm.list_name_plugin() if plugin is not None}
+        return [(name, self.pm.subset_hook_caller(hook_name, [p for n, p in registered.items() if n != name]))
+                for name in self.implementers(hook_name)]
+
+    def _raisers(self, hook_name: str, exc: Exception) -> tuple[str, ...]:
+        """The plugins whose implementation runs in the innermost traceback frame that runs one
+        (several when plugins share a function's code); none when pluggy itself raised."""
+        by_code: dict[object, list[str]] = {}
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            by_code.setdefault(getattr(impl.function, "__code__", None), []).append(impl.plugin_name)
+        matched = [by_code[frame.f_code] for frame, _ in traceback.walk_tb(exc.__traceback__)
+                   if frame.f_code in by_code]
+        return tuple(matched[-1]) if matched else ()
 
 
-def _call_impl(impl: pluggy.HookImpl, kwargs: Mapping[str, Any]) -> Any:
-    return impl.function(*(kwargs[name] for name in impl.argnames))
+def name_plugins(names: Sequence[str]) -> str:
+    """``plugin 'a'`` or ``plugin 'a' or 'b'`` for an error about what one of ``names`` did."""
+    if not names:
+        return "a plugin"
+    return f"plugin {' or '.join(repr(name) for name in names)}"
+
+
+def new_host(plugins: Mapping[str, object]) -> PluginHost:
+    """A host for ``plugins`` (name → plugin, in allow-list order), each checked against the contract.
+
+    Registered in reverse, since pluggy calls the last-registered implementation first.
+    """
+    pm = new_manager()
+    for name, plugin in reversed(list(plugins.items())):
+        register(pm, name, plugin)
+    return PluginHost(pm=pm, names=tuple(plugins))
 
 
 def new_manager() -> pluggy.PluginManager:
@@ -93,28 +141,28 @@ def load_plugins(config: Config) -> tuple[PluginHost, Config]:
     (listing the available ones), an import error, a hook implementation that matches no hook
     (naming plugin and hook), and a bad ``[loan.<name>]`` table.
     """
-    pm = new_manager()
     names = config.loan.plugins if config.loan.enabled else ()
     available = discover()
+    loaded = {}
     for name in names:
         if name not in available:
             raise PluginError(f"loan.plugins names {name!r}, which no installed distribution provides; "
                               f"available plugins: {', '.join(sorted(available)) or 'none'}")
-        register(pm, name, _load_entry_point(available[name]))
+        loaded[name] = _load_entry_point(available[name])
+    host = new_host(loaded)
     for name in config.loan.tables:
         if name not in names:
             state = "is not in loan.plugins" if name in available else "is not installed"
             raise PluginError(f"[loan.{name}] configures plugin {name!r}, which {state}; add it to "
                               f"loan.plugins or remove the table (available: {', '.join(sorted(available)) or 'none'})")
-    host = PluginHost(pm=pm, names=tuple(names))
     return host, bind_tables(host, config)
 
 
 def bind_tables(host: PluginHost, config: Config) -> Config:
     """Collect each plugin's declared table schema and validate its ``[loan.<name>]`` table."""
     schemas: dict[str, type] = {}
-    for plugin_name, declared in host.call_in_order("strata_config_tables"):
-        for table_name, schema in (declared or {}).items():
+    for plugin_name, results in host.call_each("strata_config_tables"):
+        for table_name, schema in (pair for declared in results for pair in declared.items()):
             if table_name != plugin_name:
                 raise PluginError(f"plugin {plugin_name!r} declares the table [loan.{table_name}]; a plugin "
                                   f"may only declare its own table [loan.{plugin_name}]")

@@ -5,25 +5,23 @@ Prefill needs neither: the first token's logits are computed after the restore. 
 head is tied to the token embeddings has none to release, since prefill reads the embeddings.
 """
 
-from strata.engine.loan.admission import mtp_rejections
-from strata.engine.loan.resources import OUTPUT_HEAD, VERIFIER
 from strata.hooks import hookimpl
-from strata.hooktypes import Rejection
+from strata.hooktypes import OUTPUT_HEAD, VERIFIER, model_rejection, mtp_rejections, offered
 
 NAME = "loan_head"
 RELEASES = (VERIFIER, OUTPUT_HEAD)
 
 
 @hookimpl
-def strata_loan_admit(config, resources):
-    rejections = mtp_rejections(config, NAME)
-    if OUTPUT_HEAD not in resources:
-        rejections.append(Rejection("model.path", str(config.model.path),
-                                    "the model has no native output head (its head is tied to token_embd)",
-                                    f"use a model with its own output.weight or remove {NAME} from loan.plugins"))
-    return rejections
+def strata_prefill_release(ctx):
+    return offered(RELEASES, ctx.resources)
 
 
 @hookimpl
-def strata_prefill_release(ctx):
-    return [name for name in RELEASES if name in ctx.resources]
+def strata_loan_admit(config, resources):
+    rejections = mtp_rejections(config, NAME)
+    if OUTPUT_HEAD not in resources:
+        rejections.append(model_rejection(config, NAME,
+                                          "the model has no native output head (its head is tied to token_embd)",
+                                          "use a model with its own output.weight"))
+    return rejections

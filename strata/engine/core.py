@@ -15,7 +15,7 @@ import numpy as np
 from strata.backend.ops import Ops, QTensor
 from strata.config import Config
 from strata.engine.counters import EngineCounters
-from strata.engine.loan.resources import OUTPUT_HEAD, Resource
+from strata.engine.loan.resources import Resource
 from strata.engine.loan.runtime_state import RuntimeState
 from strata.engine.loan.transaction import LoanTransaction
 from strata.engine.memory.expert_cache import ExpertCache
@@ -25,6 +25,7 @@ from strata.engine.planning.placement import Placement
 from strata.engine.planning.planner import Planner
 from strata.engine.runner import DeviceWeights, ModelRunner
 from strata.gpu.ledger import LedgerSnapshot, VramLedger
+from strata.hooktypes import OUTPUT_HEAD
 from strata.model.gguf_file import GgufModel
 from strata.model.spec import ModelSpec
 from strata.model.tokenizer import Tokenizer

@@ -7,18 +7,13 @@ import sys
 
 from strata.backend.ops import ExpertLayout, Ops
 from strata.config import Config
-from strata.engine.loan.resources import (
-    MTP_DRAFT_HEAD,
-    MTP_EXPERTS,
-    OUTPUT_HEAD,
-    VERIFIER,
-    Resource,
-)
+from strata.engine.loan.resources import Resource
 from strata.engine.memory.decode_resources import ArenaResource, TensorsResource
 from strata.engine.memory.expert_cache import ExpertCache
 from strata.engine.memory.expert_pack import ExpertPack
 from strata.engine.planning.placement import Placement
 from strata.errors import ConfigError
+from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
 from strata.model.gguf_file import GgufModel
 from strata.model.spec import ModelSpec
 

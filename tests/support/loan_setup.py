@@ -11,7 +11,7 @@ import strata_repeat_loan
 import strata_retain_startup_chunk
 
 from strata.config import parse_config
-from strata.plugins import PluginHost, bind_tables, new_manager, register
+from strata.plugins import PluginHost, bind_tables, new_host
 
 BUILTINS = {
     "loan_mtp": strata_loan_mtp,
@@ -50,10 +50,7 @@ def make_config(**sections: dict[str, Any]):
 
 def make_host(config, extra: dict[str, object] | None = None) -> tuple[PluginHost, Any]:
     """Register the enabled built-ins (and inline plugins) under their names, as load_plugins does."""
-    pm = new_manager()
     names = list(config.loan.plugins) if config.loan.enabled else []
     plugins = {**BUILTINS, **(extra or {})}
-    for name in names:
-        register(pm, name, plugins[name])
-    host = PluginHost(pm=pm, names=tuple(names))
+    host = new_host({name: plugins[name] for name in names})
     return host, bind_tables(host, config)

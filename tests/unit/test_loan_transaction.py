@@ -5,6 +5,7 @@ from loan_setup import ALL_RESOURCES_MIB, make_config, make_host
 from strata.engine.loan.runtime_state import RuntimeSettings
 from strata.errors import AllocationError, LoanRestoreError, PluginError
 from strata.hooks import hookimpl
+from strata.hooktypes import Geometry
 
 RELEASE_ORDER = ["mtp_experts", "mtp_draft_head", "verifier", "output_head"]
 
@@ -157,12 +158,13 @@ def test_a_residency_that_cannot_be_staged_again_says_the_engine_is_unhealthy():
     assert all(r.is_resident for r in engine.resources.values())
 
 
-def test_budget_adjustments_are_summed():
-    class Give:
-        @hookimpl
-        def strata_planner_budget(self, budget):
-            return 256 * MIB
+class Give:
+    @hookimpl
+    def strata_planner_budget(self, budget):
+        return 256 * MIB
 
+
+def test_budget_adjustments_are_summed():
     class Take:
         @hookimpl
         def strata_planner_budget(self, ctx, budget):
@@ -278,13 +280,90 @@ def test_hooks_run_in_allow_list_order_and_restore_in_reverse():
     assert order == ["release b", "release a", "release c"] * 2 + ["restore c", "restore a", "restore b"]
 
 
-def test_unknown_resource_named_by_a_plugin():
+@pytest.mark.parametrize("plugins, who", [(["greedy"], "plugin 'greedy'"),
+                                          (["loan_mtp", "greedy"], "plugin 'loan_mtp' or 'greedy'")])
+def test_unknown_resource_named_by_a_plugin(plugins, who):
     class Greedy:
         @hookimpl
         def strata_prefill_release(self, ctx):
             return ["kv_cache"]
 
-    host, config = make_host(make_config(loan={"plugins": ["greedy"]}), {"greedy": Greedy()})
+    host, config = make_host(make_config(loan={"plugins": plugins}), {"greedy": Greedy()})
     engine = FakeEngine(config, host, ALL_RESOURCES_MIB)
-    with pytest.raises(PluginError, match="plugin 'greedy' asked to release 'kv_cache'.*offered: verifier"):
+    with pytest.raises(PluginError, match=f"{who} asked to release 'kv_cache'.*offered: verifier"):
         engine.loan.start()
+
+
+def test_pluggy_marks_hold_a_wrapper_alters_the_release_list_and_tryfirst_runs_first():
+    order = []
+
+    def releasing(tag, names, **marks):
+        class P:
+            @hookimpl(**marks)
+            def strata_prefill_release(self, ctx):
+                order.append(tag)
+                return names
+        return P()
+
+    class KeepHead:
+        @hookimpl(wrapper=True)
+        def strata_prefill_release(self, ctx):
+            order.append("wrapper in")
+            asked = yield
+            order.append(f"wrapper saw {asked}")
+            return [[name for name in names if name != "output_head"] for names in asked]
+
+    plugins = {"keep_head": KeepHead(), "a": releasing("a", ["mtp_experts", "output_head"]),
+               "b": releasing("b", ["mtp_draft_head"]), "early": releasing("early", ["verifier"], tryfirst=True)}
+    engine = started(loan={"plugins": list(plugins)}, extra=plugins)
+    engine.history.clear()
+    _, report = engine.prefill(1_000)
+    saw = "wrapper saw [['verifier'], ['mtp_experts', 'output_head'], ['mtp_draft_head']]"
+    # start() asks once for the startup loan, then the request asks again
+    assert order == ["wrapper in", "early", "a", "b", saw] * 2
+    assert report.released == ("verifier", "mtp_experts", "mtp_draft_head")
+    assert [h for h in engine.history if h.startswith("restore:")] == [
+        "restore:mtp_draft_head", "restore:mtp_experts", "restore:verifier"]
+    assert_back_to_idle(engine)
+
+
+def test_planner_geometry_is_firstresult_with_tryfirst_before_allow_list_order():
+    called = []
+
+    def choosing(tag, result, **marks):
+        class P:
+            @hookimpl(**marks)
+            def strata_planner_geometry(self, ctx, geometry):
+                called.append(tag)
+                return result
+        return P()
+
+    plugins = {"abstains": choosing("abstains", None), "first": choosing("first", Geometry(1024, 16)),
+               "second": choosing("second", Geometry(2048, 16)), "early": choosing("early", None, tryfirst=True),
+               "late": choosing("late", Geometry(4096, 16), trylast=True)}
+    engine = started(loan={"plugins": list(plugins)}, extra=plugins)
+    geometry, _ = engine.prefill(100_000)
+    assert geometry == Geometry(1024, 16) and called == ["early", "abstains", "first"]
+    assert_back_to_idle(engine)
+
+
+class FailsInBudget:
+    @hookimpl
+    def strata_planner_budget(self, ctx, budget):
+        raise ValueError("boom")
+
+
+class FailsAroundBudget:
+    @hookimpl(wrapper=True)
+    def strata_planner_budget(self, ctx, budget):
+        yield
+        raise ValueError("boom")
+
+
+@pytest.mark.parametrize("failing", [FailsInBudget, FailsAroundBudget])
+def test_a_failing_hook_among_others_is_named(failing):
+    plugins = {"failing": failing(), "give": Give()}
+    engine = started(loan={"plugins": ["loan_mtp", "failing", "give", "repeat_loan"]}, extra=plugins)
+    with pytest.raises(PluginError, match=r"plugin 'failing' failed in strata_planner_budget: ValueError\('boom'\)"):
+        engine.prefill(1_000)
+    assert_back_to_idle(engine)

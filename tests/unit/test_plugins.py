@@ -1,12 +1,13 @@
 import textwrap
 
 import pytest
+import strata_repeat_loan
 from loan_setup import make_config
 
 from strata.cli import main
 from strata.errors import PluginError
 from strata.hooks import hookimpl
-from strata.plugins import describe_plugins, load_plugins, new_manager, register
+from strata.plugins import bind_tables, describe_plugins, load_plugins, new_host, new_manager, register
 
 BUILTIN_NAMES = ("loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan")
 
@@ -37,6 +38,17 @@ def test_table_for_a_plugin_not_enabled():
     with pytest.raises(PluginError, match=r"\[loan.repeat_loan\] configures plugin 'repeat_loan', which is not in "
                                           "loan.plugins"):
         load_plugins(config)
+
+
+def test_a_plugin_declaring_another_plugins_table_is_named():
+    class Thief:
+        @hookimpl
+        def strata_config_tables(self):
+            return {"repeat_loan": strata_repeat_loan.RepeatLoanOptions}
+
+    host = new_host({"repeat_loan": strata_repeat_loan, "thief": Thief()})
+    with pytest.raises(PluginError, match=r"plugin 'thief' declares the table \[loan.repeat_loan\]"):
+        bind_tables(host, make_config(loan={"plugins": ["repeat_loan", "thief"]}))
 
 
 def test_misspelled_hook_fails_naming_plugin_and_hook():

@@ -51,20 +51,8 @@ def admit(config: Config, plugins: PluginHost, resources: Mapping[str, ResourceV
     if not config.loan.enabled:
         return
     rejections = core_rejections(config)
-    for _, found in plugins.call_in_order("strata_loan_admit", config=config, resources=resources):
-        rejections.extend(found or ())
+    for found in plugins.call("strata_loan_admit", config=config, resources=resources):
+        rejections.extend(found)
     if rejections:
         raise AdmissionError(rejections)
 
-
-def mtp_rejections(config: Config, plugin: str) -> list[Rejection]:
-    """The rule shared by the MTP and head loans: MTP speculation on, depth at least 2."""
-    rt = config.runtime
-    drop = f"or remove {plugin} from loan.plugins"
-    if not rt.mtp:
-        return [Rejection("runtime.mtp", rt.mtp, f"{plugin} defers decode resources that exist only with MTP",
-                          f"set runtime.mtp = true and runtime.spec_depth >= 2 {drop}")]
-    if rt.spec_depth < 2:
-        return [Rejection("runtime.spec_depth", rt.spec_depth, f"{plugin} needs MTP speculation depth >= 2",
-                          f"set runtime.spec_depth = 2 or more {drop}")]
-    return []

@@ -10,12 +10,6 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-# The decode-only resources the engine may offer, in the reference's order of mention.
-VERIFIER = "verifier"
-OUTPUT_HEAD = "output_head"
-MTP_EXPERTS = "mtp_experts"
-MTP_DRAFT_HEAD = "mtp_draft_head"
-
 
 @runtime_checkable
 class Resource(Protocol):

@@ -21,13 +21,13 @@ from collections.abc import Iterator
 from typing import Mapping, Protocol
 
 from strata.config import Config
-from strata.engine.loan.resources import OUTPUT_HEAD, ElasticCache, Resource
+from strata.engine.loan.resources import ElasticCache, Resource
 from strata.engine.loan.runtime_state import RuntimeState
 from strata.engine.planning.planner import Planner
 from strata.errors import AllocationError, LoanRestoreError, PluginError
 from strata.gpu.ledger import TRANSIENT_OWNERS, VramLedger
-from strata.hooktypes import Geometry, LoanContext, LoanRequest, LoanVote, PlannerBudget
-from strata.plugins import PluginHost
+from strata.hooktypes import OUTPUT_HEAD, Geometry, LoanContext, LoanRequest, LoanVote, PlannerBudget
+from strata.plugins import PluginHost, name_plugins
 
 RESTORE_ATTEMPTS = 3
 _ALIAS_REASON = "output head lent to the prompt workspace (runtime.prefill_head_alias)"
@@ -169,7 +169,7 @@ class LoanTransaction:
     def _decide(self, ctx: LoanContext) -> LoanVote:
         if not self.is_enabled:
             return LoanVote(False, "loan.enabled is false")
-        votes = [v for _, v in self.plugins.call_in_order("strata_loan_decide", ctx=ctx) if v is not None]
+        votes = self.plugins.call("strata_loan_decide", ctx=ctx)
         skips = [v.reason for v in votes if not v.is_run]
         runs = [v.reason for v in votes if v.is_run]
         if skips:
@@ -182,10 +182,12 @@ class LoanTransaction:
 
     def _release_names(self, ctx: LoanContext, already: list[str]) -> list[str]:
         names: list[str] = []
-        for plugin, asked in self.plugins.call_in_order("strata_prefill_release", ctx=ctx):
-            for name in asked or ():
+        for asked in self.plugins.call("strata_prefill_release", ctx=ctx):
+            for name in asked:
                 if name not in self.resources:
-                    raise PluginError(f"plugin {plugin!r} asked to release {name!r}, which this engine does not "
+                    # pluggy returns results without their plugins: name every plugin that may have asked
+                    who = name_plugins(self.plugins.implementers("strata_prefill_release"))
+                    raise PluginError(f"{who} asked to release {name!r}, which this engine does not "
                                       f"offer (offered: {', '.join(self.resources) or 'nothing'})")
                 if name not in names and name not in already:
                     names.append(name)
@@ -198,13 +200,10 @@ class LoanTransaction:
     def _plan(self, ctx: LoanContext, is_loan: bool) -> Geometry:
         if not is_loan:
             return self.planner.plan(self.budget(), ctx.request.unread_tokens)
-        deltas = self.plugins.call_in_order("strata_planner_budget", ctx=ctx, budget=self.budget())
-        budget = self.budget(sum(d for _, d in deltas if d))
+        budget = self.budget(sum(self.plugins.call("strata_planner_budget", ctx=ctx, budget=self.budget())))
         geometry = self.planner.plan(budget, ctx.request.unread_tokens)
-        for _, chosen in self.plugins.call_in_order("strata_planner_geometry", ctx=ctx, geometry=geometry):
-            if chosen is not None:
-                return chosen
-        return geometry
+        chosen = self.plugins.call("strata_planner_geometry", ctx=ctx, geometry=geometry)
+        return geometry if chosen is None else chosen
 
     def _allocate(self, geometry: Geometry) -> tuple[Geometry, int]:
         for num_retries in range(self.config.planner.max_retries + 1):
@@ -234,7 +233,7 @@ class LoanTransaction:
             failures.append(f"put back the runtime state: {exc!r}")
         if is_loan:
             failures.extend(f"restore hook of {p}: {e!r}" for p, e in
-                            self.plugins.call_reversed("strata_prefill_restore", ctx=ctx))
+                            self.plugins.call_each_reversed("strata_prefill_restore", ctx=ctx))
         after = {k: v for k, v in self.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS}
         if after != {k: v for k, v in expected.items() if v and k not in TRANSIENT_OWNERS}:
             diff = {o: after.get(o, 0) - expected.get(o, 0) for o in set(after) | set(expected)}
