@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 import pluggy
 
+from strata.schema import option  # the field maker of a plugin's own TOML table: part of the contract
+
 if TYPE_CHECKING:
     from strata.config import Config
     from strata.hooktypes import (
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
 PROJECT = "strata"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+__all__ = ["PROJECT", "hookimpl", "hookspec", "option"]
 
 
 @hookspec
@@ -72,7 +75,7 @@ def strata_config_tables() -> Mapping[str, type]:
     """Declare the plugin's own TOML table.
 
     :returns: ``{plugin_name: SchemaDataclass}``; the table ``[loan.<plugin_name>]`` is validated
-        against the frozen dataclass (fields made with ``strata.schema.option``) and the instance is
+        against the frozen dataclass (fields made with ``strata.hooks.option``) and the instance is
         available as ``config.plugin_options(plugin_name)``. The key must be the plugin's own name.
 
     Called once at startup, before admission: once per enabled plugin, in plugin order.

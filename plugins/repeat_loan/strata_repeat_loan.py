@@ -7,9 +7,8 @@ judged: its prompt was unknown when the loan began at startup.
 
 import dataclasses
 
-from strata.hooks import hookimpl
+from strata.hooks import hookimpl, option
 from strata.hooktypes import LoanVote
-from strata.schema import option
 
 NAME = "repeat_loan"
 
