@@ -36,8 +36,9 @@ from strata.engine.memory.workspace import PromptWorkspace
 from strata.engine.planning.placement import plan_placement
 from strata.engine.planning.planner import Planner, largest_ring_slots
 from strata.engine.planning.prefill_cost import PrefillCostModel
-from strata.engine.runner import DeviceWeights, ModelRunner, StreamStats
+from strata.engine.runner import DeviceWeights, ModelRunner
 from strata.engine.sampling import SamplingParams
+from strata.engine.stream_stats import StreamStats
 from strata.errors import AllocationError
 from strata.gpu.ledger import (
     ACTIVATIONS_OWNER,

@@ -12,7 +12,6 @@ import numpy as np
 
 from strata.engine.core import EngineCore
 from strata.engine.request import RequestStats, TokenEvent
-from strata.engine.runner import StreamStats
 from strata.engine.sampling import (
     SamplingParams,
     StopMatcher,
@@ -20,6 +19,7 @@ from strata.engine.sampling import (
     make_rng,
     sample,
 )
+from strata.engine.stream_stats import StreamStats
 from strata.errors import LoanRestoreError, RequestError
 from strata.hooktypes import Geometry
 

@@ -30,6 +30,7 @@ from strata.engine.memory.expert_cache import ExpertCache
 from strata.engine.memory.expert_pack import ExpertPack
 from strata.engine.memory.staging_ring import RingBatch, StagingRing
 from strata.engine.memory.workspace import PromptWorkspace
+from strata.engine.stream_stats import StreamStats
 from strata.errors import EngineError
 from strata.model.gguf_file import GgufModel
 from strata.model.spec import ModelSpec
@@ -38,21 +39,6 @@ DENSE_OWNER = "dense_weights"
 _LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_down",
                    "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 _LAYER_VECTORS = ("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "ffn_gate_inp_shexp")
-
-
-@dataclasses.dataclass
-class StreamStats:
-    """Expert traffic of a request. Hits and misses count experts per layer: in a prefill chunk that
-    streams every uncached expert, hits are the layer's cached experts and misses the ones streamed;
-    otherwise, the distinct routed experts found in the cache and the ones streamed."""
-
-    streamed_bytes: int = 0
-    num_chunks: int = 0
-    hits: int = 0
-    misses: int = 0
-    prefetched: int = 0  # experts decode staged ahead of their layer (in streamed_bytes, not in misses)
-    prefetched_used: int = 0  # of those, the ones their layer routed the token to (the rest were bytes spent early)
-    decode_wait_seconds: float = 0.0  # captured decode: the host blocked on the device's routing and token ids
 
 
 @dataclasses.dataclass

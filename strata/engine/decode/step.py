@@ -55,11 +55,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from strata.engine.decode.greedy_tail import GreedyTails
+from strata.engine.stream_stats import StreamStats
 from strata.errors import EngineError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 
 if TYPE_CHECKING:
-    from strata.engine.runner import ModelRunner, StreamStats
+    from strata.engine.runner import ModelRunner
 
 log = logging.getLogger("strata.engine")
 
