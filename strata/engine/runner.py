@@ -70,6 +70,9 @@ class DeviceWeights:
 
 
 class ModelRunner:
+    """The forward pass of prefill chunks and plain decode; for captured decode, the ``DecodeLayers``
+    that its ``DecodeStep`` is built on."""
+
     def __init__(self, spec: ModelSpec, ops: Ops, weights: DeviceWeights, kv, cache: ExpertCache | None,
                  pack: ExpertPack | None, is_decode_captured: bool = True, is_decode_prefetching: bool = False):
         self.spec = spec
@@ -80,6 +83,10 @@ class ModelRunner:
         self.pack = pack
         self.decode_step = DecodeStep(self, is_decode_prefetching) if is_decode_captured and can_use_segments(self) \
             else None
+
+    @property
+    def token_embedding(self) -> QTensor:
+        return self.w.matrices["token_embd"]
 
     @property
     def can_pick_greedy_on_device(self) -> bool:
@@ -104,7 +111,7 @@ class ModelRunner:
         plans = None
         if ring is not None and len(tokens) * spec.num_experts_used >= spec.num_experts:
             plans = self._plan_every_layer(ring, stats)
-        x = ops.embed(self.w.matrices["token_embd"], tokens)  # [T, D]
+        x = ops.embed(self.token_embedding, tokens)  # [T, D]
         positions = ops.positions(start, len(tokens))  # [T]
         for layer in range(spec.num_layers):
             self.attention_block(layer, x, positions, start)

@@ -12,6 +12,7 @@ is two, and everything between them is the host's cache bookkeeping and one smal
 [1, k] slot ids. A segment's inputs are buffers of this object (x, the position, the slot ids),
 refreshed before the replay; its kernels read the position on the device (``ops.attention`` at
 one token), so one capture serves every position. Segments hold their memory until ``reset``.
+The step sees the model only through ``DecodeLayers`` (``layers.py``), which the runner implements.
 
 Capturing a token's ~600 launches takes ~170 ms of host time, so the engine captures them at load
 (``prepare``) and keeps them, and their buffers, across requests, charged to ``decode_graphs`` (the
@@ -50,31 +51,28 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from strata.engine.decode.greedy_tail import GreedyTails
+from strata.engine.decode.layers import DecodeLayers
 from strata.engine.stream_stats import StreamStats
 from strata.errors import EngineError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 
-if TYPE_CHECKING:
-    from strata.engine.runner import ModelRunner
-
 log = logging.getLogger("strata.engine")
 
 
-def can_use_segments(runner: ModelRunner) -> bool:
+def can_use_segments(model: DecodeLayers) -> bool:
     """Graph decode covers MoE layers without a shared expert (Qwen3-MoE); others run plain launches."""
-    spec = runner.spec
-    return bool(getattr(runner.ops, "can_capture", False)) and spec.is_moe and not spec.shared_expert_ffn_size \
-        and runner.cache is not None
+    spec = model.spec
+    return bool(getattr(model.ops, "can_capture", False)) and spec.is_moe and not spec.shared_expert_ffn_size \
+        and model.cache is not None
 
 
 class DecodeStep:
-    def __init__(self, runner: ModelRunner, is_prefetching: bool = False):
-        self.runner = runner
+    def __init__(self, model: DecodeLayers, is_prefetching: bool = False):
+        self.model = model
         self.is_prefetching = is_prefetching
         self.is_kept = False  # segments and buffers kept across requests (``prepare``)
         self._is_request_start = True
@@ -92,7 +90,7 @@ class DecodeStep:
         self._prefetched = None  # (ticket, experts): the copies of the next layer's predicted experts
         self._tables = None  # [L, N] int32 slot of every expert (resident)
         self._token = None  # a resident token's layers as one segment
-        self._tails = GreedyTails(runner.ops, self._greedy_tail, self._capture)
+        self._tails = GreedyTails(model.ops, self._greedy_tail, self._capture)
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
 
     def prepare(self, head: tuple | None) -> None:
@@ -105,7 +103,7 @@ class DecodeStep:
         if self.is_resident:
             self._resident_segment()
         else:
-            for layer in range(self.runner.spec.num_layers):
+            for layer in range(self.model.spec.num_layers):
                 self._attention_segment(layer)
                 self._experts_segment(layer)
         if head is not None:
@@ -117,7 +115,7 @@ class DecodeStep:
         self._begin(token, position)
         if self.is_resident:
             self._resident_segment().replay()
-            stats.hits += self.runner.spec.num_layers * self.runner.spec.num_experts_used  # top-k ids are distinct
+            stats.hits += self.model.spec.num_layers * self.model.spec.num_experts_used  # top-k ids are distinct
         else:
             self._layers(stats)
         return self._x
@@ -132,10 +130,10 @@ class DecodeStep:
         A fully cached model runs one step ahead: step s+1 is queued before step s's id is read, so
         the GPU does not wait for the host between tokens. A caller that stops early leaves that
         step's KV cell written past the tokens it keeps; a later token or request writes it again."""
-        spec = self.runner.spec
+        spec = self.model.spec
         self._begin(token, position)
         tail = self._tails.for_request(head, 0 if bias is None else len(bias[0]))
-        tail.write_bias(self.runner.ops, bias)
+        tail.write_bias(self.model.ops, bias)
         readback, error = self._readback, None
         try:
             if self.is_resident:
@@ -158,20 +156,20 @@ class DecodeStep:
             # the step running ahead finishes before the request's buffers are dropped; after an
             # error, that error is the one to see
             if error is None:
-                self.runner.ops.synchronize()
+                self.model.ops.synchronize()
             else:
                 with contextlib.suppress(Exception):
-                    self.runner.ops.synchronize()
+                    self.model.ops.synchronize()
 
     def _checked(self, token: int) -> int:
-        if not 0 <= token < self.runner.spec.vocab_size:  # the argmax found no finite logit
+        if not 0 <= token < self.model.spec.vocab_size:  # the argmax found no finite logit
             raise EngineError(f"the device picked token id {token}, outside the vocabulary: the logits were not "
                               "finite (NaN); check the model file, or decode with runtime.greedy_on_device = false")
         return token
 
     def _begin(self, token: int, position: int) -> None:
         """Upload and embed a step's token; at a request's first token, check the kept segments."""
-        runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
+        model, ops, spec = self.model, self.model.ops, self.model.spec
         if self._is_request_start:
             self._start_request()
         if not 0 <= token < spec.vocab_size:  # the embedding reads the id on the device, unchecked
@@ -181,13 +179,13 @@ class DecodeStep:
         self._step_row[:] = (token, position)
         ops.copy_in(self._token_id, self._step_row[:1], is_queued=True)
         ops.copy_in(self._positions, self._step_row[1:], is_queued=True)
-        ops.embed(runner.w.matrices["token_embd"], self._token_id, out=self._x)
+        ops.embed(model.token_embedding, self._token_id, out=self._x)
 
     def _start_request(self) -> None:
         """Allocate the buffers (once), decide residency, and drop the segments of the other kind;
         a resident token's slot tables are written again (the prefill may have moved experts)."""
-        runner, spec = self.runner, self.runner.spec
-        is_resident = runner.cache.num_cached == spec.num_layers * spec.num_experts
+        model, spec = self.model, self.model.spec
+        is_resident = model.cache.num_cached == spec.num_layers * spec.num_experts
         # only kept segments outlive a request (end_request resets the others)
         if self.is_kept and self.is_resident is not None and is_resident != self.is_resident:
             log.info("the expert cache %s complete: decode segments are captured per request from now on",
@@ -198,15 +196,15 @@ class DecodeStep:
             self._allocate()
         self.is_resident = is_resident
         if is_resident:
-            self._write_tables(runner.cache.slot_table(spec.num_layers, spec.num_experts))
+            self._write_tables(model.cache.slot_table(spec.num_layers, spec.num_experts))
         self._is_request_start = False
 
     def _write_tables(self, tables: np.ndarray) -> None:
         """[L, N] slot of every expert, into the buffer the resident segment reads (made once)."""
         if self._tables is None:
-            self._tables = self.runner.ops.upload(self._owner, tables)
+            self._tables = self.model.ops.upload(self._owner, tables)
         else:
-            self.runner.ops.copy_in(self._tables, tables)
+            self.model.ops.copy_in(self._tables, tables)
 
     @property
     def _owner(self) -> str:
@@ -218,9 +216,9 @@ class DecodeStep:
         """ops.capture, after trimming the allocator cache once in the request: nothing pooled may
         be freed while capturing (a request that replays kept segments only does not trim)."""
         if not self._is_pool_trimmed:
-            self.runner.ops.trim_memory()
+            self.model.ops.trim_memory()
             self._is_pool_trimmed = True
-        return self.runner.ops.capture(fn, owner)
+        return self.model.ops.capture(fn, owner)
 
     def _resident_segment(self):
         """A resident token's layers as one segment, captured at its first use."""
@@ -246,14 +244,14 @@ class DecodeStep:
         staging overlaps the GPU's work instead of preceding it. No staging waits for the kernels:
         each follows a readback issued after every kernel that could read the slots it overwrites,
         except this layer's experts, whose slots it protects (``in_use``)."""
-        runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
+        model, ops, spec = self.model, self.model.ops, self.model.spec
         self._attention_segment(0).replay()
         for layer in range(spec.num_layers):
             _, ids, _, predicted = self._attention_segment(layer).outputs
             # [1, k] each, read at once after the segment and before anything queued makes the
             # default stream wait for copies
             host_ids, host_predicted = _waited(stats, self._readback.now, ids, predicted)
-            slot_of = runner.decode_slots(layer, host_ids, stats, is_after_compute=False)  # [N]
+            slot_of = model.decode_slots(layer, host_ids, stats, is_after_compute=False)  # [N]
             if self._prefetched is not None:  # this layer's experts staged ahead, maybe still in flight
                 ticket, experts = self._prefetched
                 ops.wait_staged(ticket)
@@ -267,18 +265,18 @@ class DecodeStep:
                 self._attention_segment(layer + 1).replay()
             if host_predicted is not None:  # behind this layer's misses on the copy stream, beside the kernels
                 in_use = {int(s) for s in slot_of[host_ids[0]]}
-                ticket, experts = runner.prefetch(layer + 1, host_predicted, in_use, stats, is_after_compute=False)
+                ticket, experts = model.prefetch(layer + 1, host_predicted, in_use, stats, is_after_compute=False)
                 self._prefetched = (ticket, experts) if experts else None
 
     def compile_resident(self, token: int, position: int) -> None:
         """Run a resident token's launches once, uncaptured, over tables of no slots (every routed
         expert skipped), so a warm-up compiles the kernels only that path launches. Writes the KV
         of ``position``; the caller resets after."""
-        ops, spec = self.runner.ops, self.runner.spec
+        ops, spec = self.model.ops, self.model.spec
         if self._x is None:
             self._allocate()
         self._write_tables(np.full((spec.num_layers, spec.num_experts), -1, np.int32))
-        ops.embed(self.runner.w.matrices["token_embd"], np.array([token]), out=self._x)
+        ops.embed(self.model.token_embedding, np.array([token]), out=self._x)
         ops.copy_in(self._positions, np.array([position], dtype=np.int32))
         self._resident_token()
 
@@ -286,7 +284,7 @@ class DecodeStep:
         """Run the greedy tail once, uncaptured, with a one-token bias, so a warm-up compiles its
         kernels. Needs a step run before it (the buffers); overwrites the residual stream and the
         token and position buffers; the caller resets after."""
-        ops = self.runner.ops
+        ops = self.model.ops
         bias = (ops.upload(ACTIVATIONS_OWNER, np.zeros(1, np.int32)),
                 ops.upload(ACTIVATIONS_OWNER, np.zeros(1, np.float32)))
         self._greedy_tail(head, bias)
@@ -309,7 +307,7 @@ class DecodeStep:
         for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables,
                       *(self._attention_scratch or ())):
             if array is not None:
-                self.runner.ops.free(array)
+                self.model.ops.free(array)
         self._x = self._token_id = self._positions = self._slot_ids = self._tables = None
         self._attention_scratch = None
         self.is_resident = self._prefetched = None
@@ -324,21 +322,21 @@ class DecodeStep:
     def _greedy_tail(self, head: tuple, bias) -> tuple:
         """After a step's layers: pick the next token into the token buffer, step the position, and
         embed the token into the residual stream for the next step."""
-        ops, runner = self.runner.ops, self.runner
+        ops, model = self.model.ops, self.model
         norm, head_tensor, eps = head
         ops.greedy_token(self._x, norm, head_tensor, eps, bias, self._token_id)
         ops.increment(self._positions)
-        ops.embed(runner.w.matrices["token_embd"], self._token_id, out=self._x)
+        ops.embed(model.token_embedding, self._token_id, out=self._x)
         return ()
 
     def _allocate(self) -> None:
-        ops, spec = self.runner.ops, self.runner.spec
+        ops, spec = self.model.ops, self.model.spec
         owner = self._owner
         self._x = ops.alloc(owner, (1, spec.hidden_size), np.float32)
         self._token_id = ops.alloc(owner, (1,), np.int32)
         self._positions = ops.alloc(owner, (1,), np.int32)
         self._slot_ids = ops.alloc(owner, (1, spec.num_experts_used), np.int32)
-        self._attention_scratch = ops.decode_attention_scratch(owner, self.runner.kv, spec.num_heads)
+        self._attention_scratch = ops.decode_attention_scratch(owner, self.model.kv, spec.num_heads)
         if self._slot_rows is None:  # kept across requests: a queued copy may still read them at a reset
             num_values = spec.num_layers * spec.num_experts_used
             self._slot_rows = ops.host_buffer(4 * num_values).view(np.int32).reshape(spec.num_layers, -1)  # [L, k]
@@ -348,9 +346,9 @@ class DecodeStep:
     def _attention_and_route(self, layer: int):
         """(h, ids, weights, predicted): predicted [1, k] is the next layer's router on this layer's
         stream (None for the last layer, or without prefetching)."""
-        runner, spec = self.runner, self.runner.spec
+        model, spec = self.model, self.model.spec
         # the position is read on the device
-        runner.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
+        model.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
         h, ids, weights = self._route(layer)
         predicted = None
         if self.is_prefetching and layer + 1 < spec.num_layers:
@@ -358,24 +356,24 @@ class DecodeStep:
         return h, ids, weights, predicted
 
     def _route(self, layer: int):
-        runner, ops, spec = self.runner, self.runner.ops, self.runner.spec
-        h = ops.rms_norm(self._x, runner.vector(layer, "ffn_norm"), spec.rms_norm_eps)  # [1, D]
-        ids, weights = ops.route(h, runner.matrix(layer, "ffn_gate_inp"), spec.num_experts_used,
+        model, ops, spec = self.model, self.model.ops, self.model.spec
+        h = ops.rms_norm(self._x, model.vector(layer, "ffn_norm"), spec.rms_norm_eps)  # [1, D]
+        ids, weights = ops.route(h, model.matrix(layer, "ffn_gate_inp"), spec.num_experts_used,
                                  spec.is_expert_weights_normalized)  # [1, k]
         return h, ids, weights
 
     def _experts_of(self, layer: int):
-        runner = self.runner
+        model = self.model
         h, _, weights, _ = self._attention[layer].outputs
-        cache = runner.cache
-        runner.ops.moe(self._x, h, self._slot_ids, weights, cache.storage, None, cache.layout)
+        cache = model.cache
+        model.ops.moe(self._x, h, self._slot_ids, weights, cache.storage, None, cache.layout)
         return ()
 
     def _resident_token(self):
-        runner, ops = self.runner, self.runner.ops
-        cache = runner.cache
-        for layer in range(runner.spec.num_layers):
-            runner.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
+        model, ops = self.model, self.model.ops
+        cache = model.cache
+        for layer in range(model.spec.num_layers):
+            model.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
             h, ids, weights = self._route(layer)
             # the routed ids go through the layer's table to slots on the device
             ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], cache.layout)
