@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -32,6 +33,7 @@ from strata.serve.worker import (
 )
 
 RETRY_AFTER_S = 1
+MAX_HEADER_CHARS = 1024
 _ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
 
 
@@ -57,7 +59,7 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
 
     headers = {"x-request-id": request_id}
     if parsed.ignored_params:
-        headers["x-strata-ignored-params"] = ",".join(parsed.ignored_params)[:1024]
+        headers["x-strata-ignored-params"] = ignored_params_header(parsed.ignored_params)
     shapes = ResponseShapes(kind, request_id, ready.model_name, parsed.is_usage_streamed)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
     try:
@@ -76,6 +78,19 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+
+
+def ignored_params_header(names: tuple[str, ...]) -> str:
+    """The names percent-encoded (UTF-8), comma-separated, whole names up to MAX_HEADER_CHARS: a
+    header value is Latin-1 without CR or LF, and a parameter name may be any JSON string."""
+    quoted = [urllib.parse.quote(name, safe="") for name in names]
+    kept, num_chars = [], 0
+    for name in quoted:
+        num_chars += len(name) + 1
+        if num_chars > MAX_HEADER_CHARS:
+            break
+        kept.append(name)
+    return ",".join(kept)
 
 
 def to_api_error(exc: BaseException) -> ApiError:

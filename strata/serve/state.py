@@ -15,6 +15,7 @@ from typing import Any, Callable
 from strata.config import Config
 from strata.serve.errors import busy
 from strata.serve.prompts import PromptBuilder
+from strata.serve.telemetry import ServeTelemetry
 from strata.serve.worker import EngineWorker
 
 log = logging.getLogger("strata.serve")
@@ -39,6 +40,7 @@ class ServeState:
         self.phase = LOADING
         self.started_at = time.time()
         self.load_error: str | None = None
+        self.telemetry = ServeTelemetry()
         self._ready: Ready | None = None
         self._thread = threading.Thread(target=self._load, name="strata-load", daemon=True)
 

@@ -43,7 +43,9 @@ def test_health_is_503_while_loading_then_200(tiny_model):
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         refused = httpx.post(server.url + COMPLETIONS, json=body)
         assert error_of(refused, 503)["code"] == "model_loading" and refused.headers["Retry-After"]
-        assert metric_values(httpx.get(server.url + "/metrics").text) == {"strata_ready": 0}
+        loading = metric_values(httpx.get(server.url + "/metrics").text)
+        assert loading["strata_ready"] == 0 and "strata_requests_total" not in loading
+        assert loading['strata_http_requests_total{route="/v1/completions",status="503"}'] == 1
         may_load.set()
         server.wait_ready()
         assert httpx.get(server.url + "/health").json()["status"] == "ready"
