@@ -9,11 +9,45 @@ from strata.gpu.ledger import VramLedger
 
 
 def select_backend(config: Config) -> str:
-    """The backend name for ``runtime.backend``; ``auto`` is cuda when a GPU is present, else numpy."""
+    """The backend name for ``runtime.backend``; ``auto`` is cuda when a GPU is present, else numpy.
+    A GPU backend that cannot run here is a ConfigError naming the key and the fix, before any use."""
     wanted = config.runtime.backend
-    if wanted != "auto":
-        return wanted
-    return "cuda" if has_cuda_device() else "numpy"
+    if wanted == "auto":
+        return "cuda" if has_cuda_device() else "numpy"
+    if wanted in ("cuda", "cudasim"):
+        check_gpu_backend(wanted, config.runtime.device)
+    return wanted
+
+
+def check_gpu_backend(name: str, device: int) -> None:
+    from numba import config as numba_config
+
+    if name == "cudasim" and not numba_config.ENABLE_CUDASIM:
+        raise ConfigError("runtime.backend = 'cudasim' runs the kernels in Numba's CUDA simulator, which must be "
+                          "switched on before start: set NUMBA_ENABLE_CUDASIM=1 in the environment")
+    if name == "cuda" and numba_config.ENABLE_CUDASIM:
+        raise ConfigError("runtime.backend = 'cuda' but NUMBA_ENABLE_CUDASIM=1 is set; unset it, or use "
+                          "runtime.backend = 'cudasim'")
+    if name == "cuda":
+        num_devices, reason = visible_cuda_devices()
+        if not num_devices:
+            raise ConfigError(f"runtime.backend = 'cuda' but no CUDA GPU is usable here ({reason}); set "
+                              'runtime.backend = "auto" (numpy without a GPU) or "numpy"')
+        if device >= num_devices:
+            raise ConfigError(f"runtime.device = {device} but {num_devices} CUDA device(s) are visible (ordinals "
+                              f"0..{num_devices - 1}); set runtime.device below {num_devices}")
+
+
+def visible_cuda_devices() -> tuple[int, str]:
+    """(number of CUDA devices this process can use, why none when it is 0)."""
+    try:
+        from numba import cuda
+
+        if not cuda.is_available():
+            return 0, "the CUDA driver reports no usable device"
+        return len(cuda.gpus), ""
+    except Exception as exc:  # noqa: BLE001 -- no driver, no toolkit: the reason goes into the message
+        return 0, " ".join(str(exc).split())[:200] or type(exc).__name__
 
 
 def make_ops(name: str, ledger: VramLedger, device: int = 0) -> Ops:
@@ -22,14 +56,7 @@ def make_ops(name: str, ledger: VramLedger, device: int = 0) -> Ops:
 
         return NumpyOps(ledger)
     if name in ("cuda", "cudasim"):
-        from numba import config as numba_config
-
-        if name == "cudasim" and not numba_config.ENABLE_CUDASIM:
-            raise ConfigError("runtime.backend = 'cudasim' runs the kernels in Numba's CUDA simulator, which must be "
-                              "switched on before start: set NUMBA_ENABLE_CUDASIM=1 in the environment")
-        if name == "cuda" and numba_config.ENABLE_CUDASIM:
-            raise ConfigError("runtime.backend = 'cuda' but NUMBA_ENABLE_CUDASIM=1 is set; unset it, or use "
-                              "runtime.backend = 'cudasim'")
+        check_gpu_backend(name, device)
         try:
             from strata.backend.cuda_ops import CudaOps
         except ImportError as exc:

@@ -102,3 +102,59 @@ def test_a_failed_background_load_stops_the_server(tiny_model):
     thread.join(20)
     assert not thread.is_alive()
     assert "does not fit" in server.config.app.state.serve.load_error
+
+
+@pytest.mark.parametrize("argv_tail, host, port", [
+    (["--port", "8084"], None, 8084),
+    (["--host", "0.0.0.0", "--port", "0"], "0.0.0.0", 0),
+    (["serve", "--port", "9"], None, 9),
+])
+def test_serve_options_work_without_the_serve_word(tiny_model, tmp_path, monkeypatch, argv_tail, host, port):
+    import strata.serve.main
+
+    seen = {}
+    monkeypatch.setattr(strata.serve.main, "run", lambda args, config: seen.update(vars(args)) or 0)
+    config = write_config(tmp_path / "serve.toml", tiny_model)
+    assert main(["--config", str(config), *argv_tail]) == 0
+    assert (seen["command"], seen["host"], seen["port"]) == ("serve", host, port)
+
+
+def test_a_misspelt_command_is_still_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--config", str(tmp_path / "x.toml"), "chekc"])
+    assert "invalid choice: 'chekc'" in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_exits_2_naming_the_key_and_the_fix(tiny_model, tmp_path, capsys, monkeypatch,
+                                                                no_binding):
+    from numba import config as numba_config
+
+    import strata.backend.select
+
+    monkeypatch.setattr(numba_config, "ENABLE_CUDASIM", 0)
+    monkeypatch.setattr(strata.backend.select, "visible_cuda_devices",
+                        lambda: (0, "CUDA driver library cannot be found"))
+    config = write_config(tmp_path / "cuda.toml", tiny_model, runtime='backend = "cuda"\n')
+    config.write_text(config.read_text().replace('backend = "numpy"\n', ""))
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "runtime.backend = 'cuda' but no CUDA GPU is usable here (CUDA driver library cannot be found)" in err
+    assert 'set runtime.backend = "auto"' in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a GPU is present")
+def test_cuda_without_a_gpu_in_a_real_process(tiny_model, tmp_path):
+    config = write_config(tmp_path / "cuda.toml", tiny_model).read_text().replace('"numpy"', '"cuda"')
+    (tmp_path / "cuda.toml").write_text(config)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, "-m", "strata.cli", "--config", str(tmp_path / "cuda.toml"), "--port", "0"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "runtime.backend = 'cuda' but no CUDA GPU is usable here" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cudasim_without_a_budget_exits_2(tiny_model, tmp_path, capsys, no_binding):
+    config = write_config(tmp_path / "sim.toml", tiny_model)
+    config.write_text(config.read_text().replace('"numpy"', '"cudasim"').replace('vram_budget = "512MiB"\n', ""))
+    assert main(["--config", str(config)]) == 2
+    assert 'runtime.backend = "cudasim" needs runtime.vram_budget' in capsys.readouterr().err
