@@ -50,10 +50,11 @@ def run(args: argparse.Namespace, config: Config) -> int:
 
 
 def build_server(config: Config, engine_loader, *, log_level: str = "info") -> uvicorn.Server:
-    """A uvicorn server for the app; a failed load stops it so that ``run`` can exit non-zero."""
+    """The server for the app; a failed load stops it so that ``run`` can exit non-zero."""
     import uvicorn  # imported here: the CLI's other commands run where no HTTP stack is installed
 
     from strata.serve.app import create_app
+    from strata.serve.server import GRACEFUL_SHUTDOWN_S, ServeServer
 
     holder: dict[str, uvicorn.Server] = {}
 
@@ -65,8 +66,9 @@ def build_server(config: Config, engine_loader, *, log_level: str = "info") -> u
             raise
 
     app = create_app(load, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level=log_level,
-                                           log_config=None, timeout_graceful_shutdown=5))
+    server = ServeServer(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level=log_level,
+                                        log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
+                         app.state.serve)
     holder["server"] = server
     return server
 

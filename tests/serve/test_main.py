@@ -17,8 +17,9 @@ from strata.cli import main
 from strata.serve.main import build_server
 
 
-def write_config(path, model, runtime="", loan=""):
-    path.write_text(f'[model]\npath = "{model}"\n\n[runtime]\nbackend = "numpy"\nserve = true\ncontext_tokens = 512\n'
+def write_config(path, model, runtime="", loan="", context_tokens=512):
+    path.write_text(f'[model]\npath = "{model}"\n\n[runtime]\nbackend = "numpy"\nserve = true\n'
+                    f'context_tokens = {context_tokens}\n'
                 f'vram_budget = "512MiB"\n'
                     f'{runtime}\n[serve]\nport = 0\n{loan}')
     return path
@@ -47,8 +48,8 @@ def test_a_config_without_serve_is_refused(tiny_model, tmp_path, capsys, no_bind
     assert "runtime.serve = false" in capsys.readouterr().err
 
 
-def test_strata_config_serves_until_interrupted(tiny_model, tmp_path):
-    config = write_config(tmp_path / "serve.toml", tiny_model)
+def test_strata_config_serves_until_interrupted_mid_stream(tiny_model, tmp_path):
+    config = write_config(tmp_path / "serve.toml", tiny_model, context_tokens=4096)
     # a job started in the background of a non-interactive shell inherits SIGINT ignored, and Python then
     # installs no handler for it: the server must see Ctrl-C as a terminal would deliver it
     process = subprocess.Popen([sys.executable, "-m", "strata.cli", "--config", str(config)], stderr=subprocess.PIPE,
@@ -66,7 +67,7 @@ def test_strata_config_serves_until_interrupted(tiny_model, tmp_path):
         response = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3})
         assert response.status_code == 200, response.text
         request_id = response.headers["x-request-id"]
-        process.send_signal(signal.SIGINT)
+        events, exit_s = _interrupt_a_long_stream(url, process, _end_of_generation_ids(tiny_model))
         assert process.wait(30) == 130  # a graceful shutdown, then the shell's code for Ctrl-C
     finally:
         if process.poll() is None:
@@ -77,6 +78,32 @@ def test_strata_config_serves_until_interrupted(tiny_model, tmp_path):
     assert "placement on numpy" in log and "startup plan" in log and "Waiting for application shutdown" in log
     timing = [line for line in lines if request_id in line]
     assert len(timing) == 1 and "/v1/completions prompt " in timing[0] and "tok/s" in timing[0]
+    assert events[-1] == "data: [DONE]" and '"code":"shutting_down"' in events[-2], events[-3:]
+    assert exit_s < 1.0 and "Traceback" not in log and " ERROR " not in log, (exit_s, log[-3000:])
+
+
+def _interrupt_a_long_stream(url, process, banned_ids) -> tuple[list[str], float]:
+    """Ctrl-C after the third chunk of a stream that would run for seconds: (its data lines, the
+    seconds from the signal to the process's exit)."""
+    body = {"model": "tiny", "prompt": "Tell me everything", "max_tokens": 4000, "stream": True, "temperature": 0,
+            "logit_bias": {str(token): -100 for token in banned_ids}}
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+            if len(events) == 3:
+                process.send_signal(signal.SIGINT)
+                interrupted_at = time.monotonic()
+    process.wait(30)
+    return events, time.monotonic() - interrupted_at
+
+
+def _end_of_generation_ids(model) -> list[int]:
+    from strata.model.gguf_file import open_gguf
+    from strata.model.tokenizer import Tokenizer
+
+    return sorted(Tokenizer.from_metadata(open_gguf(model).metadata).eog_ids)
 
 
 def _wait_for_url(lines, process) -> str:

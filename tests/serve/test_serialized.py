@@ -166,9 +166,10 @@ def test_failure_mid_stream_arrives_as_an_error_event(controlled):
         engine.fail_after_tokens = 0
     assert response.status_code == 200  # the status line went out with the first token
     events = sse_events(response.text)
-    assert "[DONE]" not in events
-    assert events[-1]["error"]["code"] == "engine_error" and "injected decode failure" in events[-1]["error"]["message"]
-    assert all("choices" in event for event in events[:-1]) and len(events) >= 2
+    assert events[-1] == "[DONE]"  # after the error too: a client reading up to [DONE] stops
+    error = events[-2]["error"]
+    assert error["code"] == "engine_error" and "injected decode failure" in error["message"]
+    assert all("choices" in event for event in events[:-2]) and len(events) >= 3
     after = httpx.post(server.url + COMPLETIONS, json={**body, "stream": False})
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] >= 1
 
