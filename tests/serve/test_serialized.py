@@ -158,6 +158,7 @@ def test_failure_mid_stream_arrives_as_an_error_event(controlled):
     engine.fail_after_tokens = 2
     # greedy, so that the stream cannot end at an end-of-generation token before the failure
     body = {"model": "tiny", "prompt": "Break halfway", "max_tokens": 8, "stream": True, "temperature": 0}
+    failed_before = metric_values(httpx.get(server.url + "/metrics").text)["strata_requests_failed_total"]
     try:
         response = httpx.post(server.url + COMPLETIONS, json=body, timeout=30)
         with pytest.raises(openai.APIError, match="injected decode failure"):
@@ -170,6 +171,8 @@ def test_failure_mid_stream_arrives_as_an_error_event(controlled):
     error = events[-2]["error"]
     assert error["code"] == "engine_error" and "injected decode failure" in error["message"]
     assert all("choices" in event for event in events[:-2]) and len(events) >= 3
+    failed_after = metric_values(httpx.get(server.url + "/metrics").text)["strata_requests_failed_total"]
+    assert failed_after == failed_before + 2  # this stream and the openai client's
     after = httpx.post(server.url + COMPLETIONS, json={**body, "stream": False})
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] >= 1
 
