@@ -109,6 +109,9 @@ class ServeConfig:
     max_body_bytes: int = option(4 * MIB, kind="bytes", doc="largest request body", min=1024)
     cors_origins: tuple[str, ...] = option((), doc='origins browsers may call the API from, e.g. '
                                                    '["http://localhost:3000"]; "*" allows any (default: none)')
+    parse_special_in_content: bool = option(False, doc="read control-token texts such as <|im_end|> typed in chat "
+                                                       "messages as those tokens (default: as plain text; the "
+                                                       "template's own control tokens are tokens either way)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,9 +90,8 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
 def ignored_params_header(names: tuple[str, ...]) -> str:
     """The names percent-encoded (UTF-8), comma-separated, whole names up to MAX_HEADER_CHARS: a
     header value is Latin-1 without CR or LF, and a parameter name may be any JSON string."""
-    quoted = [urllib.parse.quote(name, safe="") for name in names]
     kept, num_chars = [], 0
-    for name in quoted:
+    for name in (urllib.parse.quote(name, safe="") for name in names):
         num_chars += len(name) + 1
         if num_chars > MAX_HEADER_CHARS:
             break

@@ -20,6 +20,7 @@ Kind = Literal["completion", "chat"]
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 65_536
 MAX_SEED = 2**64 - 1
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also takes "²" and "١"
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -159,6 +160,9 @@ def _stop(stop: Any) -> tuple[str, ...]:
 def _logit_bias(bias: Any) -> dict[int, float]:
     if not isinstance(bias, dict):
         raise invalid_type("logit_bias", "an object mapping token ids to numbers", bias)
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"'logit_bias' has {len(bias):,} entries; at most {MAX_LOGIT_BIAS_ENTRIES:,} are accepted",
+                          param="logit_bias")
     checked = {}
     for key, value in bias.items():
         if not _TOKEN_ID_KEY.fullmatch(key):

@@ -95,7 +95,8 @@ class ServeState:
             log.info("%s", engine.format_placement())
             log.info("%s", engine.format_plan())
             ready = Ready(engine, EngineWorker(engine, self.config.serve.max_queue),
-                          PromptBuilder(engine.tokenizer, engine.context_tokens), engine.model_name)
+                          PromptBuilder(engine.tokenizer, engine.context_tokens,
+                                        self.config.serve.parse_special_in_content), engine.model_name)
         except BaseException as exc:  # noqa: BLE001
             engine.close()
             with self._lock:
