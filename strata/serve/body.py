@@ -34,8 +34,8 @@ def require_json_content_type(content_type: str | None) -> None:
 
 async def read_limited(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(int(declared), max_bytes)
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > max_bytes):
+        raise _too_large(int(declared[:19]), max_bytes)
     chunks, num_bytes = [], 0
     try:
         async for chunk in request.stream():

@@ -40,7 +40,7 @@ class ExchangeGuard:
 
         try:
             await self.app(scope, receive, send_tracked)
-        except Exception as exc:  # noqa: BLE001 -- the last resort: logged here, answered below
+        except Exception as exc:  # the last resort: logged here, answered below
             log.error("unexpected error on %s %s", scope["method"], scope["path"], exc_info=exc)
             if status is None:
                 error = ApiError(500, f"internal error ({type(exc).__name__}): {exc}"[:500], code="internal_error")

@@ -60,7 +60,7 @@ async def event_stream(channel: JobChannel, first: tuple[str, Any], job: Job, sh
         if kind == ERROR:
             # the status line has gone out already: the error travels as an event, as the OpenAI API sends it
             error: ApiError = to_api_error(payload)
-            if error.status >= 500 and error.status != 503:
+            if error.status == 500:  # a 503 (shutting down) is a refusal, not a failure
                 telemetry.record_stream_failure()
             yield frame(error.body())
         else:

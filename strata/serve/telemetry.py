@@ -11,7 +11,8 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from strata.engine.request import RequestStats
 

@@ -6,7 +6,13 @@ import collections
 import httpx
 import pytest
 from fuzz_bodies import BodyFuzzer
-from serve_harness import RunningServer, engine_loader, make_config, metric_values, sse_events
+from serve_harness import (
+    RunningServer,
+    engine_loader,
+    make_config,
+    metric_values,
+    sse_events,
+)
 
 NUM_CASES = 2400
 SEED = 20261201
