@@ -83,3 +83,11 @@ def test_an_unexpected_error_is_one_logged_500_on_a_kept_connection(server, monk
     assert after["strata_requests_failed_total"] == before["strata_requests_failed_total"] + 1
     key = 'strata_http_requests_total{route="/v1/completions",status="500"}'
     assert after[key] == before.get(key, 0) + 1
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 1e-45])
+def test_a_temperature_too_small_to_divide_by_samples_as_greedy(send, temperature):
+    sampled = send(f'{{"model": "tiny", "prompt": "Prices rose", "max_tokens": 4, "temperature": {temperature}}}'
+                   .encode())
+    greedy = send(b'{"model": "tiny", "prompt": "Prices rose", "max_tokens": 4, "temperature": 0}')
+    assert sampled.status_code == 200 and sampled.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]

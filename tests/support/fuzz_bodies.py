@@ -7,6 +7,7 @@ them), then possibly damaged at the byte level.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import random
@@ -100,15 +101,18 @@ class BodyFuzzer:
         rng = self.rng
         parent, key = self._pick_place(body)
         if parent is None:
-            return rng.choice(HOSTILE_VALUES)
+            return self._hostile_value()
         action = rng.random()
         if isinstance(parent, dict) and action < 0.15:
             del parent[key]
         elif isinstance(parent, dict) and action < 0.3:
             parent[rng.choice(HOSTILE_KEYS)] = parent.pop(key)
         else:
-            parent[key] = rng.choice(HOSTILE_VALUES)
+            parent[key] = self._hostile_value()
         return body
+
+    def _hostile_value(self) -> Any:
+        return copy.deepcopy(self.rng.choice(HOSTILE_VALUES))  # a later mutation may change it in place
 
     def _pick_place(self, body: Any) -> tuple[Any, Any]:
         places: list[tuple[Any, Any]] = [(None, None)]
