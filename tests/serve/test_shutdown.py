@@ -17,9 +17,12 @@ def test_shutdown_mid_stream_ends_the_generation_and_the_stream(tiny_model, capl
     config = make_config(tiny_model, serve={"max_queue": 4})
     engines = []
     loader = engine_loader(config, wrap=lambda engine: engines.append(ControlledEngine(engine)) or engines[0])
-    running = RunningServer(loader, config).__enter__()
-    running.wait_ready()
-    engine = engines[0]
+    with RunningServer(loader, config) as running:
+        running.wait_ready()
+        _shut_down_mid_stream(running, engines[0], caplog)
+
+
+def _shut_down_mid_stream(running, engine, caplog):
     engine.pace_s = 0.02  # a slow model: 50 tokens a second
     body = {"model": "tiny", "prompt": "Tell me everything", "max_tokens": 900, "stream": True, "temperature": 0}
     events, ended = [], threading.Event()
@@ -45,10 +48,11 @@ def test_shutdown_mid_stream_ends_the_generation_and_the_stream(tiny_model, capl
         time.sleep(0.005)
 
     asked_at, asked_at_wall = time.monotonic(), time.time()
-    running.server.should_exit = True  # what SIGINT and SIGTERM do
+    stopper = threading.Thread(target=lambda: running.stop(5))
+    stopper.start()
     assert ended.wait(5)
     stream_ended_s = time.monotonic() - asked_at
-    running._thread.join(5)
+    stopper.join(5)
     exited_s = time.monotonic() - asked_at
     client.join(5)
     waiting.join(5)
@@ -64,4 +68,4 @@ def test_shutdown_mid_stream_ends_the_generation_and_the_stream(tiny_model, capl
     assert waiting_result["response"].status_code == 503
     assert waiting_result["response"].json()["error"]["code"] == "shutting_down"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
-    assert not running._thread.is_alive()
+    assert not stopper.is_alive()

@@ -73,9 +73,14 @@ class RunningServer:
             time.sleep(0.02)
         raise RuntimeError("the model did not load in time")
 
-    def __exit__(self, *exc) -> None:
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Shut down as SIGINT or SIGTERM would; whether the server thread ended within ``timeout_s``."""
         self.server.should_exit = True
-        self._thread.join(30)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 
