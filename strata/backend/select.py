@@ -10,16 +10,18 @@ from strata.gpu.ledger import VramLedger
 
 def select_backend(config: Config) -> str:
     """The backend name for ``runtime.backend``; ``auto`` is cuda when a GPU is present, else numpy.
-    A GPU backend that cannot run here is a ConfigError naming the key and the fix, before any use."""
+    Naming a GPU backend needs no GPU (``strata check`` plans for one elsewhere); running it does:
+    see ``require_runnable``."""
     wanted = config.runtime.backend
-    if wanted == "auto":
-        return "cuda" if has_cuda_device() else "numpy"
-    if wanted in ("cuda", "cudasim"):
-        check_gpu_backend(wanted, config.runtime.device)
-    return wanted
+    if wanted != "auto":
+        return wanted
+    return "cuda" if has_cuda_device() else "numpy"
 
 
-def check_gpu_backend(name: str, device: int) -> None:
+def require_runnable(name: str, device: int) -> None:
+    """A ConfigError naming the key and the fix unless backend ``name`` can run on this machine."""
+    if name not in ("cuda", "cudasim"):
+        return
     from numba import config as numba_config
 
     if name == "cudasim" and not numba_config.ENABLE_CUDASIM:
@@ -56,7 +58,7 @@ def make_ops(name: str, ledger: VramLedger, device: int = 0) -> Ops:
 
         return NumpyOps(ledger)
     if name in ("cuda", "cudasim"):
-        check_gpu_backend(name, device)
+        require_runnable(name, device)
         try:
             from strata.backend.cuda_ops import CudaOps
         except ImportError as exc:

@@ -35,8 +35,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if not config.runtime.serve:
         raise ConfigError("runtime.serve = false: this configuration does not enable the HTTP server; "
                           "set runtime.serve = true under [runtime]")
+    from strata.backend.select import require_runnable, select_backend
     from strata.engine.facade import Engine
 
+    require_runnable(select_backend(config), config.runtime.device)  # the dry run below would not need it
     # a dry run charges the ledger without uploading or packing: admission and placement in seconds
     Engine.load(config, show_progress=False, is_dry_run=True).close()
     server = build_server(config, lambda: Engine.load(config, show_progress=True),

@@ -89,10 +89,9 @@ def _interrupt_a_long_stream(url, process, banned_ids) -> tuple[list[str], float
             "logit_bias": {str(token): -100 for token in banned_ids}}
     events = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                events.append(line)
-            if len(events) == 3:
+        for line in (line for line in response.iter_lines() if line.startswith("data: ")):
+            events.append(line)
+            if len(events) == 3:  # once: a second Ctrl-C forces the exit
                 process.send_signal(signal.SIGINT)
                 interrupted_at = time.monotonic()
     process.wait(30)
