@@ -151,8 +151,8 @@ def test_a_misspelt_command_is_still_named(tmp_path, capsys):
     assert "invalid choice: 'chekc'" in capsys.readouterr().err
 
 
-def test_cuda_without_a_gpu_exits_2_naming_the_key_and_the_fix(tiny_model, tmp_path, capsys, monkeypatch,
-                                                                no_binding):
+@pytest.fixture
+def no_gpu(monkeypatch):
     from numba import config as numba_config
 
     import strata.backend.select
@@ -160,12 +160,25 @@ def test_cuda_without_a_gpu_exits_2_naming_the_key_and_the_fix(tiny_model, tmp_p
     monkeypatch.setattr(numba_config, "ENABLE_CUDASIM", 0)
     monkeypatch.setattr(strata.backend.select, "visible_cuda_devices",
                         lambda: (0, "CUDA driver library cannot be found"))
-    config = write_config(tmp_path / "cuda.toml", tiny_model, runtime='backend = "cuda"\n')
-    config.write_text(config.read_text().replace('backend = "numpy"\n', ""))
+
+
+def test_cuda_without_a_gpu_exits_2_naming_the_key_and_the_fix(tiny_model, tmp_path, capsys, no_gpu, no_binding):
+    config = write_config(tmp_path / "cuda.toml", tiny_model)
+    config.write_text(config.read_text().replace('"numpy"', '"cuda"'))
     assert main(["--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "runtime.backend = 'cuda' but no CUDA GPU is usable here (CUDA driver library cannot be found)" in err
     assert 'set runtime.backend = "auto"' in err and "Traceback" not in err
+
+
+def test_check_plans_for_a_gpu_without_one_but_cannot_measure_its_memory(tiny_model, tmp_path, capsys, no_gpu):
+    config = write_config(tmp_path / "cuda.toml", tiny_model)
+    config.write_text(config.read_text().replace('"numpy"', '"cuda"'))
+    assert main(["--config", str(config), "check"]) == 0  # runtime.vram_budget sizes the plan
+    capsys.readouterr()
+    config.write_text(config.read_text().replace('vram_budget = "512MiB"\n', ""))
+    assert main(["--config", str(config), "check"]) == 2
+    assert "runtime.backend = 'cuda' but no CUDA GPU is usable here" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a GPU is present")
