@@ -11,6 +11,7 @@ parsed, and each placeholder's control text, which is not. A template that trans
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from strata.model.chat import ChatTemplate
 from strata.serve.errors import bad_request
 
 _PRIVATE_USE = re.compile("[\ue000-\uf8ff\U000f0000-\U000ffffd]")
-_PLACEHOLDER_CODES = (*range(0xE000, 0xF900), *range(0xF0000, 0xFFFFE))
+_PLACEHOLDER_RANGES = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE))
 _CLIENT_KEYS = ("content", "name")
 Segment = tuple[str, bool]  # (text, whether its control-token texts become control tokens)
 
@@ -33,18 +34,19 @@ def render_literal_segments(template: ChatTemplate, template_source: str, messag
     if not typed:
         return [(template.render(messages, add_generation_prompt=True, **variables), True)]
     taken = {c for text in (template_source, *client_texts, *variables.values()) for c in _PRIVATE_USE.findall(text)}
-    free = (chr(code) for code in _PLACEHOLDER_CODES if chr(code) not in taken)
+    free = (chr(code) for code in itertools.chain(*_PLACEHOLDER_RANGES) if chr(code) not in taken)
     placeholders = {control: next(free, None) for control in typed}
     if None in placeholders.values():
         raise bad_request("the messages use every private-use character, which this server needs to keep "
                           "control-token texts in them as plain text", param="messages")
     typed_pattern = re.compile("|".join(re.escape(control) for control in typed))
 
-    def neutral(message: Mapping[str, Any]) -> dict[str, Any]:
+    def with_placeholders(message: Mapping[str, Any]) -> dict[str, Any]:
         return {key: typed_pattern.sub(lambda match: placeholders[match.group()], value)
                 if key in _CLIENT_KEYS and isinstance(value, str) else value for key, value in message.items()}
 
-    rendered = template.render([neutral(message) for message in messages], add_generation_prompt=True, **variables)
+    rendered = template.render([with_placeholders(message) for message in messages], add_generation_prompt=True,
+                               **variables)
     control_of = {placeholder: control for control, placeholder in placeholders.items()}
     parts = re.split(f"([{''.join(control_of)}])", rendered)
     return [(control_of[part], False) if part in control_of else (part, True) for part in parts if part]

@@ -33,8 +33,8 @@ BODIES = {
     "4 million levels of nesting": ("/v1/completions", _padded(b'{"model":"tiny","prompt":"hi","x":', b"[", b"")),
     "300,000 logit_bias entries": ("/v1/completions", _keys(b'{"model":"tiny","prompt":"hi","logit_bias":{', b'"%d":1',
                                                             b"}}")),
-    "300,000 unknown parameters": ("/v1/completions", _keys(b'{"model":"tiny","prompt":"hi","max_tokens":1,', b'"k%d":1',
-                                                            b"}")),
+    "300,000 unknown parameters": ("/v1/completions",
+                                   _keys(b'{"model":"tiny","prompt":"hi","max_tokens":1,', b'"k%d":1', b"}")),
     "a string of 700,000 escapes": ("/v1/completions", _padded(b'{"model":"tiny","prompt":"', b"\\u00e9", b'"}')),
 }
 

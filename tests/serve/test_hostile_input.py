@@ -51,11 +51,13 @@ def test_any_unknown_parameter_name_comes_back_encoded(send, name):
     assert names == sorted([name, "user"])
 
 
-@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"},
-                                     {"content-type": "application/json; charset=latin-1"}])
-def test_a_body_not_sent_as_json_is_415(send, headers):
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "application/json; charset=latin-1"])
+def test_a_body_not_sent_as_json_is_415(send, content_type):
+    headers = {} if content_type is None else {"content-type": content_type}
     error = error_of(send((BASE + "}").encode(), headers), 415)
-    assert error["code"] == "unsupported_media_type" and "application/json" in error["message"] + str(headers)
+    assert error["code"] == "unsupported_media_type"
+    assert "application/json" in error["message"] or "UTF-8" in error["message"]
 
 
 @pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/json;"])
