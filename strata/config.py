@@ -8,6 +8,7 @@ schema each plugin declares (``strata_config_tables``); until then they are kept
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 from types import MappingProxyType
@@ -24,6 +25,7 @@ else:  # pragma: no cover
 MIB = 1 << 20
 KV_TYPES = ("f16", "q8_0", "q4_0")
 BACKENDS = ("auto", "cuda", "cudasim", "numpy")
+_ORIGIN = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[^\s/?#:\[\]]+)(:[0-9]{1,5})?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,11 @@ class ServeConfig:
     api_key: str = option("", doc="bearer token required from clients ('' : none)")
     max_queue: int = option(16, doc="requests waiting for the engine before 503", min=1, max=4096)
     max_body_bytes: int = option(4 * MIB, kind="bytes", doc="largest request body", min=1024)
+    cors_origins: tuple[str, ...] = option((), doc='origins browsers may call the API from, e.g. '
+                                                   '["http://localhost:3000"]; "*" allows any (default: none)')
+    parse_special_in_content: bool = option(False, doc="read control-token texts such as <|im_end|> typed in chat "
+                                                       "messages as those tokens (default: as plain text; the "
+                                                       "template's own control tokens are tokens either way)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,9 +207,20 @@ def verify_config(config: Config) -> None:
     if pl.max_chunk_tokens < pl.chunk_quantum_tokens:
         raise ConfigError(f"planner.max_chunk_tokens = {pl.max_chunk_tokens} is below planner.chunk_quantum_tokens"
                           f" = {pl.chunk_quantum_tokens}; raise max_chunk_tokens")
+    if rt.backend == "cudasim" and not rt.vram_budget_bytes:
+        raise ConfigError('runtime.backend = "cudasim" needs runtime.vram_budget: the simulator has no device '
+                          'memory to measure; set for example vram_budget = "2GiB" under [runtime]')
+    _check_origins(config.serve.cors_origins)
     if config.loan.plugins and not config.loan.enabled:
         raise ConfigError(f"loan.plugins = {list(config.loan.plugins)} has no effect without loan.enabled = true; "
                           "set loan.enabled = true or remove loan.plugins")
+
+
+def _check_origins(origins: tuple[str, ...]) -> None:
+    for origin in origins:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise ConfigError(f"serve.cors_origins holds {origin!r}: each entry is an origin such as "
+                              '"http://localhost:3000" (scheme://host[:port], no path) or "*" for any origin')
 
 
 def bind_plugin_tables(config: Config, schemas: Mapping[str, type], available: list[str]) -> Config:

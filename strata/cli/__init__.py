@@ -22,7 +22,9 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description=__doc__)
+    parser = argparse.ArgumentParser(prog="strata", description=__doc__,
+                                     epilog="Without a command, serve runs and takes its options: "
+                                            "strata --config FILE --host H --port P")
     parser.add_argument("--config", metavar="FILE", help="TOML configuration (see configs/)")
     sub = parser.add_subparsers(dest="command", metavar="command")
     for name, (module_name, _, help_text) in COMMANDS.items():
@@ -36,9 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:  # serve is the default command
-        args = parser.parse_args([*argv, "serve"])
+    args = parser.parse_args(with_default_command(argv))
     command = args.command
     module_name, needs_config, _ = COMMANDS[command]
     module = _module(module_name)
@@ -55,6 +55,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def with_default_command(argv: list[str]) -> list[str]:
+    """``serve`` inserted where the command would stand when none is given, so that serve's options
+    work without the word: ``strata --config F --port 8084`` is ``strata --config F serve --port 8084``."""
+    index = 0
+    while index < len(argv) and (argv[index] == "--config" or argv[index].startswith("--config=")):
+        index += 2 if argv[index] == "--config" else 1
+    rest = argv[index:]
+    if rest and (rest[0] in COMMANDS or rest[0] in ("-h", "--help") or not rest[0].startswith("-")):
+        return argv  # a command, help, or a word argparse reports as an invalid command
+    return [*argv[:index], "serve", *rest]
 
 
 def _module(name: str):

@@ -119,9 +119,15 @@ class Generation:
         engine.ops.trim_memory()  # what a failed request left for reuse must not shrink the plan
 
     def _reuse_prefix(self) -> int:
-        """Keep the KV cells of the prompt's prefix that the previous request left; returns their count."""
+        """Keep the KV cells of the prompt's prefix that the previous request left; returns their count.
+
+        A request with a seed keeps none. Its sampler starts from the seed whatever the cache holds,
+        but the logits it draws from do not: a prefix computed by an earlier request (in chunks of
+        other lengths, or a token at a time in decode) leaves KV values that differ in their last
+        bits, and a draw near the boundary between two tokens follows them. Prefilled from the
+        start, the same request meets the same numbers every time."""
         engine = self.engine
-        reuse = _common_prefix(engine.kv_tokens, self.prompt)
+        reuse = 0 if self.params.seed is not None else _common_prefix(engine.kv_tokens, self.prompt)
         engine.kv_tokens = self.prompt[:reuse]
         return reuse
 

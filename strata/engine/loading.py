@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from strata.backend.ops import ExpertLayout, Ops
+from strata.backend.select import require_runnable
 from strata.config import Config
 from strata.engine.loan.resources import Resource
 from strata.engine.memory.decode_resources import ArenaResource, TensorsResource
@@ -50,6 +51,7 @@ def budget_bytes(config: Config, backend: str, model: GgufModel) -> int:
         return model.path.stat().st_size + NUMPY_HEADROOM_BYTES
     from strata.gpu.device import free_device_bytes
 
+    require_runnable(backend, config.runtime.device)  # the free memory is measured on the device
     return int(free_device_bytes(config.runtime.device) * 0.9)
 
 

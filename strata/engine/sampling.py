@@ -131,13 +131,16 @@ def top_p_mask(logits: np.ndarray, p: float) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token from logits [V] under params; greedy when temperature is 0."""
+    """One token from logits [V] under params; greedy when temperature is 0 (or too small to divide by)."""
     biased = apply_logit_bias(logits, params.logit_bias)
     if params.is_greedy:
         return greedy(biased)
     masked = top_p_mask(top_k_mask(biased, params.top_k), params.top_p)
-    probs = _softmax64(masked / params.temperature)
-    return _draw(probs, rng)
+    with np.errstate(over="ignore", divide="ignore"):
+        tempered = masked / params.temperature
+    if not np.isfinite(np.max(tempered)):  # a temperature so close to 0 that the logits overflow: its limit, greedy
+        return greedy(masked)
+    return _draw(_softmax64(tempered), rng)
 
 
 def _softmax64(logits: np.ndarray) -> np.ndarray:

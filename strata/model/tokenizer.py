@@ -53,6 +53,7 @@ class Tokenizer:
         self._special = special
         self._pieces = tuple(_piece(t, a) for t, a in zip(self._texts, self._attrs))
         self._split_table = _split_table(self._texts, self._attrs)
+        self.max_token_bytes = max((len(p) for p in self._pieces), default=1)  # no token covers more text
         self.is_add_bos = is_add_bos
         self.is_add_eos = is_add_eos
         self.chat_template = chat_template
@@ -97,6 +98,12 @@ class Tokenizer:
     def eog_ids(self) -> frozenset[int]:
         return self._special.eog_ids
 
+    @property
+    def control_texts(self) -> tuple[str, ...]:
+        """Texts of the control and unknown tokens, which `parse_special` turns into their tokens
+        (longest first)."""
+        return tuple(text for text, _, is_special in self._split_table if is_special)
+
     def is_eog(self, token_id: int) -> bool:
         return token_id in self._special.eog_ids
 
@@ -108,7 +115,15 @@ class Tokenizer:
                parse_special: bool = False) -> list[int]:
         """Token ids of `text`. `add_bos`/`add_eos` None follow the metadata's rule; `parse_special`
         turns control-token texts such as `<|im_start|>` into their tokens instead of plain text."""
-        fragments = _split_special(text, self._split_table, parse_special)
+        return self.encode_segments([(text, parse_special)], add_bos=add_bos, add_eos=add_eos)
+
+    def encode_segments(self, segments: Iterable[tuple[str, bool]], *, add_bos: bool | None = None,
+                        add_eos: bool | None = None) -> list[int]:
+        """Token ids of the segments' texts joined, each segment with its own `parse_special`: text
+        in a segment that does not parse them stays plain text whatever its neighbours parse. Plain
+        text that runs across segments is encoded as one text, as `encode` would."""
+        fragments = _joined([fragment for text, parse_special in segments
+                             for fragment in _split_special(text, self._split_table, parse_special)])
         raw = [f for f in fragments if isinstance(f, str)]
         encoded = iter(self._hf.encode_batch(raw, add_special_tokens=False) if raw else ())
         ids = [self._required_id(self.bos_id, "BOS")] if _pick(add_bos, self.is_add_bos) else []
@@ -215,6 +230,23 @@ def _split_special(text: str, table: Sequence[tuple[str, int, bool]], parse_spec
         if any(isinstance(f, str) and special_text in f for f in fragments):
             fragments = [part for f in fragments for part in _split_at(f, special_text, token_id)]
     return fragments
+
+
+def _joined(fragments: list[str | int]) -> list[str | int]:
+    """Adjacent raw-text fragments as one."""
+    joined: list[str | int] = []
+    run: list[str] = []
+    for fragment in fragments:
+        if isinstance(fragment, str):
+            run.append(fragment)
+            continue
+        if run:
+            joined.append("".join(run))
+            run = []
+        joined.append(fragment)
+    if run:
+        joined.append("".join(run))
+    return joined
 
 
 def _split_at(fragment: str | int, special_text: str, token_id: int) -> list[str | int]:

@@ -2,12 +2,12 @@
 
 The app starts loading the engine in the background when it starts, answers every error in the
 OpenAI error shape (including the framework's own 404/405), and closes the engine on shutdown.
+Every exchange passes the guard (metrics, last-resort 500) and, with ``serve.cors_origins``, CORS.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Callable
 
 from fastapi import FastAPI
@@ -18,11 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from strata.config import Config
+from strata.serve.cors import ServeCors
 from strata.serve.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, error_body
+from strata.serve.middleware import ExchangeGuard
 from strata.serve.routes import router
 from strata.serve.state import ServeState
-
-log = logging.getLogger("strata.serve")
 
 
 def create_app(engine_loader: Callable[[], Any], config: Config) -> FastAPI:
@@ -42,7 +42,9 @@ def create_app(engine_loader: Callable[[], Any], config: Config) -> FastAPI:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(ExchangeGuard, telemetry=state.telemetry)
+    if config.serve.cors_origins:
+        app.add_middleware(ServeCors, origins=config.serve.cors_origins)  # outside the guard: on its 500s too
     app.include_router(router)
     return app
 
@@ -64,11 +66,6 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     return ApiError(400, f"invalid request: {exc}", code="invalid_request").response()
-
-
-async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-    return ApiError(500, f"internal error ({type(exc).__name__}): {exc}", code="internal_error").response()
 
 
 def _http_code(status: int) -> str:

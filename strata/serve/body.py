@@ -1,4 +1,4 @@
-"""Reading a request body: bounded while it arrives, strict UTF-8, a JSON object."""
+"""Reading a request body: bounded while it arrives, strict UTF-8, a JSON object of bounded shape."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from strata.serve.errors import ApiError, bad_request
+from strata.serve.errors import ApiError, bad_request, short_repr
+from strata.serve.json_bounds import check_structure, check_text
+
+JSON_MEDIA_TYPE = "application/json"
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -15,10 +18,24 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     return parse_json_object(await read_limited(request, max_bytes))
 
 
+def require_json_content_type(content_type: str | None) -> None:
+    """``application/json``, with no charset or ``charset=utf-8``: the body is read as UTF-8."""
+    media_type, *params = (content_type or "").split(";")
+    if media_type.strip().lower() != JSON_MEDIA_TYPE:
+        sent = f"Content-Type {short_repr(content_type)}" if content_type else "no Content-Type"
+        raise ApiError(415, f"the request body must be sent as {JSON_MEDIA_TYPE}, got {sent}",
+                       code="unsupported_media_type")
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise ApiError(415, f"the request body must be UTF-8, got charset {short_repr(value.strip())}",
+                           code="unsupported_media_type")
+
+
 async def read_limited(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(int(declared), max_bytes)
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > max_bytes):
+        raise _too_large(int(declared[:19]), max_bytes)
     chunks, num_bytes = [], 0
     try:
         async for chunk in request.stream():
@@ -39,6 +56,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})",
                           code="invalid_encoding") from None
+    check_structure(raw)
     try:
         value = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
@@ -48,6 +66,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(value, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    check_text(raw, value)
     return value
 
 

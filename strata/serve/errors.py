@@ -6,6 +6,7 @@ every message says what was wrong and what is accepted.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Mapping
 
 from fastapi.responses import JSONResponse
@@ -43,7 +44,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def invalid_type(param: str, expected: str, value: object) -> ApiError:
-    return bad_request(f"'{param}' must be {expected}, got {_json_type(value)} {_short(value)}", param=param,
+    return bad_request(f"'{param}' must be {expected}, got {_json_type(value)} {short_repr(value)}", param=param,
                        code="invalid_type")
 
 
@@ -65,6 +66,20 @@ def _json_type(value: object) -> str:
     return "an object"
 
 
-def _short(value: object, limit: int = 60) -> str:
-    text = repr(value)
+def short_repr(value: object, limit: int = 60) -> str:
+    """A value for an error message, never longer than ``limit``: a client's value may be megabytes."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # an integer past Python's 4,300-digit printing limit
+        text = "(a number too long to print)"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _bounded_repr() -> reprlib.Repr:
+    bounded = reprlib.Repr()
+    bounded.maxlevel, bounded.maxlist, bounded.maxdict = 2, 4, 4
+    bounded.maxstring = bounded.maxlong = bounded.maxother = 60
+    return bounded
+
+
+_REPR = _bounded_repr()

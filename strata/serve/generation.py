@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -18,8 +20,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from strata.errors import ConfigError, RequestError
 from strata.serve import sse
-from strata.serve.body import read_json_object
+from strata.serve.body import read_json_object, require_json_content_type
 from strata.serve.errors import ApiError, bad_request, busy
+from strata.serve.middleware import RECEIVED_AT_KEY
 from strata.serve.responses import ResponseShapes
 from strata.serve.schemas import Kind, parse_request
 from strata.serve.worker import (
@@ -32,11 +35,13 @@ from strata.serve.worker import (
 )
 
 RETRY_AFTER_S = 1
+MAX_HEADER_CHARS = 1024
 _ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
 
 
 async def handle_generation(request: Request, kind: Kind) -> Response:
     state = request.app.state.serve
+    require_json_content_type(request.headers.get("content-type"))
     ready = state.require_ready()
     body = await read_json_object(request, state.config.serve.max_body_bytes)
     parsed = parse_request(body, kind)
@@ -53,21 +58,25 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
     except QueueFullError as exc:
         raise busy(f"the server is busy: {exc}; retry later", "queue_full", RETRY_AFTER_S) from None
     except WorkerStoppedError as exc:
-        raise busy(str(exc), "engine_stopped", RETRY_AFTER_S) from None
+        raise busy(str(exc), exc.code, RETRY_AFTER_S) from None
 
     headers = {"x-request-id": request_id}
     if parsed.ignored_params:
-        headers["x-strata-ignored-params"] = ",".join(parsed.ignored_params)[:1024]
+        headers["x-strata-ignored-params"] = ignored_params_header(parsed.ignored_params)
     shapes = ResponseShapes(kind, request_id, ready.model_name, parsed.is_usage_streamed)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+    telemetry = state.telemetry
     try:
         first = await channel.get()
         if first[0] == ERROR:
             raise to_api_error(first[1])
+        if first[0] == TOKEN:
+            telemetry.record_first_token(time.perf_counter() - request.scope[RECEIVED_AT_KEY])
         if parsed.is_stream:
-            stream = sse.event_stream(channel, first, job, shapes, to_api_error)
+            stream = sse.event_stream(channel, first, job, shapes, to_api_error, telemetry)
             return StreamingResponse(stream, media_type="text/event-stream", headers={**headers, **sse.HEADERS})
         text, stats = await _collect(channel, first)
+        telemetry.record_generation(stats)
         return JSONResponse(shapes.complete(text, stats), headers=headers)
     except BaseException:
         job.cancel()
@@ -78,11 +87,23 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
             await watcher
 
 
+def ignored_params_header(names: tuple[str, ...]) -> str:
+    """The names percent-encoded (UTF-8), comma-separated, whole names up to MAX_HEADER_CHARS: a
+    header value is Latin-1 without CR or LF, and a parameter name may be any JSON string."""
+    kept, num_chars = [], 0
+    for name in (urllib.parse.quote(name, safe="") for name in names):
+        num_chars += len(name) + 1
+        if num_chars > MAX_HEADER_CHARS:
+            break
+        kept.append(name)
+    return ",".join(kept)
+
+
 def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, (ConfigError, RequestError)):
         return bad_request(str(exc))
     if isinstance(exc, WorkerStoppedError):
-        return busy(str(exc), "engine_stopped", RETRY_AFTER_S)
+        return busy(str(exc), exc.code, RETRY_AFTER_S)
     return ApiError(500, f"the engine failed on this request ({type(exc).__name__}: {exc}); its loaned resources "
                          "were restored and the next request is served", code="engine_error")
 

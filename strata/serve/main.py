@@ -35,8 +35,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if not config.runtime.serve:
         raise ConfigError("runtime.serve = false: this configuration does not enable the HTTP server; "
                           "set runtime.serve = true under [runtime]")
+    from strata.backend.select import require_runnable, select_backend
     from strata.engine.facade import Engine
 
+    require_runnable(select_backend(config), config.runtime.device)  # the dry run below would not need it
     # a dry run charges the ledger without uploading or packing: admission and placement in seconds
     Engine.load(config, show_progress=False, is_dry_run=True).close()
     server = build_server(config, lambda: Engine.load(config, show_progress=True),
@@ -50,10 +52,11 @@ def run(args: argparse.Namespace, config: Config) -> int:
 
 
 def build_server(config: Config, engine_loader, *, log_level: str = "info") -> uvicorn.Server:
-    """A uvicorn server for the app; a failed load stops it so that ``run`` can exit non-zero."""
+    """The server for the app; a failed load stops it so that ``run`` can exit non-zero."""
     import uvicorn  # imported here: the CLI's other commands run where no HTTP stack is installed
 
     from strata.serve.app import create_app
+    from strata.serve.server import GRACEFUL_SHUTDOWN_S, ServeServer
 
     holder: dict[str, uvicorn.Server] = {}
 
@@ -65,8 +68,9 @@ def build_server(config: Config, engine_loader, *, log_level: str = "info") -> u
             raise
 
     app = create_app(load, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level=log_level,
-                                           log_config=None, timeout_graceful_shutdown=5))
+    server = ServeServer(uvicorn.Config(app, host=config.serve.host, port=config.serve.port, log_level=log_level,
+                                        log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S),
+                         app.state.serve)
     holder["server"] = server
     return server
 

@@ -1,7 +1,10 @@
-"""``GET /metrics``: the engine's cumulative counters and the queue, in Prometheus text format.
+"""``GET /metrics``: the HTTP exchanges, the engine's cumulative counters and the queue, in
+Prometheus text format.
 
-Counters come from ``engine.counters`` (summed by the engine over every request it ran); the
-queue figures come from the worker. Before the model is loaded only ``strata_ready`` is reported.
+HTTP figures come from the server's telemetry (every response by route and status, latency and
+time-to-first-token histograms, per-request token rates, failed requests) and are reported from
+the start; engine counters come from ``engine.counters`` (summed by the engine over every request
+it ran) and the queue figures from the worker, once the model is loaded.
 """
 
 from __future__ import annotations
@@ -9,12 +12,15 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+from strata.serve.telemetry import Histogram, ServeTelemetry
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (metric, type, help, attribute of engine.counters)
 ENGINE_METRICS = (
     ("strata_requests_total", "counter", "requests the engine ran", "num_requests"),
-    ("strata_requests_failed_total", "counter", "requests that failed inside the engine", "num_failed_requests"),
+    ("strata_engine_requests_failed_total", "counter", "requests whose prefill failed inside the engine",
+     "num_failed_requests"),
     ("strata_prompt_tokens_total", "counter", "prompt tokens of every request", "num_prompt_tokens"),
     ("strata_unread_tokens_total", "counter", "prompt tokens prefilled, i.e. not reused from the KV prefix",
      "num_unread_tokens"),
@@ -38,6 +44,7 @@ def render_metrics(state: Any) -> str:
     out = _Exposition()
     ready = state.ready
     out.add("strata_ready", "gauge", "1 once the model is loaded and requests are served", [({}, int(ready is not None))])
+    _add_http(out, state.telemetry)
     if ready is None:
         return out.text()
     counters = ready.engine.counters
@@ -58,15 +65,40 @@ def render_metrics(state: Any) -> str:
     return out.text()
 
 
+def _add_http(out: _Exposition, telemetry: ServeTelemetry) -> None:
+    out.add("strata_http_requests_total", "counter", "HTTP responses by route and status",
+            telemetry.response_samples())
+    out.add("strata_requests_failed_total", "counter", "requests that failed on the server's side: answered 500, "
+            "or a stream ended by an error event", [({}, telemetry.num_failed)])
+    out.add_histogram("strata_http_request_duration_seconds", "time from a request's arrival to its response's "
+                      "last byte, by route", [({"route": route}, histogram) for route, histogram
+                                              in sorted(telemetry.latency_by_route.items())])
+    out.add_histogram("strata_time_to_first_token_seconds", "time from a generation request's arrival to its first "
+                      "token", [({}, telemetry.time_to_first_token)])
+    out.add_histogram("strata_request_prefill_tokens_per_second", "prefill rate of each request (unread prompt "
+                      "tokens)", [({}, telemetry.prefill_rate)])
+    out.add_histogram("strata_request_decode_tokens_per_second", "decode rate of each request",
+                      [({}, telemetry.decode_rate)])
+
+
 class _Exposition:
     def __init__(self):
         self._lines: list[str] = []
 
     def add(self, name: str, kind: str, help_text: str, samples: Iterable[tuple[dict[str, str], float]]) -> None:
         self._lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        for labels, value in samples:
-            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-            self._lines.append(f"{name}{{{label_text}}} {_number(value)}" if label_text else f"{name} {_number(value)}")
+        self._lines += [self._sample(name, labels, value) for labels, value in samples]
+
+    @staticmethod
+    def _sample(name: str, labels: dict[str, str], value: float) -> str:
+        label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+        return f"{name}{{{label_text}}} {_number(value)}" if label_text else f"{name} {_number(value)}"
+
+    def add_histogram(self, name: str, help_text: str, histograms: Iterable[tuple[dict[str, str], Histogram]]) -> None:
+        self._lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        for labels, histogram in histograms:
+            for suffix, sample_labels, value in histogram.samples(labels):
+                self._lines.append(self._sample(name + suffix, sample_labels, value))
 
     def text(self) -> str:
         return "\n".join(self._lines) + "\n"

@@ -16,6 +16,20 @@ def usage(stats: Any) -> dict[str, int]:
             "total_tokens": stats.prompt_tokens + stats.generated_tokens}
 
 
+def timings(stats: Any) -> dict[str, float]:
+    """The request's speed under llama-server's names: prompt_* for the prefilled (not reused)
+    prompt tokens, predicted_* for the generated ones, cache_n for the prompt tokens reused."""
+    prompt_ms, predicted_ms = 1e3 * stats.prefill_seconds, 1e3 * stats.decode_seconds
+    return {"cache_n": stats.prompt_tokens - stats.unread_tokens, **_rates("prompt", stats.unread_tokens, prompt_ms),
+            **_rates("predicted", stats.generated_tokens, predicted_ms)}
+
+
+def _rates(prefix: str, num_tokens: int, milliseconds: float) -> dict[str, float]:
+    return {f"{prefix}_n": num_tokens, f"{prefix}_ms": round(milliseconds, 3),
+            f"{prefix}_per_token_ms": round(milliseconds / num_tokens, 3) if num_tokens else 0.0,
+            f"{prefix}_per_second": round(1e3 * num_tokens / milliseconds, 3) if milliseconds > 0 else 0.0}
+
+
 def finish_reason(stats: Any) -> str:
     return _FINISH_REASONS.get(stats.finish_reason, "stop")
 
@@ -37,7 +51,7 @@ class ResponseShapes:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(stats)}
         return {**self._head("chat.completion" if self.kind == "chat" else "text_completion"),
-                "choices": [choice], "usage": usage(stats)}
+                "choices": [choice], "usage": usage(stats), "timings": timings(stats)}
 
     def opening_chunk(self) -> dict[str, Any] | None:
         """Chat streams open with the assistant's role; completion streams have no opening."""
@@ -51,9 +65,12 @@ class ResponseShapes:
         return self._chunk({"text": text, "finish_reason": None})
 
     def final_chunk(self, stats: Any) -> dict[str, Any]:
+        """The chunk with the finish reason, and the request's timings as llama-server sends them."""
         if self.kind == "chat":
-            return self._chunk({"delta": {}, "finish_reason": finish_reason(stats)})
-        return self._chunk({"text": "", "finish_reason": finish_reason(stats)})
+            chunk = self._chunk({"delta": {}, "finish_reason": finish_reason(stats)})
+        else:
+            chunk = self._chunk({"text": "", "finish_reason": finish_reason(stats)})
+        return {**chunk, "timings": timings(stats)}
 
     def usage_chunk(self, stats: Any) -> dict[str, Any]:
         return {**self._head(self._chunk_object), "choices": [], "usage": usage(stats)}

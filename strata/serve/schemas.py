@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Literal, Mapping
 
-from strata.serve.errors import bad_request, invalid_type
+from strata.serve.errors import bad_request, invalid_type, short_repr
 
 Kind = Literal["completion", "chat"]
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 65_536
+MAX_SEED = 2**64 - 1
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also takes "²" and "١"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "logit_bias", "n")
@@ -52,7 +56,8 @@ def parse_request(body: Mapping[str, Any], kind: Kind) -> GenerationRequest:
         raise invalid_type("model", "a non-empty string", model)
     n = _integer(fields, "n", 1, default=1)
     if n != 1:
-        raise bad_request(f"'n' must be 1: this server generates one choice per request, got {n}", param="n")
+        raise bad_request(f"'n' must be 1: this server generates one choice per request, got {short_repr(n)}",
+                          param="n")
     max_tokens = _integer(fields, "max_tokens", 1, default=None)
     max_tokens_param = "max_tokens"
     if kind == "chat" and "max_completion_tokens" in fields:  # the newer name wins
@@ -78,7 +83,7 @@ def _sampling(fields: Mapping[str, Any]) -> dict[str, Any]:
     if "top_k" in fields:
         sampling["top_k"] = _integer(fields, "top_k", 0, default=None)
     if "seed" in fields:
-        sampling["seed"] = _integer(fields, "seed", 0, default=None)
+        sampling["seed"] = _integer(fields, "seed", 0, default=None, maximum=MAX_SEED)
     if "stop" in fields:
         sampling["stop"] = _stop(fields["stop"])
     if "logit_bias" in fields:
@@ -155,14 +160,17 @@ def _stop(stop: Any) -> tuple[str, ...]:
 def _logit_bias(bias: Any) -> dict[int, float]:
     if not isinstance(bias, dict):
         raise invalid_type("logit_bias", "an object mapping token ids to numbers", bias)
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"'logit_bias' has {len(bias):,} entries; at most {MAX_LOGIT_BIAS_ENTRIES:,} are accepted",
+                          param="logit_bias")
     checked = {}
     for key, value in bias.items():
-        if not key.isdigit():
-            raise bad_request(f"'logit_bias' keys must be token ids (decimal strings), got {key!r}",
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise bad_request(f"'logit_bias' keys must be token ids (1 to 10 ASCII digits), got {short_repr(key)}",
                               param="logit_bias")
         if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
-                              param="logit_bias")
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {short_repr(value)} for "
+                              f"token {key}", param="logit_bias")
         checked[int(key)] = float(value)
     return checked
 
@@ -185,7 +193,8 @@ def _boolean(fields: Mapping[str, Any], name: str, default: bool, where: str | N
     return value
 
 
-def _integer(fields: Mapping[str, Any], name: str, minimum: int, default: int | None) -> int | None:
+def _integer(fields: Mapping[str, Any], name: str, minimum: int, default: int | None,
+             maximum: int | None = None) -> int | None:
     value = fields.get(name)
     if value is None:
         return default
@@ -193,8 +202,9 @@ def _integer(fields: Mapping[str, Any], name: str, minimum: int, default: int | 
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise invalid_type(name, "an integer", value)
-    if value < minimum:
-        raise bad_request(f"'{name}' must be an integer >= {minimum}, got {value}", param=name)
+    if value < minimum or (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise bad_request(f"'{name}' must be an integer {allowed}, got {short_repr(value)}", param=name)
     return value
 
 
@@ -203,9 +213,12 @@ def _number(fields: Mapping[str, Any], name: str, low: float, high: float) -> fl
     if not _is_number(value):
         raise invalid_type(name, "a number", value)
     if not low <= value <= high:
-        raise bad_request(f"'{name}' must be a number in [{low:g}, {high:g}], got {value}", param=name)
+        raise bad_request(f"'{name}' must be a number in [{low:g}, {high:g}], got {short_repr(value)}", param=name)
     return float(value)
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A JSON number that is finite; an integer of any size is (math.isfinite would overflow on it)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))

@@ -1,5 +1,5 @@
 """Server-sent events: the engine's tokens as OpenAI stream chunks, ``data: {...}`` frames ending in
-``data: [DONE]``.
+``data: [DONE]`` (after an error event too, so a client reading up to ``[DONE]`` always stops).
 
 The stream is the only place a client disconnect is seen once streaming has begun (Starlette
 cancels the body iterator), so leaving the iterator early cancels the job: the engine stops at its
@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from strata.serve.errors import ApiError
 from strata.serve.responses import ResponseShapes
+from strata.serve.telemetry import ServeTelemetry
 from strata.serve.worker import ERROR, TOKEN, Job
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -43,7 +44,7 @@ class JobChannel:
 
 
 async def event_stream(channel: JobChannel, first: tuple[str, Any], job: Job, shapes: ResponseShapes,
-                       to_api_error) -> AsyncIterator[bytes]:
+                       to_api_error, telemetry: ServeTelemetry) -> AsyncIterator[bytes]:
     """The frames of one stream, starting from the job's first event (already received)."""
     is_finished = False
     try:
@@ -59,11 +60,14 @@ async def event_stream(channel: JobChannel, first: tuple[str, Any], job: Job, sh
         if kind == ERROR:
             # the status line has gone out already: the error travels as an event, as the OpenAI API sends it
             error: ApiError = to_api_error(payload)
+            if error.status == 500:  # a 503 (shutting down) is a refusal, not a failure
+                telemetry.record_stream_failure()
             yield frame(error.body())
-            return
-        yield frame(shapes.final_chunk(payload))
-        if shapes.is_usage_streamed:
-            yield frame(shapes.usage_chunk(payload))
+        else:
+            telemetry.record_generation(payload)
+            yield frame(shapes.final_chunk(payload))
+            if shapes.is_usage_streamed:
+                yield frame(shapes.usage_chunk(payload))
         yield DONE_FRAME
     finally:
         if not is_finished:

@@ -15,11 +15,12 @@ from typing import Any, Callable
 from strata.config import Config
 from strata.serve.errors import busy
 from strata.serve.prompts import PromptBuilder
+from strata.serve.telemetry import ServeTelemetry
 from strata.serve.worker import EngineWorker
 
 log = logging.getLogger("strata.serve")
 
-LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
+LOADING, READY, FAILED, STOPPING, STOPPED = "loading", "ready", "failed", "shutting_down", "stopped"
 LOADING_RETRY_AFTER_S = 5
 
 
@@ -39,6 +40,7 @@ class ServeState:
         self.phase = LOADING
         self.started_at = time.time()
         self.load_error: str | None = None
+        self.telemetry = ServeTelemetry()
         self._ready: Ready | None = None
         self._thread = threading.Thread(target=self._load, name="strata-load", daemon=True)
 
@@ -51,6 +53,8 @@ class ServeState:
 
     def require_ready(self) -> Ready:
         ready = self._ready
+        if self.phase in (STOPPING, STOPPED):
+            raise busy("the server is shutting down", "shutting_down", LOADING_RETRY_AFTER_S)
         if ready is not None and ready.worker.fatal_error:
             raise busy(f"the engine is unhealthy ({ready.worker.fatal_error}); restart the server",
                        "engine_unhealthy", LOADING_RETRY_AFTER_S)
@@ -58,8 +62,18 @@ class ServeState:
             return ready
         if self.phase == FAILED:
             raise busy(f"the model failed to load: {self.load_error}", "model_load_failed", LOADING_RETRY_AFTER_S)
-        raise busy(f"the model is {self.phase}; retry shortly (GET /health says when it is ready)",
-                   "model_loading" if self.phase == LOADING else "shutting_down", LOADING_RETRY_AFTER_S)
+        raise busy("the model is loading; retry shortly (GET /health says when it is ready)", "model_loading",
+                   LOADING_RETRY_AFTER_S)
+
+    def begin_shutdown(self) -> None:
+        """The server stops taking requests: the running one ends at its next token and every
+        waiting one at once, each with a ``shutting_down`` error. Returns without waiting."""
+        with self._lock:
+            ready = self._ready
+            if self.phase in (LOADING, READY):
+                self.phase = STOPPING
+        if ready is not None:
+            ready.worker.stop(timeout_s=0)
 
     def close(self, timeout_s: float = 10.0) -> None:
         with self._lock:
@@ -81,7 +95,8 @@ class ServeState:
             log.info("%s", engine.format_placement())
             log.info("%s", engine.format_plan())
             ready = Ready(engine, EngineWorker(engine, self.config.serve.max_queue),
-                          PromptBuilder(engine.tokenizer, engine.context_tokens), engine.model_name)
+                          PromptBuilder(engine.tokenizer, engine.context_tokens,
+                                        self.config.serve.parse_special_in_content), engine.model_name)
         except BaseException as exc:  # noqa: BLE001
             engine.close()
             with self._lock:

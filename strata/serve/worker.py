@@ -29,7 +29,11 @@ class QueueFullError(Exception):
 
 
 class WorkerStoppedError(Exception):
-    pass
+    """The worker takes no more jobs; ``code`` says why (``shutting_down``, ``engine_stopped``)."""
+
+    def __init__(self, message: str, code: str = "engine_stopped"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclasses.dataclass(eq=False)
@@ -40,8 +44,12 @@ class Job:
     params: SamplingParams
     sink: Sink
     _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # why a job cancelled by the server (not by its client) ends: what its client gets instead of DONE
+    stop_error: WorkerStoppedError | None = None
 
-    def cancel(self) -> None:
+    def cancel(self, stop_error: WorkerStoppedError | None = None) -> None:
+        if stop_error is not None and self.stop_error is None:
+            self.stop_error = stop_error
         self._cancelled.set()
 
     def is_cancelled(self) -> bool:
@@ -58,7 +66,7 @@ class EngineWorker:
         self._lock = threading.Condition()
         self._running: Job | None = None
         self._is_stopping = False
-        self._stop_reason = ""
+        self._stop_error: WorkerStoppedError | None = None
         self.num_rejected = 0
         self.fatal_error: str | None = None  # set once the engine reports it cannot restore its state
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
@@ -79,7 +87,7 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._is_stopping:
-                raise WorkerStoppedError(self._stop_reason)
+                raise self._stop_error or WorkerStoppedError("the engine is stopped")
             if len(self._waiting) >= self._max_queue:
                 self.num_rejected += 1
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting (serve.max_queue = "
@@ -87,34 +95,37 @@ class EngineWorker:
             self._waiting.append(job)
             self._lock.notify()
 
-    def stop(self, timeout_s: float = 10.0, reason: str = "the server is shutting down") -> None:
-        """Refuse new jobs, drop waiting ones, cancel the running one and wait for the thread."""
+    def stop(self, timeout_s: float = 10.0, error: WorkerStoppedError | None = None) -> None:
+        """Refuse new jobs, end waiting ones and the running one with ``error``, and wait up to
+        ``timeout_s`` for the thread (0: return at once; the running job stops at its next token)."""
         with self._lock:
             self._is_stopping = True
-            self._stop_reason = self._stop_reason or reason
+            self._stop_error = self._stop_error or error or WorkerStoppedError("the server is shutting down",
+                                                                              "shutting_down")
+            stop_error = self._stop_error
             dropped = list(self._waiting)
             self._waiting.clear()
             if self._running is not None:
-                self._running.cancel()
+                self._running.cancel(stop_error)
             self._lock.notify_all()
         for job in dropped:
-            job.cancel()
-            job.sink(ERROR, WorkerStoppedError(reason))
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            job.cancel(stop_error)
+            job.sink(ERROR, stop_error)
+        if timeout_s > 0 and self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 
     def _give_up(self, reason: str) -> None:
         """A loan that could not be restored leaves the engine in an unknown state: serve nothing more."""
         self.fatal_error = reason
         log.critical("the engine is unhealthy and serves no more requests: %s", reason)
-        self.stop(reason=f"the engine is unhealthy ({reason}); restart the server")
+        self.stop(error=WorkerStoppedError(f"the engine is unhealthy ({reason}); restart the server"))
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
             try:
                 if job.is_cancelled():
                     log.info("%s %s cancelled while waiting in the queue", job.request_id, job.route)
-                    job.sink(ERROR, WorkerStoppedError("cancelled before it started"))
+                    job.sink(ERROR, job.stop_error or WorkerStoppedError("cancelled before it started"))
                 else:
                     self._execute(job)
             finally:
@@ -148,4 +159,7 @@ class EngineWorker:
                 self._give_up(f"{type(exc).__name__}: {exc}")
             return
         log.info("%s %s %s", job.request_id, job.route, stats.timing_line())
-        job.sink(DONE, stats)
+        if job.stop_error is not None:  # stopped by the server: its client learns why, not a short finish
+            job.sink(ERROR, job.stop_error)
+        else:
+            job.sink(DONE, stats)

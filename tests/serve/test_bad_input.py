@@ -13,6 +13,7 @@ from serve_harness import (
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def post(server):
 
     def send(route, body=None, *, raw=None, headers=None, **fields):
         if raw is not None:
-            return httpx.post(server.url + route, content=raw, headers=headers, timeout=30)
+            return httpx.post(server.url + route, content=raw, headers=headers or JSON, timeout=30)
         payload = {"model": model, **(body or {}), **fields}
         return httpx.post(server.url + route, json=payload, headers=headers, timeout=30)
 
@@ -129,7 +130,7 @@ def test_huge_body_streamed_without_content_length(server):
             yield b"x" * limit
 
     try:
-        response = httpx.post(server.url + COMPLETIONS, content=body(), timeout=30)
+        response = httpx.post(server.url + COMPLETIONS, content=body(), headers=JSON, timeout=30)
     except httpx.HTTPError:  # the server may close the connection while the client still writes
         response = None
     if response is not None:

@@ -43,7 +43,9 @@ def test_health_is_503_while_loading_then_200(tiny_model):
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
         refused = httpx.post(server.url + COMPLETIONS, json=body)
         assert error_of(refused, 503)["code"] == "model_loading" and refused.headers["Retry-After"]
-        assert metric_values(httpx.get(server.url + "/metrics").text) == {"strata_ready": 0}
+        loading = metric_values(httpx.get(server.url + "/metrics").text)
+        assert loading["strata_ready"] == 0 and "strata_requests_total" not in loading
+        assert loading['strata_http_requests_total{route="/v1/completions",status="503"}'] == 1
         may_load.set()
         server.wait_ready()
         assert httpx.get(server.url + "/health").json()["status"] == "ready"
@@ -156,6 +158,7 @@ def test_failure_mid_stream_arrives_as_an_error_event(controlled):
     engine.fail_after_tokens = 2
     # greedy, so that the stream cannot end at an end-of-generation token before the failure
     body = {"model": "tiny", "prompt": "Break halfway", "max_tokens": 8, "stream": True, "temperature": 0}
+    failed_before = metric_values(httpx.get(server.url + "/metrics").text)["strata_requests_failed_total"]
     try:
         response = httpx.post(server.url + COMPLETIONS, json=body, timeout=30)
         with pytest.raises(openai.APIError, match="injected decode failure"):
@@ -164,9 +167,12 @@ def test_failure_mid_stream_arrives_as_an_error_event(controlled):
         engine.fail_after_tokens = 0
     assert response.status_code == 200  # the status line went out with the first token
     events = sse_events(response.text)
-    assert "[DONE]" not in events
-    assert events[-1]["error"]["code"] == "engine_error" and "injected decode failure" in events[-1]["error"]["message"]
-    assert all("choices" in event for event in events[:-1]) and len(events) >= 2
+    assert events[-1] == "[DONE]"  # after the error too: a client reading up to [DONE] stops
+    error = events[-2]["error"]
+    assert error["code"] == "engine_error" and "injected decode failure" in error["message"]
+    assert all("choices" in event for event in events[:-2]) and len(events) >= 3
+    failed_after = metric_values(httpx.get(server.url + "/metrics").text)["strata_requests_failed_total"]
+    assert failed_after == failed_before + 2  # this stream and the openai client's
     after = httpx.post(server.url + COMPLETIONS, json={**body, "stream": False})
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] >= 1
 

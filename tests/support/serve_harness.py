@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QType
 from strata.config import parse_config
 from strata.model.synth import PRESETS, write_synthetic_model
 from strata.serve.app import create_app
+from strata.serve.server import ServeServer
 
 
 def write_tiny_model(directory: Path) -> Path:
@@ -42,8 +43,8 @@ def make_config(model_path: Path, **sections):
 class RunningServer:
     def __init__(self, engine_loader, config):
         self.app = create_app(engine_loader, config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_config=None,
-                                                    timeout_graceful_shutdown=2))
+        self.server = ServeServer(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_config=None,
+                                                 timeout_graceful_shutdown=2), self.app.state.serve)
         self._thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
         self.url = ""
 
@@ -72,9 +73,14 @@ class RunningServer:
             time.sleep(0.02)
         raise RuntimeError("the model did not load in time")
 
-    def __exit__(self, *exc) -> None:
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Shut down as SIGINT or SIGTERM would; whether the server thread ended within ``timeout_s``."""
         self.server.should_exit = True
-        self._thread.join(30)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 

@@ -115,3 +115,24 @@ def test_invalid_toml_and_missing_file(tmp_path):
         load_config(tmp_path / "c.toml")
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("origins", [[], ["*"], ["http://localhost:3000", "https://app.example.com"],
+                                     ["http://[::1]:8080"]])
+def test_cors_origins(origins):
+    assert parse_config(config_dict(serve={"cors_origins": origins})).serve.cors_origins == tuple(origins)
+
+
+@pytest.mark.parametrize("origin", ["localhost:3000", "http://example.com/", "http://example.com/app", "ftp://x",
+                                    "http://a b", ""])
+def test_a_cors_origin_that_is_not_an_origin_names_the_key_and_the_form(origin):
+    with pytest.raises(ConfigError, match=r'serve.cors_origins holds .*: each entry is an origin such as '
+                                          r'"http://localhost:3000" \(scheme://host\[:port\], no path\) or "\*"'):
+        parse_config(config_dict(serve={"cors_origins": [origin]}))
+
+
+def test_cudasim_needs_a_vram_budget():
+    with pytest.raises(ConfigError, match=r'runtime.backend = "cudasim" needs runtime.vram_budget: .*; set for '
+                                          r'example vram_budget = "2GiB" under \[runtime\]'):
+        parse_config(config_dict(runtime={"backend": "cudasim", "vram_budget": None}))
+    assert parse_config(config_dict(runtime={"backend": "cudasim", "vram_budget": "1GiB"})).runtime.backend == "cudasim"
