@@ -51,7 +51,9 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 import pluggy
 
-from strata.schema import option  # the field maker of a plugin's own TOML table: part of the contract
+from strata.schema import (
+    option,  # the field maker of a plugin's own TOML table: part of the contract
+)
 
 if TYPE_CHECKING:
     from strata.config import Config

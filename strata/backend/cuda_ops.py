@@ -47,7 +47,7 @@ class CudaKv:
 
 
 class CudaOps:
-    is_activation_borrowable = False  # activations are the kernels' own allocations
+    is_activation_charged = True  # the kernels' allocations go through the ledger as they are made
     is_copy_overlapped = True  # RuntimeSettings.copy_overlap, set by the engine's RuntimeState
 
     def __init__(self, ledger: VramLedger, device: int = 0, is_simulator: bool = False):

@@ -17,7 +17,6 @@ class DryRunOps(NumpyOps):
     def __init__(self, ledger: VramLedger, backend: str = "numpy"):
         super().__init__(ledger)
         self.backend = backend
-        self.is_activation_borrowable = backend == "numpy"
 
     def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
         if self.backend == "numpy":

@@ -88,7 +88,7 @@ class NumpyKv:
 
 class NumpyOps:
     name = "numpy"
-    is_activation_borrowable = True  # activations may live in borrowed expert-cache bytes
+    is_activation_charged = False  # reference ops make plain arrays: the prompt workspace charges them
     is_copy_overlapped = True  # copies are done on return: nothing to overlap or wait for
 
     def __init__(self, ledger: VramLedger):

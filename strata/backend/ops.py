@@ -65,7 +65,7 @@ class ArenaStorage(Protocol):
 class Ops(Protocol):
     name: str
     ledger: VramLedger
-    is_activation_borrowable: bool  # prompt activations may live in borrowed expert-cache storage
+    is_activation_charged: bool  # prefill activations are charged as allocated (else the workspace charges them)
     is_copy_overlapped: bool  # RuntimeSettings.copy_overlap: see stage_experts
 
     # memory

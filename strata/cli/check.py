@@ -15,8 +15,7 @@ from typing import Mapping
 
 from strata.backend.select import select_backend
 from strata.config import Config
-from strata.engine.memory.workspace import borrowed_bytes
-from strata.engine.planning.planner import WorkspaceCosts
+from strata.engine.planning.planner import CacheState, WorkspaceCosts
 from strata.hooktypes import Geometry
 
 EXPERT_CACHE_OWNER = "expert_cache"
@@ -44,33 +43,33 @@ def run(args: argparse.Namespace, config: Config) -> int:
     else:
         print("loan: off (loan.enabled is false)")
     costs, budget_bytes = engine.placement.costs, engine.ledger.budget_bytes
-    without, idle_budget = engine.loan.plan_preview(is_loan=False), engine.loan.preview_budget(is_loan=False)
+    longest_prompt_tokens = engine.context_tokens - 1
+    cache = CacheState(engine.cache.num_slots, cached_after_load(engine, config)) if engine.cache else None
+    idle_budget = engine.loan.preview_budget(is_loan=False)
+    without, weighed = engine.planner.weigh(idle_budget, longest_prompt_tokens, cache)
     with_loan, startup_budget = engine.loan.startup_geometry, engine.loan.budget()
     if config.loan.enabled:
         print(f"placement after startup (deferred resources not resident) with the workspace of the plan with "
               f"the loan ({with_loan}):")
         owners = {**engine.ledger.snapshot().by_owner, **{name: 0 for name in deferred}}
-        print(format_placement(owners, budget_bytes, costs, with_loan, startup_budget.borrowable_cache_bytes))
+        print(format_placement(owners, budget_bytes, costs, with_loan))
     aliased = engine.loan.aliased_names()
     print(f"idle placement (every resource resident{', the output head lent to prefill' if aliased else ''}) "
           f"with the workspace of the plan without the loan ({without}):")
     print(format_placement({**engine.idle_ledger.by_owner, **{name: 0 for name in aliased}}, budget_bytes, costs,
-                           without, idle_budget.borrowable_cache_bytes,
-                           zero_note="lent to the prompt workspace (runtime.prefill_head_alias)" if aliased
+                           without, zero_note="lent to the prompt workspace (runtime.prefill_head_alias)" if aliased
                            else "deferred by the startup loan"))
-    cached = _cached_after_load(engine, config)
-    longest_prompt_tokens = engine.context_tokens - 1  # for the predicted time; the plans take any prompt
-    print(f"plan without the loan (chunk / ring): {without}")
-    print("  planner: " + engine.planner.explain(idle_budget, without, cached_slots=cached,
-                                                 predicted_tokens=longest_prompt_tokens))
+    print(f"plan without the loan for the longest prompt, {longest_prompt_tokens:,} tokens (chunk / ring): {without}")
+    print("  planner: " + engine.planner.explain(idle_budget, without, longest_prompt_tokens, cache))
+    print("  cost model: " + engine.planner.describe_candidates(weighed, without))
     if config.loan.enabled:
         print(f"plan with the loan (chunk / ring): {with_loan}")
-        print("  planner: " + engine.planner.explain(startup_budget, with_loan, cached_slots=cached,
+        print("  planner: " + engine.planner.explain(startup_budget, with_loan, cache=cache,
                                                      predicted_tokens=longest_prompt_tokens))
     return 0
 
 
-def _cached_after_load(engine, config: Config) -> int:
+def cached_after_load(engine, config: Config) -> int:
     """Experts cached once a real load is done: the dry run loads no pack, and the preload would
     fill every slot of the cache (``runtime.expert_preload``), up to the model's experts."""
     if engine.cache is None:
@@ -92,13 +91,13 @@ def format_context(config: Config, kv_cells: int, served_tokens: int) -> str:
 
 
 def format_placement(owners: Mapping[str, int], budget_bytes: int, costs: WorkspaceCosts, geometry: Geometry | None,
-                     borrowable_cache_bytes: int, zero_note: str = "deferred by the startup loan") -> str:
+                     zero_note: str = "deferred by the startup loan") -> str:
     """Owners, the prefill workspace of ``geometry`` and free memory in bytes, MiB and share of
     the budget; the indented rows are the parts of the workspace. ``zero_note``: why an owner
     holds nothing."""
     owners = dict(sorted(owners.items()))
     rows = [_ROW.format("owner", "bytes", "MiB", "share", "")]
-    lent_bytes, from_free_bytes = _workspace_sources(costs, geometry, borrowable_cache_bytes,
+    lent_bytes, from_free_bytes = _workspace_sources(costs, geometry, budget_bytes - sum(owners.values()),
                                                      EXPERT_CACHE_OWNER in owners)
     if lent_bytes:
         owners[EXPERT_CACHE_OWNER] -= lent_bytes
@@ -114,12 +113,12 @@ def format_placement(owners: Mapping[str, int], budget_bytes: int, costs: Worksp
     return "\n".join(rows)
 
 
-def _workspace_sources(costs: WorkspaceCosts, geometry: Geometry | None, borrowable_cache_bytes: int,
+def _workspace_sources(costs: WorkspaceCosts, geometry: Geometry | None, free_bytes: int,
                        has_cache: bool) -> tuple[int, int]:
     """(bytes of cache slots lent to the workspace, bytes it takes from free memory)."""
     if geometry is None:
         return 0, 0
-    borrowed = borrowed_bytes(costs, geometry, borrowable_cache_bytes) if has_cache else 0
+    borrowed = costs.borrowed_bytes(geometry, free_bytes) if has_cache else 0
     slot_bytes = max(1, costs.bytes_per_ring_slot)
     lent = -(-borrowed // slot_bytes) * slot_bytes  # the cache lends whole slots
     return lent, costs.workspace_bytes(geometry) - borrowed

@@ -86,7 +86,7 @@ class Engine(EngineCore):
         ops = DryRunOps(ledger, backend) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
         spec = model.spec
         layout = ops.expert_layout(model) if spec.is_moe else None
-        placement = plan_placement(config, model, layout, ledger.budget_bytes, ops.is_activation_borrowable,
+        placement = plan_placement(config, model, layout, ledger.budget_bytes,
                                    ops.prefill_kv_scratch_bytes_per_cell(spec.head_dim, spec.kv_size,
                                                                          config.runtime.kv_type))
         resources = loading.decode_resources(config, model, ops, placement)
@@ -115,8 +115,10 @@ class Engine(EngineCore):
             spec, layout.slot_bytes, pcie_bytes_per_s=config.planner.pcie_bytes_per_s,
             compute_flops_per_s=config.planner.compute_flops_per_s,
             chunk_overhead_s=config.planner.chunk_overhead_s) if layout else None
-        planner = Planner(placement.costs, config.planner, placement.kv_cells, cost_model)
-        workspace = PromptWorkspace(ops, cache, placement.costs)
+        # the cache unmaps segments of its own size for activations (the device rounds each plane up)
+        costs = dataclasses.replace(placement.costs, segment_bytes=cache.segment_bytes) if cache else placement.costs
+        planner = Planner(costs, config.planner, placement.kv_cells, cost_model)
+        workspace = PromptWorkspace(ops, cache, costs)
         state = RuntimeState(RuntimeSettings(copy_overlap=config.runtime.copy_overlap),
                              apply=lambda settings: setattr(ops, "is_copy_overlapped", settings.copy_overlap),
                              residency=CacheResidency(cache, pack) if cache else None)

@@ -181,7 +181,9 @@ class Generation:
                 raise
             log.exception("cleanup after a failed request failed too")
 
-    def _prefill(self, unread: np.ndarray, start: int, geometry: Geometry, stream: StreamStats):
+    def _prefill(self, unread: np.ndarray, start: int, geometry: Geometry, stream: StreamStats) -> np.ndarray:
+        """The unread tokens in chunks of the loan's geometry; returns the last token's hidden state
+        [1, D] on the host: the chunk's activations go before the loan maps the cache back."""
         runner, hidden = self.engine.runner, None
         # the ring overlaps its copies with the kernels when it has two halves, and prefill samples
         # nothing; the loan transaction puts decode's settings back
@@ -195,7 +197,7 @@ class Generation:
             # the ring's copies and kernels may still run: finish them before the loan frees the
             # workspace and unmaps what it grew
             self.engine.ops.synchronize()
-        return hidden
+        return self.engine.ops.to_host(hidden[hidden.shape[0] - 1:])
 
     def _logits(self, hidden) -> np.ndarray:
         engine = self.engine

@@ -12,9 +12,11 @@ from engine_setup import SMALL_MOE, greedy
 from gguf import GGMLQuantizationType as QType
 
 from strata.cli import main
+from strata.cli.check import cached_after_load
 from strata.config import load_config
 from strata.engine.facade import Engine
 from strata.engine.memory.expert_pack import HEADER_BYTES
+from strata.engine.planning.planner import CacheState
 from strata.errors import ModelFormatError, StaleExpertPackError
 from strata.model.synth import PRESETS, write_synthetic_model
 
@@ -96,11 +98,15 @@ def test_check_prints_every_owner_in_bytes_and_share_and_both_plans_with_their_r
         assert table["free"][0] >= 0 and table["prefill_workspace"][0] > 0
     for name in ("verifier", "output_head", "mtp_draft_head", "mtp_experts"):  # the startup loan defers them
         assert startup[name][0] == 0 and "deferred" in startup[name][3] and idle[name][0] > 0
-    without, with_loan = engine.loan.plan_preview(is_loan=False), engine.loan.startup_geometry
-    assert f"plan without the loan (chunk / ring): {without}" in out
-    assert f"plan with the loan (chunk / ring): {with_loan}" in out
+    longest = engine.context_tokens - 1
+    cache = CacheState(engine.cache.num_slots, cached_after_load(engine, engine.config))
+    without = engine.loan.plan_preview(is_loan=False, unread_tokens=longest, cache=cache)
+    assert f"plan without the loan for the longest prompt, {longest:,} tokens (chunk / ring): {without}" in out
+    assert f"plan with the loan (chunk / ring): {engine.loan.startup_geometry}" in out
     reasons = [line for line in out.splitlines() if line.startswith("  planner: ")]
-    assert len(reasons) == 2 and all("chunk bound by" in r and "ring bound by" in r for r in reasons)
+    assert len(reasons) == 2 and all(("chunk bound by" in r or "chosen by the cost model" in r)
+                                     and "ring bound by" in r for r in reasons)
+    assert "  cost model: " in out and "chunks weighed" in out
     assert "context: 1,024 tokens (runtime.context_tokens) in 1,024 resident KV cells" in out
 
 
@@ -210,7 +216,7 @@ def test_a_pack_of_the_previous_format_is_refused_with_the_same_fix(models, tmp_
 
 def test_check_on_the_benchmark_configuration_gives_the_documented_plans(tmp_path, capsys):
     # the real header and tensor table of the benchmark's model, its tensor data a hole: the dry
-    # run reads only shapes and sizes (docs/PERFORMANCE.md, "Prompt chunk / ring": 768 / 128 and 5,376 / 128)
+    # run reads only shapes and sizes
     model = write_synthetic_model(tmp_path / "qwen3-30b-a3b-q4_0-mtp.gguf", PRESETS["qwen3-30b-a3b"], QType.Q4_0,
                                   seed=0, with_mtp=True, is_header_only=True)
     text, num_paths = re.subn(r'(?m)^(path|expert_pack) = "[^"]*?(\.gguf|\.strpack)"$',
@@ -222,8 +228,13 @@ def test_check_on_the_benchmark_configuration_gives_the_documented_plans(tmp_pat
     config.write_text(text)
     out = run_check(config, capsys)
     assert "backend: cuda" in out  # the dry run charges as the GPU would, and touches none
-    assert "plan without the loan (chunk / ring): 768 / 128\n" in out
-    assert "plan with the loan (chunk / ring): 5,376 / 128\n" in out
+    assert "plan without the loan for the longest prompt, 34,815 tokens (chunk / ring): 16,384 / 128\n" in out
+    assert "plan with the loan (chunk / ring): 16,384 / 128\n" in out
     reasons = [line for line in out.splitlines() if line.startswith("  planner: ")]
-    assert all("chunk bound by the free memory" in r and "ring bound by the target of one layer's experts (128)" in r
-               for r in reasons) and len(reasons) == 2
+    assert all("ring bound by the target of one layer's experts (128)" in r for r in reasons) and len(reasons) == 2
+    # the write-up's model in 8 GiB without MTP and without the loan: the chunk borrows the expert cache
+    bare = re.sub(r"(?s)\[loan\].*?\n\n", "", text.replace("mtp = true", "mtp = false").replace("spec_depth = 4", ""))
+    config.write_text(bare)
+    out = run_check(config, capsys)
+    chunk = re.search(r"plan without the loan for the longest prompt, 34,815 tokens \(chunk / ring\): ([\d,]+) /", out)
+    assert "loan: off" in out and int(chunk[1].replace(",", "")) >= 4096

@@ -176,18 +176,21 @@ def test_admission_fails_before_anything_is_loaded(mtp_path):
         loan_engine(mtp_path, batch_slots=2)
 
 
-def test_loans_work_when_activations_cannot_borrow_cache_storage(mtp_path, monkeypatch):
-    # the CUDA backend keeps activations out of the expert cache; the loan then grows the cache only
-    # by what the largest useful chunk leaves free
-    from strata.backend.numpy_ops import NumpyOps
-
-    expected = [greedy(loan_engine(mtp_path, is_loan=False), p, 4)[0] for p in PROMPTS]
-    monkeypatch.setattr(NumpyOps, "is_activation_borrowable", False)
-    engine = loan_engine(mtp_path)
-    assert not engine.placement.costs.is_activation_borrowable
-    for prompt, tokens in zip(PROMPTS, expected):
-        assert greedy(engine, prompt, 4)[0] == tokens
-        assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+def test_without_the_loan_prefill_borrows_cache_segments_and_stages_them_back(streaming_path):
+    # free memory holds a few quanta of activations; the chunk unmaps cache segments for the rest,
+    # and decode finds the cache, the ledger and the output as if it had not
+    planner, runtime = {"max_chunk_tokens": 1024, "cache_keep_share": 0.25}, {**STREAMING, "vmm_segment": "2MiB"}
+    engine = loan_engine(streaming_path, is_loan=False, planner=planner, **runtime)
+    narrow = loan_engine(streaming_path, is_loan=False, planner={**planner, "max_chunk_tokens": 16}, **runtime)
+    costs = engine.planner.costs
+    free_only_tokens = engine.ledger.free_bytes // costs.bytes_per_chunk_token
+    mapped, num_cached = engine.cache.mapped_bytes, engine.cache.num_cached
+    tokens, stats = greedy(engine, PROMPTS[2], 4)
+    assert stats.geometry.chunk_tokens > free_only_tokens and stats.num_chunks == 1
+    assert stats.restaged_bytes >= costs.segment_bytes // 2  # the unmapped segments' experts came back
+    assert engine.cache.mapped_bytes == mapped and engine.cache.num_cached == num_cached  # decode found it full
+    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+    assert tokens == greedy(narrow, PROMPTS[2], 4)[0]
 
 
 def test_the_head_alias_lends_the_output_head_to_every_prefill_without_the_loan(tmp_path):

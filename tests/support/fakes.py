@@ -75,6 +75,10 @@ class FakeCache:
         return len(self._segments) * self.segment_bytes
 
     @property
+    def num_slots(self) -> int:
+        return self.mapped_bytes // (4 * MIB)  # the fakes' ring slot
+
+    @property
     def num_cached(self) -> int:
         return 0  # the fake holds no experts
 
@@ -173,7 +177,7 @@ class FakeEngine:
                           for name, mib in resource_mib.items()}
         self.cache = FakeCache(cache_mib * MIB, 64 * MIB, self.ledger, self.history, self.faults)
         self.costs = costs or WorkspaceCosts(bytes_per_chunk_token=512 * 1024, bytes_per_ring_slot=4 * MIB,
-                                             target_ring_slots=128)
+                                             target_ring_slots=128, is_ring_in_cache=True, segment_bytes=64 * MIB)
         self.planner = Planner(self.costs, config.planner)
         self.workspace = FakeWorkspace(self.costs, self.ledger, self.cache, self.history, self.faults)
         self.residency = FakeResidency(self.cache, self.history, self.faults)

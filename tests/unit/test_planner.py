@@ -5,14 +5,14 @@ import dataclasses
 import pytest
 
 from strata.config import PlannerConfig
-from strata.engine.planning.planner import Planner, WorkspaceCosts
+from strata.engine.planning.planner import CacheState, Planner, WorkspaceCosts
 from strata.engine.planning.prefill_cost import PrefillCostModel
 from strata.errors import AllocationError
 from strata.hooktypes import Geometry, PlannerBudget
 
 MIB = 1 << 20
 COSTS = WorkspaceCosts(bytes_per_chunk_token=256 * 1024, bytes_per_ring_slot=4 * MIB, target_ring_slots=64,
-                       is_ring_in_cache=True, is_activation_borrowable=False)
+                       is_ring_in_cache=True, segment_bytes=64 * MIB)
 QUANTUM = PlannerConfig().chunk_quantum_tokens
 
 
@@ -26,7 +26,8 @@ def test_plan_is_the_largest_geometry_and_reproducible():
     planner = Planner(COSTS, PlannerConfig())
     budget = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=512 * MIB)
     geometry = planner.plan(budget)
-    assert geometry == Geometry(chunk_tokens=4096, ring_slots=64)  # 1024 MiB / 256 KiB per token
+    # 1024 MiB free and 4 segments of the cache beyond the ring's 256 MiB, at 256 KiB a token
+    assert geometry == Geometry(chunk_tokens=5120, ring_slots=64)
     assert planner.plan(budget) == geometry
     assert planner.plan(budget, unread_tokens=300) == Geometry(chunk_tokens=2 * QUANTUM, ring_slots=64)
 
@@ -49,41 +50,46 @@ def test_cost_model_counts_chunks_copies_and_causal_attention():
     assert serial.total_seconds > cost.total_seconds
 
 
-def test_copy_bound_prefill_gives_free_memory_to_the_cache():
-    # slow PCIe and fast compute: every chunk is a full stream of the uncached experts, so fewer
-    # chunks win, unless a smaller chunk leaves enough memory to cache many more experts
-    slow_copies = _model(pcie_bytes_per_s=2e9, compute_flops_per_s=1e15, is_growth_cached=True)
-    planner = Planner(COSTS, PlannerConfig(), cost_model=slow_copies)
-    free = 8192 * MIB
-    chunk = planner.fastest_chunk(free, unread_tokens=32768, cached_slots=0, max_chunk=16384)
-    fixed = Planner(COSTS, PlannerConfig()).growth_allowance(free, unread_tokens=32768)
-    assert fixed == max(0, free - 16384 * 256 * 1024)  # without a model: room for the largest chunk
-    times = {c: slow_copies.cost(32768, c, (free - c * 256 * 1024) // (4 * MIB)).total_seconds
-             for c in range(QUANTUM, 16384 + 1, QUANTUM) if free >= c * 256 * 1024}
-    assert chunk == min(times, key=lambda c: (times[c], -c))  # the model's own optimum
-    allowance = planner.growth_allowance(free, unread_tokens=32768, cached_slots=0)
-    assert allowance == free - chunk * 256 * 1024
+def test_copy_bound_prefill_keeps_the_cache_the_chunk_would_evict():
+    # slow PCIe and a cache of every expert: an evicted one streams in every later chunk, so the
+    # chunk stops at what free memory holds
+    model = _model(pcie_bytes_per_s=2e9, compute_flops_per_s=1e15, num_expert_slots=2048, attention_flops_per_pair=0)
+    planner = Planner(COSTS, PlannerConfig(), cost_model=model)
+    budget = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=4096 * MIB)
+    cache = CacheState(num_slots=2048, num_cached=2048)
+    geometry, weighed = planner.weigh(budget, unread_tokens=32768, cache=cache)
+    assert geometry.chunk_tokens == 4096 and weighed[0].geometry.chunk_tokens > 4096
+    best = min(weighed, key=lambda c: (c.predicted_seconds, -c.geometry.chunk_tokens))
+    assert best.geometry == geometry and best.num_evicted == 64  # the ring's slots only
+    assert planner.plan(budget, 32768) == weighed[0].geometry  # without the cache's state: the largest
 
 
-def test_compute_bound_prefill_takes_the_biggest_chunk():
+def test_compute_bound_prefill_borrows_the_cache_for_the_biggest_chunk():
     planner = Planner(COSTS, PlannerConfig(), cost_model=_model(pcie_bytes_per_s=1e12))
-    free = 2048 * MIB
-    assert planner.fastest_chunk(free, unread_tokens=32768, cached_slots=0, max_chunk=16384) == 8192
-    assert planner.growth_allowance(free, unread_tokens=32768) == 0
+    budget = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=4096 * MIB)
+    geometry = planner.plan(budget, unread_tokens=32768, cache=CacheState(num_slots=2048, num_cached=2048))
+    assert geometry.chunk_tokens == 16384  # planner.max_chunk_tokens, far past what free memory holds
+
+
+def test_borrowing_empty_slots_evicts_nothing_and_restaging_is_counted():
+    planner = Planner(COSTS, PlannerConfig(), cost_model=_model())
+    budget = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=4096 * MIB)
+    geometry = Geometry(chunk_tokens=8192, ring_slots=64)  # 1024 MiB beyond free: 16 segments, 256 slots
+    empty = planner.predict(budget, geometry, 32768, CacheState(num_slots=2048, num_cached=1024))
+    full = planner.predict(budget, geometry, 32768, CacheState(num_slots=2048, num_cached=2048))
+    assert empty.num_evicted == 0 and full.num_evicted == 64 + 256
+    model = planner.cost_model
+    assert full.predicted_seconds == pytest.approx(model.cost(32768, 8192, 2048 - 320).total_seconds
+                                                   + model.restage_seconds(320))
 
 
 def test_explain_prints_memory_and_predicted_times():
     planner = Planner(COSTS, PlannerConfig(), cost_model=_model())
     budget = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=512 * MIB)
     geometry = planner.plan(budget)
-    text = planner.explain(budget, geometry, unread_tokens=8192, cached_slots=1000)
-    assert "chunk 4,096" in text and "2 chunk(s)" in text and "GB/s" in text and "predicted" in text
+    text = planner.explain(budget, geometry, unread_tokens=8192, cache=CacheState(2048, 1000))
+    assert "chunk 5,120" in text and "2 chunk(s)" in text and "GB/s" in text and "predicted" in text
     assert "predicted" not in planner.explain(budget, geometry)
-
-
-def test_growth_that_prefill_does_not_fill_never_beats_the_bigger_chunk():
-    planner = Planner(COSTS, PlannerConfig(), cost_model=_model(pcie_bytes_per_s=2e9, compute_flops_per_s=1e15))
-    assert planner.fastest_chunk(8192 * MIB, unread_tokens=32768, cached_slots=0, max_chunk=16384) == 16384
 
 
 def _reasons(planner: Planner, budget: PlannerBudget, unread_tokens: int | None = None,
@@ -95,24 +101,23 @@ def _reasons(planner: Planner, budget: PlannerBudget, unread_tokens: int | None 
 def test_explain_names_the_limit_that_bound_the_chunk():
     budget = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=512 * MIB)
     text = _reasons(Planner(COSTS, PlannerConfig()), budget)
-    assert "chunk bound by the free memory outside the expert cache, where activations must live (1024.0 MiB: " \
-           "4,096 tokens)" in text
+    assert "chunk bound by the free memory and the expert cache's segments left after the ring (1280.0 MiB: " \
+           "5,120 tokens)" in text
     text = _reasons(Planner(COSTS, PlannerConfig()), budget, unread_tokens=300)
     assert "chunk bound by the unread prompt (300 tokens)" in text
     assert "chunk bound by planner.max_chunk_tokens (1,024)" in _reasons(
         Planner(COSTS, PlannerConfig(max_chunk_tokens=1024)), budget)
     assert "chunk bound by the context (1,000 tokens)" in _reasons(Planner(COSTS, PlannerConfig(), 1000), budget)
-    borrowing = dataclasses.replace(COSTS, is_activation_borrowable=True)
-    assert "chunk bound by the free memory left after the ring (1280.0 MiB: 5,120 tokens)" in _reasons(
-        Planner(borrowing, PlannerConfig()), budget)
+    whole_segments = dataclasses.replace(COSTS, segment_bytes=192 * MIB)  # one of 192 MiB in the 256 spare
+    assert "(1216.0 MiB: 4,864 tokens)" in _reasons(Planner(whole_segments, PlannerConfig()), budget)
 
 
 def test_explain_names_every_limit_that_binds_and_a_geometry_set_elsewhere():
-    planner = Planner(COSTS, PlannerConfig(max_chunk_tokens=4096))
+    planner = Planner(COSTS, PlannerConfig(max_chunk_tokens=5120))
     budget = PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=512 * MIB)
-    assert "chunk bound by planner.max_chunk_tokens (4,096) and the free memory outside" in _reasons(planner, budget)
+    assert "chunk bound by planner.max_chunk_tokens (5,120) and the free memory and" in _reasons(planner, budget)
     text = _reasons(planner, budget, geometry=Geometry(chunk_tokens=1024, ring_slots=64))
-    assert "chunk 1,024 set outside the planner (for this budget it plans 4,096)" in text
+    assert "chunk 1,024 set outside the planner (for this budget it plans 5,120)" in text
 
 
 def test_explain_names_the_limit_that_bound_the_ring():

@@ -7,7 +7,14 @@ from loan_setup import make_config
 from strata.cli import main
 from strata.errors import PluginError
 from strata.hooks import hookimpl
-from strata.plugins import bind_tables, describe_plugins, load_plugins, new_host, new_manager, register
+from strata.plugins import (
+    bind_tables,
+    describe_plugins,
+    load_plugins,
+    new_host,
+    new_manager,
+    register,
+)
 
 BUILTIN_NAMES = ("loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan")
 

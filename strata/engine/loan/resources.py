@@ -41,6 +41,10 @@ class ElasticCache(Protocol):
     def base_bytes(self) -> int: ...
 
     @property
+    def num_slots(self) -> int:
+        """Expert slots mapped now."""
+
+    @property
     def num_cached(self) -> int:
         """Experts resident in the cache now."""
 

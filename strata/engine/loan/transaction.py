@@ -1,7 +1,8 @@
 """The request-scoped prefill VRAM loan: one transaction around every prefill.
 
-decide → release in plugin order → grow the elastic expert cache → adjust the planner budget →
-plan → allocate the workspace (smaller geometries on failure, bounded) → prefill → finally:
+decide → release in plugin order → grow the elastic expert cache into what was released → adjust
+the planner budget → plan (the cost model weighs the chunk against the cache its workspace borrows)
+→ allocate the workspace (smaller geometries on failure, bounded) → prefill → finally:
 free the workspace, shrink the cache, restore resources in reverse order, put back the runtime
 state (settings, and the expert cache's residency, staging again what the ring evicted), run the
 restore hooks, and check that the ledger and state equal what they were before.
@@ -23,10 +24,17 @@ from typing import Mapping, Protocol
 from strata.config import Config
 from strata.engine.loan.resources import ElasticCache, Resource
 from strata.engine.loan.runtime_state import RuntimeState
-from strata.engine.planning.planner import Planner
+from strata.engine.planning.planner import CacheState, Planner
 from strata.errors import AllocationError, LoanRestoreError, PluginError
 from strata.gpu.ledger import TRANSIENT_OWNERS, VramLedger
-from strata.hooktypes import OUTPUT_HEAD, Geometry, LoanContext, LoanRequest, LoanVote, PlannerBudget
+from strata.hooktypes import (
+    OUTPUT_HEAD,
+    Geometry,
+    LoanContext,
+    LoanRequest,
+    LoanVote,
+    PlannerBudget,
+)
 from strata.plugins import PluginHost, name_plugins
 
 RESTORE_ATTEMPTS = 3
@@ -120,9 +128,8 @@ class LoanTransaction:
                 for name in self._release_names(ctx, already=released):
                     self.resources[name].release()
                     released.append(name)
-                cached = self.cache.num_cached if self.cache else 0
-                allowance = self.planner.growth_allowance(self.ledger.free_bytes, unread_tokens, cached)
-                grown = self.cache.grow(allowance) if self.cache else 0
+                # all of it: the workspace borrows back, by unmapping, what its activations need
+                grown = self.cache.grow(self.ledger.free_bytes) if self.cache else 0
                 report = dataclasses.replace(report, released=tuple(released), grown_bytes=grown,
                                              released_bytes=sum(self.resources[n].num_bytes for n in released))
             else:
@@ -141,10 +148,11 @@ class LoanTransaction:
             self.last_report = report
             self._close(ctx, vote.is_run, released, captured, cache_bytes_before, expected)
 
-    def plan_preview(self, is_loan: bool) -> Geometry:
-        """The geometry an unbounded prompt gets from the idle engine (every resource resident),
-        without the loan (with the head alias, when configured) or with its release."""
-        return self.planner.plan(self.preview_budget(is_loan))
+    def plan_preview(self, is_loan: bool, unread_tokens: int | None = None, cache: CacheState | None = None) -> Geometry:
+        """The geometry a prompt of ``unread_tokens`` (None: any) gets from the idle engine (every
+        resource resident) whose cache holds ``cache``, without the loan (with the head alias, when
+        configured) or with its release."""
+        return self.planner.plan(self.preview_budget(is_loan), unread_tokens, cache)
 
     def preview_budget(self, is_loan: bool) -> PlannerBudget:
         """The budget ``plan_preview`` plans in: the idle engine's, less what it lends to prefill."""
@@ -197,11 +205,15 @@ class LoanTransaction:
         borrowable = self.cache.borrowable_bytes() if self.cache else 0
         return PlannerBudget(self.ledger.free_bytes, borrowable, adjust_bytes)
 
+    def cache_state(self) -> CacheState | None:
+        """What the expert cache holds now, for the planner's cost model."""
+        return CacheState(self.cache.num_slots, self.cache.num_cached) if self.cache else None
+
     def _plan(self, ctx: LoanContext, is_loan: bool) -> Geometry:
         if not is_loan:
-            return self.planner.plan(self.budget(), ctx.request.unread_tokens)
+            return self.planner.plan(self.budget(), ctx.request.unread_tokens, self.cache_state())
         budget = self.budget(sum(self.plugins.call("strata_planner_budget", ctx=ctx, budget=self.budget())))
-        geometry = self.planner.plan(budget, ctx.request.unread_tokens)
+        geometry = self.planner.plan(budget, ctx.request.unread_tokens, self.cache_state())
         chosen = self.plugins.call("strata_planner_geometry", ctx=ctx, geometry=geometry)
         return geometry if chosen is None else chosen
 

@@ -88,6 +88,18 @@ class ExpertCache:
             del self._lru[self._key_of.pop(slot)]
         self._free = {s for s in self._free if s < num_slots}
 
+    def unmap_top(self, num_bytes: int) -> int:
+        """Unmap whole segments from the top covering ``num_bytes`` (evicting their experts), so their
+        memory is free for a prefill's activations; never into the ``min_cache_slots``. Returns the
+        bytes unmapped, 0 when that many cannot be."""
+        before = self.mapped_bytes
+        target = before - -(-num_bytes // self.segment_bytes) * self.segment_bytes
+        slots_after = target * self.num_slots // before if before and target > 0 else 0
+        if target < 0 or self.num_slots - slots_after > self.borrowable_bytes() // self.layout.slot_bytes:
+            return 0
+        self.shrink_to(target)
+        return before - self.mapped_bytes
+
     # --- lending to the prompt workspace ---------------------------------------------------
 
     def lend(self, num_bytes: int) -> tuple[int, int]:

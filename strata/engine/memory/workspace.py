@@ -1,8 +1,12 @@
-"""The prompt workspace of one prefill: the staging ring and the activations of a chunk.
+"""The prompt workspace of one prefill: the staging ring and room for a chunk's activations.
 
-It borrows the expert cache's top slots first (the ring must live there: kernels address ring
-slots and cached experts as one slot array), then, where the backend allows, more slots for the
-activations; whatever does not fit is charged to ``prompt_workspace``. ``allocate`` is atomic: on failure nothing stays borrowed or charged.
+The ring lives in the expert cache's top slots (kernels address ring slots and cached experts as
+one slot array). The activations are the backend's own allocations; where free memory cannot
+hold them, the workspace unmaps the cache's top segments first, so their memory is free for the
+prefill, and maps them again in ``free``. What either evicted is staged back by the loan
+transaction's residency restore before decode. Where the backend does not charge activations as
+they are made (numpy), the workspace charges them to ``prompt_workspace``. ``allocate`` is
+atomic: on failure nothing stays lent, unmapped or charged.
 """
 
 from __future__ import annotations
@@ -16,15 +20,6 @@ from strata.hooktypes import Geometry
 OWNER = "prompt_workspace"
 
 
-def borrowed_bytes(costs: WorkspaceCosts, geometry: Geometry, borrowable_bytes: int) -> int:
-    """Expert-cache storage the workspace of ``geometry`` borrows: the ring, and where the backend
-    allows, as much of the activations as the borrowable slots hold (the rest is charged apart)."""
-    if not costs.is_activation_borrowable:
-        return geometry.ring_slots * costs.bytes_per_ring_slot
-    slot_bytes = costs.bytes_per_ring_slot
-    return min(costs.workspace_bytes(geometry), borrowable_bytes // slot_bytes * slot_bytes)
-
-
 class PromptWorkspace:
     def __init__(self, ops: Ops, cache: ExpertCache | None, costs: WorkspaceCosts):
         self.ops = ops
@@ -32,37 +27,69 @@ class PromptWorkspace:
         self.costs = costs
         self.geometry: Geometry | None = None
         self.first_ring_slot = -1
-        self.borrowed_bytes = 0
-        self._extra = None
+        self.unmapped_bytes = 0  # cache segments unmapped for the activations
+        self._reservation = None
+
+    @property
+    def borrowed_bytes(self) -> int:
+        """Expert-cache memory the workspace holds now: the ring's slots and the unmapped segments."""
+        ring_bytes = self.geometry.ring_slots * self.costs.bytes_per_ring_slot if self.geometry else 0
+        return ring_bytes + self.unmapped_bytes
 
     def allocate(self, geometry: Geometry) -> None:
-        need = self.costs.workspace_bytes(geometry)
         ring_bytes = geometry.ring_slots * self.costs.bytes_per_ring_slot
-        borrowable = self.cache.borrowable_bytes() if self.cache else 0
-        if ring_bytes > borrowable:
-            raise AllocationError(f"the staging ring of {geometry.ring_slots} slots needs {ring_bytes >> 20} MiB of "
-                                  f"expert-cache slots; {borrowable >> 20} MiB are borrowable")
-        borrow = borrowed_bytes(self.costs, geometry, borrowable) if self.cache else 0
-        if self.cache and not self.costs.is_activation_borrowable:
-            need = ring_bytes  # activations are the backend's own allocations, charged as they are made
-        first_slot = -1
-        if borrow:
-            first_slot, _ = self.cache.lend(borrow)
+        activation_bytes = self.costs.workspace_bytes(Geometry(geometry.chunk_tokens, 0))
+        unmapped = self._unmap_for(activation_bytes) if self.cache else 0
         try:
-            self._extra = self.ops.alloc(OWNER, (need - borrow,), "uint8") if need > borrow else None
+            borrowable = self.cache.borrowable_bytes() if self.cache else 0
+            if ring_bytes > borrowable:
+                raise AllocationError(f"the staging ring of {geometry.ring_slots} slots needs {ring_bytes >> 20} MiB "
+                                      f"of expert-cache slots; {borrowable >> 20} MiB are borrowable")
+            first_slot = self.cache.lend(ring_bytes)[0] if ring_bytes else -1
+            try:
+                self._reservation = None if self.ops.is_activation_charged else \
+                    self.ops.alloc(OWNER, (activation_bytes,), "uint8")
+            except Exception:
+                if self.cache:
+                    self.cache.take_back()
+                raise
         except Exception:
-            if self.cache:
-                self.cache.take_back()
+            self._map_back(unmapped)
             raise
-        self.geometry, self.first_ring_slot, self.borrowed_bytes = geometry, first_slot, borrow
+        self.geometry, self.first_ring_slot, self.unmapped_bytes = geometry, first_slot, unmapped
 
     def free(self) -> None:
-        if self._extra is not None:
-            self.ops.free(self._extra)
-            self._extra = None
-        if self.borrowed_bytes and self.cache:
+        """Give everything back; maps the unmapped segments again (their experts are restaged by the
+        transaction). Raises when they cannot be mapped again, having given back the rest."""
+        if self._reservation is not None:
+            self.ops.free(self._reservation)
+            self._reservation = None
+        if self.geometry is not None and self.cache:
             self.cache.take_back()
-        self.geometry, self.first_ring_slot, self.borrowed_bytes = None, -1, 0
+        unmapped, self.unmapped_bytes = self.unmapped_bytes, 0
+        self.geometry, self.first_ring_slot = None, -1
+        self._map_back(unmapped)
 
     def ring_slot(self, index: int) -> int:
         return self.first_ring_slot + index
+
+    def _unmap_for(self, activation_bytes: int) -> int:
+        """Unmap the cache's top segments that free memory lacks for ``activation_bytes``; returns
+        the bytes unmapped."""
+        short = activation_bytes - self.ops.ledger.free_bytes
+        if short <= 0:
+            return 0
+        unmapped = self.cache.unmap_top(short)
+        if not unmapped:
+            raise AllocationError(f"the chunk's activations need {short >> 20} MiB more than is free, more than "
+                                  f"the expert cache can lend ({self.cache.borrowable_bytes() >> 20} MiB)")
+        return unmapped
+
+    def _map_back(self, num_bytes: int) -> None:
+        if not num_bytes:
+            return
+        self.ops.trim_memory()  # pooled activation blocks go back to the budget before the segments return
+        mapped = self.cache.grow(num_bytes)
+        if mapped < num_bytes:
+            raise AllocationError(f"the expert cache mapped back {mapped >> 20} of the {num_bytes >> 20} MiB it "
+                                  "lent to the prompt's activations")

@@ -47,7 +47,7 @@ class Placement:
 
 
 def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None, budget_bytes: int,
-                   is_activation_borrowable: bool = True, kv_scratch_bytes_per_cell: int = 0) -> Placement:
+                   kv_scratch_bytes_per_cell: int = 0) -> Placement:
     spec, rt = model.spec, config.runtime
     mtp_layers = range(spec.num_layers, spec.num_layers + spec.num_nextn_layers) if rt.mtp else range(0)
     dense = mtp_head = mtp_experts = 0
@@ -68,7 +68,7 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     decode_ws = _bytes_per_token(spec) * (1 + rt.spec_depth) + 4 * spec.vocab_size * (1 + rt.spec_depth)
     verifier = _bytes_per_token(spec) * (1 + rt.spec_depth) * 2 if rt.mtp else 0
     # e.g. a quantized cache layer's F16 copy, which prefill attention reads on the GPU
-    costs = workspace_costs(spec, layout, config, is_activation_borrowable, kv_scratch_bytes_per_cell * kv_cells)
+    costs = workspace_costs(spec, layout, config, kv_scratch_bytes_per_cell * kv_cells)
     fixed = dense + head + kv_bytes + decode_ws + verifier + mtp_head + mtp_experts
     min_ring = config.planner.min_ring_slots if layout else 0
     smallest = costs.workspace_bytes_for(config.planner.chunk_quantum_tokens, min_ring)
@@ -90,11 +90,12 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
 
 
 def workspace_costs(spec: ModelSpec, layout: ExpertLayout | None, config: Config,
-                    is_activation_borrowable: bool = True, attention_scratch_bytes: int = 0) -> WorkspaceCosts:
+                    attention_scratch_bytes: int = 0) -> WorkspaceCosts:
     slot = layout.slot_bytes if layout else 0
     return WorkspaceCosts(bytes_per_chunk_token=_bytes_per_token(spec), bytes_per_ring_slot=slot,
                           fixed_bytes=attention_scratch_bytes, target_ring_slots=spec.num_experts if layout else 0,
-                          is_ring_in_cache=layout is not None, is_activation_borrowable=is_activation_borrowable)
+                          is_ring_in_cache=layout is not None,
+                          segment_bytes=config.runtime.vmm_segment_bytes)
 
 
 def _bytes_per_token(spec: ModelSpec) -> int:

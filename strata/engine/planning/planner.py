@@ -1,4 +1,4 @@
-"""The prefill planner: the largest geometry (chunk tokens, staging ring slots) a budget holds.
+"""The prefill planner: the geometry (chunk tokens, staging ring slots) that prefills a request fastest.
 
 Memory model, all in bytes:
 
@@ -13,11 +13,13 @@ hundred tokens, so the streamed bytes per chunk are roughly fixed and a bigger c
 over more tokens. The ring is sized first (enough slots to keep the copy stream ahead of compute,
 ``target_ring_slots``), the chunk takes the rest, in multiples of ``chunk_quantum_tokens``.
 
-Where memory may go either to the expert cache or to the chunk (a loan's freed bytes, when
-activations cannot borrow cache storage), ``growth_allowance`` asks the cost model
-(``prefill_cost.py``: bytes streamed per chunk, measured PCIe and compute rates) which split
-prefills the request fastest; ties go to the bigger chunk. ``explain`` prints the memory
-arithmetic and the predicted times.
+The expert cache is borrowable memory: the ring lives in its top slots, and activations that free
+memory cannot hold take the memory of cache segments unmapped for the prefill
+(``WorkspaceCosts.borrowed_bytes``); what they evicted is staged back before decode. Borrowing
+is not free: each evicted expert streams in every later chunk and is staged back once. With a
+cost model (``prefill_cost.py``), a known prompt and the cache's state, ``plan`` weighs every
+chunk that fits (``candidates``) and takes the fastest predicted; ties go to the bigger chunk.
+Without them it takes the largest. ``explain`` prints the memory arithmetic and the prediction.
 """
 
 from __future__ import annotations
@@ -38,14 +40,48 @@ class WorkspaceCosts:
     bytes_per_ring_slot: int
     fixed_bytes: int = 0
     target_ring_slots: int = 256  # 0: a dense model, nothing to stream
-    is_ring_in_cache: bool = False  # ring slots must be borrowed expert-cache slots
-    is_activation_borrowable: bool = True  # activations may live in borrowed expert-cache storage
+    is_ring_in_cache: bool = False  # the ring and the activations free memory lacks borrow the expert cache
+    segment_bytes: int = 1  # the cache unmaps whole segments of this many bytes for activations
 
     def workspace_bytes(self, geometry: Geometry) -> int:
         return self.workspace_bytes_for(geometry.chunk_tokens, geometry.ring_slots)
 
     def workspace_bytes_for(self, chunk_tokens: int, ring_slots: int) -> int:
         return self.fixed_bytes + chunk_tokens * self.bytes_per_chunk_token + ring_slots * self.bytes_per_ring_slot
+
+    def borrowed_bytes(self, geometry: Geometry, free_bytes: int) -> int:
+        """Expert-cache memory the workspace of ``geometry`` takes: the ring's slots, and the whole
+        segments unmapped for what of the activations ``free_bytes`` cannot hold."""
+        if not self.is_ring_in_cache:
+            return 0
+        short = self.workspace_bytes(Geometry(geometry.chunk_tokens, 0)) - free_bytes
+        return geometry.ring_slots * self.bytes_per_ring_slot + _round_up(max(0, short), self.segment_bytes)
+
+    def activation_room(self, budget: PlannerBudget, ring_slots: int) -> int:
+        """Bytes a chunk's activations may take: free memory, and the whole cache segments the
+        borrowable cache holds beyond the ring."""
+        free = budget.free_bytes + budget.adjust_bytes - self.fixed_bytes
+        if not self.is_ring_in_cache:
+            return free
+        spare = budget.borrowable_cache_bytes - ring_slots * self.bytes_per_ring_slot
+        return free + max(0, spare) // self.segment_bytes * self.segment_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheState:
+    """What the expert cache holds when a request plans: mapped slots, and the experts cached in them."""
+
+    num_slots: int
+    num_cached: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A geometry the planner weighed: the cache slots it evicts and the prefill time it predicts."""
+
+    geometry: Geometry
+    num_evicted: int
+    predicted_seconds: float
 
 
 class Planner:
@@ -60,18 +96,21 @@ class Planner:
             quantum = config.chunk_quantum_tokens
             self.max_chunk_tokens = min(self.max_chunk_tokens, max(quantum, _round_up(context_tokens, quantum)))
 
-    def plan(self, budget: PlannerBudget, unread_tokens: int | None = None) -> Geometry:
-        """The largest geometry that fits ``budget``; a chunk never exceeds the unread prompt.
+    def plan(self, budget: PlannerBudget, unread_tokens: int | None = None, cache: CacheState | None = None) -> Geometry:
+        """The fastest predicted geometry that fits ``budget``, or without a cost model, a known
+        prompt and the cache's state, the largest; a chunk never exceeds the unread prompt.
 
         Raises ``AllocationError`` when not even one quantum with the smallest ring fits.
         """
+        return self.weigh(budget, unread_tokens, cache)[0]
+
+    def weigh(self, budget: PlannerBudget, unread_tokens: int | None = None,
+              cache: CacheState | None = None) -> tuple[Geometry, list[Candidate]]:
+        """``plan``'s choice and the candidates it weighed (none without a cost model, prompt or cache state)."""
         quantum = self.config.chunk_quantum_tokens
         costs = self.costs
-        total = budget.total_bytes - costs.fixed_bytes
         ring = self._ring_slots(budget, self._ring_room(budget))
-        activation_room = total if costs.is_activation_borrowable else \
-            budget.free_bytes + budget.adjust_bytes - costs.fixed_bytes
-        if ring < 0 or activation_room < quantum * costs.bytes_per_chunk_token:
+        if ring < 0 or costs.activation_room(budget, max(0, ring)) < quantum * costs.bytes_per_chunk_token:
             min_ring = self.config.min_ring_slots if costs.target_ring_slots else 0
             need = costs.workspace_bytes(Geometry(quantum, min_ring))
             raise AllocationError(
@@ -79,8 +118,36 @@ class Planner:
                 f"({quantum} tokens, {min_ring} ring slots: {need / 2**20:.1f} MiB); "
                 "raise runtime.vram_budget or lower planner.chunk_quantum_tokens"
             )
-        chunk = min(limit.value for limit in self._chunk_limits(budget, ring, unread_tokens))
-        return Geometry(chunk_tokens=max(quantum, chunk), ring_slots=int(ring))
+        limits = self._chunk_limits(budget, ring, unread_tokens)
+        largest = Geometry(max(quantum, min(limit.value for limit in limits)), int(ring))
+        weighed = self.candidates(budget, largest, unread_tokens, cache)
+        if not weighed:
+            return largest, weighed
+        best = weighed[0]
+        for candidate in weighed[1:]:  # biggest chunk first: a smaller one must be clearly faster
+            if candidate.predicted_seconds < best.predicted_seconds * (1 - _TIE_SHARE):
+                best = candidate
+        return best.geometry, weighed
+
+    def candidates(self, budget: PlannerBudget, largest: Geometry, unread_tokens: int | None,
+                   cache: CacheState | None) -> list[Candidate]:
+        """Every chunk from ``largest`` down by quanta with its ring, the cache slots its workspace
+        evicts and the predicted prefill of ``unread_tokens`` (restaging the evicted experts
+        included); empty without a cost model, a prompt or the cache's state."""
+        if self.cost_model is None or not self.cost_model.num_expert_slots or not unread_tokens or cache is None:
+            return []
+        quantum = self.config.chunk_quantum_tokens
+        return [self.predict(budget, Geometry(chunk, largest.ring_slots), unread_tokens, cache)
+                for chunk in range(largest.chunk_tokens, quantum - 1, -quantum)]
+
+    def predict(self, budget: PlannerBudget, geometry: Geometry, unread_tokens: int, cache: CacheState) -> Candidate:
+        """``geometry``'s evicted cache slots and predicted prefill time (the cost model's, plus restaging)."""
+        model, slot_bytes = self.cost_model, max(1, self.costs.bytes_per_ring_slot)
+        borrowed = self.costs.borrowed_bytes(geometry, budget.free_bytes + budget.adjust_bytes)
+        kept = min(cache.num_cached, max(0, cache.num_slots - -(-borrowed // slot_bytes)))
+        num_evicted = cache.num_cached - kept
+        seconds = model.cost(unread_tokens, geometry.chunk_tokens, kept).total_seconds
+        return Candidate(geometry, num_evicted, seconds + model.restage_seconds(num_evicted))
 
     def _ring_room(self, budget: PlannerBudget) -> int:
         """The bytes the ring may take: the budget less the fixed workspace and one quantum's tokens."""
@@ -99,44 +166,11 @@ class Planner:
         else:
             reason = f"planner.max_chunk_tokens ({self.config.max_chunk_tokens:,})"
         limits.append(Limit(self.max_chunk_tokens // quantum * quantum, reason))
-        room = budget.total_bytes - costs.fixed_bytes - ring_slots * costs.bytes_per_ring_slot
-        where = "left after the ring"
-        if not costs.is_activation_borrowable:
-            free_room = budget.free_bytes + budget.adjust_bytes - costs.fixed_bytes
-            if free_room < room:
-                room, where = free_room, "outside the expert cache, where activations must live"
+        room = costs.activation_room(budget, ring_slots)
         num_tokens = room // max(1, costs.bytes_per_chunk_token)
-        limits.append(Limit(num_tokens // quantum * quantum,
-                            f"the free memory {where} ({room / 2**20:.1f} MiB: {num_tokens:,} tokens)"))
+        limits.append(Limit(num_tokens // quantum * quantum, f"the free memory and the expert cache's segments left "
+                                                             f"after the ring ({room / 2**20:.1f} MiB: {num_tokens:,} tokens)"))
         return limits
-
-    def growth_allowance(self, free_bytes: int, unread_tokens: int | None, cached_slots: int = 0) -> int:
-        """Free bytes the expert cache may grow into before planning: all of them when activations
-        can borrow cache storage; else what the chunk leaves, the chunk being the largest useful
-        one, or with a cost model and a known prompt the fastest predicted split."""
-        if self.costs.is_activation_borrowable:
-            return free_bytes
-        chunk = self.max_chunk_tokens
-        if unread_tokens is not None:
-            chunk = min(chunk, _round_up(max(1, unread_tokens), self.config.chunk_quantum_tokens))
-            if self.cost_model is not None and self.cost_model.num_expert_slots:
-                chunk = self.fastest_chunk(free_bytes, unread_tokens, cached_slots, chunk)
-        return max(0, free_bytes - self.costs.fixed_bytes - chunk * self.costs.bytes_per_chunk_token)
-
-    def fastest_chunk(self, free_bytes: int, unread_tokens: int, cached_slots: int, max_chunk: int) -> int:
-        """The chunk whose split of ``free_bytes`` (chunk activations vs cache growth) the cost model
-        predicts fastest for ``unread_tokens``; the bigger chunk on a tie."""
-        costs, quantum, model = self.costs, self.config.chunk_quantum_tokens, self.cost_model
-        best_chunk, best_s = max(quantum, max_chunk // quantum * quantum), None
-        for chunk in range(max(quantum, max_chunk // quantum * quantum), quantum - 1, -quantum):
-            room = free_bytes - costs.fixed_bytes - chunk * costs.bytes_per_chunk_token
-            if room < 0:
-                continue
-            grown = room // max(1, costs.bytes_per_ring_slot) if model.is_growth_cached else 0
-            seconds = model.cost(unread_tokens, chunk, cached_slots + grown).total_seconds
-            if best_s is None or seconds < best_s * (1 - _TIE_SHARE):
-                best_chunk, best_s = chunk, seconds
-        return best_chunk
 
     def _ring_slots(self, budget: PlannerBudget, room_bytes: int) -> int:
         """Ring slots for this budget, or -1 when not even the smallest ring fits."""
@@ -174,10 +208,10 @@ class Planner:
         return None
 
     def explain(self, budget: PlannerBudget, geometry: Geometry, unread_tokens: int | None = None,
-                cached_slots: int | None = None, predicted_tokens: int | None = None) -> str:
+                cache: CacheState | None = None, predicted_tokens: int | None = None) -> str:
         """The memory arithmetic of ``geometry`` (planned for ``budget`` and ``unread_tokens``), the
-        limits that bound its chunk and ring, and with a cost model the predicted prefill time of
-        ``predicted_tokens`` (default: the unread tokens) with ``cached_slots`` cached experts."""
+        limits that bound its chunk and ring, and with a cost model and the cache's state the
+        predicted prefill of ``predicted_tokens`` (default: the unread tokens)."""
         costs = self.costs
         text = (
             f"budget {budget.total_bytes / 2**20:.1f} MiB (free {budget.free_bytes / 2**20:.1f}, borrowable cache "
@@ -189,11 +223,24 @@ class Planner:
         )
         text += "; " + self._explain_limits(budget, geometry, unread_tokens)
         predicted_tokens = predicted_tokens or unread_tokens
-        if self.cost_model is not None and predicted_tokens and cached_slots is not None:
-            cost = self.cost_model.cost(predicted_tokens, geometry.chunk_tokens, cached_slots - geometry.ring_slots)
-            text += (f"; {predicted_tokens:,} tokens with {cached_slots:,} cached experts: "
+        if self.cost_model is not None and predicted_tokens and cache is not None:
+            predicted = self.predict(budget, geometry, predicted_tokens, cache)
+            kept = cache.num_cached - predicted.num_evicted
+            cost = self.cost_model.cost(predicted_tokens, geometry.chunk_tokens, kept)
+            text += (f"; {predicted_tokens:,} tokens with {kept:,} cached experts kept ({predicted.num_evicted:,} "
+                     f"evicted, restaged in {self.cost_model.restage_seconds(predicted.num_evicted):.2f} s): "
                      + self.cost_model.describe(cost))
         return text
+
+    def describe_candidates(self, candidates: list[Candidate], chosen: Geometry, num_shown: int = 6) -> str:
+        """A few of the weighed geometries, evenly spread from the largest chunk down, and the chosen one."""
+        if not candidates:
+            return "no cost model, prompt or cache state: the largest chunk"
+        step = max(1, len(candidates) // num_shown)
+        shown = [c for i, c in enumerate(candidates) if i % step == 0 or c.geometry == chosen]
+        return f"{len(candidates)} chunks weighed: " + ", ".join(
+            f"{'[' if c.geometry == chosen else ''}{c.geometry.chunk_tokens:,}: {c.predicted_seconds:.2f} s, "
+            f"{c.num_evicted:,} evicted{']' if c.geometry == chosen else ''}" for c in shown)
 
     def _explain_limits(self, budget: PlannerBudget, geometry: Geometry, unread_tokens: int | None) -> str:
         quantum, costs = self.config.chunk_quantum_tokens, self.costs
@@ -204,6 +251,10 @@ class Planner:
         limits = self._chunk_limits(budget, geometry.ring_slots, unread_tokens)
         if min(limit.value for limit in limits) < quantum:  # the plan's floor: one quantum
             limits = [Limit(quantum, f"planner.chunk_quantum_tokens ({quantum:,}), the smallest chunk")]
+        largest = min(limit.value for limit in limits)
+        if geometry.chunk_tokens < largest and self.cost_model is not None:
+            return (f"chunk {geometry.chunk_tokens:,} chosen by the cost model (the largest that fits, {largest:,}, "
+                    f"is predicted slower), {ring_text}")
         return f"chunk {_bound_by(limits, geometry.chunk_tokens)}, {ring_text}"
 
 

@@ -13,10 +13,10 @@ streams every uncached expert whatever its size: bigger chunks divide those byte
 tokens, and a bigger cache shrinks them. The rates are measured figures (configurable): on the
 reference H200 pinned host-to-device copies run at 55 GB/s.
 
-Cache growth counts as cached experts only where prefill fills the grown slots
-(``is_growth_cached``). The engine's prefill streams through the ring without inserting
-(expert_cache.py's policy), so for it a grown slot does not shrink later chunks' copies and the
-fastest split is the biggest chunk that fits.
+Only experts cached before the prefill count: prefill streams its misses through the ring without
+inserting them (expert_cache.py's policy). Experts the prompt workspace evicts from the cache
+(``planner.py``: it borrows cache memory) stream in every chunk, and are staged back once after
+the prefill (``restage_seconds``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ class PrefillCostModel:
     compute_flops_per_s: float
     chunk_overhead_s: float
     is_overlapped: bool = True
-    is_growth_cached: bool = False  # grown cache slots hold experts streamed by earlier chunks
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, slot_bytes: int, *, pcie_bytes_per_s: float, compute_flops_per_s: float,
@@ -76,6 +75,10 @@ class PrefillCostModel:
             compute_total += compute_s
             total += (max(copy_s, compute_s) if self.is_overlapped else copy_s + compute_s) + self.chunk_overhead_s
         return ChunkCost(num_chunks, copy_s, compute_total, total)
+
+    def restage_seconds(self, num_slots: int) -> float:
+        """Staging ``num_slots`` evicted experts back into the cache after the prefill."""
+        return num_slots * self.slot_bytes / self.pcie_bytes_per_s
 
     def describe(self, cost: ChunkCost) -> str:
         return (f"{cost.num_chunks} chunk(s) x (copy {cost.copy_seconds:.2f} s at "
