@@ -1,8 +1,9 @@
 """Keep the startup planner geometry for the first request.
 
 At startup the planner sizes the prefill geometry for the budget the startup loan leaves. Without
-this plugin the first request re-plans, capping the chunk at its own prompt length; with it the
-first request keeps the startup geometry. Later requests always re-plan.
+this plugin the first request re-plans for its own budget and prompt; with it the first request
+keeps the startup geometry (its ring, and its chunk up to the prompt's length: the engine sizes no
+workspace beyond the prompt). Later requests always re-plan.
 """
 
 from strata.hooks import hookimpl

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 from fakes import MIB, FakeEngine
 from loan_setup import ALL_RESOURCES_MIB, make_config, make_host
@@ -131,10 +133,13 @@ def test_without_repeat_loan_later_requests_never_loan():
 
 def test_retain_startup_chunk_keeps_the_startup_geometry_for_the_first_request():
     retained = started()
-    geometry, _ = retained.prefill(300)
-    assert geometry == retained.loan.startup_geometry and geometry.chunk_tokens > 512
+    startup = retained.loan.startup_geometry
+    geometry, _ = retained.prefill(90_000)
+    assert geometry == startup and geometry.chunk_tokens > 512
+    short = started()
+    assert short.prefill(300)[0] == dataclasses.replace(startup, chunk_tokens=512)  # capped at the prompt, in quanta
     replanned = started(loan={"plugins": ["loan_mtp", "loan_head", "repeat_loan"]})
-    assert replanned.prefill(300)[0].chunk_tokens == 512  # capped at the prompt, in quanta
+    assert replanned.prefill(300)[0].chunk_tokens == 512
 
 
 def test_runtime_state_changed_by_prefill_is_put_back():

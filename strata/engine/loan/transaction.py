@@ -141,7 +141,7 @@ class LoanTransaction:
                 if released:
                     report = dataclasses.replace(report, reason=f"{report.reason}; {_ALIAS_REASON}")
             geometry = self._plan(ctx, vote.is_run)
-            geometry, num_retries = self._allocate(geometry)
+            geometry, num_retries = self._allocate(self.planner.capped(geometry, unread_tokens))
             report = dataclasses.replace(report, geometry=geometry, num_retries=num_retries)
             yield geometry
         finally:

@@ -198,6 +198,13 @@ class Planner:
         limits.append(Limit(max(0, room_bytes) // max(1, costs.bytes_per_ring_slot), room_reason))
         return limits
 
+    def capped(self, geometry: Geometry, unread_tokens: int) -> Geometry:
+        """``geometry`` with its chunk no longer than the unread prompt (in quanta): a workspace for
+        more tokens than a prompt has would only borrow the expert cache for nothing."""
+        quantum = self.config.chunk_quantum_tokens
+        return dataclasses.replace(geometry, chunk_tokens=min(geometry.chunk_tokens,
+                                                              _round_up(max(1, unread_tokens), quantum)))
+
     def smaller(self, geometry: Geometry) -> Geometry | None:
         """The next geometry to try after an allocation failure: one quantum less, then half the ring."""
         quantum = self.config.chunk_quantum_tokens
