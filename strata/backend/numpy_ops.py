@@ -119,6 +119,9 @@ class NumpyOps:
         host = np.ascontiguousarray(raw.reshape(-1, raw.shape[-1]))
         return QTensor(data=host, qtype=qtype, shape=tuple(shape), num_bytes=int(raw.nbytes))
 
+    def pinned(self, host: QTensor) -> QTensor:
+        return host  # host memory is all there is
+
     def upload_encoded(self, owner: str, host: QTensor) -> QTensor:
         return dataclasses.replace(host, data=self.upload(owner, host.data))
 

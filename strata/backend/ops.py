@@ -75,6 +75,8 @@ class Ops(Protocol):
     def encode_qtensor(self, raw: np.ndarray, qtype: QType, shape: tuple[int, ...]) -> QTensor:
         """The weight in this backend's layout, still on the host: what ``upload_encoded`` copies
         (a weight uploaded many times is encoded once)."""
+    def pinned(self, host: QTensor) -> QTensor:
+        """An encoded host copy in page-locked memory, where the backend has it: uploads run faster."""
     def upload_encoded(self, owner: str, host: QTensor) -> QTensor: ...
     def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
         """VRAM per KV cell that prefill attention needs besides the cache (on the GPU: a quantized

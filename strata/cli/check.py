@@ -42,7 +42,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
               f"startup loan defers {', '.join(deferred) or 'nothing'}")
     else:
         print("loan: off (loan.enabled is false)")
-    costs, budget_bytes = engine.placement.costs, engine.ledger.budget_bytes
+    costs, budget_bytes = engine.planner.costs, engine.ledger.budget_bytes
     longest_prompt_tokens = engine.context_tokens - 1
     cache = CacheState(engine.cache.num_slots, cached_after_load(engine, config)) if engine.cache else None
     idle_budget = engine.loan.preview_budget(is_loan=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -193,6 +194,12 @@ class Generation:
                 chunk = unread[first:first + geometry.chunk_tokens]
                 hidden = runner.forward(chunk, start + first, self.engine.workspace, stream)
                 stream.num_chunks += 1
+        except BaseException as exc:
+            # the failed forward's frames hold its activations; the loan maps the cache back into
+            # their memory as it closes
+            hidden = None
+            traceback.clear_frames(exc.__traceback__)
+            raise
         finally:
             # the ring's copies and kernels may still run: finish them before the loan frees the
             # workspace and unmaps what it grew

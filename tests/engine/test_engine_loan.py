@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QType
 
 from strata.engine.facade import Engine
 from strata.engine.loan.runtime_state import RuntimeSettings
+from strata.gpu.ledger import ACTIVATIONS_OWNER
 from strata.model.synth import write_synthetic_model
 
 ALL_PLUGINS = ["loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan"]
@@ -192,6 +193,38 @@ def test_without_the_loan_prefill_borrows_cache_segments_and_stages_them_back(st
     assert engine.cache.mapped_bytes == mapped and engine.cache.num_cached == num_cached  # decode found it full
     assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
     assert tokens == greedy(narrow, PROMPTS[2], 4)[0]
+
+
+class ChargedWhileAlive:
+    """A device temporary as the GPU backend's are: charged to the ledger until it is collected."""
+
+    def __init__(self, ledger, num_bytes: int):
+        self._ledger, self._charge = ledger, ledger.charge(ACTIVATIONS_OWNER, num_bytes)
+
+    def __del__(self):
+        self._ledger.discharge(self._charge)
+
+
+def test_a_prefill_failing_with_its_activations_alive_still_maps_the_cache_back(streaming_path):
+    # the failing forward's frames hold every byte that is free once the chunk has unmapped cache
+    # segments; the loan must still map them back, so the request fails alone
+    planner, runtime = {"max_chunk_tokens": 1024, "cache_keep_share": 0.25}, {**STREAMING, "vmm_segment": "2MiB"}
+    engine = loan_engine(streaming_path, is_loan=False, planner=planner, **runtime)
+    expected = greedy(loan_engine(streaming_path, is_loan=False, planner=planner, **runtime), PROMPTS[2], 4)[0]
+    engine.ops.is_activation_charged = True  # as on the GPU: the workspace reserves nothing for them
+    real_forward = engine.runner.forward
+
+    def failing(tokens, start, workspace, stats):
+        assert workspace.unmapped_bytes > 0
+        activations = ChargedWhileAlive(engine.ledger, engine.ledger.free_bytes)  # noqa: F841 (held by the frame)
+        raise RuntimeError("a kernel failed")
+
+    engine.runner.forward = failing
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        greedy(engine, PROMPTS[2], 4)
+    engine.runner.forward = real_forward
+    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+    assert greedy(engine, PROMPTS[2], 4)[0] == expected
 
 
 def test_the_head_alias_lends_the_output_head_to_every_prefill_without_the_loan(tmp_path):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from strata.backend.ops import Ops
 from strata.engine.memory.expert_cache import ExpertCache
 from strata.engine.planning.planner import WorkspaceCosts
-from strata.errors import AllocationError
+from strata.errors import AllocationError, LoanRestoreError
 from strata.hooktypes import Geometry
 
 OWNER = "prompt_workspace"
@@ -59,16 +59,21 @@ class PromptWorkspace:
         self.geometry, self.first_ring_slot, self.unmapped_bytes = geometry, first_slot, unmapped
 
     def free(self) -> None:
-        """Give everything back; maps the unmapped segments again (their experts are restaged by the
-        transaction). Raises when they cannot be mapped again, having given back the rest."""
-        if self._reservation is not None:
-            self.ops.free(self._reservation)
-            self._reservation = None
-        if self.geometry is not None and self.cache:
-            self.cache.take_back()
-        unmapped, self.unmapped_bytes = self.unmapped_bytes, 0
-        self.geometry, self.first_ring_slot = None, -1
-        self._map_back(unmapped)
+        """Give everything back, each step also when one before it raised; maps the unmapped segments
+        again (their experts are restaged by the transaction). ``unmapped_bytes`` stays set while
+        they are not mapped again."""
+        try:
+            if self._reservation is not None:
+                reservation, self._reservation = self._reservation, None
+                self.ops.free(reservation)
+        finally:
+            try:
+                if self.geometry is not None and self.cache:
+                    self.cache.take_back()
+            finally:
+                self.geometry, self.first_ring_slot = None, -1
+                self._map_back(self.unmapped_bytes)
+                self.unmapped_bytes = 0
 
     def ring_slot(self, index: int) -> int:
         return self.first_ring_slot + index
@@ -86,10 +91,16 @@ class PromptWorkspace:
         return unmapped
 
     def _map_back(self, num_bytes: int) -> None:
+        """Map ``num_bytes`` of unmapped segments again. Not an ``AllocationError``: a smaller geometry
+        cannot help a cache that stays short, so the transaction must not retry past it."""
         if not num_bytes:
             return
         self.ops.trim_memory()  # pooled activation blocks go back to the budget before the segments return
-        mapped = self.cache.grow(num_bytes)
+        try:
+            mapped = self.cache.grow(num_bytes)
+        except AllocationError as exc:
+            raise LoanRestoreError(f"the expert cache could not map back the {num_bytes >> 20} MiB it lent to the "
+                                   f"prompt's activations: {exc}") from exc
         if mapped < num_bytes:
-            raise AllocationError(f"the expert cache mapped back {mapped >> 20} of the {num_bytes >> 20} MiB it "
-                                  "lent to the prompt's activations")
+            raise LoanRestoreError(f"the expert cache mapped back {mapped >> 20} of the {num_bytes >> 20} MiB it "
+                                   "lent to the prompt's activations")
