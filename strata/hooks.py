@@ -147,7 +147,8 @@ def strata_planner_geometry(ctx: LoanContext, geometry: Geometry) -> Geometry | 
     :returns: the geometry to use instead, or None to keep the planner's. Stops at the first
         non-None result, in plugin order.
 
-    A replaced geometry still goes through allocation and the bounded smaller-geometry retries.
+    A replaced geometry still goes through allocation and the bounded smaller-geometry retries, its
+    chunk capped at the unread prompt (no workspace is sized beyond it).
     """
 
 
