@@ -62,7 +62,7 @@ class Generation:
                 hidden = self._prefill(unread, reuse, geometry, stream)
             report = engine.loan.last_report
             logits = self._logits(hidden)  # after the loan: the output head is back
-            hidden = None  # the last chunk's [T, D]: not held while the first decode token is captured
+            hidden = None  # the last token's [1, D] host row: not held while the first decode token is captured
         except BaseException as exc:
             engine.counters.record_failure(engine.loan.last_report, not isinstance(exc, LoanRestoreError))
             engine.current_generation = None

@@ -2,8 +2,9 @@
 
 decide → release in plugin order → grow the elastic expert cache into what was released → adjust
 the planner budget → plan (the cost model weighs the chunk against the cache its workspace borrows)
-→ allocate the workspace (smaller geometries on failure, bounded) → prefill → finally:
-free the workspace, shrink the cache, restore resources in reverse order, put back the runtime
+→ allocate the workspace (its chunk capped at the prompt; smaller geometries on failure, bounded)
+→ prefill → finally: free the workspace (mapping back the cache segments it unmapped), shrink
+the cache, restore resources in reverse order, put back the runtime
 state (settings, and the expert cache's residency, staging again what the ring evicted), run the
 restore hooks, and check that the ledger and state equal what they were before.
 
