@@ -52,7 +52,11 @@ class RuntimeConfig:
                                     doc='segment size of the elastic expert cache, e.g. "64MiB"', min=2 * MIB)
     serve: bool = option(False, doc="serve the OpenAI-compatible HTTP API (the main job)")
     mtp: bool = option(False, doc="multi-token-prediction speculative decoding with the model's MTP block")
-    spec_depth: int = option(0, doc="draft tokens per MTP speculation step (0: off)", min=0, max=16)
+    spec_depth: int = option(0, doc="most draft tokens per MTP speculation step (1..8 with mtp; 0: off)", min=0,
+                             max=8)
+    spec_policy: str = option("auto", doc='"auto": speculate at the depth (0..spec_depth) with the best measured '
+                                          'tokens per second; "fixed": always draft spec_depth tokens',
+                              choices=("auto", "fixed"))
     batch_slots: int = option(0, doc="concurrent batch sessions (0: serialized requests)", min=0, max=256)
     pipeline_windows: int = option(0, doc="pipelined prefill windows (0: off)", min=0, max=64)
     layer_split: tuple[float, ...] = option((), doc="share of layers per device; more than one entry splits layers")
@@ -191,6 +195,9 @@ def verify_config(config: Config) -> None:
     if rt.spec_depth and not rt.mtp:
         raise ConfigError(f"runtime.spec_depth = {rt.spec_depth} needs runtime.mtp = true; "
                           "set runtime.mtp = true or set runtime.spec_depth = 0")
+    if rt.mtp and not rt.spec_depth:
+        raise ConfigError("runtime.mtp = true needs runtime.spec_depth in 1..8 (the most tokens a step drafts); "
+                          "set runtime.spec_depth = 4, or runtime.mtp = false")
     if rt.decode_prefetch and not rt.decode_graphs:
         raise ConfigError("runtime.decode_prefetch = true needs runtime.decode_graphs = true (the prediction runs "
                           "inside the captured layer); set runtime.decode_graphs = true or "

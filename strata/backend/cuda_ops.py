@@ -517,6 +517,12 @@ class CudaOps:
         if y is not x:  # x as its own accumulator already holds the sum
             add(x, y)
 
+    def concat_columns(self, a, b):
+        from strata.gpu.kernels.concat import concat_columns
+
+        with self._owning(ACTIVATIONS):
+            return concat_columns(a, b, stream=self._stream)
+
     def logits(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
         from strata.gpu.kernels.gemv import gemv
         from strata.gpu.kernels.gemv_native import head_config

@@ -46,6 +46,9 @@ class DryRunOps(NumpyOps):
         return PlaneArena(self.ledger, owner, reserved_bytes, segment_bytes, layout, granularity=2 << 20,
                           make_range=CountingRange)
 
+    def stage_experts(self, storage, slots, hosts, is_after_compute: bool = True) -> None:
+        pass  # nothing is allocated, so nothing is copied
+
     def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type):
         probe = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type)
         return self._track_placeholder(owner, probe.data.nbytes * num_layers * num_cells)

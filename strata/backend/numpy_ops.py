@@ -268,6 +268,9 @@ class NumpyOps:
     def add(self, x, y) -> None:
         x += y.astype(x.dtype, copy=False)
 
+    def concat_columns(self, a, b) -> np.ndarray:
+        return np.concatenate([a, b], axis=1).astype(np.float32, copy=False)
+
     def logits(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
         return ref.output_head(x[-1:], norm, self._dequantized(head), eps)[0]
 

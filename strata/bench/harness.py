@@ -55,13 +55,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write every run's figures here as JSON (after each run, so a "
                                                  "later failure keeps the runs before it)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
+    parser.add_argument("--spec", default="config",
+                        help="speculative decode arms, comma-separated: config (as configured), auto, fixed "
+                             "(depth runtime.spec_depth), off (plain decode with the same memory)")
+    parser.add_argument("--draft-oracle", type=float, default=None, metavar="P",
+                        help="measurement mode: each draft is the target's own greedy continuation with "
+                             "probability P, else a wrong token (labelled in every row)")
     parser.add_argument("--profile-dir", type=Path, help="write each run's host-side profile here "
                                                          "(cProfile stats, <arm>-<prompt>-<rep>.prof)")
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
-    arms = [a.strip() for a in args.arms.split(",")]
+    arms = [(loan.strip(), spec.strip()) for loan in args.arms.split(",") for spec in args.spec.split(",")]
     code = code_identity()
     print(f"# {code}", file=sys.stderr, flush=True)
     runs = []
@@ -69,12 +75,14 @@ def run(args: argparse.Namespace, config: Config) -> int:
         # arms interleaved per repetition: the first process after the GPU has idled runs slower
         # (measured on the H200), and it must not always be the same arm's
         for rep in range(args.reps):
-            for arm in arms:
+            for arm, spec in arms:
                 profile = None
                 if args.profile_dir:
                     args.profile_dir.mkdir(parents=True, exist_ok=True)
-                    profile = args.profile_dir / f"{arm}-{length}-{rep + 1}.prof"
-                result = _one(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile)
+                    profile = args.profile_dir / f"{arm}-{spec}-{length}-{rep + 1}.prof"
+                result = _one(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile,
+                              ["--spec", spec] + ([] if args.draft_oracle is None or spec == "off"
+                                                  else ["--draft-oracle", str(args.draft_oracle)]))
                 runs.append(result)
                 print(f"[{arm} {length} #{rep + 1}] {result['timing_line']}", file=sys.stderr, flush=True)
                 if result.get("code", code) != code:  # the run imported another tree than this process
@@ -86,9 +94,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
 
 
 def _one(config_path: str, length: int, gen_tokens: int, arm: str, rep: int, timeout: float,
-         profile: Path | None = None) -> dict:
+         profile: Path | None = None, extra: list[str] = ()) -> dict:
     command = [sys.executable, "-m", "strata.bench.one_run", "--config", config_path, "--prompt-tokens",
-               str(length), "--gen-tokens", str(gen_tokens), "--loan", arm, "--seed", str(rep)]
+               str(length), "--gen-tokens", str(gen_tokens), "--loan", arm, "--seed", str(rep), *extra]
     if profile:
         command += ["--profile", str(profile)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -148,15 +156,16 @@ def _prefill_bytes(run: dict) -> int:
 
 
 def format_table(runs: list[dict]) -> str:
-    header = ("| Prompt | Loan | Prompt chunk / ring | PP median (range) | TG median (range) | MiB streamed / chunk "
-              "| cache hit rate | floor / PP time | MiB streamed / decode step | MiB read from VRAM / decode step "
-              "| decode floor / TG time | PP vs rival, experts in RAM | PP vs rival, all in VRAM "
-              "| TG vs rival, experts in RAM | TG vs rival, all in VRAM |")
-    rows = [header, "| " + " | ".join(["---:"] * 15) + " |"]
-    groups: dict[tuple[int, str], list[dict]] = {}
+    header = ("| Prompt | Loan | Spec | Prompt chunk / ring | PP median (range) | TG median (range) "
+              "| MiB streamed / chunk | cache hit rate | floor / PP time | MiB streamed / decode step "
+              "| MiB read from VRAM / decode step | decode floor / TG time | PP vs rival, experts in RAM "
+              "| PP vs rival, all in VRAM | TG vs rival, experts in RAM | TG vs rival, all in VRAM "
+              "| drafted / accepted (rate) | tokens / verify step | depth chosen |")
+    rows = [header, "| " + " | ".join(["---:"] * 19) + " |"]
+    groups: dict[tuple[int, str, str], list[dict]] = {}
     for run in runs:
-        groups.setdefault((run["prompt_tokens"], run["loan"]), []).append(run)
-    for (length, arm), group in sorted(groups.items()):
+        groups.setdefault((run["prompt_tokens"], run["loan"], _spec_label(run)), []).append(run)
+    for (length, arm, spec), group in sorted(groups.items()):
         pp = [r["prefill_tokens_per_s"] for r in group]
         tg = [r["decode_tokens_per_s"] for r in group]
         plans = sorted({f"{r['chunk_tokens']:,} / {r['ring_slots']}" for r in group})
@@ -166,13 +175,33 @@ def format_table(runs: list[dict]) -> str:
         vram_per_token = statistics.median(decode_vram_bytes(r) / max(1, _decode_steps(r)) for r in group) / 2**20
         decode_floor = statistics.median(_decode_floor_share(r) for r in group)
         pp_median, tg_median = statistics.median(pp), statistics.median(tg)
-        cells = [f"{length:,}", arm, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",
+        cells = [f"{length:,}", arm, spec, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",
                  f"{statistics.median(r['cache_hit_rate'] for r in group):.1%}", f"{floor:.2f}",
                  f"{per_token:,.0f}", f"{vram_per_token:,.0f}", f"{decode_floor:.2f}",
                  _prefill_ratio(pp_median, length, RIVAL_PREFILL), _prefill_ratio(pp_median, length, RIVAL_VRAM_PREFILL),
-                 _ratio(tg_median, RIVAL_DECODE), _ratio(tg_median, RIVAL_VRAM_DECODE)]
+                 _ratio(tg_median, RIVAL_DECODE), _ratio(tg_median, RIVAL_VRAM_DECODE), *_spec_cells(group)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _spec_label(run: dict) -> str:
+    """The run's decode: plain, or speculation's policy; the draft oracle named (it is not the model's speed)."""
+    label = run.get("spec", "none")
+    oracle = run.get("draft_oracle")
+    return label if oracle is None or label in ("off", "none") else f"{label}, draft oracle {oracle:g}"
+
+
+def _spec_cells(group: list[dict]) -> list[str]:
+    """Medians of drafted / accepted, tokens per verify step and the depth the policy chose last."""
+    is_speculating = group[0].get("spec") not in (None, "off", "none")
+    depths = ", ".join(sorted({str(r.get("spec_depth", 0)) for r in group})) if is_speculating else "-"
+    if not any(r.get("spec_rounds") for r in group):  # plain decode, or a policy that never drafted
+        return ["-", "-", depths]
+    drafted = statistics.median(r["spec_drafted"] for r in group)
+    accepted = statistics.median(r["spec_accepted"] for r in group)
+    per_step = statistics.median((r["spec_accepted"] + r["spec_rounds"]) / r["spec_rounds"]
+                                 for r in group if r["spec_rounds"])
+    return [f"{drafted:,.0f} / {accepted:,.0f} ({accepted / max(1, drafted):.0%})", f"{per_step:.2f}", depths]
 
 
 def _prefill_ratio(median: float, length: int, rival: dict[int, float]) -> str:

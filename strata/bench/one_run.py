@@ -16,8 +16,11 @@ import time
 
 import numpy as np
 
+from strata.bench.draft_oracle import DraftOracle
 from strata.bench.provenance import code_identity
 from strata.config import load_config
+
+SPEC_MODES = ("config", "auto", "fixed", "off")
 
 
 def bench_config(path: str, is_loan: bool):
@@ -45,6 +48,12 @@ def main(argv=None) -> int:
     parser.add_argument("--loan", choices=("on", "off"), required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", help="write the request's host-side profile (cProfile stats) to this file")
+    parser.add_argument("--spec", choices=SPEC_MODES, default="config",
+                        help="speculative decode: as configured, the auto or fixed depth policy, or off (plain "
+                             "decode with the same memory)")
+    parser.add_argument("--draft-oracle", type=float, default=None, metavar="P",
+                        help="replace each draft by the greedy continuation with probability P (a plain run of "
+                             "the same prompt first records it)")
     args = parser.parse_args(argv)
 
     from strata.engine.facade import Engine
@@ -53,10 +62,19 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     engine = Engine.load(bench_config(args.config, args.loan == "on"), show_progress=False)
     load_seconds = time.perf_counter() - started
+    _set_speculation(engine, args.spec)
     tokens = prompt_tokens(engine.tokenizer, args.prompt_tokens, args.seed)
     banned = {t: float("-inf") for t in engine.tokenizer.eog_ids}
-    params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, logit_bias=banned)
-    generation = engine.generate(tokens, params)
+    # seeded: no request reuses another's KV prefix, so each prefills the whole prompt
+    params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, logit_bias=banned, seed=args.seed)
+    oracle = None
+    if args.draft_oracle is not None:
+        if engine.mtp is None:
+            raise SystemExit("--draft-oracle needs speculative decode (runtime.mtp = true and --spec other than off)")
+        reference = engine.generate(tokens, params)
+        continuation = [event.token_id for event in reference if event.token_id >= 0]
+        oracle = DraftOracle(continuation, len(tokens), args.draft_oracle, engine.spec.vocab_size, seed=args.seed)
+    generation = engine.generate(tokens, params, draft_oracle=oracle)
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
@@ -83,10 +101,26 @@ def main(argv=None) -> int:
         "attention_width": engine.spec.q_size * engine.spec.num_layers,
         **decode_read_bytes(engine.model, engine.placement),
         "timing_line": stats.timing_line(), "code": code_identity(),
+        "spec": args.spec if engine.mtp is not None or args.spec == "off" else "none",
+        "draft_oracle": args.draft_oracle, "spec_rounds": stats.spec_rounds, "spec_drafted": stats.spec_drafted,
+        "spec_accepted": stats.spec_accepted, "spec_depth": stats.spec_depth,
+        "spec_depth_max": engine.config.runtime.spec_depth,
     }
     print("STRATA-BENCH " + json.dumps(result), flush=True)
     engine.close()
     return 0
+
+
+def _set_speculation(engine, mode: str) -> None:
+    """--spec: the configured policy, another one, or none (plain decode; the memory stays as loaded)."""
+    from strata.engine.decode.depth_policy import DepthPolicy
+
+    if mode == "config" or engine.mtp is None:
+        return
+    if mode == "off":
+        engine.mtp = engine.depth_policy = None
+        return
+    engine.depth_policy = DepthPolicy(engine.config.runtime.spec_depth, is_fixed=mode == "fixed")
 
 
 def decode_read_bytes(model, placement) -> dict:

@@ -15,6 +15,8 @@ import numpy as np
 from strata.backend.ops import Ops, QTensor
 from strata.config import Config
 from strata.engine.counters import EngineCounters
+from strata.engine.decode.depth_policy import DepthPolicy
+from strata.engine.decode.mtp import MtpDraft
 from strata.engine.loan.resources import Resource
 from strata.engine.loan.runtime_state import RuntimeState
 from strata.engine.loan.transaction import LoanTransaction
@@ -45,6 +47,7 @@ class EngineCore:
     :ivar context_tokens: tokens a request may reach: ``runtime.context_tokens`` cut to the KV cells.
     :ivar kv_tokens: tokens whose K and V are in the cache, in order (the next request's reusable prefix).
     :ivar current_generation: the request whose decode state (segments, cached blocks) is live.
+    :ivar mtp: the MTP block that drafts for speculative decode; None without ``runtime.mtp``.
     """
 
     config: Config
@@ -70,6 +73,8 @@ class EngineCore:
     load_ledger: LedgerSnapshot
     model_name: str
     context_tokens: int
+    mtp: MtpDraft | None = None  # speculative decode's draft block (runtime.mtp)
+    depth_policy: DepthPolicy | None = None  # its depth, learnt across requests
     counters: EngineCounters = dataclasses.field(default_factory=EngineCounters)
     kv_tokens: list[int] = dataclasses.field(default_factory=list)
     current_generation: Any = None

@@ -26,6 +26,12 @@ class EngineCounters:
     decode_seconds: float = 0.0
     last_prefill_tokens_per_s: float = 0.0
     last_decode_tokens_per_s: float = 0.0
+    spec_rounds: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    # [place in a step's draft run] drafts verified and taken there
+    spec_drafted_by_position: list[int] = dataclasses.field(default_factory=list)
+    spec_accepted_by_position: list[int] = dataclasses.field(default_factory=list)
 
     def record(self, stats: RequestStats) -> None:
         self.num_requests += 1
@@ -40,6 +46,14 @@ class EngineCounters:
         self.decode_seconds += stats.decode_seconds
         self.last_prefill_tokens_per_s = stats.prefill_tokens_per_s
         self.last_decode_tokens_per_s = stats.decode_tokens_per_s
+        self.spec_rounds += stats.spec_rounds
+        self.spec_drafted += stats.spec_drafted
+        self.spec_accepted += stats.spec_accepted
+        for totals, counts in ((self.spec_drafted_by_position, stats.spec_drafted_by_position),
+                               (self.spec_accepted_by_position, stats.spec_accepted_by_position)):
+            totals += [0] * (len(counts) - len(totals))
+            for place, count in enumerate(counts):
+                totals[place] += count
 
     def record_failure(self, loan, is_restored: bool) -> None:
         """A request that raised; ``is_restored`` is false when the loan could not put things back."""

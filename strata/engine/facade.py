@@ -25,11 +25,14 @@ from strata.backend.select import make_ops, select_backend
 from strata.config import Config
 from strata.engine import loading
 from strata.engine.core import EngineCore
+from strata.engine.decode.depth_policy import DepthPolicy
+from strata.engine.decode.mtp import MtpDraft
+from strata.engine.decode.speculative import DraftOracle
 from strata.engine.generation import Generation
 from strata.engine.loan.admission import admit
 from strata.engine.loan.runtime_state import RuntimeSettings, RuntimeState
 from strata.engine.loan.transaction import LoanTransaction
-from strata.engine.memory.decode_resources import TensorsResource
+from strata.engine.memory.decode_resources import ExpertsResource, TensorsResource
 from strata.engine.memory.expert_cache import CacheResidency, ExpertCache
 from strata.engine.memory.expert_pack import ExpertPack
 from strata.engine.memory.workspace import PromptWorkspace
@@ -46,11 +49,13 @@ from strata.gpu.ledger import (
     LedgerSnapshot,
     VramLedger,
 )
+from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS
 from strata.model.gguf_file import open_gguf
 from strata.model.locate import resolve_model_path
 from strata.model.tokenizer import Tokenizer
 from strata.plugins import load_plugins
 
+MTP_KV_OWNER = "mtp_kv"  # the MTP block's own KV cache (placement's mtp_kv)
 WARMUP_HEAD_ROWS = 256  # rows of a held-back head that the warm-up's logits kernel reads
 WARMUP_MIN_TOKENS = 24  # above the decode MoE kernels' 4 tokens and block routing's 16: prefill's kernels run
 log = logging.getLogger("strata.engine")
@@ -89,15 +94,17 @@ class Engine(EngineCore):
         placement = plan_placement(config, model, layout, ledger.budget_bytes,
                                    ops.prefill_kv_scratch_bytes_per_cell(spec.head_dim, spec.kv_size,
                                                                          config.runtime.kv_type))
-        resources = loading.decode_resources(config, model, ops, placement)
+        resources = loading.decode_resources(config, model, ops, placement, layout)
         admit(config, plugins, resources)
         if not is_dry_run:
             for resource in resources.values():
-                if isinstance(resource, TensorsResource):
+                if isinstance(resource, (TensorsResource, ExpertsResource)):
                     resource.encode_host_copies()
         weights = DeviceWeights(ops, model)
         kv = ops.kv_cache("kv_cache", spec.num_layers, placement.kv_cells, spec.num_kv_heads, spec.head_dim,
                           config.runtime.kv_type)
+        mtp_kv = ops.kv_cache(MTP_KV_OWNER, 1, placement.kv_cells, spec.num_kv_heads, spec.head_dim,
+                              config.runtime.kv_type) if MTP_DRAFT_HEAD in resources else None
         # charged, not yet read: freeing it moves the documented plans (the 8 GiB benchmark's loan chunk);
         # MTP verification is its reader to come
         decode_workspace = ops.alloc("decode_workspace", (placement.decode_workspace_bytes,), "uint8")
@@ -139,6 +146,10 @@ class Engine(EngineCore):
                      model_name=config.model.name or model.path.stem,
                      context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
         rt = config.runtime
+        if mtp_kv is not None:
+            engine.mtp = MtpDraft(runner, resources[MTP_DRAFT_HEAD], resources.get(MTP_EXPERTS), mtp_kv,
+                                  engine.output_head)
+            engine.depth_policy = DepthPolicy(rt.spec_depth, is_fixed=rt.spec_policy == "fixed")
         if rt.context_tokens > placement.kv_cells:
             log.warning("runtime.context_tokens = %d is cut to %d tokens (prompts up to %d): %s", rt.context_tokens,
                         placement.kv_cells, placement.kv_cells - 1, loading.context_cut_reason(placement.kv_cells))
@@ -208,6 +219,8 @@ class Engine(EngineCore):
             # the whole cache), so one step compiles every decode kernel
             hidden = self.runner.forward(np.array([token]), num_tokens, None, stats)
             self._warmup_logits(hidden)
+            if self.mtp is not None:  # a draft step and a verify step of two rows
+                self._warmup_speculation(hidden, token, num_tokens, stats)
             if self.runner.decode_step is not None:  # the one-graph token of a fully cached model
                 self.runner.decode_step.compile_resident(token, num_tokens + 1)
                 if self.config.runtime.greedy_on_device:  # the head, bias and argmax of a greedy step
@@ -230,6 +243,16 @@ class Engine(EngineCore):
         log.info("warm-up: %d-token prefill (for %d MoE tile shape(s)) and one decode step in %.2f s (kernels "
                  "compiled, state reset)", num_tokens, len(self.ops.moe_tile_rows(layout)), seconds)
         return seconds
+
+    def _warmup_speculation(self, hidden, token: int, position: int, stats: StreamStats) -> None:
+        """Compile the MTP block's launches and a verify step's (a forward of two rows), where a
+        startup loan does not hold the block back."""
+        if all(self.resources[name].is_resident for name in (MTP_DRAFT_HEAD, MTP_EXPERTS) if name in self.resources):
+            drafted = self.mtp.hidden(hidden, np.array([token]), position)
+            head = self.resources.get("output_head")
+            if head is None or head.is_resident:
+                self.mtp.logits(drafted)
+        self.runner.forward(np.array([token, token]), position + 1, None, stats)
 
     def _warmup_logits(self, hidden) -> np.ndarray:
         """The head's logits (``_warmup_head``)."""
@@ -264,11 +287,12 @@ class Engine(EngineCore):
         return dataclasses.replace(startup, chunk_tokens=num_tokens)
 
     def generate(self, prompt_tokens: Sequence[int], params: SamplingParams,
-                 is_cancelled: Callable[[], bool] = lambda: False) -> Generation:
+                 is_cancelled: Callable[[], bool] = lambda: False, draft_oracle: DraftOracle | None = None) -> Generation:
         """Tokens for ``prompt_tokens``; iterate the result. Raises ``RequestError`` for a prompt that
         leaves no room in the context. One request at a time: a generation that starts while another
-        is unfinished ends that one first (its iteration stops, finish reason "cancelled")."""
-        return Generation(self, list(prompt_tokens), params, is_cancelled)
+        is unfinished ends that one first (its iteration stops, finish reason "cancelled").
+        draft_oracle: the bench's measurement mode (``strata bench --draft-oracle``), never serving's."""
+        return Generation(self, list(prompt_tokens), params, is_cancelled, draft_oracle)
 
     def format_placement(self) -> str:
         return f"placement on {self.backend} ({self.ledger.budget_bytes / 2**30:.2f} GiB budget):\n" + self.ledger.format()

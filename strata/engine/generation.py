@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from strata.engine.core import EngineCore
+from strata.engine.decode.speculative import DraftOracle, Speculation
 from strata.engine.request import RequestStats, TokenEvent
 from strata.engine.sampling import (
     SamplingParams,
@@ -22,6 +23,7 @@ from strata.engine.sampling import (
 )
 from strata.engine.stream_stats import StreamStats
 from strata.errors import LoanRestoreError, RequestError
+from strata.gpu.ledger import ACTIVATIONS_OWNER
 from strata.hooktypes import Geometry
 
 log = logging.getLogger("strata.engine")
@@ -31,12 +33,15 @@ FLUSH_TOKEN_ID = -1  # a TokenEvent with this id carries text released at the en
 class Generation:
     """Iterate for TokenEvents; ``stats`` is set once the iteration ends (also when it is closed early)."""
 
-    def __init__(self, engine: EngineCore, prompt: list[int], params: SamplingParams, is_cancelled: Callable[[], bool]):
+    def __init__(self, engine: EngineCore, prompt: list[int], params: SamplingParams, is_cancelled: Callable[[], bool],
+                 draft_oracle: DraftOracle | None = None):
+        """draft_oracle: the bench's measurement aid (``strata bench --draft-oracle``); never from serving."""
         _check_prompt(prompt, engine.context_tokens, engine.spec.vocab_size)
         self.engine = engine
         self.prompt = prompt
         self.params = params
         self.is_cancelled = is_cancelled
+        self.draft_oracle = draft_oracle
         self.stats: RequestStats | None = None
         self._prefill_streamed_bytes = 0
         self._restaged_bytes = 0
@@ -62,7 +67,6 @@ class Generation:
                 hidden = self._prefill(unread, reuse, geometry, stream)
             report = engine.loan.last_report
             logits = self._logits(hidden)  # after the loan: the output head is back
-            hidden = None  # the last token's [1, D] host row: not held while the first decode token is captured
         except BaseException as exc:
             engine.counters.record_failure(engine.loan.last_report, not isinstance(exc, LoanRestoreError))
             engine.current_generation = None
@@ -75,8 +79,11 @@ class Generation:
         decoder, stop, rng = engine.tokenizer.stream_decoder(), StopMatcher(params.stop), make_rng(params.seed)
         is_on_device = params.is_greedy and engine.config.runtime.greedy_on_device and \
             engine.runner.can_pick_greedy_on_device
-        tokens = (self._device_tokens if is_on_device else self._host_tokens)(logits, rng, stream)
-        logits = None
+        if engine.mtp is not None:
+            tokens = self._speculative_tokens(logits, hidden, rng, stream)
+        else:
+            tokens = (self._device_tokens if is_on_device else self._host_tokens)(logits, rng, stream)
+        logits = hidden = None  # hidden: the last token's [1, D] host row
         try:
             for token in tokens:
                 if engine.tokenizer.is_eog(token):
@@ -88,7 +95,8 @@ class Generation:
                 if is_stop_string:
                     finish = "stop"
                     break
-                if generated >= params.max_tokens or len(engine.kv_tokens) >= engine.context_tokens:
+                # the newest token is not in the KV cache yet (speculation may have verified more)
+                if generated >= params.max_tokens or len(self.prompt) + generated - 1 >= engine.context_tokens:
                     break
                 if self.is_cancelled():
                     finish = "cancelled"
@@ -166,6 +174,33 @@ class Generation:
         finally:
             steps.close()
 
+    def _speculative_tokens(self, logits: np.ndarray, hidden: np.ndarray, rng: np.random.Generator,
+                            stream: StreamStats) -> Iterator[int]:
+        """The first token from the prefill's logits, the rest drafted by the MTP block and verified
+        in batches (``Speculation``); never more steps than the request and the context allow."""
+        engine, params = self.engine, self.params
+        token = sample(logits, params, rng)
+        logits = None
+        yield token
+        position = len(engine.kv_tokens)
+        num_steps = min(params.max_tokens - 1, engine.context_tokens - position)
+        row = engine.ops.upload(ACTIVATIONS_OWNER, np.ascontiguousarray(hidden, dtype=np.float32))  # [1, D]
+        hidden = None
+        speculation = Speculation(engine.runner, engine.mtp, engine.depth_policy, self._row_logits, params, rng,
+                                  stream, self.draft_oracle)
+        steps = speculation.tokens(token, row, position, num_steps, engine.kv_tokens)
+        try:
+            yield from steps
+        finally:
+            try:
+                steps.close()
+            finally:
+                engine.ops.free(row)
+
+    def _row_logits(self, hidden) -> np.ndarray:
+        """[R, V] host logits of every row of ``hidden`` [R, D], the engine's bias added."""
+        return np.stack([self._logits(hidden[row:row + 1]) for row in range(hidden.shape[0])])
+
     def _release(self, is_failing: bool) -> None:
         """Drop the request's decode segments and trim the allocator's cache, unless a later request
         already owns the engine (this generation was abandoned and collected late). A cleanup error
@@ -194,6 +229,7 @@ class Generation:
                 chunk = unread[first:first + geometry.chunk_tokens]
                 hidden = runner.forward(chunk, start + first, self.engine.workspace, stream)
                 stream.num_chunks += 1
+                self._draft_cache(hidden, unread[first + 1:first + len(chunk) + 1], start + first)
         except BaseException as exc:
             # the failed forward's frames hold its activations; the loan maps the cache back into
             # their memory as it closes
@@ -205,6 +241,13 @@ class Generation:
             # workspace and unmaps what it grew
             self.engine.ops.synchronize()
         return self.engine.ops.to_host(hidden[hidden.shape[0] - 1:])
+
+    def _draft_cache(self, hidden, next_tokens: np.ndarray, start: int) -> None:
+        """The MTP block over a prefilled chunk's rows [T, D] whose next token is known, so that drafts
+        attend over the prompt (skipped while a loan holds the block)."""
+        mtp = self.engine.mtp
+        if mtp is not None and mtp.is_resident and len(next_tokens):
+            mtp.hidden(hidden[:len(next_tokens)], next_tokens, start)
 
     def _logits(self, hidden) -> np.ndarray:
         engine = self.engine
@@ -221,7 +264,12 @@ class Generation:
             cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish,
             prefill_streamed_bytes=self._prefill_streamed_bytes, restaged_bytes=self._restaged_bytes,
             prefetched_experts=stream.prefetched,
-            prefetched_used_experts=stream.prefetched_used, decode_wait_seconds=stream.decode_wait_seconds)
+            prefetched_used_experts=stream.prefetched_used, decode_wait_seconds=stream.decode_wait_seconds,
+            is_speculative=self.engine.mtp is not None, spec_rounds=stream.spec_rounds,
+            spec_drafted=stream.spec_drafted, spec_accepted=stream.spec_accepted, spec_depth=stream.spec_depth,
+            spec_drafted_by_position=tuple(stream.spec_drafted_by_position),
+            spec_accepted_by_position=tuple(stream.spec_accepted_by_position),
+            is_draft_oracle=self.draft_oracle is not None)
         self.engine.counters.record(self.stats)
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
 

@@ -9,7 +9,7 @@ from strata.backend.ops import ExpertLayout, Ops
 from strata.backend.select import require_runnable
 from strata.config import Config
 from strata.engine.loan.resources import Resource
-from strata.engine.memory.decode_resources import ArenaResource, TensorsResource
+from strata.engine.memory.decode_resources import ArenaResource, ExpertsResource, TensorsResource
 from strata.engine.memory.expert_cache import ExpertCache
 from strata.engine.memory.expert_pack import ExpertPack
 from strata.engine.planning.placement import Placement
@@ -55,9 +55,19 @@ def budget_bytes(config: Config, backend: str, model: GgufModel) -> int:
     return int(free_device_bytes(config.runtime.device) * 0.9)
 
 
-def decode_resources(config: Config, model: GgufModel, ops: Ops, placement: Placement) -> dict[str, Resource]:
+def check_mtp(config: Config, model: GgufModel) -> None:
+    """``runtime.mtp`` needs the model's own MTP (nextn) block."""
+    if config.runtime.mtp and not model.spec.num_nextn_layers:
+        raise ConfigError(f"runtime.mtp = true, but {model.path.name} has no MTP block ({model.spec.arch}."
+                          "nextn_predict_layers is 0): speculative decoding drafts with the model's own MTP "
+                          "block; set runtime.mtp = false and runtime.spec_depth = 0, or use a GGUF with one")
+
+
+def decode_resources(config: Config, model: GgufModel, ops: Ops, placement: Placement,
+                     layout: ExpertLayout | None) -> dict[str, Resource]:
     """The decode-only resources this model and configuration have, by name, none of them uploaded yet."""
     spec, rt = model.spec, config.runtime
+    check_mtp(config, model)
     resources = {}
     is_loaned = config.loan.enabled  # loaned weights keep a packed host copy for their restores
     if rt.mtp and rt.spec_depth:
@@ -71,7 +81,8 @@ def decode_resources(config: Config, model: GgufModel, ops: Ops, placement: Plac
         experts = {n: r for n, r in block.items() if "_exps." in n}
         resources[MTP_DRAFT_HEAD] = TensorsResource(MTP_DRAFT_HEAD, ops,
                                                     {n: r for n, r in block.items() if n not in experts}, is_loaned)
-        resources[MTP_EXPERTS] = TensorsResource(MTP_EXPERTS, ops, experts, is_loaned)
+        if experts:
+            resources[MTP_EXPERTS] = ExpertsResource(MTP_EXPERTS, ops, model, spec.num_layers, layout)
     return resources
 
 

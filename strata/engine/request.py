@@ -41,6 +41,18 @@ class RequestStats:
     # captured decode: the host blocked on the device's readbacks. The rest of decode_seconds is the host's
     # own time: its per-layer bookkeeping and launches, and whatever the caller does between tokens
     decode_wait_seconds: float = 0.0
+    is_speculative: bool = False  # decoded by MTP speculation (runtime.mtp)
+    spec_rounds: int = 0  # verify steps
+    spec_drafted: int = 0  # draft tokens verified
+    spec_accepted: int = 0  # of those, taken
+    spec_depth: int = 0  # the depth the policy chose last (0: plain decode)
+    spec_drafted_by_position: tuple[int, ...] = ()  # per place in a step's draft run
+    spec_accepted_by_position: tuple[int, ...] = ()
+    is_draft_oracle: bool = False  # the bench's --draft-oracle replaced the drafts: not the model's own speed
+
+    @property
+    def spec_acceptance(self) -> float:
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -67,7 +79,14 @@ class RequestStats:
                 + (f", restaged {self.restaged_bytes / 2**20:.1f}" if self.restaged_bytes else "")
                 + f"), expert-cache hit rate {self.cache_hit_rate:.1%}"
                 + (f" ({self.prefetched_experts} prefetched, {self.prefetched_used_experts} used)"
-                   if self.prefetched_experts else "") + self._host_share() + f" | {loan}")
+                   if self.prefetched_experts else "") + self._host_share() + self._speculation() + f" | {loan}")
+
+    def _speculation(self) -> str:
+        if not self.is_speculative:
+            return ""
+        oracle = ", draft oracle" if self.is_draft_oracle else ""
+        return (f" | spec drafted {self.spec_drafted}, accepted {self.spec_accepted} ({self.spec_acceptance:.0%}), "
+                f"depth {self.spec_depth}{oracle}")
 
     def _host_share(self) -> str:
         """Per decode step: the host's waits on the device and its own work (captured decode only)."""

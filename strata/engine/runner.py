@@ -172,22 +172,25 @@ class ModelRunner:
             ring.enqueue(plan.batches)
         return plans
 
-    def attention_block(self, layer: int, x, positions, start: int, split_scratch=None) -> None:
+    def attention_block(self, layer: int, x, positions, start: int, split_scratch=None, kv=None,
+                        tensor=None) -> None:
         """x += the attention of ``x``'s tokens at ``positions`` (KV written at ``start``..);
-        ``split_scratch``: a decode token's attention scratch (``ops.decode_attention_scratch``)."""
+        ``split_scratch``: a decode token's attention scratch (``ops.decode_attention_scratch``).
+        Another block (the MTP block) passes its own one-layer ``kv`` and ``tensor(name)`` lookup."""
         spec, ops = self.spec, self.ops
+        tensor = tensor or (lambda name: self.tensor(layer, name))
+        kv, kv_layer = (self.kv, layer) if kv is None else (kv, 0)
         num_tokens = len(positions)
-        q, k, v = ops.project_qkv(x, self.vector(layer, "attn_norm"), spec.rms_norm_eps, self.matrix(layer, "attn_q"),
-                                  self.matrix(layer, "attn_k"), self.matrix(layer, "attn_v"))
+        q, k, v = ops.project_qkv(x, tensor("attn_norm"), spec.rms_norm_eps, tensor("attn_q"), tensor("attn_k"),
+                                  tensor("attn_v"))
         q = q.reshape(num_tokens, spec.num_heads, spec.head_dim)
         k = k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
         v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
-        ops.qk_norm_rope(q, k, self.w.vectors.get(f"blk.{layer}.attn_q_norm"),
-                         self.w.vectors.get(f"blk.{layer}.attn_k_norm"), positions, spec.num_rope_dims,
+        ops.qk_norm_rope(q, k, tensor("attn_q_norm"), tensor("attn_k_norm"), positions, spec.num_rope_dims,
                          spec.rope_theta, spec.is_rope_neox, spec.rms_norm_eps, self.w.rope_freqs_host)
-        ops.kv_write(self.kv, layer, start, k, v, positions)
-        out = ops.attention(q, self.kv, layer, start, positions, split_scratch)  # [T, Hq * E]
-        ops.matmul_add(x, out, self.matrix(layer, "attn_output"))
+        ops.kv_write(kv, kv_layer, start, k, v, positions)
+        out = ops.attention(q, kv, kv_layer, start, positions, split_scratch)  # [T, Hq * E]
+        ops.matmul_add(x, out, tensor("attn_output"))
 
     def _ffn(self, layer: int, h):
         return self.ops.ffn(h, self.matrix(layer, "ffn_gate"), self.matrix(layer, "ffn_up"),
@@ -290,6 +293,12 @@ class ModelRunner:
         except BaseException:
             cache.forget(slots)
             raise
+
+    def tensor(self, layer: int, name: str):
+        """A main layer's matrix or vector by its short name (``attn_q``, ``attn_q_norm``); None when absent."""
+        key = f"blk.{layer}.{name}"
+        found = self.w.matrices.get(key)
+        return found if found is not None else self.w.vectors.get(key)
 
     def matrix(self, layer: int, name: str) -> QTensor:
         return self.w.matrices[f"blk.{layer}.{name}"]

@@ -132,15 +132,27 @@ def top_p_mask(logits: np.ndarray, p: float) -> np.ndarray:
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """One token from logits [V] under params; greedy when temperature is 0 (or too small to divide by)."""
-    biased = apply_logit_bias(logits, params.logit_bias)
     if params.is_greedy:
-        return greedy(biased)
-    masked = top_p_mask(top_k_mask(biased, params.top_k), params.top_p)
+        return greedy(apply_logit_bias(logits, params.logit_bias))
+    return draw(distribution(logits, params), rng)
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The float64 probabilities [V] that ``sample`` draws from (temperature > 0): bias, top-k,
+    top-p, temperature; all mass on the greedy token where the temperature is too small to divide by."""
+    masked = top_p_mask(top_k_mask(apply_logit_bias(logits, params.logit_bias), params.top_k), params.top_p)
     with np.errstate(over="ignore", divide="ignore"):
         tempered = masked / params.temperature
     if not np.isfinite(np.max(tempered)):  # a temperature so close to 0 that the logits overflow: its limit, greedy
-        return greedy(masked)
-    return _draw(_softmax64(tempered), rng)
+        probs = np.zeros(logits.shape[0], dtype=np.float64)
+        probs[greedy(masked)] = 1.0
+        return probs
+    return _softmax64(tempered)
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from probabilities [V] (summing to about 1, or to any positive total)."""
+    return _draw(probs, rng)
 
 
 def _softmax64(logits: np.ndarray) -> np.ndarray:

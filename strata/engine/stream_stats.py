@@ -18,3 +18,24 @@ class StreamStats:
     prefetched: int = 0  # experts decode staged ahead of their layer (in streamed_bytes, not in misses)
     prefetched_used: int = 0  # of those, the ones their layer routed the token to (the rest were bytes spent early)
     decode_wait_seconds: float = 0.0  # captured decode: the host blocked on the device's routing and token ids
+    spec_rounds: int = 0  # speculation: verify steps
+    spec_draft_steps: int = 0  # MTP block steps that drafted a token
+    spec_drafted: int = 0  # draft tokens verified
+    spec_accepted: int = 0  # of those, the ones the target model agreed with
+    spec_depth: int = 0  # the depth the policy chose last (0: plain decode)
+    # [spec_depth max] drafts verified and accepted at each place of a step's draft run
+    spec_drafted_by_position: list[int] = dataclasses.field(default_factory=list)
+    spec_accepted_by_position: list[int] = dataclasses.field(default_factory=list)
+
+    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+        """One verify step: ``num_drafted`` drafts checked, the first ``num_accepted`` of them taken."""
+        self.spec_rounds += 1
+        self.spec_drafted += num_drafted
+        self.spec_accepted += num_accepted
+        missing = num_drafted - len(self.spec_drafted_by_position)
+        if missing > 0:
+            self.spec_drafted_by_position += [0] * missing
+            self.spec_accepted_by_position += [0] * missing
+        for place in range(num_drafted):
+            self.spec_drafted_by_position[place] += 1
+            self.spec_accepted_by_position[place] += place < num_accepted

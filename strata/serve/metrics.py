@@ -37,6 +37,9 @@ ENGINE_METRICS = (
     ("strata_expert_streamed_bytes_total", "counter", "expert bytes streamed from host memory", "streamed_bytes"),
     ("strata_prefill_seconds_total", "counter", "time spent in prefill", "prefill_seconds"),
     ("strata_decode_seconds_total", "counter", "time spent in decode", "decode_seconds"),
+    ("strata_spec_steps_total", "counter", "speculative verify steps", "spec_rounds"),
+    ("strata_spec_drafted_total", "counter", "MTP draft tokens verified", "spec_drafted"),
+    ("strata_spec_accepted_total", "counter", "MTP draft tokens the model agreed with", "spec_accepted"),
 )
 
 
@@ -50,6 +53,12 @@ def render_metrics(state: Any) -> str:
     counters = ready.engine.counters
     for name, kind, help_text, attribute in ENGINE_METRICS:
         out.add(name, kind, help_text, [({}, getattr(counters, attribute))])
+    out.add("strata_spec_drafted_by_position_total", "counter",
+            "MTP drafts verified at each place of a step's draft run (1: the first draft)",
+            [({"position": str(place + 1)}, n) for place, n in enumerate(counters.spec_drafted_by_position)])
+    out.add("strata_spec_accepted_by_position_total", "counter",
+            "MTP drafts taken at each place of a step's draft run (taken only if every earlier one was)",
+            [({"position": str(place + 1)}, n) for place, n in enumerate(counters.spec_accepted_by_position)])
     hits, misses = counters.cache_hits, counters.cache_misses
     out.add("strata_expert_cache_hit_rate", "gauge", "share of expert lookups served from the VRAM cache",
             [({}, hits / (hits + misses) if hits + misses else 0.0)])

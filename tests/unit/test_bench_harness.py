@@ -46,8 +46,25 @@ def test_bench_runs_both_arms_in_fresh_processes_and_prints_the_table(tmp_path):
     assert all(r["code"] == code for r in runs) and f"# {code}\n" in done.stderr
     assert " ran strata" not in done.stderr
     assert "| 40 | off |" in done.stdout and "| 40 | on |" in done.stdout
-    for name in ("off-40-1.prof", "on-40-1.prof"):
+    for name in ("off-config-40-1.prof", "on-config-40-1.prof"):
         assert pstats.Stats(str(profiles / name)).total_calls > 0
+
+
+def test_bench_draft_oracle_labels_its_rows_and_plain_decode_arm(tmp_path):
+    model = write_small_moe(tmp_path / "small-moe-mtp.gguf", with_mtp=True)
+    out = tmp_path / "runs.json"
+    done = subprocess.run([sys.executable, "-m", "strata.cli", "--config", str(_config(tmp_path, model)), "bench",
+                           "--prompt-tokens", "40", "--gen-tokens", "9", "--reps", "1", "--arms", "off",
+                           "--spec", "fixed,off", "--draft-oracle", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fixed, plain = json.loads(out.read_text())
+    assert (fixed["spec"], plain["spec"]) == ("fixed", "off")
+    # every draft is the greedy continuation: each verify step takes all of its drafts
+    assert fixed["spec_rounds"] and fixed["spec_accepted"] == fixed["spec_drafted"] > 0
+    assert plain["spec_rounds"] == 0
+    assert "| 40 | off | fixed, draft oracle 1 |" in done.stdout and "| 40 | off | off |" in done.stdout
+    assert "(100%)" in done.stdout
 
 
 def test_table_medians_ranges_and_rival_ratios():
@@ -83,10 +100,11 @@ def test_table_ratios_to_both_rivals_at_every_length():
     # prefill: 6,000 against 4,394 and 12,042 at 2k, 4,739 and 8,685 at 32k; no rival figure at 8k
     assert "| 1.37× of 4,394 | 0.50× of 12,042 |" in two_k
     assert "| 1.27× of 4,739 | 0.69× of 8,685 |" in thirty_two_k
-    assert "| rival has no 8k figure | rival has no 8k figure |" in eight_k and "| - |" not in eight_k
+    rival_cells = eight_k.rsplit("|", 4)[0]  # without the speculation columns (this run did not speculate)
+    assert "| rival has no 8k figure | rival has no 8k figure |" in eight_k and "| - |" not in rival_cells
     # decode at every length: 63.2 against 32.4 in host RAM and 316 all in VRAM
     for row in (two_k, eight_k, thirty_two_k):
-        assert row.endswith("| 1.95× of 32.4 | 0.20× of 316 |")
+        assert row.endswith("| 1.95× of 32.4 | 0.20× of 316 | - | - | - |")  # no speculation: its columns empty
 
 
 def test_decode_floor_reads_vram_when_nothing_streams():

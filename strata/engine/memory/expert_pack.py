@@ -61,14 +61,9 @@ class ExpertPack:
         pack = cls(layout, spec.num_layers, spec.num_experts,
                    allocate(spec.num_layers * spec.num_experts * layout.slot_bytes))
         for layer in range(spec.num_layers):
-            _check_layer_layout(model, layer, layout)
             slots = pack.buffer[layer * spec.num_experts * layout.slot_bytes:
                                 (layer + 1) * spec.num_experts * layout.slot_bytes].reshape(spec.num_experts, -1)
-            for name, qtype, shape, offset, size in zip(EXPERT_MATRICES, layout.qtypes, layout.shapes, layout.offsets,
-                                                        layout.sizes):
-                data = model.tensors[f"blk.{layer}.{name}.weight"].data  # [N, rows, row_bytes]
-                encoded = encode(data, qtype, shape) if encode else data.reshape(spec.num_experts, -1)
-                slots[:, offset:offset + size] = encoded  # [N, size] bytes, one strided copy per matrix
+            pack_layer(model, layer, layout, slots, encode)
             if progress:
                 progress(layer + 1)
         return pack
@@ -170,6 +165,17 @@ def _identity_text(identity: dict) -> str:
     size = identity.get("source_bytes")
     size_text = f"{size:,} bytes" if isinstance(size, int) else "size unknown"
     return f"{size_text}, sha256 {str(identity.get('source_sha256'))[:16]}"
+
+
+def pack_layer(model: GgufModel, layer: int, layout: ExpertLayout, slots: np.ndarray,
+               encode: Callable[[np.ndarray, QType, tuple[int, int]], np.ndarray] | None = None) -> None:
+    """Write ``layer``'s experts into ``slots`` [N, slot_bytes], one slot each, in ``layout``."""
+    _check_layer_layout(model, layer, layout)
+    for name, qtype, shape, offset, size in zip(EXPERT_MATRICES, layout.qtypes, layout.shapes, layout.offsets,
+                                                layout.sizes):
+        data = model.tensors[f"blk.{layer}.{name}.weight"].data  # [N, rows, row_bytes]
+        encoded = encode(data, qtype, shape) if encode else data.reshape(data.shape[0], -1)
+        slots[:, offset:offset + size] = encoded  # [N, size] bytes, one strided copy per matrix
 
 
 def _check_layer_layout(model: GgufModel, layer: int, layout: ExpertLayout) -> None:

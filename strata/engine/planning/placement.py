@@ -34,6 +34,7 @@ class Placement:
     verifier_bytes: int
     mtp_head_bytes: int
     mtp_expert_bytes: int
+    mtp_kv_bytes: int
     cache_base_bytes: int
     cache_reserved_bytes: int
     costs: WorkspaceCosts
@@ -42,7 +43,8 @@ class Placement:
         owners = {"dense_weights": self.dense_bytes, "output_head": self.output_head_bytes,
                   "kv_cache": self.kv_bytes, "decode_workspace": self.decode_workspace_bytes,
                   "verifier": self.verifier_bytes, "mtp_draft_head": self.mtp_head_bytes,
-                  "mtp_experts": self.mtp_expert_bytes, "expert_cache": self.cache_base_bytes}
+                  "mtp_experts": self.mtp_expert_bytes, "mtp_kv": self.mtp_kv_bytes,
+                  "expert_cache": self.cache_base_bytes}
         return {k: v for k, v in owners.items() if v}
 
 
@@ -62,14 +64,18 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
                 mtp_head += ref.nbytes
         elif not any(t in name for t in _EXPERT_TENSORS):
             dense += ref.nbytes
+    if mtp_experts and layout is not None:  # the MTP experts' own arena holds them in cache slots
+        mtp_experts = spec.num_experts * layout.slot_bytes
     head = model.tensors["output.weight"].nbytes if "output.weight" in model.tensors else 0
     kv_cells = rt.kv_resident_cells or rt.context_tokens
     kv_bytes = int(kv_cells * _kv_values_per_cell(spec) * _KV_BYTES_PER_VALUE[rt.kv_type])
+    # the draft's own cache: one layer, every cell (it attends over the prompt as the main layers do)
+    mtp_kv = int(kv_cells * 2 * spec.kv_size * _KV_BYTES_PER_VALUE[rt.kv_type]) if mtp_layers else 0
     decode_ws = _bytes_per_token(spec) * (1 + rt.spec_depth) + 4 * spec.vocab_size * (1 + rt.spec_depth)
     verifier = _bytes_per_token(spec) * (1 + rt.spec_depth) * 2 if rt.mtp else 0
     # e.g. a quantized cache layer's F16 copy, which prefill attention reads on the GPU
     costs = workspace_costs(spec, layout, config, kv_scratch_bytes_per_cell * kv_cells)
-    fixed = dense + head + kv_bytes + decode_ws + verifier + mtp_head + mtp_experts
+    fixed = dense + head + kv_bytes + decode_ws + verifier + mtp_head + mtp_experts + mtp_kv
     min_ring = config.planner.min_ring_slots if layout else 0
     smallest = costs.workspace_bytes_for(config.planner.chunk_quantum_tokens, min_ring)
     cache_base = budget_bytes - fixed - smallest
@@ -77,7 +83,7 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
         raise ConfigError(
             f"runtime.vram_budget = {budget_bytes / 2**30:.2f} GiB cannot hold this model: dense weights "
             f"{dense / 2**20:.0f} MiB, output head {head / 2**20:.0f} MiB, KV cache {kv_bytes / 2**20:.0f} MiB "
-            f"({kv_cells} cells of {rt.kv_type}), MTP {(mtp_head + mtp_experts) / 2**20:.0f} MiB, smallest prefill "
+            f"({kv_cells} cells of {rt.kv_type}), MTP {(mtp_head + mtp_experts + mtp_kv) / 2**20:.0f} MiB, smallest prefill "
             f"workspace {smallest / 2**20:.0f} MiB, one {rt.vmm_segment_bytes >> 20} MiB cache segment; raise "
             "runtime.vram_budget, lower runtime.kv_resident_cells or use a smaller runtime.kv_type"
         )
@@ -85,7 +91,7 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     reserved = budget_bytes if layout else 0  # address space only: room to grow into all a loan frees
     return Placement(budget_bytes=budget_bytes, dense_bytes=dense, output_head_bytes=head, kv_bytes=kv_bytes,
                      kv_cells=kv_cells, decode_workspace_bytes=decode_ws, verifier_bytes=verifier,
-                     mtp_head_bytes=mtp_head, mtp_expert_bytes=mtp_experts, cache_base_bytes=cache_base,
+                     mtp_head_bytes=mtp_head, mtp_expert_bytes=mtp_experts, mtp_kv_bytes=mtp_kv, cache_base_bytes=cache_base,
                      cache_reserved_bytes=reserved, costs=costs)
 
 

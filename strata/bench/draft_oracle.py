@@ -1,0 +1,33 @@
+"""``strata bench --draft-oracle P``: speculation measured independent of the draft head's weights.
+
+A synthetic model's MTP block has random weights, so its drafts are almost never taken and say
+nothing about what speculation can do. The oracle keeps every draft computation (the MTP block
+runs; its memory and time are real) but replaces each proposed token by the target's own greedy
+continuation, recorded in a plain run of the same prompt, with probability P, and by a token
+that differs from it otherwise. A measurement mode of the bench only: serving never passes one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class DraftOracle:
+    def __init__(self, continuation: list[int], first_position: int, probability: float, vocab_size: int,
+                 seed: int = 0):
+        """continuation: the greedy tokens of a plain run, the first at ``first_position`` (the prompt's length)."""
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError(f"the draft oracle's probability must be in [0, 1], got {probability}")
+        self.continuation = continuation
+        self.first_position = first_position
+        self.probability = probability
+        self.vocab_size = vocab_size
+        self._rng = np.random.default_rng(seed)
+
+    def replace(self, position: int, proposed: int) -> int:
+        """The token to verify at ``position`` instead of ``proposed``."""
+        index = position - self.first_position
+        truth = self.continuation[index] if 0 <= index < len(self.continuation) else proposed
+        if self._rng.random() < self.probability:
+            return truth
+        return int((truth + 1 + self._rng.integers(self.vocab_size - 1)) % self.vocab_size)  # never the truth

@@ -1,0 +1,90 @@
+"""How many tokens a speculation step drafts: the depth with the best measured tokens per second.
+
+A verify step over ``d + 1`` tokens reads the union of their experts, so on an MoE model a deep
+draft can cost more than the tokens it saves. The policy keeps, while the engine runs:
+
+- the seconds a step takes at each depth (depth 0: one plain decode step), a moving average;
+- the acceptance at each place of a draft run: a_j, the share of drafts at place j taken when the
+  ones before it were (counts that decay, so the estimate follows the text);
+
+and picks the depth d (0..``max_depth``) with the most expected tokens per second,
+``(1 + a_1 + a_1 a_2 + ... + a_1...a_d) / seconds[d]``. A depth not yet timed is tried only if it
+could still win: its tokens bounded by the acceptance measured so far (later places accepting no
+more often than the last one measured), its time by the slowest depth below it. Every
+``probe_every`` steps the depth next to the chosen one is timed again, so a change in the text or
+the cache is seen. ``is_fixed`` always drafts ``max_depth`` (the equality tests, the bench's
+fixed arm).
+"""
+
+from __future__ import annotations
+
+_EMA = 0.2  # weight of a new step's time in the moving average
+_DECAY = 0.98  # acceptance counts fade by this per step at or beyond their place
+
+
+class DepthPolicy:
+    def __init__(self, max_depth: int, is_fixed: bool = False, probe_every: int = 32):
+        if not 1 <= max_depth <= 8:
+            raise ValueError(f"max_depth must be in 1..8, got {max_depth}")
+        self.max_depth = max_depth
+        self.is_fixed = is_fixed
+        self.probe_every = probe_every
+        self.seconds: list[float | None] = [None] * (max_depth + 1)  # [d] seconds of a step at depth d
+        self._drafted = [0.0] * max_depth  # [place] decayed counts
+        self._accepted = [0.0] * max_depth
+        self._num_steps = 0
+        self.last_depth = 0
+
+    def depth(self, limit: int) -> int:
+        """The depth of the next step, at most ``limit`` (the tokens the request still wants, less one)."""
+        limit = max(0, min(limit, self.max_depth))
+        if self.is_fixed or limit == 0:
+            return limit
+        if self.seconds[0] is None:
+            return 0
+        best = max(range(limit + 1), key=lambda d: self._rate(d) if self.seconds[d] is not None else -1.0)
+        best_rate = self._rate(best)
+        for d in range(1, limit + 1):
+            if self.seconds[d] is None:
+                return d if self._bound(d) > best_rate else best
+        if self._num_steps % self.probe_every == self.probe_every - 1:
+            return min(limit, best + 1) if best < limit else best - 1
+        return best
+
+    def record(self, depth: int, seconds: float, num_accepted: int) -> None:
+        """A step at ``depth`` took ``seconds`` and its first ``num_accepted`` drafts were taken."""
+        self._num_steps += 1
+        self.last_depth = depth
+        old = self.seconds[depth]
+        self.seconds[depth] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        for place in range(min(depth, num_accepted + 1)):  # places past the first refusal were not judged
+            self._drafted[place] = _DECAY * self._drafted[place] + 1
+            self._accepted[place] = _DECAY * self._accepted[place] + (place < num_accepted)
+
+    def acceptance(self, place: int) -> float | None:
+        """a_place: the share of drafts at ``place`` taken when every one before was; None if unmeasured."""
+        if self._drafted[place] == 0:
+            return None
+        return self._accepted[place] / self._drafted[place]
+
+    def expected_tokens(self, depth: int, is_bound: bool = False) -> float:
+        """Tokens a step at ``depth`` gives on average. is_bound: unmeasured places accept as often as
+        the last measured one (as often as not, if none is)."""
+        total, chance, last = 1.0, 1.0, 0.5
+        for place in range(depth):
+            rate = self.acceptance(place)
+            if rate is None:
+                if not is_bound:
+                    return total
+                rate = last
+            chance *= rate
+            total += chance
+            last = rate
+        return total
+
+    def _rate(self, depth: int) -> float:
+        return self.expected_tokens(depth) / max(self.seconds[depth], 1e-9)
+
+    def _bound(self, depth: int) -> float:
+        slowest = max(s for s in self.seconds[:depth] if s is not None)
+        return self.expected_tokens(depth, is_bound=True) / max(slowest, 1e-9)

@@ -1,0 +1,119 @@
+"""Speculative decode with the model's MTP block: draft ``d`` tokens, verify them in one forward.
+
+One step, with ``token`` the newest token (not yet in the KV cache) at position p:
+
+    drafts = mtp.draft(...)                          # d tokens, one MTP step each
+    rows = forward([token, *drafts], p)              # [d + 1, D], one batched forward; KV at p..p+d
+    targets = pick(logits(rows))                     # what the model itself says after each row
+    n = the longest prefix of drafts equal to targets (greedy), or taken by
+        min(1, p/q) (sampled; the first refusal resamples from max(0, p - q))
+    emit drafts[:n] and then targets[n]              # n + 1 tokens for one verify step
+
+The KV cells p..p+n hold the verified tokens; the cells after them hold rejected drafts, and the
+next step writes them again before anything reads them (attention stops at a row's own
+position), so rolling back is moving p. A forward of up to ``DECODE_MAX_ROWS`` rows computes each
+row as a one-token forward would, so greedy output equals plain greedy decode token for token.
+
+The next step's drafting starts from the verified rows: they go through the MTP block together
+(writing its cache at p..p+n with the main model's states), and the last one drafts.
+Depth 0 (the policy found drafting slower than it saves) is a plain one-token step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from strata.engine.decode.depth_policy import DepthPolicy
+from strata.engine.decode.mtp import MtpDraft
+from strata.engine.sampling import SamplingParams, distribution, draw, sample
+from strata.engine.stream_stats import StreamStats
+
+
+class DraftOracle(Protocol):
+    """A measurement aid of the bench: the token to verify instead of the one the MTP block proposed."""
+
+    def replace(self, position: int, proposed: int) -> int: ...
+
+
+class Speculation:
+    """One request's speculative decode after its first token (``tokens``)."""
+
+    def __init__(self, runner, draft: MtpDraft, policy: DepthPolicy, logits_of: Callable[[Any], np.ndarray],
+                 params: SamplingParams, rng: np.random.Generator, stats: StreamStats,
+                 oracle: DraftOracle | None = None):
+        """logits_of(hidden [R, D]) -> host [R, V] logits with the engine's bias added."""
+        self.runner = runner
+        self.draft = draft
+        self.policy = policy
+        self.logits_of = logits_of
+        self.params = params
+        self.rng = rng
+        self.stats = stats
+        self.oracle = oracle
+
+    def tokens(self, token: int, hidden_row, position: int, num_steps: int, kv_tokens: list[int]) -> Iterator[int]:
+        """Up to ``num_steps`` tokens after ``token`` (at ``position``; ``hidden_row`` [1, D] on the
+        backend: the main model's state at position - 1). Appends each verified token to ``kv_tokens``."""
+        rows, next_tokens, start = hidden_row, [token], position - 1  # what the MTP block reads next
+        num_left = num_steps
+        while num_left > 0:
+            depth = self.policy.depth(num_left - 1)
+            started = time.perf_counter()
+            if depth == 0:
+                rows = self.runner.forward(np.array([token]), position, None, self.stats)  # [1, D]
+                emitted, num_accepted = [self._pick(self.logits_of(rows)[0])], 0
+            else:
+                q_probs: list[np.ndarray] = []
+                drafts = self.draft.draft(rows, np.array(next_tokens), start, depth,
+                                          lambda j, logits: self._propose(j, logits, position, q_probs), self.stats)
+                rows = self.runner.forward(np.array([token, *drafts]), position, None, self.stats)  # [d + 1, D]
+                emitted, num_accepted = self._verify(drafts, self.logits_of(rows), q_probs)
+                self.stats.record_round(depth, num_accepted)
+            self.policy.record(depth, time.perf_counter() - started, num_accepted)
+            self.stats.spec_depth = depth
+            verified = [token, *emitted[:-1]]  # positions position..position + n
+            kv_tokens.extend(verified)
+            rows = rows[:len(verified)]  # [n + 1, D] the verified rows
+            next_tokens, start = emitted, position
+            position += len(verified)
+            token = emitted[-1]
+            for out in emitted[:num_left]:
+                yield out
+            num_left -= len(emitted)
+
+    def _pick(self, logits: np.ndarray) -> int:
+        return sample(logits, self.params, self.rng)
+
+    def _propose(self, place: int, logits: np.ndarray, position: int, q_probs: list[np.ndarray]) -> int:
+        """The draft at ``place`` (verified at position + place + 1) from the MTP block's logits [V]."""
+        if self.params.is_greedy:
+            proposed = sample(logits, self.params, self.rng)
+        else:
+            q_probs.append(distribution(logits, self.params))
+            proposed = draw(q_probs[-1], self.rng)
+        if self.oracle is not None:
+            proposed = self.oracle.replace(position + place + 1, proposed)
+            if q_probs and q_probs[-1][proposed] <= 0:  # the oracle's token, proposed with certainty
+                q_probs[-1] = np.zeros_like(q_probs[-1])
+                q_probs[-1][proposed] = 1.0
+        return proposed
+
+    def _verify(self, drafts: list[int], logits: np.ndarray, q_probs: list[np.ndarray]) -> tuple[list[int], int]:
+        """(tokens to emit, drafts taken) from the target's logits [d + 1, V] after each verified row."""
+        if self.params.is_greedy:
+            for place, proposed in enumerate(drafts):
+                target = self._pick(logits[place])
+                if target != proposed:
+                    return [*drafts[:place], target], place
+            return [*drafts, self._pick(logits[len(drafts)])], len(drafts)
+        for place, proposed in enumerate(drafts):
+            p, q = distribution(logits[place], self.params), q_probs[place]
+            if self.rng.random() * q[proposed] < p[proposed]:  # taken with probability min(1, p/q)
+                continue
+            residual = np.maximum(p - q, 0.0)
+            return [*drafts[:place], draw(residual if residual.sum() > 0 else p, self.rng)], place
+        return [*drafts, draw(distribution(logits[len(drafts)], self.params), self.rng)], len(drafts)

@@ -1,0 +1,39 @@
+"""Two row-aligned matrices side by side: the MTP block's input ``[norm(embed(x)); norm(h)]``."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from ._common import ceil_div, check_array, check_power_of_two, empty
+
+_DEFAULT_THREADS = 256
+
+
+@cuda.jit
+def _concat_kernel(a, b, out):  # a [R, Da], b [R, Db] -> out [R, Da + Db]
+    row = cuda.blockIdx.y
+    col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    num_a = a.shape[1]
+    if col < num_a:
+        out[row, col] = a[row, col]
+    elif col < out.shape[1]:
+        out[row, col] = b[row, col - num_a]
+
+
+def concat_columns(a, b, *, threads: int = _DEFAULT_THREADS, stream=0):
+    """[R, Da] and [R, Db] float32 -> [R, Da + Db] float32, ``a``'s columns first.
+
+    Launch config: grid (ceil((Da + Db) / threads), R), block ``threads`` (default 256); one output
+    element per thread.
+    """
+    check_array("a", a, dtypes=np.float32, ndim=2)
+    check_array("b", b, dtypes=np.float32, ndim=2)
+    check_power_of_two("threads", threads)
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"a has {a.shape[0]} rows and b {b.shape[0]}; concat_columns needs equal rows")
+    num_rows, num_cols = a.shape[0], a.shape[1] + b.shape[1]
+    out = empty((num_rows, num_cols), np.float32, a, b)
+    if num_rows and num_cols:
+        _concat_kernel[(ceil_div(num_cols, threads), num_rows), threads, stream](a, b, out)
+    return out

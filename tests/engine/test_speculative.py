@@ -1,0 +1,171 @@
+"""MTP speculative decode on the numpy backend: greedy output equals plain greedy decode token for
+token, at every depth, with the loan on and off; drafts taken or refused; the draft block against
+the NumPy reference; speculative sampling's distribution; the errors a bad configuration gets."""
+
+import numpy as np
+import pytest
+from engine_setup import LOAN_RUNTIME, engine_config, greedy, write_small_moe
+from loan_setup import BUILTINS
+
+from strata.bench.draft_oracle import DraftOracle
+from strata.engine.decode.depth_policy import DepthPolicy
+from strata.engine.decode.speculative import Speculation
+from strata.engine.facade import Engine
+from strata.engine.sampling import SamplingParams
+from strata.engine.stream_stats import StreamStats
+from strata.errors import ConfigError
+from strata.model.gguf_file import open_gguf
+from strata.model.reference import KVCache, ReferenceModel
+
+PROMPT = list(range(5, 60))
+NUM_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def mtp_path(tmp_path_factory):
+    return write_small_moe(tmp_path_factory.mktemp("models") / "small-moe-mtp.gguf", with_mtp=True)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(mtp_path):
+    engine = Engine.load(engine_config(mtp_path), show_progress=False)
+    tokens, stats = greedy(engine, PROMPT, NUM_TOKENS)
+    assert not stats.is_speculative and len(tokens) == NUM_TOKENS
+    return tokens
+
+
+def _speculative(path, depth: int, policy: str = "fixed", **runtime):
+    return Engine.load(engine_config(path, runtime={"mtp": True, "spec_depth": depth, "spec_policy": policy,
+                                                    **runtime}), show_progress=False)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_greedy_with_speculation_equals_plain_greedy(mtp_path, plain_tokens, depth):
+    engine = _speculative(mtp_path, depth)
+    tokens, stats = greedy(engine, PROMPT, NUM_TOKENS)
+    assert tokens == plain_tokens
+    assert stats.is_speculative and stats.spec_rounds > 0 and stats.spec_drafted >= stats.spec_rounds
+    assert f"| spec drafted {stats.spec_drafted}, accepted {stats.spec_accepted}" in stats.timing_line()
+
+
+@pytest.mark.parametrize("probability", [1.0, 0.6])
+def test_drafts_taken_or_refused_keep_the_output(mtp_path, plain_tokens, probability):
+    engine = _speculative(mtp_path, 3)
+    oracle = DraftOracle(plain_tokens, len(PROMPT), probability, engine.spec.vocab_size, seed=1)
+    generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS), draft_oracle=oracle)
+    tokens = [event.token_id for event in generation if event.token_id >= 0]
+    stats = generation.stats
+    assert tokens == plain_tokens
+    if probability == 1.0:  # every draft taken: d + 1 tokens a verify step
+        assert stats.spec_accepted == stats.spec_drafted and stats.spec_rounds <= -(-(NUM_TOKENS - 1) // 4)
+    else:
+        assert 0 < stats.spec_accepted < stats.spec_drafted
+    assert stats.spec_accepted_by_position[0] >= stats.spec_accepted_by_position[-1]
+    assert "draft oracle" in stats.timing_line()
+    # the KV cache holds exactly the verified tokens: the next request reuses them as a prefix
+    assert engine.kv_tokens == PROMPT + plain_tokens[:-1]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 6, 7])
+def test_a_request_ending_inside_an_accepted_run_returns_what_plain_decode_returns(mtp_path, plain_tokens,
+                                                                                   max_tokens):
+    engine = _speculative(mtp_path, 4)
+    oracle = DraftOracle(plain_tokens, len(PROMPT), 1.0, engine.spec.vocab_size)
+    generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens), draft_oracle=oracle)
+    assert [event.token_id for event in generation if event.token_id >= 0] == plain_tokens[:max_tokens]
+
+
+def test_the_context_limit_cuts_speculation_where_it_cuts_plain_decode(mtp_path):
+    context = len(PROMPT) + 9
+    plain = Engine.load(engine_config(mtp_path, runtime={"context_tokens": context}), show_progress=False)
+    expected, _ = greedy(plain, PROMPT, 50)
+    engine = _speculative(mtp_path, 4, context_tokens=context)
+    oracle = DraftOracle(expected, len(PROMPT), 1.0, engine.spec.vocab_size)
+    generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=50), draft_oracle=oracle)
+    assert [event.token_id for event in generation if event.token_id >= 0] == expected
+
+
+def test_speculation_with_the_loan_equals_plain_greedy(mtp_path, plain_tokens):
+    runtime = {**LOAN_RUNTIME, "spec_depth": 3, "spec_policy": "fixed"}
+    engine = Engine.load(engine_config(mtp_path, runtime=runtime, loan={"enabled": True, "plugins": list(BUILTINS)}),
+                         show_progress=False)
+    tokens, stats = greedy(engine, PROMPT, NUM_TOKENS)
+    assert tokens == plain_tokens and stats.loan.is_taken and stats.spec_rounds
+    assert {"mtp_draft_head", "mtp_experts"} <= set(stats.loan.released)
+    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+
+
+def test_the_draft_block_matches_the_reference(mtp_path):
+    engine = _speculative(mtp_path, 1)
+    model = open_gguf(mtp_path)
+    reference = ReferenceModel.from_gguf(model)
+    tokens = np.array(PROMPT[:12])
+    kv = KVCache.for_spec(model.spec, 64)
+    hidden = reference.forward_hidden(tokens, 0, kv)  # [12, D]
+    expected = reference.mtp_hidden(hidden[:-1], tokens[1:], 0, kv)
+    got = engine.mtp.hidden(hidden[:-1].astype(np.float32), tokens[1:], 0)
+    assert np.max(np.abs(got - expected)) <= 2e-3 * np.max(np.abs(expected))
+    logits = reference.mtp_forward(hidden[:-1], tokens[1:], 0, KVCache.for_spec(model.spec, 64))[-1]
+    assert int(np.argmax(engine.mtp.logits(got))) == int(np.argmax(logits))
+
+
+def test_speculative_sampling_draws_from_the_target_distribution():
+    """The first token a step emits follows the target's distribution p whatever the draft's q."""
+    vocab = 6
+    target = np.log(np.array([0.35, 0.25, 0.2, 0.1, 0.07, 0.03]))
+    draft = np.log(np.array([0.05, 0.05, 0.1, 0.2, 0.3, 0.3]))
+    params = SamplingParams(temperature=1.0)
+    rng = np.random.default_rng(0)
+    spec = Speculation(None, None, DepthPolicy(1, is_fixed=True), None, params, rng, StreamStats())
+    counts = np.zeros(vocab)
+    num_draws = 20000
+    for _ in range(num_draws):
+        q = []
+        proposed = spec._propose(0, draft, 0, q)
+        emitted, _ = spec._verify([proposed], np.stack([target, target]), q)
+        counts[emitted[0]] += 1
+    expected = np.exp(target) * num_draws
+    chi2 = float(np.sum((counts - expected) ** 2 / expected))
+    assert chi2 < 20.5  # 5 degrees of freedom: p < 0.001 under the target distribution
+
+
+def test_sampled_speculation_keeps_the_ledger_and_the_budget(mtp_path):
+    engine = _speculative(mtp_path, 2)
+    before = engine.ledger.snapshot()
+    generation = engine.generate(PROMPT, SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=20))
+    tokens = [event.token_id for event in generation if event.token_id >= 0]
+    assert len(tokens) == 20 and all(0 <= t < engine.spec.vocab_size for t in tokens)
+    assert generation.stats.spec_rounds
+    assert engine.ledger.snapshot() == before
+
+
+def test_the_policy_backs_off_when_drafts_never_pay():
+    policy = DepthPolicy(4)
+    depths = []
+    for _ in range(60):
+        depth = policy.depth(10)
+        depths.append(depth)
+        policy.record(depth, 0.010 + 0.004 * depth, num_accepted=0)  # drafts cost, none taken
+    assert depths[0] == 0 and depths[1] == 1  # plain first, then one probe
+    assert 2 not in depths and depths[-10:].count(0) >= 9
+
+
+def test_the_policy_drafts_deep_when_drafts_are_taken():
+    policy = DepthPolicy(4)
+    for _ in range(40):
+        depth = policy.depth(10)
+        policy.record(depth, 0.010 + 0.001 * depth, num_accepted=depth)  # cheap verify, every draft taken
+    assert policy.depth(10) == 4 and policy.expected_tokens(4) > 4.5
+    assert policy.depth(2) == 2  # never past what the request still wants
+
+
+def test_bad_speculation_settings_name_the_key(mtp_path, tmp_path):
+    with pytest.raises(ConfigError, match="runtime.mtp = true needs runtime.spec_depth in 1..8"):
+        engine_config(mtp_path, runtime={"mtp": True, "spec_depth": 0})
+    with pytest.raises(ConfigError, match="spec_depth"):
+        engine_config(mtp_path, runtime={"mtp": True, "spec_depth": 9})
+    with pytest.raises(ConfigError, match="spec_policy"):
+        engine_config(mtp_path, runtime={"mtp": True, "spec_depth": 2, "spec_policy": "greedy"})
+    plain = write_small_moe(tmp_path / "no-mtp.gguf")
+    with pytest.raises(ConfigError, match="no-mtp.gguf has no MTP block"):
+        _speculative(plain, 2)
