@@ -225,7 +225,8 @@ def _required(metadata: Mapping[str, Any], key: str, model: str) -> list[Any]:
     return value
 
 
-def _bpe_encoder(texts: Sequence[str], merges: Sequence[str], pre: PreTokenizer) -> Callable[[list[str]], list[list[int]]]:
+def _bpe_encoder(texts: Sequence[str], merges: Sequence[str],
+                 pre: PreTokenizer) -> Callable[[list[str]], list[list[int]]]:
     hf = _bpe(texts, merges, pre)
 
     def encode_batch(raw: list[str]) -> list[list[int]]:
