@@ -16,7 +16,7 @@ from strata.errors import ModelFormatError
 
 
 class TokenAttr(IntFlag):
-    """llama.cpp's `llama_token_attr` bits that matter to a byte-level BPE vocabulary."""
+    """llama.cpp's `llama_token_attr` bits that matter to a BPE or SentencePiece vocabulary."""
 
     UNDEFINED = 0
     UNKNOWN = 1 << 0
@@ -57,8 +57,6 @@ _EOG_TEXTS = frozenset(_EOT_TEXTS) | {
     "<|tool_response>", "[e~[",
 }
 _ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-# a BPE vocabulary without BOS/EOS keys gets id 11 for both (llama.cpp's default)
-_BPE_DEFAULT_BOS_EOS = 11
 
 
 @dataclass(frozen=True)
@@ -81,13 +79,16 @@ def attrs_from_types(types: Sequence[int] | None, num_tokens: int) -> list[Token
     return [_ATTR_OF_TYPE.get(int(t), TokenAttr.UNDEFINED) for t in types[:num_tokens]]
 
 
-def resolve_special_tokens(metadata: Mapping[str, Any], texts: Sequence[str], types: list[TokenAttr]) -> SpecialTokens:
-    """Special ids from the metadata or, where absent, from token texts; attrs updated as llama.cpp does."""
+def resolve_special_tokens(metadata: Mapping[str, Any], texts: Sequence[str], types: list[TokenAttr],
+                           default_bos_eos: tuple[int, int]) -> SpecialTokens:
+    """Special ids from the metadata or, where absent, from token texts; attrs updated as llama.cpp does.
+    `default_bos_eos` are the vocabulary type's ids for BOS and EOS when their keys are absent."""
     num_tokens = len(texts)
     attrs = list(types)
     id_of_text = {text: i for i, text in enumerate(texts)}
-    default = _BPE_DEFAULT_BOS_EOS if _BPE_DEFAULT_BOS_EOS < num_tokens else None
-    ids = {"bos": _id_key(metadata, "bos", num_tokens, default), "eos": _id_key(metadata, "eos", num_tokens, default)}
+    default_bos, default_eos = (i if i < num_tokens else None for i in default_bos_eos)
+    ids = {"bos": _id_key(metadata, "bos", num_tokens, default_bos),
+           "eos": _id_key(metadata, "eos", num_tokens, default_eos)}
     for name, candidates in _DETECTED_BY_TEXT.items():
         ids[name] = _id_key(metadata, name, num_tokens, None)
         if name in _DEPRECATED_KEYS:  # read after the new key, so it wins when both are present

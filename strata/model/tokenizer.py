@@ -1,16 +1,19 @@
-"""Byte-level BPE tokenization from a GGUF's own metadata, matching llama.cpp token for token.
+"""Tokenization from a GGUF's own metadata, matching llama.cpp token for token.
 
-HF `tokenizers` runs the BPE: the metadata's vocabulary and merges, llama.cpp's pre-tokenizer
-regexes, then the byte-level mapping. Special tokens are split out of the text here rather than by
-HF's added-token matcher, because llama.cpp's rule differs: longer special texts are tried first
-over the whole text, and user-defined tokens are split out even when special tokens are not parsed.
+Two vocabulary types. Byte-level BPE (`gpt2`): HF `tokenizers` runs it with the metadata's
+vocabulary and merges, llama.cpp's pre-tokenizer regexes, then the byte-level mapping.
+SentencePiece (`llama`): `strata.model.spm` merges by the tokens' scores, after a space is put
+before each run of text that starts the prompt or follows a special token. Special tokens are split
+out of the text here rather than by HF's added-token matcher, because llama.cpp's rule differs:
+longer special texts are tried first over the whole text, and user-defined tokens are split out even
+when special tokens are not parsed.
 """
 
 from __future__ import annotations
 
 import codecs
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from tokenizers import Regex, models, pre_tokenizers
@@ -18,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from strata.errors import ModelFormatError
 from strata.model.pretokenize import PreTokenizer, pre_tokenizer_for
+from strata.model.spm import SPACE_MARK, SpmModel
 from strata.model.special_tokens import (
     SpecialTokens,
     TokenAttr,
@@ -25,7 +29,10 @@ from strata.model.special_tokens import (
     resolve_special_tokens,
 )
 
-SUPPORTED_MODELS = ("gpt2",)
+# tokenizer.ggml.model -> what it is
+SUPPORTED_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
+# a BPE vocabulary without BOS/EOS keys gets id 11 for both, SentencePiece 1 and 2 (llama.cpp's defaults)
+_DEFAULT_BOS_EOS = {"gpt2": (11, 11), "llama": (1, 2)}
 _RENDERED_AS_TEXT = TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED
 _SPECIAL = TokenAttr.UNKNOWN | TokenAttr.CONTROL
 
@@ -43,17 +50,24 @@ _NOT_BYTE_CHAR = re.compile("[^" + "".join(re.escape(c) for c in _BYTE_OF_CHAR) 
 
 
 class Tokenizer:
-    """Encode and decode with one GGUF vocabulary. Build it with `Tokenizer.from_metadata`."""
+    """Encode and decode with one GGUF vocabulary. Build it with `Tokenizer.from_metadata`.
 
-    def __init__(self, hf: HFTokenizer, texts: Sequence[str], special: SpecialTokens, *, is_add_bos: bool,
+    `encode_batch` turns raw texts (no special tokens in them) into ids. `is_add_space_prefix`
+    (SentencePiece) puts a space before each raw text that starts the prompt or follows a special
+    token, and `decode` drops one leading space of the first token's text again.
+    """
+
+    def __init__(self, encode_batch: Callable[[list[str]], list[list[int]]], texts: Sequence[str],
+                 special: SpecialTokens, *, is_byte_level: bool, is_add_space_prefix: bool, is_add_bos: bool,
                  is_add_eos: bool, chat_template: str | None):
-        self._hf = hf
+        self._encode_batch = encode_batch
         self._texts = tuple(texts)
         self._attrs = special.attrs
         self._special = special
-        self._pieces = tuple(_piece(t, a) for t, a in zip(self._texts, self._attrs))
+        self._pieces = tuple(_piece(t, a, is_byte_level) for t, a in zip(self._texts, self._attrs))
         self._split_table = _split_table(self._texts, self._attrs)
         self.max_token_bytes = max((len(p) for p in self._pieces), default=1)  # no token covers more text
+        self.is_add_space_prefix = is_add_space_prefix
         self.is_add_bos = is_add_bos
         self.is_add_eos = is_add_eos
         self.chat_template = chat_template
@@ -62,18 +76,26 @@ class Tokenizer:
     def from_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         model = metadata.get("tokenizer.ggml.model")
         if model not in SUPPORTED_MODELS:
+            supported = ", ".join(f"{name} ({kind})" for name, kind in SUPPORTED_MODELS.items())
+            found = "missing" if model is None else f"{model!r}, a vocabulary type Strata does not support"
             raise ModelFormatError(
-                f"tokenizer.ggml.model is {model!r}, which Strata does not support; supported: "
-                f"{', '.join(SUPPORTED_MODELS)} (byte-level BPE)"
+                f"tokenizer.ggml.model is {found}; supported: {supported}. "
+                "Use a GGUF of a model with one of those vocabularies"
             )
-        pre = pre_tokenizer_for(metadata.get("tokenizer.ggml.pre"))
-        texts = [t or f"[EMPTY_{i}]" for i, t in enumerate(_required(metadata, "tokenizer.ggml.tokens"))]
+        texts = [t or f"[EMPTY_{i}]" for i, t in enumerate(_required(metadata, "tokenizer.ggml.tokens", model))]
         types = attrs_from_types(metadata.get("tokenizer.ggml.token_type"), len(texts))
-        special = resolve_special_tokens(metadata, texts, types)
-        hf = _bpe(texts, _required(metadata, "tokenizer.ggml.merges"), pre)
+        special = resolve_special_tokens(metadata, texts, types, _DEFAULT_BOS_EOS[model])
+        if model == "llama":
+            encode_batch = SpmModel(texts, _required(metadata, "tokenizer.ggml.scores", model)).encode_batch
+            is_add_space_prefix, is_add_bos = True, True
+        else:
+            pre = pre_tokenizer_for(metadata.get("tokenizer.ggml.pre"))
+            encode_batch = _bpe_encoder(texts, _required(metadata, "tokenizer.ggml.merges", model), pre)
+            is_add_space_prefix, is_add_bos = False, pre.is_add_bos
         return cls(
-            hf, texts, special,
-            is_add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", pre.is_add_bos)),
+            encode_batch, texts, special, is_byte_level=model == "gpt2",
+            is_add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", is_add_space_prefix)),
+            is_add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", is_add_bos)),
             is_add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
             chat_template=metadata.get("tokenizer.chat_template"),
         )
@@ -121,15 +143,24 @@ class Tokenizer:
                         add_eos: bool | None = None) -> list[int]:
         """Token ids of the segments' texts joined, each segment with its own `parse_special`: text
         in a segment that does not parse them stays plain text whatever its neighbours parse. Plain
-        text that runs across segments is encoded as one text, as `encode` would."""
+        text that runs across segments is encoded as one text, as `encode` would.
+
+        By the metadata's rule (`add_bos`/`add_eos` None), parsed text that already starts with the
+        BOS token (a chat template's `bos_token`) gets no second one, nor a second EOS at its end:
+        llama.cpp's chat path strips those texts from the rendered template for the same reason."""
         fragments = _joined([fragment for text, parse_special in segments
                              for fragment in _split_special(text, self._split_table, parse_special)])
         raw = [f for f in fragments if isinstance(f, str)]
-        encoded = iter(self._hf.encode_batch(raw, add_special_tokens=False) if raw else ())
-        ids = [self._required_id(self.bos_id, "BOS")] if _pick(add_bos, self.is_add_bos) else []
+        if self.is_add_space_prefix:
+            # every raw text starts the prompt or follows a token: _joined leaves no two side by side
+            raw = [" " + f for f in raw]
+        encoded = iter(self._encode_batch(raw) if raw else ())
+        is_bos = _pick(add_bos, self.is_add_bos and fragments[:1] != [self.bos_id])
+        is_eos = _pick(add_eos, self.is_add_eos and fragments[-1:] != [self.eos_id])
+        ids = [self._required_id(self.bos_id, "BOS")] if is_bos else []
         for fragment in fragments:
-            ids.extend(next(encoded).ids if isinstance(fragment, str) else (fragment,))
-        if _pick(add_eos, self.is_add_eos):
+            ids.extend(next(encoded) if isinstance(fragment, str) else (fragment,))
+        if is_eos:
             ids.append(self._required_id(self.eos_id, "EOS"))
         return ids
 
@@ -138,10 +169,16 @@ class Tokenizer:
         return self._pieces[self._checked(token_id)]
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
-        """Text of the ids; bytes that are not valid UTF-8 become U+FFFD."""
-        return b"".join(self._decoded_piece(i, skip_special) for i in ids).decode("utf-8", errors="replace")
+        """Text of the ids, as llama.cpp's `detokenize`: bytes that are not valid UTF-8 become U+FFFD,
+        and with `is_add_space_prefix` the first token's text loses one leading space."""
+        pieces = [self._decoded_piece(i, skip_special) for i in ids]
+        if self.is_add_space_prefix and pieces:
+            pieces[0] = pieces[0].removeprefix(b" ")
+        return b"".join(pieces).decode("utf-8", errors="replace")
 
     def stream_decoder(self, *, skip_special: bool = False) -> StreamDecoder:
+        """Incremental text of ids that continue a prompt: each token's text in full, as llama.cpp's
+        server streams it, so no space prefix is dropped."""
         return StreamDecoder(self, skip_special=skip_special)
 
     def _decoded_piece(self, token_id: int, skip_special: bool) -> bytes:
@@ -179,11 +216,23 @@ def _pick(requested: bool | None, rule: bool) -> bool:
     return rule if requested is None else requested
 
 
-def _required(metadata: Mapping[str, Any], key: str) -> list[Any]:
+def _required(metadata: Mapping[str, Any], key: str, model: str) -> list[Any]:
     value = metadata.get(key)
     if not isinstance(value, list):
-        raise ModelFormatError(f"{key} is missing or not an array; a gpt2 (BPE) vocabulary needs it")
+        raise ModelFormatError(
+            f"{key} is missing or not an array; a {model} ({SUPPORTED_MODELS[model]}) vocabulary needs it"
+        )
     return value
+
+
+def _bpe_encoder(texts: Sequence[str], merges: Sequence[str],
+                 pre: PreTokenizer) -> Callable[[list[str]], list[list[int]]]:
+    hf = _bpe(texts, merges, pre)
+
+    def encode_batch(raw: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in hf.encode_batch(raw, add_special_tokens=False)]
+
+    return encode_batch
 
 
 def _bpe(texts: Sequence[str], merges: Sequence[str], pre: PreTokenizer) -> HFTokenizer:
@@ -261,13 +310,15 @@ def _split_at(fragment: str | int, special_text: str, token_id: int) -> list[str
     return parts
 
 
-def _piece(text: str, attr: TokenAttr) -> bytes:
+def _piece(text: str, attr: TokenAttr, is_byte_level: bool) -> bytes:
     """llama.cpp's `token_to_piece` with specials rendered: text of special and user-defined tokens,
-    byte-level decoding of normal ones, the byte of a `<0xXX>` byte token, nothing for the rest."""
+    byte-level decoding (BPE) or ▁ as space (SentencePiece) of normal ones, the byte of a `<0xXX>`
+    byte token, nothing for the rest."""
     if attr & _RENDERED_AS_TEXT:
         return text.encode("utf-8", "surrogateescape")
     if attr & TokenAttr.NORMAL:
-        return _byte_level_decode(text)
+        return _byte_level_decode(text) if is_byte_level else text.replace(SPACE_MARK, " ").encode(
+            "utf-8", "surrogateescape")
     if attr & TokenAttr.BYTE:
         if not re.fullmatch("<0x[0-9A-Fa-f]{2}>", text):
             raise ModelFormatError(f"byte token {text!r} is not of the form <0xXX>")

@@ -31,6 +31,8 @@ CACHE_DIR = REPO_ROOT / ".cache" / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}
 VENDORED = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
 WANTED = ("models/ggml-vocab-", "src/llama-vocab.cpp")
 INPUT_SEPARATOR = "\n__ggml_vocab_test__\n"
+# copies kept in the repository, so their vectors run without the download
+BUNDLED_DIR = REPO_ROOT / "tests" / "data"
 
 
 class VectorsUnavailable(Exception):
@@ -61,9 +63,18 @@ def vocab_names_with_vectors() -> list[str]:
     return sorted(p.name[len("ggml-vocab-"):-len(".gguf.inp")] for p in models.glob("ggml-vocab-*.gguf.inp"))
 
 
+def bundled_vocab_path(name: str) -> Path:
+    """A vocabulary GGUF with its vectors under tests/data, the same bytes as the sdist's."""
+    return BUNDLED_DIR / f"ggml-vocab-{name}.gguf"
+
+
 def read_vectors(name: str) -> dict[str, list[int]]:
     """Input text -> expected ids, read as `test-tokenizer-0` reads them (a repeated input keeps its last ids)."""
-    gguf_path = vocab_path(name)
+    return read_vectors_at(vocab_path(name))
+
+
+def read_vectors_at(gguf_path: Path) -> dict[str, list[int]]:
+    """The vectors beside `gguf_path` (`.inp`, `.out`)."""
     raw = Path(f"{gguf_path}.inp").read_bytes().decode("utf-8")
     inputs = raw.split(INPUT_SEPARATOR)
     if inputs and inputs[-1] == "":
