@@ -1,5 +1,7 @@
 """Quantization formats: block layouts, vectorized dequantization, Q8_0/Q4_0 quantization.
 
+The I-quants (IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, IQ2_S) decode in `quants_iq`.
+
 Every format stores a row of `num_cols` values as `num_cols / block_elems` consecutive blocks of
 `block_bytes` bytes; rows follow each other with no padding. All multi-byte fields are
 little-endian; `f16` is IEEE half. The GPU kernels read these same bytes, so each layout is
@@ -12,6 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from strata.errors import ModelFormatError
+from strata.model import quants_iq
 
 QK = 32  # elements per block of the legacy formats
 QK_K = 256  # elements per super-block of the k-quant formats
@@ -117,6 +120,17 @@ def _dequant_q5_0(blocks: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * _f16(blocks, 0)
 
 
+def _dequant_q5_1(blocks: np.ndarray) -> np.ndarray:
+    """Q5_1, 24 bytes: [0:2] f16 d, [2:4] f16 m, [4:8] u32 qh, [8:24] qs[16] nibbles.
+
+    q[j] as Q5_0, unsigned 0..31; y[j] = d * q[j] + m.
+    """
+    qh = np.ascontiguousarray(blocks[:, 4:8]).view(np.uint32)  # [N, 1]
+    high = ((qh >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, 32]
+    q = (_nibbles(blocks[:, 8:24]) | (high << 4)).astype(np.float32)
+    return _f16(blocks, 0) * q + _f16(blocks, 2)
+
+
 # --- k-quants: 256-element super-blocks ---------------------------------------------------
 
 
@@ -137,6 +151,22 @@ def _dequant_q4_k(blocks: np.ndarray) -> np.ndarray:
     qs = blocks[:, 16:144].reshape(num_blocks, 4, 1, 32)
     q = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0xF).reshape(num_blocks, 8, 32)
     return (d * q.astype(np.float32) - dm).reshape(num_blocks, QK_K)
+
+
+def _dequant_q5_k(blocks: np.ndarray) -> np.ndarray:
+    """Q5_K, 176 bytes: [0:2] f16 d, [2:4] f16 dmin, [4:16] scales[12], [16:48] qh[32], [48:176] qs[128].
+
+    As Q4_K, with a fifth bit: element l of sub-block s (l < 32) adds (qh[l] >> s & 1) << 4.
+    """
+    num_blocks = blocks.shape[0]
+    sc, m = _k_scale_min(blocks[:, 4:16])  # [N, 8] each
+    d = (_f16(blocks, 0) * sc).reshape(num_blocks, 8, 1)
+    dm = (_f16(blocks, 2) * m).reshape(num_blocks, 8, 1)
+    qs = blocks[:, 48:176].reshape(num_blocks, 4, 1, 32)
+    low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0xF).reshape(num_blocks, 8, 32)
+    high = (blocks[:, 16:48].reshape(num_blocks, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = (low | (high << 4)).astype(np.float32)
+    return (d * q - dm).reshape(num_blocks, QK_K)
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -234,8 +264,15 @@ _LAYOUTS: dict[QType, tuple[int, int]] = {
     QType.Q4_0: (QK, 18),
     QType.Q4_1: (QK, 20),
     QType.Q5_0: (QK, 22),
+    QType.Q5_1: (QK, 24),
     QType.Q4_K: (QK_K, 144),
+    QType.Q5_K: (QK_K, 176),
     QType.Q6_K: (QK_K, 210),
+    QType.IQ4_NL: (QK, 18),
+    QType.IQ4_XS: (QK_K, 136),
+    QType.IQ3_XXS: (QK_K, 98),
+    QType.IQ3_S: (QK_K, 110),
+    QType.IQ2_S: (QK_K, 82),
 }
 
 _DECODERS = {
@@ -246,6 +283,13 @@ _DECODERS = {
     QType.Q4_0: _dequant_q4_0,
     QType.Q4_1: _dequant_q4_1,
     QType.Q5_0: _dequant_q5_0,
+    QType.Q5_1: _dequant_q5_1,
     QType.Q4_K: _dequant_q4_k,
+    QType.Q5_K: _dequant_q5_k,
     QType.Q6_K: _dequant_q6_k,
+    QType.IQ4_NL: quants_iq.dequant_iq4_nl,
+    QType.IQ4_XS: quants_iq.dequant_iq4_xs,
+    QType.IQ3_XXS: quants_iq.dequant_iq3_xxs,
+    QType.IQ3_S: quants_iq.dequant_iq3_s,
+    QType.IQ2_S: quants_iq.dequant_iq2_s,
 }

@@ -8,7 +8,8 @@ from gguf import GGMLQuantizationType as Q
 from strata.errors import ModelFormatError
 from strata.model import quants
 
-FORMATS = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K]
+FORMATS = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+           Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S]
 
 
 def _random_raw(qtype, shape, seed):
@@ -62,8 +63,8 @@ def test_row_nbytes_and_its_errors():
     assert quants.row_nbytes(Q.F16, 7) == 14
     with pytest.raises(ModelFormatError, match="Q4_K rows need a multiple of 256 columns, got 64"):
         quants.row_nbytes(Q.Q4_K, 64)
-    with pytest.raises(ModelFormatError, match="unsupported quant type Q5_1"):
-        quants.row_nbytes(Q.Q5_1, 64)
+    with pytest.raises(ModelFormatError, match="unsupported quant type Q3_K"):
+        quants.row_nbytes(Q.Q3_K, 256)
     assert not quants.is_supported(Q.IQ2_XXS) and quants.is_supported(Q.Q6_K) and not quants.is_supported(999)
 
 
