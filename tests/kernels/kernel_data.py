@@ -13,6 +13,11 @@ from strata.gpu.kernels.packing import FORMATS, PackedMatrix, pack, to_device
 from strata.model import reference_ops
 
 ALL_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "F16", "F32")
+# the formats the kernels read through the generic dequantizers only (tests/kernels/test_quant_formats.py)
+GENERIC_FORMATS = ("BF16", "Q5_0", "Q5_1", "IQ4_NL", "Q5_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_S")
+# fp16 scale magnitudes that keep a format's values O(1): 1 / (largest sub-scale x largest level)
+_SCALE_MAGNITUDES = {"Q4_K": 1.0 / 64, "Q5_K": 1.0 / 128, "Q6_K": 1.0 / 1024, "IQ4_NL": 1.0 / 128,
+                     "IQ4_XS": 1.0 / 4096, "IQ3_XXS": 1.0 / 512, "IQ3_S": 1.0 / 512, "IQ2_S": 1.0 / 256}
 # absolute tolerance of a dot product over K products of O(1) values with float32 accumulation,
 # relative to sqrt(K): the kernels and NumPy sum in different orders
 DOT_RTOL = 2e-5
@@ -22,17 +27,16 @@ def random_gguf_bytes(fmt: str, num_rows: int, num_cols: int, rng: np.random.Gen
     """[num_rows, row_bytes] uint8: random quants, fp16 scales drawn small so values stay O(1)."""
     f = FORMATS[fmt]
     if f.is_float:
-        values = rng.standard_normal((num_rows, num_cols)).astype(np.float32 if fmt == "F32" else np.float16)
+        values = rng.standard_normal((num_rows, num_cols)).astype(np.float32 if fmt != "F16" else np.float16)
+        if fmt == "BF16":
+            return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
         return values.view(np.uint8)
     num_blocks = num_rows * num_cols // f.block_elems
     blocks = rng.integers(0, 256, size=(num_blocks, f.block_bytes), dtype=np.uint8)
     scale_fields = [(start, end) for plane, start, end in f.fields if plane == "scales"]
     for start, end in scale_fields:
         num_halves = (end - start) // 2
-        if fmt in ("Q4_K", "Q6_K"):
-            magnitude = 1.0 / 64 if fmt == "Q4_K" else 1.0 / 1024  # times 6-bit / int8 sub-scales
-        else:
-            magnitude = 1.0 / 8
+        magnitude = _SCALE_MAGNITUDES.get(fmt, 1.0 / 8)
         halves = (rng.uniform(-1.0, 1.0, size=(num_blocks, num_halves)) * magnitude).astype(np.float16)
         blocks[:, start:end] = halves.view(np.uint8)
     return blocks.reshape(num_rows, -1)

@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
-from kernel_data import ALL_FORMATS, random_gguf_bytes
+from kernel_data import ALL_FORMATS, GENERIC_FORMATS, random_gguf_bytes
 
 from strata.gpu.kernels.packing import FORMATS, check_packed, pack, plane_shapes, unpack
 
 
-@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@pytest.mark.parametrize("fmt", ALL_FORMATS + GENERIC_FORMATS)
 def test_pack_unpack_round_trip_is_byte_exact(fmt):
     cols = FORMATS[fmt].block_elems * 3 if not FORMATS[fmt].is_float else 96
     raw = random_gguf_bytes(fmt, 5, cols, np.random.default_rng(1))
@@ -31,7 +31,7 @@ def test_q4_0_planes_hold_the_block_fields():
 
 def test_bad_inputs_are_rejected_with_a_message():
     with pytest.raises(ValueError, match="unsupported quant format"):
-        pack(np.zeros((1, 18), np.uint8), "Q5_0")
+        pack(np.zeros((1, 50), np.uint8), "Q3_K")
     with pytest.raises(ValueError, match="whole 18-byte blocks"):
         pack(np.zeros((1, 20), np.uint8), "Q4_0")
     with pytest.raises(TypeError, match="uint8 GGUF bytes"):
@@ -43,7 +43,7 @@ def test_bad_inputs_are_rejected_with_a_message():
         check_packed("w", packed._replace(scales=packed.scales[:, :1].copy()))
 
 
-@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@pytest.mark.parametrize("fmt", ALL_FORMATS + GENERIC_FORMATS)
 def test_format_table_agrees_with_ggml(fmt):
     from gguf import GGMLQuantizationType
     from gguf.constants import GGML_QUANT_SIZES

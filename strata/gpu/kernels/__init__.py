@@ -2,7 +2,8 @@
 
 Weights and the quantized KV cache:
     packing        GGUF blocks split into aligned planes (quants, scales, extra): the layout every kernel reads
-    quant_device   octet dequantizers: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16, F32 (and split load/decode halves)
+    quant_device   octet dequantizers of every packed format (split load/decode halves: Q4_0, Q8_0, Q4_K,
+                   Q6_K, F16, F32)
     quant_dot      octet dot products with the block scale factored out (the Numba GEMVs' inner loop)
     kvcache        K/V rows appended to the cache in F16, Q8_0 or Q4_0 (ggml's rounding)
 

@@ -11,13 +11,22 @@ each row is split, byte for byte, into three planes so that every load is aligne
 
 Per format (a block = `block_elems` elements, fields in GGUF byte order):
 
-    Q4_0  32 el  scales: d              quants: qs[16]                 extra: -
-    Q4_1  32 el  scales: d, m           quants: qs[16]                 extra: -
-    Q8_0  32 el  scales: d              quants: qs[32] (int8)          extra: -
-    Q4_K 256 el  scales: d, dmin        quants: qs[128]                extra: scales[12] (6-bit packed)
-    Q6_K 256 el  scales: d              quants: ql[128] then qh[64]    extra: scales[16] (int8)
-    F16          quants: float16 [rows, cols] (the GGUF bytes as they are)
-    F32          quants: float32 [rows, cols]
+    Q4_0     32 el  scales: d        quants: qs[16]                       extra: -
+    Q4_1     32 el  scales: d, m     quants: qs[16]                       extra: -
+    Q5_0     32 el  scales: d        quants: qh[4], qs[16]                extra: -
+    Q5_1     32 el  scales: d, m     quants: qh[4], qs[16]                extra: -
+    Q8_0     32 el  scales: d        quants: qs[32] (int8)                extra: -
+    IQ4_NL   32 el  scales: d        quants: qs[16]                       extra: -
+    Q4_K    256 el  scales: d, dmin  quants: qs[128]                      extra: scales[12] (6-bit packed)
+    Q5_K    256 el  scales: d, dmin  quants: qh[32], qs[128]              extra: scales[12] (6-bit packed)
+    Q6_K    256 el  scales: d        quants: ql[128] then qh[64]          extra: scales[16] (int8)
+    IQ4_XS  256 el  scales: d        quants: qs[128]                      extra: scales_h[2], scales_l[4]
+    IQ3_XXS 256 el  scales: d        quants: qs[64], aux[32]              extra: -
+    IQ3_S   256 el  scales: d        quants: qs[64], qh[8], signs[32]     extra: scales[4]
+    IQ2_S   256 el  scales: d        quants: qs[32], signs[32], qh[8]     extra: scales[8]
+    F16             quants: float16 [rows, cols] (the GGUF bytes as they are)
+    BF16            quants: uint16 [rows, cols] (the upper halves of the float32 values)
+    F32             quants: float32 [rows, cols]
 
 The total byte count equals the GGUF tensor's; `unpack` restores the GGUF bytes exactly. A plane
 a format does not have is a (1, 1) placeholder. Tensors with leading dimensions (expert stacks
@@ -55,14 +64,24 @@ FORMATS = MappingProxyType({
     for f in (
         QuantFormat("F32", 0, 1, 4, ()),
         QuantFormat("F16", 1, 1, 2, ()),
+        QuantFormat("BF16", 30, 1, 2, ()),
         QuantFormat("Q4_0", 2, 32, 18, (("scales", 0, 2), ("quants", 2, 18))),
         QuantFormat("Q4_1", 3, 32, 20, (("scales", 0, 4), ("quants", 4, 20))),
+        QuantFormat("Q5_0", 6, 32, 22, (("scales", 0, 2), ("quants", 2, 22))),
+        QuantFormat("Q5_1", 7, 32, 24, (("scales", 0, 4), ("quants", 4, 24))),
         QuantFormat("Q8_0", 8, 32, 34, (("scales", 0, 2), ("quants", 2, 34))),
+        QuantFormat("IQ4_NL", 20, 32, 18, (("scales", 0, 2), ("quants", 2, 18))),
         QuantFormat("Q4_K", 12, 256, 144, (("scales", 0, 4), ("extra", 4, 16), ("quants", 16, 144))),
+        QuantFormat("Q5_K", 13, 256, 176, (("scales", 0, 4), ("extra", 4, 16), ("quants", 16, 176))),
         QuantFormat("Q6_K", 14, 256, 210, (("quants", 0, 192), ("extra", 192, 208), ("scales", 208, 210))),
+        QuantFormat("IQ4_XS", 23, 256, 136, (("scales", 0, 2), ("extra", 2, 8), ("quants", 8, 136))),
+        QuantFormat("IQ3_XXS", 18, 256, 98, (("scales", 0, 2), ("quants", 2, 98))),
+        QuantFormat("IQ3_S", 21, 256, 110, (("scales", 0, 2), ("quants", 2, 106), ("extra", 106, 110))),
+        QuantFormat("IQ2_S", 22, 256, 82, (("scales", 0, 2), ("quants", 2, 74), ("extra", 74, 82))),
     )
 })
 _PLANE_DTYPES = MappingProxyType({"quants": np.uint32, "scales": np.float16, "extra": np.uint8})
+_FLOAT_DTYPES = MappingProxyType({"F32": np.float32, "F16": np.float16, "BF16": np.uint16})  # BF16: raw bits
 
 
 class PackedMatrix(NamedTuple):
@@ -93,8 +112,7 @@ def plane_shapes(fmt: str, num_rows: int, num_cols: int) -> dict:
     if num_cols % f.block_elems:
         raise ValueError(f"{fmt} rows need a multiple of {f.block_elems} columns, got {num_cols}")
     if f.is_float:
-        float_dtype = np.float32 if fmt == "F32" else np.float16
-        return {"quants": ((num_rows, num_cols), float_dtype)}
+        return {"quants": ((num_rows, num_cols), _FLOAT_DTYPES[fmt])}
     num_blocks = num_cols // f.block_elems
     shapes = {}
     for plane, dtype in _PLANE_DTYPES.items():
@@ -109,7 +127,7 @@ def pack(raw: np.ndarray, fmt: str, num_cols: int | None = None) -> PackedMatrix
     f = quant_format(fmt)
     raw = np.ascontiguousarray(raw)
     if raw.dtype != np.uint8:
-        if not f.is_float or raw.dtype != np.dtype(np.float32 if fmt == "F32" else np.float16):
+        if not f.is_float or raw.dtype != np.dtype(_FLOAT_DTYPES[fmt]):
             raise TypeError(f"{fmt} data must be uint8 GGUF bytes, got {raw.dtype}")
         raw = raw.view(np.uint8)
     row_bytes = raw.shape[-1]
@@ -121,7 +139,7 @@ def pack(raw: np.ndarray, fmt: str, num_cols: int | None = None) -> PackedMatrix
     if num_cols is not None and num_cols != cols:
         raise ValueError(f"{fmt} rows of {row_bytes} bytes hold {cols} columns, not {num_cols}")
     if f.is_float:
-        values = rows.view(np.float32 if fmt == "F32" else np.float16)
+        values = rows.view(_FLOAT_DTYPES[fmt])
         return PackedMatrix(fmt, num_rows, cols, values, np.zeros((1, 1), np.float16), np.zeros((1, 1), np.uint8))
     blocks = rows.reshape(num_rows, num_blocks, f.block_bytes)
     planes = {}

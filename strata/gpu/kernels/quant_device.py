@@ -23,6 +23,8 @@ from types import MappingProxyType
 import numpy as np
 from numba import cuda
 
+from strata.model.iquant_tables import IQ2S_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL
+
 from ._common import IS_SIMULATOR
 
 if IS_SIMULATOR:
@@ -36,6 +38,7 @@ else:
 _MAGIC_BITS = 0x4B000000  # float 2^23: OR-ing a small integer into its mantissa adds it
 TWO_23 = np.float32(8388608.0)
 TWO_23_PLUS_8 = np.float32(8388616.0)  # nibble - 8 (Q4_0)
+TWO_23_PLUS_16 = np.float32(8388624.0)  # 5-bit - 16 (Q5_0)
 TWO_23_PLUS_32 = np.float32(8388640.0)  # 6-bit - 32 (Q6_K)
 TWO_23_PLUS_128 = np.float32(8388736.0)  # byte with flipped sign bit - 128 = int8 (Q8_0)
 
@@ -156,6 +159,172 @@ def device_dequant8_float(quants, scales, extra, row, octet, out, out_off):
         out[out_off + i] = np.float32(quants[row, base + i])
 
 
+# --- the formats after the first seven: one direct dequantizer each (no split halves yet) ---
+# Module-level tables a device function reads are compiled into the kernel as constant arrays.
+
+_IQ4_LEVELS = KVALUES_IQ4NL.astype(np.float32)
+_KSIGNS = KSIGNS_IQ2XS
+_IQ3XXS_GRID = IQ3XXS_GRID
+_IQ3S_GRID = IQ3S_GRID
+_IQ2S_GRID_WORDS = IQ2S_GRID.view(np.uint32)  # entry k: words 2k (elements 0..3) and 2k + 1 (4..7)
+
+
+@cuda.jit(device=True)
+def device_dequant8_bf16(quants, scales, extra, row, octet, out, out_off):
+    """BF16: `quants` holds the raw uint16 bits, the upper half of each float32."""
+    base = octet * 8
+    for i in range(8):
+        out[out_off + i] = _int_as_float(np.int32(np.uint32(quants[row, base + i]) << 16))
+
+
+@cuda.jit(device=True)
+def device_dequant8_q5_0(quants, scales, extra, row, octet, out, out_off):
+    # block = 5 words: qh (bit j: element j's fifth bit), then the nibbles as Q4_0's
+    block = octet // 4
+    sub = octet % 4
+    word = block * 5 + 1 + (sub % 2) * 2
+    shift = (sub // 2) * 4
+    high = quants[row, block * 5] >> (8 * sub)
+    d = np.float32(scales[row, block])
+    w0 = quants[row, word]
+    w1 = quants[row, word + 1]
+    for i in range(4):
+        q0 = ((w0 >> (8 * i + shift)) & 0xF) | (((high >> i) & 1) << 4)
+        q1 = ((w1 >> (8 * i + shift)) & 0xF) | (((high >> (4 + i)) & 1) << 4)
+        out[out_off + i] = d * device_small_int_to_float(q0, TWO_23_PLUS_16)
+        out[out_off + 4 + i] = d * device_small_int_to_float(q1, TWO_23_PLUS_16)
+
+
+@cuda.jit(device=True)
+def device_dequant8_q5_1(quants, scales, extra, row, octet, out, out_off):
+    block = octet // 4
+    sub = octet % 4
+    word = block * 5 + 1 + (sub % 2) * 2
+    shift = (sub // 2) * 4
+    high = quants[row, block * 5] >> (8 * sub)
+    d = np.float32(scales[row, 2 * block])
+    m = np.float32(scales[row, 2 * block + 1])
+    w0 = quants[row, word]
+    w1 = quants[row, word + 1]
+    for i in range(4):
+        q0 = ((w0 >> (8 * i + shift)) & 0xF) | (((high >> i) & 1) << 4)
+        q1 = ((w1 >> (8 * i + shift)) & 0xF) | (((high >> (4 + i)) & 1) << 4)
+        out[out_off + i] = d * device_small_int_to_float(q0, TWO_23) + m
+        out[out_off + 4 + i] = d * device_small_int_to_float(q1, TWO_23) + m
+
+
+@cuda.jit(device=True)
+def device_dequant8_iq4_nl(quants, scales, extra, row, octet, out, out_off):
+    block = octet // 4
+    sub = octet % 4
+    word = block * 4 + (sub % 2) * 2
+    shift = (sub // 2) * 4
+    d = np.float32(scales[row, block])
+    w0 = quants[row, word]
+    w1 = quants[row, word + 1]
+    for i in range(4):
+        out[out_off + i] = d * _IQ4_LEVELS[(w0 >> (8 * i + shift)) & 0xF]
+        out[out_off + 4 + i] = d * _IQ4_LEVELS[(w1 >> (8 * i + shift)) & 0xF]
+
+
+@cuda.jit(device=True)
+def device_dequant8_q5_k(quants, scales, extra, row, octet, out, out_off):
+    # super-block = 40 words: qh[32] (byte l, bit j: element l of sub-block j), then qs as Q4_K's
+    sb = octet // 32
+    s = octet % 32
+    j = s // 4
+    qh_word = sb * 40 + (s % 4) * 2
+    qs_word = sb * 40 + 8 + (j // 2) * 8 + (s % 4) * 2
+    shift = (j % 2) * 4
+    sc, mn = device_q4_k_scale_min(extra, row, sb * 12, j)
+    d = np.float32(scales[row, 2 * sb]) * sc
+    m = np.float32(scales[row, 2 * sb + 1]) * mn
+    w0 = quants[row, qs_word]
+    w1 = quants[row, qs_word + 1]
+    h0 = quants[row, qh_word]
+    h1 = quants[row, qh_word + 1]
+    for i in range(4):
+        q0 = ((w0 >> (8 * i + shift)) & 0xF) | (((h0 >> (8 * i + j)) & 1) << 4)
+        q1 = ((w1 >> (8 * i + shift)) & 0xF) | (((h1 >> (8 * i + j)) & 1) << 4)
+        out[out_off + i] = d * device_small_int_to_float(q0, TWO_23) - m
+        out[out_off + 4 + i] = d * device_small_int_to_float(q1, TWO_23) - m
+
+
+@cuda.jit(device=True)
+def device_dequant8_iq4_xs(quants, scales, extra, row, octet, out, out_off):
+    # sub-block j: 16 bytes at word 4j, elements 0..15 the low nibbles, 16..31 the high ones;
+    # extra per super-block: scales_h (u16), scales_l[4]
+    sb = octet // 32
+    j = (octet % 32) // 4
+    e0 = (octet % 4) * 8
+    word = sb * 32 + 4 * j + (e0 % 16) // 4
+    shift = (e0 // 16) * 4
+    base = sb * 6
+    scales_h = np.int32(extra[row, base]) | (np.int32(extra[row, base + 1]) << 8)
+    low = (np.int32(extra[row, base + 2 + j // 2]) >> (4 * (j % 2))) & 0xF
+    ls = low | (((scales_h >> (2 * j)) & 3) << 4)
+    dl = np.float32(scales[row, sb]) * np.float32(ls - 32)
+    w0 = quants[row, word]
+    w1 = quants[row, word + 1]
+    for i in range(4):
+        out[out_off + i] = dl * _IQ4_LEVELS[(w0 >> (8 * i + shift)) & 0xF]
+        out[out_off + 4 + i] = dl * _IQ4_LEVELS[(w1 >> (8 * i + shift)) & 0xF]
+
+
+@cuda.jit(device=True)
+def device_signed_grid4(entry, signs, sign_shift, db, out, out_off):
+    """out[out_off + i] = db * byte i of `entry`, negated where bit sign_shift + i of `signs` is set (i < 4)."""
+    for i in range(4):
+        v = db * device_small_int_to_float((entry >> (8 * i)) & 0xFF, TWO_23)
+        out[out_off + i] = -v if (signs >> (sign_shift + i)) & 1 else v
+
+
+@cuda.jit(device=True)
+def device_dequant8_iq3_xxs(quants, scales, extra, row, octet, out, out_off):
+    # super-block = 24 words: qs[64] (two grid indices per octet), then aux[8] (one per sub-block of 32)
+    sb = octet // 32
+    ib = (octet % 32) // 4
+    g = octet % 4
+    indices = quants[row, sb * 24 + 2 * ib + g // 2] >> ((g % 2) * 16)
+    aux = quants[row, sb * 24 + 16 + ib]
+    db = np.float32(scales[row, sb]) * (np.float32(0.5) + device_small_int_to_float(aux >> 28, TWO_23)) \
+        * np.float32(0.5)
+    signs = np.int32(_KSIGNS[(aux >> (7 * g)) & 127])
+    device_signed_grid4(_IQ3XXS_GRID[indices & 0xFF], signs, 0, db, out, out_off)
+    device_signed_grid4(_IQ3XXS_GRID[(indices >> 8) & 0xFF], signs, 4, db, out, out_off + 4)
+
+
+@cuda.jit(device=True)
+def device_dequant8_iq3_s(quants, scales, extra, row, octet, out, out_off):
+    # super-block = 26 words: qs[64], qh[8] (ninth index bits), signs[32] (a bit an element); extra: scales[4]
+    sb = octet // 32
+    o = octet % 32
+    ib = o // 4
+    indices = quants[row, sb * 26 + o // 2] >> ((o % 2) * 16)
+    high = quants[row, sb * 26 + 16 + ib // 4] >> (8 * (ib % 4) + 2 * (o % 4))
+    signs = np.int32((quants[row, sb * 26 + 18 + o // 4] >> (8 * (o % 4))) & 0xFF)
+    sc = (np.int32(extra[row, sb * 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF
+    db = np.float32(scales[row, sb]) * device_small_int_to_float(1 + 2 * sc, TWO_23)
+    device_signed_grid4(_IQ3S_GRID[(indices & 0xFF) | ((high & 1) << 8)], signs, 0, db, out, out_off)
+    device_signed_grid4(_IQ3S_GRID[((indices >> 8) & 0xFF) | (((high >> 1) & 1) << 8)], signs, 4, db, out,
+                        out_off + 4)
+
+
+@cuda.jit(device=True)
+def device_dequant8_iq2_s(quants, scales, extra, row, octet, out, out_off):
+    # super-block = 18 words: qs[32] (one grid index of 8 elements an octet), signs[32], qh[8]; extra: scales[8]
+    sb = octet // 32
+    o = octet % 32
+    byte_shift = 8 * (o % 4)
+    high = (quants[row, sb * 18 + 16 + o // 16] >> (8 * ((o // 4) % 4) + 2 * (o % 4))) & 3
+    index = ((quants[row, sb * 18 + o // 4] >> byte_shift) & 0xFF) | (high << 8)
+    signs = np.int32((quants[row, sb * 18 + 8 + o // 4] >> byte_shift) & 0xFF)
+    sc = (np.int32(extra[row, sb * 8 + o // 4]) >> (4 * ((o // 2) % 2))) & 0xF
+    db = np.float32(scales[row, sb]) * (np.float32(0.5) + device_small_int_to_float(sc, TWO_23)) * np.float32(0.25)
+    device_signed_grid4(_IQ2S_GRID_WORDS[2 * index], signs, 0, db, out, out_off)
+    device_signed_grid4(_IQ2S_GRID_WORDS[2 * index + 1], signs, 4, db, out, out_off + 4)
+
+
 _DEQUANT8 = MappingProxyType({
     "Q4_0": device_dequant8_q4_0,
     "Q4_1": device_dequant8_q4_1,
@@ -164,6 +333,15 @@ _DEQUANT8 = MappingProxyType({
     "Q6_K": device_dequant8_q6_k,
     "F16": device_dequant8_float,
     "F32": device_dequant8_float,
+    "BF16": device_dequant8_bf16,
+    "Q5_0": device_dequant8_q5_0,
+    "Q5_1": device_dequant8_q5_1,
+    "IQ4_NL": device_dequant8_iq4_nl,
+    "Q5_K": device_dequant8_q5_k,
+    "IQ4_XS": device_dequant8_iq4_xs,
+    "IQ3_XXS": device_dequant8_iq3_xxs,
+    "IQ3_S": device_dequant8_iq3_s,
+    "IQ2_S": device_dequant8_iq2_s,
 })
 
 
@@ -331,5 +509,5 @@ _SPLIT_DEQUANT8 = MappingProxyType({
 
 def split_dequant8_for(fmt: str):
     """(device_load8, device_decode8, words, floats) of format `fmt`, or None where only the direct
-    dequantizer exists (Q4_1)."""
+    dequantizer exists (Q4_1 and the formats after the first seven)."""
     return _SPLIT_DEQUANT8.get(fmt)

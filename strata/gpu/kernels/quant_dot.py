@@ -26,6 +26,7 @@ from .quant_device import (
     device_q4_k_scale_min,
     device_sign_extend_byte,
     device_small_int_to_float,
+    dequant8_for,
 )
 
 
@@ -123,6 +124,22 @@ def device_dot8_float(quants, scales, extra, row, octet, xs):
     return acc
 
 
+def _dot8_through_dequant8(fmt: str):
+    """A dot product that dequantizes the octet first: for the formats without a factored one."""
+    dequant8 = dequant8_for(fmt)
+
+    @cuda.jit(device=True)
+    def device_dot8_dequantized(quants, scales, extra, row, octet, xs):
+        ws = cuda.local.array(OCTET, np.float32)
+        dequant8(quants, scales, extra, row, octet, ws, 0)
+        acc = np.float32(0.0)
+        for i in range(OCTET):
+            acc += ws[i] * xs[i]
+        return acc
+
+    return device_dot8_dequantized
+
+
 _DOT8 = MappingProxyType({
     "Q4_0": device_dot8_q4_0,
     "Q4_1": device_dot8_q4_1,
@@ -131,6 +148,8 @@ _DOT8 = MappingProxyType({
     "Q6_K": device_dot8_q6_k,
     "F16": device_dot8_float,
     "F32": device_dot8_float,
+    **{fmt: _dot8_through_dequant8(fmt)
+       for fmt in ("BF16", "Q5_0", "Q5_1", "IQ4_NL", "Q5_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_S")},
 })
 
 
