@@ -2,9 +2,11 @@
 
 Tensors are streamed to disk in chunks of random quant blocks (see `synth_blocks`), so a
 30B-A3B-shape Q4_0 model (~17 GB) is written at disk speed without holding it in memory. The
-tensor list comes from `spec.tensor_shapes`, the same schema the loader checks. Like llama.cpp's
-quantizer, 1-D tensors and the routers (`ffn_gate_inp`) stay F32, and a k-quant falls back to a
-32-element format for rows that are not a multiple of 256. A model without MTP and without shared
+tensor list comes from `spec.tensor_shapes`, the same schema the loader checks. The weight type
+is a llama.cpp preset (Q4_K_M...: its per-tensor mix, `synth_mix`) or one tensor type for every
+quantized tensor (llama-quantize --pure). Like llama.cpp's quantizer, 1-D tensors and the routers
+(`ffn_gate_inp`) stay F32, and a 256-element format falls back to a 32-element one for rows that
+are not a multiple of 256. A model without MTP and without shared
 experts is a plain llama.cpp qwen3moe file; the MTP block and shared experts are extensions
 llama.cpp's qwen3moe loader does not read.
 """
@@ -32,6 +34,8 @@ from strata.model.synth_blocks import (
     random_tensor_chunks,
 )
 from strata.model.synth_check import format_histogram, is_spread, routing_histogram
+from strata.model.synth_mix import PRESETS as QUANT_PRESETS
+from strata.model.synth_mix import MixModel, preset_types
 from strata.model.synth_vocab import SynthVocab, build_vocab, train_tokenizer
 
 ARCH = "qwen3moe"
@@ -40,8 +44,10 @@ SAMPLE_PROMPT = (
     "Tell me a short story about a lighthouse keeper who finds a message in a bottle. It should be "
     "about 200 words long, written for children, and end with the keeper writing back: 42 words, no more."
 )
-_K_QUANT_FALLBACK = {QType.Q4_K: QType.Q5_0, QType.Q6_K: QType.Q8_0}
-_FILE_TYPES = {QType.F32: LlamaFileType.ALL_F32, QType.Q4_K: LlamaFileType.MOSTLY_Q4_K_M}
+_PURE_FALLBACKS = {QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1, QType.Q6_K: QType.Q8_0, QType.IQ4_XS: QType.IQ4_NL,
+                   QType.IQ3_XXS: QType.IQ4_NL, QType.IQ3_S: QType.IQ4_NL, QType.IQ2_S: QType.IQ4_NL}
+_FILE_TYPES = {QType.F32: LlamaFileType.ALL_F32, QType.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
+               QType.Q5_K: LlamaFileType.MOSTLY_Q5_K_M}
 
 
 @dataclass(frozen=True)
@@ -95,21 +101,27 @@ PRESETS: dict[str, SynthShape] = {
 }
 
 
-def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype: QType, seed: int,
+def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype: QType | str, seed: int,
                           with_mtp: bool = False, is_header_only: bool = False) -> Path:
     """Write the model to `path` (through a temporary file, renamed when complete).
+
+    ``qtype``: a QType puts every quantized tensor in that type; a preset name (``synth_mix.PRESETS``,
+    e.g. "Q4_K_M") writes the preset's per-tensor mix.
 
     ``is_header_only`` writes the real header and tensor table and leaves the tensor data a hole
     (a sparse file of the full size, all zeros): a 30B-shape file in a second and no disk, for
     what reads only shapes and sizes (placement, the planner, ``strata check``)."""
-    path, qtype = Path(path), QType(qtype)
-    if qtype not in SUPPORTED_QTYPES:
-        raise ValueError(f"synthetic models support {', '.join(t.name for t in SUPPORTED_QTYPES)}, not {qtype.name}")
+    path = Path(path)
+    if isinstance(qtype, str) and qtype not in QUANT_PRESETS:
+        raise ValueError(f"synthetic models know the presets {', '.join(QUANT_PRESETS)}, not {qtype!r}")
+    if not isinstance(qtype, str) and QType(qtype) not in SUPPORTED_QTYPES:
+        raise ValueError(f"synthetic models support {', '.join(t.name for t in SUPPORTED_QTYPES)}, not "
+                         f"{QType(qtype).name}")
     spec = shape.spec(with_mtp)
     plan = tensor_plan(spec, qtype)
     tmp = path.with_name(path.name + ".partial")
     writer = GGUFWriter(tmp, ARCH)
-    _add_metadata(writer, shape, spec, qtype, build_vocab(shape.vocab_size))
+    _add_metadata(writer, shape, spec, _file_type(qtype), build_vocab(shape.vocab_size))
     for name, (tensor_shape, tensor_qtype) in plan.items():
         writer.add_tensor_info(name, tensor_shape, np.dtype(np.float32), _tensor_nbytes(tensor_shape, tensor_qtype),
                                raw_dtype=tensor_qtype)
@@ -150,8 +162,9 @@ def _leave_tensor_data_a_hole(fout, plan: dict[str, tuple[tuple[int, ...], QType
     fout.seek(end)
 
 
-def tensor_plan(spec: ModelSpec, qtype: QType) -> dict[str, tuple[tuple[int, ...], QType]]:
-    """Every tensor to write, in file order (embedding, layers, head), with its shape and type."""
+def tensor_plan(spec: ModelSpec, qtype: QType | str) -> dict[str, tuple[tuple[int, ...], QType]]:
+    """Every tensor to write, in file order (embedding, layers, head), with its shape and type
+    (``qtype`` as for write_synthetic_model)."""
     required, optional = tensor_shapes(spec)
     shapes = dict(required)
     if not spec.is_output_tied:
@@ -160,17 +173,29 @@ def tensor_plan(spec: ModelSpec, qtype: QType) -> dict[str, tuple[tuple[int, ...
         name = f"blk.{i}.nextn.shared_head_norm.weight"
         shapes[name] = optional[name]
     head = ("output_norm.weight", "output.weight")
-    ordered = sorted(shapes, key=lambda n: (n in head, _layer_index(n), n))
-    return {name: (shapes[name], _tensor_qtype(name, shapes[name], qtype)) for name in ordered}
+    ordered = {name: shapes[name] for name in sorted(shapes, key=lambda n: (n in head, _layer_index(n), n))}
+    if isinstance(qtype, str):
+        model = MixModel(num_layers=spec.num_layers + spec.num_nextn_layers, num_experts=spec.num_experts,
+                         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, has_output=not spec.is_output_tied)
+        types = preset_types(qtype, ordered, model)
+    else:
+        types = {name: _pure_qtype(name, shape, QType(qtype)) for name, shape in ordered.items()}
+    return {name: (shape, types[name]) for name, shape in ordered.items()}
 
 
-def _tensor_qtype(name: str, shape: tuple[int, ...], qtype: QType) -> QType:
+def _pure_qtype(name: str, shape: tuple[int, ...], qtype: QType) -> QType:
     if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):
         return QType.F32
-    for candidate in (qtype, _K_QUANT_FALLBACK.get(qtype, QType.F16), QType.F16):
+    for candidate in (qtype, _PURE_FALLBACKS.get(qtype, QType.F16), QType.F16):
         if shape[-1] % quants.block_layout(candidate)[0] == 0:
             return candidate
     return QType.F32
+
+
+def _file_type(qtype: QType | str) -> LlamaFileType:
+    if isinstance(qtype, str):
+        return QUANT_PRESETS[qtype][1]
+    return _FILE_TYPES[qtype] if qtype in _FILE_TYPES else LlamaFileType[f"MOSTLY_{QType(qtype).name}"]
 
 
 def _tensor_chunks(rng: np.random.Generator, name: str, shape: tuple[int, ...], qtype: QType):
@@ -191,9 +216,9 @@ def _layer_index(name: str) -> int:
     return int(name.split(".")[1]) if name.startswith("blk.") else -1
 
 
-def _add_metadata(writer: GGUFWriter, shape: SynthShape, spec: ModelSpec, qtype: QType, vocab: SynthVocab) -> None:
+def _add_metadata(writer: GGUFWriter, shape: SynthShape, spec: ModelSpec, file_type: LlamaFileType,
+                  vocab: SynthVocab) -> None:
     writer.add_name(f"synthetic {ARCH} {spec.num_layers}x{spec.num_experts}x{spec.expert_ffn_size}")
-    file_type = _FILE_TYPES[qtype] if qtype in _FILE_TYPES else LlamaFileType[f"MOSTLY_{qtype.name}"]
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(2)
     writer.add_block_count(spec.num_layers + spec.num_nextn_layers)
@@ -246,7 +271,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="base shape (default tiny); the size flags below override its fields")
     for flag, field in _SHAPE_FLAGS.items():
         parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, metavar="N", help=field)
-    parser.add_argument("--qtype", default="Q4_0", help=f"weight type: {', '.join(t.name for t in SUPPORTED_QTYPES)}")
+    parser.add_argument("--qtype", default="Q4_0",
+                        help=f"llama.cpp preset, written with its per-tensor type mix: {', '.join(QUANT_PRESETS)} "
+                             f"(default Q4_0); or one tensor type for every quantized tensor: "
+                             f"{', '.join(t.name for t in SUPPORTED_QTYPES)}")
+    parser.add_argument("--pure", action="store_true",
+                        help="every quantized tensor in the preset's default type, as llama-quantize --pure")
     parser.add_argument("--mtp", action="store_true", help="add one MTP (nextn) block after the last layer")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--check", action="store_true",
@@ -257,7 +287,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         shape = with_overrides(PRESETS[args.preset], **{f: getattr(args, k) for k, f in _SHAPE_FLAGS.items()})
-        qtype = QType[args.qtype.upper()]
+        qtype = weight_type(args.qtype, args.pure)
     except (ValueError, KeyError) as exc:
         print(f"strata synth: error: {exc}", file=sys.stderr)
         return 2
@@ -270,14 +300,26 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     num_bytes = path.stat().st_size
     size = f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.2f} MB"
+    type_name = f"{qtype} mix" if isinstance(qtype, str) else qtype.name
     print(f"wrote {path}: {size} in {seconds:.1f} s ({num_bytes / 1e6 / seconds:.0f} MB/s), "
-          f"{shape.num_layers} layers{' + MTP' if args.mtp else ''}, {qtype.name}, seed {args.seed}")
+          f"{shape.num_layers} layers{' + MTP' if args.mtp else ''}, {type_name}, seed {args.seed}")
     if not args.check:
         return 0
     model = open_gguf(path)
     counts = routing_histogram(model, sample_prompt_tokens(shape.vocab_size))
     print(format_histogram(counts, shape.num_experts_used))
     return 0 if is_spread(counts, shape.num_experts_used) else 1
+
+
+def weight_type(name: str, is_pure: bool = False) -> QType | str:
+    """``--qtype``: a preset name (its mix, or with ``is_pure`` its default type), else a tensor type."""
+    name = name.upper()
+    if name in QUANT_PRESETS:
+        return QUANT_PRESETS[name][0] if is_pure else name
+    if name not in QType.__members__:
+        raise ValueError(f"--qtype {name}: not a preset ({', '.join(QUANT_PRESETS)}) nor a tensor type "
+                         f"({', '.join(t.name for t in SUPPORTED_QTYPES)})")
+    return QType[name]
 
 
 def sample_prompt_tokens(vocab_size: int) -> list[int]:

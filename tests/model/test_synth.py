@@ -22,6 +22,8 @@ from strata.model.synth import (
 )
 from strata.model.synth_blocks import SUPPORTED_QTYPES, random_rows
 from strata.model.synth_check import format_histogram, is_spread
+from strata.model.synth_mix import PRESETS as QUANT_PRESETS
+from strata.model.synth_mix import use_more_bits
 from strata.model.synth_vocab import SPECIAL_TOKENS, build_vocab, train_tokenizer
 
 TINY = PRESETS["tiny"]
@@ -155,7 +157,7 @@ def test_cli_writes_checks_and_reports(tmp_path, capsys):
     assert run(parser.parse_args([str(out), "--preset", "tiny", "--layers", "3", "--qtype", "q8_0", "--mtp",
                                   "--seed", "4", "--check"])) == 0
     printed = capsys.readouterr().out
-    assert f"wrote {out}" in printed and "3 layers + MTP, Q8_0, seed 4" in printed
+    assert f"wrote {out}" in printed and "3 layers + MTP, Q8_0 mix, seed 4" in printed
     assert "layer   2:" in printed and "routing is spread" in printed
     model = open_gguf(out)
     assert model.spec.num_layers == 3 and model.spec.num_nextn_layers == 1
@@ -192,3 +194,80 @@ def test_a_header_only_model_has_the_full_files_size_and_tensor_table_and_no_dat
     assert {n: (r.qtype, r.shape) for n, r in hollow.tensors.items()} == \
         {n: (r.qtype, r.shape) for n, r in full.tensors.items()}
     assert not hollow.tensors["blk.0.ffn_up_exps.weight"].data.any()
+
+
+def _types(plan, part):
+    return {name: qtype for name, (_, qtype) in plan.items() if part in name}
+
+
+def test_use_more_bits_picks_llama_cpps_layers():
+    assert [i for i in range(48) if use_more_bits(i, 48)] == [0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32,
+                                                               35, 38, 41, 42, 43, 44, 45, 46, 47]
+    assert [i for i in range(2) if use_more_bits(i, 2)] == [1]
+
+
+@pytest.mark.parametrize("preset", QUANT_PRESETS)
+def test_preset_mix_on_the_30b_shape_follows_llama_cpps_rules(preset):
+    plan = tensor_plan(PRESETS["qwen3-30b-a3b"].spec(), preset)  # 48 layers, 128 experts, 32 / 4 heads
+    default = QUANT_PRESETS[preset][0]
+    more_bits = [use_more_bits(i, 48) for i in range(48)]
+    attn_v, down = _types(plan, "attn_v."), _types(plan, "ffn_down_exps")
+    assert set(_types(plan, "norm").values()) == set(_types(plan, "ffn_gate_inp").values()) == {Q.F32}
+    assert set(_types(plan, "ffn_gate_exps").values()) == set(_types(plan, "ffn_up_exps").values()) == {default}
+    expected_output = {"Q8_0": Q.Q8_0, "IQ3_XXS": Q.Q5_K}.get(preset, Q.Q6_K)
+    assert plan["output.weight"][1] == expected_output
+    assert plan["token_embd.weight"][1] == (Q.IQ3_S if preset == "IQ3_XXS" else default)
+    if preset in ("Q4_K_M", "Q5_K_M"):
+        assert [t == Q.Q6_K for t in attn_v.values()] == more_bits
+        assert [t == Q.Q6_K for t in down.values()] == more_bits
+        assert set(down.values()) == {default, Q.Q6_K}
+    elif preset == "IQ4_XS":  # GQA 8: attn_v Q5_K; no importance matrix: the first 6 layers' ffn_down Q5_K
+        assert set(attn_v.values()) == {Q.Q5_K}
+        assert [t for t in down.values()] == [Q.Q5_K] * 6 + [Q.IQ4_XS] * 42
+    elif preset == "IQ3_XXS":
+        assert set(attn_v.values()) == {Q.Q4_K} and set(down.values()) == {Q.IQ3_XXS}
+        assert set(_types(plan, "attn_q.").values()) == set(_types(plan, "attn_k.").values()) == {Q.IQ2_S}
+        assert set(_types(plan, "attn_output").values()) == {Q.IQ3_S}
+    else:
+        assert set(attn_v.values()) == set(down.values()) == {default}
+
+
+def test_eight_expert_rules_and_fallbacks_on_the_tiny_shape():
+    plan = tensor_plan(TINY.spec(), "Q4_K_M")  # 8 experts, 64-wide rows: no row fits a 256-element block
+    assert set(_types(plan, "attn_v.").values()) == set(_types(plan, "attn_k.").values()) == {Q.Q8_0}
+    assert set(_types(plan, "attn_output").values()) == {Q.Q5_1}  # Q5_K for 8 experts, then its fallback
+    assert _types(plan, "ffn_down_exps") == {"blk.0.ffn_down_exps.weight": Q.Q5_0,  # Q4_K's fallback
+                                             "blk.1.ffn_down_exps.weight": Q.Q8_0}  # Q6_K's, a more-bits layer
+    assert plan["output.weight"][1] == Q.Q8_0
+
+
+@pytest.mark.parametrize("preset", QUANT_PRESETS)
+def test_preset_files_hold_what_ggml_reads(tmp_path, preset):
+    path = write_synthetic_model(tmp_path / "p.gguf", K_SHAPE, preset, seed=1)
+    plan = tensor_plan(K_SHAPE.spec(), preset)
+    reader = gguf.GGUFReader(path)
+    file_type = reader.fields["general.file_type"]
+    assert int(file_type.parts[file_type.data[0]][0]) == QUANT_PRESETS[preset][1]
+    assert [t.name for t in reader.tensors] == list(plan)
+    for tensor in reader.tensors:
+        shape, qtype = plan[tensor.name]
+        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        assert tensor.tensor_type == qtype and tuple(reversed(tensor.shape.tolist())) == shape
+        assert tensor.n_bytes == int(np.prod(shape)) // block_elems * block_bytes
+        assert (tensor.data_offset - reader.data_offset) % 32 == 0
+    model = open_gguf(path)
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down_exps.weight", "output.weight"):
+        values = model.dequantize(name)
+        assert np.isfinite(values).all() and 0.5 < values.std() * np.sqrt(values.shape[-1]) < 2
+
+
+def test_cli_writes_a_preset_mix_or_its_pure_type(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    mixed, pure = tmp_path / "mixed.gguf", tmp_path / "pure.gguf"
+    assert run(parser.parse_args([str(mixed), "--qtype", "q4_k_m"])) == 0
+    assert run(parser.parse_args([str(pure), "--qtype", "Q4_K_M", "--pure"])) == 0
+    printed = capsys.readouterr().out
+    assert "Q4_K_M mix" in printed and ", Q4_K, seed" in printed
+    assert open_gguf(mixed).tensors["blk.0.attn_v.weight"].qtype == Q.Q8_0  # the tiny shape's 8 experts
+    assert open_gguf(pure).tensors["blk.0.attn_v.weight"].qtype == Q.Q5_0  # Q4_K's fallback on 64-wide rows
