@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from strata.backend.dry_run import DryRunOps
+from strata.backend.formats import require_runnable_tensors
 from strata.backend.select import make_ops, select_backend
 from strata.config import Config
 from strata.engine import loading
@@ -87,6 +88,7 @@ class Engine(EngineCore):
         tokenizer = Tokenizer.from_metadata(model.metadata)
         plugins, config = load_plugins(config)
         backend = select_backend(config)
+        require_runnable_tensors(model, backend)
         ledger = VramLedger(loading.budget_bytes(config, backend, model))
         ops = DryRunOps(ledger, backend) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
         spec = model.spec
