@@ -203,8 +203,8 @@ def test_unsupported_architecture(tiny_path, tmp_path):
 
 
 def test_unsupported_quant_type_names_the_tensor(tiny_path, tmp_path):
-    bad = _rewrite(tiny_path, tmp_path / "q51.gguf", retype={"blk.0.attn_q.weight": Q.Q5_1})
-    _raises(bad, "tensor blk.0.attn_q.weight", "Q5_1", "supported: F32")
+    bad = _rewrite(tiny_path, tmp_path / "q81.gguf", retype={"blk.0.attn_q.weight": Q.Q8_1})
+    _raises(bad, "tensor blk.0.attn_q.weight", "Q8_1", "supported: F32")
 
 
 def test_missing_tensor_names_it_and_its_shape(tiny_path, tmp_path):
