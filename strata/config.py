@@ -25,6 +25,8 @@ else:  # pragma: no cover
 MIB = 1 << 20
 KV_TYPES = ("f16", "q8_0", "q4_0")
 BACKENDS = ("auto", "cuda", "cudasim", "numpy")
+UNSUPPORTED_BACKENDS = {"hip": "HIP (AMD GPUs)", "rocm": "HIP (AMD GPUs)", "sycl": "SYCL", "vulkan": "Vulkan",
+                        "metal": "Metal"}
 _ORIGIN = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[^\s/?#:\[\]]+)(:[0-9]{1,5})?")
 
 
@@ -40,7 +42,7 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     backend: str = option("auto", doc="ops backend; auto picks cuda when a GPU is present, else numpy",
-                          choices=BACKENDS)
+                          choices=BACKENDS, unsupported_choices=UNSUPPORTED_BACKENDS)
     device: int = option(0, doc="CUDA device ordinal", min=0)
     context_tokens: int = option(4096, doc="context length in tokens", min=16, max=1 << 22)
     kv_type: str = option("f16", doc="KV cache element format", choices=KV_TYPES)
@@ -57,12 +59,20 @@ class RuntimeConfig:
     spec_policy: str = option("auto", doc='"auto": speculate at the depth (0..spec_depth) with the best measured '
                                           'tokens per second; "fixed": always draft spec_depth tokens',
                               choices=("auto", "fixed"))
-    batch_slots: int = option(0, doc="concurrent batch sessions (0: serialized requests)", min=0, max=256)
-    pipeline_windows: int = option(0, doc="pipelined prefill windows (0: off)", min=0, max=64)
-    layer_split: tuple[float, ...] = option((), doc="share of layers per device; more than one entry splits layers")
-    helper_cache: bool = option(False, doc="helper-process expert cache")
-    remote_cache: str = option("", doc="address of a remote expert cache ('' : none)")
-    peer_cache: bool = option(False, doc="peer-GPU expert cache")
+    # features of the reference write-up that Strata does not have: declared so that setting one is
+    # refused by name ("not supported by Strata") instead of accepted and ignored
+    batch_slots: int = option(0, doc="concurrent batch sessions (not supported: 0 only)", min=0, max=256,
+                              unsupported="concurrent batch sessions (Strata runs one request at a time)")
+    pipeline_windows: int = option(0, doc="pipelined prefill windows (not supported: 0 only)", min=0, max=64,
+                                   unsupported="pipelined prefill windows")
+    layer_split: tuple[float, ...] = option((), doc="share of layers per device (not supported: one device only)",
+                                            unsupported="splitting layers across devices (Strata runs on one GPU)",
+                                            is_supported=lambda shares: len(shares) <= 1)
+    helper_cache: bool = option(False, doc="helper-process expert cache (not supported)",
+                                unsupported="a helper-process expert cache")
+    remote_cache: str = option("", doc="address of a remote expert cache (not supported)",
+                               unsupported="a remote expert cache")
+    peer_cache: bool = option(False, doc="peer-GPU expert cache (not supported)", unsupported="a peer-GPU expert cache")
     prefill_head_alias: bool = option(False, doc="without the loan: lend the output head's VRAM to every prefill's prompt "
                                                  "workspace (uploaded again from its host copy after prefill)")
     warmup: bool = option(True, doc="at load, run a tiny prefill (once per MoE tile shape) and one decode step so "

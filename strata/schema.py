@@ -25,13 +25,21 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 def option(default: Any = dataclasses.MISSING, *, doc: str, key: str | None = None,
            choices: tuple | None = None, min: float | None = None, max: float | None = None,
-           kind: str | None = None) -> Any:
+           kind: str | None = None, unsupported: str | None = None,
+           unsupported_choices: Mapping[Any, str] | None = None,
+           is_supported: Callable[[Any], bool] | None = None) -> Any:
     """A dataclass field that is also a TOML key.
 
     :param key: the TOML key when it differs from the field name (``vram_budget`` → ``vram_budget_bytes``).
     :param kind: ``"bytes"`` for sizes written as "8GiB" or a number of bytes; ``"path"`` for files.
+    :param unsupported: a feature of the reference write-up that Strata does not have, named for the
+        error: any value but the default (or one ``is_supported`` accepts) is refused at load.
+    :param unsupported_choices: values a user may expect (value → the feature they name) that Strata
+        does not have; refused as "not supported", apart from unknown values.
     """
-    metadata = {"doc": doc, "key": key, "choices": choices, "min": min, "max": max, "kind": kind}
+    metadata = {"doc": doc, "key": key, "choices": choices, "min": min, "max": max, "kind": kind,
+                "unsupported": unsupported, "unsupported_choices": unsupported_choices,
+                "is_supported": is_supported}
     if isinstance(default, (list, dict)):
         raise TypeError("use a tuple or mapping proxy for a mutable default")
     return dataclasses.field(default=default, metadata=metadata)
@@ -98,6 +106,7 @@ def _check_value(field: dataclasses.Field, value: Any, where: str, base_dir: Pat
         value = _check_path(value, where, base_dir)
     else:
         value = _check_type(field.type, value, where)
+    _refuse_unsupported(field, value, where)
     if meta.get("choices") is not None and value not in meta["choices"]:
         allowed = ", ".join(repr(c) for c in meta["choices"])
         raise ConfigError(f"{where} = {value!r}: allowed values are {allowed}")
@@ -105,6 +114,36 @@ def _check_value(field: dataclasses.Field, value: Any, where: str, base_dir: Pat
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise ConfigError(f"{where} = {value!r}: must be in the range {_fmt_range(lo, hi)}")
     return value
+
+
+def _refuse_unsupported(field: dataclasses.Field, value: Any, where: str) -> None:
+    """A value asking for a feature Strata does not have is an error whatever else is configured: a
+    key that is accepted and then does nothing would let a user believe the feature runs."""
+    meta = field.metadata
+    feature = (meta.get("unsupported_choices") or {}).get(value)
+    if feature is not None:
+        allowed = ", ".join(repr(c) for c in meta["choices"] or ())
+        raise ConfigError(f"{where} = {value!r}: {feature} is not supported by Strata; allowed values are {allowed}")
+    feature = meta.get("unsupported")
+    is_supported = meta.get("is_supported") or (lambda v: v == field.default)
+    if feature is not None and not is_supported(value):
+        raise ConfigError(f"{where} = {short_value(value)}: {feature} is not supported by Strata; remove {where} "
+                          f"(or set it to {toml_value(field.default)})")
+
+
+def short_value(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return repr(value)
 
 
 def _check_path(value: Any, where: str, base_dir: Path | None) -> Path | None:

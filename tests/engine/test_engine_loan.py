@@ -174,8 +174,8 @@ def test_a_failure_mid_prefill_restores_every_resource_and_the_next_request_is_s
 def test_admission_fails_before_anything_is_loaded(mtp_path):
     from strata.errors import AdmissionError
 
-    with pytest.raises(AdmissionError, match="runtime.batch_slots = 2"):
-        loan_engine(mtp_path, batch_slots=2)
+    with pytest.raises(AdmissionError, match="runtime.vram_elastic = False"):
+        loan_engine(mtp_path, vram_elastic=False)
 
 
 def test_without_the_loan_prefill_borrows_cache_segments_and_stages_them_back(streaming_path):

@@ -34,11 +34,20 @@ def no_binding(monkeypatch):
 
 
 def test_admission_failure_exits_before_binding(tiny_model, tmp_path, capsys, no_binding):
-    config = write_config(tmp_path / "batch.toml", tiny_model, runtime="vram_elastic = true\nbatch_slots = 4\n",
+    config = write_config(tmp_path / "alias.toml", tiny_model,
+                          runtime="vram_elastic = true\nprefill_head_alias = true\n",
                           loan='[loan]\nenabled = true\nplugins = ["repeat_loan"]\n')
     assert main(["--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert "not admitted" in err and "runtime.batch_slots" in err and "set runtime.batch_slots = 0" in err
+    assert "not admitted" in err and "runtime.prefill_head_alias" in err and "set runtime.prefill_head_alias = false" in err
+
+
+def test_a_feature_strata_does_not_have_is_refused_before_binding_whatever_the_loan(tiny_model, tmp_path, capsys,
+                                                                                   no_binding):
+    config = write_config(tmp_path / "batch.toml", tiny_model, runtime="batch_slots = 4\n")
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "runtime.batch_slots = 4: concurrent batch sessions" in err and "not supported by Strata" in err
 
 
 def test_a_config_without_serve_is_refused(tiny_model, tmp_path, capsys, no_binding):

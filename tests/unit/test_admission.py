@@ -11,12 +11,6 @@ RULES = [
     ({"vram_elastic": False}, "runtime.vram_elastic = False: the loan grows the elastic expert cache"),
     ({"vmm_segment": "32MiB"}, "runtime.vmm_segment = '32MiB': the loan needs virtual-memory segments of at least "
                                '64 MiB; set runtime.vmm_segment = "64MiB"'),
-    ({"batch_slots": 4}, "runtime.batch_slots = 4: concurrent batch sessions"),
-    ({"pipeline_windows": 2}, "runtime.pipeline_windows = 2"),
-    ({"layer_split": [0.5, 0.5]}, r"runtime.layer_split = \[0.5, 0.5\]: the loan is admitted on one GPU only"),
-    ({"helper_cache": True}, "runtime.helper_cache = True"),
-    ({"remote_cache": "10.0.0.2:9000"}, "runtime.remote_cache = '10.0.0.2:9000'"),
-    ({"peer_cache": True}, "runtime.peer_cache = True"),
     ({"prefill_head_alias": True}, "runtime.prefill_head_alias = True: the head alias already lends"),
     ({"mtp": False, "spec_depth": 0}, "runtime.mtp = False: loan_mtp defers decode resources that exist only with MTP"),
     ({"spec_depth": 1}, "runtime.spec_depth = 1: loan_head needs MTP speculation depth >= 2"),
@@ -43,10 +37,10 @@ def test_the_reference_configuration_is_admitted():
 
 
 def test_every_rejection_is_reported_together():
-    engine, host, config = engine_for({"serve": False, "batch_slots": 2, "prefill_head_alias": True})
+    engine, host, config = engine_for({"serve": False, "vram_elastic": False, "prefill_head_alias": True})
     with pytest.raises(AdmissionError) as caught:
         admit(config, host, engine.resources)
-    assert [r.option for r in caught.value.rejections] == ["runtime.serve", "runtime.batch_slots",
+    assert [r.option for r in caught.value.rejections] == ["runtime.serve", "runtime.vram_elastic",
                                                            "runtime.prefill_head_alias"]
 
 
@@ -70,6 +64,6 @@ def test_retain_and_repeat_alone_need_no_mtp():
 
 
 def test_loan_off_admits_anything():
-    host, config = make_host(make_config(runtime={"serve": False, "batch_slots": 8},
+    host, config = make_host(make_config(runtime={"serve": False, "vram_elastic": False, "prefill_head_alias": True},
                                          loan={"enabled": False, "plugins": None}))
     admit(config, host, {})

@@ -47,7 +47,7 @@ def test_unknown_section_names_the_valid_ones():
 
 @pytest.mark.parametrize("key, value, message", [
     ("kv_type", "q5_1", "runtime.kv_type = 'q5_1': allowed values are 'f16', 'q8_0', 'q4_0'"),
-    ("backend", "hip", "runtime.backend = 'hip': allowed values are 'auto', 'cuda', 'cudasim', 'numpy'"),
+    ("backend", "gpu", "runtime.backend = 'gpu': allowed values are 'auto', 'cuda', 'cudasim', 'numpy'"),
     ("context_tokens", 8, r"runtime.context_tokens = 8: must be in the range \[16, 4194304\]"),
     ("serve", "yes", "runtime.serve = 'yes': expected true or false"),
     ("spec_depth", 2.5, "runtime.spec_depth = 2.5: expected an integer"),
@@ -136,3 +136,32 @@ def test_cudasim_needs_a_vram_budget():
                                           r'example vram_budget = "2GiB" under \[runtime\]'):
         parse_config(config_dict(runtime={"backend": "cudasim", "vram_budget": None}))
     assert parse_config(config_dict(runtime={"backend": "cudasim", "vram_budget": "1GiB"})).runtime.backend == "cudasim"
+
+
+@pytest.mark.parametrize("is_loan", [True, False])
+@pytest.mark.parametrize("key, value, feature", [
+    ("batch_slots", 4, "concurrent batch sessions"),
+    ("pipeline_windows", 2, "pipelined prefill windows"),
+    ("layer_split", [0.5, 0.5], "splitting layers across devices"),
+    ("helper_cache", True, "a helper-process expert cache"),
+    ("remote_cache", "10.0.0.2:9000", "a remote expert cache"),
+    ("peer_cache", True, "a peer-GPU expert cache"),
+])
+def test_a_feature_strata_does_not_have_is_refused_by_name_whatever_the_loan(key, value, feature, is_loan):
+    loan = {} if is_loan else {"enabled": False, "plugins": None}
+    with pytest.raises(ConfigError, match=f"runtime.{key} = .*: {feature}.* is not supported by Strata; "
+                                          f"remove runtime.{key}"):
+        parse_config(config_dict(runtime={key: value}, loan=loan))
+
+
+@pytest.mark.parametrize("key, value", [("batch_slots", 0), ("pipeline_windows", 0), ("layer_split", [1.0]),
+                                        ("helper_cache", False), ("remote_cache", ""), ("peer_cache", False)])
+def test_the_off_value_of_a_feature_strata_does_not_have_is_accepted(key, value):
+    parse_config(config_dict(runtime={key: value}))
+
+
+@pytest.mark.parametrize("backend, feature", [("hip", "HIP"), ("rocm", "HIP"), ("sycl", "SYCL")])
+def test_a_gpu_api_strata_does_not_have_is_refused_as_not_supported(backend, feature):
+    with pytest.raises(ConfigError, match=f"runtime.backend = '{backend}': {feature}.* is not supported by Strata; "
+                                          "allowed values are 'auto', 'cuda', 'cudasim', 'numpy'"):
+        parse_config(config_dict(runtime={"backend": backend}))

@@ -1,7 +1,9 @@
 """Startup admission of the prefill VRAM loan: the core's rules, then every plugin's.
 
 The loan is admitted only on the serialized, one-GPU serve path with the segmented elastic
-expert cache. Every rejection names the option, its value and the fix; all are reported together
+expert cache. The reference's other refusals (batch slots, pipeline windows, layer split, helper,
+remote and peer caches, HIP) are features Strata does not have: the configuration refuses them at
+load whatever the loan (``strata.config``). Every rejection names the option, its value and the fix; all are reported together
 and startup fails before any resource is deferred.
 """
 
@@ -27,18 +29,6 @@ def core_rejections(config: Config) -> list[Rejection]:
          "the loan grows the elastic expert cache, which is off", f"set runtime.vram_elastic = true {_OFF}"),
         (rt.vmm_segment_bytes < MIN_VMM_SEGMENT_BYTES, "runtime.vmm_segment", f"{rt.vmm_segment_bytes >> 20}MiB",
          "the loan needs virtual-memory segments of at least 64 MiB", f'set runtime.vmm_segment = "64MiB" {_OFF}'),
-        (rt.batch_slots > 0, "runtime.batch_slots", rt.batch_slots,
-         "concurrent batch sessions cannot share one request-scoped loan", f"set runtime.batch_slots = 0 {_OFF}"),
-        (rt.pipeline_windows > 0, "runtime.pipeline_windows", rt.pipeline_windows,
-         "pipelined prefill windows overlap requests", f"set runtime.pipeline_windows = 0 {_OFF}"),
-        (len(rt.layer_split) > 1, "runtime.layer_split", list(rt.layer_split),
-         "the loan is admitted on one GPU only", f"remove runtime.layer_split {_OFF}"),
-        (rt.helper_cache, "runtime.helper_cache", rt.helper_cache,
-         "a helper-process cache holds experts the loan cannot account for", f"set runtime.helper_cache = false {_OFF}"),
-        (bool(rt.remote_cache), "runtime.remote_cache", rt.remote_cache,
-         "a remote expert cache is not coordinated with the loan", f'set runtime.remote_cache = "" {_OFF}'),
-        (rt.peer_cache, "runtime.peer_cache", rt.peer_cache,
-         "a peer-GPU cache is not coordinated with the loan", f"set runtime.peer_cache = false {_OFF}"),
         (rt.prefill_head_alias, "runtime.prefill_head_alias", rt.prefill_head_alias,
          "the head alias already lends the output head to the prompt workspace",
          f"set runtime.prefill_head_alias = false {_OFF}"),
