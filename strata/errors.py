@@ -26,6 +26,14 @@ class ModelFormatError(StrataError):
     """A GGUF file is truncated, malformed, or holds something Strata does not support."""
 
 
+class NonFiniteWeightError(ModelFormatError):
+    """A tensor of the model file holds NaN or infinity: the file is corrupt. Names the tensor."""
+
+    def __init__(self, message: str, tensor_name: str):
+        self.tensor_name = tensor_name
+        super().__init__(message)
+
+
 class StaleExpertPackError(ModelFormatError):
     """An expert pack was written from another GGUF, or by another pack format: it must be written again."""
 
@@ -59,6 +67,11 @@ class LoanRestoreError(LoanError):
 
 class EngineError(StrataError):
     """The engine failed while serving a request."""
+
+
+class NonFiniteLogitsError(EngineError):
+    """A request's logits came out NaN or infinite: the weights or activations are not finite. Raised
+    at the first such token, instead of picking a token from them; the engine stays healthy."""
 
 
 def _mib(num_bytes: int) -> str:

@@ -85,6 +85,8 @@ class Engine(EngineCore):
     def load(cls, config: Config, *, show_progress: bool = True, is_dry_run: bool = False) -> Engine:
         """Load for serving; ``is_dry_run`` charges the ledger as a load would and allocates nothing."""
         model = open_gguf(resolve_model_path(config.model.path))
+        if not is_dry_run:
+            loading.check_weights_finite(model)
         tokenizer = Tokenizer.from_metadata(model.metadata)
         plugins, config = load_plugins(config)
         backend = select_backend(config)

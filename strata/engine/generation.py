@@ -18,6 +18,7 @@ from strata.engine.sampling import (
     SamplingParams,
     StopMatcher,
     check_bias_ids,
+    check_finite_logits,
     make_rng,
     sample,
 )
@@ -252,6 +253,9 @@ class Generation:
     def _logits(self, hidden) -> np.ndarray:
         engine = self.engine
         logits = engine.output_logits(hidden)
+        # before the bias, which may ban with -inf; the position is the next token's (the prompt's end
+        # after prefill, whose KV tokens are set later)
+        check_finite_logits(logits, len(self.prompt), max(len(engine.kv_tokens), len(self.prompt)))
         for token, bias in engine.state.settings.logit_bias:
             logits[token] += np.float32(bias)  # in float32, as the device adds it
         return logits

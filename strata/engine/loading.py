@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from strata.backend.layouts import EXPERT_MATRICES
 from strata.backend.ops import ExpertLayout, Ops
 from strata.backend.select import require_runnable
 from strata.config import Config
@@ -15,7 +16,7 @@ from strata.engine.memory.expert_pack import ExpertPack
 from strata.engine.planning.placement import Placement
 from strata.errors import ConfigError
 from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
-from strata.model.gguf_file import GgufModel
+from strata.model.gguf_file import GgufModel, check_finite
 from strata.model.spec import ModelSpec
 
 NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
@@ -53,6 +54,19 @@ def budget_bytes(config: Config, backend: str, model: GgufModel) -> int:
 
     require_runnable(backend, config.runtime.device)  # the free memory is measured on the device
     return int(free_device_bytes(config.runtime.device) * 0.9)
+
+
+def check_weights_finite(model: GgufModel) -> None:
+    """Refuse a model whose weights hold NaN or infinity (``NonFiniteWeightError`` naming the tensor),
+    reading only each block's float fields. The routed experts of the main layers are checked where
+    they are packed (``ExpertPack.from_gguf``, at load or by ``strata pack``), not here: with an
+    expert pack configured, the load never reads them from the GGUF."""
+    spec = model.spec
+    routed = {f"blk.{layer}.{name}.weight" for layer in range(spec.num_layers) for name in EXPERT_MATRICES} \
+        if spec.is_moe else set()
+    for name, ref in model.tensors.items():
+        if name not in routed:
+            check_finite(ref, model.path)
 
 
 def check_mtp(config: Config, model: GgufModel) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strata.errors import ConfigError
+from strata.errors import ConfigError, NonFiniteLogitsError
 
 _MAX_SEED = 2**64 - 1
 
@@ -76,6 +76,17 @@ def _checked_bias(bias: Mapping[int, float]) -> dict[int, float]:
                "logit_bias", "values that are numbers or -inf (ban)", value)
         checked[int(token_id)] = float(value)
     return checked
+
+
+def check_finite_logits(logits: np.ndarray, num_prompt_tokens: int, position: int) -> None:
+    """A NonFiniteLogitsError unless every logit [V] is finite: a token picked from NaN logits is
+    argmax's first id, which ends the request as an empty success. One float64 sum (a NaN or an
+    infinity makes it non-finite; finite float32 logits cannot overflow it), no temporary array."""
+    if not math.isfinite(float(np.sum(logits, dtype=np.float64))):
+        raise NonFiniteLogitsError(
+            f"the logits of the token at position {position} (a request of {num_prompt_tokens} prompt tokens) are "
+            "NaN or infinite: the model's weights or activations are not finite; check the model file "
+            "(strata refuses weights that are not finite at load) or its numeric range")
 
 
 def make_rng(seed: int | None) -> np.random.Generator:

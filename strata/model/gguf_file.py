@@ -11,7 +11,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as QType
 
-from strata.errors import ModelFormatError
+from strata.errors import ModelFormatError, NonFiniteWeightError
 from strata.model import quants
 from strata.model.metadata import read_metadata
 from strata.model.spec import ModelSpec, spec_from_metadata, tensor_shapes
@@ -19,6 +19,17 @@ from strata.model.spec import ModelSpec, spec_from_metadata, tensor_shapes
 GGUF_MAGIC = b"GGUF"
 _MIN_HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, KV count
 _PARSE_ERRORS = (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeDecodeError)
+# Where a block holds floating-point numbers: (byte offset, bytes) of each field, and the exponent bits
+# that are all ones exactly when the number is NaN or infinite. Every other field is a small integer
+# that multiplies them, so a block decodes to finite values iff these fields are finite: checking them
+# reads 2 of every 18 bytes of Q4_0 and dequantizes nothing.
+_F16_INF, _BF16_INF, _F32_INF = 0x7C00, 0x7F80, 0x7F800000
+_FLOAT_FIELDS = {
+    QType.F32: ((0, 4),), QType.F16: ((0, 2),), QType.BF16: ((0, 2),),
+    QType.Q8_0: ((0, 2),), QType.Q4_0: ((0, 2),), QType.Q5_0: ((0, 2),), QType.Q4_1: ((0, 2), (2, 2)),
+    QType.Q4_K: ((0, 2), (2, 2)), QType.Q6_K: ((208, 2),),
+}
+_CHECK_BLOCKS = 1 << 22  # blocks checked at a time: bounds the temporaries to a few MiB
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,36 @@ class GgufModel:
             raise ModelFormatError(f"{self.path}: no tensor {name!r}")
         ref = self.tensors[name]
         return quants.dequantize(ref.data, ref.qtype, ref.shape)
+
+
+def first_nonfinite_block(ref: TensorRef) -> int | None:
+    """The index of the first block of ``ref`` (blocks numbered in file order) holding NaN or
+    infinity, or None. Reads only the blocks' float fields (``_FLOAT_FIELDS``)."""
+    block_bytes = GGML_QUANT_SIZES[ref.qtype][1]
+    blocks = ref.data.reshape(-1, block_bytes)  # [num_blocks, block_bytes]
+    exponent = _BF16_INF if ref.qtype == QType.BF16 else _F16_INF
+    for first in range(0, blocks.shape[0], _CHECK_BLOCKS):
+        part = blocks[first:first + _CHECK_BLOCKS]
+        for offset, width in _FLOAT_FIELDS[ref.qtype]:
+            bits = part[:, offset:offset + width].view(np.uint32 if width == 4 else np.uint16)[:, 0]
+            mask = _F32_INF if width == 4 else exponent
+            bad = np.flatnonzero((bits & mask) == mask)
+            if len(bad):
+                return first + int(bad[0])
+    return None
+
+
+def check_finite(ref: TensorRef, source: str | os.PathLike[str]) -> None:
+    """Raise ``NonFiniteWeightError`` naming the tensor and the row if any of its weights is NaN or
+    infinite (a model whose weights are not finite would compute NaN logits for every token)."""
+    block = first_nonfinite_block(ref)
+    if block is None:
+        return
+    blocks_per_row = ref.data.shape[-1] // GGML_QUANT_SIZES[ref.qtype][1]
+    row, column_block = divmod(block, blocks_per_row)
+    raise NonFiniteWeightError(
+        f"{source}: tensor {ref.name} ({ref.qtype.name}) holds NaN or infinity (row {row}, block {column_block} "
+        f"of the row): the file is corrupt; convert or download the model again", ref.name)
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GgufModel:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import urllib.parse
 import uuid
@@ -18,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from strata.errors import ConfigError, RequestError
+from strata.errors import ConfigError, NonFiniteLogitsError, RequestError
 from strata.serve import sse
 from strata.serve.body import read_json_object, require_json_content_type
 from strata.serve.errors import ApiError, bad_request, busy
@@ -69,13 +70,15 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
     try:
         first = await channel.get()
         if first[0] == ERROR:
-            raise to_api_error(first[1])
+            raise to_api_error(first[1], request_id)
         if first[0] == TOKEN:
             telemetry.record_first_token(time.perf_counter() - request.scope[RECEIVED_AT_KEY])
         if parsed.is_stream:
-            stream = sse.event_stream(channel, first, job, shapes, to_api_error, telemetry)
+            stream = sse.event_stream(channel, first, job, shapes, functools.partial(to_api_error,
+                                                                                     request_id=request_id),
+                                      telemetry)
             return StreamingResponse(stream, media_type="text/event-stream", headers={**headers, **sse.HEADERS})
-        text, stats = await _collect(channel, first)
+        text, stats = await _collect(channel, first, request_id)
         telemetry.record_generation(stats)
         return JSONResponse(shapes.complete(text, stats), headers=headers)
     except BaseException:
@@ -99,23 +102,33 @@ def ignored_params_header(names: tuple[str, ...]) -> str:
     return ",".join(kept)
 
 
-def to_api_error(exc: BaseException) -> ApiError:
+def to_api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
+    error = _api_error(exc, request_id)
+    if request_id:
+        error.headers.setdefault("x-request-id", request_id)
+    return error
+
+
+def _api_error(exc: BaseException, request_id: str | None) -> ApiError:
     if isinstance(exc, (ConfigError, RequestError)):
         return bad_request(str(exc))
     if isinstance(exc, WorkerStoppedError):
         return busy(str(exc), exc.code, RETRY_AFTER_S)
+    if isinstance(exc, NonFiniteLogitsError):  # the model's fault, not the client's: no token is made up
+        return ApiError(500, f"request {request_id or ''} failed: {exc}; no token was produced from them, and the "
+                             "server goes on serving", code="non_finite_logits")
     return ApiError(500, f"the engine failed on this request ({type(exc).__name__}: {exc}); its loaned resources "
                          "were restored and the next request is served", code="engine_error")
 
 
-async def _collect(channel: sse.JobChannel, first: tuple[str, Any]) -> tuple[str, Any]:
+async def _collect(channel: sse.JobChannel, first: tuple[str, Any], request_id: str) -> tuple[str, Any]:
     parts = []
     kind, payload = first
     while kind == TOKEN:
         parts.append(payload.text)
         kind, payload = await channel.get()
     if kind != DONE:
-        raise to_api_error(payload)
+        raise to_api_error(payload, request_id)
     return "".join(parts), payload
 
 

@@ -57,7 +57,7 @@ import numpy as np
 from strata.engine.decode.greedy_tail import GreedyTails
 from strata.engine.decode.layers import DecodeLayers
 from strata.engine.stream_stats import StreamStats
-from strata.errors import EngineError
+from strata.errors import NonFiniteLogitsError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 
 log = logging.getLogger("strata.engine")
@@ -163,8 +163,9 @@ class DecodeStep:
 
     def _checked(self, token: int) -> int:
         if not 0 <= token < self.model.spec.vocab_size:  # the argmax found no finite logit
-            raise EngineError(f"the device picked token id {token}, outside the vocabulary: the logits were not "
-                              "finite (NaN); check the model file, or decode with runtime.greedy_on_device = false")
+            raise NonFiniteLogitsError(f"the device picked token id {token}, outside the vocabulary: the logits "
+                                       "were not finite (NaN); check the model file, or decode with "
+                                       "runtime.greedy_on_device = false")
         return token
 
     def _begin(self, token: int, position: int) -> None:

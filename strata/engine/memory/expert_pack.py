@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as QType
 from strata.backend.layouts import EXPERT_MATRICES
 from strata.backend.ops import ExpertLayout
 from strata.errors import ModelFormatError, StaleExpertPackError
-from strata.model.gguf_file import GgufModel
+from strata.model.gguf_file import GgufModel, check_finite
 
 HEADER_BYTES = 4096
 MAGIC_PREFIX = "strata-expert-pack-"
@@ -56,7 +56,8 @@ class ExpertPack:
                   encode: Callable[[np.ndarray, QType, tuple[int, int]], np.ndarray] | None = None,
                   progress: Callable[[int], None] | None = None) -> ExpertPack:
         """Pack every layer's experts; ``encode(raw [N, rows, row_bytes], qtype, shape) -> [N, size]``
-        turns GGUF bytes into the backend's encoding (default: kept as they are)."""
+        turns GGUF bytes into the backend's encoding (default: kept as they are). A matrix holding NaN
+        or infinity is a ``NonFiniteWeightError`` naming it."""
         spec = model.spec
         pack = cls(layout, spec.num_layers, spec.num_experts,
                    allocate(spec.num_layers * spec.num_experts * layout.slot_bytes))
@@ -169,11 +170,14 @@ def _identity_text(identity: dict) -> str:
 
 def pack_layer(model: GgufModel, layer: int, layout: ExpertLayout, slots: np.ndarray,
                encode: Callable[[np.ndarray, QType, tuple[int, int]], np.ndarray] | None = None) -> None:
-    """Write ``layer``'s experts into ``slots`` [N, slot_bytes], one slot each, in ``layout``."""
+    """Write ``layer``'s experts into ``slots`` [N, slot_bytes], one slot each, in ``layout``. A matrix
+    holding NaN or infinity is a ``NonFiniteWeightError`` naming it."""
     _check_layer_layout(model, layer, layout)
     for name, qtype, shape, offset, size in zip(EXPERT_MATRICES, layout.qtypes, layout.shapes, layout.offsets,
                                                 layout.sizes):
-        data = model.tensors[f"blk.{layer}.{name}.weight"].data  # [N, rows, row_bytes]
+        ref = model.tensors[f"blk.{layer}.{name}.weight"]
+        check_finite(ref, model.path)  # as it is read: a pack holds only finite experts
+        data = ref.data  # [N, rows, row_bytes]
         encoded = encode(data, qtype, shape) if encode else data.reshape(data.shape[0], -1)
         slots[:, offset:offset + size] = encoded  # [N, size] bytes, one strided copy per matrix
 
