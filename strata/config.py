@@ -59,6 +59,11 @@ class RuntimeConfig:
     spec_policy: str = option("auto", doc='"auto": speculate at the depth (0..spec_depth) with the best measured '
                                           'tokens per second; "fixed": always draft spec_depth tokens',
                               choices=("auto", "fixed"))
+    lock_dir: Path | None = option(None, kind="path", doc="directory of the per-GPU loan-taker locks (default: "
+                                                          "$XDG_RUNTIME_DIR/strata, else <tmp>/strata-<uid>)")
+    device_identity: str = option("", doc="what the one-loan-taker-per-GPU lock is keyed by (default: the CUDA "
+                                          "device's UUID on the cuda backend; cudasim and numpy share no GPU and "
+                                          "take the lock only when a stand-in identity is set here)")
     # features of the reference write-up that Strata does not have: declared so that setting one is
     # refused by name ("not supported by Strata") instead of accepted and ignored
     batch_slots: int = option(0, doc="concurrent batch sessions (not supported: 0 only)", min=0, max=256,

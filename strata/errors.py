@@ -38,6 +38,10 @@ class StaleExpertPackError(ModelFormatError):
     """An expert pack was written from another GGUF, or by another pack format: it must be written again."""
 
 
+class DeviceLockError(StrataError):
+    """Another process that takes prefill VRAM loans holds this GPU; names its pid and the fix."""
+
+
 class AllocationError(StrataError):
     """Device memory could not be allocated; the loan retries a smaller prefill geometry on this."""
 

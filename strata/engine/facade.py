@@ -91,6 +91,8 @@ class Engine(EngineCore):
         plugins, config = load_plugins(config)
         backend = select_backend(config)
         require_runnable_tensors(model, backend)
+        if not is_dry_run:
+            loading.claim_loan_device(config, backend)  # before anything is allocated or deferred
         ledger = VramLedger(loading.budget_bytes(config, backend, model))
         ops = DryRunOps(ledger, backend) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
         spec = model.spec

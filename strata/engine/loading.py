@@ -4,6 +4,7 @@ decode-only resources the loan may lend, the host expert pack, and the checks on
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from strata.backend.layouts import EXPERT_MATRICES
 from strata.backend.ops import ExpertLayout, Ops
@@ -15,11 +16,31 @@ from strata.engine.memory.expert_cache import ExpertCache
 from strata.engine.memory.expert_pack import ExpertPack
 from strata.engine.planning.placement import Placement
 from strata.errors import ConfigError
+from strata.gpu.lock import default_lock_dir, hold_device_lock
 from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
 from strata.model.gguf_file import GgufModel, check_finite
 from strata.model.spec import ModelSpec
 
 NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
+
+
+def claim_loan_device(config: Config, backend: str) -> Path | None:
+    """Hold the one-loan-taker lock of this process's GPU when its configuration can take loans
+    (``loan.enabled``) on a GPU; ``DeviceLockError`` naming the holder when another process has it.
+    The cudasim and numpy backends share no GPU: they lock only a stand-in ``runtime.device_identity``.
+    Returns the lock file, or None when this process takes no lock."""
+    rt = config.runtime
+    if not config.loan.enabled or not (backend == "cuda" or rt.device_identity):
+        return None
+    identity = rt.device_identity
+    if not identity:
+        from strata.gpu.device import device_uuid
+
+        require_runnable(backend, rt.device)
+        identity = device_uuid(rt.device)
+    fix = ("stop that process, run this one on another GPU (runtime.device), or set loan.enabled = false in one "
+           "of them")
+    return hold_device_lock(identity, rt.lock_dir or default_lock_dir(), fix)
 
 
 def check_cache_maps_a_segment(config: Config, placement: Placement, cache: ExpertCache) -> None:

@@ -1,4 +1,4 @@
-"""The CUDA device as the engine sees it: free memory, granularity."""
+"""The CUDA device as the engine sees it: free memory, identity."""
 
 from __future__ import annotations
 
@@ -9,3 +9,10 @@ def free_device_bytes(device: int = 0) -> int:
     with cuda.gpus[device]:
         free, _ = cuda.current_context().get_memory_info()
     return int(free)
+
+
+def device_uuid(device: int = 0) -> str:
+    """The device's UUID ("GPU-…"): the same GPU under any ordinal or CUDA_VISIBLE_DEVICES mapping."""
+    from numba import cuda
+
+    return str(cuda.gpus[device].uuid)

@@ -37,8 +37,11 @@ def run(args: argparse.Namespace, config: Config) -> int:
                           "set runtime.serve = true under [runtime]")
     from strata.backend.select import require_runnable, select_backend
     from strata.engine.facade import Engine
+    from strata.engine.loading import claim_loan_device
 
-    require_runnable(select_backend(config), config.runtime.device)  # the dry run below would not need it
+    backend = select_backend(config)
+    require_runnable(backend, config.runtime.device)  # the dry run below would not need it
+    claim_loan_device(config, backend)  # a second loan-taker on this GPU stops here, before binding
     # a dry run charges the ledger without uploading or packing: admission and placement in seconds
     Engine.load(config, show_progress=False, is_dry_run=True).close()
     server = build_server(config, lambda: Engine.load(config, show_progress=True),
