@@ -6,7 +6,8 @@ the planner budget → plan (the cost model weighs the chunk against the cache i
 → prefill → finally: free the workspace (mapping back the cache segments it unmapped), shrink
 the cache, restore resources in reverse order, put back the runtime
 state (settings, and the expert cache's residency, staging again what the ring evicted), run the
-restore hooks, and check that the ledger and state equal what they were before.
+restore hooks, and check that the ledger and state equal what they were before. A restore or a
+put-back that fails is tried again (``RESTORE_ATTEMPTS``) before the engine is declared unhealthy.
 
 With ``loan.enabled`` false the same object plans and allocates, and no hook runs: the plan is the
 one a build without plugins makes, or, with ``runtime.prefill_head_alias``, the one it makes with
@@ -240,10 +241,7 @@ class LoanTransaction:
             except Exception as exc:
                 failures.append(f"{step}: {exc!r}")
         failures.extend(self._restore_all(released, raise_now=False))
-        try:
-            self.state.put_back(captured)
-        except Exception as exc:
-            failures.append(f"put back the runtime state: {exc!r}")
+        failures.extend(self._put_back(captured))
         if is_loan:
             failures.extend(f"restore hook of {p}: {e!r}" for p, e in
                             self.plugins.call_each_reversed("strata_prefill_restore", ctx=ctx))
@@ -256,6 +254,18 @@ class LoanTransaction:
         if failures:
             raise LoanRestoreError("the loan could not put everything back: " + "; ".join(failures)
                                    + ". The engine is unhealthy; restart it.")
+
+    def _put_back(self, captured) -> list[str]:
+        """The runtime state, tried again like a restore: a restage that failed forgot the slots it
+        had not filled, so the next attempt stages them again."""
+        for attempt in range(RESTORE_ATTEMPTS):
+            try:
+                self.state.put_back(captured)
+                return []
+            except Exception as exc:
+                if attempt == RESTORE_ATTEMPTS - 1:
+                    return [f"put back the runtime state: {exc!r}"]
+        return []
 
     def _restore_all(self, released: list[str], raise_now: bool = True) -> list[str]:
         failures = []
