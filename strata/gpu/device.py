@@ -11,6 +11,15 @@ def free_device_bytes(device: int = 0) -> int:
     return int(free)
 
 
+def used_device_bytes(device: int = 0) -> int:
+    """Device memory in use by every process (total less free), as the driver counts it."""
+    from numba import cuda
+
+    with cuda.gpus[device]:
+        free, total = cuda.current_context().get_memory_info()
+    return int(total - free)
+
+
 def device_uuid(device: int = 0) -> str:
     """The device's UUID ("GPU-…"): the same GPU under any ordinal or CUDA_VISIBLE_DEVICES mapping."""
     from numba import cuda

@@ -1,0 +1,134 @@
+"""``strata --config FILE soak``: many requests with random prompt lengths in one process, device
+memory and RSS recorded after each, and their slope: a loan that leaks shows as a slope above zero.
+
+Every request is checked as it ends: the ledger must be back at the idle engine's, to the byte. The
+figures go to stdout as a table and, with ``--out``, as JSON lines (one per request, then a summary).
+The slope is a least-squares fit over the requests after ``--settle`` (allocator caches and the first
+restores grow memory at the start); the command fails (status 1) when a slope exceeds
+``--max-slope-kib`` per request or the ledger is not idle after a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from strata.config import Config
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=200, help="requests to send (default 200)")
+    parser.add_argument("--min-prompt", type=int, default=64, help="shortest prompt in tokens (default 64)")
+    parser.add_argument("--max-prompt", type=int, default=0,
+                        help="longest prompt in tokens (default: half the context)")
+    parser.add_argument("--gen-tokens", type=int, default=16, help="tokens generated per request (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and tokens (default 0)")
+    parser.add_argument("--settle", type=int, default=20, help="first requests left out of the slope (default 20)")
+    parser.add_argument("--max-slope-kib", type=float, default=64.0,
+                        help="largest memory growth per request, device or RSS, that passes (default 64 KiB)")
+    parser.add_argument("--out", help="write one JSON line per request and a summary line to this file")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE_BYTES
+
+
+def slope_bytes_per_request(values: list[int]) -> float:
+    """Least-squares slope of ``values`` against their index; 0 for fewer than two."""
+    if len(values) < 2:
+        return 0.0
+    return float(np.polyfit(np.arange(len(values), dtype=np.float64), np.asarray(values, np.float64), 1)[0])
+
+
+def run(args: argparse.Namespace, config: Config) -> int:
+    from strata.bench.one_run import prompt_tokens
+    from strata.engine.facade import Engine
+    from strata.engine.sampling import SamplingParams
+
+    engine = Engine.load(config, show_progress=True)
+    device_bytes = _device_meter(engine)
+    max_prompt = args.max_prompt or engine.context_tokens // 2
+    max_prompt = min(max_prompt, engine.context_tokens - args.gen_tokens - 1)
+    rng = np.random.default_rng(args.seed)
+    banned = {t: float("-inf") for t in engine.tokenizer.eog_ids}
+    params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, logit_bias=banned)
+    idle = dict(engine.idle_ledger.by_owner)
+    rows, num_not_idle = [], 0
+    out = open(args.out, "w") if args.out else None
+    print(f"{'#':>4} {'prompt':>7} {'loan':>5} {'PP tok/s':>9} {'TG tok/s':>9} {'device MiB':>11} {'RSS MiB':>9}")
+    try:
+        for index in range(args.requests):
+            num_prompt = int(rng.integers(args.min_prompt, max_prompt + 1))
+            tokens = prompt_tokens(engine.tokenizer, num_prompt, seed=args.seed * 100_003 + index)
+            started = time.perf_counter()
+            generation = engine.generate(tokens, params)
+            for _ in generation:
+                pass
+            stats = generation.stats
+            is_idle = dict(engine.ledger.snapshot().by_owner) == idle
+            num_not_idle += not is_idle
+            row = {"request": index, "prompt_tokens": num_prompt, "generated_tokens": stats.generated_tokens,
+                   "loan_taken": stats.loan.is_taken, "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 1),
+                   "decode_tokens_per_s": round(stats.decode_tokens_per_s, 1),
+                   "seconds": round(time.perf_counter() - started, 3), "device_used_bytes": device_bytes(),
+                   "ledger_bytes": sum(engine.ledger.snapshot().by_owner.values()), "rss_bytes": rss_bytes(),
+                   "ledger_is_idle": is_idle}
+            rows.append(row)
+            if out:
+                out.write(json.dumps(row) + "\n")
+            print(f"{index:>4} {num_prompt:>7} {'on' if row['loan_taken'] else 'off':>5} "
+                  f"{row['prefill_tokens_per_s']:>9.1f} {row['decode_tokens_per_s']:>9.1f} "
+                  f"{row['device_used_bytes'] / 2**20:>11.1f} {row['rss_bytes'] / 2**20:>9.1f}"
+                  + ("" if is_idle else "  ledger NOT idle"), flush=True)
+        settled = rows[args.settle:] if len(rows) > args.settle + 1 else rows
+        summary = {"requests": len(rows), "settle": args.settle, "backend": engine.backend,
+                   "device_slope_bytes_per_request": slope_bytes_per_request([r["device_used_bytes"] for r in settled]),
+                   "rss_slope_bytes_per_request": slope_bytes_per_request([r["rss_bytes"] for r in settled]),
+                   "ledger_slope_bytes_per_request": slope_bytes_per_request([r["ledger_bytes"] for r in settled]),
+                   "requests_not_idle": num_not_idle, "loans_taken": sum(r["loan_taken"] for r in rows)}
+        if out:
+            out.write(json.dumps({"summary": summary}) + "\n")
+    finally:
+        if out:
+            out.close()
+        engine.close()
+    limit = args.max_slope_kib * 1024
+    print(f"slope over requests {args.settle}..{len(rows) - 1}: device "
+          f"{summary['device_slope_bytes_per_request'] / 1024:+.1f} KiB/request, RSS "
+          f"{summary['rss_slope_bytes_per_request'] / 1024:+.1f} KiB/request, ledger "
+          f"{summary['ledger_slope_bytes_per_request'] / 1024:+.1f} KiB/request; loans taken "
+          f"{summary['loans_taken']}/{len(rows)}; requests leaving the ledger not idle: {num_not_idle}")
+    is_steady = max(summary["device_slope_bytes_per_request"], summary["rss_slope_bytes_per_request"]) <= limit
+    if not is_steady or num_not_idle:
+        print(f"soak failed: a slope above {args.max_slope_kib} KiB/request or a ledger not idle", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _device_meter(engine):
+    """Device memory in use, measured by the driver on the cuda backend; elsewhere the ledger's total."""
+    if engine.backend == "cuda":
+        from strata.gpu.device import used_device_bytes
+
+        device = engine.config.runtime.device
+        return lambda: used_device_bytes(device)
+    return lambda: sum(engine.ledger.snapshot().by_owner.values())
+
+
+def main(argv=None) -> int:
+    from strata.cli import main as cli_main
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return cli_main([*argv[:2], "soak", *argv[2:]] if argv[:1] == ["--config"] else ["soak", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
