@@ -5,6 +5,7 @@ from fakes import MIB, FakeEngine
 from loan_setup import ALL_RESOURCES_MIB, make_config, make_host
 
 from strata.engine.loan.runtime_state import RuntimeSettings
+from strata.engine.loan.transaction import RESTORE_ATTEMPTS
 from strata.errors import AllocationError, LoanRestoreError, PluginError
 from strata.hooks import hookimpl
 from strata.hooktypes import Geometry
@@ -154,9 +155,17 @@ def test_runtime_state_changed_by_prefill_is_put_back():
     assert engine.history.index(f"shrink:{engine.cache.base_bytes // MIB}MiB") < engine.history.index("restage:3")
 
 
+def test_a_residency_that_fails_to_stage_once_is_staged_again():
+    engine = started()
+    engine.faults.arm("residency", times=RESTORE_ATTEMPTS - 1)
+    engine.prefill(2_000)
+    assert engine.state.settings == RuntimeSettings()
+    assert all(r.is_resident for r in engine.resources.values())
+
+
 def test_a_residency_that_cannot_be_staged_again_says_the_engine_is_unhealthy():
     engine = started()
-    engine.faults.arm("residency", times=1)
+    engine.faults.arm("residency", times=RESTORE_ATTEMPTS)
     with pytest.raises(LoanRestoreError, match="put back the runtime state.*injected fault at residency"):
         engine.prefill(2_000)
     assert engine.state.settings == RuntimeSettings()  # settings come back before the residency is tried
