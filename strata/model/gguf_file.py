@@ -27,7 +27,9 @@ _F16_INF, _BF16_INF, _F32_INF = 0x7C00, 0x7F80, 0x7F800000
 _FLOAT_FIELDS = {
     QType.F32: ((0, 4),), QType.F16: ((0, 2),), QType.BF16: ((0, 2),),
     QType.Q8_0: ((0, 2),), QType.Q4_0: ((0, 2),), QType.Q5_0: ((0, 2),), QType.Q4_1: ((0, 2), (2, 2)),
-    QType.Q4_K: ((0, 2), (2, 2)), QType.Q6_K: ((208, 2),),
+    QType.Q5_1: ((0, 2), (2, 2)), QType.Q4_K: ((0, 2), (2, 2)), QType.Q5_K: ((0, 2), (2, 2)),
+    QType.Q6_K: ((208, 2),), QType.IQ4_NL: ((0, 2),), QType.IQ4_XS: ((0, 2),), QType.IQ3_XXS: ((0, 2),),
+    QType.IQ3_S: ((0, 2),), QType.IQ2_S: ((0, 2),),
 }
 _CHECK_BLOCKS = 1 << 22  # blocks checked at a time: bounds the temporaries to a few MiB
 
@@ -75,6 +77,13 @@ def first_nonfinite_block(ref: TensorRef) -> int | None:
     exponent = _BF16_INF if ref.qtype == QType.BF16 else _F16_INF
     for first in range(0, blocks.shape[0], _CHECK_BLOCKS):
         part = blocks[first:first + _CHECK_BLOCKS]
+        if ref.qtype not in _FLOAT_FIELDS:  # a format without its fields listed: decoded, a batch at a time
+            with np.errstate(invalid="ignore", over="ignore"):
+                values = quants.dequantize(part, ref.qtype, (len(part), GGML_QUANT_SIZES[ref.qtype][0]))
+            bad = np.flatnonzero(~np.isfinite(values).all(axis=1))
+            if len(bad):
+                return first + int(bad[0])
+            continue
         for offset, width in _FLOAT_FIELDS[ref.qtype]:
             bits = part[:, offset:offset + width].view(np.uint32 if width == 4 else np.uint16)[:, 0]
             mask = _F32_INF if width == 4 else exponent

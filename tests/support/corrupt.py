@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType as QType
 F16_NAN = np.array([np.nan], np.float16).view(np.uint8)
 # the byte offset, inside a block, of a float field (the scale) of every format the tests corrupt
 SCALE_OFFSET = {QType.F32: 0, QType.F16: 0, QType.BF16: 0, QType.Q8_0: 0, QType.Q4_0: 0, QType.Q4_1: 2,
-                QType.Q5_0: 0, QType.Q4_K: 2, QType.Q6_K: 208}
+                QType.Q5_0: 0, QType.Q5_1: 2, QType.Q4_K: 2, QType.Q5_K: 0, QType.Q6_K: 208, QType.IQ4_NL: 0,
+                QType.IQ4_XS: 0, QType.IQ3_XXS: 0, QType.IQ3_S: 0, QType.IQ2_S: 0}
 
 
 def corrupt_block(data: np.ndarray, qtype: QType, block: int, value: float = np.nan) -> None:

@@ -12,7 +12,9 @@ from strata.model.gguf_file import TensorRef, check_finite, first_nonfinite_bloc
 
 NUM_ROWS, NUM_COLS = 6, 512
 FIELDS = {  # every float field of a block, set finite before a test corrupts one
-    QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q5_0: (0,), QType.Q4_1: (0, 2), QType.Q4_K: (0, 2), QType.Q6_K: (208,),
+    QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q5_0: (0,), QType.Q4_1: (0, 2), QType.Q5_1: (0, 2), QType.Q4_K: (0, 2),
+    QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.IQ4_NL: (0,), QType.IQ4_XS: (0,), QType.IQ3_XXS: (0,),
+    QType.IQ3_S: (0,), QType.IQ2_S: (0,),
 }
 
 
@@ -57,6 +59,20 @@ def test_the_error_names_the_tensor_the_row_and_the_fix():
                                                    "convert or download the model again") as caught:
         check_finite(ref, "model.gguf")
     assert caught.value.tensor_name == "blk.0.attn_q.weight"
+
+
+def test_every_format_strata_reads_has_its_float_fields_listed():
+    assert set(SCALE_OFFSET) == {QType(t) for t in quants._LAYOUTS}
+
+
+def test_a_format_without_listed_fields_is_checked_by_decoding_it(monkeypatch):
+    import strata.model.gguf_file as gguf_file
+
+    monkeypatch.setattr(gguf_file, "_FLOAT_FIELDS", {})
+    ref = random_tensor(QType.Q4_K, seed=5)
+    assert first_nonfinite_block(ref) is None
+    corrupt_block(ref.data, QType.Q4_K, 9)
+    assert first_nonfinite_block(ref) == 9
 
 
 def test_a_large_tensor_is_checked_past_the_first_batch_of_blocks(monkeypatch):
