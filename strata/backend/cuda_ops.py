@@ -571,6 +571,8 @@ class CudaOps:
         from strata.gpu.kernels.gemv_native import head_config
 
         if x.shape[0] > DECODE_MAX_ROWS:
+            from strata.errors import EngineError
+
             raise EngineError(f"the output head's rows take at most {DECODE_MAX_ROWS} rows, got {x.shape[0]}")
         rows = x if hasattr(x, "copy_to_host") else self.cuda.to_device(np.ascontiguousarray(x, dtype=np.float32))
         return gemv_rows(head.data, rows, norm_weight=norm, eps=eps, native_config=head_config(head.data.fmt),

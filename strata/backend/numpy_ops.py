@@ -267,7 +267,7 @@ class NumpyOps:
             gate, up, down = _expert_matrices(storage.buffer, slot, layout)
             rows, ranks = np.nonzero(ids == expert)  # token, place in its top-k
             if len(x) <= DECODE_MAX_ROWS:  # decode rows: each token's experts alone
-                y = _by_row(lambda part: ref.ffn(x[rows[part]], gate, up, down), len(rows))  # [t, D]
+                y = np.concatenate([ref.ffn(x[row:row + 1], gate, up, down) for row in rows])  # [t, D]
             else:
                 y = ref.ffn(x[rows], gate, up, down)  # [t, D]
             out[rows] += y.astype(np.float64) * weights[rows, ranks, None]

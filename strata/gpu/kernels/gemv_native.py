@@ -297,6 +297,27 @@ def _x_row_chunks(num_x_rows: int, per_launch: int):
     return [(t0, min(per_launch, num_x_rows - t0)) for t0 in range(0, num_x_rows, per_launch)]
 
 
+def _loop_call(loop_fn, num_cols: int, num_x: int, num_x_rows: int, is_accumulate: bool):
+    """device_loop_call(y, quants, scales, extra, row_begin, row_step, num_rows, words, halves, extra_bytes, xs):
+    loop_fn, the C++ loop of one row of x (the source's own exports) or of num_x_rows rows num_x floats apart
+    into y [R * num_rows], which takes both strides."""
+    ffi = tensor_core.ffi()
+    x_stride, accumulate = np.int32(num_x), np.int32(is_accumulate)
+    if num_x_rows == 1:
+        @cuda.jit(device=True)
+        def device_loop_call(y, quants, scales, extra, row_begin, row_step, num_rows, words, halves, extra_bytes, xs):
+            loop_fn(ffi.from_buffer(y), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
+                    row_begin, row_step, num_rows, words, halves, extra_bytes, ffi.from_buffer(xs), num_cols,
+                    accumulate)
+    else:
+        @cuda.jit(device=True)
+        def device_loop_call(y, quants, scales, extra, row_begin, row_step, num_rows, words, halves, extra_bytes, xs):
+            loop_fn(ffi.from_buffer(y), num_rows, ffi.from_buffer(quants), ffi.from_buffer(scales),
+                    ffi.from_buffer(extra), row_begin, row_step, num_rows, words, halves, extra_bytes,
+                    ffi.from_buffer(xs), x_stride, num_cols, accumulate)
+    return device_loop_call
+
+
 @functools.cache
 def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bool, is_accumulate: bool,
                  num_x_rows: int = 1):
@@ -304,10 +325,9 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
     loop_fn = _declare_loop(fmt, rows_per_warp, num_x_rows)
     is_q4_k = fmt == "Q4_K"  # its loop reads the Q4_K layout, with the half sums staged in the padding
     stage = _stage_device(num_cols, threads, has_norm, is_q4_k)
-    ffi = tensor_core.ffi()
     num_x = x_floats(num_cols, is_q4_k)
     xs_size = num_x * num_x_rows
-    accumulate = np.int32(is_accumulate)
+    loop_call = _loop_call(loop_fn, num_cols, num_x, num_x_rows, is_accumulate)
 
     # no launch bounds or register cap: with either (512 threads, 128 registers) the heads measured 4-10%
     # slower on the H200; the loops' registers fit a 512-thread block without (they launch at 16 warps)
@@ -327,15 +347,8 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
             cuda.syncthreads()
         # each warp's row groups, row_step apart: the C++ loads a group's rows while it multiplies the last ones
         row_begin = (cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp
-        num_rows = y.shape[0] // num_x_rows
-        if num_x_rows == 1:
-            loop_fn(ffi.from_buffer(y), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
-                    row_begin, cuda.gridDim.x * warps * rows_per_warp, num_rows, words, halves, extra_bytes,
-                    ffi.from_buffer(xs), num_cols, accumulate)
-        else:
-            loop_fn(ffi.from_buffer(y), num_rows, ffi.from_buffer(quants), ffi.from_buffer(scales),
-                    ffi.from_buffer(extra), row_begin, cuda.gridDim.x * warps * rows_per_warp, num_rows, words,
-                    halves, extra_bytes, ffi.from_buffer(xs), np.int32(num_x), num_cols, accumulate)
+        loop_call(y, quants, scales, extra, row_begin, cuda.gridDim.x * warps * rows_per_warp, y.shape[0] // num_x_rows,
+                  words, halves, extra_bytes, xs)
 
     return gemv_kernel
 
@@ -355,13 +368,33 @@ def gemv_native_rows(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate
     config = config.validate()
     has_norm = norm_weight is not None
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    for t0, count in _x_row_chunks(x.shape[0], max_x_rows(w)):
+    chunks = _x_row_chunks(x.shape[0], max_x_rows(w))
+    for t0, count in chunks:
         # the kernel is the same whatever the grid: one compile for every blocks_per_sm
         kernel = _gemv_kernel(w.fmt, w.num_cols, config._replace(blocks_per_sm=0), has_norm, accumulate, count)
+        x_part, y_part = (x, y) if len(chunks) == 1 else (x[t0:t0 + count], y[t0:t0 + count])
         kernel[config.grid(w.num_rows), config.threads, stream](
-            w.quants, w.scales, w.extra, *_row_strides(w), x[t0:t0 + count], norm_w, np.float32(eps),
-            y[t0:t0 + count].reshape(count * w.num_rows))
+            w.quants, w.scales, w.extra, *_row_strides(w), x_part, norm_w, np.float32(eps),
+            y_part.reshape(count * w.num_rows))
     return y
+
+
+def _rows_call(rows_fn, num_cols: int, num_x: int, num_x_rows: int):
+    """device_rows_call(out, quants, scales, extra, row0, count, words, halves, extra_bytes, xs): rows_fn, the C++
+    rows of one row of x (the source's own exports) or of num_x_rows rows num_x floats apart, which take the stride."""
+    ffi = tensor_core.ffi()
+    x_stride = np.int32(num_x)
+    if num_x_rows == 1:
+        @cuda.jit(device=True)
+        def device_rows_call(out, quants, scales, extra, row0, count, words, halves, extra_bytes, xs):
+            rows_fn(ffi.from_buffer(out), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
+                    row0, count, words, halves, extra_bytes, ffi.from_buffer(xs), num_cols)
+    else:
+        @cuda.jit(device=True)
+        def device_rows_call(out, quants, scales, extra, row0, count, words, halves, extra_bytes, xs):
+            rows_fn(ffi.from_buffer(out), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
+                    row0, count, words, halves, extra_bytes, ffi.from_buffer(xs), x_stride, num_cols)
+    return device_rows_call
 
 
 @functools.cache
@@ -370,19 +403,10 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
     instances = _rows_instances(fmts, rows_per_warp, num_x_rows)  # one linked object for the three
     rows_a, rows_b, rows_c = (_declare_rows(f, rows_per_warp, num_x_rows, instances) for f in fmts)
     stage = _stage_device(num_cols, threads, has_norm)
-    ffi = tensor_core.ffi()
     num_x = x_floats(num_cols)
     xs_size, out_size = num_x * num_x_rows, rows_per_warp * num_x_rows
-    x_stride = np.int32(num_x)
-
-    @cuda.jit(device=True)
-    def call_rows(rows_fn, out, quants, scales, extra, row0, count, words, halves, extra_bytes, xs):
-        if num_x_rows == 1:
-            rows_fn(ffi.from_buffer(out), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
-                    row0, count, words, halves, extra_bytes, ffi.from_buffer(xs), num_cols)
-        else:
-            rows_fn(ffi.from_buffer(out), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
-                    row0, count, words, halves, extra_bytes, ffi.from_buffer(xs), x_stride, num_cols)
+    rows_a_call, rows_b_call, rows_c_call = (_rows_call(fn, num_cols, num_x, num_x_rows)
+                                             for fn in (rows_a, rows_b, rows_c))
 
     @cuda.jit
     def gemv3_kernel(qa, sa, ea, wa, ha, xa, qb, sb, eb, wb, hb, xb, qc, sc, ec, wc, hc, xc, x, norm_w, eps, blocks_a,
@@ -405,11 +429,11 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
             out = cuda.local.array(out_size, np.float32)  # [R, rows_per_warp]
             count = min(rows_per_warp, num_rows - row0)
             if segment == 0:
-                call_rows(rows_a, out, qa, sa, ea, row0, count, wa, ha, xa, xs)
+                rows_a_call(out, qa, sa, ea, row0, count, wa, ha, xa, xs)
             elif segment == 1:
-                call_rows(rows_b, out, qb, sb, eb, row0, count, wb, hb, xb, xs)
+                rows_b_call(out, qb, sb, eb, row0, count, wb, hb, xb, xs)
             else:
-                call_rows(rows_c, out, qc, sc, ec, row0, count, wc, hc, xc, xs)
+                rows_c_call(out, qc, sc, ec, row0, count, wc, hc, xc, xs)
             for t in range(num_x_rows):
                 for r in range(rows_per_warp):
                     if lane == r and r < count:
