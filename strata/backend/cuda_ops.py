@@ -5,6 +5,10 @@ dequantized. Experts live in a ``PlaneArena`` whose slots the MoE kernels index 
 engine's expert ids are turned into slot ids per launch on the device, through a slot table [N]
 (-1: not in this batch, skipped), so routed ids never have to come back to the host.
 
+Rows: up to DECODE_MAX_ROWS tokens run decode's kernels with a row dimension (multi-row GEMVs that
+read each matrix once, the decode attention a block row per token, the decode MoE), each row with
+the bits of a one-token call; more tokens run the prefill kernels (GEMM, tensor cores, grouped MoE).
+
 Streams: kernels run on the legacy default stream; expert copies run on a ``CopyStream`` beside
 them, ordered by events (``stage_experts`` / ``wait_staged``). Nothing in a prefill chunk waits on
 the host, except the upload of the chunk's tokens, positions and slot tables at its start.
@@ -26,14 +30,13 @@ import numpy as np
 from numba import cuda  # a module global: the simulator swaps it inside kernels
 
 from strata.backend.layouts import packed_expert_layout
-from strata.backend.ops import ExpertLayout, QTensor
+from strata.backend.ops import DECODE_MAX_ROWS, ExpertLayout, QTensor
 from strata.gpu import driver_calls
 from strata.gpu.ledger import ACTIVATIONS_OWNER as ACTIVATIONS
 from strata.gpu.ledger import VramLedger
 
 log = logging.getLogger(__name__)
 
-_DECODE_MAX_TOKENS = 4  # up to this many tokens the MoE runs GEMV-shaped, without grouping
 _KV_FORMATS = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
@@ -299,29 +302,28 @@ class CudaOps:
 
     def matmul(self, x, weight: QTensor):
         from strata.gpu.kernels.gemm import gemm
-        from strata.gpu.kernels.gemv import gemv
+        from strata.gpu.kernels.gemv import gemv_rows
 
         with self._owning(ACTIVATIONS):
-            if x.shape[0] == 1:
-                return gemv(weight.data, x[0], stream=self._stream).reshape(1, weight.shape[0])
+            if x.shape[0] <= DECODE_MAX_ROWS:
+                return gemv_rows(weight.data, x, stream=self._stream)  # [T, N]
             return gemm(x, weight.data)
 
     def project_qkv(self, x, norm, eps: float, wq: QTensor, wk: QTensor, wv: QTensor):
-        from strata.gpu.kernels.gemv_multi import gemv_multi
+        from strata.gpu.kernels.gemv_multi import gemv_multi_rows
 
-        if x.shape[0] != 1:
+        if x.shape[0] > DECODE_MAX_ROWS:
             h = self.rms_norm(x, norm, eps)
             return self.matmul(h, wq), self.matmul(h, wk), self.matmul(h, wv)
-        with self._owning(ACTIVATIONS):  # decode: the norm and the three GEMVs in one launch
-            ys = gemv_multi((wq.data, wk.data, wv.data), x[0], norm_weight=norm, eps=eps, stream=self._stream)
-        return tuple(y.reshape(1, y.shape[0]) for y in ys)
+        with self._owning(ACTIVATIONS):  # decode rows: each row's norm and the three GEMVs in one launch
+            return gemv_multi_rows((wq.data, wk.data, wv.data), x, norm_weight=norm, eps=eps, stream=self._stream)
 
     def matmul_add(self, x, y, weight: QTensor) -> None:
         from strata.gpu.kernels.gemm import gemm
-        from strata.gpu.kernels.gemv import gemv
+        from strata.gpu.kernels.gemv import gemv_rows
 
-        if y.shape[0] == 1:
-            gemv(weight.data, y[0], x[0], accumulate=True, stream=self._stream)
+        if y.shape[0] <= DECODE_MAX_ROWS:
+            gemv_rows(weight.data, y, x, accumulate=True, stream=self._stream)
         else:
             with self._owning(ACTIVATIONS):  # gemm may stage a float16 copy of y
                 gemm(y, weight.data, x, accumulate=True)
@@ -364,12 +366,12 @@ class CudaOps:
             append_kv(k_cache, v_cache, k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), positions,
                       stream=self._stream)
 
-    def decode_attention_scratch(self, owner: str, kv: CudaKv, num_heads: int) -> tuple:
-        """The split partials of a decode token's attention (o [S, 1, Hq, E], m and l [S, 1, Hq]);
-        a captured layer that allocated its own would keep ~1 MiB per layer at 34k cells."""
+    def decode_attention_scratch(self, owner: str, kv: CudaKv, num_heads: int, num_tokens: int = 1) -> tuple:
+        """The split partials of a decode token's attention (o [S, T, Hq, E], m and l [S, T, Hq]; T = 1
+        for a decode step); a captured layer that allocated its own would keep ~1 MiB per layer at 34k cells."""
         from strata.gpu.kernels.attention import split_partial_shapes
 
-        shapes = split_partial_shapes(self._decode_splits(kv), 1, num_heads, kv.head_dim)
+        shapes = split_partial_shapes(self._decode_splits(kv), num_tokens, num_heads, kv.head_dim)
         return tuple(self.alloc(owner, shape, np.float32) for shape in shapes)
 
     def _decode_splits(self, kv: CudaKv) -> int:
@@ -390,12 +392,13 @@ class CudaOps:
         k_cache, v_cache = kv.layers[layer]
         args = dict(num_q_heads=num_heads, num_kv_heads=kv.num_kv_heads, head_dim=head_dim)
         with self._owning(ACTIVATIONS):
-            if num_tokens == 1:  # decode: the KV length comes from the position on the device, so a
-                # captured step replays at any position; the splits are sized for the whole cache
-                return attention(q.reshape(1, -1), k_cache, v_cache, self._device_positions(positions),
+            if num_tokens <= DECODE_MAX_ROWS:  # decode rows: the KV length comes from each row's position on
+                # the device, so a captured step replays at any position; the splits are sized for the whole
+                # cache, the same for every row count: each row attends as a one-token call of it would
+                return attention(q.reshape(num_tokens, -1), k_cache, v_cache, self._device_positions(positions),
                                  kv_len=kv.num_cells, num_splits=self._decode_splits(kv), is_len_from_positions=True,
-                                 config=decode_config(head_dim, num_heads // kv.num_kv_heads), stream=self._stream,
-                                 workspace=split_scratch, **args)
+                                 is_decode_rows=True, config=decode_config(head_dim, num_heads // kv.num_kv_heads),
+                                 stream=self._stream, workspace=split_scratch, **args)
             scratch = None
             if k_cache.fmt != "F16" and uses_tensor_cores(num_tokens, 1, head_dim, k_cache.fmt):
                 scratch = self._f16_scratch(kv.num_cells, k_cache.num_cols)  # [cells, width] K and V
@@ -426,7 +429,7 @@ class CudaOps:
         layer then launches only its two expert products (tiles of experts it has not staged exit)."""
         from strata.gpu.kernels.moe_route import moe_group
 
-        if ids.shape[0] <= _DECODE_MAX_TOKENS:
+        if ids.shape[0] <= DECODE_MAX_ROWS:
             return None
         ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
         with self._owning(ACTIVATIONS):  # the tiles' rows follow the chunk's rows an expert (moe() takes the groups')
@@ -468,7 +471,7 @@ class CudaOps:
             with self._owning(ACTIVATIONS):
                 moe_experts_decode(x, ids, weights, gate, up, down, out, num_experts=num_slots, stream=self._stream)
             return
-        if isinstance(ids, np.ndarray) and isinstance(slot_of_expert, np.ndarray) and x.shape[0] <= _DECODE_MAX_TOKENS:
+        if isinstance(ids, np.ndarray) and isinstance(slot_of_expert, np.ndarray) and x.shape[0] <= DECODE_MAX_ROWS:
             # decode with the routing on the host already: the slots are looked up here, no map launch
             slot_ids = np.where(ids >= 0, slot_of_expert[np.clip(ids, 0, len(slot_of_expert) - 1)], -1)  # [T, k]
             with self._owning(ACTIVATIONS):
@@ -482,7 +485,7 @@ class CudaOps:
             if groups is not None:  # each launch on its default tiles of the groups' block_m
                 moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, slot_of_expert=table)
                 return
-            if x.shape[0] <= _DECODE_MAX_TOKENS:
+            if x.shape[0] <= DECODE_MAX_ROWS:
                 moe_experts_decode(x, _map_ids(ids, table, to_slots=True, stream=self._stream), weights, gate, up,
                                    down, out, num_experts=num_slots, stream=self._stream)
                 return
@@ -548,6 +551,38 @@ class CudaOps:
             # the simulator runs every thread in Python: a few small blocks there
             shape = dict(num_blocks=2, threads=32) if self.is_simulator else {}
             argmax(logits, token=token, stream=self._stream, **shape)
+
+    def logits_rows(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
+        """[R, V] float32 on the host, row r the bits of ``logits`` of x[r] alone (the head's GEMV with
+        R activation rows: the head is read once for all of them)."""
+        with self._owning(ACTIVATIONS):
+            return self._head_rows(x, norm, head, eps).copy_to_host()
+
+    def greedy_rows(self, x, norm, head: QTensor, eps: float, bias, tokens) -> None:
+        """tokens [R] int32 (device) = per row of x, what ``greedy_token`` picks for that row alone: the
+        argmax after ``bias``, the lowest id among equals. Nothing returns to the host."""
+        from strata.gpu.kernels.sample import add_logit_bias, argmax
+
+        with self._owning(ACTIVATIONS):
+            logits = self._head_rows(x, norm, head, eps)  # [R, V]
+            shape = dict(num_blocks=2, threads=32) if self.is_simulator else {}
+            for row in range(logits.shape[0]):
+                if bias is not None:
+                    add_logit_bias(logits[row], *bias, stream=self._stream)
+                argmax(logits[row], token=tokens[row:row + 1], stream=self._stream, **shape)
+
+    def _head_rows(self, x, norm, head: QTensor, eps: float):
+        """[R, V] logits of every row of x on the device: the output head's rows GEMV (``logits``' kernel)."""
+        from strata.gpu.kernels.gemv import gemv_rows
+        from strata.gpu.kernels.gemv_native import head_config
+
+        if x.shape[0] > DECODE_MAX_ROWS:
+            from strata.errors import EngineError
+
+            raise EngineError(f"the output head's rows take at most {DECODE_MAX_ROWS} rows, got {x.shape[0]}")
+        rows = x if hasattr(x, "copy_to_host") else self.cuda.to_device(np.ascontiguousarray(x, dtype=np.float32))
+        return gemv_rows(head.data, rows, norm_weight=norm, eps=eps, native_config=head_config(head.data.fmt),
+                         stream=self._stream)
 
     def increment(self, values) -> None:
         from strata.gpu.kernels.elementwise import increment

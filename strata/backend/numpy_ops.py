@@ -5,6 +5,10 @@ its configured format) on the CPU, so CI serves whole requests. Dense weights ar
 and kept off the ledger (a CPU convenience); experts are decoded from their slot bytes on every use,
 as a kernel would read them. Accumulation of expert outputs is float64 so that the order in which
 cached and streamed experts are summed does not change the result.
+
+Rows: BLAS multiplies a few rows with other kernels than one row, and vectorised transcendentals may
+round an element differently by where it falls in the array, so up to DECODE_MAX_ROWS tokens every op
+runs row by row (``_by_row``): each row then has the bits of a one-token call, as decode computes it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import dataclasses
 
 import numpy as np
 
-from strata.backend.ops import ExpertLayout, QTensor
+from strata.backend.ops import DECODE_MAX_ROWS, ExpertLayout, QTensor
+from strata.errors import EngineError
 from strata.gpu.ledger import Charge, VramLedger
 from strata.model import quants
 from strata.model import reference_ops as ref
@@ -192,10 +197,11 @@ class NumpyOps:
         return quants.dequantize(rows, table.qtype, (len(tokens), table.shape[1]))
 
     def rms_norm(self, x, weight, eps: float) -> np.ndarray:
-        return ref.rms_norm(x, weight, eps)
+        return _by_row(lambda rows: ref.rms_norm(x[rows], weight, eps), len(x))
 
     def matmul(self, x, weight: QTensor) -> np.ndarray:
-        return (x @ self._dequantized(weight).T).astype(np.float32)
+        w = self._dequantized(weight)
+        return _by_row(lambda rows: (x[rows] @ w.T).astype(np.float32), len(x))
 
     def project_qkv(self, x, norm, eps: float, wq: QTensor, wk: QTensor, wv: QTensor):
         h = self.rms_norm(x, norm, eps)
@@ -209,12 +215,15 @@ class NumpyOps:
 
     def qk_norm_rope(self, q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
                      freq_factors=None) -> None:
-        if q_norm is not None:
-            q[...] = ref.rms_norm(q, q_norm, eps)
-            k[...] = ref.rms_norm(k, k_norm, eps)
-        cos, sin = ref.rope_angles(positions, num_rope_dims, theta, freq_factors)
-        q[...] = ref.rope(q, cos, sin, is_neox)
-        k[...] = ref.rope(k, cos, sin, is_neox)
+        def rows_norm_rope(rows):
+            q_rows, k_rows = q[rows], k[rows]
+            if q_norm is not None:
+                q_rows = ref.rms_norm(q_rows, q_norm, eps)
+                k_rows = ref.rms_norm(k_rows, k_norm, eps)
+            cos, sin = ref.rope_angles(positions[rows], num_rope_dims, theta, freq_factors)
+            return ref.rope(q_rows, cos, sin, is_neox), ref.rope(k_rows, cos, sin, is_neox)
+
+        q[...], k[...] = _by_row(rows_norm_rope, len(q))
 
     def kv_write(self, kv: NumpyKv, layer: int, start: int, k, v, positions=None) -> None:
         end = start + k.shape[0]
@@ -225,14 +234,20 @@ class NumpyOps:
         return None
 
     def attention(self, q, kv: NumpyKv, layer: int, start: int, positions=None, split_scratch=None) -> np.ndarray:
-        end = start + q.shape[0]
-        out = ref.attention(q, kv.decode(layer, 0, end), kv.decode(layer, 1, end), start)  # [T, Hq, E]
-        return out.reshape(q.shape[0], -1)
+        def rows_attention(rows):
+            first = start + (rows.start or 0)  # the position of the rows' first query
+            end = start + (q.shape[0] if rows.stop is None else rows.stop)
+            return ref.attention(q[rows], kv.decode(layer, 0, end), kv.decode(layer, 1, end), first)  # [t, Hq, E]
+
+        return _by_row(rows_attention, q.shape[0]).reshape(q.shape[0], -1)
 
     def route(self, x, router: QTensor, num_used: int, is_norm: bool):
-        logits = x.astype(np.float64) @ self._dequantized(router).T.astype(np.float64)  # [T, N]
-        ids, weights = ref.route(logits, num_used, is_norm)
-        return ids, weights
+        router64 = self._dequantized(router).T.astype(np.float64)
+
+        def rows_route(rows):
+            return ref.route(x[rows].astype(np.float64) @ router64, num_used, is_norm)  # [t, N] logits
+
+        return _by_row(rows_route, len(x))
 
     def moe_groups(self, ids, weights, num_experts: int, layout: ExpertLayout | None = None) -> None:
         return None  # moe walks the routed ids itself
@@ -251,18 +266,23 @@ class NumpyOps:
                 continue
             gate, up, down = _expert_matrices(storage.buffer, slot, layout)
             rows, ranks = np.nonzero(ids == expert)  # token, place in its top-k
-            y = ref.ffn(x[rows], gate, up, down)  # [t, D]
+            if len(x) <= DECODE_MAX_ROWS:  # decode rows: each token's experts alone
+                y = np.concatenate([ref.ffn(x[row:row + 1], gate, up, down) for row in rows])  # [t, D]
+            else:
+                y = ref.ffn(x[rows], gate, up, down)  # [t, D]
             out[rows] += y.astype(np.float64) * weights[rows, ranks, None]
 
     def moe_accumulator(self, x) -> np.ndarray:
         return np.zeros(x.shape, dtype=np.float64)  # the reference's float64 sum of the experts
 
     def ffn(self, x, gate: QTensor, up: QTensor, down: QTensor) -> np.ndarray:
-        return ref.ffn(x, self._dequantized(gate), self._dequantized(up), self._dequantized(down))
+        matrices = self._dequantized(gate), self._dequantized(up), self._dequantized(down)
+        return _by_row(lambda rows: ref.ffn(x[rows], *matrices), len(x))
 
     def shared_expert_add(self, acc, shared, h, gate_inp) -> None:
         if gate_inp is not None:
-            shared = shared * ref.sigmoid(h @ gate_inp.reshape(-1, 1))  # [T, 1] gate
+            gate = _by_row(lambda rows: ref.sigmoid(h[rows] @ gate_inp.reshape(-1, 1)), len(h))  # [T, 1]
+            shared = shared * gate
         acc += shared
 
     def add(self, x, y) -> None:
@@ -273,6 +293,29 @@ class NumpyOps:
 
     def logits(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
         return ref.output_head(x[-1:], norm, self._dequantized(head), eps)[0]
+
+    def logits_rows(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
+        if len(x) > DECODE_MAX_ROWS:
+            raise EngineError(f"the output head's rows take at most {DECODE_MAX_ROWS} rows, got {len(x)}")
+        return np.stack([self.logits(x[t:t + 1], norm, head, eps) for t in range(len(x))])  # [R, V]
+
+    def greedy_rows(self, x, norm, head: QTensor, eps: float, bias, tokens) -> None:
+        logits = self.logits_rows(x, norm, head, eps)  # [R, V]
+        if bias is not None:
+            for token_id, value in zip(*bias):  # in order, in float32: a repeated id adds twice
+                logits[:, token_id] += np.float32(value)
+        tokens[:] = np.argmax(logits, axis=-1)  # the lowest id among equals
+
+
+def _by_row(fn, num_rows: int):
+    """fn(slice(None)) of all rows; up to DECODE_MAX_ROWS rows, fn of each row alone, stacked: each row has
+    the bits of a one-row call. fn returns an array or a tuple of arrays, row-major."""
+    if not 1 < num_rows <= DECODE_MAX_ROWS:
+        return fn(slice(None))
+    parts = [fn(slice(t, t + 1)) for t in range(num_rows)]
+    if isinstance(parts[0], tuple):
+        return tuple(np.concatenate(column) for column in zip(*parts))
+    return np.concatenate(parts)
 
 
 def _expert_matrices(buffer: np.ndarray, slot: int, layout: ExpertLayout) -> list[np.ndarray]:

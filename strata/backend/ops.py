@@ -7,6 +7,11 @@ it passes them back to the ops that made them. Every allocation is charged to th
 owner; ``to_host`` is the only way data comes back.
 
 Shapes: T tokens, D hidden size, Hq/Hk query/KV heads of E dims, N experts, k experts per token.
+
+Rows: for 1 <= T <= DECODE_MAX_ROWS every compute op gives each of the T rows the bits of the same op
+on that row alone (at its own position), and on the GPU reads each weight matrix once for all the
+rows: a speculative verify (the last accepted token and its drafts as one forward) then reproduces
+plain decode bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from strata.gpu.ledger import VramLedger
+
+
+DECODE_MAX_ROWS = 9  # the rows a forward computes as decode does, each bit-identical to one row alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,3 +167,10 @@ class Ops(Protocol):
     def add(self, x: Any, y: Any) -> None: ...  # x += y (nothing when y is x's accumulator itself)
     def concat_columns(self, a: Any, b: Any) -> Any: ...  # [R, Da], [R, Db] -> [R, Da + Db]
     def logits(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray: ...  # last row -> [V] host
+    def logits_rows(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray:
+        """[R, V] float32 on the host: row r is ``logits`` of x[r] alone (R <= DECODE_MAX_ROWS); the
+        head is read once for all rows."""
+    def greedy_rows(self, x: Any, norm: Any, head: QTensor, eps: float, bias: Any, tokens: Any) -> None:
+        """tokens [R] int32 (on the backend) = per row of x, the argmax of its logits (as ``logits_rows``)
+        after adding ``bias`` (backend ids [n] int32 and values [n] float32, or None), the lowest id among
+        equals: row r's token is what ``greedy_token`` picks for x[r] alone. Nothing returns to the host."""

@@ -5,6 +5,7 @@ import pytest
 from kernel_data import dev, host
 from numba import config as numba_config
 
+from strata.backend.ops import DECODE_MAX_ROWS
 from strata.backend.select import has_cuda_device, make_ops
 from strata.gpu.kernels import attention_mma
 from strata.gpu.kernels.attention import attention
@@ -25,7 +26,7 @@ def test_prefill_over_a_quantized_cache_reads_a_dequantized_copy_and_frees_it(kv
     ops = make_ops(BACKEND, VramLedger(1 << 30))
     kv = ops.kv_cache("kv_cache", 1, 24, NUM_KV_HEADS, HEAD_DIM, kv_type)
     rng = np.random.default_rng(3)
-    start, num_tokens = 3, 6
+    start, num_tokens = 3, DECODE_MAX_ROWS + 1  # more rows than decode's: prefill
     k, v = (dev(rng.standard_normal((start + num_tokens, NUM_KV_HEADS * HEAD_DIM)).astype(np.float32)) for _ in "kv")
     ops.kv_write(kv, 0, 0, k, v, np.arange(start + num_tokens, dtype=np.int32))
     q = dev(rng.standard_normal((num_tokens, NUM_HEADS, HEAD_DIM)).astype(np.float32))

@@ -263,7 +263,7 @@ def split_partial_shapes(num_splits: int, num_tokens: int, num_q_heads: int, hea
 def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
               num_kv_heads: int, head_dim: int, kv_len: int | None = None, scale: float | None = None,
               num_splits: int = 1, config: AttentionConfig = AttentionConfig(), workspace=None,
-              is_len_from_positions: bool = False, stream=0, f16_scratch=None):
+              is_len_from_positions: bool = False, is_decode_rows: bool = False, stream=0, f16_scratch=None):
     """softmax(q k^T * scale + causal mask) v per query head; q, out [T, num_q_heads * head_dim] float32.
 
     k_cache / v_cache: [num_positions, num_kv_heads * head_dim] in F16, Q8_0 or Q4_0 (kvcache.py).
@@ -273,6 +273,9 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     is_len_from_positions: the KV range ends after the last query position, read on the device, and
     the splits divide that range (kv_len only bounds it): the launch's arguments do not depend on
     the position, so a captured decode step replays at any position.
+    is_decode_rows: each of the T query rows is attended exactly as a one-token call of it would be
+    (the decode kernels below, a block row per query row; config's tokens_per_block must be 1): a
+    speculative verify's rows then have the bits of plain decode.
     stream: 0 (the default stream), a Numba stream or a graph builder capturing the launches.
     f16_scratch: (K, V) F16 matrices for the tensor-core prefill of a quantized cache (attention_mma).
 
@@ -282,10 +285,10 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     tokens_per_block * group * threads_per_row threads; static shared memory (rows * head_dim +
     kv_tile * (2 * head_dim + 1) + rows * kv_tile + 2 * threads) float32 with rows =
     tokens_per_block * group, at most 48 KiB (44 KiB for the default at head_dim 128, group 8).
-    One token where attention_decode_mma.is_supported: its kernel, grid (1, num_kv_heads, num_splits),
-    block attention_decode_mma.threads() (4 warps on a GPU), inputs rounded to f16 as in prefill;
-    else where attention_decode.is_supported: attention_decode's kernel, grid (1, num_kv_heads,
-    num_splits), block group * 32 threads (config is still validated, and its kv_tile rounds a
+    One token (or is_decode_rows) where attention_decode_mma.is_supported: its kernel, grid (T,
+    num_kv_heads, num_splits), block attention_decode_mma.threads() (4 warps on a GPU), inputs rounded
+    to f16 as in prefill; else where attention_decode.is_supported: attention_decode's kernel, grid (T,
+    num_kv_heads, num_splits), block group * 32 threads (config is still validated, and its kv_tile rounds a
     split length given by kv_len). With num_splits > 1 a second launch combines: grid (T,
     num_q_heads), block min(head_dim, 128).
     """
@@ -310,7 +313,10 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
                                                  num_kv_heads, head_dim)
     if num_tokens == 0:
         return out
-    if uses_tensor_cores(num_tokens, num_splits, head_dim, k_cache.fmt):
+    is_decode = num_tokens == 1 or is_decode_rows
+    if num_tokens > 1 and is_decode_rows and bt != 1:  # the FFMA kernel's blocks would share their rows' keys
+        raise ValueError(f"decode rows take a config of one token per block, got tokens_per_block {bt}")
+    if not is_decode and uses_tensor_cores(num_tokens, num_splits, head_dim, k_cache.fmt):
         return attention_mma(q, k_cache, v_cache, q_positions, out, num_q_heads=num_q_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=kv_len, scale=scale,
                              config=SERVING_CONFIG, f16_scratch=f16_scratch)
@@ -325,13 +331,13 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     else:
         workspace = (stand_in(out, np.float32, 4), stand_in(out, np.float32, 3), stand_in(out, np.float32, 3))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if num_tokens == 1 and attention_decode_mma.is_supported(head_dim, group):
+    if is_decode and attention_decode_mma.is_supported(head_dim, group):
         is_twin = not tensor_core.is_available()
         kernel = attention_decode_mma.decode_kernel(k_cache.fmt, head_dim, group, is_split, is_twin)
-        grid, threads = (1, num_kv_heads, num_splits), attention_decode_mma.threads(head_dim, group, is_twin)
-    elif num_tokens == 1 and attention_decode.is_supported(head_dim, group):
+        grid, threads = (num_tokens, num_kv_heads, num_splits), attention_decode_mma.threads(head_dim, group, is_twin)
+    elif is_decode and attention_decode.is_supported(head_dim, group):
         kernel = attention_decode.decode_kernel(k_cache.fmt, head_dim, group, is_split)
-        grid, threads = (1, num_kv_heads, num_splits), group * attention_decode.WARP
+        grid, threads = (num_tokens, num_kv_heads, num_splits), group * attention_decode.WARP
     else:
         kernel = _attention_kernel(k_cache.fmt, head_dim, group, config, is_split)
         grid, threads = (ceil_div(num_tokens, bt), num_kv_heads, num_splits), bt * group * tpr

@@ -1,4 +1,4 @@
-"""Attention of one decode token over a long KV cache: a warp per query head, a thread per key.
+"""Attention of decode tokens over a long KV cache: a warp per query head, a thread per key.
 
 attention.py's kernel gives each query row `threads_per_row` threads that split every key's head
 dims, and stages 32-key tiles of K and V in shared memory with four block barriers per tile.
@@ -17,7 +17,9 @@ On the H200 (Q4_0 cache, 32 query over 4 KV heads, 66 splits) a layer at 32k cac
 is decoded, measured slower (136-143 us at 32k).
 
 Splits write the same unnormalized partials (O, m, l) as attention.py, combined by its combine
-kernel; one split writes the normalized output. Needs head_dim a multiple of 32 and a group whose
+kernel; one split writes the normalized output. A few query rows (a speculative verify's tokens,
+each at its own position) take a block row each (grid x): every block computes exactly what the
+one-token launch computes for that row. Needs head_dim a multiple of 32 and a group whose
 scores fit the static shared memory (up to 8 query heads per KV head at head_dim 128: 29 KiB);
 attention() sends one-token calls here when they hold and attention_decode_mma.py's tensor-core
 kernel does not serve them: head dims other than 64 and 128, groups of more than 64 query heads,
@@ -66,6 +68,7 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool):
                out, o_part, m_part, l_part):
         tid = cuda.threadIdx.x
         head, lane = tid // WARP, tid % WARP  # the warp's query head within the group
+        t = cuda.blockIdx.x  # the query row: a block attends as for that row alone
         kvh = cuda.blockIdx.y
         split = cuda.blockIdx.z
         qs = cuda.shared.array(qs_size, np.float32)  # [d, group]: a key element meets every head
@@ -77,12 +80,12 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool):
         o = cuda.local.array(dims_per_lane, np.float32)
         for idx in range(tid, head_dim * group, threads):
             d, g = idx // group, idx % group
-            qs[idx] = q[0, (kvh * group + g) * head_dim + d] * scale
+            qs[idx] = q[t, (kvh * group + g) * head_dim + d] * scale
         for c in range(dims_per_lane):
             o[c] = np.float32(0.0)
         m_i = NEG_INF
         l_i = np.float32(0.0)
-        span = min(kv_len, q_positions[0] + 1)
+        span = min(kv_len, q_positions[t] + 1)
         split_rows = split_len
         if split_rows == 0:  # from the position on the device: a captured step replays at any position
             split_rows = ((span + cuda.gridDim.z - 1) // cuda.gridDim.z + V_TILE - 1) // V_TILE * V_TILE
@@ -149,13 +152,13 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool):
         h = kvh * group + head
         if is_split:
             for c in range(dims_per_lane):
-                o_part[split, 0, h, lane + c * WARP] = o[c]
+                o_part[split, t, h, lane + c * WARP] = o[c]
             if lane == 0:
-                m_part[split, 0, h] = m_i
-                l_part[split, 0, h] = l_i
+                m_part[split, t, h] = m_i
+                l_part[split, t, h] = l_i
         else:
             inv_l = np.float32(1.0) / l_i if l_i > 0 else np.float32(0.0)
             for c in range(dims_per_lane):
-                out[0, h * head_dim + lane + c * WARP] = o[c] * inv_l
+                out[t, h * head_dim + lane + c * WARP] = o[c] * inv_l
 
     return kernel

@@ -58,8 +58,9 @@ def launch_shape(head_dim: int, group: int, is_twin: bool) -> tuple:
 
 @functools.cache
 def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool, is_twin: bool):
-    """Arguments as attention_decode.decode_kernel's (scale the softmax scale); launch grid (1,
-    num_kv_heads, num_splits), 32 * launch_shape()[0] threads."""
+    """Arguments as attention_decode.decode_kernel's (scale the softmax scale); launch grid (T,
+    num_kv_heads, num_splits), 32 * launch_shape()[0] threads: a block row per query row, each
+    computing what a one-token launch computes for it."""
     warps, kv_tile = launch_shape(head_dim, group, is_twin)
     num_state = state_size(head_dim)
     m_off = head_dim // 2
@@ -67,9 +68,9 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool, is_twin: 
     attend = block_attend(fmt, head_dim, group, kv_tile, warps, is_twin, not is_twin, FUSED_BUFFERS)
 
     @cuda.jit(device=True)
-    def split_range(q_positions, kv_len, split_len):
+    def split_range(q_position, kv_len, split_len):
         """Keys begin .. end - 1 of this block's split: whole tiles from its start."""
-        span = min(kv_len, q_positions[0] + 1)
+        span = min(kv_len, q_position + 1)
         split_rows = split_len
         if split_rows == 0:  # from the position on the device: a captured step replays at any position
             split_rows = (span + cuda.gridDim.z - 1) // cuda.gridDim.z
@@ -78,7 +79,7 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool, is_twin: 
         return begin, min(begin + split_rows, span)
 
     @cuda.jit(device=True)
-    def write_partial(state, kvh, split, o_part, m_part, l_part):
+    def write_partial(state, kvh, split, t, o_part, m_part, l_part):
         warp = cuda.threadIdx.x // 32
         g = cuda.threadIdx.x % 32 // 4
         tq = cuda.threadIdx.x % 4
@@ -88,23 +89,25 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool, is_twin: 
                 head = kvh * group + row
                 for n in range(head_dim // OCTET):
                     for e in range(2):
-                        o_part[split, 0, head, OCTET * n + 2 * tq + e] = state[4 * n + 2 * h + e]
+                        o_part[split, t, head, OCTET * n + 2 * tq + e] = state[4 * n + 2 * h + e]
                 if tq == 0:
-                    m_part[split, 0, head] = state[m_off + h] * LN_2  # the combine's natural-log units
-                    l_part[split, 0, head] = state[m_off + 2 + h]
+                    m_part[split, t, head] = state[m_off + h] * LN_2  # the combine's natural-log units
+                    l_part[split, t, head] = state[m_off + 2 + h]
 
     @cuda.jit
     def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, split_len, scale,
                out, o_part, m_part, l_part):
+        t = cuda.blockIdx.x  # the query row: the block sees it as the one token of a one-token launch
         kvh = cuda.blockIdx.y
+        q_t, positions_t = q[t:t + 1], q_positions[t:t + 1]
         state = cuda.local.array(num_state, np.float32)
-        begin, end = split_range(q_positions, kv_len, split_len)
-        attend(q, scale * np.float32(LOG2_E), kvh, 0, q_positions, kv_len, state, k_quants, k_scales, k_extra,
+        begin, end = split_range(positions_t[0], kv_len, split_len)
+        attend(q_t, scale * np.float32(LOG2_E), kvh, 0, positions_t, kv_len, state, k_quants, k_scales, k_extra,
                v_quants, v_scales, v_extra, begin, end)
         if is_split:
-            write_partial(state, kvh, cuda.blockIdx.z, o_part, m_part, l_part)
+            write_partial(state, kvh, cuda.blockIdx.z, t, o_part, m_part, l_part)
         else:
-            write_out(state, kvh, 0, out)
+            write_out(state, kvh, 0, out[t:t + 1])
 
     return kernel
 

@@ -11,6 +11,12 @@ once, at the end (no warp shuffles: the simulator has none, and it is once per b
 With `norm_weight` the kernel first computes RMSNorm's 1/rms of x over the block (each block
 re-reads x from L2, which costs far less than the launch it saves) and scales every activation by
 inv_rms * norm_weight as it loads it: the pre-attention and pre-FFN norms cost no launch.
+
+gemv_rows takes R rows of activations (x [R, K], a speculative verify's few tokens): each lane keeps
+R partial sums per weight row and meets each weight octet with all R activation rows while it is in
+its registers and L1, so W streams from memory once per launch. Row t's arithmetic is the one-row
+kernel's for x[t] alone (the same octets per lane in the same order, the same lane sum): the one-row
+gemv is the R = 1 case of this kernel, and every row of an R-row launch has its bits.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from ._common import (
 )
 from .block_reduce import device_inv_rms
 from .gemv_native import FORMATS as NATIVE_FORMATS
-from .gemv_native import LAYER_CONFIG, NativeGemvConfig, gemv_native
+from .gemv_native import LAYER_CONFIG, NativeGemvConfig, gemv_native_rows
 from .gemv_native import is_supported as is_native_supported
 from .packing import PackedMatrix, check_packed
 from .quant_dot import dot8_for
@@ -85,11 +91,23 @@ def lane_sum_device(lanes: int, num_rows: int):
 
     One barrier; `red` holds threads * num_rows floats. Callers reusing `red` sync first.
     """
+    lane_sum_at = lane_sum_at_device(lanes, num_rows)
 
     @cuda.jit(device=True)
     def device_lane_sum(acc, red, group, lane):
+        return lane_sum_at(acc, 0, red, group, lane)
+
+    return device_lane_sum
+
+
+@functools.cache
+def lane_sum_at_device(lanes: int, num_rows: int):
+    """device_lane_sum_at(acc, acc_off, red, group, lane): lane_sum_device's sum of acc[acc_off + lane]."""
+
+    @cuda.jit(device=True)
+    def device_lane_sum_at(acc, acc_off, red, group, lane):
         for r in range(num_rows):
-            red[(group * num_rows + r) * lanes + lane] = acc[r]
+            red[(group * num_rows + r) * lanes + lane] = acc[acc_off + r]
         cuda.syncthreads()
         total = np.float32(0.0)
         if lane < num_rows:
@@ -98,38 +116,68 @@ def lane_sum_device(lanes: int, num_rows: int):
                 total += red[base + i]
         return total
 
-    return device_lane_sum
+    return device_lane_sum_at
 
 
 @functools.cache
-def _gemv_kernel(fmt: str, config: GemvConfig, has_norm: bool, is_accumulate: bool):
+def x_rows_dot_device(fmt: str, lanes: int, num_rows: int, num_x_rows: int, has_norm: bool):
+    """device_x_rows_dot(quants, scales, extra, row0, row_end, x, norm_w, inv_rms, num_octets, lane, acc):
+    acc[t * num_rows + r] += W[row0 + r] . x[t] over this lane's octets, for t < num_x_rows and r < num_rows
+    with row0 + r < row_end (x[t] times inv_rms[t] * norm_w when has_norm). Each (t, r) sum takes the
+    same octets in the same order, with the same dot8, as rows_dot_device's for x[t] alone."""
+    dot8 = dot8_for(fmt)
+
+    @cuda.jit(device=True)
+    def device_x_rows_dot(quants, scales, extra, row0, row_end, x, norm_w, inv_rms, num_octets, lane, acc):
+        xs = cuda.local.array(OCTET, np.float32)
+        for octet in range(lane, num_octets, lanes):
+            for t in range(num_x_rows):
+                for i in range(OCTET):
+                    xs[i] = np.float32(x[t, octet * OCTET + i])
+                    if has_norm:
+                        xs[i] *= inv_rms[t] * norm_w[octet * OCTET + i]
+                for r in range(num_rows):
+                    if row0 + r < row_end:
+                        acc[t * num_rows + r] += dot8(quants, scales, extra, row0 + r, octet, xs)
+
+    return device_x_rows_dot
+
+
+@functools.cache
+def _gemv_kernel(fmt: str, config: GemvConfig, has_norm: bool, is_accumulate: bool, num_x_rows: int = 1):
     threads, lanes, num_rows = config.threads, config.lanes_per_row, config.rows_per_group
     rows_per_block = config.rows_per_block
     red_size = threads * num_rows
-    rows_dot = rows_dot_device(fmt, lanes, num_rows, has_norm)
-    lane_sum = lane_sum_device(lanes, num_rows)
+    acc_size = num_rows * num_x_rows
+    x_rows_dot = x_rows_dot_device(fmt, lanes, num_rows, num_x_rows, has_norm)
+    lane_sum_at = lane_sum_at_device(lanes, num_rows)
 
     @cuda.jit
-    def gemv_kernel(quants, scales, extra, x, norm_w, eps, y):  # x [1, K], y [N]
+    def gemv_kernel(quants, scales, extra, x, norm_w, eps, y):  # x [R, K], y [R, N]
         tid = cuda.threadIdx.x
         lane = tid % lanes
         group = tid // lanes
         red = cuda.shared.array(red_size, np.float32)
-        inv_rms = np.float32(1.0)
-        if has_norm:
-            inv_rms = device_inv_rms(x, 0, eps, red, tid, threads)
-            cuda.syncthreads()
+        inv_rms = cuda.local.array(num_x_rows, np.float32)
+        for t in range(num_x_rows):
+            inv_rms[t] = np.float32(1.0)
+            if has_norm:
+                inv_rms[t] = device_inv_rms(x, t, eps, red, tid, threads)
+                cuda.syncthreads()
         row0 = cuda.blockIdx.x * rows_per_block + group * num_rows
-        acc = cuda.local.array(num_rows, np.float32)
-        for r in range(num_rows):
-            acc[r] = np.float32(0.0)
-        rows_dot(quants, scales, extra, row0, y.shape[0], x, 0, norm_w, inv_rms, x.shape[1] // OCTET, lane, acc)
-        total = lane_sum(acc, red, group, lane)
-        if lane < num_rows and row0 + lane < y.shape[0]:
-            if is_accumulate:
-                y[row0 + lane] += total
-            else:
-                y[row0 + lane] = total
+        acc = cuda.local.array(acc_size, np.float32)  # [R, rows]
+        for i in range(acc_size):
+            acc[i] = np.float32(0.0)
+        x_rows_dot(quants, scales, extra, row0, y.shape[1], x, norm_w, inv_rms, x.shape[1] // OCTET, lane, acc)
+        for t in range(num_x_rows):
+            if t > 0:
+                cuda.syncthreads()  # every lane has read the last row's sums out of red
+            total = lane_sum_at(acc, t * num_rows, red, group, lane)
+            if lane < num_rows and row0 + lane < y.shape[1]:
+                if is_accumulate:
+                    y[t, row0 + lane] += total
+                else:
+                    y[t, row0 + lane] = total
 
     return gemv_kernel
 
@@ -151,9 +199,34 @@ def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, acc
     4 rows per lane group: 16 rows per block.
     """
     check_packed("w", w)
+    check_array("x", x, dtypes=(np.float32, np.float16), shape=(w.num_cols,))
+    if y is None and accumulate:
+        raise ValueError("accumulate=True needs y, the array to add into")
+    if y is not None:
+        check_array("y", y, dtypes=np.float32, shape=(w.num_rows,))
+    ys = gemv_rows(w, x.reshape(1, w.num_cols), None if y is None else y.reshape(1, w.num_rows),
+                   norm_weight=norm_weight, eps=eps, accumulate=accumulate, config=config, native=native,
+                   native_config=native_config, stream=stream)
+    return ys.reshape(w.num_rows) if y is None else y
+
+
+def gemv_rows(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
+              config: GemvConfig = GemvConfig(), native: bool | None = None,
+              native_config: NativeGemvConfig = LAYER_CONFIG, stream=0):
+    """gemv of R rows of activations in one launch: y[t] = W x'[t] (x'[t] RMSNorm-ed alone when norm_weight
+    is given); row t of the result has the bits of gemv(w, x[t]). x: [R, K] float32 or float16; y: [R, N]
+    float32 (allocated when None); the rest as gemv's. R is a compile-time constant of the kernel: keep
+    it small (a speculative verify's rows).
+
+    Launch config: gemv's; shared memory as gemv's; each lane holds R * rows_per_group sums. Through the
+    C++ rows (gemv_native.gemv_native_rows): as many rows of x per launch as its shared memory holds.
+    """
+    check_packed("w", w)
     config = config.validate()
     num_cols = w.num_cols
-    check_array("x", x, dtypes=(np.float32, np.float16), shape=(num_cols,))
+    check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
+    num_x_rows = x.shape[0]
+    check_array("x", x, dtypes=(np.float32, np.float16), shape=(num_x_rows, num_cols))
     has_norm = norm_weight is not None
     if has_norm:
         check_array("norm_weight", norm_weight, dtypes=np.float32, shape=(num_cols,))
@@ -162,17 +235,17 @@ def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, acc
     if y is None:
         if accumulate:
             raise ValueError("accumulate=True needs y, the array to add into")
-        y = empty((w.num_rows,), np.float32, w.quants, x)
-    check_array("y", y, dtypes=np.float32, shape=(w.num_rows,))
-    if w.num_rows == 0:
+        y = empty((num_x_rows, w.num_rows), np.float32, w.quants, x)
+    check_array("y", y, dtypes=np.float32, shape=(num_x_rows, w.num_rows))
+    if w.num_rows == 0 or num_x_rows == 0:
         return y
     if use_native(native, w):
-        return gemv_native(w, x, y, norm_weight=norm_weight, eps=eps, accumulate=accumulate, config=native_config,
-                           stream=stream)
+        return gemv_native_rows(w, x, y, norm_weight=norm_weight, eps=eps, accumulate=accumulate,
+                                config=native_config, stream=stream)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    kernel = _gemv_kernel(w.fmt, config, has_norm, accumulate)
+    kernel = _gemv_kernel(w.fmt, config, has_norm, accumulate, num_x_rows)
     grid = ceil_div(w.num_rows, config.rows_per_block)
-    kernel[grid, config.threads, stream](w.quants, w.scales, w.extra, x.reshape(1, num_cols), norm_w, np.float32(eps), y)
+    kernel[grid, config.threads, stream](w.quants, w.scales, w.extra, x, norm_w, np.float32(eps), y)
     return y
 
 

@@ -205,13 +205,13 @@ def _stage_device(num_cols: int, threads: int, has_norm: bool, is_q4_k_layout: b
 
 
 @cuda.jit(device=True)
-def device_stage_half_sums(xs, num_groups, tid, num_threads):
-    """The sums of each staged 32-element group's two 16-element halves (gemv's Q4_K layout), into the
-    group's padding (floats 32 and 33 from its start), each as four quads of two pairs: the C++ Q4_K loop
-    reads them for the mins instead of summing them again for every row. The caller syncs before (the
-    staging) and after."""
+def device_stage_half_sums_at(xs, xs_off, num_groups, tid, num_threads):
+    """The sums of each staged 32-element group's two 16-element halves (gemv's Q4_K layout, from xs_off),
+    into the group's padding (floats 32 and 33 from its start), each as four quads of two pairs: the C++
+    Q4_K loop reads them for the mins instead of summing them again for every row. The caller syncs before
+    (the staging) and after."""
     for half in range(tid, 2 * num_groups, num_threads):
-        start = device_group_start(half // 2, True)
+        start = xs_off + device_group_start(half // 2, True)
         base = start + (half % 2) * 16
         total = np.float32(0.0)
         for j in range(4):
@@ -220,54 +220,135 @@ def device_stage_half_sums(xs, num_groups, tid, num_threads):
         xs[start + X_GROUP + half % 2] = total
 
 
+@cuda.jit(device=True)
+def device_stage_half_sums(xs, num_groups, tid, num_threads):
+    """device_stage_half_sums_at of the activations staged from xs[0]."""
+    device_stage_half_sums_at(xs, 0, num_groups, tid, num_threads)
+
+
 def _quants_ptr(fmt: str):
     """The C type of a matrix's quants plane as the C++ rows take it (a float matrix's values)."""
     return {"F32": tensor_core.FLOAT_PTR, "F16": tensor_core.HALF_PTR}.get(fmt, _U32_PTR)
 
 
-def _declare_rows(fmt: str, rows_per_warp: int):
-    return tensor_core.declare(
-        f"strata_gemv_rows_{_suffix(fmt)}_r{rows_per_warp}",
-        (tensor_core.FLOAT_PTR, _quants_ptr(fmt), *_PLANES[1:], _I64, tensor_core.INT32, *_STRIDES,
-         tensor_core.FLOAT_PTR, tensor_core.INT32),
-        "gemv_rows.cu")
+# the C++ row functions' format structs and unroll per rows_per_warp, as cuda/gemv_rows.cu instantiates its
+# one-row exports (STRATA_GEMV_ROWS / STRATA_GEMV_LOOP): the NX-row exports are the same with NX rows of x
+_ROWS_SHAPES = MappingProxyType({
+    "Q4_0": ("Q40", {1: 2, 2: 2, 4: 1}), "Q8_0": ("Q80", {1: 2, 2: 2, 4: 1}), "Q4_K": ("Q4K", {1: 2, 2: 2, 4: 1}),
+    "F32": ("F32", {1: 4, 2: 4, 4: 2}), "F16": ("F16", {1: 4, 2: 4, 4: 2}),
+})
+_LOOP_SHAPES = MappingProxyType({**_ROWS_SHAPES, "Q4_K": ("Q4KWide", {1: 1, 2: 1, 4: 1})})
 
 
-def _declare_loop(fmt: str, rows_per_warp: int):
+def _rows_name(fmt: str, rows_per_warp: int, num_x_rows: int) -> str:
+    if num_x_rows == 1:
+        return f"strata_gemv_rows_{_suffix(fmt)}_r{rows_per_warp}"
+    return f"strata_gemv_rows_x{num_x_rows}_{_suffix(fmt)}_r{rows_per_warp}"
+
+
+def _rows_instances(fmts, rows_per_warp: int, num_x_rows: int) -> str:
+    """The source lines instantiating the NX-row exports of `fmts` (none for one row: the source has those)."""
+    if num_x_rows == 1:
+        return ""
+    lines = []
+    for fmt in dict.fromkeys(fmts):
+        struct, unroll = _ROWS_SHAPES[fmt]
+        lines.append(f"STRATA_GEMV_ROWS_X({_rows_name(fmt, rows_per_warp, num_x_rows)}, {struct}, {rows_per_warp}, "
+                     f"{unroll[rows_per_warp]}, {num_x_rows})\n")
+    return "".join(lines)
+
+
+def _declare_rows(fmt: str, rows_per_warp: int, num_x_rows: int = 1, instances: str = ""):
+    """The C++ rows of `fmt`: R rows against `num_x_rows` staged rows of x (x_stride floats apart when more
+    than one); `instances`: the suffix every NX-row function a kernel links was instantiated in (one object)."""
+    x_args = (tensor_core.FLOAT_PTR,) if num_x_rows == 1 else (tensor_core.FLOAT_PTR, tensor_core.INT32)
     return tensor_core.declare(
-        f"strata_gemv_loop_{_suffix(fmt)}_r{rows_per_warp}",
-        (tensor_core.FLOAT_PTR, _quants_ptr(fmt), *_PLANES[1:], _I64, _I64, _I64, *_STRIDES, tensor_core.FLOAT_PTR,
-         tensor_core.INT32, tensor_core.INT32),
-        "gemv_rows.cu")
+        _rows_name(fmt, rows_per_warp, num_x_rows),
+        (tensor_core.FLOAT_PTR, _quants_ptr(fmt), *_PLANES[1:], _I64, tensor_core.INT32, *_STRIDES, *x_args,
+         tensor_core.INT32),
+        "gemv_rows.cu", instances)
+
+
+def _declare_loop(fmt: str, rows_per_warp: int, num_x_rows: int = 1):
+    if num_x_rows == 1:
+        return tensor_core.declare(
+            f"strata_gemv_loop_{_suffix(fmt)}_r{rows_per_warp}",
+            (tensor_core.FLOAT_PTR, _quants_ptr(fmt), *_PLANES[1:], _I64, _I64, _I64, *_STRIDES,
+             tensor_core.FLOAT_PTR, tensor_core.INT32, tensor_core.INT32),
+            "gemv_rows.cu")
+    name = f"strata_gemv_loop_x{num_x_rows}_{_suffix(fmt)}_r{rows_per_warp}"
+    struct, unroll = _LOOP_SHAPES[fmt]
+    instance = f"STRATA_GEMV_LOOP_X({name}, {struct}, {rows_per_warp}, {unroll[rows_per_warp]}, {num_x_rows})\n"
+    return tensor_core.declare(
+        name,
+        (tensor_core.FLOAT_PTR, _I64, _quants_ptr(fmt), *_PLANES[1:], _I64, _I64, _I64, *_STRIDES,
+         tensor_core.FLOAT_PTR, tensor_core.INT32, tensor_core.INT32, tensor_core.INT32),
+        "gemv_rows.cu", instance)
+
+
+def max_x_rows(w) -> int:
+    """Rows of activations one launch of the C++ rows stages for w (the rest go to further launches)."""
+    num_x = x_floats(w.num_cols, w.fmt == "Q4_K")
+    return max(1, (_MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES) // (4 * num_x))
+
+
+def _x_row_chunks(num_x_rows: int, per_launch: int):
+    """(first, count) of each launch's activation rows: full launches of per_launch rows, then the rest."""
+    return [(t0, min(per_launch, num_x_rows - t0)) for t0 in range(0, num_x_rows, per_launch)]
+
+
+def _loop_call(loop_fn, num_cols: int, num_x: int, num_x_rows: int, is_accumulate: bool):
+    """device_loop_call(y, quants, scales, extra, row_begin, row_step, num_rows, words, halves, extra_bytes, xs):
+    loop_fn, the C++ loop of one row of x (the source's own exports) or of num_x_rows rows num_x floats apart
+    into y [R * num_rows], which takes both strides."""
+    ffi = tensor_core.ffi()
+    x_stride, accumulate = np.int32(num_x), np.int32(is_accumulate)
+    if num_x_rows == 1:
+        @cuda.jit(device=True)
+        def device_loop_call(y, quants, scales, extra, row_begin, row_step, num_rows, words, halves, extra_bytes, xs):
+            loop_fn(ffi.from_buffer(y), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
+                    row_begin, row_step, num_rows, words, halves, extra_bytes, ffi.from_buffer(xs), num_cols,
+                    accumulate)
+    else:
+        @cuda.jit(device=True)
+        def device_loop_call(y, quants, scales, extra, row_begin, row_step, num_rows, words, halves, extra_bytes, xs):
+            loop_fn(ffi.from_buffer(y), num_rows, ffi.from_buffer(quants), ffi.from_buffer(scales),
+                    ffi.from_buffer(extra), row_begin, row_step, num_rows, words, halves, extra_bytes,
+                    ffi.from_buffer(xs), x_stride, num_cols, accumulate)
+    return device_loop_call
 
 
 @functools.cache
-def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bool, is_accumulate: bool):
+def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bool, is_accumulate: bool,
+                 num_x_rows: int = 1):
     warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
-    loop_fn = _declare_loop(fmt, rows_per_warp)
+    loop_fn = _declare_loop(fmt, rows_per_warp, num_x_rows)
     is_q4_k = fmt == "Q4_K"  # its loop reads the Q4_K layout, with the half sums staged in the padding
     stage = _stage_device(num_cols, threads, has_norm, is_q4_k)
-    ffi = tensor_core.ffi()
     num_x = x_floats(num_cols, is_q4_k)
-    accumulate = np.int32(is_accumulate)
+    xs_size = num_x * num_x_rows
+    loop_call = _loop_call(loop_fn, num_cols, num_x, num_x_rows, is_accumulate)
 
     # no launch bounds or register cap: with either (512 threads, 128 registers) the heads measured 4-10%
     # slower on the H200; the loops' registers fit a 512-thread block without (they launch at 16 warps)
     @cuda.jit
-    def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [1, K], y [N]
+    def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [R, K], y [R * N]
         tid = cuda.threadIdx.x
         red = cuda.shared.array(warps, np.float32)
-        xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
-        stage(x, 0, norm_w, eps, red, xs, 0, tid)
+        xs = cuda.shared.array(xs_size, np.float32, alignment=16)  # [R, num_x]: read as float4 by the C++
+        for t in range(num_x_rows):
+            if t > 0:
+                cuda.syncthreads()  # every warp has read the last row's norm sums out of red
+            stage(x, t, norm_w, eps, red, xs, t * num_x, tid)
         cuda.syncthreads()
         if is_q4_k:
-            device_stage_half_sums(xs, num_cols // X_GROUP, tid, threads)
+            for t in range(num_x_rows):
+                device_stage_half_sums_at(xs, t * num_x, num_cols // X_GROUP, tid, threads)
             cuda.syncthreads()
         # each warp's row groups, row_step apart: the C++ loads a group's rows while it multiplies the last ones
         row_begin = (cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp
-        loop_fn(ffi.from_buffer(y), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
-                row_begin, cuda.gridDim.x * warps * rows_per_warp, y.shape[0], words, halves, extra_bytes,
-                ffi.from_buffer(xs), num_cols, accumulate)
+        loop_call(y, quants, scales, extra, row_begin, cuda.gridDim.x * warps * rows_per_warp, y.shape[0] // num_x_rows,
+                  words, halves, extra_bytes, xs)
 
     return gemv_kernel
 
@@ -275,65 +356,101 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
 def gemv_native(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
                 config: NativeGemvConfig = LAYER_CONFIG, stream=0):
     """gemv.gemv's product through the linked C++ rows; the caller validated the inputs and is_supported(w)."""
+    return gemv_native_rows(w, x.reshape(1, w.num_cols), y.reshape(1, w.num_rows), norm_weight=norm_weight, eps=eps,
+                            accumulate=accumulate, config=config, stream=stream)
+
+
+def gemv_native_rows(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
+                     config: NativeGemvConfig = LAYER_CONFIG, stream=0):
+    """gemv.gemv_rows's product through the linked C++ rows: x [R, K], y [R, N]; the caller validated the
+    inputs and is_supported(w). Each launch stages max_x_rows(w) rows of x (or the rest) and reads W once
+    for them; row t's sums are the C++ loop's for x[t] alone."""
     config = config.validate()
     has_norm = norm_weight is not None
-    # the kernel is the same whatever the grid: one compile for every blocks_per_sm
-    kernel = _gemv_kernel(w.fmt, w.num_cols, config._replace(blocks_per_sm=0), has_norm, accumulate)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    kernel[config.grid(w.num_rows), config.threads, stream](w.quants, w.scales, w.extra, *_row_strides(w),
-                                                            x.reshape(1, w.num_cols), norm_w, np.float32(eps), y)
+    chunks = _x_row_chunks(x.shape[0], max_x_rows(w))
+    for t0, count in chunks:
+        # the kernel is the same whatever the grid: one compile for every blocks_per_sm
+        kernel = _gemv_kernel(w.fmt, w.num_cols, config._replace(blocks_per_sm=0), has_norm, accumulate, count)
+        x_part, y_part = (x, y) if len(chunks) == 1 else (x[t0:t0 + count], y[t0:t0 + count])
+        kernel[config.grid(w.num_rows), config.threads, stream](
+            w.quants, w.scales, w.extra, *_row_strides(w), x_part, norm_w, np.float32(eps),
+            y_part.reshape(count * w.num_rows))
     return y
 
 
-@functools.cache
-def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm: bool):
-    warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
-    rows_a, rows_b, rows_c = (_declare_rows(f, rows_per_warp) for f in fmts)
-    stage = _stage_device(num_cols, threads, has_norm)
+def _rows_call(rows_fn, num_cols: int, num_x: int, num_x_rows: int):
+    """device_rows_call(out, quants, scales, extra, row0, count, words, halves, extra_bytes, xs): rows_fn, the C++
+    rows of one row of x (the source's own exports) or of num_x_rows rows num_x floats apart, which take the stride."""
     ffi = tensor_core.ffi()
+    x_stride = np.int32(num_x)
+    if num_x_rows == 1:
+        @cuda.jit(device=True)
+        def device_rows_call(out, quants, scales, extra, row0, count, words, halves, extra_bytes, xs):
+            rows_fn(ffi.from_buffer(out), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
+                    row0, count, words, halves, extra_bytes, ffi.from_buffer(xs), num_cols)
+    else:
+        @cuda.jit(device=True)
+        def device_rows_call(out, quants, scales, extra, row0, count, words, halves, extra_bytes, xs):
+            rows_fn(ffi.from_buffer(out), ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra),
+                    row0, count, words, halves, extra_bytes, ffi.from_buffer(xs), x_stride, num_cols)
+    return device_rows_call
+
+
+@functools.cache
+def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm: bool, num_x_rows: int = 1):
+    warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
+    instances = _rows_instances(fmts, rows_per_warp, num_x_rows)  # one linked object for the three
+    rows_a, rows_b, rows_c = (_declare_rows(f, rows_per_warp, num_x_rows, instances) for f in fmts)
+    stage = _stage_device(num_cols, threads, has_norm)
     num_x = x_floats(num_cols)
+    xs_size, out_size = num_x * num_x_rows, rows_per_warp * num_x_rows
+    rows_a_call, rows_b_call, rows_c_call = (_rows_call(fn, num_cols, num_x, num_x_rows)
+                                             for fn in (rows_a, rows_b, rows_c))
 
     @cuda.jit
     def gemv3_kernel(qa, sa, ea, wa, ha, xa, qb, sb, eb, wb, hb, xb, qc, sc, ec, wc, hc, xc, x, norm_w, eps, blocks_a,
                      blocks_b, ya, yb, yc):  # w*, h*, x*: words, halves and extra bytes per row of each matrix
-        tid = cuda.threadIdx.x
+        tid = cuda.threadIdx.x  # x [R, K], y* [R, N*]
         red = cuda.shared.array(warps, np.float32)
-        xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
-        stage(x, 0, norm_w, eps, red, xs, 0, tid)
+        xs = cuda.shared.array(xs_size, np.float32, alignment=16)  # [R, num_x]: read as float4 by the C++
+        for t in range(num_x_rows):
+            if t > 0:
+                cuda.syncthreads()  # every warp has read the last row's norm sums out of red
+            stage(x, t, norm_w, eps, red, xs, t * num_x, tid)
         cuda.syncthreads()
         lane = tid % _WARP
         block = cuda.blockIdx.x
         segment = 0 if block < blocks_a else (1 if block < blocks_a + blocks_b else 2)
         first = 0 if segment == 0 else (blocks_a if segment == 1 else blocks_a + blocks_b)
         row0 = ((block - first) * warps + tid // _WARP) * rows_per_warp
-        num_rows = ya.shape[0] if segment == 0 else (yb.shape[0] if segment == 1 else yc.shape[0])
+        num_rows = ya.shape[1] if segment == 0 else (yb.shape[1] if segment == 1 else yc.shape[1])
         if row0 < num_rows:
-            out = cuda.local.array(rows_per_warp, np.float32)
+            out = cuda.local.array(out_size, np.float32)  # [R, rows_per_warp]
             count = min(rows_per_warp, num_rows - row0)
             if segment == 0:
-                rows_a(ffi.from_buffer(out), ffi.from_buffer(qa), ffi.from_buffer(sa), ffi.from_buffer(ea), row0,
-                       count, wa, ha, xa, ffi.from_buffer(xs), num_cols)
+                rows_a_call(out, qa, sa, ea, row0, count, wa, ha, xa, xs)
             elif segment == 1:
-                rows_b(ffi.from_buffer(out), ffi.from_buffer(qb), ffi.from_buffer(sb), ffi.from_buffer(eb), row0,
-                       count, wb, hb, xb, ffi.from_buffer(xs), num_cols)
+                rows_b_call(out, qb, sb, eb, row0, count, wb, hb, xb, xs)
             else:
-                rows_c(ffi.from_buffer(out), ffi.from_buffer(qc), ffi.from_buffer(sc), ffi.from_buffer(ec), row0,
-                       count, wc, hc, xc, ffi.from_buffer(xs), num_cols)
-            for r in range(rows_per_warp):
-                if lane == r and r < count:
-                    if segment == 0:
-                        ya[row0 + r] = out[r]
-                    elif segment == 1:
-                        yb[row0 + r] = out[r]
-                    else:
-                        yc[row0 + r] = out[r]
+                rows_c_call(out, qc, sc, ec, row0, count, wc, hc, xc, xs)
+            for t in range(num_x_rows):
+                for r in range(rows_per_warp):
+                    if lane == r and r < count:
+                        if segment == 0:
+                            ya[t, row0 + r] = out[t * rows_per_warp + r]
+                        elif segment == 1:
+                            yb[t, row0 + r] = out[t * rows_per_warp + r]
+                        else:
+                            yc[t, row0 + r] = out[t * rows_per_warp + r]
 
     return gemv3_kernel
 
 
 def gemv_multi_native(ws: tuple, x, ys: tuple, *, norm_weight=None, eps: float = 1e-6,
                       config: NativeGemvConfig = NativeGemvConfig(), stream=0):
-    """gemv_multi's 2 or 3 products through the linked C++ rows; the caller validated the inputs."""
+    """gemv_multi's 2 or 3 products through the linked C++ rows: x [R, K], ys [R, N_i]; the caller validated
+    the inputs. Each launch stages as many rows of x as fit (max_x_rows) and reads each matrix once for them."""
     config = config.validate()
     has_norm = norm_weight is not None
     num_cols = ws[0].num_cols
@@ -341,13 +458,15 @@ def gemv_multi_native(ws: tuple, x, ys: tuple, *, norm_weight=None, eps: float =
     num_outputs = len(ys)
     blocks = [ceil_div(w.num_rows, rows_per_block) for w in ws] + [0]
     if len(ws) == 2:  # the third matrix's segment gets no blocks
-        ws, ys = (*ws, ws[1]), (*ys, stand_in(ys[1], np.float32, 1))
-    kernel = _gemv3_kernel(tuple(w.fmt for w in ws), num_cols, config, has_norm)
+        ws, ys = (*ws, ws[1]), (*ys, stand_in(ys[1], np.float32, 2))
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     planes = [a for w in ws for a in (w.quants, w.scales, w.extra, *_row_strides(w))]
     if sum(blocks):
-        kernel[sum(blocks[:3]), config.threads, stream](*planes, x.reshape(1, num_cols), norm_w, np.float32(eps),
-                                                        blocks[0], blocks[1], *ys)
+        for t0, count in _x_row_chunks(x.shape[0], max_x_rows(ws[0])):
+            kernel = _gemv3_kernel(tuple(w.fmt for w in ws), num_cols, config, has_norm, count)
+            outs = [y[t0:t0 + count] for y in ys[:num_outputs]] + list(ys[num_outputs:])  # the stand-in whole
+            kernel[sum(blocks[:3]), config.threads, stream](*planes, x[t0:t0 + count], norm_w, np.float32(eps),
+                                                            blocks[0], blocks[1], *outs)
     return ys[:num_outputs]
 
 

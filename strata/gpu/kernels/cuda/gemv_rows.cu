@@ -321,16 +321,21 @@ __device__ __forceinline__ RowPlanes row_planes(const u32* quants, const __half*
   return RowPlanes{quants + row * words_per_row, scales + row * halves_per_row, extra + row * extra_per_row};
 }
 
-// R rows of one or two matrices, all items of each, against the same activations xs. Every row is
-// read: a caller with fewer rows repeats its last one and drops the repeats' totals.
-template <class F, int R, int UNROLL>
-__device__ __forceinline__ void rows_dot(float* out, const RowPlanes (&rows)[R], const float* xs, int num_cols) {
+// R rows of one or two matrices, all items of each, against NX activation rows (xs + t * x_stride floats,
+// t < NX), each row's item read once for all NX: out[t * R + r] is row r's product with activation row t.
+// Every row is read: a caller with fewer rows repeats its last one and drops the repeats' totals. Each
+// (t, r) sum is the same chain of operations whatever NX is: F::dot<R> of activation row t alone.
+template <class F, int R, int UNROLL, int NX>
+__device__ __forceinline__ void rows_dot(float* out, const RowPlanes (&rows)[R], const float* xs, int x_stride,
+                                         int num_cols) {
   const int lane = threadIdx.x & 31;
   const int num_items = F::items(num_cols);
   const u32 xs_shared = shared_address(xs);
-  float acc[R];
+  float acc[NX][R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int t = 0; t < NX; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
   for (int i0 = lane; i0 < num_items; i0 += 32 * UNROLL) {
     Item it[UNROLL][R];
 #pragma unroll
@@ -340,21 +345,28 @@ __device__ __forceinline__ void rows_dot(float* out, const RowPlanes (&rows)[R],
         if (i0 + 32 * u < num_items) it[u][r] = F::load(rows[r], i0 + 32 * u);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
-      if (i0 + 32 * u < num_items) F::template dot<R>(it[u], xs_shared, i0 + 32 * u, acc);
+      if (i0 + 32 * u < num_items)
+#pragma unroll
+        for (int t = 0; t < NX; ++t) F::template dot<R>(it[u], xs_shared + 4 * t * x_stride, i0 + 32 * u, acc[t]);
   }
 #pragma unroll
-  for (int r = 0; r < R; ++r) out[r] = warp_sum(acc[r]);
+  for (int t = 0; t < NX; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) out[t * R + r] = warp_sum(acc[t][r]);
 }
 
 // Rows row_begin, row_begin + row_step, ... of a num_rows-row matrix, R at a time, into y (added to it when
 // accumulate): the call's whole share of a GEMV. Each step (a group of R rows, 32 * UNROLL of their items)
 // loads the next step's items before it multiplies its own, so that a warp keeps its loads in flight while it
-// computes; a group at a time, each group's arithmetic left the warp's share of the HBM idle.
-template <class F, int R, int UNROLL>
-__device__ __forceinline__ void rows_loop(float* y, const u32* quants, const __half* scales, const u8* extra,
-                                          long long row_begin, long long row_step, long long num_rows,
-                                          int words_per_row, int halves_per_row, int extra_per_row, const float* xs,
-                                          int num_cols, bool accumulate) {
+// computes; a group at a time, each group's arithmetic left the warp's share of the HBM idle. NX activation
+// rows (xs + t * x_stride floats) meet each loaded item, into y + t * y_stride: row t's sums are those of
+// NX = 1 with activation row t.
+template <class F, int R, int UNROLL, int NX>
+__device__ __forceinline__ void rows_loop(float* y, long long y_stride, const u32* quants, const __half* scales,
+                                          const u8* extra, long long row_begin, long long row_step,
+                                          long long num_rows, int words_per_row, int halves_per_row,
+                                          int extra_per_row, const float* xs, int x_stride, int num_cols,
+                                          bool accumulate) {
   constexpr int CHUNK = 32 * UNROLL;
   const int lane = threadIdx.x & 31;
   const int num_items = F::items(num_cols);
@@ -375,9 +387,11 @@ __device__ __forceinline__ void rows_loop(float* y, const u32* quants, const __h
   if (row0 >= num_rows) return;
   Item cur[UNROLL][R];
   load_step(cur, row0, 0);
-  float acc[R];
+  float acc[NX][R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int t = 0; t < NX; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
   for (;;) {
     long long next_row0 = row0;
     int next_i0 = i0 + CHUNK;
@@ -390,14 +404,20 @@ __device__ __forceinline__ void rows_loop(float* y, const u32* quants, const __h
     if (has_next) load_step(next, next_row0, next_i0);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
-      if (i0 + lane + 32 * u < num_items) F::template dot<R>(cur[u], xs_shared, i0 + lane + 32 * u, acc);
+      if (i0 + lane + 32 * u < num_items)
+#pragma unroll
+        for (int t = 0; t < NX; ++t)
+          F::template dot<R>(cur[u], xs_shared + 4 * t * x_stride, i0 + lane + 32 * u, acc[t]);
     if (next_i0 == 0) {  // the group's last step
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const float total = warp_sum(acc[r]);
-        if (lane == r && row0 + r < num_rows) y[row0 + r] = accumulate ? y[row0 + r] + total : total;
-        acc[r] = 0.f;
-      }
+      for (int t = 0; t < NX; ++t)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float total = warp_sum(acc[t][r]);
+          float* yt = y + t * y_stride;
+          if (lane == r && row0 + r < num_rows) yt[row0 + r] = accumulate ? yt[row0 + r] + total : total;
+          acc[t][r] = 0.f;
+        }
     }
     if (!has_next) break;
 #pragma unroll
@@ -457,7 +477,7 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
     for (int r = 0; r < R; ++r)                                                                                      \
       rows[r] = row_planes(quants, scales, extra, row0 + (r < num_rows ? r : num_rows - 1), words_per_row,            \
                            halves_per_row, extra_per_row);                                                           \
-    rows_dot<F, R, UNROLL>(out, rows, xs, num_cols);                                                                 \
+    rows_dot<F, R, UNROLL, 1>(out, rows, xs, 0, num_cols);                                                          \
   }
 
 #define STRATA_GEMV_LOOP(NAME, F, R, UNROLL)                                                                         \
@@ -465,8 +485,30 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
                                   long long row_begin, long long row_step, long long num_rows, int words_per_row,    \
                                   int halves_per_row, int extra_per_row, const float* xs, int num_cols,              \
                                   int accumulate) {                                                                  \
-    rows_loop<F, R, UNROLL>(y, quants, scales, extra, row_begin, row_step, num_rows, words_per_row, halves_per_row,  \
-                            extra_per_row, xs, num_cols, accumulate != 0);                                           \
+    rows_loop<F, R, UNROLL, 1>(y, 0, quants, scales, extra, row_begin, row_step, num_rows, words_per_row,           \
+                               halves_per_row, extra_per_row, xs, 0, num_cols, accumulate != 0);                     \
+  }
+
+// NX activation rows: gemv_native appends these for the (format, R, NX) a launch needs (tensor_core.cu_source's
+// suffix), so that only the instantiations in use are compiled.
+#define STRATA_GEMV_ROWS_X(NAME, F, R, UNROLL, NX)                                                                   \
+  extern "C" __device__ void NAME(float* out, const u32* quants, const __half* scales, const u8* extra,              \
+                                  long long row0, int num_rows, int words_per_row, int halves_per_row,               \
+                                  int extra_per_row, const float* xs, int x_stride, int num_cols) {                  \
+    RowPlanes rows[R];                                                                                               \
+    for (int r = 0; r < R; ++r)                                                                                      \
+      rows[r] = row_planes(quants, scales, extra, row0 + (r < num_rows ? r : num_rows - 1), words_per_row,            \
+                           halves_per_row, extra_per_row);                                                           \
+    rows_dot<F, R, UNROLL, NX>(out, rows, xs, x_stride, num_cols);                                                  \
+  }
+
+#define STRATA_GEMV_LOOP_X(NAME, F, R, UNROLL, NX)                                                                   \
+  extern "C" __device__ void NAME(float* y, long long y_stride, const u32* quants, const __half* scales,             \
+                                  const u8* extra, long long row_begin, long long row_step, long long num_rows,      \
+                                  int words_per_row, int halves_per_row, int extra_per_row, const float* xs,         \
+                                  int x_stride, int num_cols, int accumulate) {                                      \
+    rows_loop<F, R, UNROLL, NX>(y, y_stride, quants, scales, extra, row_begin, row_step, num_rows, words_per_row,    \
+                                halves_per_row, extra_per_row, xs, x_stride, num_cols, accumulate != 0);             \
   }
 
 #define STRATA_GEMV_PAIR(NAME, F)                                                                                    \
@@ -476,7 +518,7 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
                                   int num_cols) {                                                                    \
     const RowPlanes rows[2] = {row_planes(qa, sa, ea, row, words_per_row, halves_per_row, extra_per_row),            \
                                row_planes(qb, sb, eb, row, words_per_row, halves_per_row, extra_per_row)};           \
-    rows_dot<F, 2, 2>(out, rows, xs, num_cols);                                                                   \
+    rows_dot<F, 2, 2, 1>(out, rows, xs, 0, num_cols);                                                             \
   }
 
 #define STRATA_DOWN_ROW(NAME, F)                                                                                     \
