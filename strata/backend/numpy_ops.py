@@ -230,7 +230,7 @@ class NumpyOps:
         kv.data[layer, 0, start:end] = kv.encode(k)
         kv.data[layer, 1, start:end] = kv.encode(v)
 
-    def decode_attention_scratch(self, owner: str, kv: NumpyKv, num_heads: int) -> None:
+    def decode_attention_scratch(self, owner: str, kv: NumpyKv, num_heads: int, num_tokens: int = 1) -> None:
         return None
 
     def attention(self, q, kv: NumpyKv, layer: int, start: int, positions=None, split_scratch=None) -> np.ndarray:

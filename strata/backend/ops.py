@@ -140,9 +140,10 @@ class Ops(Protocol):
     def kv_write(self, kv: Any, layer: int, start: int, k: Any, v: Any, positions: Any = None) -> None: ...
     def attention(self, q: Any, kv: Any, layer: int, start: int, positions: Any = None,
                   split_scratch: Any = None) -> Any: ...  # -> [T, Hq*E]
-    def decode_attention_scratch(self, owner: str, kv: Any, num_heads: int) -> Any:
-        """Scratch for one decode token's attention (``attention(..., split_scratch=)``), shared by
-        every layer: the layers run one after another on one stream. None where the backend needs none."""
+    def decode_attention_scratch(self, owner: str, kv: Any, num_heads: int, num_tokens: int = 1) -> Any:
+        """Scratch for the attention of ``num_tokens`` decode rows (``attention(..., split_scratch=)``),
+        shared by every layer: the layers run one after another on one stream. None where the backend
+        needs none."""
     def route(self, x: Any, router: QTensor, num_used: int, is_norm: bool) -> tuple[Any, Any]:
         """ids [T, k] and weights [T, k] on the backend (``to_host`` the ids to pick experts there)."""
     def moe_groups(self, ids: Any, weights: Any, num_experts: int, layout: ExpertLayout | None = None) -> Any:

@@ -14,12 +14,15 @@ from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 
 from strata.backend.ops import DECODE_MAX_ROWS
+from strata.backend.select import has_cuda_device
 from strata.engine.facade import Engine
 from strata.engine.stream_stats import StreamStats
 from strata.model.synth import PRESETS, write_synthetic_model
 
-BACKENDS = ["numpy", pytest.param("cudasim", marks=pytest.mark.skipif(
-    not numba_config.ENABLE_CUDASIM, reason="the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)"))]
+KERNELS = "cuda" if has_cuda_device() else "cudasim"
+BACKENDS = ["numpy", pytest.param(KERNELS, marks=pytest.mark.skipif(
+    KERNELS == "cudasim" and not numba_config.ENABLE_CUDASIM,
+    reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)"))]
 PROMPT = [5, 77, 301, 12, 450]
 
 
@@ -57,8 +60,8 @@ def test_a_forward_of_rows_equals_one_token_forwards_bit_for_bit(tiny_path, back
     engine = _engine(tiny_path, backend)
     runner, ops = engine.runner, engine.ops
     is_captured = runner.decode_step is not None
-    assert is_captured == (backend == "cudasim")  # one-token forwards replay the captured step there
-    row_counts = (2, 5, DECODE_MAX_ROWS) if backend == "numpy" else (3,)  # the simulator: ~10 s a token
+    assert is_captured == (backend != "numpy")  # one-token forwards replay the captured step there
+    row_counts = (3,) if backend == "cudasim" else (2, 5, DECODE_MAX_ROWS)  # the simulator: ~10 s a token
     rng = np.random.default_rng(11)
     stats = StreamStats()
     _prefill(engine, stats)
