@@ -43,7 +43,7 @@ gpu-test: setup $(GPU_EXTRA)
 BENCH_PACK := $(BENCH_MODEL:.gguf=.strpack)
 
 $(BENCH_MODEL): | $(BIN)/strata
-	$(BIN)/strata synth --preset qwen3-30b-a3b --qtype Q4_0 --mtp $(BENCH_MODEL)
+	$(BIN)/strata synth --preset qwen3-30b-a3b --qtype Q4_0 --pure --mtp $(BENCH_MODEL)
 
 # packed again whenever the model is newer (a pack refuses any GGUF but its own)
 $(BENCH_PACK): $(BENCH_MODEL) | $(BIN)/strata

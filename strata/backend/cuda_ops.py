@@ -526,6 +526,12 @@ class CudaOps:
         with self._owning(ACTIVATIONS):
             return concat_columns(a, b, stream=self._stream)
 
+    def copy_array(self, dst, src) -> None:
+        """dst[...] = src on the device, by a kernel (a captured segment may hold it)."""
+        from strata.gpu.kernels.concat import copy_array
+
+        copy_array(dst, src, stream=self._stream)
+
     def logits(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
         from strata.gpu.kernels.gemv import gemv
         from strata.gpu.kernels.gemv_native import head_config
@@ -553,8 +559,8 @@ class CudaOps:
             argmax(logits, token=token, stream=self._stream, **shape)
 
     def logits_rows(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
-        """[R, V] float32 on the host, row r the bits of ``logits`` of x[r] alone (the head's GEMV with
-        R activation rows: the head is read once for all of them)."""
+        """[R, V] float32 on the host, row r the bits of ``logits`` of x[r] alone (the head's rows GEMV;
+        its looping configuration takes a row of x a launch, ``gemv_native_rows``)."""
         with self._owning(ACTIVATIONS):
             return self._head_rows(x, norm, head, eps).copy_to_host()
 

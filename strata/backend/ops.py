@@ -169,8 +169,7 @@ class Ops(Protocol):
     def concat_columns(self, a: Any, b: Any) -> Any: ...  # [R, Da], [R, Db] -> [R, Da + Db]
     def logits(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray: ...  # last row -> [V] host
     def logits_rows(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray:
-        """[R, V] float32 on the host: row r is ``logits`` of x[r] alone (R <= DECODE_MAX_ROWS); the
-        head is read once for all rows."""
+        """[R, V] float32 on the host: row r is ``logits`` of x[r] alone (R <= DECODE_MAX_ROWS)."""
     def greedy_rows(self, x: Any, norm: Any, head: QTensor, eps: float, bias: Any, tokens: Any) -> None:
         """tokens [R] int32 (on the backend) = per row of x, the argmax of its logits (as ``logits_rows``)
         after adding ``bias`` (backend ids [n] int32 and values [n] float32, or None), the lowest id among

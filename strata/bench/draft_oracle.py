@@ -3,8 +3,9 @@
 A synthetic model's MTP block has random weights, so its drafts are almost never taken and say
 nothing about what speculation can do. The oracle keeps every draft computation (the MTP block
 runs; its memory and time are real) but replaces each proposed token by the target's own greedy
-continuation, recorded in a plain run of the same prompt, with probability P, and by a token
-that differs from it otherwise. A measurement mode of the bench only: serving never passes one.
+continuation, recorded by plain decode from the same request's prefill before its timed decode
+(another prefill of the prompt, in other chunks, may pick other tokens where two logits nearly
+tie), with probability P, and by a token that differs from it otherwise. A measurement mode of the bench only: serving never passes one.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import numpy as np
 
 
 class DraftOracle:
-    def __init__(self, continuation: list[int], first_position: int, probability: float, vocab_size: int,
+    def __init__(self, continuation: list[int] | None, first_position: int, probability: float, vocab_size: int,
                  seed: int = 0):
-        """continuation: the greedy tokens of a plain run, the first at ``first_position`` (the prompt's length)."""
+        """continuation: the greedy tokens of a plain run, the first at ``first_position`` (the prompt's
+        length); None: the request records them from its own prefill before its timed decode."""
         if not 0.0 <= probability <= 1.0:
             raise ValueError(f"the draft oracle's probability must be in [0, 1], got {probability}")
         self.continuation = continuation

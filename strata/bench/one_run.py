@@ -71,15 +71,12 @@ def main(argv=None) -> int:
     if args.draft_oracle is not None:
         if engine.mtp is None:
             raise SystemExit("--draft-oracle needs speculative decode (runtime.mtp = true and --spec other than off)")
-        reference = engine.generate(tokens, params)
-        continuation = [event.token_id for event in reference if event.token_id >= 0]
-        oracle = DraftOracle(continuation, len(tokens), args.draft_oracle, engine.spec.vocab_size, seed=args.seed)
+        oracle = DraftOracle(None, len(tokens), args.draft_oracle, engine.spec.vocab_size, seed=args.seed)
     generation = engine.generate(tokens, params, draft_oracle=oracle)
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
-    for _ in generation:
-        pass
+    output = [event.token_id for event in generation if event.token_id >= 0]
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
@@ -105,6 +102,8 @@ def main(argv=None) -> int:
         "draft_oracle": args.draft_oracle, "spec_rounds": stats.spec_rounds, "spec_drafted": stats.spec_drafted,
         "spec_accepted": stats.spec_accepted, "spec_depth": stats.spec_depth,
         "spec_depth_max": engine.config.runtime.spec_depth,
+        # with the oracle: the measured run's tokens are the plain run's (greedy output must not change)
+        "is_output_equal": output == oracle.continuation if oracle is not None else None,
     }
     print("STRATA-BENCH " + json.dumps(result), flush=True)
     engine.close()
@@ -115,7 +114,7 @@ def _set_speculation(engine, mode: str) -> None:
     """--spec: the configured policy, another one, or none (plain decode; the memory stays as loaded)."""
     from strata.engine.decode.depth_policy import DepthPolicy
 
-    if mode == "config" or engine.mtp is None:
+    if engine.mtp is None or mode == "config":
         return
     if mode == "off":
         engine.mtp = engine.depth_policy = None

@@ -183,7 +183,7 @@ class Engine(EngineCore):
         num_bytes = 0
         try:
             self.runner.prepare_decode(self.output_head() if self.config.runtime.greedy_on_device and is_head_here
-                                       else None)
+                                       else None, max_rows=1 + (self.config.runtime.spec_depth if self.mtp else 0))
             num_bytes = self.ledger.snapshot().by_owner.get(DECODE_GRAPHS_OWNER, 0)
             self.loan.plan_preview(is_loan=False)  # every resource resident, as a request without a loan
         except AllocationError as exc:  # the capture itself, or the prefill after it, does not fit
@@ -217,6 +217,8 @@ class Engine(EngineCore):
                 for tile_rows in self.ops.moe_tile_rows(layout):  # the MoE kernels of every tile a chunk may take
                     with self.ops.forcing_moe_tile_rows(tile_rows):
                         hidden = self.runner.forward(tokens, 0, self.workspace if geometry else None, stats)
+                        if self._is_mtp_resident():  # the MTP block over a prefill chunk (its KV of the prompt)
+                            self.mtp.hidden(hidden[:num_tokens - 1], tokens[1:], 0)
             finally:
                 self.ops.synchronize()  # no copy may still target the ring when the workspace goes
                 self.workspace.free()
@@ -253,12 +255,16 @@ class Engine(EngineCore):
     def _warmup_speculation(self, hidden, token: int, position: int, stats: StreamStats) -> None:
         """Compile the MTP block's launches and a verify step's (a forward of two rows), where a
         startup loan does not hold the block back."""
-        if all(self.resources[name].is_resident for name in (MTP_DRAFT_HEAD, MTP_EXPERTS) if name in self.resources):
+        if self._is_mtp_resident():
             drafted = self.mtp.hidden(hidden, np.array([token]), position)
             head = self.resources.get("output_head")
             if head is None or head.is_resident:
                 self.mtp.logits(drafted)
         self.runner.forward(np.array([token, token]), position + 1, None, stats)
+
+    def _is_mtp_resident(self) -> bool:
+        """Whether speculation's MTP block is loaded and resident (a startup loan may hold it back)."""
+        return self.mtp is not None and self.mtp.is_resident
 
     def _warmup_logits(self, hidden) -> np.ndarray:
         """The head's logits (``_warmup_head``)."""

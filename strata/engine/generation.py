@@ -4,6 +4,7 @@ prefill the unread tokens in it → the loan restores → decode token by token.
 from __future__ import annotations
 
 import logging
+import itertools
 import sys
 import time
 import traceback
@@ -12,7 +13,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from strata.engine.core import EngineCore
-from strata.engine.decode.speculative import DraftOracle, Speculation
+from strata.engine.decode.device_speculation import DeviceSpeculation
+from strata.engine.decode.speculative import PLAIN_DECODE, DraftOracle, Speculation
 from strata.engine.request import RequestStats, TokenEvent
 from strata.engine.sampling import (
     SamplingParams,
@@ -76,12 +78,14 @@ class Generation:
         engine.kv_tokens = list(prompt)
         prefill_seconds = time.perf_counter() - started
         self._prefill_streamed_bytes = stream.streamed_bytes
-        generated, finish, is_stop_string, decode_started = 0, "length", False, time.perf_counter()
-        decoder, stop, rng = engine.tokenizer.stream_decoder(), StopMatcher(params.stop), make_rng(params.seed)
         is_on_device = params.is_greedy and engine.config.runtime.greedy_on_device and \
             engine.runner.can_pick_greedy_on_device
+        if self.draft_oracle is not None and self.draft_oracle.continuation is None:
+            self._record_continuation(logits, hidden, is_on_device)
+        generated, finish, is_stop_string, decode_started = 0, "length", False, time.perf_counter()
+        decoder, stop, rng = engine.tokenizer.stream_decoder(), StopMatcher(params.stop), make_rng(params.seed)
         if engine.mtp is not None:
-            tokens = self._speculative_tokens(logits, hidden, rng, stream)
+            tokens = self._speculative_tokens(logits, hidden, rng, stream, is_on_device, oracle=self.draft_oracle)
         else:
             tokens = (self._device_tokens if is_on_device else self._host_tokens)(logits, rng, stream)
         logits = hidden = None  # hidden: the last token's [1, D] host row
@@ -175,32 +179,71 @@ class Generation:
         finally:
             steps.close()
 
+    def _record_continuation(self, logits: np.ndarray, hidden: np.ndarray, is_on_device: bool) -> None:
+        """The bench's draft oracle: plain greedy decode of this request, from its own prefill (a
+        prefill in other chunks may pick other tokens where two logits nearly tie), before the timed
+        decode; the KV cells it wrote are written again by the timed decode before they are read."""
+        engine = self.engine
+        steps = self._speculative_tokens(logits, hidden, make_rng(None), StreamStats(), is_on_device,
+                                         policy=PLAIN_DECODE)
+        continuation = list(itertools.islice(steps, self.params.max_tokens))
+        steps.close()
+        self.draft_oracle.continuation = continuation
+        self.draft_oracle.first_position = len(self.prompt)
+        engine.kv_tokens = list(self.prompt)
+
     def _speculative_tokens(self, logits: np.ndarray, hidden: np.ndarray, rng: np.random.Generator,
-                            stream: StreamStats) -> Iterator[int]:
+                            stream: StreamStats, is_on_device: bool, policy=None,
+                            oracle: DraftOracle | None = None) -> Iterator[int]:
         """The first token from the prefill's logits, the rest drafted by the MTP block and verified
-        in batches (``Speculation``); never more steps than the request and the context allow."""
+        in batches (``Speculation``), on the device for a greedy request where decode is captured;
+        never more steps than the request and the context allow."""
         engine, params = self.engine, self.params
         token = sample(logits, params, rng)
         logits = None
         yield token
         position = len(engine.kv_tokens)
         num_steps = min(params.max_tokens - 1, engine.context_tokens - position)
-        row = engine.ops.upload(ACTIVATIONS_OWNER, np.ascontiguousarray(hidden, dtype=np.float32))  # [1, D]
+        owned = [engine.ops.upload(ACTIVATIONS_OWNER, np.ascontiguousarray(hidden, dtype=np.float32))]  # [1, D]
         hidden = None
-        speculation = Speculation(engine.runner, engine.mtp, engine.depth_policy, self._row_logits, params, rng,
-                                  stream, self.draft_oracle)
-        steps = speculation.tokens(token, row, position, num_steps, engine.kv_tokens)
+        device = None
         try:
-            yield from steps
-        finally:
+            if is_on_device:
+                bias = self._device_bias()
+                owned += bias
+                device = (DeviceSpeculation(engine.runner, engine.mtp, engine.config.runtime.spec_depth),
+                          engine.output_head(), tuple(bias))
+            speculation = Speculation(engine.runner, engine.mtp, policy or engine.depth_policy, self._row_logits,
+                                      params, rng, stream, oracle, device)
+            steps = speculation.tokens(token, owned[0], position, num_steps, engine.kv_tokens)
             try:
-                steps.close()
+                yield from steps
             finally:
-                engine.ops.free(row)
+                steps.close()
+        finally:
+            if device is not None:
+                device[0].close()
+            for array in owned:
+                engine.ops.free(array)
+
+    def _device_bias(self) -> list:
+        """The engine's and the request's logit bias as device arrays (ids [n] int32, values [n] float32)."""
+        bias = [*self.engine.state.settings.logit_bias, *self.params.logit_bias.items()]
+        ids = np.array([token_id for token_id, _ in bias], dtype=np.int32)
+        check_bias_ids(ids, self.engine.spec.vocab_size)  # the device adds at these ids unchecked
+        values = np.array([value for _, value in bias], dtype=np.float32)
+        return [self.engine.ops.upload(ACTIVATIONS_OWNER, ids), self.engine.ops.upload(ACTIVATIONS_OWNER, values)]
 
     def _row_logits(self, hidden) -> np.ndarray:
-        """[R, V] host logits of every row of ``hidden`` [R, D], the engine's bias added."""
-        return np.stack([self._logits(hidden[row:row + 1]) for row in range(hidden.shape[0])])
+        """[R, V] host logits of every row of ``hidden`` [R, D] (the head read once), the engine's bias added."""
+        engine = self.engine
+        logits = engine.ops.logits_rows(hidden, *engine.output_head())  # [R, V]
+        position = max(len(engine.kv_tokens), len(self.prompt))
+        for row in logits:
+            check_finite_logits(row, len(self.prompt), position)
+        for token, bias in engine.state.settings.logit_bias:
+            logits[:, token] += np.float32(bias)  # in float32, as the device adds it
+        return logits
 
     def _release(self, is_failing: bool) -> None:
         """Drop the request's decode segments and trim the allocator's cache, unless a later request

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from strata.backend.ops import Ops, QTensor
+from strata.backend.ops import DECODE_MAX_ROWS, Ops, QTensor
 from strata.engine.decode.step import DecodeStep, can_use_segments
 from strata.engine.memory.decode_resources import upload_tensor
 from strata.engine.memory.expert_cache import ExpertCache
@@ -83,6 +83,7 @@ class ModelRunner:
         self.pack = pack
         self.decode_step = DecodeStep(self, is_decode_prefetching) if is_decode_captured and can_use_segments(self) \
             else None
+        self._row_steps: dict[int, DecodeStep] = {}  # [R] captured steps of R tokens (speculation's verify)
 
     @property
     def token_embedding(self) -> QTensor:
@@ -105,8 +106,8 @@ class ModelRunner:
         streamed into the cache.
         """
         spec, ops = self.spec, self.ops
-        if workspace is None and len(tokens) == 1 and self.decode_step is not None:
-            return self.decode_step.forward(int(tokens[0]), start, stats)
+        if workspace is None and len(tokens) <= DECODE_MAX_ROWS and self.decode_step is not None:
+            return self.step_of(len(tokens)).forward([int(t) for t in tokens], start, stats)
         ring = self._ring(workspace)
         plans = None
         if ring is not None and len(tokens) * spec.num_experts_used >= spec.num_experts:
@@ -122,20 +123,35 @@ class ModelRunner:
             ops.add(x, self._moe(layer, x, h, ring, plans[layer] if plans else None, stats))
         return x
 
+    def step_of(self, num_rows: int) -> DecodeStep:
+        """The captured step of ``num_rows`` tokens (made at its first use)."""
+        if num_rows == 1:
+            return self.decode_step
+        if num_rows not in self._row_steps:
+            self._row_steps[num_rows] = DecodeStep(self, self.decode_step.is_prefetching, num_rows)
+        return self._row_steps[num_rows]
+
+    def _steps(self) -> list[DecodeStep]:
+        return [] if self.decode_step is None else [self.decode_step, *self._row_steps.values()]
+
     def end_request(self) -> None:
         """A request's decode is over: its segments are dropped, unless they are kept (``prepare_decode``)."""
-        if self.decode_step is not None:
-            self.decode_step.end_request()
+        for step in self._steps():
+            step.end_request()
 
-    def prepare_decode(self, head: tuple | None) -> None:
-        """Capture decode's segments now and keep them across requests (``DecodeStep.prepare``)."""
-        if self.decode_step is not None:
-            self.decode_step.prepare(head)
+    def prepare_decode(self, head: tuple | None, max_rows: int = 1) -> None:
+        """Capture decode's segments now and keep them across requests (``DecodeStep.prepare``):
+        the one-token step's, and the steps of 2..``max_rows`` tokens (speculation's verify)."""
+        if self.decode_step is None:
+            return
+        self.decode_step.prepare(head)
+        for num_rows in range(2, max_rows + 1):
+            self.step_of(num_rows).prepare(None)
 
     def reset_decode(self) -> None:
         """Drop decode's segments and buffers, kept or not."""
-        if self.decode_step is not None:
-            self.decode_step.reset()
+        for step in self._steps():
+            step.reset()
 
     def _ring(self, workspace: PromptWorkspace | None) -> StagingRing | None:
         if workspace is None or workspace.geometry is None or not workspace.geometry.ring_slots or not self.spec.is_moe:

@@ -66,6 +66,16 @@ def test_drafts_taken_or_refused_keep_the_output(mtp_path, plain_tokens, probabi
     assert engine.kv_tokens == PROMPT + plain_tokens[:-1]
 
 
+def test_the_draft_oracle_records_the_continuation_from_the_request_itself(mtp_path, plain_tokens):
+    engine = _speculative(mtp_path, 2)
+    oracle = DraftOracle(None, 0, 1.0, engine.spec.vocab_size)
+    generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=NUM_TOKENS), draft_oracle=oracle)
+    assert [event.token_id for event in generation if event.token_id >= 0] == plain_tokens
+    assert oracle.continuation == plain_tokens and oracle.first_position == len(PROMPT)
+    assert generation.stats.spec_accepted == generation.stats.spec_drafted > 0
+    assert engine.kv_tokens == PROMPT + plain_tokens[:-1]
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 6, 7])
 def test_a_request_ending_inside_an_accepted_run_returns_what_plain_decode_returns(mtp_path, plain_tokens,
                                                                                    max_tokens):

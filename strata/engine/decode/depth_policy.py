@@ -44,10 +44,10 @@ class DepthPolicy:
             return 0
         best = max(range(limit + 1), key=lambda d: self._rate(d) if self.seconds[d] is not None else -1.0)
         best_rate = self._rate(best)
-        for d in range(1, limit + 1):
-            if self.seconds[d] is None:
-                return d if self._bound(d) > best_rate else best
-        if self._num_steps % self.probe_every == self.probe_every - 1:
+        untried = next((d for d in range(1, limit + 1) if self.seconds[d] is None), None)
+        if untried is not None and self._bound(untried) > best_rate:
+            return untried
+        if self._num_steps % self.probe_every == self.probe_every - 1:  # time a neighbour again
             return min(limit, best + 1) if best < limit else best - 1
         return best
 

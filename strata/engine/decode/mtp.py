@@ -29,7 +29,7 @@ from strata.errors import EngineError
 
 
 class MtpDraft:
-    def __init__(self, runner, head: TensorsResource, experts: ExpertsResource | None, kv,
+    def __init__(self, runner, weights: TensorsResource, experts: ExpertsResource | None, kv,
                  output_head: Callable[[], tuple]):
         """runner: the ``ModelRunner`` (ops, spec, rope, the attention block); kv: the block's own
         one-layer cache; output_head(): (norm, head, eps) of the main model, the fallback head."""
@@ -37,7 +37,7 @@ class MtpDraft:
         self.ops = runner.ops
         self.spec = runner.spec
         self.layer = self.spec.num_layers  # the first nextn block follows the main layers
-        self.head = head
+        self.weights = weights  # the dense tensors (``mtp_draft_head``)
         self.experts = experts
         self.kv = kv
         self._output_head = output_head
@@ -45,26 +45,28 @@ class MtpDraft:
     @property
     def is_resident(self) -> bool:
         """Whether the block's weights are on the device (a loan may hold them during prefill)."""
-        return self.head.is_resident and (self.experts is None or self.experts.is_resident)
+        return self.weights.is_resident and (self.experts is None or self.experts.is_resident)
 
     def tensor(self, name: str) -> Any:
         """The block's weight by its short name (``attn_q``, ``nextn.eh_proj``); None when absent."""
         if not self.is_resident:
             raise EngineError("the MTP block is not resident: a loan still holds it (the request must draft "
                               "only after the loan restores)")
-        return self.head.tensors.get(f"blk.{self.layer}.{name}.weight")
+        return self.weights.tensors.get(f"blk.{self.layer}.{name}.weight")
 
-    def hidden(self, hidden, next_tokens: np.ndarray, start: int) -> Any:
+    def hidden(self, hidden, next_tokens, start: int, positions=None) -> Any:
         """The block's output [R, D] for main-model (or chained) states ``hidden`` [R, D] at positions
-        ``start``.. and the token after each, ``next_tokens`` [R]; writes its cache at those positions."""
+        ``start``.. and the token after each, ``next_tokens`` [R]; writes its cache at those positions.
+        A captured step passes its device buffers: ``next_tokens`` int32 and ``positions`` [R]."""
         ops, spec, eps = self.ops, self.spec, self.spec.rms_norm_eps
         table = self.tensor("nextn.embed_tokens")
-        embedded = ops.embed(self.runner.token_embedding if table is None else table,
-                             np.asarray(next_tokens, dtype=np.int64))  # [R, D]
+        if isinstance(next_tokens, (list, np.ndarray)):
+            next_tokens = np.asarray(next_tokens, dtype=np.int64)
+        embedded = ops.embed(self.runner.token_embedding if table is None else table, next_tokens)  # [R, D]
         joined = ops.concat_columns(ops.rms_norm(embedded, self.tensor("nextn.enorm"), eps),
                                     ops.rms_norm(hidden, self.tensor("nextn.hnorm"), eps))  # [R, 2D]
         x = ops.matmul(joined, self.tensor("nextn.eh_proj"))  # [R, D]
-        positions = ops.positions(start, len(next_tokens))
+        positions = ops.positions(start, len(next_tokens)) if positions is None else positions
         self.runner.attention_block(self.layer, x, positions, start, kv=self.kv, tensor=self.tensor)
         h = ops.rms_norm(x, self.tensor("ffn_norm"), eps)  # [R, D]
         if not spec.is_moe:
@@ -82,11 +84,15 @@ class MtpDraft:
         ops.add(x, acc)
         return x
 
-    def logits(self, x) -> np.ndarray:
-        """Host logits [V] of the last row of the block's output ``x``."""
+    def head(self) -> tuple:
+        """(norm, head, eps) the block's drafts come from: its shared head, or the model's."""
         norm, head, eps = self._output_head()
         own_norm, own_head = self.tensor("nextn.shared_head_norm"), self.tensor("nextn.shared_head_head")
-        return self.ops.logits(x, norm if own_norm is None else own_norm, head if own_head is None else own_head, eps)
+        return norm if own_norm is None else own_norm, head if own_head is None else own_head, eps
+
+    def logits(self, x) -> np.ndarray:
+        """Host logits [V] of the last row of the block's output ``x``."""
+        return self.ops.logits(x, *self.head())
 
     def draft(self, hidden, next_tokens: np.ndarray, start: int, depth: int,
               pick: Callable[[int, np.ndarray], int], stats: StreamStats) -> list[int]:

@@ -34,9 +34,27 @@ from strata.engine.stream_stats import StreamStats
 
 
 class DraftOracle(Protocol):
-    """A measurement aid of the bench: the token to verify instead of the one the MTP block proposed."""
+    """A measurement aid of the bench: the token to verify instead of the one the MTP block proposed.
+    Its ``continuation`` (the plain greedy tokens from ``first_position`` on) is recorded by the
+    request itself when None."""
+
+    continuation: list[int] | None
+    first_position: int
 
     def replace(self, position: int, proposed: int) -> int: ...
+
+
+class _PlainDecode:
+    """A depth policy that never drafts: plain decode through the speculation's steps."""
+
+    def depth(self, limit: int) -> int:
+        return 0
+
+    def record(self, depth: int, seconds: float, num_accepted: int) -> None:
+        pass
+
+
+PLAIN_DECODE = _PlainDecode()
 
 
 class Speculation:
@@ -44,8 +62,10 @@ class Speculation:
 
     def __init__(self, runner, draft: MtpDraft, policy: DepthPolicy, logits_of: Callable[[Any], np.ndarray],
                  params: SamplingParams, rng: np.random.Generator, stats: StreamStats,
-                 oracle: DraftOracle | None = None):
-        """logits_of(hidden [R, D]) -> host [R, V] logits with the engine's bias added."""
+                 oracle: DraftOracle | None = None, device: tuple | None = None):
+        """logits_of(hidden [R, D]) -> host [R, V] logits with the engine's bias added. device: for a
+        greedy request on captured decode, (``DeviceSpeculation``, head, device bias): drafts and
+        picks stay on the device (``device_speculation.py``)."""
         self.runner = runner
         self.draft = draft
         self.policy = policy
@@ -54,6 +74,7 @@ class Speculation:
         self.rng = rng
         self.stats = stats
         self.oracle = oracle
+        self.device = device
 
     def tokens(self, token: int, hidden_row, position: int, num_steps: int, kv_tokens: list[int]) -> Iterator[int]:
         """Up to ``num_steps`` tokens after ``token`` (at ``position``; ``hidden_row`` [1, D] on the
@@ -63,15 +84,9 @@ class Speculation:
         while num_left > 0:
             depth = self.policy.depth(num_left - 1)
             started = time.perf_counter()
-            if depth == 0:
-                rows = self.runner.forward(np.array([token]), position, None, self.stats)  # [1, D]
-                emitted, num_accepted = [self._pick(self.logits_of(rows)[0])], 0
-            else:
-                q_probs: list[np.ndarray] = []
-                drafts = self.draft.draft(rows, np.array(next_tokens), start, depth,
-                                          lambda j, logits: self._propose(j, logits, position, q_probs), self.stats)
-                rows = self.runner.forward(np.array([token, *drafts]), position, None, self.stats)  # [d + 1, D]
-                emitted, num_accepted = self._verify(drafts, self.logits_of(rows), q_probs)
+            step = self._device_step if self.device is not None else self._host_step
+            rows, emitted, num_accepted = step(token, position, depth, rows, next_tokens, start)
+            if depth:
                 self.stats.record_round(depth, num_accepted)
             self.policy.record(depth, time.perf_counter() - started, num_accepted)
             self.stats.spec_depth = depth
@@ -84,6 +99,30 @@ class Speculation:
             for out in emitted[:num_left]:
                 yield out
             num_left -= len(emitted)
+
+    def _host_step(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int):
+        """(rows [n + 1, D] verified or not, tokens to emit, drafts taken), logits read on the host."""
+        if depth == 0:
+            rows = self.runner.forward(np.array([token]), position, None, self.stats)  # [1, D]
+            return rows, [self._pick(self.logits_of(rows)[0])], 0
+        q_probs: list[np.ndarray] = []
+        drafts = self.draft.draft(rows, np.array(next_tokens), start, depth,
+                                  lambda j, logits: self._propose(j, logits, position, q_probs), self.stats)
+        rows = self.runner.forward(np.array([token, *drafts]), position, None, self.stats)  # [d + 1, D]
+        emitted, num_accepted = self._verify(drafts, self.logits_of(rows), q_probs)
+        return rows, emitted, num_accepted
+
+    def _device_step(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int):
+        """As ``_host_step``, greedy, with drafts and picks on the device and 4 bytes a token read back."""
+        device, head, bias = self.device
+        if depth:
+            device.draft(rows, next_tokens, start, depth, self.oracle)
+            self.stats.spec_draft_steps += depth
+        rows, drafts, targets = device.verify(token, position, depth, head, bias, self.stats)
+        num_accepted = 0
+        while num_accepted < depth and drafts[num_accepted] == targets[num_accepted]:
+            num_accepted += 1
+        return rows, [*drafts[:num_accepted], targets[num_accepted]], num_accepted
 
     def _pick(self, logits: np.ndarray) -> int:
         return sample(logits, self.params, self.rng)

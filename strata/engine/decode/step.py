@@ -1,5 +1,7 @@
 """A decode token as captured segments: two per layer (one for the whole token when every expert
-is cached), recorded once and replayed for every token.
+is cached), recorded once and replayed for every token. A step of ``num_rows`` tokens at once (the
+rows of a speculative verify step, up to ``DECODE_MAX_ROWS``) is the same segments over [R, ...]
+buffers: the backend computes each row as it computes a one-token step.
 
 Per layer l (the same sums as ``ModelRunner.forward`` with one token):
 
@@ -71,19 +73,20 @@ def can_use_segments(model: DecodeLayers) -> bool:
 
 
 class DecodeStep:
-    def __init__(self, model: DecodeLayers, is_prefetching: bool = False):
+    def __init__(self, model: DecodeLayers, is_prefetching: bool = False, num_rows: int = 1):
         self.model = model
         self.is_prefetching = is_prefetching
+        self.num_rows = num_rows  # tokens a step computes (consecutive positions)
         self.is_kept = False  # segments and buffers kept across requests (``prepare``)
         self._is_request_start = True
         self._is_pool_trimmed = False  # this request's first capture trimmed the allocator cache
-        self._x = None  # [1, D] the residual stream
-        self._token_id = None  # [1] int32
-        self._positions = None  # [1] int32
-        self._step_row = None  # [2] int32 in pinned host memory: the token and position, queued copies
-        self._slot_ids = None  # [1, k] int32
+        self._x = None  # [R, D] the residual stream
+        self._token_id = None  # [R] int32
+        self._positions = None  # [R] int32
+        self._step_row = None  # [2R] int32 in pinned host memory: the tokens and positions, queued copies
+        self._slot_ids = None  # [R, k] int32
         self._attention_scratch: tuple | None = None  # every layer's (ops.decode_attention_scratch)
-        self._slot_rows = None  # [L, k] int32 in pinned host memory: each layer's slot ids, queued copies
+        self._slot_rows = None  # [L, R * k] int32 in pinned host memory: each layer's slot ids, queued copies
         self._attention: list = []
         self._experts: list = []
         self.is_resident: bool | None = None  # decided at a request's first token
@@ -110,12 +113,13 @@ class DecodeStep:
             self._tails.for_request(head, 0)
         self._is_request_start = True  # the first request still checks what its prefill changed
 
-    def forward(self, token: int, position: int, stats: StreamStats):
-        """Hidden state [1, D] of ``token`` at ``position`` (before the output norm); appends its KV."""
-        self._begin(token, position)
+    def forward(self, tokens, position: int, stats: StreamStats, drafts=None):
+        """Hidden states [R, D] of ``tokens`` [R] at ``position``.. (before the output norm); appends their KV.
+        drafts: [R - 1] int32 on the device, the tokens after the first (the host's are then ignored)."""
+        self._begin(tokens, position, drafts)
         if self.is_resident:
             self._resident_segment().replay()
-            stats.hits += self.model.spec.num_layers * self.model.spec.num_experts_used  # top-k ids are distinct
+            stats.hits += self.num_rows * self.model.spec.num_layers * self.model.spec.num_experts_used
         else:
             self._layers(stats)
         return self._x
@@ -131,7 +135,9 @@ class DecodeStep:
         the GPU does not wait for the host between tokens. A caller that stops early leaves that
         step's KV cell written past the tokens it keeps; a later token or request writes it again."""
         spec = self.model.spec
-        self._begin(token, position)
+        if self.num_rows != 1:
+            raise EngineError("greedy decode on the device runs one token a step")
+        self._begin([token], position)
         tail = self._tails.for_request(head, 0 if bias is None else len(bias[0]))
         tail.write_bias(self.model.ops, bias)
         readback, error = self._readback, None
@@ -168,18 +174,25 @@ class DecodeStep:
                                        "runtime.greedy_on_device = false")
         return token
 
-    def _begin(self, token: int, position: int) -> None:
-        """Upload and embed a step's token; at a request's first token, check the kept segments."""
-        model, ops, spec = self.model, self.model.ops, self.model.spec
+    def _begin(self, tokens, position: int, drafts=None) -> None:
+        """Upload and embed a step's tokens [R] (the first from the host and the rest from ``drafts``
+        on the device, when given); at a request's first step, check the kept segments."""
+        model, ops, spec, num_rows = self.model, self.model.ops, self.model.spec, self.num_rows
         if self._is_request_start:
             self._start_request()
-        if not 0 <= token < spec.vocab_size:  # the embedding reads the id on the device, unchecked
-            raise ValueError(f"token id {token} is outside the vocabulary [0, {spec.vocab_size})")
-        # token and position go up by copies queued from pinned memory: the host does not wait; the
+        if len(tokens) != num_rows:
+            raise ValueError(f"a step of {num_rows} rows got {len(tokens)} tokens")
+        for token in tokens:
+            if not 0 <= token < spec.vocab_size:  # the embedding reads the id on the device, unchecked
+                raise ValueError(f"token id {token} is outside the vocabulary [0, {spec.vocab_size})")
+        # tokens and positions go up by copies queued from pinned memory: the host does not wait; the
         # row is rewritten only at the next step, after the caller has read this step's result
-        self._step_row[:] = (token, position)
-        ops.copy_in(self._token_id, self._step_row[:1], is_queued=True)
-        ops.copy_in(self._positions, self._step_row[1:], is_queued=True)
+        self._step_row[:num_rows] = tokens
+        self._step_row[num_rows:] = np.arange(position, position + num_rows)
+        ops.copy_in(self._token_id, self._step_row[:num_rows], is_queued=True)
+        ops.copy_in(self._positions, self._step_row[num_rows:], is_queued=True)
+        if drafts is not None:  # ids an argmax wrote on the device: inside the vocabulary
+            ops.copy_array(self._token_id[1:], drafts)
         ops.embed(model.token_embedding, self._token_id, out=self._x)
 
     def _start_request(self) -> None:
@@ -249,7 +262,7 @@ class DecodeStep:
         self._attention_segment(0).replay()
         for layer in range(spec.num_layers):
             _, ids, _, predicted = self._attention_segment(layer).outputs
-            # [1, k] each, read at once after the segment and before anything queued makes the
+            # [R, k] each, read at once after the segment and before anything queued makes the
             # default stream wait for copies
             host_ids, host_predicted = _waited(stats, self._readback.now, ids, predicted)
             slot_of = model.decode_slots(layer, host_ids, stats, is_after_compute=False)  # [N]
@@ -258,14 +271,14 @@ class DecodeStep:
                 ops.wait_staged(ticket)
                 stats.prefetched_used += len(set(experts).intersection(host_ids.ravel().tolist()))
                 self._prefetched = None
-            row = self._slot_rows[layer:layer + 1]  # [1, k] pinned; its last copy ran before the wait above
+            row = self._slot_rows[layer].reshape(host_ids.shape)  # [R, k] pinned; its last copy ran before the wait above
             row[:] = slot_of[host_ids]
             ops.copy_in(self._slot_ids, row, is_queued=True)  # behind the staged copies, host not waiting
             self._experts_segment(layer).replay()
             if layer + 1 < spec.num_layers:
                 self._attention_segment(layer + 1).replay()
             if host_predicted is not None:  # behind this layer's misses on the copy stream, beside the kernels
-                in_use = {int(s) for s in slot_of[host_ids[0]]}
+                in_use = {int(s) for s in slot_of[host_ids].ravel()}
                 ticket, experts = model.prefetch(layer + 1, host_predicted, in_use, stats, is_after_compute=False)
                 self._prefetched = (ticket, experts) if experts else None
 
@@ -277,8 +290,8 @@ class DecodeStep:
         if self._x is None:
             self._allocate()
         self._write_tables(np.full((spec.num_layers, spec.num_experts), -1, np.int32))
-        ops.embed(self.model.token_embedding, np.array([token]), out=self._x)
-        ops.copy_in(self._positions, np.array([position], dtype=np.int32))
+        ops.embed(self.model.token_embedding, np.full(self.num_rows, token), out=self._x)
+        ops.copy_in(self._positions, np.arange(position, position + self.num_rows, dtype=np.int32))
         self._resident_token()
 
     def compile_greedy(self, head: tuple) -> None:
@@ -332,20 +345,20 @@ class DecodeStep:
 
     def _allocate(self) -> None:
         ops, spec = self.model.ops, self.model.spec
-        owner = self._owner
-        self._x = ops.alloc(owner, (1, spec.hidden_size), np.float32)
-        self._token_id = ops.alloc(owner, (1,), np.int32)
-        self._positions = ops.alloc(owner, (1,), np.int32)
-        self._slot_ids = ops.alloc(owner, (1, spec.num_experts_used), np.int32)
-        self._attention_scratch = ops.decode_attention_scratch(owner, self.model.kv, spec.num_heads)
+        owner, num_rows = self._owner, self.num_rows
+        self._x = ops.alloc(owner, (num_rows, spec.hidden_size), np.float32)
+        self._token_id = ops.alloc(owner, (num_rows,), np.int32)
+        self._positions = ops.alloc(owner, (num_rows,), np.int32)
+        self._slot_ids = ops.alloc(owner, (num_rows, spec.num_experts_used), np.int32)
+        self._attention_scratch = ops.decode_attention_scratch(owner, self.model.kv, spec.num_heads, num_rows)
         if self._slot_rows is None:  # kept across requests: a queued copy may still read them at a reset
-            num_values = spec.num_layers * spec.num_experts_used
-            self._slot_rows = ops.host_buffer(4 * num_values).view(np.int32).reshape(spec.num_layers, -1)  # [L, k]
-            self._step_row = ops.host_buffer(8).view(np.int32)  # [2]: token, position
+            num_values = spec.num_layers * num_rows * spec.num_experts_used
+            self._slot_rows = ops.host_buffer(4 * num_values).view(np.int32).reshape(spec.num_layers, -1)  # [L, R * k]
+            self._step_row = ops.host_buffer(8 * num_rows).view(np.int32)  # [2R]: tokens, positions
             self._readback = ops.readback()
 
     def _attention_and_route(self, layer: int):
-        """(h, ids, weights, predicted): predicted [1, k] is the next layer's router on this layer's
+        """(h, ids, weights, predicted): predicted [R, k] is the next layer's router on this layer's
         stream (None for the last layer, or without prefetching)."""
         model, spec = self.model, self.model.spec
         # the position is read on the device
@@ -358,9 +371,9 @@ class DecodeStep:
 
     def _route(self, layer: int):
         model, ops, spec = self.model, self.model.ops, self.model.spec
-        h = ops.rms_norm(self._x, model.vector(layer, "ffn_norm"), spec.rms_norm_eps)  # [1, D]
+        h = ops.rms_norm(self._x, model.vector(layer, "ffn_norm"), spec.rms_norm_eps)  # [R, D]
         ids, weights = ops.route(h, model.matrix(layer, "ffn_gate_inp"), spec.num_experts_used,
-                                 spec.is_expert_weights_normalized)  # [1, k]
+                                 spec.is_expert_weights_normalized)  # [R, k]
         return h, ids, weights
 
     def _experts_of(self, layer: int):

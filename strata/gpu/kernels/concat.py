@@ -1,4 +1,6 @@
-"""Two row-aligned matrices side by side: the MTP block's input ``[norm(embed(x)); norm(h)]``."""
+"""Copies a captured segment can hold (a driver copy cannot be captured on every stream): two
+row-aligned matrices side by side (the MTP block's input ``[norm(embed(x)); norm(h)]``), and one
+array into another of its size (a draft step's output into the buffer the next step reads)."""
 
 from __future__ import annotations
 
@@ -37,3 +39,24 @@ def concat_columns(a, b, *, threads: int = _DEFAULT_THREADS, stream=0):
     if num_rows and num_cols:
         _concat_kernel[(ceil_div(num_cols, threads), num_rows), threads, stream](a, b, out)
     return out
+
+
+@cuda.jit
+def _copy_kernel(dst, src):  # flat views of equal size
+    i = cuda.grid(1)
+    if i < dst.shape[0]:
+        dst[i] = src[i]
+
+
+def copy_array(dst, src, *, threads: int = _DEFAULT_THREADS, stream=0):
+    """dst[...] = src: device arrays of one dtype and size, contiguous (any shape).
+
+    Launch config: grid ceil(n / threads), block ``threads`` (default 256); one element per thread.
+    """
+    check_power_of_two("threads", threads)
+    if dst.dtype != src.dtype or dst.size != src.size:
+        raise ValueError(f"copy_array needs equal dtype and size, got {dst.dtype}[{dst.size}] and "
+                         f"{src.dtype}[{src.size}]")
+    if dst.size:
+        _copy_kernel[ceil_div(dst.size, threads), threads, stream](dst.reshape(dst.size), src.reshape(src.size))
+    return dst

@@ -118,6 +118,13 @@ def gemv_multi_rows(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, conf
         return ys
     if all(use_native(native, w) for w in ws):
         return gemv_multi_native(ws, x, ys, norm_weight=norm_weight, eps=eps, stream=stream)
+    if num_x_rows > 1:
+        # a launch a row: on the H200 the kernel of several rows did not give a row the bits of its
+        # one-row launch (its multiply-adds contract otherwise)
+        for t in range(num_x_rows):
+            gemv_multi_rows(ws, x[t:t + 1], tuple(y[t:t + 1] for y in ys), norm_weight=norm_weight, eps=eps,
+                            config=config, native=False, stream=stream)
+        return ys
     w_c, y_c = (ws[2], ys[2]) if len(ws) == 3 else (ws[1], stand_in(ys[1], np.float32, 2))
     blocks = [ceil_div(w.num_rows, config.rows_per_block) for w in ws]
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)

@@ -368,7 +368,9 @@ def gemv_native_rows(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate
     config = config.validate()
     has_norm = norm_weight is not None
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    chunks = _x_row_chunks(x.shape[0], max_x_rows(w))
+    # a head's looping blocks take one row of x a launch: with several, every head configuration ran
+    # out of registers on the H200 (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+    chunks = _x_row_chunks(x.shape[0], 1 if config.blocks_per_sm else max_x_rows(w))
     for t0, count in chunks:
         # the kernel is the same whatever the grid: one compile for every blocks_per_sm
         kernel = _gemv_kernel(w.fmt, w.num_cols, config._replace(blocks_per_sm=0), has_norm, accumulate, count)

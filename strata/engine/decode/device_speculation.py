@@ -1,0 +1,145 @@
+"""Greedy speculation on the device: the draft chain and the verify step as captured segments.
+
+A greedy speculation step never brings logits to the host:
+
+    draft:   the verified rows [R, D] and their next tokens go to fixed buffers; segment first(R)
+             runs the MTP block over them and writes the argmax of its last row (draft 1) into
+             ``tok_c`` and that row into ``x_c``; segment chain runs the block on (x_c, tok_c) at
+             ``pos_c`` and writes draft j + 1 over them, d - 1 times. A kernel copies each draft
+             into ``drafts``.
+    verify:  the step of d + 1 rows (``DecodeStep``) embeds the token and the drafts from
+             ``drafts``; ``greedy_rows`` writes the model's own pick after each row into
+             ``targets``; the host reads drafts and targets (4 bytes each) in one wait.
+
+The host compares them: the longest agreeing prefix is taken, and the target after it is the next
+token. Drafts are picked without the request's logit bias (they only propose); targets with it.
+The segments read the MTP block's weights and the head where they were when captured, and a loan
+uploads those again for every request, so they are captured per request (one first(R) for each
+R the request meets, and one chain) and dropped at its end (``close``), with their buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from strata.engine.decode.mtp import MtpDraft
+from strata.engine.stream_stats import StreamStats
+from strata.errors import NonFiniteLogitsError
+from strata.gpu.ledger import ACTIVATIONS_OWNER
+
+
+@dataclasses.dataclass
+class _Buffers:
+    h_in: object  # [R_max, D] float32: the rows the first draft step reads
+    tok_in: object  # [R_max] int32: the token after each of them
+    pos_in: object  # [R_max] int32: their positions
+    x_c: object  # [1, D] float32: the chain's state
+    tok_c: object  # [1] int32: the chain's newest draft
+    pos_c: object  # [1] int32: the chain's position
+    drafts: object  # [R_max] int32
+    targets: object  # [R_max] int32
+
+
+class DeviceSpeculation:
+    def __init__(self, runner, mtp: MtpDraft, max_depth: int):
+        self.runner = runner
+        self.mtp = mtp
+        self.ops = runner.ops
+        self.max_rows = max_depth + 1
+        self._buffers: _Buffers | None = None
+        self._first: dict[int, object] = {}  # [R] the first draft step over R rows
+        self._chain = None
+        self._host = None  # [2 R_max + 1] int32 pinned: next tokens, positions, the chain's position
+        self._readback = None
+
+    def draft(self, rows, next_tokens: list[int], start: int, depth: int, oracle=None) -> None:
+        """``depth`` drafts into ``drafts`` after ``rows`` [R, D] (device) at positions ``start``..
+        followed by ``next_tokens`` [R]. oracle: the bench's replacement of each draft (it reads
+        each one back, so the chain continues from the replaced token)."""
+        ops, num_rows = self.ops, len(next_tokens)
+        buffers = self._allocated()
+        ops.copy_array(buffers.h_in[:num_rows], rows)
+        host, max_rows = self._host, self.max_rows
+        # rewritten only after the previous step's readback: its queued copies have landed
+        host[:num_rows] = next_tokens
+        host[max_rows:max_rows + num_rows] = np.arange(start, start + num_rows)
+        host[2 * max_rows] = start + num_rows
+        ops.copy_in(buffers.tok_in[:num_rows], host[:num_rows], is_queued=True)
+        ops.copy_in(buffers.pos_in[:num_rows], host[max_rows:max_rows + num_rows], is_queued=True)
+        ops.copy_in(buffers.pos_c, host[2 * max_rows:], is_queued=True)
+        self._first_segment(num_rows).replay()
+        for place in range(depth):
+            if place:
+                self._chain_segment().replay()
+            if oracle is not None:
+                proposed = int(self._readback.now(buffers.tok_c)[0][0])
+                # the draft at ``place`` is verified at the position after the newest token's
+                position = start + num_rows + place + 1
+                ops.copy_in(buffers.tok_c, np.array([oracle.replace(position, proposed)], np.int32))
+            ops.copy_array(buffers.drafts[place:place + 1], buffers.tok_c)
+
+    def verify(self, token: int, position: int, depth: int, head: tuple, bias, stats: StreamStats):
+        """The rows [d + 1, D] of ``token`` and the ``depth`` drafts at ``position``.., and the host's
+        copies of the drafts [d] and of the model's greedy pick after each row [d + 1]."""
+        buffers = self._allocated()
+        step = self.runner.step_of(depth + 1)
+        rows = step.forward([token] + [0] * depth, position, stats, buffers.drafts[:depth] if depth else None)
+        self.ops.greedy_rows(rows, *head, bias, buffers.targets[:depth + 1])
+        drafts, targets = self._readback.now(buffers.drafts[:depth] if depth else None, buffers.targets[:depth + 1])
+        vocab_size = self.runner.spec.vocab_size
+        if np.any(targets < 0) or np.any(targets >= vocab_size):  # the argmax found no finite logit
+            raise NonFiniteLogitsError(f"the device picked token id {int(targets.max())} outside the vocabulary: the logits "
+                              "were not finite (NaN); check the model file, or decode with "
+                              "runtime.greedy_on_device = false")
+        return rows, ([] if drafts is None else drafts.tolist()), targets.tolist()
+
+    def close(self) -> None:
+        """Drop the segments and buffers (the end of a request)."""
+        for segment in [*self._first.values(), *([self._chain] if self._chain else [])]:
+            segment.close()
+        self._first, self._chain = {}, None
+        if self._buffers is not None:
+            for array in (getattr(self._buffers, field.name) for field in dataclasses.fields(self._buffers)):
+                self.ops.free(array)
+            self._buffers = None
+
+    def _allocated(self) -> _Buffers:
+        if self._buffers is None:
+            ops, rows, width = self.ops, self.max_rows, self.runner.spec.hidden_size
+            alloc = lambda shape, dtype: ops.alloc(ACTIVATIONS_OWNER, shape, dtype)
+            self._buffers = _Buffers(h_in=alloc((rows, width), np.float32), tok_in=alloc((rows,), np.int32),
+                                     pos_in=alloc((rows,), np.int32), x_c=alloc((1, width), np.float32),
+                                     tok_c=alloc((1,), np.int32), pos_c=alloc((1,), np.int32),
+                                     drafts=alloc((rows,), np.int32), targets=alloc((rows,), np.int32))
+            if self._host is None:
+                self._host = ops.host_buffer(4 * (2 * rows + 1)).view(np.int32)
+                self._readback = ops.readback()
+        return self._buffers
+
+    def _first_segment(self, num_rows: int):
+        if num_rows not in self._first:
+            self._first[num_rows] = self.ops.capture(lambda: self._first_step(num_rows), ACTIVATIONS_OWNER)
+        return self._first[num_rows]
+
+    def _chain_segment(self):
+        if self._chain is None:
+            self._chain = self.ops.capture(self._chain_step, ACTIVATIONS_OWNER)
+        return self._chain
+
+    def _first_step(self, num_rows: int):
+        buffers, ops = self._buffers, self.ops
+        x = self.mtp.hidden(buffers.h_in[:num_rows], buffers.tok_in[:num_rows], 0,
+                            positions=buffers.pos_in[:num_rows])  # [R, D]
+        ops.copy_array(buffers.x_c, x[num_rows - 1:])
+        ops.greedy_token(buffers.x_c, *self.mtp.head(), None, buffers.tok_c)
+        return ()
+
+    def _chain_step(self):
+        buffers, ops = self._buffers, self.ops
+        x = self.mtp.hidden(buffers.x_c, buffers.tok_c, 0, positions=buffers.pos_c)  # [1, D]
+        ops.copy_array(buffers.x_c, x)
+        ops.increment(buffers.pos_c)
+        ops.greedy_token(buffers.x_c, *self.mtp.head(), None, buffers.tok_c)
+        return ()

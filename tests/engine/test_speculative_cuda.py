@@ -1,0 +1,75 @@
+"""MTP speculation on the Numba kernels (the simulator in CI, the GPU where there is one): drafts
+and picks on the device through captured segments, greedy output equal to plain greedy decode."""
+
+import numpy as np
+import pytest
+from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy
+from gguf import GGMLQuantizationType as QType
+from loan_setup import BUILTINS
+from numba import config as numba_config
+
+from strata.backend.select import has_cuda_device
+from strata.bench.draft_oracle import DraftOracle
+from strata.engine.facade import Engine
+from strata.engine.sampling import SamplingParams
+from strata.gpu.ledger import TRANSIENT_OWNERS
+from strata.model.synth import PRESETS, write_synthetic_model
+
+BACKEND = "cuda" if has_cuda_device() else "cudasim"
+pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
+                                reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)")
+NUM_PROMPT, NUM_GENERATED = (70, 40) if BACKEND == "cuda" else (6, 4)
+DEPTHS = (1, 2, 3, 4) if BACKEND == "cuda" else (2,)
+PROMPT = [int(t) for t in np.random.default_rng(6).integers(3, 500, size=NUM_PROMPT)]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_synthetic_model(tmp_path_factory.mktemp("models") / "tiny.gguf", PRESETS["tiny"], QType.Q4_0,
+                                 seed=3, with_mtp=True)
+
+
+def _runtime(**runtime):
+    return {"backend": BACKEND, "vram_budget": "64MiB", "warmup": BACKEND == "cuda", **runtime}
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_path):
+    """Plain greedy decode's tokens on the device; in the simulator, the NumPy reference's, which
+    plain decode there equals (test_engine_cuda.py), for a simulated request takes minutes."""
+    if BACKEND == "cudasim":
+        return reference_greedy(tiny_path, PROMPT, NUM_GENERATED)
+    engine = Engine.load(engine_config(tiny_path, runtime=_runtime()), show_progress=False)
+    tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
+    assert not stats.is_speculative
+    return tokens
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth):
+    engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=depth, spec_policy="fixed")),
+                         show_progress=False)
+    assert engine.runner.can_pick_greedy_on_device
+    if BACKEND == "cuda":  # the model's own drafts (the simulator runs only the oracle's: minutes a request)
+        tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
+        assert tokens == plain_tokens and stats.spec_rounds > 0
+    # every draft the greedy continuation: each verify step takes all of its drafts
+    oracle = DraftOracle(plain_tokens, len(PROMPT), 1.0, engine.spec.vocab_size)
+    generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=NUM_GENERATED, seed=0),
+                                 draft_oracle=oracle)
+    assert [event.token_id for event in generation if event.token_id >= 0] == plain_tokens
+    assert generation.stats.spec_accepted == generation.stats.spec_drafted > 0
+    idle = dict(engine.idle_ledger.by_owner)
+    assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
+
+
+@pytest.mark.skipif(BACKEND != "cuda", reason="the loan on the device: GPU only (slow in the simulator)")
+def test_device_speculation_with_the_loan_equals_plain_greedy(tiny_path, plain_tokens):
+    runtime = _runtime(**{**LOAN_RUNTIME, "spec_depth": 3, "spec_policy": "fixed"})
+    engine = Engine.load(engine_config(tiny_path, runtime=runtime, loan={"enabled": True, "plugins": list(BUILTINS)}),
+                         show_progress=False)
+    for _ in range(2):  # the second request captures over the weights the loan uploaded again
+        # seeded: no prefix reuse, each request prefills the whole prompt under a loan
+        generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=NUM_GENERATED, seed=0))
+        assert [event.token_id for event in generation if event.token_id >= 0] == plain_tokens
+        assert generation.stats.spec_rounds and engine.mtp.is_resident
