@@ -166,11 +166,7 @@ class Generation:
         yield token
         position = len(engine.kv_tokens)
         num_steps = min(params.max_tokens - 1, engine.context_tokens - position)
-        bias = [*engine.state.settings.logit_bias, *params.logit_bias.items()]
-        ids = np.array([token_id for token_id, _ in bias], dtype=np.int32)
-        check_bias_ids(ids, engine.spec.vocab_size)  # the device adds at these ids unchecked
-        values = np.array([value for _, value in bias], dtype=np.float32)
-        steps = engine.runner.greedy_tokens(token, position, num_steps, engine.output_head(), (ids, values), stream)
+        steps = engine.runner.greedy_tokens(token, position, num_steps, engine.output_head(), self._host_bias(), stream)
         try:
             for next_token in steps:
                 engine.kv_tokens.append(token)
@@ -209,10 +205,11 @@ class Generation:
         device = None
         try:
             if is_on_device:
-                bias = self._device_bias()
+                host_bias = self._host_bias()
+                bias = [engine.ops.upload(ACTIVATIONS_OWNER, array) for array in host_bias]
                 owned += bias
                 device = (DeviceSpeculation(engine.runner, engine.mtp, engine.config.runtime.spec_depth),
-                          engine.output_head(), tuple(bias))
+                          engine.output_head(), tuple(bias), host_bias)
             speculation = Speculation(engine.runner, engine.mtp, policy or engine.depth_policy, self._row_logits,
                                       params, rng, stream, oracle, device)
             steps = speculation.tokens(token, owned[0], position, num_steps, engine.kv_tokens)
@@ -226,13 +223,12 @@ class Generation:
             for array in owned:
                 engine.ops.free(array)
 
-    def _device_bias(self) -> list:
-        """The engine's and the request's logit bias as device arrays (ids [n] int32, values [n] float32)."""
+    def _host_bias(self) -> tuple[np.ndarray, np.ndarray]:
+        """The engine's and the request's logit bias, in order: (ids [n] int32, values [n] float32)."""
         bias = [*self.engine.state.settings.logit_bias, *self.params.logit_bias.items()]
         ids = np.array([token_id for token_id, _ in bias], dtype=np.int32)
         check_bias_ids(ids, self.engine.spec.vocab_size)  # the device adds at these ids unchecked
-        values = np.array([value for _, value in bias], dtype=np.float32)
-        return [self.engine.ops.upload(ACTIVATIONS_OWNER, ids), self.engine.ops.upload(ACTIVATIONS_OWNER, values)]
+        return ids, np.array([value for _, value in bias], dtype=np.float32)
 
     def _row_logits(self, hidden) -> np.ndarray:
         """[R, V] host logits of every row of ``hidden`` [R, D] (the head read once), the engine's bias added."""

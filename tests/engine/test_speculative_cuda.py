@@ -53,11 +53,13 @@ def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth):
     if BACKEND == "cuda":  # the model's own drafts (the simulator runs only the oracle's: minutes a request)
         tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
         assert tokens == plain_tokens and stats.spec_rounds > 0
-    # every draft the greedy continuation: each verify step takes all of its drafts
-    oracle = DraftOracle(plain_tokens, len(PROMPT), 1.0, engine.spec.vocab_size)
+    # every draft the greedy continuation, which the request records first by plain decode on the
+    # device (its greedy steps queued ahead, then a one-row step): each verify step takes all its drafts
+    oracle = DraftOracle(None, 0, 1.0, engine.spec.vocab_size)
     generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=NUM_GENERATED, seed=0),
                                  draft_oracle=oracle)
     assert [event.token_id for event in generation if event.token_id >= 0] == plain_tokens
+    assert oracle.continuation == plain_tokens
     assert generation.stats.spec_accepted == generation.stats.spec_drafted > 0
     idle = dict(engine.idle_ledger.by_owner)
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle

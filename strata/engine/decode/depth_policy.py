@@ -33,6 +33,7 @@ class DepthPolicy:
         self._drafted = [0.0] * max_depth  # [place] decayed counts
         self._accepted = [0.0] * max_depth
         self._num_steps = 0
+        self._last_probe = 0  # _num_steps when a neighbour of the best depth was last timed
         self.last_depth = 0
 
     def depth(self, limit: int) -> int:
@@ -47,7 +48,8 @@ class DepthPolicy:
         untried = next((d for d in range(1, limit + 1) if self.seconds[d] is None), None)
         if untried is not None and self._bound(untried) > best_rate:
             return untried
-        if self._num_steps % self.probe_every == self.probe_every - 1:  # time a neighbour again
+        if self._num_steps - self._last_probe >= self.probe_every:  # time a neighbour again
+            self._last_probe = self._num_steps
             return min(limit, best + 1) if best < limit else best - 1
         return best
 

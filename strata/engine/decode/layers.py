@@ -39,9 +39,11 @@ class DecodeLayers(Protocol):
     def token_embedding(self) -> QTensor:
         """[V, D] the table a step's token id is embedded from."""
 
-    def attention_block(self, layer: int, x: Any, positions: Any, start: int, split_scratch: Any = None) -> None:
+    def attention_block(self, layer: int, x: Any, positions: Any, start: int, split_scratch: Any = None,
+                        kv: Any = None, tensor: Any = None) -> None:
         """x += ``layer``'s attention of ``x``'s tokens at ``positions`` (KV written at ``start``..);
-        ``split_scratch``: a decode token's attention scratch (``Ops.decode_attention_scratch``)."""
+        ``split_scratch``: a decode token's attention scratch (``Ops.decode_attention_scratch``);
+        ``kv`` and ``tensor(name)``: another block's one-layer cache and weights (the MTP block's)."""
 
     def matrix(self, layer: int, name: str) -> QTensor:
         """``layer``'s matrix ``name`` (``ffn_gate_inp``, ...)."""

@@ -33,6 +33,9 @@ from strata.engine.sampling import SamplingParams, distribution, draw, sample
 from strata.engine.stream_stats import StreamStats
 
 
+PLAIN_RUN_TOKENS = 16  # plain steps on the device between two looks at the depth policy
+
+
 class DraftOracle(Protocol):
     """A measurement aid of the bench: the token to verify instead of the one the MTP block proposed.
     Its ``continuation`` (the plain greedy tokens from ``first_position`` on) is recorded by the
@@ -64,8 +67,9 @@ class Speculation:
                  params: SamplingParams, rng: np.random.Generator, stats: StreamStats,
                  oracle: DraftOracle | None = None, device: tuple | None = None):
         """logits_of(hidden [R, D]) -> host [R, V] logits with the engine's bias added. device: for a
-        greedy request on captured decode, (``DeviceSpeculation``, head, device bias): drafts and
-        picks stay on the device (``device_speculation.py``)."""
+        greedy request on captured decode, (``DeviceSpeculation``, head, the bias on the device, the
+        bias on the host): drafts and picks stay on the device (``device_speculation.py``), and a run
+        of plain steps is captured greedy decode's, each step queued ahead of the host."""
         self.runner = runner
         self.draft = draft
         self.policy = policy
@@ -84,21 +88,44 @@ class Speculation:
         while num_left > 0:
             depth = self.policy.depth(num_left - 1)
             started = time.perf_counter()
-            step = self._device_step if self.device is not None else self._host_step
-            rows, emitted, num_accepted = step(token, position, depth, rows, next_tokens, start)
+            if depth == 0 and self.device is not None:
+                rows, emitted = self._device_plain_run(token, position, min(num_left, PLAIN_RUN_TOKENS))
+                num_accepted = 0
+            else:
+                step = self._device_step if self.device is not None else self._host_step
+                rows, emitted, num_accepted = step(token, position, depth, rows, next_tokens, start)
+                rows = rows[:num_accepted + 1]  # [n + 1, D] the verified rows
+            seconds = (time.perf_counter() - started) / (len(emitted) if depth == 0 else 1)
+            for _ in range(len(emitted) if depth == 0 else 1):
+                self.policy.record(depth, seconds, num_accepted)
             if depth:
                 self.stats.record_round(depth, num_accepted)
-            self.policy.record(depth, time.perf_counter() - started, num_accepted)
             self.stats.spec_depth = depth
-            verified = [token, *emitted[:-1]]  # positions position..position + n
+            verified = [token, *emitted[:-1]]  # positions position..position + len - 1
             kv_tokens.extend(verified)
-            rows = rows[:len(verified)]  # [n + 1, D] the verified rows
-            next_tokens, start = emitted, position
+            # the rows end at the newest verified position; each is followed by the next emitted token
+            next_tokens, start = emitted[-rows.shape[0]:], position + len(verified) - rows.shape[0]
             position += len(verified)
             token = emitted[-1]
             for out in emitted[:num_left]:
                 yield out
             num_left -= len(emitted)
+
+    def _device_plain_run(self, token: int, position: int, num_tokens: int):
+        """(row [1, D], tokens): ``num_tokens`` plain greedy steps on the device, all but the last
+        queued one ahead of the host (``ModelRunner.greedy_tokens``), the last a one-row verify step,
+        whose hidden row the next drafting starts from."""
+        device, head, bias, host_bias = self.device
+        emitted: list[int] = []
+        if num_tokens > 1:
+            steps = self.runner.greedy_tokens(token, position, num_tokens - 1, head, host_bias, self.stats)
+            try:
+                emitted = list(steps)
+            finally:
+                steps.close()
+        last = emitted[-1] if emitted else token
+        rows, _, targets = device.verify(last, position + len(emitted), 0, head, bias, self.stats)
+        return rows, [*emitted, targets[0]]
 
     def _host_step(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int):
         """(rows [n + 1, D] verified or not, tokens to emit, drafts taken), logits read on the host."""
@@ -114,7 +141,7 @@ class Speculation:
 
     def _device_step(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int):
         """As ``_host_step``, greedy, with drafts and picks on the device and 4 bytes a token read back."""
-        device, head, bias = self.device
+        device, head, bias, _ = self.device
         if depth:
             device.draft(rows, next_tokens, start, depth, self.oracle)
             self.stats.spec_draft_steps += depth
