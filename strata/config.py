@@ -117,6 +117,12 @@ class PlannerConfig:
                                                    "(measure yours with `strata bench`)", min=1e6)
     chunk_overhead_s: float = option(0.05, doc="fixed cost of one prefill chunk in the cost model (launches, "
                                                "routing, synchronization), in seconds", min=0.0, max=60.0)
+    chunk_tokens: int = option(0, doc="prefill in chunks of this many tokens, whatever the budget would allow "
+                                      "(0: the planner decides); a request whose budget cannot hold it fails",
+                               min=0, max=1 << 20)
+    ring_slots: int = option(0, doc="staging ring of this many expert slots (0: the planner decides); with "
+                                    "chunk_tokens, one geometry for every request (the loan then only moves "
+                                    "the expert cache)", min=0, max=65536)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +223,11 @@ def verify_config(config: Config) -> None:
         raise ConfigError("runtime.decode_prefetch = true needs runtime.decode_graphs = true (the prediction runs "
                           "inside the captured layer); set runtime.decode_graphs = true or "
                           "runtime.decode_prefetch = false")
+    pl = config.planner
+    if pl.ring_slots and not pl.min_ring_slots <= pl.ring_slots <= pl.max_ring_slots:
+        raise ConfigError(f"planner.ring_slots = {pl.ring_slots} is outside planner.min_ring_slots = "
+                          f"{pl.min_ring_slots} .. planner.max_ring_slots = {pl.max_ring_slots}; set it in that "
+                          "range, or 0 to let the planner decide")
     if rt.kv_resident_cells > rt.context_tokens:
         raise ConfigError(f"runtime.kv_resident_cells = {rt.kv_resident_cells} exceeds runtime.context_tokens = "
                           f"{rt.context_tokens}; lower kv_resident_cells or raise context_tokens")

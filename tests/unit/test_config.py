@@ -165,3 +165,10 @@ def test_a_gpu_api_strata_does_not_have_is_refused_as_not_supported(backend, fea
     with pytest.raises(ConfigError, match=f"runtime.backend = '{backend}': {feature}.* is not supported by Strata; "
                                           "allowed values are 'auto', 'cuda', 'cudasim', 'numpy'"):
         parse_config(config_dict(runtime={"backend": backend}))
+
+
+def test_a_fixed_ring_outside_the_planners_range_names_the_keys():
+    with pytest.raises(ConfigError, match=r"planner.ring_slots = 1 is outside planner.min_ring_slots = 2 \.\. "
+                                          r"planner.max_ring_slots = 512"):
+        parse_config(config_dict(planner={"ring_slots": 1}))
+    assert parse_config(config_dict(planner={"ring_slots": 64, "chunk_tokens": 4096})).planner.ring_slots == 64

@@ -130,3 +130,18 @@ def test_explain_names_the_limit_that_bound_the_ring():
     assert "ring bound by the borrowable expert cache (40.0 MiB)" in text and "ring 10 ×" in text
     dense = dataclasses.replace(COSTS, target_ring_slots=0, is_ring_in_cache=False)
     assert "no ring (no experts to stream)" in _reasons(Planner(dense, PlannerConfig()), budget)
+
+
+def test_fixed_chunk_and_ring_give_one_geometry_whatever_the_budget_or_the_cost_model():
+    fixed = PlannerConfig(chunk_tokens=1024, ring_slots=32)
+    planner = Planner(COSTS, fixed, cost_model=_model(pcie_bytes_per_s=1e12))
+    cache = CacheState(num_slots=2048, num_cached=2048)
+    for free in (1024, 4096):  # the loan's larger budget does not change it
+        budget = PlannerBudget(free_bytes=free * MIB, borrowable_cache_bytes=4096 * MIB)
+        assert planner.weigh(budget, unread_tokens=32768, cache=cache) == (Geometry(1024, 32), [])
+    # one of the two fixed: the other is the largest that fits
+    only_chunk = Planner(COSTS, PlannerConfig(chunk_tokens=1024))
+    assert only_chunk.plan(PlannerBudget(free_bytes=1024 * MIB, borrowable_cache_bytes=512 * MIB)) == Geometry(1024, 64)
+    with pytest.raises(AllocationError, match=r"planner.chunk_tokens = 16384 and planner.ring_slots = 0 ask for"):
+        Planner(COSTS, PlannerConfig(chunk_tokens=16384)).plan(PlannerBudget(free_bytes=1024 * MIB,
+                                                                              borrowable_cache_bytes=512 * MIB))

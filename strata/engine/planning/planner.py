@@ -118,6 +118,8 @@ class Planner:
                 f"({quantum} tokens, {min_ring} ring slots: {need / 2**20:.1f} MiB); "
                 "raise runtime.vram_budget or lower planner.chunk_quantum_tokens"
             )
+        if self.config.chunk_tokens or self.config.ring_slots:
+            return self._forced(budget, int(ring), unread_tokens), []
         limits = self._chunk_limits(budget, ring, unread_tokens)
         largest = Geometry(max(quantum, min(limit.value for limit in limits)), int(ring))
         weighed = self.candidates(budget, largest, unread_tokens, cache)
@@ -128,6 +130,24 @@ class Planner:
             if candidate.predicted_seconds < best.predicted_seconds * (1 - _TIE_SHARE):
                 best = candidate
         return best.geometry, weighed
+
+    def _forced(self, budget: PlannerBudget, ring_fit: int, unread_tokens: int | None) -> Geometry:
+        """The geometry ``planner.chunk_tokens`` / ``planner.ring_slots`` fix (the other one the largest
+        that fits), or an AllocationError naming them when the budget cannot hold it."""
+        costs, config = self.costs, self.config
+        ring = config.ring_slots if config.ring_slots and costs.target_ring_slots else max(0, ring_fit)
+        chunk = config.chunk_tokens
+        if not chunk:
+            limits = self._chunk_limits(budget, ring, unread_tokens)
+            chunk = max(config.chunk_quantum_tokens, min(limit.value for limit in limits))
+        forced = Geometry(chunk, ring)
+        if ring > max(0, ring_fit) or costs.activation_room(budget, ring) < chunk * costs.bytes_per_chunk_token:
+            raise AllocationError(
+                f"planner.chunk_tokens = {config.chunk_tokens} and planner.ring_slots = {config.ring_slots} ask for "
+                f"{forced} ({costs.workspace_bytes(forced) / 2**20:.1f} MiB of prefill workspace), more than the "
+                f"prefill budget of {budget.total_bytes / 2**20:.1f} MiB holds; lower them, set them to 0 (the "
+                "planner decides), or raise runtime.vram_budget")
+        return forced
 
     def candidates(self, budget: PlannerBudget, largest: Geometry, unread_tokens: int | None,
                    cache: CacheState | None) -> list[Candidate]:
