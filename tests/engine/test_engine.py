@@ -212,3 +212,10 @@ def test_requests_never_interleave_a_new_one_ends_the_unfinished_one(moe_path, e
     assert list(first_events) == []  # it yields nothing more: its KV cache now holds the other prompt
     assert engine.current_generation is None
     assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+
+
+def test_a_fixed_geometry_is_every_requests_and_keeps_the_output(moe_path, expected):
+    engine = Engine.load(engine_config(moe_path, planner={"chunk_tokens": 32, "ring_slots": 8}), show_progress=False)
+    tokens, stats = greedy(engine, PROMPT, len(expected))
+    assert tokens == expected
+    assert (stats.geometry.chunk_tokens, stats.geometry.ring_slots, stats.num_chunks) == (32, 8, -(-len(PROMPT) // 32))
