@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 from numba import cuda
 
+from strata.backend.ops import DECODE_MAX_ROWS
 from strata.backend.select import has_cuda_device
 from strata.engine.decode.greedy_tail import BIAS_CAPACITY
 from strata.engine.decode.step import DecodeStep
@@ -68,11 +69,14 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     assert stats.streamed_bytes > 0
     idle = {k: v for k, v in engine.idle_ledger.by_owner.items()}
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
-    ids, weights = cuda.to_device(np.zeros((8, 2), np.int32)), cuda.to_device(np.ones((8, 2), np.float32))
+    # more tokens than a decode step's rows: the MoE groups them
+    num_tokens = DECODE_MAX_ROWS + 3
+    ids = cuda.to_device(np.zeros((num_tokens, 2), np.int32))
+    weights = cuda.to_device(np.ones((num_tokens, 2), np.float32))
     for rows in engine.ops.moe_tile_rows():  # what the warm-up does for each shape
         with engine.ops.forcing_moe_tile_rows(rows):
-            assert engine.ops.moe_groups(ids, weights, 4).block_m == (rows or moe_block_m(16, 4))
-    assert engine.ops.moe_groups(ids, weights, 4).block_m == moe_block_m(16, 4)
+            assert engine.ops.moe_groups(ids, weights, 4).block_m == (rows or moe_block_m(2 * num_tokens, 4))
+    assert engine.ops.moe_groups(ids, weights, 4).block_m == moe_block_m(2 * num_tokens, 4)
     with pytest.raises(ValueError, match=r"MoE tile rows must be one of \(.*\), got 32"):
         with engine.ops.forcing_moe_tile_rows(32):
             pass
