@@ -5,7 +5,8 @@ nothing about what speculation can do. The oracle keeps every draft computation 
 runs; its memory and time are real) but replaces each proposed token by the target's own greedy
 continuation, recorded by plain decode from the same request's prefill before its timed decode
 (another prefill of the prompt, in other chunks, may pick other tokens where two logits nearly
-tie), with probability P, and by a token that differs from it otherwise. A measurement mode of the bench only: serving never passes one.
+tie), with probability P, and by a token that differs from it otherwise. A measurement mode of
+the bench only: serving never passes one.
 """
 
 from __future__ import annotations

@@ -299,7 +299,8 @@ class Engine(EngineCore):
         return dataclasses.replace(startup, chunk_tokens=num_tokens)
 
     def generate(self, prompt_tokens: Sequence[int], params: SamplingParams,
-                 is_cancelled: Callable[[], bool] = lambda: False, draft_oracle: DraftOracle | None = None) -> Generation:
+                 is_cancelled: Callable[[], bool] = lambda: False,
+                 draft_oracle: DraftOracle | None = None) -> Generation:
         """Tokens for ``prompt_tokens``; iterate the result. Raises ``RequestError`` for a prompt that
         leaves no room in the context. One request at a time: a generation that starts while another
         is unfinished ends that one first (its iteration stops, finish reason "cancelled").

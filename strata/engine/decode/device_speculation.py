@@ -90,9 +90,9 @@ class DeviceSpeculation:
         drafts, targets = self._readback.now(buffers.drafts[:depth] if depth else None, buffers.targets[:depth + 1])
         vocab_size = self.runner.spec.vocab_size
         if np.any(targets < 0) or np.any(targets >= vocab_size):  # the argmax found no finite logit
-            raise NonFiniteLogitsError(f"the device picked token id {int(targets.max())} outside the vocabulary: the logits "
-                              "were not finite (NaN); check the model file, or decode with "
-                              "runtime.greedy_on_device = false")
+            raise NonFiniteLogitsError(f"the device picked token id {int(targets.max())} outside the vocabulary: "
+                                       "the logits were not finite (NaN); check the model file, or decode with "
+                                       "runtime.greedy_on_device = false")
         return rows, ([] if drafts is None else drafts.tolist()), targets.tolist()
 
     def close(self) -> None:

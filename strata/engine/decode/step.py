@@ -271,7 +271,8 @@ class DecodeStep:
                 ops.wait_staged(ticket)
                 stats.prefetched_used += len(set(experts).intersection(host_ids.ravel().tolist()))
                 self._prefetched = None
-            row = self._slot_rows[layer].reshape(host_ids.shape)  # [R, k] pinned; its last copy ran before the wait above
+            # [R, k] pinned; its last copy ran before the wait above
+            row = self._slot_rows[layer].reshape(host_ids.shape)
             row[:] = slot_of[host_ids]
             ops.copy_in(self._slot_ids, row, is_queued=True)  # behind the staged copies, host not waiting
             self._experts_segment(layer).replay()
