@@ -59,7 +59,7 @@ import numpy as np
 from strata.engine.decode.greedy_tail import GreedyTails
 from strata.engine.decode.layers import DecodeLayers
 from strata.engine.stream_stats import StreamStats
-from strata.errors import NonFiniteLogitsError
+from strata.errors import EngineError, NonFiniteLogitsError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 
 log = logging.getLogger("strata.engine")
