@@ -81,7 +81,11 @@ class Generation:
         is_on_device = params.is_greedy and engine.config.runtime.greedy_on_device and \
             engine.runner.can_pick_greedy_on_device
         if self.draft_oracle is not None and self.draft_oracle.continuation is None:
-            self._record_continuation(logits, hidden, is_on_device)
+            try:
+                self._record_continuation(logits, hidden, is_on_device)
+            except BaseException:
+                self._release(is_failing=True)
+                raise
         generated, finish, is_stop_string, decode_started = 0, "length", False, time.perf_counter()
         decoder, stop, rng = engine.tokenizer.stream_decoder(), StopMatcher(params.stop), make_rng(params.seed)
         if engine.mtp is not None:
