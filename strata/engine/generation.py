@@ -164,12 +164,10 @@ class Generation:
         """Greedy: the first token from the prefill's logits, the rest picked on the device with the
         same bias (``ModelRunner.greedy_tokens``), never more steps than the request and the context
         allow (the device may run one step ahead of the caller)."""
-        engine, params = self.engine, self.params
-        token = sample(logits, params, rng)
+        engine = self.engine
+        token, position, num_steps = self._first_token(logits, rng)
         logits = None
         yield token
-        position = len(engine.kv_tokens)
-        num_steps = min(params.max_tokens - 1, engine.context_tokens - position)
         steps = engine.runner.greedy_tokens(token, position, num_steps, engine.output_head(), self._host_bias(), stream)
         try:
             for next_token in steps:
@@ -178,6 +176,13 @@ class Generation:
                 yield token
         finally:
             steps.close()
+
+    def _first_token(self, logits: np.ndarray, rng: np.random.Generator) -> tuple[int, int, int]:
+        """(the first token, picked from the prefill's logits; its position; the decode steps after it
+        that the request and the context allow)."""
+        position = len(self.engine.kv_tokens)
+        num_steps = min(self.params.max_tokens - 1, self.engine.context_tokens - position)
+        return sample(logits, self.params, rng), position, num_steps
 
     def _record_continuation(self, logits: np.ndarray, hidden: np.ndarray, is_on_device: bool) -> None:
         """The bench's draft oracle: plain greedy decode of this request, from its own prefill (a
@@ -199,11 +204,9 @@ class Generation:
         in batches (``Speculation``), on the device for a greedy request where decode is captured;
         never more steps than the request and the context allow."""
         engine, params = self.engine, self.params
-        token = sample(logits, params, rng)
+        token, position, num_steps = self._first_token(logits, rng)
         logits = None
         yield token
-        position = len(engine.kv_tokens)
-        num_steps = min(params.max_tokens - 1, engine.context_tokens - position)
         owned = [engine.ops.upload(ACTIVATIONS_OWNER, np.ascontiguousarray(hidden, dtype=np.float32))]  # [1, D]
         hidden = None
         device = None
