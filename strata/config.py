@@ -24,6 +24,7 @@ else:  # pragma: no cover
 
 MIB = 1 << 20
 KV_TYPES = ("f16", "q8_0", "q4_0")
+MIN_RATE = 1e6  # planner.pcie_bytes_per_s and compute_flops_per_s: below this a value is a typo
 BACKENDS = ("auto", "cuda", "cudasim", "numpy")
 UNSUPPORTED_BACKENDS = {"hip": "HIP (AMD GPUs)", "rocm": "HIP (AMD GPUs)", "sycl": "SYCL", "vulkan": "Vulkan",
                         "metal": "Metal"}
@@ -111,10 +112,12 @@ class PlannerConfig:
     max_retries: int = option(4, doc="smaller geometries tried after an allocation failure", min=0, max=64)
     cache_keep_share: float = option(0.5, doc="share of the startup expert cache the prompt workspace may not "
                                               "borrow (cache grown by a loan is all borrowable)", min=0.0, max=1.0)
-    pcie_bytes_per_s: float = option(55e9, doc="host-to-device copy rate the cost model assumes (55 GB/s: pinned "
-                                               "copies measured on the reference H200)", min=1e6)
-    compute_flops_per_s: float = option(20e12, doc="prefill compute rate the cost model assumes, in FLOP/s "
-                                                   "(measure yours with `strata bench`)", min=1e6)
+    pcie_bytes_per_s: float = option(0.0, doc="host-to-device copy rate of the cost model, in bytes/s; 0 (the "
+                                              "default): measured at load by a pinned-copy probe on the GPU "
+                                              "(assumed 55e9 on numpy and cudasim); a value fixes it", min=0.0)
+    compute_flops_per_s: float = option(0.0, doc="prefill compute rate of the cost model, in FLOP/s; 0 (the "
+                                                 "default): calibrated from the engine's own prefill chunks (20e12 "
+                                                 "until the first); a value fixes it", min=0.0)
     chunk_overhead_s: float = option(0.05, doc="fixed cost of one prefill chunk in the cost model (launches, "
                                                "routing, synchronization), in seconds", min=0.0, max=60.0)
     chunk_tokens: int = option(0, doc="prefill in chunks of this many tokens, whatever the budget would allow "
@@ -234,6 +237,10 @@ def verify_config(config: Config) -> None:
     if any(share <= 0 for share in rt.layer_split):
         raise ConfigError(f"runtime.layer_split = {list(rt.layer_split)}: every share must be > 0")
     pl = config.planner
+    for key, rate in (("pcie_bytes_per_s", pl.pcie_bytes_per_s), ("compute_flops_per_s", pl.compute_flops_per_s)):
+        if 0 < rate < MIN_RATE:
+            raise ConfigError(f"planner.{key} = {rate:g} is below {MIN_RATE:g}: set a measured rate (e.g. 55e9 "
+                              "bytes/s, 90e12 FLOP/s) or 0 to let the engine measure it")
     if pl.min_ring_slots > pl.max_ring_slots:
         raise ConfigError(f"planner.min_ring_slots = {pl.min_ring_slots} exceeds planner.max_ring_slots = "
                           f"{pl.max_ring_slots}; lower min_ring_slots or raise max_ring_slots")

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import time
 
 import numpy as np
 from numba import cuda  # a module global: the simulator swaps it inside kernels
@@ -224,6 +225,34 @@ class CudaOps:
 
     def synchronize(self) -> None:
         self.cuda.synchronize()
+
+    def timing_mark(self):
+        if self.is_simulator:
+            return time.perf_counter()  # the simulator runs every launch before returning
+        event = self.cuda.event(timing=True)
+        event.record(0)  # the kernels' stream (prefill is not captured)
+        return event
+
+    def seconds_between(self, started, ended) -> float:
+        if self.is_simulator:
+            return ended - started
+        return self.cuda.event_elapsed_time(started, ended) / 1e3
+
+    def probe_host_to_device(self) -> list[tuple[int, float]] | None:
+        """Pinned copies of a few sizes (``strata/gpu/pcie_probe.py``), their device buffer charged
+        as activations and given back; None in the simulator (its copies are host memcpys)."""
+        if self.is_simulator:
+            return None
+        from strata.gpu import pcie_probe
+
+        free = self.ledger.free_bytes
+        sizes = tuple(size for size in pcie_probe.SIZES_BYTES if size <= free // 2)
+        if not sizes:
+            return None
+        with self._owning(ACTIVATIONS):
+            samples = pcie_probe.probe_host_to_device(sizes, device=self.device)
+        self.trim_memory()
+        return samples
 
     @property
     def can_capture(self) -> bool:

@@ -14,9 +14,21 @@ class DryRunOps(NumpyOps):
 
     name = "dry-run"
 
-    def __init__(self, ledger: VramLedger, backend: str = "numpy"):
+    def __init__(self, ledger: VramLedger, backend: str = "numpy", device: int = 0):
         super().__init__(ledger)
         self.backend = backend
+        self.device = device
+
+    def probe_host_to_device(self) -> list[tuple[int, float]] | None:
+        """The GPU's own copy rate where the dry run plans for one that is here (nothing is charged:
+        the buffers live for the probe alone); else None."""
+        from strata.backend.select import has_cuda_device
+
+        if self.backend != "cuda" or not has_cuda_device():
+            return None
+        from strata.gpu.pcie_probe import probe_host_to_device
+
+        return probe_host_to_device(device=self.device)
 
     def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
         if self.backend == "numpy":

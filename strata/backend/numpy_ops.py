@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 
 import numpy as np
 
@@ -170,6 +171,15 @@ class NumpyOps:
 
     def synchronize(self) -> None:
         pass
+
+    def timing_mark(self) -> float:
+        return time.perf_counter()  # the host runs every op before returning
+
+    def seconds_between(self, started: float, ended: float) -> float:
+        return ended - started
+
+    def probe_host_to_device(self) -> None:
+        return None  # no device: the planner assumes a rate and says so
 
     def trim_memory(self) -> None:
         pass  # host buffers are freed when their last reference goes

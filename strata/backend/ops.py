@@ -115,6 +115,13 @@ class Ops(Protocol):
     def positions(self, start: int, num_tokens: int) -> Any:
         """[T] token positions start.. on the backend, for ``qk_norm_rope``, ``kv_write``, ``attention``."""
     def synchronize(self) -> None: ...
+    def timing_mark(self) -> Any:
+        """A mark in the kernels' stream (an event on the GPU, the host's clock where the backend
+        runs synchronously); ``seconds_between`` two marks, read after ``synchronize``."""
+    def seconds_between(self, started: Any, ended: Any) -> float: ...
+    def probe_host_to_device(self) -> list[tuple[int, float]] | None:
+        """(bytes, seconds) of pinned host-to-device copies (``strata/gpu/pcie_probe.py``), or None
+        where there is no device to copy to."""
     # Backends that capture launch sequences (``can_capture``) also have ``capture(fn)`` (a segment
     # whose ``replay()`` runs what ``fn`` launched and whose ``outputs`` are what it returned),
     # ``copy_in(array, host)`` and ``embed(..., out=)``: the decode step replays per-layer segments.

@@ -85,6 +85,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
                                                   else ["--draft-oracle", str(args.draft_oracle)]))
                 runs.append(result)
                 print(f"[{arm} {length} #{rep + 1}] {result['timing_line']}", file=sys.stderr, flush=True)
+                if "pcie_bytes_per_s" in result:
+                    print(f"[{arm} {length} #{rep + 1}] rates: PCIe {result['pcie_bytes_per_s'] / 1e9:.1f} GB/s "
+                          f"({result['pcie_source']}); compute {result['compute_flops_per_s'] / 1e12:.1f} TFLOP/s "
+                          f"({result['compute_source']})", file=sys.stderr, flush=True)
                 if result.get("code", code) != code:  # the run imported another tree than this process
                     print(f"[{arm} {length} #{rep + 1}] ran {result['code']}", file=sys.stderr, flush=True)
                 if args.out:

@@ -98,6 +98,10 @@ def main(argv=None) -> int:
         "attention_width": engine.spec.q_size * engine.spec.num_layers,
         **decode_read_bytes(engine.model, engine.placement),
         "timing_line": stats.timing_line(), "code": code_identity(),
+        # the cost model's rates after the request: the probe's PCIe rate, the compute rate its chunks calibrated
+        "pcie_bytes_per_s": engine.planner.rates.pcie.value, "pcie_source": engine.planner.rates.pcie.source,
+        "compute_flops_per_s": engine.planner.rates.compute.value,
+        "compute_source": engine.planner.rates.compute.source,
         "spec": args.spec if engine.mtp is not None or args.spec == "off" else "none",
         "draft_oracle": args.draft_oracle, "spec_rounds": stats.spec_rounds, "spec_drafted": stats.spec_drafted,
         "spec_accepted": stats.spec_accepted, "spec_depth": stats.spec_depth,

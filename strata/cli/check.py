@@ -15,6 +15,7 @@ from typing import Mapping
 
 from strata.backend.select import select_backend
 from strata.config import Config
+from strata.engine.loading import cache_after_load
 from strata.engine.planning.planner import CacheState, WorkspaceCosts
 from strata.hooktypes import Geometry
 
@@ -42,11 +43,13 @@ def run(args: argparse.Namespace, config: Config) -> int:
               f"startup loan defers {', '.join(deferred) or 'nothing'}")
     else:
         print("loan: off (loan.enabled is false)")
-    costs, budget_bytes = engine.planner.costs, engine.ledger.budget_bytes
+    costs, budget_bytes, planner = engine.planner.costs, engine.ledger.budget_bytes, engine.planner
+    if planner.rates is not None:
+        print(f"rates: {planner.rates.describe()}")
     longest_prompt_tokens = engine.context_tokens - 1
     cache = CacheState(engine.cache.num_slots, cached_after_load(engine, config)) if engine.cache else None
     idle_budget = engine.loan.preview_budget(is_loan=False)
-    without, weighed = engine.planner.weigh(idle_budget, longest_prompt_tokens, cache)
+    without, weighed = planner.weigh(idle_budget, longest_prompt_tokens, cache)
     with_loan, startup_budget = engine.loan.startup_geometry, engine.loan.budget()
     if config.loan.enabled:
         print(f"placement after startup (deferred resources not resident) with the workspace of the plan with "
@@ -60,23 +63,22 @@ def run(args: argparse.Namespace, config: Config) -> int:
                            without, zero_note="lent to the prompt workspace (runtime.prefill_head_alias)" if aliased
                            else "deferred by the startup loan"))
     print(f"plan without the loan for the longest prompt, {longest_prompt_tokens:,} tokens (chunk / ring): {without}")
-    print("  planner: " + engine.planner.explain(idle_budget, without, longest_prompt_tokens, cache))
-    print("  cost model: " + engine.planner.describe_candidates(weighed, without))
+    print("  planner: " + planner.explain(idle_budget, without, longest_prompt_tokens, cache))
+    print("  cost model: " + planner.describe_candidates(weighed, without))
     if config.loan.enabled:
         print(f"plan with the loan (chunk / ring): {with_loan}")
-        print("  planner: " + engine.planner.explain(startup_budget, with_loan, cache=cache,
-                                                     predicted_tokens=longest_prompt_tokens))
+        print("  planner: " + planner.explain(startup_budget, with_loan, cache=cache,
+                                              predicted_tokens=longest_prompt_tokens))
+        # the startup loan's plan: the startup budget, the longest prompt, the cache after the load
+        print("  cost model: " + planner.describe_candidates(planner.weigh(startup_budget, None, cache)[1], with_loan))
     return 0
 
 
 def cached_after_load(engine, config: Config) -> int:
     """Experts cached once a real load is done: the dry run loads no pack, and the preload would
     fill every slot of the cache (``runtime.expert_preload``), up to the model's experts."""
-    if engine.cache is None:
-        return 0
-    if not config.runtime.expert_preload:
-        return engine.cache.num_cached
-    return min(engine.cache.num_slots, engine.spec.num_layers * engine.spec.num_experts)
+    cache = cache_after_load(config, engine.cache, engine.spec)
+    return cache.num_cached if cache else 0
 
 
 def format_context(config: Config, kv_cells: int, served_tokens: int) -> str:

@@ -94,7 +94,9 @@ class Engine(EngineCore):
         if not is_dry_run:
             loading.claim_loan_device(config, backend)  # before anything is allocated or deferred
         ledger = VramLedger(loading.budget_bytes(config, backend, model))
-        ops = DryRunOps(ledger, backend) if is_dry_run else make_ops(backend, ledger, config.runtime.device)
+        ops = DryRunOps(ledger, backend, config.runtime.device) if is_dry_run \
+            else make_ops(backend, ledger, config.runtime.device)
+        rates = loading.prefill_rates(config, ops, backend)  # before placement: the probe's buffers fit
         spec = model.spec
         layout = ops.expert_layout(model) if spec.is_moe else None
         placement = plan_placement(config, model, layout, ledger.budget_bytes,
@@ -125,19 +127,18 @@ class Engine(EngineCore):
             loading.check_cache_maps_a_segment(config, placement, cache)
             cache.min_cache_slots = loading.min_cache_slots(config, cache.num_slots, spec)
         cost_model = PrefillCostModel.from_spec(
-            spec, layout.slot_bytes, pcie_bytes_per_s=config.planner.pcie_bytes_per_s,
-            compute_flops_per_s=config.planner.compute_flops_per_s,
+            spec, layout.slot_bytes, pcie_bytes_per_s=rates.pcie.value, compute_flops_per_s=rates.compute.value,
             chunk_overhead_s=config.planner.chunk_overhead_s) if layout else None
         # the cache unmaps segments of its own size for activations (the device rounds each plane up)
         costs = dataclasses.replace(placement.costs, segment_bytes=cache.segment_bytes) if cache else placement.costs
-        planner = Planner(costs, config.planner, placement.kv_cells, cost_model)
+        planner = Planner(costs, config.planner, placement.kv_cells, cost_model, rates)
         workspace = PromptWorkspace(ops, cache, costs)
         state = RuntimeState(RuntimeSettings(copy_overlap=config.runtime.copy_overlap),
                              apply=lambda settings: setattr(ops, "is_copy_overlapped", settings.copy_overlap),
                              residency=CacheResidency(cache, pack) if cache else None)
         loan = LoanTransaction(config=config, plugins=plugins, ledger=ledger, resources=resources, cache=cache,
                                planner=planner, workspace=workspace, state=state)
-        loan.start()
+        loan.start(loading.cache_after_load(config, cache, spec))
         expected = dict(ledger.snapshot().by_owner)
         for resource in resources.values():
             if not resource.is_resident:

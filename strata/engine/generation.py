@@ -15,6 +15,7 @@ import numpy as np
 from strata.engine.core import EngineCore
 from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.decode.speculative import PLAIN_DECODE, DraftOracle, Speculation
+from strata.engine.planning.rates import ChunkTiming
 from strata.engine.request import RequestStats, TokenEvent
 from strata.engine.sampling import (
     SamplingParams,
@@ -267,14 +268,18 @@ class Generation:
     def _prefill(self, unread: np.ndarray, start: int, geometry: Geometry, stream: StreamStats) -> np.ndarray:
         """The unread tokens in chunks of the loan's geometry; returns the last token's hidden state
         [1, D] on the host: the chunk's activations go before the loan maps the cache back."""
-        runner, hidden = self.engine.runner, None
+        runner, ops, hidden, marks = self.engine.runner, self.engine.ops, None, []
         # the ring overlaps its copies with the kernels when it has two halves, and prefill samples
         # nothing; the loan transaction puts decode's settings back
-        self.engine.state.update(copy_overlap=geometry.ring_slots >= 2, logit_bias=())
+        is_overlapped = geometry.ring_slots >= 2
+        self.engine.state.update(copy_overlap=is_overlapped, logit_bias=())
         try:
             for first in range(0, len(unread), geometry.chunk_tokens):
                 chunk = unread[first:first + geometry.chunk_tokens]
+                streamed, started = stream.streamed_bytes, ops.timing_mark()
                 hidden = runner.forward(chunk, start + first, self.engine.workspace, stream)
+                marks.append((len(chunk), start + first, stream.streamed_bytes - streamed, started,
+                              ops.timing_mark()))
                 stream.num_chunks += 1
                 self._draft_cache(hidden, unread[first + 1:first + len(chunk) + 1], start + first)
         except BaseException as exc:
@@ -286,8 +291,17 @@ class Generation:
         finally:
             # the ring's copies and kernels may still run: finish them before the loan frees the
             # workspace and unmaps what it grew
-            self.engine.ops.synchronize()
-        return self.engine.ops.to_host(hidden[hidden.shape[0] - 1:])
+            ops.synchronize()
+        if self._is_compiled():
+            self.engine.planner.calibrate([ChunkTiming(n, first, num_bytes, ops.seconds_between(a, b), is_overlapped)
+                                           for n, first, num_bytes, a, b in marks])
+        return ops.to_host(hidden[hidden.shape[0] - 1:])
+
+    def _is_compiled(self) -> bool:
+        """Whether this prefill's chunks ran compiled kernels only: on the GPU without the load's
+        warm-up, the first request's chunks compile theirs and do not measure the compute rate."""
+        engine = self.engine
+        return engine.backend != "cuda" or engine.config.runtime.warmup or engine.counters.num_requests > 0
 
     def _draft_cache(self, hidden, next_tokens: np.ndarray, start: int) -> None:
         """The MTP block over a prefilled chunk's rows [T, D] whose next token is known, so that drafts

@@ -3,7 +3,9 @@ decode-only resources the loan may lend, the host expert pack, and the checks on
 
 from __future__ import annotations
 
+import logging
 import sys
+import time
 from pathlib import Path
 
 from strata.backend.layouts import EXPERT_MATRICES
@@ -15,6 +17,8 @@ from strata.engine.memory.decode_resources import ArenaResource, ExpertsResource
 from strata.engine.memory.expert_cache import ExpertCache
 from strata.engine.memory.expert_pack import ExpertPack
 from strata.engine.planning.placement import Placement
+from strata.engine.planning.planner import CacheState
+from strata.engine.planning.rates import PrefillRates, probed_pcie
 from strata.errors import ConfigError
 from strata.gpu.lock import default_lock_dir, hold_device_lock
 from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
@@ -22,6 +26,7 @@ from strata.model.gguf_file import GgufModel, check_finite
 from strata.model.spec import ModelSpec
 
 NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
+log = logging.getLogger("strata.engine")
 
 
 def claim_loan_device(config: Config, backend: str) -> Path | None:
@@ -143,3 +148,26 @@ def expert_pack(config: Config, model: GgufModel, ops: Ops, layout: ExpertLayout
     finally:
         if show_progress:
             bar.close()
+
+
+def prefill_rates(config: Config, ops: Ops, backend: str) -> PrefillRates:
+    """The cost model's rates: ``planner.pcie_bytes_per_s`` when configured, else the probe's (on a
+    GPU; assumed elsewhere); the compute rate configured, or assumed until chunks calibrate it."""
+    probe = None
+    if not config.planner.pcie_bytes_per_s:
+        started = time.perf_counter()
+        samples = ops.probe_host_to_device()
+        probe = probed_pcie(samples, backend, time.perf_counter() - started)
+    rates = PrefillRates.from_config(config.planner, probe)
+    log.info("prefill rates: %s", rates.describe())
+    return rates
+
+
+def cache_after_load(config: Config, cache: ExpertCache | None, spec: ModelSpec) -> CacheState | None:
+    """What the expert cache holds once the load is done: with ``runtime.expert_preload`` every slot
+    filled, up to the model's experts (the preload runs after the loan's start); else what it holds."""
+    if cache is None:
+        return None
+    if not config.runtime.expert_preload:
+        return CacheState(cache.num_slots, cache.num_cached)
+    return CacheState(cache.num_slots, min(cache.num_slots, spec.num_layers * spec.num_experts))

@@ -59,6 +59,12 @@ def render_metrics(state: Any) -> str:
     out.add("strata_spec_accepted_by_position_total", "counter",
             "MTP drafts taken at each place of a step's draft run (taken only if every earlier one was)",
             [({"position": str(place + 1)}, n) for place, n in enumerate(counters.spec_accepted_by_position)])
+    rates = ready.engine.planner.rates
+    if rates is not None:
+        out.add("strata_prefill_rate", "gauge", "the prefill cost model's rates (pcie in bytes/s, compute in FLOP/s) "
+                "and how each was obtained (measured, calibrated, configured or assumed)",
+                [({"rate": name, "source": rate.kind}, rate.value)
+                 for name, rate in (("pcie_bytes_per_s", rates.pcie), ("compute_flops_per_s", rates.compute))])
     hits, misses = counters.cache_hits, counters.cache_misses
     out.add("strata_expert_cache_hit_rate", "gauge", "share of expert lookups served from the VRAM cache",
             [({}, hits / (hits + misses) if hits + misses else 0.0)])

@@ -11,6 +11,7 @@ import pytest
 from engine_setup import SMALL_MOE, greedy
 from gguf import GGMLQuantizationType as QType
 
+from strata.backend.dry_run import DryRunOps
 from strata.cli import main
 from strata.cli.check import cached_after_load
 from strata.config import load_config
@@ -106,7 +107,8 @@ def test_check_prints_every_owner_in_bytes_and_share_and_both_plans_with_their_r
     reasons = [line for line in out.splitlines() if line.startswith("  planner: ")]
     assert len(reasons) == 2 and all(("chunk bound by" in r or "chosen by the cost model" in r)
                                      and "ring bound by" in r for r in reasons)
-    assert "  cost model: " in out and "chunks weighed" in out
+    assert out.count("  cost model: ") == 2 and "chunks weighed" in out and "; chose " in out
+    assert "rates: PCIe host→device 55.0 GB/s, assumed: numpy backend, no GPU to probe" in out
     assert "context: 1,024 tokens (runtime.context_tokens) in 1,024 resident KV cells" in out
 
 
@@ -116,6 +118,20 @@ def test_check_without_the_loan_prints_one_plan_and_the_idle_table(models, tmp_p
     (idle,) = placement_tables(out)
     assert {"free", "prefill_workspace", "verifier"} <= set(idle)
     assert "planner: " in out and "chunk bound by" in out
+
+
+def test_configured_rates_are_used_and_labelled_and_no_probe_runs(models, tmp_path, capsys, monkeypatch):
+    def no_probe(ops):
+        raise AssertionError("a configured PCIe rate needs no probe")
+
+    monkeypatch.setattr(DryRunOps, "probe_host_to_device", no_probe)
+    config = write_config(tmp_path / "rates.toml", models[0])
+    config.write_text(config.read_text().replace("[planner]", "[planner]\npcie_bytes_per_s = 12e9\n"
+                                                               "compute_flops_per_s = 3e12"))
+    out = run_check(config, capsys)
+    assert ("rates: PCIe host→device 12.0 GB/s, configured by planner.pcie_bytes_per_s; compute 3.0 TFLOP/s, "
+            "configured by planner.compute_flops_per_s") in out
+    assert "at 12.0 GB/s" in out and "at 3.0 TFLOP/s" in out
 
 
 def test_check_with_the_head_alias_lends_the_output_head_to_the_workspace_of_the_plan(tmp_path, capsys):
@@ -214,9 +230,11 @@ def test_a_pack_of_the_previous_format_is_refused_with_the_same_fix(models, tmp_
         Engine.load(config, show_progress=False)
 
 
-def test_check_on_the_benchmark_configuration_gives_the_documented_plans(tmp_path, capsys):
+def test_check_on_the_benchmark_configuration_gives_the_documented_plans(tmp_path, capsys, monkeypatch):
     # the real header and tensor table of the benchmark's model, its tensor data a hole: the dry
-    # run reads only shapes and sizes
+    # run reads only shapes and sizes; the GPU's probe a fake of 53 GB/s copies behind 15 us each
+    samples = [(size, 15e-6 + size / 53e9) for size in (4 << 20, 16 << 20, 64 << 20) for _ in range(4)]
+    monkeypatch.setattr(DryRunOps, "probe_host_to_device", lambda ops: samples)
     model = write_synthetic_model(tmp_path / "qwen3-30b-a3b-q4_0-mtp.gguf", PRESETS["qwen3-30b-a3b"], QType.Q4_0,
                                   seed=0, with_mtp=True, is_header_only=True)
     text, num_paths = re.subn(r'(?m)^(path|expert_pack) = "[^"]*?(\.gguf|\.strpack)"$',
@@ -228,12 +246,19 @@ def test_check_on_the_benchmark_configuration_gives_the_documented_plans(tmp_pat
     config.write_text(text)
     out = run_check(config, capsys)
     assert "backend: cuda" in out  # the dry run charges as the GPU would, and touches none
+    assert "rates: PCIe host→device 53.0 GB/s, measured at load: 12 pinned copies of 4-64 MiB" in out
+    assert "compute 20.0 TFLOP/s, assumed until a prefill chunk calibrates it" in out
+    costs = [line for line in out.splitlines() if line.startswith("  cost model: ")]
+    assert len(costs) == 2 and all("chunks weighed with a ring of 128" in c and c.endswith(")") and
+                                   "chose 16,384 / 128" in c for c in costs)
+    assert out.count("at 53.0 GB/s overlapped with compute") == 2  # both plans predict with the probe's rate
     assert "plan without the loan for the longest prompt, 34,815 tokens (chunk / ring): 16,384 / 128\n" in out
     assert "plan with the loan (chunk / ring): 16,384 / 128\n" in out
     reasons = [line for line in out.splitlines() if line.startswith("  planner: ")]
     assert all("ring bound by the target of one layer's experts (128)" in r for r in reasons) and len(reasons) == 2
     # the write-up's model in 8 GiB without MTP and without the loan: the chunk borrows the expert cache
-    bare = re.sub(r"(?s)\[loan\].*?\n\n", "", text.replace("mtp = true", "mtp = false").replace("spec_depth = 4", ""))
+    bare = re.sub(r"(?s)\[loan\].*?(\n\n|\Z)", "",
+                  text.replace("mtp = true", "mtp = false").replace("spec_depth = 4", ""))
     config.write_text(bare)
     out = run_check(config, capsys)
     chunk = re.search(r"plan without the loan for the longest prompt, 34,815 tokens \(chunk / ring\): ([\d,]+) /", out)

@@ -5,6 +5,7 @@ import pytest
 from engine_setup import engine_config, greedy, reference_greedy, write_small_moe
 
 from strata.engine.facade import Engine
+from strata.engine.planning.rates import ASSUMED_COMPUTE_FLOPS_PER_S
 from strata.errors import RequestError
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 500, size=90)]
@@ -219,3 +220,20 @@ def test_a_fixed_geometry_is_every_requests_and_keeps_the_output(moe_path, expec
     tokens, stats = greedy(engine, PROMPT, len(expected))
     assert tokens == expected
     assert (stats.geometry.chunk_tokens, stats.geometry.ring_slots, stats.num_chunks) == (32, 8, -(-len(PROMPT) // 32))
+
+
+def test_the_compute_rate_is_calibrated_from_the_engines_own_chunks_unless_configured(moe_path):
+    # no per-chunk overhead in the model: a numpy chunk of this model takes milliseconds
+    engine = Engine.load(engine_config(moe_path, planner={"max_chunk_tokens": 32, "chunk_overhead_s": 0.0}),
+                         show_progress=False)
+    rates = engine.planner.rates
+    assert rates.compute.value == ASSUMED_COMPUTE_FLOPS_PER_S and "numpy backend, no GPU" in rates.pcie.source
+    _, stats = greedy(engine, PROMPT, 2)
+    # the host's chunks are compute-bound (their streamed bytes take microseconds at the assumed PCIe rate)
+    assert rates.num_chunks == stats.num_chunks == 3
+    assert rates.compute.source == "calibrated from 3 compute-bound prefill chunk(s)"
+    assert 0 < rates.compute.value < 1e12 and engine.planner.cost_model.compute_flops_per_s == rates.compute.value
+    fixed = Engine.load(engine_config(moe_path, planner={"max_chunk_tokens": 32, "chunk_overhead_s": 0.0,
+                                                         "compute_flops_per_s": 5e12}), show_progress=False)
+    greedy(fixed, PROMPT, 2)
+    assert fixed.planner.cost_model.compute_flops_per_s == 5e12 and fixed.planner.rates.num_chunks == 0

@@ -94,6 +94,12 @@ def test_greedy_output_equals_the_reference_at_every_chunk_size(tiny_path, max_c
     tokens, stats = greedy(engine, prompt, NUM_GENERATED)
     assert stats.num_chunks == -(-len(prompt) // max_chunk) > 1
     assert tokens == reference_greedy(tiny_path, prompt, NUM_GENERATED)
+    rates = engine.planner.rates
+    if BACKEND == "cuda":
+        assert rates.pcie.source.startswith("measured at load") and 1e9 < rates.pcie.value < 1e12
+        assert rates.num_chunks == 0  # without the warm-up, the first request's chunks compile their kernels
+    else:  # the simulator's chunks are timed on the host, and each takes far more than the model's overhead
+        assert "cudasim backend, no GPU to probe" in rates.pcie.source and rates.num_chunks == stats.num_chunks
 
 
 @pytest.mark.skipif(not tensor_core.is_available(), reason="moe_rows' kernels need tensor cores")
@@ -274,6 +280,22 @@ def test_segments_that_would_leave_no_room_for_a_prefill_are_not_kept(tiny_path,
     engine.prepare_decode()
     assert not engine.runner.decode_step.is_kept and "not kept across requests" in caplog.text
     assert _lasting(engine) == before == dict(engine.idle_ledger.by_owner)
+
+
+@pytest.mark.skipif(BACKEND != "cuda", reason="events time a GPU's chunks; the simulator's are timed on the host")
+def test_chunks_are_timed_on_the_device_and_calibrate_the_compute_rate(tiny_path, monkeypatch):
+    engine = Engine.load(engine_config(tiny_path, runtime={"backend": "cuda", "vram_budget": "64MiB"},
+                                       planner={"max_chunk_tokens": 32, "chunk_overhead_s": 0.0}), show_progress=False)
+    timed = []
+    calibrate = engine.planner.calibrate
+    monkeypatch.setattr(engine.planner, "calibrate", lambda chunks: (timed.extend(chunks), calibrate(chunks)))
+    _, stats = greedy(engine, PROMPT, 2)
+    assert [c.num_tokens for c in timed] == [32, 32, len(PROMPT) - 64] and [c.start for c in timed] == [0, 32, 64]
+    assert all(c.seconds > 0 for c in timed) and sum(c.seconds for c in timed) < stats.prefill_seconds
+    assert sum(c.streamed_bytes for c in timed) == stats.prefill_streamed_bytes
+    rates = engine.planner.rates
+    assert engine.planner.cost_model.compute_flops_per_s == rates.compute.value
+    assert rates.num_chunks == 0 or rates.compute.source.startswith("calibrated from")
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the loan and KV formats on the kernels take minutes in the simulator")

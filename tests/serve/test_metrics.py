@@ -35,6 +35,9 @@ def test_responses_are_counted_by_route_and_status_with_latency(server, metrics)
     assert delta("strata_time_to_first_token_seconds_count") == 1
     assert delta("strata_request_prefill_tokens_per_second_count") == 1
     assert delta("strata_requests_failed_total") == 0  # a 400 is the client's failure, not the server's
+    # the cost model's rates on the numpy backend: PCIe assumed, compute calibrated by the requests' chunks
+    assert after['strata_prefill_rate{rate="pcie_bytes_per_s",source="assumed"}'] == 55e9
+    assert any(k.startswith('strata_prefill_rate{rate="compute_flops_per_s",source="') for k in after)
     buckets = [v for k, v in after.items() if k.startswith("strata_time_to_first_token_seconds_bucket")]
     assert buckets == sorted(buckets)  # cumulative
 

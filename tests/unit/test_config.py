@@ -172,3 +172,13 @@ def test_a_fixed_ring_outside_the_planners_range_names_the_keys():
                                           r"planner.max_ring_slots = 512"):
         parse_config(config_dict(planner={"ring_slots": 1}))
     assert parse_config(config_dict(planner={"ring_slots": 64, "chunk_tokens": 4096})).planner.ring_slots == 64
+
+
+@pytest.mark.parametrize("key", ["pcie_bytes_per_s", "compute_flops_per_s"])
+def test_a_rate_is_measured_by_default_fixed_when_set_and_a_tiny_one_is_refused(key):
+    assert getattr(parse_config(config_dict()).planner, key) == 0  # 0: measured (probe, chunks)
+    assert getattr(parse_config(config_dict(planner={key: 40e9})).planner, key) == 40e9
+    with pytest.raises(ConfigError, match=rf"planner.{key} = 55 is below 1e\+06: .* or 0 to let the engine measure"):
+        parse_config(config_dict(planner={key: 55}))
+    with pytest.raises(ConfigError, match=rf"planner.{key} = -1"):
+        parse_config(config_dict(planner={key: -1.0}))

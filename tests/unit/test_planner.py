@@ -61,7 +61,11 @@ def test_copy_bound_prefill_keeps_the_cache_the_chunk_would_evict():
     assert geometry.chunk_tokens == 4096 and weighed[0].geometry.chunk_tokens > 4096
     best = min(weighed, key=lambda c: (c.predicted_seconds, -c.geometry.chunk_tokens))
     assert best.geometry == geometry and best.num_evicted == 64  # the ring's slots only
-    assert planner.plan(budget, 32768) == weighed[0].geometry  # without the cache's state: the largest
+    # without the cache's state the cache counts as empty: nothing to evict, so the biggest chunk
+    assert planner.plan(budget, 32768) == weighed[0].geometry
+    # without the prompt: the longest the context holds, weighed as a prompt of that length
+    in_context = Planner(COSTS, PlannerConfig(), context_tokens=32769, cost_model=model)
+    assert in_context.weigh(budget, None, cache) == in_context.weigh(budget, 32768, cache)
 
 
 def test_compute_bound_prefill_borrows_the_cache_for_the_biggest_chunk():

@@ -92,8 +92,10 @@ class LoanTransaction:
     def is_enabled(self) -> bool:
         return self.config.loan.enabled
 
-    def start(self) -> None:
-        """Load every resource except those the startup loan defers; plan the startup geometry.
+    def start(self, expected_cache: CacheState | None = None) -> None:
+        """Load every resource except those the startup loan defers; plan the startup geometry for
+        the longest prompt and ``expected_cache``, what the cache will hold for the first request
+        (None: what it holds now).
 
         Call after admission: nothing is deferred before every rule has passed.
         """
@@ -103,7 +105,7 @@ class LoanTransaction:
         for name, resource in self.resources.items():
             if name not in self._deferred:
                 resource.restore()
-        self.startup_geometry = self.planner.plan(self.budget())
+        self.startup_geometry = self.planner.plan(self.budget(), cache=expected_cache or self.cache_state())
 
     @contextlib.contextmanager
     def lend(self, prompt_tokens: int, unread_tokens: int) -> Iterator[Geometry]:

@@ -17,9 +17,12 @@ The expert cache is borrowable memory: the ring lives in its top slots, and acti
 memory cannot hold take the memory of cache segments unmapped for the prefill
 (``WorkspaceCosts.borrowed_bytes``); what they evicted is staged back before decode. Borrowing
 is not free: each evicted expert streams in every later chunk and is staged back once. With a
-cost model (``prefill_cost.py``), a known prompt and the cache's state, ``plan`` weighs every
-chunk that fits (``candidates``) and takes the fastest predicted; ties go to the bigger chunk.
-Without them it takes the largest. ``explain`` prints the memory arithmetic and the prediction.
+cost model (``prefill_cost.py``; every model with experts has one), ``plan`` weighs every chunk
+that fits (``candidates``) for the prompt (unknown: the longest the context holds) and the
+cache's state (unknown: empty), and takes the fastest predicted; ties go to the bigger chunk. The
+cost model predicts with the rates of ``rates.py`` (measured at load, calibrated from the chunks
+the engine runs, or configured), read at every plan. A dense model streams nothing: its chunk is
+the largest that fits. ``explain`` prints the memory arithmetic and the prediction.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import dataclasses
 
 from strata.config import PlannerConfig
 from strata.engine.planning.prefill_cost import PrefillCostModel
+from strata.engine.planning.rates import ChunkTiming, PrefillRates
 from strata.errors import AllocationError
 from strata.hooktypes import Geometry, PlannerBudget
 
@@ -86,19 +90,34 @@ class Candidate:
 
 class Planner:
     def __init__(self, costs: WorkspaceCosts, config: PlannerConfig, context_tokens: int | None = None,
-                 cost_model: PrefillCostModel | None = None):
+                 cost_model: PrefillCostModel | None = None, rates: PrefillRates | None = None):
         self.costs = costs
         self.config = config
-        self.cost_model = cost_model
+        self._cost_model = cost_model
+        self.rates = rates  # None: the cost model's own rates
         self.max_chunk_tokens = config.max_chunk_tokens
         self.context_tokens = context_tokens
         if context_tokens:
             quantum = config.chunk_quantum_tokens
             self.max_chunk_tokens = min(self.max_chunk_tokens, max(quantum, _round_up(context_tokens, quantum)))
 
+    @property
+    def cost_model(self) -> PrefillCostModel | None:
+        """The cost model with the rates as they are now (measured, calibrated or configured)."""
+        model, rates = self._cost_model, self.rates
+        if model is None or rates is None:
+            return model
+        return dataclasses.replace(model, pcie_bytes_per_s=rates.pcie.value, compute_flops_per_s=rates.compute.value)
+
+    def calibrate(self, chunks: list[ChunkTiming]) -> None:
+        """Learn the compute rate from chunks a prefill ran (``rates.py``)."""
+        if self.rates is not None and self._cost_model is not None:
+            self.rates.record(self._cost_model, chunks)
+
     def plan(self, budget: PlannerBudget, unread_tokens: int | None = None, cache: CacheState | None = None) -> Geometry:
-        """The fastest predicted geometry that fits ``budget``, or without a cost model, a known
-        prompt and the cache's state, the largest; a chunk never exceeds the unread prompt.
+        """The fastest predicted geometry that fits ``budget`` for a prompt of ``unread_tokens``
+        (None: the longest) and a cache holding ``cache`` (None: empty); without a cost model (a
+        dense model), the largest. A chunk never exceeds the unread prompt.
 
         Raises ``AllocationError`` when not even one quantum with the smallest ring fits.
         """
@@ -106,7 +125,7 @@ class Planner:
 
     def weigh(self, budget: PlannerBudget, unread_tokens: int | None = None,
               cache: CacheState | None = None) -> tuple[Geometry, list[Candidate]]:
-        """``plan``'s choice and the candidates it weighed (none without a cost model, prompt or cache state)."""
+        """``plan``'s choice and the candidates it weighed (none without a cost model, or with a fixed geometry)."""
         quantum = self.config.chunk_quantum_tokens
         costs = self.costs
         ring = self._ring_slots(budget, self._ring_room(budget))
@@ -122,7 +141,7 @@ class Planner:
             return self._forced(budget, int(ring), unread_tokens), []
         limits = self._chunk_limits(budget, ring, unread_tokens)
         largest = Geometry(max(quantum, min(limit.value for limit in limits)), int(ring))
-        weighed = self.candidates(budget, largest, unread_tokens, cache)
+        weighed = self.candidates(budget, largest, self.predicted_tokens(unread_tokens), cache)
         if not weighed:
             return largest, weighed
         best = weighed[0]
@@ -149,14 +168,22 @@ class Planner:
                 "planner decides), or raise runtime.vram_budget")
         return forced
 
-    def candidates(self, budget: PlannerBudget, largest: Geometry, unread_tokens: int | None,
+    def predicted_tokens(self, unread_tokens: int | None) -> int:
+        """The prompt a plan is predicted for: ``unread_tokens``, or unknown, the longest the context
+        holds (without a context, the largest chunk)."""
+        if unread_tokens:
+            return unread_tokens
+        return self.context_tokens - 1 if self.context_tokens and self.context_tokens > 1 else self.max_chunk_tokens
+
+    def candidates(self, budget: PlannerBudget, largest: Geometry, unread_tokens: int,
                    cache: CacheState | None) -> list[Candidate]:
         """Every chunk from ``largest`` down by quanta with its ring, the cache slots its workspace
         evicts and the predicted prefill of ``unread_tokens`` (restaging the evicted experts
-        included); empty without a cost model, a prompt or the cache's state."""
-        if self.cost_model is None or not self.cost_model.num_expert_slots or not unread_tokens or cache is None:
+        included) from a cache holding ``cache`` (None: empty); empty without a cost model or
+        experts to stream."""
+        if self.cost_model is None or not self.cost_model.num_expert_slots:
             return []
-        quantum = self.config.chunk_quantum_tokens
+        quantum, cache = self.config.chunk_quantum_tokens, cache or CacheState(0, 0)
         return [self.predict(budget, Geometry(chunk, largest.ring_slots), unread_tokens, cache)
                 for chunk in range(largest.chunk_tokens, quantum - 1, -quantum)]
 
@@ -262,12 +289,18 @@ class Planner:
     def describe_candidates(self, candidates: list[Candidate], chosen: Geometry, num_shown: int = 6) -> str:
         """A few of the weighed geometries, evenly spread from the largest chunk down, and the chosen one."""
         if not candidates:
-            return "no cost model, prompt or cache state: the largest chunk"
+            if self.config.chunk_tokens or self.config.ring_slots:
+                return "nothing weighed: planner.chunk_tokens / planner.ring_slots fix the geometry"
+            return "nothing weighed: no experts to stream, so the largest chunk is the fastest"
         step = max(1, len(candidates) // num_shown)
         shown = [c for i, c in enumerate(candidates) if i % step == 0 or c.geometry == chosen]
-        return f"{len(candidates)} chunks weighed: " + ", ".join(
-            f"{'[' if c.geometry == chosen else ''}{c.geometry.chunk_tokens:,}: {c.predicted_seconds:.2f} s, "
-            f"{c.num_evicted:,} evicted{']' if c.geometry == chosen else ''}" for c in shown)
+        picked = next((c for c in candidates if c.geometry == chosen), None)
+        verdict = f"; chose {chosen} ({picked.predicted_seconds:.2f} s)" if picked \
+            else f"; {chosen} set outside the cost model"
+        return (f"{len(candidates)} chunks weighed with a ring of {candidates[0].geometry.ring_slots} (chunk: "
+                "predicted prefill, cached experts evicted): " + ", ".join(
+                    f"{'[' if c.geometry == chosen else ''}{c.geometry.chunk_tokens:,}: {c.predicted_seconds:.2f} s, "
+                    f"{c.num_evicted:,} evicted{']' if c.geometry == chosen else ''}" for c in shown) + verdict)
 
     def _explain_limits(self, budget: PlannerBudget, geometry: Geometry, unread_tokens: int | None) -> str:
         quantum, costs = self.config.chunk_quantum_tokens, self.costs

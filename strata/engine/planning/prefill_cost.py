@@ -10,8 +10,8 @@ slots resident in the cache:
 
 A chunk of a few hundred tokens routed top-k touches nearly every expert of a layer, so a chunk
 streams every uncached expert whatever its size: bigger chunks divide those bytes over more
-tokens, and a bigger cache shrinks them. The rates are measured figures (configurable): on the
-reference H200 pinned host-to-device copies run at 55 GB/s.
+tokens, and a bigger cache shrinks them. The rates are measured (``rates.py``: a PCIe probe at
+load, the compute rate calibrated from the engine's own chunks) unless configured.
 
 Only experts cached before the prefill count: prefill streams its misses through the ring without
 inserting them (expert_cache.py's policy). Experts the prompt workspace evicts from the cache
@@ -68,13 +68,16 @@ class PrefillCostModel:
         total = compute_total = 0.0
         for index in range(num_chunks):
             first = start + index * chunk_tokens
-            tokens = min(chunk_tokens, start + unread_tokens - first)
-            pairs = tokens * first + tokens * (tokens + 1) / 2  # causal: token i sees first + i + 1 keys
-            compute_s = (tokens * self.weight_flops_per_token + pairs * self.attention_flops_per_pair) \
+            compute_s = self.chunk_flops(min(chunk_tokens, start + unread_tokens - first), first) \
                 / self.compute_flops_per_s
             compute_total += compute_s
             total += (max(copy_s, compute_s) if self.is_overlapped else copy_s + compute_s) + self.chunk_overhead_s
         return ChunkCost(num_chunks, copy_s, compute_total, total)
+
+    def chunk_flops(self, num_tokens: int, first: int) -> float:
+        """FLOPs of a chunk of ``num_tokens`` whose first token is at position ``first``."""
+        pairs = num_tokens * first + num_tokens * (num_tokens + 1) / 2  # causal: token i sees first + i + 1 keys
+        return num_tokens * self.weight_flops_per_token + pairs * self.attention_flops_per_pair
 
     def restage_seconds(self, num_slots: int) -> float:
         """Staging ``num_slots`` evicted experts back into the cache after the prefill."""
@@ -82,6 +85,6 @@ class PrefillCostModel:
 
     def describe(self, cost: ChunkCost) -> str:
         return (f"{cost.num_chunks} chunk(s) x (copy {cost.copy_seconds:.2f} s at "
-                f"{self.pcie_bytes_per_s / 1e9:.0f} GB/s {'overlapped with' if self.is_overlapped else '+'} compute) + "
-                f"compute {cost.compute_seconds:.2f} s at {self.compute_flops_per_s / 1e12:.0f} TFLOP/s "
+                f"{self.pcie_bytes_per_s / 1e9:.1f} GB/s {'overlapped with' if self.is_overlapped else '+'} compute) + "
+                f"compute {cost.compute_seconds:.2f} s at {self.compute_flops_per_s / 1e12:.1f} TFLOP/s "
                 f"→ predicted {cost.total_seconds:.2f} s")
