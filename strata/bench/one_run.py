@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from strata.bench.draft_oracle import DraftOracle
-from strata.bench.provenance import code_identity
+from strata.bench.provenance import code_identity, device_name
 from strata.config import load_config
 
 SPEC_MODES = ("config", "auto", "fixed", "off")
@@ -58,6 +58,7 @@ def main(argv=None) -> int:
 
     from strata.engine.facade import Engine
     from strata.engine.sampling import SamplingParams
+    from strata.plugins import discover
 
     started = time.perf_counter()
     engine = Engine.load(bench_config(args.config, args.loan == "on"), show_progress=False)
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
         "attention_width": engine.spec.q_size * engine.spec.num_layers,
         **decode_read_bytes(engine.model, engine.placement),
         "timing_line": stats.timing_line(), "code": code_identity(),
+        "device": device_name(engine.backend, engine.config.runtime.device), "plugins": sorted(discover()),
         "spec": args.spec if engine.mtp is not None or args.spec == "off" else "none",
         "draft_oracle": args.draft_oracle, "spec_rounds": stats.spec_rounds, "spec_drafted": stats.spec_drafted,
         "spec_accepted": stats.spec_accepted, "spec_depth": stats.spec_depth,
