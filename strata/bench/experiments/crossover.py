@@ -17,7 +17,7 @@ import argparse
 from strata.bench.experiments.runs import (Arm, change, figures, median_range, percent, plans, run_interleaved,
                                            select)
 from strata.bench.experiments.loans import require_loan
-from strata.bench.experiments.setup import check_fits
+from strata.bench.experiments.context import check_fits
 
 NAME = "crossover"
 HELP = "loan off and on at each prompt length: PP and TG per length, where the loan stops paying"

@@ -28,7 +28,6 @@ class Results:
     def __init__(self, out_dir: Path, doc: dict):
         self.out_dir = out_dir
         self.doc = doc
-        out_dir.mkdir(parents=True, exist_ok=True)
 
     def path(self, suffix: str) -> Path:
         return self.out_dir / f"{self.doc['experiment']}{suffix}"
@@ -40,6 +39,7 @@ class Results:
         self.save()
 
     def save(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path(".json").write_text(json.dumps(self.doc, indent=1) + "\n", encoding="utf-8")
 
 
