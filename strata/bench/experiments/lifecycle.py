@@ -16,6 +16,8 @@ ledger is idle between requests; the long request's TG within 10% of the fresh p
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 
 from strata.bench.experiments.runs import Arm, change, figures, percent, run_arm
@@ -100,8 +102,6 @@ def _check_repeat_loan(setup, long_tokens: int, min_tokens: int | None) -> dict:
 
 
 def _model_id(server: ServeProcess) -> str:
-    import json
-
     status, text = server.get("/v1/models")
     if status != 200:
         raise ExperimentError(f"GET /v1/models answered {status}: {text[:300]}")
@@ -127,7 +127,7 @@ def _request(server: ServeProcess, model: str, tokenizer, label: str, tokens: li
         row["ledger_idle_after"] = server.metrics().get("strata_vram_ledger_idle") == 1
     print(f"[{label}] {status} " + (f"plan {_plan(row)} PP {row['prefill_tokens_per_s']:,.1f} TG "
                                      f"{row['decode_tokens_per_s']:,.1f}" if status == 200 else row["error"][:200]),
-          flush=True)
+          file=sys.stderr, flush=True)
     return row
 
 
