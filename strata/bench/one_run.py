@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from strata.bench.draft_oracle import DraftOracle
-from strata.bench.provenance import code_identity
+from strata.bench.provenance import code_identity, device_name
 from strata.config import load_config
 
 SPEC_MODES = ("config", "auto", "fixed", "off")
@@ -58,6 +58,7 @@ def main(argv=None) -> int:
 
     from strata.engine.facade import Engine
     from strata.engine.sampling import SamplingParams
+    from strata.plugins import discover
 
     started = time.perf_counter()
     engine = Engine.load(bench_config(args.config, args.loan == "on"), show_progress=False)
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
         "attention_width": engine.spec.q_size * engine.spec.num_layers,
         **decode_read_bytes(engine.model, engine.placement),
         "timing_line": stats.timing_line(), "code": code_identity(),
+        "device": device_name(engine.backend, engine.config.runtime.device), "plugins": sorted(discover()),
         # the cost model's rates after the request: the probe's PCIe rate, the compute rate its chunks calibrated
         "pcie_bytes_per_s": engine.planner.rates.pcie.value, "pcie_source": engine.planner.rates.pcie.source,
         "compute_flops_per_s": engine.planner.rates.compute.value,

@@ -30,3 +30,17 @@ def code_identity(package_dir: Path | None = None) -> str:
         return f"strata at {folder} (not a git checkout)"
     changes = git("status", "--porcelain", "--untracked-files=no", "--", ".")
     return f"strata {commit}{'+changes' if changes else ''} at {folder}"
+
+
+def device_name(backend: str, ordinal: int = 0) -> str:
+    """The device a run ran on: the GPU's name on the cuda backend (call it where the run made its
+    CUDA context), else the backend's name."""
+    if backend != "cuda":
+        return f"{backend} backend, no GPU"
+    from numba import cuda
+
+    try:
+        name = cuda.gpus[ordinal].name
+    except (AttributeError, IndexError):  # a label: never the reason a benchmark fails
+        return f"CUDA device {ordinal}"
+    return name.decode() if isinstance(name, bytes) else str(name)

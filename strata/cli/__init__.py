@@ -18,6 +18,8 @@ COMMANDS = {
     "synth": ("strata.model.synth", False, "write a synthetic qwen3moe GGUF with random weights"),
     "pack": ("strata.cli.pack", True, "write the expert pack beside the GGUF"),
     "bench": ("strata.bench.harness", True, "benchmark prefill and decode in fresh processes"),
+    "experiment": ("strata.cli.experiment", False, "rerun one of the reference write-up's experiments: "
+                                                  "JSON, table and plot in a results folder"),
     "soak": ("strata.bench.soak", True, "many requests of random lengths in one process: device memory and RSS "
                                         "per request and their slope"),
 }

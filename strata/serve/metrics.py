@@ -75,6 +75,10 @@ def render_metrics(state: Any) -> str:
     out.add("strata_queue_rejected_total", "counter", "requests refused with 503 because the queue was full",
             [({}, worker.num_rejected)])
     by_owner = ready.engine.ledger.snapshot().by_owner
+    out.add("strata_vram_ledger_idle", "gauge", "1 when the VRAM ledger holds exactly what the idle engine holds "
+            "(nothing a request took is left charged), else 0: 0 while a request runs, and before the first "
+            "request while a startup loan defers resources",
+            [({}, int(dict(by_owner) == dict(ready.engine.idle_ledger.by_owner)))])
     out.add("strata_vram_bytes", "gauge", "device memory charged to each owner in the VRAM ledger",
             [({"owner": owner}, num_bytes) for owner, num_bytes in sorted(by_owner.items())])
     return out.text()

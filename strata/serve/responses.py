@@ -24,6 +24,18 @@ def timings(stats: Any) -> dict[str, float]:
             **_rates("predicted", stats.generated_tokens, predicted_ms)}
 
 
+def engine_report(stats: Any) -> dict[str, Any]:
+    """What the engine did beyond llama-server's timings: the prefill plan, the loan and its retries,
+    and the timing line's rates (decode's over its steps: the first token comes from prefill)."""
+    geometry, loan = stats.geometry, stats.loan
+    return {"plan": {"chunk_tokens": geometry.chunk_tokens, "ring_slots": geometry.ring_slots} if geometry else None,
+            "num_chunks": stats.num_chunks,
+            "loan": {"is_taken": loan.is_taken, "reason": loan.reason, "retries": loan.num_retries,
+                     "released": list(loan.released)} if loan else None,
+            "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 3),
+            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3)}
+
+
 def _rates(prefix: str, num_tokens: int, milliseconds: float) -> dict[str, float]:
     return {f"{prefix}_n": num_tokens, f"{prefix}_ms": round(milliseconds, 3),
             f"{prefix}_per_token_ms": round(milliseconds / num_tokens, 3) if num_tokens else 0.0,
@@ -51,7 +63,7 @@ class ResponseShapes:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(stats)}
         return {**self._head("chat.completion" if self.kind == "chat" else "text_completion"),
-                "choices": [choice], "usage": usage(stats), "timings": timings(stats)}
+                "choices": [choice], "usage": usage(stats), "timings": timings(stats), "strata": engine_report(stats)}
 
     def opening_chunk(self) -> dict[str, Any] | None:
         """Chat streams open with the assistant's role; completion streams have no opening."""
@@ -65,12 +77,13 @@ class ResponseShapes:
         return self._chunk({"text": text, "finish_reason": None})
 
     def final_chunk(self, stats: Any) -> dict[str, Any]:
-        """The chunk with the finish reason, and the request's timings as llama-server sends them."""
+        """The chunk with the finish reason, the request's timings as llama-server sends them, and the
+        engine's report."""
         if self.kind == "chat":
             chunk = self._chunk({"delta": {}, "finish_reason": finish_reason(stats)})
         else:
             chunk = self._chunk({"text": "", "finish_reason": finish_reason(stats)})
-        return {**chunk, "timings": timings(stats)}
+        return {**chunk, "timings": timings(stats), "strata": engine_report(stats)}
 
     def usage_chunk(self, stats: Any) -> dict[str, Any]:
         return {**self._head(self._chunk_object), "choices": [], "usage": usage(stats)}

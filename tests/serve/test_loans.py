@@ -92,3 +92,28 @@ def test_engine_failure_answers_500_restores_the_loan_and_the_next_request_succe
     metrics = metric_values(httpx.get(server.url + "/metrics").text)
     assert metrics["strata_requests_failed_total"] == 1 and metrics["strata_loans_failed_total"] == 1
     assert metrics["strata_loans_taken_total"] >= 2
+
+
+def test_a_response_reports_its_plan_and_loan_and_metrics_say_when_the_ledger_is_idle(tiny_model):
+    with loan_server(tiny_model) as server:
+        server.wait_ready()
+        engine, model = server.state.ready.engine, server.state.ready.model_name
+
+        def is_idle():
+            return metric_values(httpx.get(server.url + "/metrics").text)["strata_vram_ledger_idle"]
+
+        body = {"model": model, "max_tokens": 3}
+        long_prompts = [list(range(100, 400)), list(range(400, 100, -1))]  # 300 unread tokens, no shared prefix
+        for prompt in long_prompts:  # the startup loan, then a repeat loan
+            answer = httpx.post(server.url + "/v1/completions", json=body | {"prompt": prompt}, timeout=30).json()
+            report, geometry = answer["strata"], engine.loan.last_report.geometry
+            assert report["loan"]["is_taken"] and report["loan"]["retries"] == 0
+            assert report["plan"] == {"chunk_tokens": geometry.chunk_tokens, "ring_slots": geometry.ring_slots}
+            assert report["num_chunks"] == -(-300 // geometry.chunk_tokens)
+            assert is_idle() == 1
+        short = httpx.post(server.url + "/v1/completions", json=body | {"prompt": [7, 8, 9]}, timeout=30).json()
+        assert not short["strata"]["loan"]["is_taken"] and "repeat threshold" in short["strata"]["loan"]["reason"]
+        charge = engine.ledger.charge("left_behind", 4096)  # what a leaking request would leave
+        assert is_idle() == 0
+        engine.ledger.discharge(charge)
+        assert is_idle() == 1

@@ -54,6 +54,13 @@ def test_a_completion_carries_its_timings(server):
     assert repeated["cache_n"] == first.usage.prompt_tokens - 1 and repeated["prompt_n"] == 1
     expected_rate = 1e3 * timings["predicted_n"] / timings["predicted_ms"]
     assert timings["predicted_per_second"] == pytest.approx(expected_rate, rel=1e-2)
+    # the engine's own figures: its plan, no loan (none configured), and decode's rate over its steps
+    report = first.model_extra["strata"]
+    assert report["loan"] == {"is_taken": False, "reason": "loan.enabled is false", "retries": 0, "released": []}
+    assert report["plan"]["chunk_tokens"] >= timings["prompt_n"] and report["num_chunks"] == 1
+    assert report["prefill_tokens_per_s"] == pytest.approx(timings["prompt_per_second"], rel=1e-2)
+    steps = timings["predicted_n"] - 1
+    assert report["decode_tokens_per_s"] == pytest.approx(1e3 * steps / timings["predicted_ms"], rel=1e-2)
 
 
 def test_a_stream_carries_its_timings_in_the_final_chunk(server):
@@ -62,4 +69,5 @@ def test_a_stream_carries_its_timings_in_the_final_chunk(server):
     events = sse_events(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).text)
     final = events[-2]
     assert final["choices"][0]["finish_reason"] is not None and set(final["timings"]) == TIMINGS
+    assert final["strata"]["plan"] is not None and final["strata"]["decode_tokens_per_s"] > 0
     assert all("timings" not in event for event in events[:-2])
