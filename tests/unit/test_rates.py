@@ -85,6 +85,11 @@ def test_a_copy_bound_chunk_only_raises_the_rate_to_the_floor_it_shows():
     assert "floored by 1 copy-bound" in rates.compute.source
     rates.record(MODEL, [chunk])  # a floor below the rate changes nothing
     assert rates.compute.value == pytest.approx(floor) and rates.num_bound_chunks == 1
+    # copies not overlapped (a ring of one slot): the chunk's compute is what its copies leave
+    serial = ChunkTiming(1024, 0, 2048 * 4 * MIB, 2048 * 4 * MIB / 10e9 + MODEL.chunk_flops(1024, 0) / 5e12
+                         + MODEL.chunk_overhead_s, is_overlapped=False)
+    rates.record(MODEL, [serial])
+    assert rates.num_chunks == 1 and rates.compute.value == pytest.approx(5e12)
 
 
 def test_the_planner_plans_with_the_calibrated_rate_for_later_requests():

@@ -116,7 +116,7 @@ class PrefillRates:
                     self.num_bound_chunks += 1
                     self.compute = Rate(flops / busy_s, self._calibrated_source())
                 continue
-            if compute_s <= 0:
+            if compute_s <= COPY_MARGIN * busy_s:  # serial copies took nearly all of it: too noisy to tell
                 continue
             self._flops = DECAY * self._flops + flops
             self._seconds = DECAY * self._seconds + compute_s
