@@ -588,8 +588,7 @@ class CudaOps:
             argmax(logits, token=token, stream=self._stream, **shape)
 
     def logits_rows(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
-        """[R, V] float32 on the host, row r the bits of ``logits`` of x[r] alone (the head's rows GEMV;
-        its looping configuration takes a row of x a launch, ``gemv_native_rows``)."""
+        """[R, V] float32 on the host, row r the bits of ``logits`` of x[r] alone (the head's rows GEMV)."""
         with self._owning(ACTIVATIONS):
             return self._head_rows(x, norm, head, eps).copy_to_host()
 
@@ -609,15 +608,15 @@ class CudaOps:
     def _head_rows(self, x, norm, head: QTensor, eps: float):
         """[R, V] logits of every row of x on the device: the output head's rows GEMV (``logits``' kernel)."""
         from strata.gpu.kernels.gemv import gemv_rows
-        from strata.gpu.kernels.gemv_native import head_config
+        from strata.gpu.kernels.gemv_native import head_rows_config
 
         if x.shape[0] > DECODE_MAX_ROWS:
             from strata.errors import EngineError
 
             raise EngineError(f"the output head's rows take at most {DECODE_MAX_ROWS} rows, got {x.shape[0]}")
         rows = x if hasattr(x, "copy_to_host") else self.cuda.to_device(np.ascontiguousarray(x, dtype=np.float32))
-        return gemv_rows(head.data, rows, norm_weight=norm, eps=eps, native_config=head_config(head.data.fmt),
-                         stream=self._stream)
+        return gemv_rows(head.data, rows, norm_weight=norm, eps=eps, stream=self._stream,
+                         native_config=head_rows_config(head.data.fmt, x.shape[0]))
 
     def increment(self, values) -> None:
         from strata.gpu.kernels.elementwise import increment

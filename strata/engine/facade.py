@@ -27,6 +27,7 @@ from strata.config import Config
 from strata.engine import loading
 from strata.engine.core import EngineCore
 from strata.engine.decode.depth_policy import DepthPolicy
+from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.decode.mtp import MtpDraft
 from strata.engine.decode.speculative import DraftOracle
 from strata.engine.generation import Generation
@@ -255,13 +256,27 @@ class Engine(EngineCore):
 
     def _warmup_speculation(self, hidden, token: int, position: int, stats: StreamStats) -> None:
         """Compile the MTP block's launches and a verify step's (a forward of two rows), where a
-        startup loan does not hold the block back."""
+        startup loan does not hold the block back; with greedy decode on the device, a draft and a
+        verify step at every depth (each row count compiles its own launches, ~0.3 s each, which a
+        request's first step at that depth would otherwise pay inside its decode time)."""
+        head = self.resources.get("output_head")
+        is_head_here = head is None or head.is_resident
         if self._is_mtp_resident():
             drafted = self.mtp.hidden(hidden, np.array([token]), position)
-            head = self.resources.get("output_head")
-            if head is None or head.is_resident:
+            if is_head_here:
                 self.mtp.logits(drafted)
         self.runner.forward(np.array([token, token]), position + 1, None, stats)
+        if not (self._is_mtp_resident() and is_head_here and self.runner.decode_step is not None
+                and self.config.runtime.greedy_on_device) or self.ops.is_simulator:  # the simulator compiles nothing
+            return
+        max_depth = self.config.runtime.spec_depth
+        device = DeviceSpeculation(self.runner, self.mtp, max_depth)
+        try:
+            for depth in range(1, max_depth + 1):
+                device.draft(hidden, [token], position, depth)
+                device.verify(token, position + 1, depth, self.output_head(), None, stats)
+        finally:
+            device.close()
 
     def _is_mtp_resident(self) -> bool:
         """Whether speculation's MTP block is loaded and resident (a startup loan may hold it back)."""

@@ -118,8 +118,9 @@ def test_multi_gemv_rows_have_the_bits_of_one_row_launches():
         assert_dot_close(host(y), x_normed @ values.T, np.abs(x_normed) @ np.abs(values).T)
     # two matrices: the third segment's stand-in gets no blocks
     ys = gemv_multi_rows(ws[:2], dev(x[:3]), config=TINY)
+    ones = [[host(y) for y in gemv_multi(ws[:2], dev(x[t]), config=TINY)] for t in range(3)]
     for i, y in enumerate(ys):
-        _assert_rows_equal(host(y), [host(gemv(ws[i], dev(x[t]), config=TINY)) for t in range(3)])
+        _assert_rows_equal(host(y), [one[i] for one in ones])
 
 
 # --- the C++ rows (GPU) ---------------------------------------------------------------------------
@@ -153,7 +154,8 @@ def test_native_gemv_rows_have_the_bits_of_one_row_launches(fmt, rows_per_warp):
 @needs_gpu
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
 def test_native_head_rows_accumulate_with_the_bits_of_one_row_launches(fmt):
-    config = gemv_native.head_config(fmt)
+    # one row: the head's shape; several: head_rows_config's, another shape with the same sums
+    config, rows_config = gemv_native.head_config(fmt), gemv_native.head_rows_config(fmt, DECODE_MAX_ROWS)
     num_cols = 2048
     num_rows = 3 * config.grid(10**9) * config.warps * config.rows_per_warp + 3  # blocks loop over row groups
     w, _ = random_matrix(fmt, num_rows, num_cols, seed=670)
@@ -165,7 +167,7 @@ def test_native_head_rows_accumulate_with_the_bits_of_one_row_launches(fmt):
         gemv(w, dev(x[t]), y, accumulate=True, native=True, native_config=config)
         ones.append(host(y))
     y = dev(residual)
-    gemv_rows(w, dev(x), y, accumulate=True, native=True, native_config=config)
+    gemv_rows(w, dev(x), y, accumulate=True, native=True, native_config=rows_config)
     _assert_rows_equal(host(y), ones)
 
 
@@ -193,3 +195,8 @@ def test_native_rows_stage_what_shared_memory_holds_and_launch_again_for_the_res
     assert gemv_native.max_x_rows(Matrix("Q4_0", 256)) >= DECODE_MAX_ROWS
     assert gemv_native._x_row_chunks(9, 4) == [(0, 4), (4, 4), (8, 1)]
     assert gemv_native._x_row_chunks(3, 4) == [(0, 3)]
+    assert gemv_native.head_config("Q4_0").x_rows == 1  # its 16-warp blocks run out of registers with more
+    assert gemv_native.head_rows_config("Q4_0", 1) == gemv_native.head_config("Q4_0")
+    assert gemv_native.head_rows_config("Q4_0", 5).warps <= 8
+    with pytest.raises(ValueError, match="x_rows"):
+        gemv_native.NativeGemvConfig(x_rows=-1).validate()

@@ -62,6 +62,7 @@ class NativeGemvConfig(NamedTuple):
     # to further rows after its first ones, so that a block stages (and norms) its activations once
     # for many rows: a vocabulary-sized head has ~5,000 row groups and spent as long staging as multiplying
     blocks_per_sm: int = 0
+    x_rows: int = 0  # rows of activations a launch stages: 0, as many as shared memory holds
 
     def validate(self) -> "NativeGemvConfig":
         if self.warps not in (1, 2, 4, 8, 16):
@@ -70,6 +71,8 @@ class NativeGemvConfig(NamedTuple):
             raise ValueError(f"rows_per_warp must be 1, 2 or 4, got {self.rows_per_warp}")
         if self.blocks_per_sm < 0:
             raise ValueError(f"blocks_per_sm must be 0 (no limit) or positive, got {self.blocks_per_sm}")
+        if self.x_rows < 0:
+            raise ValueError(f"x_rows must be 0 (as many as fit) or positive, got {self.x_rows}")
         return self
 
     def grid(self, num_rows: int) -> int:
@@ -89,21 +92,33 @@ class NativeGemvConfig(NamedTuple):
 # 2,048 heads (docs/performance-log.md, 2026-12-01): Q4_0 16 x 2 at 1 an SM, 2,971 GB/s (2,919 at 2 an SM);
 # Q8_0 8 x 1 at 8, 3,498 (3,492 for 16 x 1 at 4); Q4_K 16 x 4 at 1, 2,789-2,822 (2,692-2,697 for 16 x 2). Float
 # heads keep 8 x 2 at 4, unmeasured. The head's call sites ask for head_config(fmt), so that a slice of
-# the head (the warm-up's) runs the same compiled kernel as the whole head.
+# the head (the warm-up's) runs the same compiled kernel as the whole head. These stage one row of x a
+# launch: with several, the 16-warp shapes ran out of registers on the H200 (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES:
+# 512 threads may hold 128 registers each). Several rows (a speculative verify's) take _HEAD_ROWS_CONFIGS' shapes,
+# blocks of 8 warps, which always launch; a row's sums are the same whatever the shape (each lane adds its items
+# in increasing order, then the warp's shuffles). Four rows of a 151,936 x 2,048 head on the H200: 8 x 2 at 2 an SM
+# 130 us Q4_0 / 161 Q8_0 (one row: 62-70 / 102-106); 8 x 1 at 2, 193 / 214; 8 x 2 at 1, 138 / 200; 16 x 1 at 1, 190
+# / 222.
 LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
 _HEAD_CONFIGS = MappingProxyType({
-    "Q4_0": NativeGemvConfig(warps=16, rows_per_warp=2, blocks_per_sm=1),
-    "Q8_0": NativeGemvConfig(warps=8, rows_per_warp=1, blocks_per_sm=8),
-    "Q4_K": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1),
-    "F32": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4),
-    "F16": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4),
+    "Q4_0": NativeGemvConfig(warps=16, rows_per_warp=2, blocks_per_sm=1, x_rows=1),
+    "Q8_0": NativeGemvConfig(warps=8, rows_per_warp=1, blocks_per_sm=8, x_rows=1),
+    "Q4_K": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
+    "F32": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4, x_rows=1),
+    "F16": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4, x_rows=1),
 })
+_HEAD_ROWS_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=2)
 
 
 def head_config(fmt: str) -> NativeGemvConfig:
     """The launch shape of an output head in format ``fmt``. A format the C++ rows do not serve
     (Q6_K, Q4_1) gets Q4_0's: gemv runs such a head with its Numba kernel, which does not read it."""
     return _HEAD_CONFIGS.get(fmt, _HEAD_CONFIGS["Q4_0"])
+
+
+def head_rows_config(fmt: str, num_x_rows: int) -> NativeGemvConfig:
+    """The launch shape of an output head's product with num_x_rows rows of x (head_config's for one)."""
+    return head_config(fmt) if num_x_rows == 1 else _HEAD_ROWS_CONFIG
 
 
 @functools.cache
@@ -368,9 +383,7 @@ def gemv_native_rows(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate
     config = config.validate()
     has_norm = norm_weight is not None
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    # a head's looping blocks take one row of x a launch: with several, every head configuration ran
-    # out of registers on the H200 (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
-    chunks = _x_row_chunks(x.shape[0], 1 if config.blocks_per_sm else max_x_rows(w))
+    chunks = _x_row_chunks(x.shape[0], min(config.x_rows or x.shape[0], max_x_rows(w)))
     for t0, count in chunks:
         # the kernel is the same whatever the grid: one compile for every blocks_per_sm
         kernel = _gemv_kernel(w.fmt, w.num_cols, config._replace(blocks_per_sm=0), has_norm, accumulate, count)

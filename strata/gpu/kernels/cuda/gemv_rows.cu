@@ -70,14 +70,21 @@ __device__ __forceinline__ float half_at(const __half* p) {
   return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
 }
 
-__device__ __forceinline__ float dot4_bytes(u32 word, float4 x, float bias) {
-  float s = byte_as_float(word, 0, bias) * x.x;
-  s = fmaf(byte_as_float(word, 1, bias), x.y, s);
-  s = fmaf(byte_as_float(word, 2, bias), x.z, s);
-  return fmaf(byte_as_float(word, 3, bias), x.w, s);
+__device__ __forceinline__ float sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
+
+// The 4 small integers of `word`'s bytes as floats (byte_as_float), converted once for every activation row.
+__device__ __forceinline__ float4 bytes_as_float4(u32 word, float bias) {
+  return make_float4(byte_as_float(word, 0, bias), byte_as_float(word, 1, bias), byte_as_float(word, 2, bias),
+                     byte_as_float(word, 3, bias));
 }
 
-__device__ __forceinline__ float sum4(float4 x) { return (x.x + x.y) + (x.z + x.w); }
+// The weights' 4 products with x, summed in this order (every format's rows share it).
+__device__ __forceinline__ float dot4(float4 w, float4 x) {
+  float s = w.x * x.x;
+  s = fmaf(w.y, x.y, s);
+  s = fmaf(w.z, x.z, s);
+  return fmaf(w.w, x.w, s);
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -103,8 +110,10 @@ struct RowPlanes {
   const u8* extra;
 };
 
-// Each format: items(K); load(row, i), the item i of a row; dot<R>(it, xs, i, acc), acc[r] += the
-// product of it[r] (item i of R rows) with its activations, read once for all R.
+// Each format: items(K); load(row, i), the item i of a row; dot<R, NX>(it, xs, x_stride, i, acc),
+// acc[t][r] += the product of it[r] (item i of R rows) with activation row t (xs + t * x_stride floats),
+// each activation read once for all R and each weight converted to float once for all NX. The sum of
+// (t, r) is the same chain of operations whatever R and NX are.
 
 // ---- Q4_0 ----
 struct Q40 {
@@ -115,24 +124,37 @@ struct Q40 {
     it.d = half_at(r.scales + i);
     return it;
   }
-  template <int R>
-  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
-    const u32 x = xs + 4 * i * XSTRIDE;
-    float s[R];
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
+    float s[NX][R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = 0.f;
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[t][r] = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float4 lo = load_x4(x, 4 * j), hi = load_x4(x, 16 + 4 * j);
+      float4 wl[R], wh[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const u32 w = word_of(it[r].q, j);
-        s[r] += dot4_bytes(w & 0x0F0F0F0Fu, lo, 8388616.f);
-        s[r] += dot4_bytes((w >> 4) & 0x0F0F0F0Fu, hi, 8388616.f);
+        wl[r] = bytes_as_float4(w & 0x0F0F0F0Fu, 8388616.f);
+        wh[r] = bytes_as_float4((w >> 4) & 0x0F0F0F0Fu, 8388616.f);
+      }
+#pragma unroll
+      for (int t = 0; t < NX; ++t) {
+        const u32 x = xs + 4 * (t * x_stride + i * XSTRIDE);
+        const float4 lo = load_x4(x, 4 * j), hi = load_x4(x, 16 + 4 * j);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          s[t][r] += dot4(wl[r], lo);
+          s[t][r] += dot4(wh[r], hi);
+        }
       }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] += it[r].d * s[r];
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[t][r] += it[r].d * s[t][r];
   }
 };
 
@@ -145,20 +167,29 @@ struct Q80 {
     it.d = half_at(r.scales + (i >> 1));
     return it;
   }
-  template <int R>
-  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
-    const u32 x = xs + 4 * ((i >> 1) * XSTRIDE + (i & 1) * 16);
-    float s[R];
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
+    float s[NX][R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = 0.f;
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[t][r] = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float4 v = load_x4(x, 4 * j);
+      float4 w[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) s[r] += dot4_bytes(word_of(it[r].q, j) ^ 0x80808080u, v, 8388736.f);
+      for (int r = 0; r < R; ++r) w[r] = bytes_as_float4(word_of(it[r].q, j) ^ 0x80808080u, 8388736.f);
+#pragma unroll
+      for (int t = 0; t < NX; ++t) {
+        const float4 v = load_x4(xs + 4 * (t * x_stride + (i >> 1) * XSTRIDE + (i & 1) * 16), 4 * j);
+#pragma unroll
+        for (int r = 0; r < R; ++r) s[t][r] += dot4(w[r], v);
+      }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] += it[r].d * s[r];
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[t][r] += it[r].d * s[t][r];
   }
 };
 
@@ -170,14 +201,17 @@ struct F32 {
     it.q = load_stream(r.quants + 4 * i);
     return it;
   }
-  template <int R>
-  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
-    const float4 x = load_x4(xs, (i >> 3) * XSTRIDE + (i & 7) * 4);
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint4& q = it[r].q;
-      acc[r] += fmaf(__uint_as_float(q.w), x.w,
-                     fmaf(__uint_as_float(q.z), x.z, fmaf(__uint_as_float(q.y), x.y, __uint_as_float(q.x) * x.x)));
+    for (int t = 0; t < NX; ++t) {
+      const float4 x = load_x4(xs, t * x_stride + (i >> 3) * XSTRIDE + (i & 7) * 4);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint4& q = it[r].q;
+        acc[t][r] += fmaf(__uint_as_float(q.w), x.w, fmaf(__uint_as_float(q.z), x.z,
+                                                          fmaf(__uint_as_float(q.y), x.y, __uint_as_float(q.x) * x.x)));
+      }
     }
   }
 };
@@ -189,18 +223,26 @@ struct F16 {
     it.q = load_stream(r.quants + 4 * i);
     return it;
   }
-  __device__ static float dot2(u32 word, float a, float b) {
-    const float2 w = __half22float2(*reinterpret_cast<const __half2*>(&word));
-    return fmaf(w.y, b, w.x * a);
-  }
-  template <int R>
-  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
-    const int x = (i >> 2) * XSTRIDE + (i & 3) * 8;
-    const float4 a = load_x4(xs, x), b = load_x4(xs, x + 4);
+  __device__ static float2 halves(u32 word) { return __half22float2(*reinterpret_cast<const __half2*>(&word)); }
+  __device__ static float dot2(float2 w, float a, float b) { return fmaf(w.y, b, w.x * a); }
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
+    float2 w[R][4];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const uint4& q = it[r].q;
-      acc[r] += (dot2(q.x, a.x, a.y) + dot2(q.y, a.z, a.w)) + (dot2(q.z, b.x, b.y) + dot2(q.w, b.z, b.w));
+      w[r][0] = halves(it[r].q.x);
+      w[r][1] = halves(it[r].q.y);
+      w[r][2] = halves(it[r].q.z);
+      w[r][3] = halves(it[r].q.w);
+    }
+#pragma unroll
+    for (int t = 0; t < NX; ++t) {
+      const int x = t * x_stride + (i >> 2) * XSTRIDE + (i & 3) * 8;
+      const float4 a = load_x4(xs, x), b = load_x4(xs, x + 4);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        acc[t][r] += (dot2(w[r][0], a.x, a.y) + dot2(w[r][1], a.z, a.w)) +
+                     (dot2(w[r][2], b.x, b.y) + dot2(w[r][3], b.z, b.w));
     }
   }
 };
@@ -246,29 +288,44 @@ struct Q4K {
     q4_k_item_scales(r, i >> 3, (i >> 1) & 3, it);
     return it;
   }
-  template <int R>
-  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
     // item i: super-block i / 8, chunk c = (i / 2) % 4, half h = i % 2; sub-block 2c is x group 8sb + 2c
     const int sb = i >> 3, c = (i >> 1) & 3, h = i & 1;
     const int xl = (8 * sb + 2 * c) * XSTRIDE + 16 * h, xh = xl + XSTRIDE;
-    float sl[R], sh[R], xsum_l = 0.f, xsum_h = 0.f;
+    float sl[NX][R], sh[NX][R], xsum_l[NX], xsum_h[NX];
 #pragma unroll
-    for (int r = 0; r < R; ++r) sl[r] = sh[r] = 0.f;
+    for (int t = 0; t < NX; ++t) {
+      xsum_l[t] = xsum_h[t] = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) sl[t][r] = sh[t][r] = 0.f;
+    }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float4 a = load_x4(xs, xl + 4 * j), b = load_x4(xs, xh + 4 * j);
+      float4 wl[R], wh[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const u32 w = word_of(it[r].q, j);
-        sl[r] += dot4_bytes(w & 0x0F0F0F0Fu, a, 8388608.f);
-        sh[r] += dot4_bytes((w >> 4) & 0x0F0F0F0Fu, b, 8388608.f);
+        wl[r] = bytes_as_float4(w & 0x0F0F0F0Fu, 8388608.f);
+        wh[r] = bytes_as_float4((w >> 4) & 0x0F0F0F0Fu, 8388608.f);
       }
-      xsum_l += sum4(a);
-      xsum_h += sum4(b);
+#pragma unroll
+      for (int t = 0; t < NX; ++t) {
+        const float4 a = load_x4(xs, t * x_stride + xl + 4 * j), b = load_x4(xs, t * x_stride + xh + 4 * j);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          sl[t][r] += dot4(wl[r], a);
+          sh[t][r] += dot4(wh[r], b);
+        }
+        xsum_l[t] += sum4(a);
+        xsum_h[t] += sum4(b);
+      }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-      acc[r] += (it[r].dl * sl[r] - it[r].ml * xsum_l) + (it[r].dh * sh[r] - it[r].mh * xsum_h);
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        acc[t][r] += (it[r].dl * sl[t][r] - it[r].ml * xsum_l[t]) + (it[r].dh * sh[t][r] - it[r].mh * xsum_h[t]);
   }
 };
 
@@ -288,30 +345,45 @@ struct Q4KWide {
     q4_k_item_scales(r, i >> 2, i & 3, it);
     return it;
   }
-  template <int R>
-  __device__ static void dot(const Item (&it)[R], u32 xs, int i, float (&acc)[R]) {
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
     // item i: super-block i / 4, chunk c = i % 4: sub-blocks 2c and 2c + 1 are groups 2c and 2c + 1 of the super-block
     const int xl = (i >> 2) * Q4K_SB_STRIDE + 2 * (i & 3) * XSTRIDE, xh = xl + XSTRIDE;
-    float sl[R], sh[R];
+    float sl[NX][R], sh[NX][R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) sl[r] = sh[r] = 0.f;
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) sl[t][r] = sh[t][r] = 0.f;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float4 a = load_x4(xs, xl + 16 * h + 4 * j), b = load_x4(xs, xh + 16 * h + 4 * j);
+        float4 wl[R], wh[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const u32 w = word_of(h ? it[r].q2 : it[r].q, j);
-          sl[r] += dot4_bytes(w & 0x0F0F0F0Fu, a, 8388608.f);
-          sh[r] += dot4_bytes((w >> 4) & 0x0F0F0F0Fu, b, 8388608.f);
+          wl[r] = bytes_as_float4(w & 0x0F0F0F0Fu, 8388608.f);
+          wh[r] = bytes_as_float4((w >> 4) & 0x0F0F0F0Fu, 8388608.f);
+        }
+#pragma unroll
+        for (int t = 0; t < NX; ++t) {
+          const int xt = t * x_stride + 16 * h + 4 * j;
+          const float4 a = load_x4(xs, xl + xt), b = load_x4(xs, xh + xt);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            sl[t][r] += dot4(wl[r], a);
+            sh[t][r] += dot4(wh[r], b);
+          }
         }
       }
-    const float xsum_l = load_x1(xs, xl + 32) + load_x1(xs, xl + 33);
-    const float xsum_h = load_x1(xs, xh + 32) + load_x1(xs, xh + 33);
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-      acc[r] += (it[r].dl * sl[r] - it[r].ml * xsum_l) + (it[r].dh * sh[r] - it[r].mh * xsum_h);
+    for (int t = 0; t < NX; ++t) {
+      const float xsum_l = load_x1(xs, t * x_stride + xl + 32) + load_x1(xs, t * x_stride + xl + 33);
+      const float xsum_h = load_x1(xs, t * x_stride + xh + 32) + load_x1(xs, t * x_stride + xh + 33);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        acc[t][r] += (it[r].dl * sl[t][r] - it[r].ml * xsum_l) + (it[r].dh * sh[t][r] - it[r].mh * xsum_h);
+    }
   }
 };
 
@@ -324,7 +396,7 @@ __device__ __forceinline__ RowPlanes row_planes(const u32* quants, const __half*
 // R rows of one or two matrices, all items of each, against NX activation rows (xs + t * x_stride floats,
 // t < NX), each row's item read once for all NX: out[t * R + r] is row r's product with activation row t.
 // Every row is read: a caller with fewer rows repeats its last one and drops the repeats' totals. Each
-// (t, r) sum is the same chain of operations whatever NX is: F::dot<R> of activation row t alone.
+// (t, r) sum is the same chain of operations whatever NX is: F::dot<R, NX>'s.
 template <class F, int R, int UNROLL, int NX>
 __device__ __forceinline__ void rows_dot(float* out, const RowPlanes (&rows)[R], const float* xs, int x_stride,
                                          int num_cols) {
@@ -347,7 +419,7 @@ __device__ __forceinline__ void rows_dot(float* out, const RowPlanes (&rows)[R],
     for (int u = 0; u < UNROLL; ++u)
       if (i0 + 32 * u < num_items)
 #pragma unroll
-        for (int t = 0; t < NX; ++t) F::template dot<R>(it[u], xs_shared + 4 * t * x_stride, i0 + 32 * u, acc[t]);
+        F::template dot<R, NX>(it[u], xs_shared, x_stride, i0 + 32 * u, acc);
   }
 #pragma unroll
   for (int t = 0; t < NX; ++t)
@@ -405,9 +477,7 @@ __device__ __forceinline__ void rows_loop(float* y, long long y_stride, const u3
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
       if (i0 + lane + 32 * u < num_items)
-#pragma unroll
-        for (int t = 0; t < NX; ++t)
-          F::template dot<R>(cur[u], xs_shared + 4 * t * x_stride, i0 + lane + 32 * u, acc[t]);
+        F::template dot<R, NX>(cur[u], xs_shared, x_stride, i0 + lane + 32 * u, acc);
     if (next_i0 == 0) {  // the group's last step
 #pragma unroll
       for (int t = 0; t < NX; ++t)
@@ -459,9 +529,9 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
       if (ok[u]) {
-        float product[1] = {0.f};
-        F::template dot<1>(it[u], xs_shared + 4 * ee[u] * x_stride, ii[u], product);
-        acc += weights[ee[u]] * product[0];
+        float product[1][1] = {{0.f}};
+        F::template dot<1, 1>(it[u], xs_shared + 4 * ee[u] * x_stride, 0, ii[u], product);
+        acc += weights[ee[u]] * product[0][0];
       }
   }
   return warp_sum(acc);
