@@ -8,6 +8,7 @@ v_dim(n, g), every dim exactly once; the splits must be attention_decode_direct'
 tensor-core loop around them is tested on the GPU (test_attention_decode_direct).
 """
 
+import shutil
 import subprocess
 
 import numpy as np
@@ -157,3 +158,23 @@ def test_splits_are_the_twins(lanes):
         assert active == attention_decode_direct.active_splits(span, keys)
         assert keys % attention_decode_direct.TILE_KEYS == 0 and keys >= min_keys
         assert active <= num_splits and (active - 1) * keys < max(span, 1) <= active * keys
+
+
+def test_every_served_instantiation_compiles(tmp_path):
+    # what attention_decode_direct appends to the source for each kernel (the simulator cannot link C++, so
+    # without a GPU nvcc checks the source where it is installed): every format at the served shape, head dim
+    # 64 with a group of 5 and 4 warps, a group of 1 with 4 tiles a step
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    config = attention_decode_direct.DEFAULT_CONFIG
+    shapes = [(fmt, 128, 8, config.warps, config.tiles_for(fmt)) for fmt in _FORMATS]
+    shapes += [("Q8_0", 64, 5, 4, 2), ("Q4_0", 128, 1, 8, 4)]
+    lines = "".join(f"\nSTRATA_ATTENTION_DECODE({fmt}, {d}, {g}, {w}, {u})\n" for fmt, d, g, w, u in shapes)
+    source = tmp_path / "attention_decode_x.cu"
+    source.write_text(tensor_core.source_text("attention_decode.cu") + lines)
+    done = subprocess.run(["nvcc", "-arch=sm_90", "-rdc=true", "-ptx", str(source), "-o", str(tmp_path / "x.ptx")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = (tmp_path / "x.ptx").read_text()
+    for fmt, d, g, w, u in shapes:
+        assert f".func strata_attention_decode_{fmt}_d{d}_g{g}_w{w}_u{u}(" in ptx
