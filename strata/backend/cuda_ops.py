@@ -375,7 +375,7 @@ class CudaOps:
         specs = decode_workspace_specs(self._decode_splits(kv, num_heads), num_tokens, num_heads, kv.num_kv_heads,
                                        kv.head_dim)
         return tuple(self.upload(owner, np.zeros(shape, dtype)) if np.dtype(dtype).kind == "i" else
-                     self.alloc(owner, shape, dtype) for shape, dtype in specs) or None
+                     self.alloc(owner, shape, dtype) for shape, dtype in specs)
 
     def _decode_splits(self, kv: CudaKv, num_heads: int) -> int:
         from strata.gpu.kernels.attention import decode_num_splits

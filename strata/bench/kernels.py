@@ -327,7 +327,7 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
         splits = decode_num_splits(s.decode_cells, s.num_kv_heads, s.head_dim, group, s.num_sms) if is_direct \
             else default_num_splits(s.decode_cells, s.num_kv_heads, s.num_sms, cfg)
         specs = decode_workspace_specs(splits, 1, s.num_q_heads, s.num_kv_heads, s.head_dim, is_direct)
-        workspace = tuple(cuda.to_device(np.zeros(shape, dtype)) for shape, dtype in specs) or None
+        workspace = tuple(cuda.to_device(np.zeros(shape, dtype)) for shape, dtype in specs)
         args = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                     kv_len=s.decode_cells, num_splits=splits, config=cfg, workspace=workspace,
                     is_len_from_positions=True, is_direct_decode=is_direct)

@@ -141,7 +141,7 @@ def test_cpp_kernel_at_the_served_shape(fmt):
         workspace = tuple(dev(np.zeros(shape, dtype)) for shape, dtype in
                           decode_workspace_specs(splits, len(rows), num_q_heads, num_kv_heads, head_dim, is_direct))
         return host(attention(dev(q[rows]), *caches, dev(np.asarray(positions, np.int32)[rows]), num_splits=splits,
-                              workspace=workspace or None, is_direct_decode=is_direct, **args))
+                              workspace=workspace, is_direct_decode=is_direct, **args))
 
     every = list(range(len(positions)))
     out = run(every)

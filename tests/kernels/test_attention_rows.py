@@ -50,7 +50,7 @@ def _decode_attention(q, k_cache, v_cache, positions, head_dim, num_splits, is_d
     # as the decode step passes it: preallocated, the partials here full of NaN (the counters start at zero)
     specs = decode_workspace_specs(num_splits, q.shape[0], NUM_Q_HEADS, NUM_KV_HEADS, head_dim, is_direct)
     workspace = tuple(dev(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 0, dtype))
-                      for shape, dtype in specs) or None
+                      for shape, dtype in specs)
     return host(attention(dev(q), k_cache, v_cache, dev(positions), num_q_heads=NUM_Q_HEADS,
                           num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, kv_len=NUM_CELLS, num_splits=num_splits,
                           is_len_from_positions=True, is_decode_rows=True, workspace=workspace,

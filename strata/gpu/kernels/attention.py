@@ -278,11 +278,9 @@ def decode_num_splits(kv_len: int, num_kv_heads: int, head_dim: int, group: int,
 def decode_workspace_specs(num_splits: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                            is_direct: bool = True) -> tuple:
     """(shape, dtype) of each array of a decode call's split workspace, for the kernel attention() picks
-    (the direct kernel's int32 counters must start at zero); () with one split."""
+    (the direct kernel's int32 counters must start at zero; the other kernels ignore theirs with one split)."""
     if is_direct_decode(head_dim, num_q_heads // num_kv_heads, is_asked=is_direct):
         return attention_decode_direct.workspace_specs(num_splits, num_tokens, num_q_heads, num_kv_heads, head_dim)
-    if num_splits == 1:
-        return ()
     return tuple((shape, np.float32) for shape in split_partial_shapes(num_splits, num_tokens, num_q_heads, head_dim))
 
 
