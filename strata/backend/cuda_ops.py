@@ -396,17 +396,21 @@ class CudaOps:
                       stream=self._stream)
 
     def decode_attention_scratch(self, owner: str, kv: CudaKv, num_heads: int, num_tokens: int = 1) -> tuple:
-        """The split partials of a decode token's attention (o [S, T, Hq, E], m and l [S, T, Hq]; T = 1
-        for a decode step); a captured layer that allocated its own would keep ~1 MiB per layer at 34k cells."""
-        from strata.gpu.kernels.attention import split_partial_shapes
+        """The split workspace of a decode step's attention (attention.decode_workspace_specs: the direct
+        kernel's partials and zeroed counters, or the other kernels' o, m and l); a captured layer that
+        allocated its own would keep ~1 MiB per layer at 34k cells."""
+        from strata.gpu.kernels.attention import decode_workspace_specs
 
-        shapes = split_partial_shapes(self._decode_splits(kv), num_tokens, num_heads, kv.head_dim)
-        return tuple(self.alloc(owner, shape, np.float32) for shape in shapes)
+        specs = decode_workspace_specs(self._decode_splits(kv, num_heads), num_tokens, num_heads, kv.num_kv_heads,
+                                       kv.head_dim)
+        return tuple(self.upload(owner, np.zeros(shape, dtype)) if np.dtype(dtype).kind == "i" else
+                     self.alloc(owner, shape, dtype) for shape, dtype in specs)
 
-    def _decode_splits(self, kv: CudaKv) -> int:
-        from strata.gpu.kernels.attention import default_num_splits
+    def _decode_splits(self, kv: CudaKv, num_heads: int) -> int:
+        from strata.gpu.kernels.attention import decode_num_splits
 
-        return default_num_splits(kv.num_cells, kv.num_kv_heads, self._num_sms)
+        return decode_num_splits(kv.num_cells, kv.num_kv_heads, kv.head_dim, num_heads // kv.num_kv_heads,
+                                 self._num_sms)
 
     def attention(self, q, kv: CudaKv, layer: int, start: int, positions=None, split_scratch=None):
         from strata.gpu.kernels.attention import (
@@ -425,7 +429,7 @@ class CudaOps:
                 # the device, so a captured step replays at any position; the splits are sized for the whole
                 # cache, the same for every row count: each row attends as a one-token call of it would
                 return attention(q.reshape(num_tokens, -1), k_cache, v_cache, self._device_positions(positions),
-                                 kv_len=kv.num_cells, num_splits=self._decode_splits(kv), is_len_from_positions=True,
+                                 kv_len=kv.num_cells, num_splits=self._decode_splits(kv, num_heads), is_len_from_positions=True,
                                  is_decode_rows=True, config=decode_config(head_dim, num_heads // kv.num_kv_heads),
                                  stream=self._stream, workspace=split_scratch, **args)
             scratch = None

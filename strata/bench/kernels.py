@@ -8,7 +8,8 @@ launch's host cost is counted, on X as the main loop reads it, float16 for the f
 and down each alone, the two as plain calls with the first launch's host cost, and the whole call of
 moe_experts_prefill, whose checks and copy of X to float16 run before the first launch), causal attention prefill at 4k / 32k
 (TFLOP/s), decode attention at positions 2k / 8k / 32k of the benchmark configs' 34,816-cell cache as
-the captured decode step launches it (GB/s of KV read, graph-timed), one resident decode layer and a
+the captured decode step launches it (GB/s of KV read, graph-timed; the direct kernel against its bars,
+then the tile kernels it replaced), one resident decode layer and a
 whole decode token (48 layers, head, sampling) as plain launches, and the launches per token. Each
 figure is the median of --repeats CUDA-event timings after --warmup runs. Weights are random packed
 planes (fp16 scales kept small and finite), never read from a model. --tiny shrinks every shape so the
@@ -35,8 +36,10 @@ from strata.gpu.kernels.attention import (
     DECODE_CONFIG,
     AttentionConfig,
     attention,
+    decode_num_splits,
+    decode_workspace_specs,
     default_num_splits,
-    split_partial_shapes,
+    is_direct_decode,
 )
 from strata.gpu.kernels.gemm import staged_input
 from strata.gpu.kernels.gemm_config import GemmConfig, MmaConfig, default_config
@@ -59,6 +62,9 @@ HBM_BYTES_PER_S = 3.9e12  # Numba copy kernel, read + write, measured on the ref
 TARGET_GEMV_RATIO = 0.70
 TARGET_GEMM_FLOPS = 150e12
 TARGET_ATTENTION_FLOPS = 100e12
+# decode attention's bars (of the cache bytes read): from LONG_DECODE_CONTEXT on per format, below it one ratio
+TARGET_DECODE_ATTENTION_RATIOS = {"F16": 0.70, "Q8_0": 0.60, "Q4_0": 0.60}
+LONG_DECODE_CONTEXT, SHORT_DECODE_RATIO = 32768, 0.30
 DECODE_LAUNCHES_PER_LAYER = 10  # qkv GEMV; norm+rope; KV append; attention + combine; o; router; route; 2 expert
 DECODE_LAUNCHES_OUTSIDE = 4  # embedding, final norm + head GEMV (fused), 2 sampling launches
 
@@ -304,24 +310,37 @@ def bench_attention_prefill(s: Shapes, context: int, fmt: str, cfg: AttentionCon
                TARGET_ATTENTION_FLOPS / 1e12, 1.0)
 
 
-def bench_attention_decode(s: Shapes, context: int, fmt: str, cfg: AttentionConfig, timing) -> Row:
-    """One token's attention as the engine's captured decode step launches it: a cache of
-    s.decode_cells, splits sized for all of it, the KV length read from the position on the device,
-    a preallocated split workspace; timed as launches replayed in a CUDA graph."""
+def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) -> list:
+    """One token's attention at each decode context as the engine's captured decode step launches it: a cache
+    of s.decode_cells, splits sized for all of it, the KV length read from the position on the device, a
+    preallocated workspace; timed as launches replayed in a CUDA graph. The direct kernel's rows (where it
+    serves the shapes), then the tile kernels' (attention_decode_mma's, the previous path) for comparison."""
     rng = np.random.default_rng(4)
     k_cache, v_cache = _filled_cache(s, fmt, s.decode_cells, rng)
     q = device_randn((1, s.num_q_heads * s.head_dim), rng)
     out = cuda.device_array(q.shape, np.float32)
-    positions = cuda.to_device(np.array([context - 1], np.int32))
-    splits = default_num_splits(s.decode_cells, s.num_kv_heads, s.num_sms, cfg)
-    workspace = tuple(cuda.device_array(shape, np.float32)
-                      for shape in split_partial_shapes(splits, 1, s.num_q_heads, s.head_dim))
-    args = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, kv_len=s.decode_cells,
-                num_splits=splits, config=cfg, workspace=workspace, is_len_from_positions=True)
-    ms = graph_ms(lambda stream: attention(q, k_cache, v_cache, positions, out, stream=stream, **args), timing)
-    num_bytes = 2 * k_cache.nbytes * context / k_cache.num_rows  # the K and V rows up to the position
-    return Row(f"attention decode {fmt}, position {context} of {s.decode_cells}, {splits} splits",
-               num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9, None)
+    group = s.num_q_heads // s.num_kv_heads
+    rows = []
+    for is_direct in (True, False):
+        if is_direct and not is_direct_decode(s.head_dim, group, k_cache):
+            continue
+        splits = decode_num_splits(s.decode_cells, s.num_kv_heads, s.head_dim, group, s.num_sms) if is_direct \
+            else default_num_splits(s.decode_cells, s.num_kv_heads, s.num_sms, cfg)
+        specs = decode_workspace_specs(splits, 1, s.num_q_heads, s.num_kv_heads, s.head_dim, is_direct)
+        workspace = tuple(cuda.to_device(np.zeros(shape, dtype)) for shape, dtype in specs)
+        args = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                    kv_len=s.decode_cells, num_splits=splits, config=cfg, workspace=workspace,
+                    is_len_from_positions=True, is_direct_decode=is_direct)
+        kernel = "direct" if is_direct else "tiles"
+        for context in s.decode_contexts:
+            positions = cuda.to_device(np.array([context - 1], np.int32))
+            ms = graph_ms(lambda stream: attention(q, k_cache, v_cache, positions, out, stream=stream, **args), timing)
+            num_bytes = 2 * k_cache.nbytes * context / k_cache.num_rows  # the K and V rows up to the position
+            target = TARGET_DECODE_ATTENTION_RATIOS[fmt] if context >= LONG_DECODE_CONTEXT else SHORT_DECODE_RATIO
+            rows.append(Row(f"attention decode {fmt}, position {context} of {s.decode_cells}, {kernel}, {splits} splits "
+                            f"({ms * 1e3:.1f} us)", num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9,
+                            target if is_direct else None))
+    return rows
 
 
 def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_cfg: AttentionConfig, timing) -> list:
@@ -341,7 +360,7 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
     attn_out, logits = cuda.device_array((1, hq * d), np.float32), cuda.device_array((1, s.num_experts), np.float32)
     h = cuda.device_array((1, s.hidden), np.float32)  # the residual after attention; rewritten every run
     positions = cuda.to_device(np.array([context], np.int32))
-    splits = default_num_splits(context + 1, hk, s.num_sms, attn_cfg)
+    splits = decode_num_splits(context + 1, hk, d, hq // hk, s.num_sms)
 
     def layer():
         gemv_multi((wq, wk, wv), x.reshape(s.hidden), (q.reshape(hq * d), k.reshape(hk * d), v.reshape(hk * d)),
@@ -391,8 +410,8 @@ def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, is_defau
             rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing)
     rows += [bench_attention_prefill(s, c, fmt, prefill_cfg, timing) for c in s.prefill_contexts
              for fmt in ("F16", "Q8_0", "Q4_0")]
-    rows += [bench_attention_decode(s, c, fmt, decode_cfg, timing) for c in s.decode_contexts
-             for fmt in ("F16", "Q8_0", "Q4_0")]
+    for fmt in ("F16", "Q8_0", "Q4_0"):
+        rows += bench_attention_decode(s, fmt, decode_cfg, timing)
     rows += bench_decode_layer(s, experts, "Q4_0", gemv_cfg, decode_cfg, timing)
     return rows
 

@@ -1,4 +1,4 @@
-"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe|attention|gemv]``.
+"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe|attention|decode|gemv]``.
 
 The sweeps behind the defaults of ``gemm_config.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/performance-log.md): every MmaConfig main-loop variant on the MoE prefill
@@ -6,8 +6,8 @@ products (2,048 and 8,192 routed tokens; Q4_0, or --weight-format) and a dense 4
 GEMM; the MoE prefill's gate/up and down launches on tiles of their own, at 512 / 2,048 / 8,192
 routed tokens (behind ``gemm_config.default_config()`` and ``default_down_config()``), and the engine's
 choice for Q4_0 experts, ``moe_rows``' kernels on 64-pair groups; every
-MmaAttentionConfig on causal prefill at 4k and 32k per KV format; and the native decode GEMVs'
-block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
+MmaAttentionConfig on causal prefill at 4k and 32k per KV format; the direct decode attention's
+launch shapes at positions 2k and 32k per KV format; and the native decode GEMVs' block shapes behind ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
 largest difference from a reference output (the GEMM, attention and GEMV sweeps) or from the first
 variant's output (the MoE sweep), so a fast but wrong variant shows. Needs a GPU with tensor cores.
 """
@@ -169,6 +169,57 @@ def attention_sweep(timing) -> None:
                 print(f"{fmt} {context:6d} {config}: {_attempt(line)}", flush=True)
 
 
+# the direct decode attention's launch shapes (attention_decode_direct.DirectDecodeConfig): (warps, blocks per SM,
+# fewest keys a split, tiles a warp step); the first is the default and the sweep's reference output
+DECODE_VARIANTS = ((8, 1, 256, 0), (8, 2, 256, 0), (4, 2, 256, 0), (4, 4, 128, 0), (8, 1, 128, 0), (8, 1, 512, 0),
+                   (8, 1, 256, 1), (8, 1, 256, 2), (8, 2, 128, 1), (8, 1, 1024, 0))
+
+
+def decode_sweep(timing) -> None:
+    """The direct decode attention's launch shapes on one token at positions 2,048 and 32,768 of the bench's
+    34,816-cell cache, per KV format: microseconds per launch replayed in a CUDA graph, GB/s of the cache
+    read, and each line's largest difference from the default shape's output."""
+    from numba import cuda
+
+    from strata.bench import kernels as b
+    from strata.gpu.kernels import attention_decode_direct as direct
+
+    s = b.QWEN3_30B
+    for fmt in ("F16", "Q8_0", "Q4_0"):
+        rng = np.random.default_rng(4)
+        k_cache, v_cache = b._filled_cache(s, fmt, s.decode_cells, rng)
+        q = b.device_randn((1, s.num_q_heads * s.head_dim), rng)
+        out = cuda.device_array(q.shape, np.float32)
+        for context in (2048, 32768):
+            positions = cuda.to_device(np.array([context - 1], np.int32))
+            num_bytes = 2 * k_cache.nbytes * context / k_cache.num_rows
+            first = None
+            for warps, blocks_per_sm, min_split_keys, tiles in DECODE_VARIANTS:
+                config = direct.DirectDecodeConfig(warps, blocks_per_sm, min_split_keys, tiles)
+
+                def line(config=config):
+                    splits = direct.default_num_splits(s.decode_cells, s.num_kv_heads, s.num_sms, config)
+                    workspace = tuple(cuda.to_device(np.zeros(shape, dtype)) for shape, dtype in
+                                      direct.workspace_specs(splits, 1, s.num_q_heads, s.num_kv_heads, s.head_dim))
+
+                    def run(stream):
+                        return direct.attention_decode(q, k_cache, v_cache, positions, out, num_q_heads=s.num_q_heads,
+                                                       num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                                                       kv_len=s.decode_cells, num_splits=splits,
+                                                       scale=1.0 / np.sqrt(s.head_dim), workspace=workspace,
+                                                       config=config, stream=stream)
+
+                    ms = b.graph_ms(run, timing)
+                    got = out.copy_to_host()
+                    nonlocal first
+                    first = got if first is None else first
+                    return (f"{splits:3d} splits {ms * 1e3:7.1f} us {num_bytes / ms / 1e6:6.0f} GB/s "
+                            f"({num_bytes / ms * 1e3 / b.HBM_BYTES_PER_S:.2f} of HBM)  "
+                            f"max diff {np.max(np.abs(got - first)):.1e}")
+
+                print(f"decode {fmt} {context:6d} {config}: {_attempt(line)}", flush=True)
+
+
 GEMV_SHAPES = (("Q4_0", 151936, 2048, "head"), ("Q8_0", 151936, 2048, "head"), ("Q4_K", 151936, 2048, "head"),
                ("Q4_0", 2048, 4096, "o"), ("Q4_0", 4096, 2048, "q"), ("F32", 128, 2048, "router"))
 # (warps, rows per warp, most blocks per SM or 0 for a block per row group)
@@ -226,7 +277,7 @@ def main(argv=None) -> int:
     from strata.gpu.kernels import tensor_core
 
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("gemm", "moe", "attention", "gemv"), help="run one sweep")
+    parser.add_argument("--only", choices=("gemm", "moe", "attention", "decode", "gemv"), help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--match", default="", help="only the GEMM and MoE variants whose name contains this text")
     parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
@@ -240,7 +291,8 @@ def main(argv=None) -> int:
         raise SystemExit("the variant sweeps need a GPU with tensor cores (compute capability 8.0+) and cffi")
     timing = (2, args.repeats)
     print(f"# {code_identity()}", flush=True)
-    sweeps = {"gemm": gemm_sweep, "moe": moe_sweep, "attention": attention_sweep, "gemv": gemv_sweep}
+    sweeps = {"gemm": gemm_sweep, "moe": moe_sweep, "attention": attention_sweep, "decode": decode_sweep,
+              "gemv": gemv_sweep}
     for name, sweep in sweeps.items():
         if args.only in (None, name):
             if name in ("gemm", "moe"):

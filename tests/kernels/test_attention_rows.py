@@ -10,8 +10,8 @@ from gguf.quants import quantize as gguf_quantize
 from kernel_data import dev, host, reference_dequant
 
 from strata.backend.ops import DECODE_MAX_ROWS
-from strata.gpu.kernels import attention_decode, attention_decode_mma
-from strata.gpu.kernels.attention import attention, decode_config, split_partial_shapes
+from strata.gpu.kernels import attention_decode, attention_decode_direct, attention_decode_mma
+from strata.gpu.kernels.attention import attention, decode_config, decode_workspace_specs
 from strata.gpu.kernels.packing import pack, to_device
 from strata.model import reference_ops
 
@@ -32,6 +32,7 @@ NUM_Q_HEADS, NUM_KV_HEADS = 2, 1
 NUM_CELLS = 40  # a 32-key tile and a partial one
 POSITIONS = np.array([39, 3, 20, 20, 0, 31, 32, 38, 1], np.int32)  # any order, repeats, tile edges
 ATTENTION_TOLERANCE = dict(rtol=1e-5, atol=2e-6)
+F16_TOLERANCE = dict(rtol=1e-2, atol=2e-3)  # the tensor-core kernels round Q, K, V and P to f16
 
 
 def _cache(fmt, head_dim, seed):
@@ -44,22 +45,23 @@ def _cache(fmt, head_dim, seed):
     return pairs
 
 
-def _decode_attention(q, k_cache, v_cache, positions, head_dim, num_splits):
+def _decode_attention(q, k_cache, v_cache, positions, head_dim, num_splits, is_direct):
     group = NUM_Q_HEADS // NUM_KV_HEADS
-    workspace = None
-    if num_splits > 1:  # as the decode step passes it: preallocated, here full of NaN
-        shapes = split_partial_shapes(num_splits, q.shape[0], NUM_Q_HEADS, head_dim)
-        workspace = tuple(dev(np.full(shape, np.nan, np.float32)) for shape in shapes)
+    # as the decode step passes it: preallocated, the partials here full of NaN (the counters start at zero)
+    specs = decode_workspace_specs(num_splits, q.shape[0], NUM_Q_HEADS, NUM_KV_HEADS, head_dim, is_direct)
+    workspace = tuple(dev(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 0, dtype))
+                      for shape, dtype in specs)
     return host(attention(dev(q), k_cache, v_cache, dev(positions), num_q_heads=NUM_Q_HEADS,
                           num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, kv_len=NUM_CELLS, num_splits=num_splits,
                           is_len_from_positions=True, is_decode_rows=True, workspace=workspace,
-                          config=decode_config(head_dim, group)))
+                          config=decode_config(head_dim, group), is_direct_decode=is_direct))
 
 
-@pytest.fixture(params=["attention_decode_mma", "attention_decode", "attention"])
+@pytest.fixture(params=["attention_decode_direct", "attention_decode_mma", "attention_decode", "attention"])
 def decode_kernel(request, monkeypatch):
-    """Which kernel serves the rows: the tensor-core decode kernel (its twin here; head dim 64), the
-    FFMA decode kernel (head dim 32), or attention.py's, which serves what neither takes."""
+    """Which kernel serves the rows: the direct decode kernel (its twin here; head dim 64), the tensor-core
+    tile kernel (its twin; head dim 64, the direct kernel declined), the FFMA decode kernel (head dim 32),
+    or attention.py's, which serves what none takes."""
     if request.param == "attention":
         monkeypatch.setattr(attention_decode, "is_supported", lambda *args: False)
     return request.param
@@ -67,21 +69,23 @@ def decode_kernel(request, monkeypatch):
 
 @pytest.mark.parametrize("fmt, num_splits", [("F16", 3), ("Q8_0", 1), ("Q4_0", 2)])
 def test_decode_attention_rows_have_the_bits_of_one_token_launches(fmt, num_splits, decode_kernel):
-    head_dim = 64 if decode_kernel == "attention_decode_mma" else 32
+    is_direct = decode_kernel == "attention_decode_direct"
+    head_dim = 64 if decode_kernel in ("attention_decode_direct", "attention_decode_mma") else 32
     group = NUM_Q_HEADS // NUM_KV_HEADS
-    assert attention_decode_mma.is_supported(head_dim, group) == (decode_kernel == "attention_decode_mma")
+    assert attention_decode_direct.is_supported(head_dim, group) == (head_dim == 64)
+    assert attention_decode_mma.is_supported(head_dim, group) == (head_dim == 64)
     (k_cache, k_values), (v_cache, v_values) = _cache(fmt, head_dim, seed=640)
     q = _x(DECODE_MAX_ROWS, NUM_Q_HEADS * head_dim, seed=641)
-    ones = [_decode_attention(q[t:t + 1], k_cache, v_cache, POSITIONS[t:t + 1], head_dim, num_splits)[0]
+    ones = [_decode_attention(q[t:t + 1], k_cache, v_cache, POSITIONS[t:t + 1], head_dim, num_splits, is_direct)[0]
             for t in range(DECODE_MAX_ROWS)]
-    rows = _decode_attention(q, k_cache, v_cache, POSITIONS, head_dim, num_splits)
+    rows = _decode_attention(q, k_cache, v_cache, POSITIONS, head_dim, num_splits, is_direct)
     _assert_rows_equal(rows, ones)
-    if decode_kernel != "attention_decode_mma":  # the tensor-core kernel rounds its inputs to f16
-        for t, position in enumerate(POSITIONS):
-            q3 = q[t].reshape(1, NUM_Q_HEADS, head_dim)
-            k3, v3 = (a[:position + 1].reshape(-1, NUM_KV_HEADS, head_dim) for a in (k_values, v_values))
-            ref = reference_ops.attention(q3, k3, v3, int(position)).reshape(-1)
-            np.testing.assert_allclose(rows[t], ref, **ATTENTION_TOLERANCE)
+    is_f16 = decode_kernel in ("attention_decode_direct", "attention_decode_mma")  # inputs rounded to f16
+    for t, position in enumerate(POSITIONS):
+        q3 = q[t].reshape(1, NUM_Q_HEADS, head_dim)
+        k3, v3 = (a[:position + 1].reshape(-1, NUM_KV_HEADS, head_dim) for a in (k_values, v_values))
+        ref = reference_ops.attention(q3, k3, v3, int(position)).reshape(-1)
+        np.testing.assert_allclose(rows[t], ref, **(F16_TOLERANCE if is_f16 else ATTENTION_TOLERANCE))
 
 
 def test_decode_rows_refuse_blocks_of_several_tokens():

@@ -11,8 +11,10 @@ scores and the head dims for O. Query token t sits at q_positions[t] and sees ca
 For long contexts and few query rows (decode) the KV range is cut into `num_splits` slices, one
 block each; blocks write unnormalized partials (O, m, l) and a second launch combines them.
 
-This is the FFMA path. One query token (decode) goes to attention_decode_mma.py's tensor-core
-kernel where that applies (head dims 64 and 128, its Numba twin in the simulator), else to
+This is the FFMA path. Decode (one query token, or decode rows) goes to attention_decode_direct.py's
+kernel where that applies (head dims 64 and 128, groups of up to 8 query heads: K and V read into
+tensor-core fragments, the splits combined in the same launch), else to attention_decode_mma.py's
+tensor-core kernel where that applies (head dims 64 and 128, its Numba twin in the simulator), else to
 attention_decode.py's (a warp per query head, each key read once for the GQA group); prefill with at least
 MMA_MIN_TOKENS query tokens, one split and a head dim the tensor-core kernel serves goes to
 attention_mma.py (its Numba twin in the simulator).
@@ -27,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from . import attention_decode, attention_decode_mma, tensor_core
+from . import attention_decode, attention_decode_direct, attention_decode_mma, tensor_core
 from ._common import (
     IS_SIMULATOR,
     MAX_STATIC_SHARED_BYTES,
@@ -260,10 +262,33 @@ def split_partial_shapes(num_splits: int, num_tokens: int, num_q_heads: int, hea
             (num_splits, num_tokens, num_q_heads))
 
 
+def is_direct_decode(head_dim: int, group: int, k_cache: PackedMatrix | None = None, is_asked: bool = True) -> bool:
+    """Whether attention() sends decode calls to attention_decode_direct.py's kernel."""
+    return is_asked and attention_decode_direct.is_supported(head_dim, group, k_cache)
+
+
+def decode_num_splits(kv_len: int, num_kv_heads: int, head_dim: int, group: int, num_sms: int,
+                      is_direct: bool = True) -> int:
+    """KV splits of a decode launch over kv_len cells, for the kernel attention() picks."""
+    if is_direct_decode(head_dim, group, is_asked=is_direct):
+        return attention_decode_direct.default_num_splits(kv_len, num_kv_heads, num_sms)
+    return default_num_splits(kv_len, num_kv_heads, num_sms)
+
+
+def decode_workspace_specs(num_splits: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                           is_direct: bool = True) -> tuple:
+    """(shape, dtype) of each array of a decode call's split workspace, for the kernel attention() picks
+    (the direct kernel's int32 counters must start at zero; the other kernels ignore theirs with one split)."""
+    if is_direct_decode(head_dim, num_q_heads // num_kv_heads, is_asked=is_direct):
+        return attention_decode_direct.workspace_specs(num_splits, num_tokens, num_q_heads, num_kv_heads, head_dim)
+    return tuple((shape, np.float32) for shape in split_partial_shapes(num_splits, num_tokens, num_q_heads, head_dim))
+
+
 def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=None, *, num_q_heads: int,
               num_kv_heads: int, head_dim: int, kv_len: int | None = None, scale: float | None = None,
               num_splits: int = 1, config: AttentionConfig = AttentionConfig(), workspace=None,
-              is_len_from_positions: bool = False, is_decode_rows: bool = False, stream=0, f16_scratch=None):
+              is_len_from_positions: bool = False, is_decode_rows: bool = False, stream=0, f16_scratch=None,
+              is_direct_decode: bool = True):
     """softmax(q k^T * scale + causal mask) v per query head; q, out [T, num_q_heads * head_dim] float32.
 
     k_cache / v_cache: [num_positions, num_kv_heads * head_dim] in F16, Q8_0 or Q4_0 (kvcache.py).
@@ -278,6 +303,9 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     speculative verify's rows then have the bits of plain decode.
     stream: 0 (the default stream), a Numba stream or a graph builder capturing the launches.
     f16_scratch: (K, V) F16 matrices for the tensor-core prefill of a quantized cache (attention_mma).
+    is_direct_decode: decode calls go to attention_decode_direct.py's kernel where it serves them (its
+    workspace is decode_workspace_specs'; the length always comes from the positions); False keeps the
+    kernels below (the previous decode path).
 
     Prefill (see uses_tensor_cores) runs attention_mma() instead, config unused, inputs rounded to f16.
 
@@ -316,6 +344,11 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     is_decode = num_tokens == 1 or is_decode_rows
     if num_tokens > 1 and is_decode_rows and bt != 1:  # the FFMA kernel's blocks would share their rows' keys
         raise ValueError(f"decode rows take a config of one token per block, got tokens_per_block {bt}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if is_decode and is_direct_decode and attention_decode_direct.is_supported(head_dim, group, k_cache):
+        return attention_decode_direct.attention_decode(
+            q, k_cache, v_cache, q_positions, out, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, kv_len=kv_len, num_splits=num_splits, scale=scale, workspace=workspace, stream=stream)
     if not is_decode and uses_tensor_cores(num_tokens, num_splits, head_dim, k_cache.fmt):
         return attention_mma(q, k_cache, v_cache, q_positions, out, num_q_heads=num_q_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=kv_len, scale=scale,
@@ -330,7 +363,6 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
             check_array(f"workspace {name}", part, dtypes=np.float32, shape=shape)
     else:
         workspace = (stand_in(out, np.float32, 4), stand_in(out, np.float32, 3), stand_in(out, np.float32, 3))
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if is_decode and attention_decode_mma.is_supported(head_dim, group):
         is_twin = not tensor_core.is_available()
         kernel = attention_decode_mma.decode_kernel(k_cache.fmt, head_dim, group, is_split, is_twin)
