@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from strata.backend.ops import ExpertLayout
+from strata.backend.ops import ExpertLayout, region_qtypes
 from strata.errors import ModelFormatError
 from strata.model import quants
 from strata.model.gguf_file import GgufModel
@@ -35,17 +35,17 @@ def expert_layout(model: GgufModel, encoded_bytes: EncodedBytes | None = None, e
     refs = [model.tensors[n] for n in names[0]]
     shapes = tuple(tuple(r.shape[1:]) for r in refs)
     layer_qtypes = [tuple(QType(model.tensors[n].qtype) for n in layer) for layer in names]
-    region_qtypes = [tuple(dict.fromkeys(qtypes[i] for qtypes in layer_qtypes)) for i in range(3)]
+    regions = region_qtypes(layer_qtypes)
 
     def size(index: int, qtype: QType) -> int:
         shape = shapes[index]
         if encoded_bytes:
-            return encoded_bytes(qtype, shape, region_qtypes[index])
+            return encoded_bytes(qtype, shape, regions[index])
         return shape[0] * quants.row_nbytes(qtype, shape[1])
 
     layers = tuple((qtypes, tuple(size(i, q) for i, q in enumerate(qtypes))) for qtypes in layer_qtypes)
     offsets, offset = [], 0
-    for index, qtypes in enumerate(region_qtypes):
+    for index, qtypes in enumerate(regions):
         offsets.append(offset)
         offset += align(max(size(index, q) for q in qtypes))
     return ExpertLayout(qtypes=layers[0][0], shapes=shapes, offsets=tuple(offsets), sizes=layers[0][1],
@@ -57,9 +57,9 @@ def packed_expert_layout(model) -> ExpertLayout:
     as wide as the widest of the matrix's types."""
     from strata.gpu.kernels.packing import shared_plane_shapes
 
-    def encoded_bytes(qtype, shape, region_qtypes) -> int:
+    def encoded_bytes(qtype, shape, regions) -> int:
         try:
-            planes = shared_plane_shapes([q.name for q in region_qtypes], *shape)
+            planes = shared_plane_shapes([q.name for q in regions], *shape)
         except ValueError as exc:  # a float type in some layers, a quantized one in others
             raise ModelFormatError(f"{model.path}: routed experts: {exc}; convert those experts to one type, "
                                    "or run them on the numpy backend") from exc

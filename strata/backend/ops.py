@@ -64,9 +64,8 @@ class ExpertLayout:
 
     @property
     def matrix_qtypes(self) -> tuple[tuple[QType, ...], tuple[QType, ...], tuple[QType, ...]]:
-        """Every type each of gate, up and down takes over the layers, in layer order: its region holds any."""
-        every = [qtypes for qtypes, _ in self.layers] or [self.qtypes]
-        return tuple(tuple(dict.fromkeys(qtypes[i] for qtypes in every)) for i in range(3))
+        """The types each of gate, up and down's regions holds (``region_qtypes``)."""
+        return region_qtypes([qtypes for qtypes, _ in self.layers] or [self.qtypes])
 
     def at_layer(self, layer: int) -> ExpertLayout:
         """The experts of ``layer``: their types and sizes, in this slot geometry."""
@@ -74,6 +73,13 @@ class ExpertLayout:
             return self
         qtypes, sizes = self.layers[layer]
         return dataclasses.replace(self, qtypes=qtypes, sizes=sizes)
+
+
+def region_qtypes(layer_qtypes) -> tuple[tuple[QType, ...], tuple[QType, ...], tuple[QType, ...]]:
+    """The types the slot regions of gate, up and down hold, given every layer's (gate, up, down) types: each
+    matrix's types over the layers, in layer order; gate and up share theirs (kernels read both at one pitch)."""
+    gate_up = tuple(dict.fromkeys(q for qtypes in layer_qtypes for q in qtypes[:2]))
+    return gate_up, gate_up, tuple(dict.fromkeys(qtypes[2] for qtypes in layer_qtypes))
 
 
 class ArenaStorage(Protocol):
