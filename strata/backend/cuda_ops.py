@@ -192,14 +192,19 @@ class CudaOps:
     def expert_layout(self, model) -> ExpertLayout:
         return packed_expert_layout(model)
 
-    def encode_experts(self, raw: np.ndarray, qtype, shape) -> np.ndarray:
-        from strata.gpu.kernels.packing import pack
+    def encode_experts(self, raw: np.ndarray, qtype, shape, region_qtypes=()) -> np.ndarray:
+        """The packed planes of N experts, each plane as wide as the widest of ``region_qtypes``'."""
+        from strata.gpu.kernels.packing import pack, padded_planes, plane_shapes, shared_plane_shapes
 
         num_experts = raw.shape[0]
         packed = pack(raw.reshape(num_experts * shape[0], -1), qtype.name, shape[1])
-        parts = [np.ascontiguousarray(p).view(np.uint8).reshape(num_experts, -1)
-                 for p, name in zip((packed.quants, packed.scales, packed.extra), ("quants", "scales", "extra"))
-                 if p.shape != (1, 1) or name == "quants"]
+        fmts = [q.name for q in region_qtypes or (qtype,)]
+        shapes = shared_plane_shapes(fmts, num_experts * shape[0], shape[1])
+        if shapes == plane_shapes(qtype.name, num_experts * shape[0], shape[1]):
+            planes = {name: getattr(packed, name) for name in shapes}  # no padding: the planes as packed
+        else:
+            planes = padded_planes(packed, shapes)
+        parts = [np.ascontiguousarray(p).view(np.uint8).reshape(num_experts, -1) for p in planes.values()]
         return np.concatenate(parts, axis=1)  # [N, planes of one expert]
 
     def stage_experts(self, storage, slots, hosts, is_after_compute: bool = True):
@@ -475,7 +480,8 @@ class CudaOps:
 
         if not tensor_core.is_available():
             return (None,)  # the FFMA tiles have one shape
-        return prefill_tile_row_choices(*_expert_formats(layout))
+        choices = {rows for each in _layer_layouts(layout) for rows in prefill_tile_row_choices(*_expert_formats(each))}
+        return tuple(sorted(choices))
 
     @contextlib.contextmanager
     def forcing_moe_tile_rows(self, rows: int | None):
@@ -488,9 +494,14 @@ class CudaOps:
             self._forced_tile_rows = previous
 
     def _moe_block_m(self, num_pairs: int, num_experts: int, layout: ExpertLayout | None) -> int:
-        from strata.gpu.kernels.moe import prefill_tile_rows
+        """The forced tile rows where this layer's experts may take them (a mixed model's layers may pick
+        between different tiles), else the pick for this chunk."""
+        from strata.gpu.kernels.moe import prefill_tile_row_choices, prefill_tile_rows
 
-        return self._forced_tile_rows or prefill_tile_rows(num_pairs, num_experts, *_expert_formats(layout))
+        formats = _expert_formats(layout)
+        if self._forced_tile_rows in prefill_tile_row_choices(*formats):
+            return self._forced_tile_rows
+        return prefill_tile_rows(num_pairs, num_experts, *formats)
 
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``;
@@ -498,7 +509,7 @@ class CudaOps:
         from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
-        gate, up, down = storage.matrices()
+        gate, up, down = storage.matrices(layout)  # in the types of the layer's experts
         num_slots = storage.num_slots_reserved
         if slot_of_expert is None:
             with self._owning(ACTIVATIONS):
@@ -696,6 +707,16 @@ def _tiles_to_slots_kernel():
                 tile_expert[i] = slot_of_expert[expert]
 
     return tiles_to_slots_kernel
+
+
+def _layer_layouts(layout: ExpertLayout | None) -> list:
+    """A layer's layout for each set of types a model's layers have, or [layout] itself."""
+    if layout is None or not layout.is_mixed:
+        return [layout]
+    first_layer: dict = {}
+    for layer, (qtypes, _) in enumerate(layout.layers):
+        first_layer.setdefault(qtypes, layer)
+    return [layout.at_layer(layer) for layer in first_layer.values()]
 
 
 def _expert_formats(layout: ExpertLayout | None) -> tuple:

@@ -31,13 +31,14 @@ log = logging.getLogger("strata.engine")
 
 
 def plane_sizes(layout: ExpertLayout) -> list[tuple[int, str, tuple[int, int], np.dtype, int]]:
-    """(matrix index, plane, per-slot plane shape, dtype, byte offset in the slot) of every plane present."""
-    from strata.gpu.kernels.packing import plane_shapes
+    """(matrix index, plane, per-slot plane shape, dtype, byte offset in the slot) of every plane present:
+    the planes of every type the matrix takes over the layers, each as wide as the widest's."""
+    from strata.gpu.kernels.packing import shared_plane_shapes
 
     planes = []
-    for index, (qtype, shape, offset) in enumerate(zip(layout.qtypes, layout.shapes, layout.offsets)):
+    for index, (qtypes, shape, offset) in enumerate(zip(layout.matrix_qtypes, layout.shapes, layout.offsets)):
         within = 0
-        for name, (plane_shape, dtype) in plane_shapes(qtype.name, *shape).items():
+        for name, (plane_shape, dtype) in shared_plane_shapes([q.name for q in qtypes], *shape).items():
             planes.append((index, name, plane_shape, np.dtype(dtype), offset + within))
             within += int(np.prod(plane_shape)) * np.dtype(dtype).itemsize
     return planes
@@ -59,7 +60,7 @@ class PlaneArena:
         self._ledger, self._owner = ledger, owner
         self._charges: list[Charge] = []
         self._placeholders = placeholders or {}
-        self._matrices = None
+        self._matrices: dict[tuple, tuple] = {}  # per (gate, up, down) types
         self._plane_slot_bytes = [int(np.prod(shape)) * dtype.itemsize for _, _, shape, dtype, _ in self.planes]
         # raw device addresses when the ranges are CUDA virtual memory: staging then issues one async
         # DMA per plane, with no array objects built per copy
@@ -116,14 +117,16 @@ class PlaneArena:
                 plane_range.unmap_to(plane_range.mapped_bytes - plane_range.segment_bytes)
             self._ledger.discharge(self._charges.pop())
 
-    def matrices(self):
-        """(gate, up, down) as PackedMatrix stacks over every reserved slot (kernels touch mapped ones)."""
-        if self._matrices is None:
-            self._matrices = self._build_matrices()
-        return self._matrices
+    def matrices(self, layout: ExpertLayout | None = None):
+        """(gate, up, down) as PackedMatrix stacks over every reserved slot (kernels touch mapped ones), in
+        the types of ``layout`` (one layer's, ``ExpertLayout.at_layer``; default: the arena's)."""
+        qtypes = (layout or self.layout).qtypes
+        if qtypes not in self._matrices:
+            self._matrices[qtypes] = self._build_matrices(qtypes)
+        return self._matrices[qtypes]
 
-    def _build_matrices(self):
-        from strata.gpu.kernels.packing import PackedMatrix
+    def _build_matrices(self, qtypes):
+        from strata.gpu.kernels.packing import PackedMatrix, plane_shapes
 
         views: dict[tuple[int, str], object] = {}
         for (index, name, shape, dtype, _), plane_range in zip(self.planes, self._ranges):
@@ -131,10 +134,9 @@ class PlaneArena:
             num_bytes = rows * shape[1] * dtype.itemsize
             views[(index, name)] = plane_range.array[:num_bytes].view(dtype).reshape(rows, shape[1])
         out = []
-        for index, (qtype, (num_rows, num_cols)) in enumerate(zip(self.layout.qtypes, self.layout.shapes)):
-            present = {n: views[(index, n)] for i, n, *_ in self.planes if i == index}
-            placeholder = {n: self._placeholders[n] for n in _PLANE_NAMES if n not in present}
-            planes = {**present, **placeholder}
+        for index, (qtype, (num_rows, num_cols)) in enumerate(zip(qtypes, self.layout.shapes)):
+            own = plane_shapes(qtype.name, num_rows, num_cols)  # a plane of another type of the region stays out
+            planes = {n: views[(index, n)] if n in own else self._placeholders[n] for n in _PLANE_NAMES}
             out.append(PackedMatrix(qtype.name, num_rows * self.num_slots_reserved, num_cols,
                                     planes["quants"], planes["scales"], planes["extra"]))
         return tuple(out)

@@ -1,4 +1,9 @@
-"""Where an expert's matrices sit inside an expert slot, in the GGUF encoding or a backend's packed one."""
+"""Where an expert's matrices sit inside an expert slot, in the GGUF encoding or a backend's packed one.
+
+One slot geometry serves every layer: a matrix whose type changes between layers (llama.cpp's
+Q4_K_M, Q5_K_M and IQ4_XS mixes give some layers' ffn_down_exps more bits) gets a region that holds
+the largest of its types, so any cache slot takes any layer's expert.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +12,58 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from strata.backend.ops import ExpertLayout
+from strata.backend.ops import ExpertLayout, region_qtypes
+from strata.errors import ModelFormatError
+from strata.model import quants
 from strata.model.gguf_file import GgufModel
 
 ALIGN_BYTES = 256
 EXPERT_MATRICES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
+# (qtype, [rows, cols], every type the matrix's region holds) -> bytes of the matrix in that region
+EncodedBytes = Callable[[QType, tuple[int, int], tuple[QType, ...]], int]
 
-def expert_layout(model: GgufModel, encoded_bytes: Callable[[QType, tuple[int, int]], int] | None = None,
-                  encoding: str = "gguf") -> ExpertLayout:
-    """Where gate, up and down sit in a slot. ``encoded_bytes(qtype, shape)`` is the size of one
-    matrix in the backend's encoding (default: the GGUF bytes)."""
-    refs = [model.tensors[f"blk.0.{name}.weight"] for name in EXPERT_MATRICES]
+
+def expert_layout(model: GgufModel, encoded_bytes: EncodedBytes | None = None, encoding: str = "gguf") -> ExpertLayout:
+    """Where gate, up and down sit in a slot, for the experts of every layer (main layers, then MTP
+    blocks). ``encoded_bytes`` is the size of one matrix in the backend's encoding (default: the GGUF
+    bytes)."""
+    spec = model.spec
+    names = [[f"blk.{layer}.{name}.weight" for name in EXPERT_MATRICES]
+             for layer in range(spec.num_layers + spec.num_nextn_layers)]
+    names = [layer for layer in names if all(n in model.tensors for n in layer)]  # an MTP block may have none
+    refs = [model.tensors[n] for n in names[0]]
     shapes = tuple(tuple(r.shape[1:]) for r in refs)
-    qtypes = tuple(QType(r.qtype) for r in refs)
-    sizes = tuple(encoded_bytes(q, s) if encoded_bytes else r.nbytes // r.shape[0]
-                  for q, s, r in zip(qtypes, shapes, refs))
+    layer_qtypes = [tuple(QType(model.tensors[n].qtype) for n in layer) for layer in names]
+    regions = region_qtypes(layer_qtypes)
+
+    def size(index: int, qtype: QType) -> int:
+        shape = shapes[index]
+        if encoded_bytes:
+            return encoded_bytes(qtype, shape, regions[index])
+        return shape[0] * quants.row_nbytes(qtype, shape[1])
+
+    layers = tuple((qtypes, tuple(size(i, q) for i, q in enumerate(qtypes))) for qtypes in layer_qtypes)
     offsets, offset = [], 0
-    for size in sizes:
+    for index, qtypes in enumerate(regions):
         offsets.append(offset)
-        offset += align(size)
-    return ExpertLayout(qtypes=qtypes, shapes=shapes, offsets=tuple(offsets), sizes=sizes, slot_bytes=offset,
-                        encoding=encoding)
+        offset += align(max(size(index, q) for q in qtypes))
+    return ExpertLayout(qtypes=layers[0][0], shapes=shapes, offsets=tuple(offsets), sizes=layers[0][1],
+                        slot_bytes=offset, encoding=encoding, layers=layers)
 
 
 def packed_expert_layout(model) -> ExpertLayout:
-    """Slots holding each matrix's packed planes (quants, scales, extra) one after the other."""
-    from strata.gpu.kernels.packing import plane_shapes
+    """Slots holding each matrix's packed planes (quants, scales, extra) one after the other, each plane
+    as wide as the widest of the matrix's types."""
+    from strata.gpu.kernels.packing import shared_plane_shapes
 
-    def encoded_bytes(qtype, shape) -> int:
-        return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in plane_shapes(qtype.name, *shape).values())
+    def encoded_bytes(qtype, shape, regions) -> int:
+        try:
+            planes = shared_plane_shapes([q.name for q in regions], *shape)
+        except ValueError as exc:  # a float type in some layers, a quantized one in others
+            raise ModelFormatError(f"{model.path}: routed experts: {exc}; convert those experts to one type, "
+                                   "or run them on the numpy backend") from exc
+        return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in planes.values())
 
     return expert_layout(model, encoded_bytes, encoding="packed-planes")
 

@@ -152,8 +152,8 @@ class NumpyOps:
 
         return expert_layout(model)
 
-    def encode_experts(self, raw: np.ndarray, qtype, shape) -> np.ndarray:
-        return raw.reshape(raw.shape[0], -1)  # GGUF bytes as they are
+    def encode_experts(self, raw: np.ndarray, qtype, shape, region_qtypes=()) -> np.ndarray:
+        return raw.reshape(raw.shape[0], -1)  # GGUF bytes as they are, at the start of the region
 
     def stage_experts(self, storage: NumpyArena, slots, hosts, is_after_compute: bool = True) -> None:
         for slot, host in zip(slots, hosts):

@@ -42,14 +42,44 @@ class QTensor:
 
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
-    """Where an expert's three matrices sit inside its slot (byte offsets, each 256-byte aligned)."""
+    """Where an expert's three matrices sit inside its slot (byte offsets, each 256-byte aligned).
 
-    qtypes: tuple[QType, QType, QType]  # gate, up, down
+    A model's layout describes the experts of every layer: where a matrix's type changes between
+    layers (llama.cpp's Q4_K_M gives some layers' ffn_down_exps Q6_K), its region holds the largest
+    of its types, and ``at_layer`` gives one layer's types and sizes in the same slot geometry."""
+
+    qtypes: tuple[QType, QType, QType]  # gate, up, down (of layer 0 in a model's layout)
     shapes: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]  # [F, D], [F, D], [D, F]
     offsets: tuple[int, int, int]
-    sizes: tuple[int, int, int]
+    sizes: tuple[int, int, int]  # the bytes each matrix of ``qtypes`` fills from its offset
     slot_bytes: int
     encoding: str = "gguf"  # how each matrix's bytes are laid out in its region; the backend's choice
+    # every layer's (qtypes, sizes): main layers, then MTP blocks; () where every layer has ``qtypes``
+    layers: tuple[tuple[tuple[QType, QType, QType], tuple[int, int, int]], ...] = ()
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether a matrix's type changes between layers."""
+        return len({qtypes for qtypes, _ in self.layers}) > 1
+
+    @property
+    def matrix_qtypes(self) -> tuple[tuple[QType, ...], tuple[QType, ...], tuple[QType, ...]]:
+        """The types each of gate, up and down's regions holds (``region_qtypes``)."""
+        return region_qtypes([qtypes for qtypes, _ in self.layers] or [self.qtypes])
+
+    def at_layer(self, layer: int) -> ExpertLayout:
+        """The experts of ``layer``: their types and sizes, in this slot geometry."""
+        if not self.layers:
+            return self
+        qtypes, sizes = self.layers[layer]
+        return dataclasses.replace(self, qtypes=qtypes, sizes=sizes)
+
+
+def region_qtypes(layer_qtypes) -> tuple[tuple[QType, ...], tuple[QType, ...], tuple[QType, ...]]:
+    """The types the slot regions of gate, up and down hold, given every layer's (gate, up, down) types: each
+    matrix's types over the layers, in layer order; gate and up share theirs (kernels read both at one pitch)."""
+    gate_up = tuple(dict.fromkeys(q for qtypes in layer_qtypes for q in qtypes[:2]))
+    return gate_up, gate_up, tuple(dict.fromkeys(qtypes[2] for qtypes in layer_qtypes))
 
 
 class ArenaStorage(Protocol):
@@ -95,8 +125,10 @@ class Ops(Protocol):
     def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout) -> ArenaStorage: ...
     def arena_view(self, storage: ArenaStorage, offset: int, shape: tuple[int, ...], dtype: Any) -> Any: ...
     def expert_layout(self, model: Any) -> ExpertLayout: ...
-    def encode_experts(self, raw: np.ndarray, qtype: QType, shape: tuple[int, int]) -> np.ndarray:
-        """[N, rows, row_bytes] GGUF bytes of N experts' matrix -> [N, size] in this backend's encoding."""
+    def encode_experts(self, raw: np.ndarray, qtype: QType, shape: tuple[int, int],
+                       region_qtypes: tuple[QType, ...] = ()) -> np.ndarray:
+        """[N, rows, row_bytes] GGUF bytes of N experts' matrix -> [N, size] in this backend's encoding, for
+        a slot region that holds any of ``region_qtypes`` (the matrix's types over the layers; () its own)."""
 
     def stage_experts(self, storage: ArenaStorage, slots: Sequence[int], hosts: Sequence[np.ndarray],
                       is_after_compute: bool = True) -> Any:
@@ -166,6 +198,7 @@ class Ops(Protocol):
     def moe(self, out: Any, x: Any, ids: Any, weights: Any, storage: ArenaStorage, slot_of_expert: Any,
             layout: ExpertLayout, groups: Any = None) -> None:
         """out += the routed experts that ``slot_of_expert`` ([N], host or from ``slot_tables``) places;
+        ``layout`` is their layer's (``ExpertLayout.at_layer``: the types its experts' slots hold);
         ``groups`` from ``moe_groups`` over the same ids and weights, or None."""
     def moe_accumulator(self, x: Any) -> Any:
         """Where a layer's expert outputs add up: a zeroed array shaped like ``x`` [T, D], or ``x``

@@ -1,8 +1,9 @@
-"""Kernel benchmarks at Qwen3-30B-A3B shapes: `python -m strata.bench.kernels [--tiny]`.
+"""Kernel benchmarks at Qwen3-30B-A3B shapes: `python -m strata.bench.kernels [--tiny] [--expert-formats F,...]`.
 
 Rows: decode GEMVs per format and path (the linked C++ rows and the Numba kernel: GB/s against the
-measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them) and
-one token's routed experts, the prefill expert products for chunks of 512 / 2,048 / 8,192 tokens routed
+measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them) and,
+for the routed experts of each --expert-formats format (default Q4_0), one token's routed experts, the
+prefill expert products for chunks of 512 / 2,048 / 8,192 tokens routed
 top-8 (TFLOP/s of the two bound launches' GPU time, queued back to back behind a GPU wait so that no
 launch's host cost is counted, on X as the main loop reads it, float16 for the fused loop; then gate/up
 and down each alone, the two as plain calls with the first launch's host cost, and the whole call of
@@ -54,7 +55,7 @@ from strata.gpu.kernels.moe import (
     prefill_tile_rows,
 )
 from strata.gpu.kernels.moe_route import moe_group, moe_route
-from strata.gpu.kernels.packing import PackedMatrix, plane_shapes
+from strata.gpu.kernels.packing import FORMATS, PackedMatrix, plane_shapes
 from strata.gpu.kernels.rope import head_norm_rope
 from strata.gpu.kernels.sample import sample
 
@@ -391,28 +392,34 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
             Row("launches per decode token", launches, "launches", None, None)]
 
 
-def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, is_default_moe: bool = False) -> list:
+def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, is_default_moe: bool = False,
+        expert_formats: tuple = ("Q4_0",)) -> list:
     """is_default_moe: the MoE prefill rows on the engine's kernels for each chunk (cfg None, on
-    moe_block_m's tile rows), else on gemm_cfg's."""
+    moe_block_m's tile rows), else on gemm_cfg's. expert_formats: the routed experts' formats of the
+    expert rows (the decode layer's experts are the first's)."""
     paths = (True, False) if tensor_core.is_available() else (False,)
     q_dim = s.num_q_heads * s.head_dim
     rows = [bench_gemv(s, fmt, n, k, gemv_cfg, native, timing) for fmt in ("Q4_0", "Q8_0", "Q4_K")
             for n, k in ((s.vocab, s.gemv_cols), (q_dim, s.gemv_cols), (s.hidden, max(q_dim, 256)))
             for native in paths]
     rows += [bench_gemv(s, "F32", s.num_experts, s.gemv_cols, gemv_cfg, native, timing) for native in paths]  # router
-    experts = make_experts(s, "Q4_0", np.random.default_rng(6))
-    rows += [bench_moe_decode(s, experts, gemv_cfg, native, timing) for native in paths]
-    for num_tokens in s.prefill_tokens:
-        if is_default_moe:  # the engine's kernels for the chunk: moe_rows' or default tiles, on its tile rows
-            block_m = prefill_tile_rows(num_tokens * s.top_k, s.num_experts, ("Q4_0",) * 3, s.hidden, s.ffn)
-            rows += bench_moe_prefill(s, experts, num_tokens, None, timing, block_m=block_m)
-        else:
-            rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing)
+    first_experts = None
+    for fmt in expert_formats:
+        experts = make_experts(s, fmt, np.random.default_rng(6))
+        first_experts = first_experts or experts
+        rows += [bench_moe_decode(s, experts, gemv_cfg, native, timing) for native in paths]
+        for num_tokens in s.prefill_tokens:
+            if is_default_moe:  # the engine's kernels for the chunk: moe_rows' or default tiles, on its tile rows
+                block_m = prefill_tile_rows(num_tokens * s.top_k, s.num_experts, (fmt,) * 3, s.hidden, s.ffn)
+                rows += bench_moe_prefill(s, experts, num_tokens, None, timing, block_m=block_m)
+            else:
+                rows += bench_moe_prefill(s, experts, num_tokens, gemm_cfg, timing)
+    experts = first_experts
     rows += [bench_attention_prefill(s, c, fmt, prefill_cfg, timing) for c in s.prefill_contexts
              for fmt in ("F16", "Q8_0", "Q4_0")]
     for fmt in ("F16", "Q8_0", "Q4_0"):
         rows += bench_attention_decode(s, fmt, decode_cfg, timing)
-    rows += bench_decode_layer(s, experts, "Q4_0", gemv_cfg, decode_cfg, timing)
+    rows += bench_decode_layer(s, experts, expert_formats[0], gemv_cfg, decode_cfg, timing)
     return rows
 
 
@@ -432,7 +439,12 @@ def main(argv=None) -> list:
     parser.add_argument("--tiny", action="store_true", help="toy shapes and configs, for the CUDA simulator")
     parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 3, tiny 0)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 10, tiny 1)")
+    parser.add_argument("--expert-formats", default="Q4_0", type=lambda text: tuple(text.split(",")),
+                        help="comma-separated formats of the routed experts' rows (default Q4_0), e.g. Q4_0,Q8_0,Q4_K")
     args = parser.parse_args(argv)
+    unknown = [fmt for fmt in args.expert_formats if fmt not in FORMATS]
+    if unknown:
+        parser.error(f"--expert-formats: {', '.join(unknown)} not among {', '.join(FORMATS)}")
     warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 3)
     repeats = args.repeats if args.repeats is not None else (1 if args.tiny else 10)
     if args.tiny:
@@ -445,7 +457,7 @@ def main(argv=None) -> list:
         name = cuda.get_current_device().name
         device = name.decode() if isinstance(name, bytes) else str(name)
     print(f"# strata kernel benchmarks on {device}; median of {repeats} after {warmup} warm-up; {code_identity()}")
-    rows = run(*configs, (warmup, repeats), is_default_moe=not args.tiny)
+    rows = run(*configs, (warmup, repeats), is_default_moe=not args.tiny, expert_formats=args.expert_formats)
     print(format_table(rows))
     return rows
 

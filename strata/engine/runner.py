@@ -217,12 +217,13 @@ class ModelRunner:
         ids, weights = ops.route(h, self.matrix(layer, "ffn_gate_inp"), spec.num_experts_used,
                                  spec.is_expert_weights_normalized)  # [T, k] on the backend
         acc = ops.moe_accumulator(x)  # [T, D]: zeroed, or x itself
+        layout = cache.layout.at_layer(layer)  # the types of this layer's experts
         if plan is not None:  # every uncached expert streams; the routing stays on the backend
-            groups = ops.moe_groups(ids, weights, spec.num_experts, cache.layout)  # once for the layer's batches
+            groups = ops.moe_groups(ids, weights, spec.num_experts, layout)  # once for the layer's batches
             if plan.cached_table is not None:
-                ops.moe(acc, h, ids, weights, cache.storage, plan.cached_table, cache.layout, groups)
+                ops.moe(acc, h, ids, weights, cache.storage, plan.cached_table, layout, groups)
             for batch in ring.take(layer):
-                ops.moe(acc, h, ids, weights, cache.storage, batch.table, cache.layout, groups)
+                ops.moe(acc, h, ids, weights, cache.storage, batch.table, layout, groups)
         else:
             self._routed_experts(layer, h, ids, weights, acc, ring, stats)
         if spec.shared_expert_ffn_size:
@@ -235,16 +236,17 @@ class ModelRunner:
         """The routed experts, found on the host: cached ones in place, misses through the ring
         (prefill) or into the cache (decode)."""
         ops, cache, num_experts = self.ops, self.cache, self.spec.num_experts
+        layout = cache.layout.at_layer(layer)
         host_ids = ops.to_host(ids)  # [T, k]: the host picks the experts to stage
         if ring is None:
-            ops.moe(acc, h, host_ids, weights, cache.storage, self.decode_slots(layer, host_ids, stats), cache.layout)
+            ops.moe(acc, h, host_ids, weights, cache.storage, self.decode_slots(layer, host_ids, stats), layout)
             return
         slot_of, misses = self._lookup(layer, host_ids, stats)
         if np.any(slot_of >= 0):
-            ops.moe(acc, h, ids, weights, cache.storage, slot_of, cache.layout)  # cached experts in place
+            ops.moe(acc, h, ids, weights, cache.storage, slot_of, layout)  # cached experts in place
         ring.enqueue(ring.plan(layer, misses, num_experts))
         for batch in ring.take(layer):
-            ops.moe(acc, h, ids, weights, cache.storage, batch.table, cache.layout)
+            ops.moe(acc, h, ids, weights, cache.storage, batch.table, layout)
 
     def _lookup(self, layer: int, host_ids: np.ndarray, stats: StreamStats) -> tuple[np.ndarray, list[int]]:
         """[N] slots of the routed experts found in the cache (-1 elsewhere), and the routed misses."""

@@ -1,19 +1,25 @@
 """llama.cpp's preset mixes through the whole engine: the I-quant mix on the Numba kernels against the
-NumPy reference, and the refusal, at load and in ``strata check``, of what no backend runs."""
+NumPy reference, the Q4_K_M mix (its ffn_down_exps type changes between layers) through the expert cache
+and pack, and the refusal, at load and in ``strata check``, of what a backend does not run."""
+
+import dataclasses
+import json
 
 import numpy as np
 import pytest
-from engine_setup import engine_config, greedy, reference_greedy
+from engine_setup import SMALL_MOE, engine_config, greedy, reference_greedy
 from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 
 from strata.backend import formats
+from strata.backend.layouts import packed_expert_layout
 from strata.backend.select import has_cuda_device
 from strata.cli import main
 from strata.engine.facade import Engine
+from strata.engine.memory.expert_pack import HEADER_BYTES
 from strata.errors import ModelFormatError
 from strata.model.gguf_file import open_gguf
-from strata.model.synth import PRESETS, SynthShape, write_synthetic_model
+from strata.model.synth import SynthShape, write_synthetic_model
 
 BACKEND = "cuda" if has_cuda_device() else "cudasim"
 # rows of 256 keep the 256-element formats; 4 experts (not 8) and 2 heads a KV head keep the mix's own rules
@@ -34,15 +40,64 @@ def test_an_iq3_xxs_mix_runs_on_the_kernels_as_the_reference(tmp_path):
     assert tokens == reference_greedy(path, prompt, 2, context=256)
 
 
-def test_experts_whose_type_changes_between_layers_are_refused_at_load_and_in_check(tmp_path, capsys):
-    path = write_synthetic_model(tmp_path / "q4_k_m.gguf", PRESETS["tiny"], "Q4_K_M", seed=1)  # 2 layers
-    fix = r"blk\.1\.ffn_down_exps\.weight is Q8_0, blk\.0's Q5_0: no backend runs.*--tensor-type"
-    with pytest.raises(ModelFormatError, match=fix):
-        Engine.load(engine_config(path), show_progress=False)
+def test_experts_whose_type_changes_between_layers_stream_through_the_cache_and_a_pack_as_the_reference(
+        tmp_path, capsys):
+    # llama.cpp's Q4_K_M gives the more-bits layers' ffn_down_exps Q6_K: here layer 2 of 3, the others Q4_K
+    # (gate and up, rows of 128, Q4_K's fallback Q5_0)
+    path = write_synthetic_model(tmp_path / "q4_k_m.gguf", SMALL_MOE, "Q4_K_M", seed=3)
+    model = open_gguf(path)
+    assert [model.tensors[f"blk.{i}.ffn_down_exps.weight"].qtype for i in range(3)] == [QType.Q4_K] * 2 + [QType.Q6_K]
+    pack = tmp_path / "q4_k_m.strpack"
+    config = tmp_path / "pack.toml"
+    config.write_text(f'[model]\npath = "{path}"\nexpert_pack = "{pack}"\n[runtime]\nbackend = "numpy"\n'
+                      'vram_budget = "6MiB"\nvmm_segment = "2MiB"\ncontext_tokens = 1024\n'
+                      '[planner]\nchunk_quantum_tokens = 16\nmax_ring_slots = 16\n')
+    assert main(["--config", str(config), "pack", "--out", str(pack)]) == 0
+    assert main(["--config", str(config), "check"]) == 0
+    header = json.loads(pack.read_bytes()[:HEADER_BYTES].rstrip(b"\0"))
+    q5_0, q4_k, q6_k = int(QType.Q5_0), int(QType.Q4_K), int(QType.Q6_K)
+    assert [qtypes for qtypes, _ in header["layers"]] == [[q5_0, q5_0, q4_k]] * 2 + [[q5_0, q5_0, q6_k]]
+    capsys.readouterr()
+    engine = Engine.load(engine_config(path, model={"path": str(path), "expert_pack": str(pack)}),
+                         show_progress=False)
+    assert engine.cache.layout.is_mixed
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 500, size=40)]
+    tokens, stats = greedy(engine, prompt, 6)
+    assert stats.streamed_bytes > 0 and engine.cache.num_evictions > 0  # through the ring, and decode evicts
+    assert tokens == reference_greedy(path, prompt, 6)
+
+
+@pytest.mark.skipif(BACKEND != "cuda", reason="a whole mixed model of 256-wide rows on the kernels: GPU only")
+@pytest.mark.parametrize("preset", ["Q4_K_M", "Q5_K_M", "IQ4_XS"])
+def test_a_mix_whose_expert_types_change_between_layers_runs_on_the_gpu_as_the_reference(tmp_path, preset):
+    # 8 layers: IQ4_XS gives layer 0 (the first eighth) a Q5_K ffn_down_exps, Q4_K_M and Q5_K_M layers 0, 3, 6, 7 Q6_K
+    shape = dataclasses.replace(MIX_SHAPE, num_layers=8)
+    path = write_synthetic_model(tmp_path / f"{preset}.gguf", shape, preset, seed=5)
+    model = open_gguf(path)
+    downs = [model.tensors[f"blk.{i}.ffn_down_exps.weight"].qtype for i in range(8)]
+    assert len(set(downs)) == 2 and downs[0] != downs[2]
+    engine = Engine.load(engine_config(path, runtime={"backend": BACKEND, "vram_budget": "64MiB",
+                                                      "context_tokens": 256}), show_progress=False)
+    assert engine.cache.layout.is_mixed
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 290, size=24)]
+    tokens, _ = greedy(engine, prompt, 4)
+    assert tokens == reference_greedy(path, prompt, 4, context=256)
+
+
+def test_check_plans_a_mixed_model_for_the_gpu_in_slots_of_its_largest_types(tmp_path, capsys):
+    path = write_synthetic_model(tmp_path / "q4_k_m.gguf", SMALL_MOE, "Q4_K_M", seed=3)
     config = tmp_path / "check.toml"
-    config.write_text(f'[model]\npath = "{path}"\n[runtime]\nbackend = "cuda"\nvram_budget = "64MiB"\n')
-    assert main(["--config", str(config), "check"]) == 2
-    assert "blk.1.ffn_down_exps.weight is Q8_0" in capsys.readouterr().err
+    config.write_text(f'[model]\npath = "{path}"\n[runtime]\nbackend = "cuda"\nvram_budget = "64MiB"\n'
+                      'vmm_segment = "2MiB"\ncontext_tokens = 1024\n')
+    assert main(["--config", str(config), "check"]) == 0
+    model = open_gguf(path)
+    layout = packed_expert_layout(model)
+    down = {layer: layout.at_layer(layer).sizes[2] for layer in range(3)}
+    down_bytes = [model.tensors[f"blk.{i}.ffn_down_exps.weight"].nbytes // SMALL_MOE.num_experts for i in range(3)]
+    # a block of 256 a row: quants as Q6_K's 192 bytes, scales as Q4_K's d and dmin, extra as Q6_K's 16 scales
+    rows = SMALL_MOE.hidden_size
+    assert down == {layer: rows * (192 + 4 + 16) for layer in range(3)}
+    assert down_bytes == [rows * 144] * 2 + [rows * 210] and layout.offsets[2] + down[2] <= layout.slot_bytes
 
 
 def test_a_type_the_backend_cannot_run_is_named_with_the_backends_that_can(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from strata.gpu.kernels import moe, moe_rows, tensor_core
 from strata.gpu.kernels.gemm_config import default_config, default_down_config
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
+from strata.gpu.kernels.packing import plane_shapes
 from strata.model import reference_ops
 
 needs_tensor_cores = pytest.mark.skipif(not tensor_core.is_available(), reason="needs a GPU with tensor cores")
@@ -29,6 +30,8 @@ def _routing(num_tokens, num_experts, top_k, seed):
 
 def test_the_shared_stages_fit_static_shared_memory():
     assert moe_rows.shared_bytes() == 38_400 <= 48 * 1024  # cuda/moe_rows.cu's 3 stages of 8 + 4 + 0.5 KiB
+    assert moe_rows.shared_bytes("Q8_0") == 33_792  # 2 stages of 8 + 8 + 0.5 KiB (3 would pass 48 KiB)
+    assert moe_rows.shared_bytes("Q4_K") == 43_008  # 3 stages of 8 + 4 + 2 KiB (d, dmin, 12 scale bytes a row)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -47,7 +50,10 @@ def test_chunks_take_the_rows_kernels_tiles_where_they_serve_the_experts():
         tiles = moe.moe_block_m(num_pairs, 128)  # the tile kernels' choice
         served = moe_rows.TILE_ROWS if tensor_core.is_available() else tiles
         assert moe.prefill_tile_rows(num_pairs, 128, q4_0, 2048, 768) == served
+        for fmts in (("Q8_0",) * 3, ("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q8_0")):  # down of its own format
+            assert moe.prefill_tile_rows(num_pairs, 128, fmts, 2048, 768) == served
         assert moe.prefill_tile_rows(num_pairs, 128, ("Q4_K", "Q4_K", "Q6_K"), 2048, 768) == tiles
+        assert moe.prefill_tile_rows(num_pairs, 128, ("Q4_K", "Q8_0", "Q4_K"), 2048, 768) == tiles  # gate, up differ
         assert moe.prefill_tile_rows(num_pairs, 128, q4_0, 2048, 96) == tiles  # FFN not a multiple of STEP_K
         assert moe.prefill_tile_rows(num_pairs, 128) == tiles  # experts unknown
     assert moe.prefill_tile_row_choices(q4_0, 2048, 768) == ((moe_rows.TILE_ROWS,) if tensor_core.is_available()
@@ -62,13 +68,25 @@ def test_groups_of_other_rows_or_no_tensor_cores_are_not_supported():
     assert not moe_rows.is_supported(groups, gate, up, down)  # 128-row tiles (and, off a GPU, no tensor cores)
 
 
+# (num_tokens, num_experts, dim, ffn) per format: ~35 rows an expert, both K loops past the 3-stage ring (4 and 5
+# steps); ~150 (3 tiles), down's second 64-row half partly past the hidden size; ~1 row. Q4_K's rows are whole
+# 256-element super-blocks: 2 and 3 of them (every step's sub-blocks, super-blocks past the first)
+_SHAPES = {"Q4_0": [(70, 4, 256, 320), (150, 2, 192, 256), (3, 4, 128, 192)],
+           "Q8_0": [(70, 4, 256, 320), (150, 2, 192, 256), (3, 4, 128, 192)],
+           "Q4_K": [(70, 4, 512, 768), (150, 2, 256, 512), (3, 4, 256, 256)]}
+_WIDER = {"quants": 4, "scales": 2, "extra": 4}  # columns added to each plane: a pitch past the format's rows
+
+
+def _mixed_down(fmt):  # gate/up of fmt, down of another served format: the two launches' formats apart
+    return {"Q4_0": "Q8_0", "Q8_0": "Q4_K", "Q4_K": "Q4_0"}[fmt]
+
+
 @needs_tensor_cores
-# ~35 rows an expert, both K loops past the 3-stage ring (4 and 5 steps); ~150 (3 tiles), down's second
-# 64-row half partly past the hidden size; ~1 row
-@pytest.mark.parametrize("num_tokens, num_experts, dim, ffn", [(70, 4, 256, 320), (150, 2, 192, 256), (3, 4, 128, 192)])
-def test_rows_path_matches_reference_moe(num_tokens, num_experts, dim, ffn):
+@pytest.mark.parametrize("fmt, num_tokens, num_experts, dim, ffn",
+                         [(fmt, *shape) for fmt, shapes in _SHAPES.items() for shape in shapes])
+def test_rows_path_matches_reference_moe(fmt, num_tokens, num_experts, dim, ffn):
     top_k = 2
-    (gate, up, down), values = _experts("Q4_0", num_experts, dim, ffn, seed=40 + num_tokens)
+    (gate, up, down), values = _experts(fmt, num_experts, dim, ffn, seed=40 + num_tokens)
     ids, weights = _routing(num_tokens, num_experts, top_k, seed=41)
     rng = np.random.default_rng(42)
     x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
@@ -82,16 +100,18 @@ def test_rows_path_matches_reference_moe(num_tokens, num_experts, dim, ffn):
 
 
 @needs_tensor_cores
-def test_every_number_of_token_groups_a_tile_matches_reference_moe():
+@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+def test_every_number_of_token_groups_a_tile_matches_reference_moe(fmt):
     # one expert for each tile size 1 .. 8 groups of 8 tokens (a full group and a partial one each), a full tile,
-    # and 70 tokens (a full tile and one of 6); dim 192: down's second 128-column block has no second half
+    # and 70 tokens (a full tile and one of 6); dim 192 (Q4_K 768): down's second 128-column block has no
+    # second half
     rows_per_expert = np.array([1, 9, 17, 25, 33, 41, 49, 57, 64, 70])
-    num_experts, dim, ffn = len(rows_per_expert), 192, 128
+    num_experts, dim, ffn = len(rows_per_expert), (768 if fmt == "Q4_K" else 192), (256 if fmt == "Q4_K" else 128)
     rng = np.random.default_rng(80)
     ids = rng.permutation(np.repeat(np.arange(num_experts), rows_per_expert)).astype(np.int32).reshape(-1, 1)  # [T, 1]
     weights = rng.uniform(0.5, 1.5, ids.shape).astype(np.float32)
     num_tokens = ids.shape[0]
-    (gate, up, down), values = _experts("Q4_0", num_experts, dim, ffn, seed=81)
+    (gate, up, down), values = _experts(fmt, num_experts, dim, ffn, seed=81)
     x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
     groups = moe_group(dev(ids), dev(weights), num_experts, moe_rows.TILE_ROWS)
     assert moe_rows.is_supported(groups, gate, up, down)
@@ -101,9 +121,10 @@ def test_every_number_of_token_groups_a_tile_matches_reference_moe():
 
 
 @needs_tensor_cores
-def test_rows_path_agrees_with_the_tile_path_and_is_the_default(monkeypatch):
-    num_tokens, num_experts, top_k, dim, ffn = 96, 8, 4, 256, 128
-    (gate, up, down), _ = _experts("Q4_0", num_experts, dim, ffn, seed=50)
+@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+def test_rows_path_agrees_with_the_tile_path_and_is_the_default(monkeypatch, fmt):
+    num_tokens, num_experts, top_k, dim, ffn = 96, 8, 4, 256, (256 if fmt == "Q4_K" else 128)
+    (gate, up, down), _ = _experts(fmt, num_experts, dim, ffn, seed=50)
     ids, weights = _routing(num_tokens, num_experts, top_k, seed=51)
     x = dev(np.random.default_rng(52).standard_normal((num_tokens, dim)).astype(np.float32))
     groups = moe_group(dev(ids), dev(weights), num_experts, moe_rows.TILE_ROWS)
@@ -115,22 +136,24 @@ def test_rows_path_agrees_with_the_tile_path_and_is_the_default(monkeypatch):
     assert calls == [1]
     tile_out = dev(np.zeros((num_tokens, dim), np.float32))
     moe_experts_prefill(x, groups, gate, up, down, tile_out, num_experts=num_experts,
-                        config=default_config("Q4_0", "Q4_0", "Q4_0", block_m=64),
-                        down_config=default_down_config("Q4_0", "Q4_0", "Q4_0", block_m=64))
+                        config=default_config(fmt, fmt, fmt, block_m=64),
+                        down_config=default_down_config(fmt, fmt, fmt, block_m=64))
     assert calls == [1]  # explicit tiles keep the tile path
     assert_close_to_scale(host(rows_out), host(tile_out), 2e-3)
 
 
 @needs_tensor_cores
-def test_rows_path_reads_mapped_slots_and_skips_absent_experts():
-    num_tokens, num_experts, top_k, dim, ffn = 40, 4, 2, 64, 128
-    (gate, up, down), values = _experts("Q4_0", num_experts, dim, ffn, seed=60)
+@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+def test_rows_path_reads_mapped_slots_and_skips_absent_experts(fmt):
+    num_tokens, num_experts, top_k, dim, ffn = 40, 4, 2, (256 if fmt == "Q4_K" else 64), 256
+    (gate, up, down), values = _experts(fmt, num_experts, dim, ffn, seed=60)
     ids, weights = _routing(num_tokens, num_experts, top_k, seed=61)
     x = np.random.default_rng(62).standard_normal((num_tokens, dim)).astype(np.float32)
     slot_of_expert = np.array([2, -1, 0, 1], np.int32)  # expert 1 is not in this batch
     groups = moe_group(dev(ids), dev(weights), num_experts, moe_rows.TILE_ROWS)
     out = dev(np.zeros((num_tokens, dim), np.float32))
-    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts, slot_of_expert=dev(slot_of_expert))
+    moe_experts_prefill(dev(x), groups, gate, up, down, out, num_experts=num_experts,
+                        slot_of_expert=dev(slot_of_expert))
     kept = np.where(slot_of_expert[ids] >= 0, weights, 0).astype(np.float32)
     slot_values = tuple(v[np.maximum(slot_of_expert, 0)] for v in values)
     ref = reference_ops.moe(x, ids, kept, *slot_values)
@@ -139,10 +162,33 @@ def test_rows_path_reads_mapped_slots_and_skips_absent_experts():
 
 @needs_tensor_cores
 def test_other_formats_keep_the_tile_path(monkeypatch):
-    (gate, up, down), _ = _experts("Q8_0", 2, 64, 64, seed=70)
+    (gate, up, down), _ = _experts("Q6_K", 2, 256, 256, seed=70)
     ids, weights = _routing(8, 2, 1, seed=71)
     groups = moe_group(dev(ids), dev(weights), 2, moe_rows.TILE_ROWS)
     assert not moe_rows.is_supported(groups, gate, up, down)
-    monkeypatch.setattr(moe, "_rows_launches", lambda *a, **k: pytest.fail("Q8_0 took the rows path"))
-    moe_experts_prefill(dev(np.ones((8, 64), np.float32)), groups, gate, up, down,
-                        dev(np.zeros((8, 64), np.float32)), num_experts=2)
+    monkeypatch.setattr(moe, "_rows_launches", lambda *a, **k: pytest.fail("Q6_K took the rows path"))
+    moe_experts_prefill(dev(np.ones((8, 256), np.float32)), groups, gate, up, down,
+                        dev(np.zeros((8, 256), np.float32)), num_experts=2)
+
+
+@needs_tensor_cores
+@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+def test_a_down_of_another_format_and_planes_of_a_wider_pitch_match_reference_moe(fmt):
+    # gate/up and down launches each of its own format; every plane of a pitch wider than its rows, as an expert
+    # cache of types that change between layers holds them (packing.shared_plane_shapes)
+    num_tokens, num_experts, top_k, dim, ffn = 70, 4, 2, 256, 256
+    gate, gate_v = random_matrix(fmt, num_experts * ffn, dim, 90)
+    up, up_v = random_matrix(fmt, num_experts * ffn, dim, 91)
+    down, down_v = random_matrix(_mixed_down(fmt), num_experts * dim, ffn, 92)
+    wide = [w._replace(**{p: dev(np.pad(host(getattr(w, p)), ((0, 0), (0, n))))
+                          for p, n in _WIDER.items() if p in plane_shapes(w.fmt, w.num_rows, w.num_cols)})
+            for w in (gate, up, down)]
+    ids, weights = _routing(num_tokens, num_experts, top_k, seed=93)
+    x = np.random.default_rng(94).standard_normal((num_tokens, dim)).astype(np.float32)
+    groups = moe_group(dev(ids), dev(weights), num_experts, moe_rows.TILE_ROWS)
+    assert moe_rows.is_supported(groups, *wide) and wide[0].quants.shape[1] > gate.quants.shape[1]
+    out = dev(np.zeros((num_tokens, dim), np.float32))
+    moe_experts_prefill(dev(x), groups, *wide, out, num_experts=num_experts)
+    values = (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
+              down_v.reshape(num_experts, dim, ffn))
+    assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *values), 2e-3)

@@ -1,14 +1,16 @@
 """moe_rows.cu's dequantization and K order, run on the host against gguf-py and stage_x.
 
-The simulator cannot run linked C++, so this test compiles the kernel's A-fragment dequantizer
-(dequant_block and the pairs under it) and its hidden-column order, as their source text stands,
-for the CPU with g++ (CUDA's half type and intrinsics replaced by float16 shims). It checks that
-each lane's registers, for both of its rows, hold the f16 roundings of d * (q - 8) of the physical elements the kernel's
-comments name, and that pairing them with X as stage_x lays it out (an 8-byte load a lane, as
-the mma's B fragments) gives the same products as W x X^T. The tensor-core loop around them is
-tested on the GPU (test_moe_rows).
+The simulator cannot run linked C++, so this test compiles the kernel's A-fragment dequantizers
+(dequant_block for Q4_0, dequant_q8_block, dequant_q4_k_block and the pairs and scales under them) and
+its hidden-column order, as their source text stands, for the CPU with g++ (CUDA's half type and
+intrinsics replaced by float16 shims). It checks that each lane's registers, for both of its rows, hold
+the f16 roundings of gguf-py's values of the physical elements the kernel's comments name (each format's
+quant words as the kernel stages them a step), and that pairing them with X as stage_x lays it out (an
+8-byte load a lane, as the mma's B fragments) gives the same products as W x X^T. The tensor-core loop
+around them is tested on the GPU (test_moe_rows).
 """
 
+import shutil
 import subprocess
 
 import numpy as np
@@ -85,6 +87,99 @@ int main(int argc, char** argv) {
 """
 
 
+_FORMAT_SHIMS = r"""
+struct float2 { float x, y; };
+struct uint4 { unsigned x, y, z, w; };
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float __low2float(__half2 a) { return __half2float(a.x); }
+static inline float __high2float(__half2 a) { return __half2float(a.y); }
+static inline float2 __half22float2(__half2 a) { return {__half2float(a.x), __half2float(a.y)}; }
+static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+static inline __half2 __floats2half2_rn(float a, float b) { return {to_half(a), to_half(b)}; }
+"""
+
+# The kernel's reads of one step for Q8_0 (8) and Q4_K (12): words and scales as rows_tile stages them.
+_FORMATS_MAIN = r"""
+// argv: format rows cols tokens quant_pitch scale_pitch extra_pitch planes.bin x_staged.bin weights.out products.out
+// Row r is a lane's row g, and row (r + 1) mod rows its row g + 8, as in the Q4_0 test.
+int main(int argc, char** argv) {
+  const int format = atoi(argv[1]), rows = atoi(argv[2]), cols = atoi(argv[3]), tokens = atoi(argv[4]);
+  const int qp = atoi(argv[5]), sp = atoi(argv[6]), ep = atoi(argv[7]);
+  std::vector<unsigned> q((size_t)rows * qp);
+  std::vector<uint16_t> s((size_t)rows * sp), x((size_t)tokens * cols), w((size_t)2 * rows * cols);
+  std::vector<unsigned char> e((size_t)rows * ep);
+  std::vector<double> products((size_t)2 * rows * tokens, 0.0);
+  FILE* f = fopen(argv[8], "rb");
+  if (fread(q.data(), 4, q.size(), f) != q.size() || fread(s.data(), 2, s.size(), f) != s.size() ||
+      fread(e.data(), 1, e.size(), f) != e.size()) return 1;
+  fclose(f);
+  f = fopen(argv[9], "rb");
+  if (fread(x.data(), 2, x.size(), f) != x.size()) return 1;
+  fclose(f);
+  for (int r = 0; r < rows; ++r)
+    for (int kb = 0; kb < cols / 32; ++kb)  // the 32-element group b = kb % 2 of step kb / 2
+      for (int t = 0; t < 4; ++t) {
+        const int r8 = (r + 1) % rows, step = kb / 2, b = kb & 1;
+        unsigned lo[4], hi[4];
+        if (format == 8) {  // a step's 16 words: block b's lo in chunk 2b, hi in chunk 2b + 1
+          unsigned scale0, scale8;
+          memcpy(&scale0, &s[(size_t)r * sp + 2 * step], 4);
+          memcpy(&scale8, &s[(size_t)r8 * sp + 2 * step], 4);
+          const int lw = 16 * step + 8 * b + t;
+          dequant_q8_block(q[(size_t)r * qp + lw], q[(size_t)r8 * qp + lw], q[(size_t)r * qp + lw + 4],
+                           q[(size_t)r8 * qp + lw + 4], scale0, scale8, b, 0x64806480u, lo, hi);
+        } else {  // Q4_K: a step's 8 words, lo in chunk 0, hi in chunk 1; the row's record of its super-block
+          const int super_block = step / 4, sub_block = 2 * (step % 4) + b, lw = 8 * step + t;
+          uint4 record0, record8;
+          memcpy(&record0.x, &s[(size_t)r * sp + 2 * super_block], 4);
+          memcpy(&record8.x, &s[(size_t)r8 * sp + 2 * super_block], 4);
+          memcpy(&record0.y, &e[(size_t)r * ep + 12 * super_block], 12);
+          memcpy(&record8.y, &e[(size_t)r8 * ep + 12 * super_block], 12);
+          dequant_q4_k_block(q[(size_t)r * qp + lw], q[(size_t)r8 * qp + lw], q[(size_t)r * qp + lw + 4],
+                             q[(size_t)r8 * qp + lw + 4], q4_k_scale_min(record0, sub_block),
+                             q4_k_scale_min(record8, sub_block), b, 0x64006400u, lo, hi);
+        }
+        const int element[8] = {4 * t, 4 * t + 2, 4 * t + 1, 4 * t + 3, 16 + 4 * t, 18 + 4 * t, 17 + 4 * t, 19 + 4 * t};
+        for (int half = 0; half < 2; ++half) {
+          const int row = half ? r8 : r;
+          const unsigned reg[4] = {lo[half], lo[2 + half], hi[half], hi[2 + half]};
+          uint16_t* w_row = &w[((size_t)half * rows + row) * cols + 32 * kb];
+          for (int i = 0; i < 8; ++i) w_row[element[i]] = (uint16_t)(reg[i / 2] >> (16 * (i % 2)));
+          for (int n = 0; n < tokens; ++n) {
+            const uint16_t* xs = &x[(size_t)n * cols + 32 * kb];
+            double sum = 0.0;
+            for (int i = 0; i < 8; ++i) {
+              const int stored = (i < 4 ? 4 * t : 16 + 4 * t) + i % 4;
+              sum += (double)__half2float((uint16_t)(reg[i / 2] >> (16 * (i % 2)))) * __half2float(xs[stored]);
+            }
+            products[((size_t)half * rows + row) * tokens + n] += sum;
+          }
+        }
+      }
+  f = fopen(argv[10], "wb"); fwrite(w.data(), 2, w.size(), f); fclose(f);
+  f = fopen(argv[11], "wb"); fwrite(products.data(), 8, products.size(), f); fclose(f);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def format_fragments(tmp_path_factory):
+    common = tensor_core.source_text("common.cuh")
+    rows_cu = tensor_core.source_text("moe_rows.cu")
+    source = "\n".join([
+        _SHIMS,
+        _FORMAT_SHIMS,
+        between(common, "__device__ __forceinline__ unsigned pack_half2", "// c[0..3] += A"),
+        between(common, "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
+        between(rows_cu, "// Q8_0: two f16 halves", "// The X copies of a thread"),
+        _FORMATS_MAIN,
+    ]).replace("[[maybe_unused]] ", "")
+    folder = tmp_path_factory.mktemp("moe_rows_formats_host")
+    build(folder, "formats", source)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def fragments(tmp_path_factory):
     common = tensor_core.source_text("common.cuh")
@@ -93,7 +188,7 @@ def fragments(tmp_path_factory):
         _SHIMS,
         between(common, "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
         between(rows_cu, "__device__ __forceinline__ unsigned q4_low_pair", "// 0x64006400 in a register"),
-        between(rows_cu, "// A fragments of block b", "// The X copies of a thread"),
+        between(rows_cu, "// A fragments of block b", "// Q8_0: two f16 halves"),
         _MAIN,
     ]).replace("[[maybe_unused]] ", "")
     folder = tmp_path_factory.mktemp("moe_rows_host")
@@ -127,3 +222,46 @@ def test_lanes_dequantize_like_gguf_and_pair_with_stage_x_as_w_times_x(fragments
     columns = np.fromfile(fragments / "c.out", np.int32)  # gate/up's hidden columns, as down reads them
     row = np.arange(64, dtype=np.float32)[None, :]
     np.testing.assert_array_equal(host(moe_rows.stage_x(dev(row)))[0, columns], row[0])
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K"])
+def test_lanes_of_the_other_formats_dequantize_like_gguf_and_pair_with_stage_x(format_fragments, fmt):
+    num_rows, num_cols, num_tokens = 5, 512, 3  # Q4_K: 2 super-blocks, 8 steps (every sub-block of each)
+    rng = np.random.default_rng(31)
+    raw = random_gguf_bytes(fmt, num_rows, num_cols, rng)
+    packed = pack(raw, fmt)
+    x = rng.standard_normal((num_tokens, num_cols)).astype(np.float32)
+    staged = host(moe_rows.stage_x(dev(x)))
+    extra = np.ascontiguousarray(packed.extra, np.uint8) if fmt == "Q4_K" else np.zeros((num_rows, 0), np.uint8)
+    with open(format_fragments / "planes.bin", "wb") as f:
+        f.write(np.ascontiguousarray(packed.quants, np.uint32).tobytes())
+        f.write(np.ascontiguousarray(packed.scales, np.float16).tobytes())
+        f.write(extra.tobytes())
+    staged.tofile(format_fragments / "x.bin")
+    subprocess.run([str(format_fragments / "formats"), {"Q8_0": "8", "Q4_K": "12"}[fmt], str(num_rows), str(num_cols),
+                    str(num_tokens), str(packed.quants.shape[1]), str(packed.scales.shape[1]), str(extra.shape[1]),
+                    str(format_fragments / "planes.bin"), str(format_fragments / "x.bin"),
+                    str(format_fragments / "w.out"), str(format_fragments / "p.out")], check=True)
+    weights = np.fromfile(format_fragments / "w.out", np.float16).reshape(2, num_rows, num_cols)
+    expected = reference_dequant(raw, fmt).astype(np.float16)  # gguf-py's float32 values, rounded once to f16
+    for from_registers in weights:
+        np.testing.assert_array_equal(from_registers.view(np.uint16), expected.view(np.uint16))  # bit for bit
+    products = np.fromfile(format_fragments / "p.out", np.float64).reshape(2, num_rows, num_tokens)
+    reference = expected.astype(np.float64) @ x.astype(np.float16).astype(np.float64).T  # [rows, tokens]
+    for from_registers in products:
+        np.testing.assert_allclose(from_registers, reference, rtol=1e-12, atol=1e-12)
+
+
+def test_every_format_compiles_for_the_gpu(tmp_path):
+    # the simulator cannot link C++: without a GPU, nvcc checks the source where it is installed
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    source = tmp_path / "moe_rows.cu"
+    source.write_text(tensor_core.source_text("moe_rows.cu"))
+    done = subprocess.run(["nvcc", "-arch=sm_90", "-rdc=true", "-ptx", str(source), "-o", str(tmp_path / "rows.ptx")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = (tmp_path / "rows.ptx").read_text()
+    for fmt in moe_rows.FORMATS:
+        for launch in ("gate_up", "down"):
+            assert f".func strata_moe_rows_{launch}_{fmt.lower()}(" in ptx

@@ -381,7 +381,7 @@ class DecodeStep:
         model = self.model
         h, _, weights, _ = self._attention[layer].outputs
         cache = model.cache
-        model.ops.moe(self._x, h, self._slot_ids, weights, cache.storage, None, cache.layout)
+        model.ops.moe(self._x, h, self._slot_ids, weights, cache.storage, None, cache.layout.at_layer(layer))
         return ()
 
     def _resident_token(self):
@@ -391,7 +391,7 @@ class DecodeStep:
             model.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
             h, ids, weights = self._route(layer)
             # the routed ids go through the layer's table to slots on the device
-            ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], cache.layout)
+            ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], cache.layout.at_layer(layer))
         return ()
 
 

@@ -5,6 +5,9 @@ would take three copies. The pack lays each expert out as one slot of ``layout.s
 
     [gate rows | pad to 256 B | up rows | pad | down rows | pad]      (raw GGUF bytes)
 
+A matrix whose type changes between layers has a region as large as its largest type's (the rest
+of a smaller one's is zeros), so one slot size serves every layer.
+
 ``strata pack`` writes it to ``<model>.strpack`` beside the GGUF (a 4 KiB JSON header, then slots
 in (layer, expert) order); the engine reads it into pinned memory, or packs the GGUF in memory at
 load when no pack file is configured. The header records the source GGUF's identity
@@ -31,6 +34,8 @@ HEADER_BYTES = 4096
 MAGIC_PREFIX = "strata-expert-pack-"
 MAGIC = MAGIC_PREFIX + "2"  # 2: the header records the source GGUF's identity
 SOURCE_SAMPLE_BYTES = 4096  # of every expert matrix, hashed into the source identity
+# (raw [N, rows, row_bytes], qtype, shape, every type the matrix's region holds) -> [N, size] encoded
+Encode = Callable[[np.ndarray, QType, tuple[int, int], tuple[QType, ...]], np.ndarray]
 REPACK_FIX = "write it again with `strata --config FILE pack` (FILE: the configuration whose model.expert_pack it is)"
 
 
@@ -53,11 +58,11 @@ class ExpertPack:
 
     @classmethod
     def from_gguf(cls, model: GgufModel, layout: ExpertLayout, allocate: Callable[[int], np.ndarray],
-                  encode: Callable[[np.ndarray, QType, tuple[int, int]], np.ndarray] | None = None,
-                  progress: Callable[[int], None] | None = None) -> ExpertPack:
-        """Pack every layer's experts; ``encode(raw [N, rows, row_bytes], qtype, shape) -> [N, size]``
-        turns GGUF bytes into the backend's encoding (default: kept as they are). A matrix holding NaN
-        or infinity is a ``NonFiniteWeightError`` naming it."""
+                  encode: Encode | None = None, progress: Callable[[int], None] | None = None) -> ExpertPack:
+        """Pack every layer's experts; ``encode(raw [N, rows, row_bytes], qtype, shape, region_qtypes) ->
+        [N, size]`` turns GGUF bytes into the backend's encoding (default: kept as they are) for a region
+        that holds any of ``region_qtypes``. A matrix holding NaN or infinity is a ``NonFiniteWeightError``
+        naming it."""
         spec = model.spec
         pack = cls(layout, spec.num_layers, spec.num_experts,
                    allocate(spec.num_layers * spec.num_experts * layout.slot_bytes))
@@ -169,28 +174,34 @@ def _identity_text(identity: dict) -> str:
 
 
 def pack_layer(model: GgufModel, layer: int, layout: ExpertLayout, slots: np.ndarray,
-               encode: Callable[[np.ndarray, QType, tuple[int, int]], np.ndarray] | None = None) -> None:
-    """Write ``layer``'s experts into ``slots`` [N, slot_bytes], one slot each, in ``layout``. A matrix
-    holding NaN or infinity is a ``NonFiniteWeightError`` naming it."""
-    _check_layer_layout(model, layer, layout)
-    for name, qtype, shape, offset, size in zip(EXPERT_MATRICES, layout.qtypes, layout.shapes, layout.offsets,
-                                                layout.sizes):
+               encode: Encode | None = None) -> None:
+    """Write ``layer``'s experts into ``slots`` [N, slot_bytes], one slot each, in ``layout`` (a model's:
+    each matrix in the layer's own type, its region's rest zeros). A matrix holding NaN or infinity is a
+    ``NonFiniteWeightError`` naming it."""
+    own = layout.at_layer(layer)
+    _check_layer_layout(model, layer, own)
+    ends = (*layout.offsets[1:], layout.slot_bytes)
+    for name, qtype, shape, offset, size, end, region_qtypes in zip(
+            EXPERT_MATRICES, own.qtypes, own.shapes, own.offsets, own.sizes, ends, layout.matrix_qtypes):
         ref = model.tensors[f"blk.{layer}.{name}.weight"]
         check_finite(ref, model.path)  # as it is read: a pack holds only finite experts
         data = ref.data  # [N, rows, row_bytes]
-        encoded = encode(data, qtype, shape) if encode else data.reshape(data.shape[0], -1)
+        encoded = encode(data, qtype, shape, region_qtypes) if encode else data.reshape(data.shape[0], -1)
         slots[:, offset:offset + size] = encoded  # [N, size] bytes, one strided copy per matrix
+        slots[:, offset + size:end] = 0
 
 
 def _check_layer_layout(model: GgufModel, layer: int, layout: ExpertLayout) -> None:
     for name, qtype in zip(EXPERT_MATRICES, layout.qtypes):
         ref = model.tensors[f"blk.{layer}.{name}.weight"]
         if ref.qtype != qtype:
-            raise ModelFormatError(f"{model.path}: blk.{layer}.{name}.weight is {ref.qtype.name}; the expert pack "
-                                   f"needs every layer's experts in the format of layer 0 ({qtype.name})")
+            raise ModelFormatError(f"{model.path}: blk.{layer}.{name}.weight is {ref.qtype.name}, not the "
+                                   f"{qtype.name} of the expert layout it is packed in (another model's layout)")
 
 
 def _layout_json(layout: ExpertLayout) -> dict:
+    layers = {"layers": [[[int(q) for q in qtypes], list(sizes)] for qtypes, sizes in layout.layers]} \
+        if layout.is_mixed else {}  # a layout of one type per matrix reads as before
     return {"encoding": layout.encoding, "qtypes": [int(q) for q in layout.qtypes],
             "shapes": [list(s) for s in layout.shapes], "offsets": list(layout.offsets), "sizes": list(layout.sizes),
-            "slot_bytes": layout.slot_bytes}
+            "slot_bytes": layout.slot_bytes, **layers}

@@ -1,24 +1,26 @@
-"""MoE prefill expert products for chunks of few routed rows an expert (cuda/moe_rows.cu; GPU only, Q4_0).
+"""MoE prefill expert products for chunks of few routed rows an expert (cuda/moe_rows.cu; GPU only; Q4_0, Q8_0, Q4_K).
 
 moe.py's tiles put the routed tokens on the mma's M (16 rows a fragment) and stage each tile's
 dequantized weights in shared memory; at 32 rows an expert (512 tokens routed top-8 of 128 experts)
 half of a 64-row tile is padding, and the staging of the weights is most of the loop. Here the roles
 swap: a block's warps each own 16 weight rows and run them against all the tokens of the tile, 8 at
 a time (the mma's N), so a tile of up to TILE_ROWS tokens pays for whole 8-token groups only; each
-weight element is dequantized once a tile, from a cp.async ring of raw Q4_0 blocks straight into
-A fragments in registers. The tile's number of 8-token groups picks one of eight compiled loops
-(a switch on the tile's rows), so a tile of 32 tokens runs exactly 4 groups' mma and holds their
-accumulators only.
+weight element is dequantized once a tile, from a cp.async ring of raw quant blocks (the packed planes
+as packing.py lays them out) straight into A fragments in registers. The tile's number of 8-token
+groups picks one of eight compiled loops (a switch on the tile's rows), so a tile of 32 tokens runs
+exactly 4 groups' mma and holds their accumulators only. Gate and up take one format, down its own
+(each of FORMATS); other experts take moe.py's tiles.
 
 Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and hidden, weights the
-f16 roundings of d * (q - 8), f32 sums): the two agree up to summation order. The kernels read X,
-and gate/up writes hidden, with each aligned quad of columns in the order (0, 2, 1, 3) (stage_x):
-that is the K order in which one mask of a Q4_0 quant word yields a pair of weights.
+f16 roundings of gguf-py's float32 values: d * (q - 8), d * q, d * sc * q - dmin * m; f32 sums): the
+two agree up to summation order. The kernels read X, and gate/up writes hidden, with each aligned quad
+of columns in the order (0, 2, 1, 3) (stage_x): that is the K order in which one mask of a quant word
+yields a pair of weights.
 
 Launch config: gate_up grid (ceil(F / BLOCK_COLS), max_tiles), down grid (ceil(H / DOWN_BLOCK_COLS),
-max_tiles), blocks of THREADS threads with shared_bytes() of static shared memory (both launches stage
-two 64-row weights: gate and up, or two halves of down's 128 rows); blocks of tiles beyond num_tiles,
-or whose expert is not in the batch, exit at once.
+max_tiles), blocks of THREADS threads with shared_bytes(format) of static shared memory (both launches
+stage two 64-row weights: gate and up, or two halves of down's 128 rows); blocks of tiles beyond
+num_tiles, or whose expert is not in the batch, exit at once.
 """
 
 from __future__ import annotations
@@ -39,22 +41,25 @@ from ._common import (
 )
 from .moe_route import MoeGroups, tile_slot_device
 
-FORMATS = ("Q4_0",)
+FORMATS = ("Q4_0", "Q8_0", "Q4_K")  # each a pair of exports of cuda/moe_rows.cu
 TILE_ROWS = 64  # the groups' block_m: the tokens of a tile, 8 groups of 8
 BLOCK_COLS = 64  # gate/up: weight rows of a block (of gate and of up), 4 warps of 16
 DOWN_BLOCK_COLS = 128  # down: two 64-row halves, each warp 16 rows of both
 THREADS = 128
 STEP_K = 64  # K staged a step: both dims must be multiples of it
-_STAGES = 3
-_ALIGN_BYTES = 16  # cp.async copies 16 bytes of quants (and 4 of scales) at a time
+_ALIGN_BYTES = 16  # cp.async copies 16 bytes of quants (and 4 of scales and scale bytes) at a time
 _MAX_REGISTERS = 128  # 4 blocks of THREADS an SM: the register file is 64 K registers
+# cuda/moe_rows.cu's Stage<F>: (stages, a weight row's quant bytes a step, its scale bytes a step)
+_STAGE_SHAPES = {"Q4_0": (3, STEP_K // 2, 4), "Q8_0": (2, STEP_K, 4), "Q4_K": (3, STEP_K // 2, 16)}
 
 
-def shared_bytes() -> int:
-    """A block's shared memory (cuda/moe_rows.cu's STAGES stages; both launches stage two 64-row weights):
-    a stage holds X, then the two weights' raw quant blocks, then their scales."""
-    x_stage, w_stage, s_stage = 2 * TILE_ROWS * STEP_K, 4 * BLOCK_COLS * STEP_K // 8, 4 * BLOCK_COLS
-    return _STAGES * (x_stage + 2 * (w_stage + s_stage))
+def shared_bytes(fmt: str = "Q4_0") -> int:
+    """A block's shared memory for weights of ``fmt`` (cuda/moe_rows.cu's Stage<F>: both launches stage two
+    64-row weights): a stage holds X, then the two weights' raw quant bytes, then their scales (Q4_K: the
+    super-block's d, dmin and 12 scale bytes a row)."""
+    stages, row_bytes, scale_bytes = _STAGE_SHAPES[fmt]
+    x_stage = 2 * TILE_ROWS * STEP_K
+    return stages * (x_stage + 2 * BLOCK_COLS * (row_bytes + scale_bytes))
 
 
 @cuda.jit
@@ -88,25 +93,33 @@ def stage_x(x, out=None, *, threads: int = 256):
 
 
 def _is_aligned(w) -> bool:
+    """The planes' rows as cp.async reads them: quants in 16-byte chunks, scales (and Q4_K's scale bytes) in
+    4-byte words; a plane's row pitch may be wider than its format's (an expert cache of mixed types)."""
+    is_extra_read = w.fmt == "Q4_K"
     return (is_device_array(w.quants) and is_c_contiguous(w.quants) and is_c_contiguous(w.scales)
             and w.quants.device_ctypes_pointer.value % _ALIGN_BYTES == 0
             and w.quants.shape[1] * 4 % _ALIGN_BYTES == 0
-            and w.scales.device_ctypes_pointer.value % 4 == 0 and w.scales.shape[1] % 2 == 0)
+            and w.scales.device_ctypes_pointer.value % 4 == 0 and w.scales.shape[1] % 2 == 0
+            and (not is_extra_read or (is_c_contiguous(w.extra) and w.extra.device_ctypes_pointer.value % 4 == 0
+                                       and w.extra.shape[1] % 4 == 0)))
 
 
 def serves(fmts: tuple, dim: int, ffn: int) -> bool:
     """True when these kernels run experts of these formats (gate, up, down) and sizes, given groups of
-    TILE_ROWS pairs and aligned planes: a GPU with tensor cores, Q4_0, hidden and FFN sizes multiples of STEP_K."""
+    TILE_ROWS pairs and aligned planes: a GPU with tensor cores, gate and up of one format and down of one, each
+    of FORMATS, hidden and FFN sizes multiples of STEP_K (Q4_K's rows are whole 256-element blocks anyway)."""
     return (tensor_core.is_available() and len(fmts) == 3 and all(fmt in FORMATS for fmt in fmts)
-            and dim > 0 and ffn > 0 and dim % STEP_K == 0 and ffn % STEP_K == 0)
+            and fmts[0] == fmts[1] and dim > 0 and ffn > 0 and dim % STEP_K == 0 and ffn % STEP_K == 0)
 
 
 def is_supported(groups: MoeGroups, gate, up, down) -> bool:
     """True when these kernels can run the chunk: serves() its experts, groups of TILE_ROWS pairs, X and
-    hidden indexed in 32 bits (the kernels' row offsets are int), and the planes aligned for cp.async."""
+    hidden indexed in 32 bits (the kernels' row offsets are int), gate's and up's planes of one pitch, and
+    the planes aligned for cp.async."""
     num_pairs = groups.pair_token.shape[0]  # X has at most as many rows, hidden as many
+    is_one_pitch = all(getattr(gate, p).shape[1] == getattr(up, p).shape[1] for p in ("quants", "scales", "extra"))
     return (groups.block_m == TILE_ROWS and serves((gate.fmt, up.fmt, down.fmt), gate.num_cols, down.num_cols)
-            and num_pairs * max(gate.num_cols, down.num_cols) < 2**31
+            and num_pairs * max(gate.num_cols, down.num_cols) < 2**31 and is_one_pitch
             and all(_is_aligned(w) for w in (gate, up, down)))
 
 
@@ -115,15 +128,15 @@ _I32, _HALF, _FLOAT = tensor_core.INT32, tensor_core.HALF_PTR, tensor_core.FLOAT
 
 
 @functools.cache
-def _gate_up_kernel(is_mapped: bool):
-    fn = tensor_core.declare("strata_moe_rows_gate_up_q4_0",
-                             (_HALF, _I32, _I32, _I32_PTR, _I32, _I32, _U32_PTR, _HALF, _U32_PTR, _HALF, _I32, _I32,
-                              _I32, _I32, _HALF, _I32, _I32, _U8_PTR), "moe_rows.cu")
-    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes()
+def _gate_up_kernel(fmt: str, is_mapped: bool):
+    fn = tensor_core.declare(f"strata_moe_rows_gate_up_{fmt.lower()}",
+                             (_HALF, _I32, _I32, _I32_PTR, _I32, _I32, _U32_PTR, _HALF, _U8_PTR, _U32_PTR, _HALF,
+                              _U8_PTR, _I32, _I32, _I32, _I32, _I32, _HALF, _I32, _I32, _U8_PTR), "moe_rows.cu")
+    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(fmt)
 
     @cuda.jit
-    def gate_up_kernel(x, gq, gs, uq, us, pair_token, tile_expert, tile_start, tile_rows, num_tiles, slot_of_expert,
-                       hidden):
+    def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles,
+                       slot_of_expert, hidden):
         tile = cuda.blockIdx.y
         expert = tile_slot(tile_expert, num_tiles, slot_of_expert, tile)
         if expert < 0:  # past the tiles in use, or not in this batch (another launch of the grouping has it)
@@ -132,25 +145,25 @@ def _gate_up_kernel(is_mapped: bool):
         ffn = hidden.shape[1]
         col0 = cuda.blockIdx.x * BLOCK_COLS
         fn(ffi.from_buffer(x), np.int32(x.shape[1]), np.int32(x.shape[1] // 32), ffi.from_buffer(pair_token),
-           tile_start[tile], tile_rows[tile], ffi.from_buffer(gq), ffi.from_buffer(gs), ffi.from_buffer(uq),
-           ffi.from_buffer(us), np.int32(gq.shape[1]), np.int32(gs.shape[1]), np.int32(expert * ffn + col0),
-           np.int32(expert * ffn + ffn), ffi.from_buffer(hidden), np.int32(ffn), np.int32(col0),
-           ffi.from_buffer(smem))
+           tile_start[tile], tile_rows[tile], ffi.from_buffer(gq), ffi.from_buffer(gs), ffi.from_buffer(ge),
+           ffi.from_buffer(uq), ffi.from_buffer(us), ffi.from_buffer(ue), np.int32(gq.shape[1]),
+           np.int32(gs.shape[1]), np.int32(ge.shape[1]), np.int32(expert * ffn + col0), np.int32(expert * ffn + ffn),
+           ffi.from_buffer(hidden), np.int32(ffn), np.int32(col0), ffi.from_buffer(smem))
 
     return gate_up_kernel
 
 
 @functools.cache
-def _down_kernel(is_mapped: bool):
-    fn = tensor_core.declare("strata_moe_rows_down_q4_0",
-                             (_HALF, _I32, _I32, _I32_PTR, _FLOAT, _I32, _I32, _U32_PTR, _HALF, _I32, _I32, _I32,
-                              _I32, _FLOAT, _I32, _I32, _U8_PTR), "moe_rows.cu")
-    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes()
+def _down_kernel(fmt: str, is_mapped: bool):
+    fn = tensor_core.declare(f"strata_moe_rows_down_{fmt.lower()}",
+                             (_HALF, _I32, _I32, _I32_PTR, _FLOAT, _I32, _I32, _U32_PTR, _HALF, _U8_PTR, _I32, _I32,
+                              _I32, _I32, _I32, _FLOAT, _I32, _I32, _U8_PTR), "moe_rows.cu")
+    ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(fmt)
 
     # at 129 registers (as built without a cap) an SM holds 3 of these blocks, at 128 four; only GPU builds
     # take the cap (the simulator's jit has no such option, and never runs these kernels)
     @cuda.jit(**({} if IS_SIMULATOR else {"max_registers": _MAX_REGISTERS}))
-    def down_kernel(hidden, dq, ds, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
+    def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
                     slot_of_expert, out):
         tile = cuda.blockIdx.y
         expert = tile_slot(tile_expert, num_tiles, slot_of_expert, tile)
@@ -161,9 +174,9 @@ def _down_kernel(is_mapped: bool):
         col0 = cuda.blockIdx.x * DOWN_BLOCK_COLS
         fn(ffi.from_buffer(hidden), np.int32(hidden.shape[1]), np.int32(hidden.shape[1] // 32),
            ffi.from_buffer(pair_token), ffi.from_buffer(pair_weight), tile_start[tile], tile_rows[tile],
-           ffi.from_buffer(dq), ffi.from_buffer(ds), np.int32(dq.shape[1]), np.int32(ds.shape[1]),
-           np.int32(expert * dim + col0), np.int32(expert * dim + dim), ffi.from_buffer(out), np.int32(dim),
-           np.int32(col0), ffi.from_buffer(smem))
+           ffi.from_buffer(dq), ffi.from_buffer(ds), ffi.from_buffer(de), np.int32(dq.shape[1]),
+           np.int32(ds.shape[1]), np.int32(de.shape[1]), np.int32(expert * dim + col0), np.int32(expert * dim + dim),
+           ffi.from_buffer(out), np.int32(dim), np.int32(col0), ffi.from_buffer(smem))
 
     return down_kernel
 
@@ -173,15 +186,16 @@ def rows_launches(x, groups: MoeGroups, gate, up, down, out, hidden, table, is_m
     arguments and is_supported(groups, gate, up, down). x [T, H] float16 from stage_x, hidden [P, F] float16
     (its columns in stage_x's order); table: the slot of each expert (is_mapped), else a stand-in."""
     ffn, dim = hidden.shape[1], out.shape[1]
-    gate_up_kernel, down_kernel = _gate_up_kernel(is_mapped), _down_kernel(is_mapped)
+    gate_up_kernel, down_kernel = _gate_up_kernel(gate.fmt, is_mapped), _down_kernel(down.fmt, is_mapped)
     tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
 
     def launch_gate_up():
         gate_up_kernel[(ceil_div(ffn, BLOCK_COLS), groups.max_tiles), THREADS](
-            x, gate.quants, gate.scales, up.quants, up.scales, groups.pair_token, *tiles, hidden)
+            x, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra, groups.pair_token, *tiles,
+            hidden)
 
     def launch_down():
         down_kernel[(ceil_div(dim, DOWN_BLOCK_COLS), groups.max_tiles), THREADS](
-            hidden, down.quants, down.scales, groups.pair_token, groups.pair_weight, *tiles, out)
+            hidden, down.quants, down.scales, down.extra, groups.pair_token, groups.pair_weight, *tiles, out)
 
     return launch_gate_up, launch_down

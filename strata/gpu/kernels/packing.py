@@ -122,6 +122,34 @@ def plane_shapes(fmt: str, num_rows: int, num_cols: int) -> dict:
     return shapes
 
 
+def shared_plane_shapes(fmts, num_rows: int, num_cols: int) -> dict:
+    """The planes that hold a [num_rows, num_cols] matrix of any of ``fmts`` (the expert cache's region
+    of a matrix whose format changes between layers): each plane one of them has, as wide as the widest.
+    A narrower format's rows are padded at their end: its planes' row pitch is the shared width."""
+    shapes: dict = {}
+    for fmt in fmts:
+        for plane, ((_, width), dtype) in plane_shapes(fmt, num_rows, num_cols).items():
+            (_, widest), shared_dtype = shapes.get(plane, ((num_rows, 0), dtype))
+            if np.dtype(shared_dtype) != np.dtype(dtype):
+                raise ValueError(f"formats {', '.join(fmts)} cannot share planes: their {plane} are "
+                                 f"{np.dtype(shared_dtype)} and {np.dtype(dtype)}")
+            shapes[plane] = ((num_rows, max(width, widest)), dtype)
+    return {plane: shapes[plane] for plane in _PLANE_DTYPES if plane in shapes}
+
+
+def padded_planes(p: PackedMatrix, shapes: dict) -> dict:
+    """The planes of ``p`` (host arrays) at the widths of ``shapes`` (``shared_plane_shapes``), rows
+    zero-padded at their end; a plane ``p``'s format lacks is zeros."""
+    out = {}
+    for plane, ((num_rows, width), dtype) in shapes.items():
+        padded = np.zeros((num_rows, width), dtype)
+        if plane in plane_shapes(p.fmt, p.num_rows, p.num_cols):
+            own = getattr(p, plane)
+            padded[:, :own.shape[1]] = own
+        out[plane] = padded
+    return out
+
+
 def pack(raw: np.ndarray, fmt: str, num_cols: int | None = None) -> PackedMatrix:
     """Split GGUF tensor bytes `raw` ([..., row_bytes] uint8, or F16/F32 values) into planes."""
     f = quant_format(fmt)
@@ -189,7 +217,8 @@ def empty_packed(fmt: str, num_rows: int, num_cols: int, on_device: bool = True)
 
 
 def check_packed(name: str, p, *, num_cols: int | None = None, formats=None) -> PackedMatrix:
-    """Validate a PackedMatrix's planes against its format and shape; return it."""
+    """Validate a PackedMatrix's planes against its format and shape; return it. A plane may be wider
+    than its format needs (``shared_plane_shapes``): every kernel reads a row at the plane's own pitch."""
     if not isinstance(p, PackedMatrix):
         raise TypeError(f"{name} must be a PackedMatrix (see strata.gpu.kernels.packing.pack), got {type(p).__name__}")
     quant_format(p.fmt)
@@ -200,5 +229,8 @@ def check_packed(name: str, p, *, num_cols: int | None = None, formats=None) -> 
     shapes = plane_shapes(p.fmt, p.num_rows, p.num_cols)
     for plane, dtype in _PLANE_DTYPES.items():
         shape, plane_dtype = shapes.get(plane, ((1, 1), dtype))
-        check_array(f"{name}.{plane}", getattr(p, plane), dtypes=plane_dtype, shape=shape)
+        array = getattr(p, plane)
+        if plane in shapes and len(array.shape) == 2 and array.shape[0] == shape[0] and array.shape[1] > shape[1]:
+            shape = (shape[0], array.shape[1])  # a wider pitch
+        check_array(f"{name}.{plane}", array, dtypes=plane_dtype, shape=shape)
     return p

@@ -1,6 +1,8 @@
 // MoE expert products for chunks of few routed rows an expert (moe_rows.py): the weight rows are the
 // mma's M and the tile's tokens its N, so a tile of up to 64 tokens pays for whole 8-token groups only,
-// and each weight element is dequantized once a tile, straight into A fragments in registers.
+// and each weight element is dequantized once a tile, straight into A fragments in registers. Experts of
+// Q4_0, Q8_0 or Q4_K (gate and up of one format, down of its own): the format is a template argument F,
+// and the comments below describe Q4_0 first, then what the others change (see "Other formats").
 //
 // A block: 4 warps, each owning 16 weight rows (rows g and g + 8 of a lane: g = lane / 4, t = lane % 4) of
 // the block's 64, of two weights (gate and up, or two halves of down), against all the tile's tokens in
@@ -26,6 +28,17 @@
 // Numerics: each weight is the f16 rounding of d * (q - 8) (as gemm_mma.cu's dequantizer), X is f16,
 // the sums f32 in the mma.
 //
+// Other formats. Every format stages X and orders K as Q4_0 does (X elements 32b + 4t .. 4t + 3 and 32b + 16 + 4t ..
+// of a step's block b meet lane t's lo and hi registers); only where the weights come from differs:
+//   Q8_0  a row's step is 64 quant bytes, 4 chunks of 16 (block b: chunks 2b, 2b + 1), at chunk c ^ (r / 2 mod 4);
+//         lo takes word t of chunk 2b, hi word t of chunk 2b + 1, each byte an int8: (q + 128) set into the
+//         mantissa of 1024 by one mask and xor, less 1152 is q, times d; 2 stages (3 would pass 48 KiB)
+//   Q4_K  a step is a quarter of a 256-element super-block: its 32 quant bytes hold sub-block 2j + b (j = step
+//         mod 4) in their low (b = 0) or high (b = 1) nibbles, bytes 0 .. 15 in chunk 0 and 16 .. 31 in chunk 1,
+//         staged as Q4_0's two chunks; lo takes word t of chunk 0, hi word t of chunk 1, nibbles 4b up. Beside
+//         them a row's record: the super-block's f16 d and dmin, and its 12 bytes of 6-bit scales and mins.
+//         Each weight is the f16 rounding of the float d * sc * q - dmin * m, as gguf-py computes it in float32.
+//
 // Why the addressing is spelled out: at few groups a step's work is mostly the weights' side and the
 // addresses. Every shared access is an ld.shared / cp.async from a base register set before the K loop
 // plus the stage's offset, with the rest (group, weight, row half) an immediate, so ptxas has nothing to
@@ -37,12 +50,24 @@
 
 namespace {
 
-constexpr int STEP_K = 64, STAGES = 3, WARP_ROWS = 16, NW = 2;
-constexpr int X_BYTES = 2 * 64 * STEP_K;                              // 8 KiB: 64 tokens
-constexpr int W_BYTES = 64 * STEP_K / 2;                              // 2 KiB a weight: 64 rows x 2 blocks x 16 B
-constexpr int W_AT = X_BYTES, S_AT = X_BYTES + NW * W_BYTES;
-constexpr int STAGE_BYTES = S_AT + 4 * NW * 64;                       // 12,800: the scales take 512 B
-constexpr int ROW_HALF_BYTES = 8 * 32, GROUP_BYTES = 8 * 2 * STEP_K;  // 8 weight rows; 8 X rows
+enum RowsFormat { kRowsQ4_0, kRowsQ8_0, kRowsQ4_K };
+
+constexpr int STEP_K = 64, WARP_ROWS = 16, NW = 2;
+constexpr int X_BYTES = 2 * 64 * STEP_K;  // 8 KiB: 64 tokens
+constexpr int GROUP_BYTES = 8 * 2 * STEP_K;  // 8 X rows
+
+// A stage's regions for format F: X, then NW weights of 64 rows of ROW_BYTES quant bytes, then the scales.
+// Q4_0: 2 KiB a weight (64 rows x 2 blocks x 16 B) and 512 B of scales, 12,800 B a stage.
+template <int F>
+struct Stage {
+  static constexpr int STAGES = F == kRowsQ8_0 ? 2 : 3;
+  static constexpr int ROW_BYTES = F == kRowsQ8_0 ? 64 : 32;  // a weight row's quant bytes a step
+  static constexpr int W_BYTES = 64 * ROW_BYTES;
+  static constexpr int S_ROW_BYTES = F == kRowsQ4_K ? 16 : 4;  // Q4_K: d, dmin and 12 scale bytes a row and weight
+  static constexpr int W_AT = X_BYTES, S_AT = X_BYTES + NW * W_BYTES;
+  static constexpr int BYTES = S_AT + S_ROW_BYTES * NW * 64;
+  static constexpr int ROW_HALF_BYTES = 8 * ROW_BYTES;  // 8 weight rows
+};
 
 __device__ __forceinline__ unsigned shared_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -134,6 +159,74 @@ __device__ __forceinline__ void dequant_block(unsigned w0, unsigned w1, unsigned
   hi[3] = q4_high_pair(v1, d1, one024);
 }
 
+// Q8_0: two f16 halves d * q of the int8 bytes 0 and 2 of `word`: (q + 128) | 0x6400 in each half (one mask and
+// xor: `bias` is 0x64806480, 1024 + 128), less 1152 is q exactly, times d rounds once (common.cuh's dequant_octet).
+__device__ __forceinline__ unsigned q8_pair(unsigned word, __half2 d, unsigned bias) {
+  return scaled_half2((word & 0x00FF00FFu) ^ bias, 0x64806480u, d);
+}
+
+// A fragments of Q8_0 block b: lo from quant words l0 (row g), l8 (row g + 8), hi from h0, h8; scale words as Q4_0's.
+__device__ __forceinline__ void dequant_q8_block(unsigned l0, unsigned l8, unsigned h0, unsigned h8, unsigned s0,
+                                                 unsigned s1, int b, unsigned bias, unsigned (&lo)[4],
+                                                 unsigned (&hi)[4]) {
+  const __half2 h0s = *reinterpret_cast<const __half2*>(&s0), h1s = *reinterpret_cast<const __half2*>(&s1);
+  const __half2 d0 = b ? __high2half2(h0s) : __low2half2(h0s), d1 = b ? __high2half2(h1s) : __low2half2(h1s);
+  lo[0] = q8_pair(l0, d0, bias);
+  lo[1] = q8_pair(l8, d1, bias);
+  lo[2] = q8_pair(l0 >> 8, d0, bias);
+  lo[3] = q8_pair(l8 >> 8, d1, bias);
+  hi[0] = q8_pair(h0, d0, bias);
+  hi[1] = q8_pair(h8, d1, bias);
+  hi[2] = q8_pair(h0 >> 8, d0, bias);
+  hi[3] = q8_pair(h8 >> 8, d1, bias);
+}
+
+// Q4_K: byte k (0 .. 11) of a row record's scale bytes (record words y, z, w).
+__device__ __forceinline__ unsigned record_byte(const uint4& record, int k) {
+  const unsigned word = k < 4 ? record.y : (k < 8 ? record.z : record.w);
+  return (word >> (8 * (k & 3))) & 0xFFu;
+}
+
+// Q4_K: (d * sc, dmin * m) of sub-block j (0 .. 7) of a row record, in float (exact: 11 by 6 bits).
+__device__ __forceinline__ float2 q4_k_scale_min(const uint4& record, int j) {
+  unsigned sc, mn;
+  if (j < 4) {
+    sc = record_byte(record, j) & 63;
+    mn = record_byte(record, j + 4) & 63;
+  } else {
+    sc = (record_byte(record, j + 4) & 0xF) | ((record_byte(record, j - 4) >> 6) << 4);
+    mn = (record_byte(record, j + 4) >> 4) | ((record_byte(record, j) >> 6) << 4);
+  }
+  const __half2 d = *reinterpret_cast<const __half2*>(&record.x);  // d, dmin
+  return make_float2(__low2float(d) * static_cast<float>(sc), __high2float(d) * static_cast<float>(mn));
+}
+
+// Q4_K: two f16 halves ds * q - dm of the low nibbles of bytes 0 and 2 of `word` (the caller shifts it): the
+// nibbles set into the mantissas of 1024, less 1024, are q exactly; ds * q is exact in float, less dm rounds once
+// there, and the half rounds once more, as gguf-py's float32 values rounded to f16.
+__device__ __forceinline__ unsigned q4_k_pair(unsigned word, float2 scale_min, unsigned one024) {
+  const unsigned biased = mask_into<0x000F000Fu>(word, one024);
+  const float2 q = __half22float2(__hsub2(*reinterpret_cast<const __half2*>(&biased),
+                                          *reinterpret_cast<const __half2*>(&one024)));
+  return pack_half2(__fmaf_rn(scale_min.x, q.x, -scale_min.y), __fmaf_rn(scale_min.x, q.y, -scale_min.y));
+}
+
+// A fragments of Q4_K block b of a step: lo from quant words l0 (row g), l8 (row g + 8) of chunk 0, hi from h0, h8
+// of chunk 1, nibbles from 4b; sm0, sm8: the sub-block's (d * sc, dmin * m) of rows g and g + 8.
+__device__ __forceinline__ void dequant_q4_k_block(unsigned l0, unsigned l8, unsigned h0, unsigned h8, float2 sm0,
+                                                   float2 sm8, int b, unsigned one024, unsigned (&lo)[4],
+                                                   unsigned (&hi)[4]) {
+  const int shift = 4 * b;
+  lo[0] = q4_k_pair(l0 >> shift, sm0, one024);
+  lo[1] = q4_k_pair(l8 >> shift, sm8, one024);
+  lo[2] = q4_k_pair(l0 >> (shift + 8), sm0, one024);
+  lo[3] = q4_k_pair(l8 >> (shift + 8), sm8, one024);
+  hi[0] = q4_k_pair(h0 >> shift, sm0, one024);
+  hi[1] = q4_k_pair(h8 >> shift, sm8, one024);
+  hi[2] = q4_k_pair(h0 >> (shift + 8), sm0, one024);
+  hi[3] = q4_k_pair(h8 >> (shift + 8), sm8, one024);
+}
+
 // The X copies of a thread from K (rows xr + 16k, k >= K, of the tile's 8G): xoff[k] the row's offset in
 // halves from the step's first column, or -1 where the row is not the tile's.
 template <int K, int KX>
@@ -171,18 +264,25 @@ __device__ __forceinline__ void group_mmas(float (&acc)[NW][G][4], const unsigne
   }
 }
 
+// A weight's planes as the kernels read them (packing.py): quant words, f16 block fields, K-quant scale bytes.
+struct RowsPlanes {
+  const unsigned* quants;
+  const __half* scales;
+  const unsigned char* extra;
+};
+
 // acc[m][j] += W_m[w_row0 + 16 * warp ..][K] x X[rows of tokens 8j ..][K]^T over the whole K, for the G groups
 // of a tile of num_rows <= 8G tokens.
 //   x       f16 [.][x_pitch]; token n of the tile is X row pair_token[start + n] (GATHER) or start + n
-//   qa, sa (qb, sb)  Q4_0 planes of the two weights; rows from w_row_end (w_row_end_b for qb) on read as zeros
-//   smem    moe_rows.py's shared block (STAGES stages); every thread of the block calls this
-template <int G, bool GATHER>
+//   wa, wb  the planes of the two weights, of format F; rows from w_row_end (w_row_end_b for wb) on read as zeros
+//   smem    moe_rows.py's shared block (Stage<F>::STAGES stages); every thread of the block calls this
+template <int F, int G, bool GATHER>
 __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_k32, const int* pair_token, int start,
-                                          int num_rows, const unsigned* qa, const __half* sa, const unsigned* qb,
-                                          const __half* sb, int quant_pitch, int scale_pitch, int w_row0,
-                                          int w_row_end, int w_row_end_b, unsigned char* smem_base,
-                                          float (&acc)[NW][G][4]) {
+                                          int num_rows, RowsPlanes wa, RowsPlanes wb, int quant_pitch,
+                                          int scale_pitch, int extra_pitch, int w_row0, int w_row_end,
+                                          int w_row_end_b, unsigned char* smem_base, float (&acc)[NW][G][4]) {
   static_assert(G >= 1 && G <= 8, "a tile holds up to 64 tokens");
+  using S = Stage<F>;
   constexpr int KX = (G + 1) / 2;  // X rows a thread copies: 8 threads a row (a 16-byte chunk each), 16 rows a pass
   const unsigned smem = shared_address(smem_base);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -198,55 +298,123 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
     xoff[k] = r < num_rows ? (GATHER ? pair_token[start + r] : start + r) * x_pitch + 8 * xq : -1;
   }
   const unsigned x_dst = smem + 2 * (xr * STEP_K + 8 * (xq ^ ((2 * xr) & 7)));
-  // weights: quant chunk wb (16 bytes) of row wr of each weight, and the scale pair of row sr of weight sm
-  const int wr = tid >> 1, wb = tid & 1, sr = tid & 63, sm = tid >> 6;
+  // weights: quant chunk wb (16 bytes; Q8_0 chunks 2wb, 2wb + 1) of row wr of each weight, and the scales of row
+  // sr of weight sm
+  const int wr = tid >> 1, wc = tid & 1, sr = tid & 63, sm = tid >> 6;
   const bool is_wa = w_row0 + wr < w_row_end, is_wb = w_row0 + wr < w_row_end_b;
   const bool is_s = w_row0 + sr < (sm ? w_row_end_b : w_row_end);
-  const unsigned* wa_src = qa + static_cast<size_t>(is_wa ? w_row0 + wr : 0) * quant_pitch + 4 * wb;
-  const unsigned* wb_src = qb + static_cast<size_t>(is_wb ? w_row0 + wr : 0) * quant_pitch + 4 * wb;
-  const __half* s_src = (sm ? sb : sa) + static_cast<size_t>(is_s ? w_row0 + sr : 0) * scale_pitch;
-  const unsigned w_dst = smem + W_AT + 32 * wr + 16 * (wb ^ ((wr >> 2) & 1));
-  const unsigned s_dst = smem + S_AT + 4 * ((((sr >> 4) * 8 + (sr & 7)) * NW + sm) * 2 + ((sr >> 3) & 1));
+  constexpr int CHUNK_WORDS = F == kRowsQ8_0 ? 8 : 4;  // the words a thread copies of a row's step
+  const unsigned* wa_src = wa.quants + static_cast<size_t>(is_wa ? w_row0 + wr : 0) * quant_pitch + CHUNK_WORDS * wc;
+  const unsigned* wb_src = wb.quants + static_cast<size_t>(is_wb ? w_row0 + wr : 0) * quant_pitch + CHUNK_WORDS * wc;
+  const size_t s_row = is_s ? w_row0 + sr : 0;
+  const __half* s_src = (sm ? wb.scales : wa.scales) + s_row * scale_pitch;
+  const unsigned char* e_src = (sm ? wb.extra : wa.extra) + s_row * extra_pitch;  // Q4_K only
+  unsigned w_dst, w_dst_next = 0;  // Q8_0: the second chunk
+  if constexpr (F == kRowsQ8_0) {
+    const int swizzle = (wr >> 1) & 3;
+    w_dst = smem + S::W_AT + 64 * wr + 16 * ((2 * wc) ^ swizzle);
+    w_dst_next = smem + S::W_AT + 64 * wr + 16 * ((2 * wc + 1) ^ swizzle);
+  } else {
+    w_dst = smem + S::W_AT + 32 * wr + 16 * (wc ^ ((wr >> 2) & 1));
+  }
+  // Q4_0 and Q8_0: the scale words [4 warps][8 g][weight][row g, g + 8]; Q4_K: the 16-byte records in that order
+  const unsigned s_dst = F == kRowsQ4_K
+      ? smem + S::S_AT + 16 * ((((sr >> 4) * 8 + (sr & 7)) * NW + sm) * 2 + ((sr >> 3) & 1))
+      : smem + S::S_AT + 4 * ((((sr >> 4) * 8 + (sr & 7)) * NW + sm) * 2 + ((sr >> 3) & 1));
 
   auto load = [&](int step, unsigned stage) {
     copy_x<0, KX>(x + step * STEP_K, xoff, x_dst + stage);
-    copy16_or_zeros<0>(w_dst + stage, wa_src + 8 * step, is_wa);
-    copy16_or_zeros<W_BYTES>(w_dst + stage, wb_src + 8 * step, is_wb);
-    copy4_or_zeros(s_dst + stage, s_src + 2 * step, is_s);
+    if constexpr (F == kRowsQ8_0) {
+      copy16_or_zeros<0>(w_dst + stage, wa_src + 16 * step, is_wa);
+      copy16_or_zeros<0>(w_dst_next + stage, wa_src + 16 * step + 4, is_wa);
+      copy16_or_zeros<S::W_BYTES>(w_dst + stage, wb_src + 16 * step, is_wb);
+      copy16_or_zeros<S::W_BYTES>(w_dst_next + stage, wb_src + 16 * step + 4, is_wb);
+    } else {
+      copy16_or_zeros<0>(w_dst + stage, wa_src + 8 * step, is_wa);
+      copy16_or_zeros<S::W_BYTES>(w_dst + stage, wb_src + 8 * step, is_wb);
+    }
+    if constexpr (F == kRowsQ4_K) {  // the super-block's d and dmin, then its 12 scale bytes
+      const int super_block = step >> 2;
+      copy4_or_zeros(s_dst + stage, s_src + 2 * super_block, is_s);
+      copy4_or_zeros(s_dst + stage + 4, e_src + 12 * super_block, is_s);
+      copy4_or_zeros(s_dst + stage + 8, e_src + 12 * super_block + 4, is_s);
+      copy4_or_zeros(s_dst + stage + 12, e_src + 12 * super_block + 8, is_s);
+    } else {
+      copy4_or_zeros(s_dst + stage, s_src + 2 * step, is_s);
+    }
     cp_async_commit();
   };
 
-  // this lane's reads: its scale words, the quant words of row g of its warp's rows for block b (g + 8 at
-  // +ROW_HALF_BYTES, the second weight at +W_BYTES), X of token g of group 0 for block b's low and high halves
-  const int r0 = warp * WARP_ROWS + g, swizzle = (g >> 2) & 1, x_swizzle = (2 * g) & 7;
-  const unsigned s_rd = smem + S_AT + 16 * (warp * 8 + g);
-  const unsigned w_rd[2] = {smem + W_AT + 32 * r0 + 16 * swizzle + 4 * t,
-                            smem + W_AT + 32 * r0 + 16 * (swizzle ^ 1) + 4 * t};
+  // this lane's reads: its scale words (records), the quant words of row g of its warp's rows for block b (g + 8
+  // at +ROW_HALF_BYTES, the second weight at +W_BYTES), X of token g of group 0 for block b's low and high halves
+  const int r0 = warp * WARP_ROWS + g, x_swizzle = (2 * g) & 7;
+  const unsigned s_rd = smem + S::S_AT + S::S_ROW_BYTES * 4 * (warp * 8 + g);
+  unsigned w_rd[4];  // Q4_0, Q4_K: chunks 0, 1; Q8_0: chunks 0 .. 3
+  if constexpr (F == kRowsQ8_0) {
+    const int swizzle = (g >> 1) & 3;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) w_rd[c] = smem + S::W_AT + 64 * r0 + 16 * (c ^ swizzle) + 4 * t;
+  } else {
+    const int swizzle = (g >> 2) & 1;
+    w_rd[0] = smem + S::W_AT + 32 * r0 + 16 * swizzle + 4 * t;
+    w_rd[1] = smem + S::W_AT + 32 * r0 + 16 * (swizzle ^ 1) + 4 * t;
+    w_rd[2] = w_rd[3] = 0;
+  }
   const unsigned x_row = smem + 2 * (g * STEP_K + 4 * (t & 1));
   const unsigned x_rd[2][2] = {{x_row + 16 * ((t >> 1) ^ x_swizzle), x_row + 16 * ((2 + (t >> 1)) ^ x_swizzle)},
                                {x_row + 16 * ((4 + (t >> 1)) ^ x_swizzle), x_row + 16 * ((6 + (t >> 1)) ^ x_swizzle)}};
 
   const unsigned one024 = opaque_one024();
-  auto compute = [&](unsigned stage) {
-    const uint4 scales = load_shared4(s_rd + stage);  // weight 0 rows g, g + 8; weight 1 rows g, g + 8
+  constexpr int RH = S::ROW_HALF_BYTES, WB = S::W_BYTES;
+  auto compute = [&](int step, unsigned stage) {
+    if constexpr (F == kRowsQ4_K) {
+      // records: weight 0 rows g, g + 8; weight 1 rows g, g + 8
+      const uint4 rec[NW][2] = {{load_shared4(s_rd + stage), load_shared4(s_rd + 16 + stage)},
+                                {load_shared4(s_rd + 32 + stage), load_shared4(s_rd + 48 + stage)}};
+      const unsigned c0 = w_rd[0] + stage, c1 = w_rd[1] + stage;
+      const unsigned l[NW][2] = {{load_shared<0>(c0), load_shared<RH>(c0)},
+                                 {load_shared<WB>(c0), load_shared<WB + RH>(c0)}};  // chunk 0: [weight][row half]
+      const unsigned h[NW][2] = {{load_shared<0>(c1), load_shared<RH>(c1)},
+                                 {load_shared<WB>(c1), load_shared<WB + RH>(c1)}};  // chunk 1
+      const int sub_block0 = 2 * (step & 3);
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const unsigned wq = w_rd[b] + stage;
-      unsigned lo[NW][4], hi[NW][4];
-      dequant_block(load_shared<0>(wq), load_shared<ROW_HALF_BYTES>(wq), scales.x, scales.y, b, one024, lo[0],
-                    hi[0]);
-      dequant_block(load_shared<W_BYTES>(wq), load_shared<W_BYTES + ROW_HALF_BYTES>(wq), scales.z, scales.w, b,
-                    one024, lo[1], hi[1]);
-      group_mmas<0, G>(acc, lo, hi, x_rd[b][0] + stage, x_rd[b][1] + stage);
+      for (int b = 0; b < 2; ++b) {
+        unsigned lo[NW][4], hi[NW][4];
+#pragma unroll
+        for (int m = 0; m < NW; ++m)
+          dequant_q4_k_block(l[m][0], l[m][1], h[m][0], h[m][1], q4_k_scale_min(rec[m][0], sub_block0 + b),
+                             q4_k_scale_min(rec[m][1], sub_block0 + b), b, one024, lo[m], hi[m]);
+        group_mmas<0, G>(acc, lo, hi, x_rd[b][0] + stage, x_rd[b][1] + stage);
+      }
+    } else {
+      const uint4 scales = load_shared4(s_rd + stage);  // weight 0 rows g, g + 8; weight 1 rows g, g + 8
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        unsigned lo[NW][4], hi[NW][4];
+        if constexpr (F == kRowsQ8_0) {
+          const unsigned lq = w_rd[2 * b] + stage, hq = w_rd[2 * b + 1] + stage;
+          dequant_q8_block(load_shared<0>(lq), load_shared<RH>(lq), load_shared<0>(hq), load_shared<RH>(hq),
+                           scales.x, scales.y, b, one024 ^ 0x00800080u, lo[0], hi[0]);
+          dequant_q8_block(load_shared<WB>(lq), load_shared<WB + RH>(lq), load_shared<WB>(hq),
+                           load_shared<WB + RH>(hq), scales.z, scales.w, b, one024 ^ 0x00800080u, lo[1], hi[1]);
+        } else {
+          const unsigned wq = w_rd[b] + stage;
+          dequant_block(load_shared<0>(wq), load_shared<RH>(wq), scales.x, scales.y, b, one024, lo[0], hi[0]);
+          dequant_block(load_shared<WB>(wq), load_shared<WB + RH>(wq), scales.z, scales.w, b, one024, lo[1],
+                        hi[1]);
+        }
+        group_mmas<0, G>(acc, lo, hi, x_rd[b][0] + stage, x_rd[b][1] + stage);
+      }
     }
   };
 
+  constexpr int STAGES = S::STAGES;
   unsigned loaded = 0;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < num_steps) load(s, loaded);
     else cp_async_commit();
-    loaded += STAGE_BYTES;
+    loaded += S::BYTES;
   }
   unsigned computed = 0;  // loaded: the stage of step + STAGES - 1, the one computed the step before
   for (int step = 0; step < num_steps; ++step) {
@@ -255,9 +423,9 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
     const int next = step + STAGES - 1;
     if (next < num_steps) load(next, loaded);
     else cp_async_commit();
-    compute(computed);
-    loaded = loaded == (STAGES - 1) * STAGE_BYTES ? 0 : loaded + STAGE_BYTES;
-    computed = computed == (STAGES - 1) * STAGE_BYTES ? 0 : computed + STAGE_BYTES;
+    compute(step, computed);
+    loaded = loaded == (STAGES - 1) * S::BYTES ? 0 : loaded + S::BYTES;
+    computed = computed == (STAGES - 1) * S::BYTES ? 0 : computed + S::BYTES;
   }
 }
 
@@ -267,15 +435,14 @@ __device__ __forceinline__ float silu_mul(float g, float u) {  // activation.py'
   return g * sigmoid * u;
 }
 
-template <int G>
+template <int F, int G>
 __device__ __forceinline__ void gate_up_tile(const __half* x, int x_pitch, int num_k32, const int* pair_token,
-                                             int start, int num_rows, const unsigned* gq, const __half* gs,
-                                             const unsigned* uq, const __half* us, int quant_pitch, int scale_pitch,
-                                             int w_row0, int w_row_end, __half* hidden, int hidden_pitch, int col0,
-                                             unsigned char* smem) {
+                                             int start, int num_rows, RowsPlanes gate, RowsPlanes up, int quant_pitch,
+                                             int scale_pitch, int extra_pitch, int w_row0, int w_row_end,
+                                             __half* hidden, int hidden_pitch, int col0, unsigned char* smem) {
   float acc[NW][G][4] = {};
-  rows_tile<G, true>(x, x_pitch, num_k32, pair_token, start, num_rows, gq, gs, uq, us, quant_pitch, scale_pitch,
-                     w_row0, w_row_end, w_row_end, smem, acc);
+  rows_tile<F, G, true>(x, x_pitch, num_k32, pair_token, start, num_rows, gate, up, quant_pitch, scale_pitch,
+                        extra_pitch, w_row0, w_row_end, w_row_end, smem, acc);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, row = (threadIdx.x >> 5) * WARP_ROWS + g;
   const int stored_row = staged_column(row);  // and row + 8 at stored_row + 8: a quad moves as a whole
 #pragma unroll
@@ -289,15 +456,15 @@ __device__ __forceinline__ void gate_up_tile(const __half* x, int x_pitch, int n
     }
 }
 
-template <int G>
+template <int F, int G>
 __device__ __forceinline__ void down_tile(const __half* hidden, int hidden_pitch, int num_k32, const int* pair_token,
-                                          const float* pair_weight, int start, int num_rows, const unsigned* dq,
-                                          const __half* ds, const unsigned* dq_second, const __half* ds_second,
-                                          int quant_pitch, int scale_pitch, int w_row0, int w_row_end, float* out,
-                                          int out_pitch, int col0, unsigned char* smem) {
+                                          const float* pair_weight, int start, int num_rows, RowsPlanes down,
+                                          RowsPlanes down_second, int quant_pitch, int scale_pitch, int extra_pitch,
+                                          int w_row0, int w_row_end, float* out, int out_pitch, int col0,
+                                          unsigned char* smem) {
   float acc[NW][G][4] = {};
-  rows_tile<G, false>(hidden, hidden_pitch, num_k32, pair_token, start, num_rows, dq, ds, dq_second, ds_second,
-                      quant_pitch, scale_pitch, w_row0, w_row_end, w_row_end - 64, smem, acc);
+  rows_tile<F, G, false>(hidden, hidden_pitch, num_k32, pair_token, start, num_rows, down, down_second, quant_pitch,
+                         scale_pitch, extra_pitch, w_row0, w_row_end, w_row_end - 64, smem, acc);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, row = (threadIdx.x >> 5) * WARP_ROWS + g;
 #pragma unroll
   for (int m = 0; m < NW; ++m)
@@ -312,21 +479,18 @@ __device__ __forceinline__ void down_tile(const __half* hidden, int hidden_pitch
       }
 }
 
-}  // namespace
-
 // Gate and up of one expert tile: hidden[start + n][col0 + c] = silu(gate) * up (f16) for the block's 64 weight
 // rows (columns c of the expert's FFN, from w_row0 = expert * ffn + col0, up to w_row_end = expert * ffn + ffn),
 // each aligned quad of columns stored in the order (0, 2, 1, 3). x: staged by moe_rows.stage_x.
-extern "C" __device__ void strata_moe_rows_gate_up_q4_0(const __half* x, int x_pitch, int num_k32,
-                                                        const int* pair_token, int start, int num_rows,
-                                                        const unsigned* gq, const __half* gs, const unsigned* uq,
-                                                        const __half* us, int quant_pitch, int scale_pitch,
-                                                        int w_row0, int w_row_end, __half* hidden, int hidden_pitch,
-                                                        int col0, unsigned char* smem) {
-#define STRATA_GATE_UP(G)                                                                                        \
-  case G:                                                                                                        \
-    gate_up_tile<G>(x, x_pitch, num_k32, pair_token, start, num_rows, gq, gs, uq, us, quant_pitch, scale_pitch, \
-                    w_row0, w_row_end, hidden, hidden_pitch, col0, smem);                                        \
+template <int F>
+__device__ __forceinline__ void gate_up(const __half* x, int x_pitch, int num_k32, const int* pair_token, int start,
+                                        int num_rows, RowsPlanes gate, RowsPlanes up, int quant_pitch,
+                                        int scale_pitch, int extra_pitch, int w_row0, int w_row_end, __half* hidden,
+                                        int hidden_pitch, int col0, unsigned char* smem) {
+#define STRATA_GATE_UP(G)                                                                                         \
+  case G:                                                                                                         \
+    gate_up_tile<F, G>(x, x_pitch, num_k32, pair_token, start, num_rows, gate, up, quant_pitch, scale_pitch,     \
+                       extra_pitch, w_row0, w_row_end, hidden, hidden_pitch, col0, smem);                         \
     break;
   switch ((num_rows + 7) >> 3) {
     STRATA_GATE_UP(1) STRATA_GATE_UP(2) STRATA_GATE_UP(3) STRATA_GATE_UP(4)
@@ -340,18 +504,20 @@ extern "C" __device__ void strata_moe_rows_gate_up_q4_0(const __half* x, int x_p
 // start + n) for the block's 128 output columns (weight rows from w_row0 = expert * dim + col0, up to w_row_end =
 // expert * dim + dim), as two 64-row weights (the second from row w_row0 + 64): every warp then has two A
 // fragments for each X fragment, as gate/up does.
-extern "C" __device__ void strata_moe_rows_down_q4_0(const __half* hidden, int hidden_pitch, int num_k32,
-                                                     const int* pair_token, const float* pair_weight, int start,
-                                                     int num_rows, const unsigned* dq, const __half* ds,
-                                                     int quant_pitch, int scale_pitch, int w_row0, int w_row_end,
-                                                     float* out, int out_pitch, int col0, unsigned char* smem) {
+template <int F>
+__device__ __forceinline__ void down(const __half* hidden, int hidden_pitch, int num_k32, const int* pair_token,
+                                     const float* pair_weight, int start, int num_rows, RowsPlanes w,
+                                     int quant_pitch, int scale_pitch, int extra_pitch, int w_row0, int w_row_end,
+                                     float* out, int out_pitch, int col0, unsigned char* smem) {
   const bool has_second = w_row_end - w_row0 > 64;  // else every row of the second half reads as zeros
-  const unsigned* dq_second = has_second ? dq + static_cast<size_t>(64) * quant_pitch : dq;
-  const __half* ds_second = has_second ? ds + static_cast<size_t>(64) * scale_pitch : ds;
+  const RowsPlanes second = has_second ? RowsPlanes{w.quants + static_cast<size_t>(64) * quant_pitch,
+                                                    w.scales + static_cast<size_t>(64) * scale_pitch,
+                                                    w.extra + static_cast<size_t>(64) * extra_pitch}
+                                       : w;
 #define STRATA_DOWN(G)                                                                                          \
   case G:                                                                                                       \
-    down_tile<G>(hidden, hidden_pitch, num_k32, pair_token, pair_weight, start, num_rows, dq, ds, dq_second,   \
-                 ds_second, quant_pitch, scale_pitch, w_row0, w_row_end, out, out_pitch, col0, smem);           \
+    down_tile<F, G>(hidden, hidden_pitch, num_k32, pair_token, pair_weight, start, num_rows, w, second,        \
+                    quant_pitch, scale_pitch, extra_pitch, w_row0, w_row_end, out, out_pitch, col0, smem);     \
     break;
   switch ((num_rows + 7) >> 3) {
     STRATA_DOWN(1) STRATA_DOWN(2) STRATA_DOWN(3) STRATA_DOWN(4)
@@ -360,3 +526,29 @@ extern "C" __device__ void strata_moe_rows_down_q4_0(const __half* hidden, int h
   }
 #undef STRATA_DOWN
 }
+
+}  // namespace
+
+// The exported calls, one pair a format: moe_rows.py declares them (the extra plane unread but for Q4_K).
+#define STRATA_MOE_ROWS(NAME, F)                                                                                  \
+  extern "C" __device__ void strata_moe_rows_gate_up_##NAME(                                                      \
+      const __half* x, int x_pitch, int num_k32, const int* pair_token, int start, int num_rows,                 \
+      const unsigned* gq, const __half* gs, const unsigned char* ge, const unsigned* uq, const __half* us,       \
+      const unsigned char* ue, int quant_pitch, int scale_pitch, int extra_pitch, int w_row0, int w_row_end,     \
+      __half* hidden, int hidden_pitch, int col0, unsigned char* smem) {                                          \
+    gate_up<F>(x, x_pitch, num_k32, pair_token, start, num_rows, RowsPlanes{gq, gs, ge}, RowsPlanes{uq, us, ue}, \
+               quant_pitch, scale_pitch, extra_pitch, w_row0, w_row_end, hidden, hidden_pitch, col0, smem);       \
+  }                                                                                                               \
+  extern "C" __device__ void strata_moe_rows_down_##NAME(                                                         \
+      const __half* hidden, int hidden_pitch, int num_k32, const int* pair_token, const float* pair_weight,      \
+      int start, int num_rows, const unsigned* dq, const __half* ds, const unsigned char* de, int quant_pitch,   \
+      int scale_pitch, int extra_pitch, int w_row0, int w_row_end, float* out, int out_pitch, int col0,          \
+      unsigned char* smem) {                                                                                      \
+    down<F>(hidden, hidden_pitch, num_k32, pair_token, pair_weight, start, num_rows, RowsPlanes{dq, ds, de},     \
+            quant_pitch, scale_pitch, extra_pitch, w_row0, w_row_end, out, out_pitch, col0, smem);                \
+  }
+
+STRATA_MOE_ROWS(q4_0, kRowsQ4_0)
+STRATA_MOE_ROWS(q8_0, kRowsQ8_0)
+STRATA_MOE_ROWS(q4_k, kRowsQ4_K)
+#undef STRATA_MOE_ROWS
