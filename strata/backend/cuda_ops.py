@@ -607,20 +607,20 @@ class CudaOps:
         with self._owning(ACTIVATIONS):
             return self._head_rows(x, norm, head, eps).copy_to_host()
 
-    def greedy_rows(self, x, norm, head: QTensor, eps: float, bias, tokens) -> None:
+    def greedy_rows(self, x, norm, head: QTensor, eps: float, bias, tokens, logits=None) -> None:
         """tokens [R] int32 (device) = per row of x, what ``greedy_token`` picks for that row alone: the
         argmax after ``bias``, the lowest id among equals. Nothing returns to the host."""
         from strata.gpu.kernels.sample import add_logit_bias, argmax
 
         with self._owning(ACTIVATIONS):
-            logits = self._head_rows(x, norm, head, eps)  # [R, V]
+            logits = self._head_rows(x, norm, head, eps, logits)  # [R, V]
             shape = dict(num_blocks=2, threads=32) if self.is_simulator else {}
             for row in range(logits.shape[0]):
                 if bias is not None:
                     add_logit_bias(logits[row], *bias, stream=self._stream)
                 argmax(logits[row], token=tokens[row:row + 1], stream=self._stream, **shape)
 
-    def _head_rows(self, x, norm, head: QTensor, eps: float):
+    def _head_rows(self, x, norm, head: QTensor, eps: float, out=None):
         """[R, V] logits of every row of x on the device: the output head's rows GEMV (``logits``' kernel)."""
         from strata.gpu.kernels.gemv import gemv_rows
         from strata.gpu.kernels.gemv_native import head_rows_config
@@ -630,7 +630,7 @@ class CudaOps:
 
             raise EngineError(f"the output head's rows take at most {DECODE_MAX_ROWS} rows, got {x.shape[0]}")
         rows = x if hasattr(x, "copy_to_host") else self.cuda.to_device(np.ascontiguousarray(x, dtype=np.float32))
-        return gemv_rows(head.data, rows, norm_weight=norm, eps=eps, stream=self._stream,
+        return gemv_rows(head.data, rows, out, norm_weight=norm, eps=eps, stream=self._stream,
                          native_config=head_rows_config(head.data.fmt, x.shape[0]))
 
     def increment(self, values) -> None:

@@ -309,8 +309,12 @@ class NumpyOps:
             raise EngineError(f"the output head's rows take at most {DECODE_MAX_ROWS} rows, got {len(x)}")
         return np.stack([self.logits(x[t:t + 1], norm, head, eps) for t in range(len(x))])  # [R, V]
 
-    def greedy_rows(self, x, norm, head: QTensor, eps: float, bias, tokens) -> None:
-        logits = self.logits_rows(x, norm, head, eps)  # [R, V]
+    def greedy_rows(self, x, norm, head: QTensor, eps: float, bias, tokens, logits=None) -> None:
+        values = self.logits_rows(x, norm, head, eps)  # [R, V]
+        if logits is None:
+            logits = values
+        else:
+            logits[:] = values
         if bias is not None:
             for token_id, value in zip(*bias):  # in order, in float32: a repeated id adds twice
                 logits[:, token_id] += np.float32(value)

@@ -210,7 +210,9 @@ class Ops(Protocol):
     def logits(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray: ...  # last row -> [V] host
     def logits_rows(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray:
         """[R, V] float32 on the host: row r is ``logits`` of x[r] alone (R <= DECODE_MAX_ROWS)."""
-    def greedy_rows(self, x: Any, norm: Any, head: QTensor, eps: float, bias: Any, tokens: Any) -> None:
+    def greedy_rows(self, x: Any, norm: Any, head: QTensor, eps: float, bias: Any, tokens: Any,
+                    logits: Any = None) -> None:
         """tokens [R] int32 (on the backend) = per row of x, the argmax of its logits (as ``logits_rows``)
         after adding ``bias`` (backend ids [n] int32 and values [n] float32, or None), the lowest id among
-        equals: row r's token is what ``greedy_token`` picks for x[r] alone. Nothing returns to the host."""
+        equals: row r's token is what ``greedy_token`` picks for x[r] alone. Nothing returns to the host.
+        logits: [R, V] float32 on the backend to compute them in (None: allocated for the call)."""

@@ -40,7 +40,6 @@ class EngineCore:
 
     :ivar backend: the ops backend's name (``numpy``, ``cuda``, ``cudasim``).
     :ivar kv: the KV cache, in the backend's own type.
-    :ivar decode_workspace: decode's reserved bytes (placement's ``decode_workspace``).
     :ivar pack: the routed experts in host memory; None for a dense model or a dry run.
     :ivar cache: the elastic expert cache in VRAM; None for a dense model.
     :ivar load_ledger: what the load holds by owner, counting resources a startup loan defers.
@@ -62,7 +61,6 @@ class EngineCore:
     resources: dict[str, Resource]
     weights: DeviceWeights
     kv: Any
-    decode_workspace: Any
     pack: ExpertPack | None
     cache: ExpertCache | None
     planner: Planner

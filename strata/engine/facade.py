@@ -51,7 +51,7 @@ from strata.gpu.ledger import (
     LedgerSnapshot,
     VramLedger,
 )
-from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS
+from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, VERIFIER
 from strata.model.gguf_file import open_gguf
 from strata.model.locate import resolve_model_path
 from strata.model.tokenizer import Tokenizer
@@ -114,9 +114,6 @@ class Engine(EngineCore):
                           config.runtime.kv_type)
         mtp_kv = ops.kv_cache(MTP_KV_OWNER, 1, placement.kv_cells, spec.num_kv_heads, spec.head_dim,
                               config.runtime.kv_type) if MTP_DRAFT_HEAD in resources else None
-        # charged, not yet read: freeing it moves the documented plans (the 8 GiB benchmark's loan chunk);
-        # MTP verification is its reader to come
-        decode_workspace = ops.alloc("decode_workspace", (placement.decode_workspace_bytes,), "uint8")
         pack = loading.expert_pack(config, model, ops, layout, show_progress) if layout and not is_dry_run else None
         if layout and is_dry_run and config.model.expert_pack is not None:
             ExpertPack.check(config.model.expert_pack, model, layout)  # what the load would refuse
@@ -148,7 +145,7 @@ class Engine(EngineCore):
                              config.runtime.decode_prefetch)
         engine = cls(config=config, model=model, spec=spec, tokenizer=tokenizer, plugins=plugins, backend=backend,
                      ledger=ledger, ops=ops, placement=placement, resources=resources, weights=weights, kv=kv,
-                     decode_workspace=decode_workspace, pack=pack, cache=cache, planner=planner, workspace=workspace, state=state, loan=loan,
+                     pack=pack, cache=cache, planner=planner, workspace=workspace, state=state, loan=loan,
                      runner=runner,
                      load_ledger=LedgerSnapshot(ledger.budget_bytes, dict(sorted(expected.items()))),
                      model_name=config.model.name or model.path.stem,
@@ -266,11 +263,13 @@ class Engine(EngineCore):
             if is_head_here:
                 self.mtp.logits(drafted)
         self.runner.forward(np.array([token, token]), position + 1, None, stats)
-        if not (self._is_mtp_resident() and is_head_here and self.runner.decode_step is not None
-                and self.config.runtime.greedy_on_device) or self.ops.is_simulator:  # the simulator compiles nothing
+        verifier = self.resources.get(VERIFIER)
+        if not (self._is_mtp_resident() and is_head_here and verifier is not None and verifier.is_resident
+                and self.runner.decode_step is not None and self.config.runtime.greedy_on_device) \
+                or self.ops.is_simulator:  # the simulator compiles nothing
             return
         max_depth = self.config.runtime.spec_depth
-        device = DeviceSpeculation(self.runner, self.mtp, max_depth)
+        device = DeviceSpeculation(self.runner, self.mtp, max_depth, verifier)
         try:
             for depth in range(1, max_depth + 1):
                 device.draft(hidden, [token], position, depth)

@@ -28,7 +28,7 @@ from strata.engine.sampling import (
 from strata.engine.stream_stats import StreamStats
 from strata.errors import LoanRestoreError, RequestError
 from strata.gpu.ledger import ACTIVATIONS_OWNER
-from strata.hooktypes import Geometry
+from strata.hooktypes import VERIFIER, Geometry
 
 log = logging.getLogger("strata.engine")
 FLUSH_TOKEN_ID = -1  # a TokenEvent with this id carries text released at the end of the stream
@@ -216,7 +216,8 @@ class Generation:
                 host_bias = self._host_bias()
                 bias = [engine.ops.upload(ACTIVATIONS_OWNER, array) for array in host_bias]
                 owned += bias
-                device = (DeviceSpeculation(engine.runner, engine.mtp, engine.config.runtime.spec_depth),
+                device = (DeviceSpeculation(engine.runner, engine.mtp, engine.config.runtime.spec_depth,
+                                            engine.resources[VERIFIER]),
                           engine.output_head(), tuple(bias), host_bias)
             speculation = Speculation(engine.runner, engine.mtp, policy or engine.depth_policy, self._row_logits,
                                       params, rng, stream, oracle, device)

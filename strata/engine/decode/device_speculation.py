@@ -15,7 +15,9 @@ The host compares them: the longest agreeing prefix is taken, and the target aft
 token. Drafts are picked without the request's logit bias (they only propose); targets with it.
 The segments read the MTP block's weights and the head where they were when captured, and a loan
 uploads those again for every request, so they are captured per request (one first(R) for each
-R the request meets, and one chain) and dropped at its end (``close``), with their buffers.
+R the request meets, and one chain) and dropped at its end (``close``). Their buffers and the verify
+step's logits are views of the ``verifier`` arena (``verifier_arena.py``), a loan resource that is
+resident whenever a request decodes.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import dataclasses
 import numpy as np
 
 from strata.engine.decode.mtp import MtpDraft
+from strata.engine.memory.verifier_arena import VerifierLayout
 from strata.engine.stream_stats import StreamStats
-from strata.errors import NonFiniteLogitsError
+from strata.errors import EngineError, NonFiniteLogitsError
 from strata.gpu.ledger import ACTIVATIONS_OWNER
 
 
@@ -40,11 +43,14 @@ class _Buffers:
     pos_c: object  # [1] int32: the chain's position
     drafts: object  # [R_max] int32
     targets: object  # [R_max] int32
+    logits: object  # [R_max, V] float32: the verify step's
 
 
 class DeviceSpeculation:
-    def __init__(self, runner, mtp: MtpDraft, max_depth: int):
+    def __init__(self, runner, mtp: MtpDraft, max_depth: int, arena):
+        """arena: the ``verifier`` resource (``ArenaResource``), whose buffer the steps' buffers are carved from."""
         self.runner = runner
+        self.arena = arena
         self.mtp = mtp
         self.ops = runner.ops
         self.max_rows = max_depth + 1
@@ -86,7 +92,7 @@ class DeviceSpeculation:
         buffers = self._allocated()
         step = self.runner.step_of(depth + 1)
         rows = step.forward([token] + [0] * depth, position, stats, buffers.drafts[:depth] if depth else None)
-        self.ops.greedy_rows(rows, *head, bias, buffers.targets[:depth + 1])
+        self.ops.greedy_rows(rows, *head, bias, buffers.targets[:depth + 1], logits=buffers.logits[:depth + 1])
         drafts, targets = self._readback.now(buffers.drafts[:depth] if depth else None, buffers.targets[:depth + 1])
         vocab_size = self.runner.spec.vocab_size
         if np.any(targets < 0) or np.any(targets >= vocab_size):  # the argmax found no finite logit
@@ -96,23 +102,20 @@ class DeviceSpeculation:
         return rows, ([] if drafts is None else drafts.tolist()), targets.tolist()
 
     def close(self) -> None:
-        """Drop the segments and buffers (the end of a request)."""
+        """Drop the segments (the end of a request); the arena stays the resource's."""
         for segment in [*self._first.values(), *([self._chain] if self._chain else [])]:
             segment.close()
         self._first, self._chain = {}, None
-        if self._buffers is not None:
-            for array in (getattr(self._buffers, field.name) for field in dataclasses.fields(self._buffers)):
-                self.ops.free(array)
-            self._buffers = None
+        self._buffers = None
 
     def _allocated(self) -> _Buffers:
         if self._buffers is None:
-            ops, rows, width = self.ops, self.max_rows, self.runner.spec.hidden_size
-            alloc = lambda shape, dtype: ops.alloc(ACTIVATIONS_OWNER, shape, dtype)
-            self._buffers = _Buffers(h_in=alloc((rows, width), np.float32), tok_in=alloc((rows,), np.int32),
-                                     pos_in=alloc((rows,), np.int32), x_c=alloc((1, width), np.float32),
-                                     tok_c=alloc((1,), np.int32), pos_c=alloc((1,), np.int32),
-                                     drafts=alloc((rows,), np.int32), targets=alloc((rows,), np.int32))
+            if not self.arena.is_resident:
+                raise EngineError("the verifier arena is not resident: a loan still holds it (speculation runs "
+                                  "only after the loan restores)")
+            ops, rows, spec = self.ops, self.max_rows, self.runner.spec
+            layout = VerifierLayout(spec.hidden_size, spec.vocab_size, rows)
+            self._buffers = _Buffers(**layout.carve(self.arena.buffer))
             if self._host is None:
                 self._host = ops.host_buffer(4 * (2 * rows + 1)).view(np.int32)
                 self._readback = ops.readback()

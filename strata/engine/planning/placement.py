@@ -1,7 +1,7 @@
 """Placement under the VRAM budget: what each owner holds, in bytes, before anything is allocated.
 
 Owners: ``dense_weights`` (embeddings, attention, norms, routers, shared experts), ``output_head``
-(the native head; absent when tied to the embeddings), ``kv_cache``, ``decode_workspace``, the
+(the native head; absent when tied to the embeddings), ``kv_cache``, the
 decode-only ``verifier`` / ``mtp_draft_head`` / ``mtp_experts`` (with MTP), and the elastic
 ``expert_cache``, which takes what is left after a reserve for the smallest prefill geometry (the
 cache maps no more than every expert and the largest staging ring: ``ExpertCache(max_slots=...)``).
@@ -14,6 +14,7 @@ import dataclasses
 
 from strata.backend.ops import ExpertLayout
 from strata.config import Config
+from strata.engine.memory.verifier_arena import VerifierLayout
 from strata.engine.planning.planner import WorkspaceCosts
 from strata.errors import ConfigError
 from strata.model.gguf_file import GgufModel
@@ -30,7 +31,6 @@ class Placement:
     output_head_bytes: int  # 0: tied to token_embd, no separate head
     kv_bytes: int
     kv_cells: int
-    decode_workspace_bytes: int
     verifier_bytes: int
     mtp_head_bytes: int
     mtp_expert_bytes: int
@@ -41,7 +41,7 @@ class Placement:
 
     def by_owner(self) -> dict[str, int]:
         owners = {"dense_weights": self.dense_bytes, "output_head": self.output_head_bytes,
-                  "kv_cache": self.kv_bytes, "decode_workspace": self.decode_workspace_bytes,
+                  "kv_cache": self.kv_bytes,
                   "verifier": self.verifier_bytes, "mtp_draft_head": self.mtp_head_bytes,
                   "mtp_experts": self.mtp_expert_bytes, "mtp_kv": self.mtp_kv_bytes,
                   "expert_cache": self.cache_base_bytes}
@@ -71,11 +71,11 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     kv_bytes = int(kv_cells * _kv_values_per_cell(spec) * _KV_BYTES_PER_VALUE[rt.kv_type])
     # the draft's own cache: one layer, every cell (it attends over the prompt as the main layers do)
     mtp_kv = int(kv_cells * 2 * spec.kv_size * _KV_BYTES_PER_VALUE[rt.kv_type]) if mtp_layers else 0
-    decode_ws = _bytes_per_token(spec) * (1 + rt.spec_depth) + 4 * spec.vocab_size * (1 + rt.spec_depth)
-    verifier = _bytes_per_token(spec) * (1 + rt.spec_depth) * 2 if rt.mtp else 0
+    verifier = VerifierLayout(spec.hidden_size, spec.vocab_size, 1 + rt.spec_depth).num_bytes if rt.mtp and rt.spec_depth \
+        else 0
     # e.g. a quantized cache layer's F16 copy, which prefill attention reads on the GPU
     costs = workspace_costs(spec, layout, config, kv_scratch_bytes_per_cell * kv_cells)
-    fixed = dense + head + kv_bytes + decode_ws + verifier + mtp_head + mtp_experts + mtp_kv
+    fixed = dense + head + kv_bytes + verifier + mtp_head + mtp_experts + mtp_kv
     min_ring = config.planner.min_ring_slots if layout else 0
     smallest = costs.workspace_bytes_for(config.planner.chunk_quantum_tokens, min_ring)
     cache_base = budget_bytes - fixed - smallest
@@ -90,7 +90,7 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     cache_base = cache_base // rt.vmm_segment_bytes * rt.vmm_segment_bytes if layout else 0
     reserved = budget_bytes if layout else 0  # address space only: room to grow into all a loan frees
     return Placement(budget_bytes=budget_bytes, dense_bytes=dense, output_head_bytes=head, kv_bytes=kv_bytes,
-                     kv_cells=kv_cells, decode_workspace_bytes=decode_ws, verifier_bytes=verifier,
+                     kv_cells=kv_cells, verifier_bytes=verifier,
                      mtp_head_bytes=mtp_head, mtp_expert_bytes=mtp_experts, mtp_kv_bytes=mtp_kv, cache_base_bytes=cache_base,
                      cache_reserved_bytes=reserved, costs=costs)
 

@@ -1,0 +1,34 @@
+"""The verifier arena's parts: typed views of one buffer, aligned, disjoint, and no bigger than placed."""
+
+import numpy as np
+import pytest
+
+from strata.engine.memory.verifier_arena import VerifierLayout
+
+
+def test_parts_are_aligned_disjoint_views_of_the_buffer():
+    layout = VerifierLayout(hidden_size=40, vocab_size=101, max_rows=5)
+    buffer = np.zeros(layout.num_bytes, np.uint8)
+    views = layout.carve(buffer)
+    assert views["h_in"].shape == (5, 40) and views["h_in"].dtype == np.float32
+    assert views["logits"].shape == (5, 101) and views["logits"].dtype == np.float32
+    assert views["tok_c"].shape == (1,) and views["targets"].dtype == np.int32
+    for value, view in enumerate(views.values(), start=1):  # each part writes only its own bytes
+        assert np.shares_memory(view, buffer)
+        assert (view.ctypes.data - buffer.ctypes.data) % 256 == 0
+        view[...] = value
+    for value, view in enumerate(views.values(), start=1):
+        assert np.all(view == value)
+    assert layout.num_bytes % 256 == 0
+    assert layout.num_bytes < sum(256 + view.nbytes for view in views.values())
+
+
+def test_the_logits_rows_dominate_a_real_models_arena():
+    layout = VerifierLayout(hidden_size=2048, vocab_size=151936, max_rows=5)  # Qwen3-30B-A3B, spec_depth 4
+    assert 5 * 151936 * 4 < layout.num_bytes < 5 * 151936 * 4 + 64 * 1024
+
+
+def test_a_buffer_smaller_than_the_parts_is_refused():
+    layout = VerifierLayout(hidden_size=8, vocab_size=16, max_rows=2)
+    with pytest.raises(ValueError, match="verifier arena holds"):
+        layout.carve(np.zeros(layout.num_bytes - 1, np.uint8))
