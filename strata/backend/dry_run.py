@@ -18,6 +18,10 @@ class DryRunOps(NumpyOps):
         super().__init__(ledger)
         self.backend = backend
 
+    @property
+    def is_kv_staged(self) -> bool:
+        return self.backend != "numpy"
+
     def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
         if self.backend == "numpy":
             return 0
@@ -49,9 +53,13 @@ class DryRunOps(NumpyOps):
     def stage_experts(self, storage, slots, hosts, is_after_compute: bool = True) -> None:
         pass  # nothing is allocated, so nothing is copied
 
-    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type):
-        probe = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type)
-        return self._track_placeholder(owner, probe.data.nbytes * num_layers * num_cells)
+    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type, resident_cells: int = 0,
+                 staging_owner: str = ""):
+        cell_bytes = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type).data.nbytes  # K and V of one layer
+        resident_cells = resident_cells or num_cells
+        if resident_cells < num_cells and self.is_kv_staged:  # the layer a tiered cache is read through
+            self._track_placeholder(staging_owner, cell_bytes * num_cells)
+        return self._track_placeholder(owner, cell_bytes * num_layers * resident_cells)
 
     def _track_placeholder(self, owner: str, num_bytes: int) -> np.ndarray:
         placeholder = np.empty(0, dtype=np.uint8)
