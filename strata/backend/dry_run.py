@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from strata.backend.numpy_ops import NumpyArena, NumpyKv, NumpyOps
-from strata.backend.ops import ExpertLayout
+from strata.backend.ops import KV_STAGING_LAYERS, ExpertLayout
 from strata.gpu.ledger import VramLedger
 
 
@@ -57,8 +57,8 @@ class DryRunOps(NumpyOps):
                  staging_owner: str = ""):
         cell_bytes = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type).data.nbytes  # K and V of one layer
         resident_cells = resident_cells or num_cells
-        if resident_cells < num_cells and self.is_kv_staged:  # the layer a tiered cache is read through
-            self._track_placeholder(staging_owner, cell_bytes * num_cells)
+        if resident_cells < num_cells and self.is_kv_staged:  # the layers a tiered cache is read through
+            self._track_placeholder(staging_owner, KV_STAGING_LAYERS * cell_bytes * num_cells)
         return self._track_placeholder(owner, cell_bytes * num_layers * resident_cells)
 
     def _track_placeholder(self, owner: str, num_bytes: int) -> np.ndarray:

@@ -28,6 +28,7 @@ from strata.gpu.ledger import VramLedger
 
 
 DECODE_MAX_ROWS = 9  # the rows a forward computes as decode does, each bit-identical to one row alone
+KV_STAGING_LAYERS = 2  # a tiered KV cache's staging layers on a GPU: layer l is attended in staging[l % 2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Ops(Protocol):
     def kv_cache(self, owner: str, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int,
                  kv_type: str, resident_cells: int = 0, staging_owner: str = "") -> Any:
         """``num_cells`` per layer, the first ``resident_cells`` (0: all) charged to ``owner``; the others
-        are the host tier, read through a staging layer charged to ``staging_owner`` where the backend
+        are the host tier, read through staging layers charged to ``staging_owner`` where the backend
         needs one. Attention over a tiered cache computes what it computes over a resident one."""
     def kv_write(self, kv: Any, layer: int, start: int, k: Any, v: Any, positions: Any = None) -> None: ...
     def attention(self, q: Any, kv: Any, layer: int, start: int, positions: Any = None,

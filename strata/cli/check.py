@@ -82,13 +82,13 @@ def cached_after_load(engine, config: Config) -> int:
 
 def format_context(config: Config, placement: Placement) -> str:
     """The context's KV cells by tier: resident in VRAM, and past ``runtime.kv_resident_cells`` in
-    pinned host memory, read through the staging layer (``kv_staging``) where the backend has one."""
+    pinned host memory, read through the staging layers (``kv_staging``) where the backend has them."""
     context = placement.context_cells
     line = (f"context: {context:,} tokens (runtime.context_tokens) in {placement.kv_cells:,} resident KV cells "
             f"({config.runtime.kv_type})")
     if placement.kv_cells == context:
         return line
-    staging = f", read through the {placement.kv_staging_bytes / 2**20:.1f} MiB kv_staging layer" \
+    staging = f", read through the {placement.kv_staging_bytes / 2**20:.1f} MiB of kv_staging layers" \
         if placement.kv_staging_bytes else ", read where they lie"
     return (f"{line}\n"
             f"  KV tiers: VRAM {placement.kv_cells:,} cells ({placement.kv_bytes / 2**20:.1f} MiB, kv_cache), "

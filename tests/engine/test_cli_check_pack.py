@@ -185,10 +185,10 @@ def test_check_shows_both_tiers_of_kv_cells_and_serves_the_whole_context(models,
     staging = placement_tables(out)[-1].get("kv_staging")
     if backend == "numpy":  # attention reads the host cells where they lie
         assert f"{tiers}, read where they lie" in out and staging is None and not placement.kv_staging_bytes
-    else:  # one layer of every cell, K and V
-        assert placement.kv_staging_bytes == 1024 * cell_bytes // SMALL_MOE.num_layers
+    else:  # two layers of every cell, K and V
+        assert placement.kv_staging_bytes == 2 * 1024 * cell_bytes // SMALL_MOE.num_layers
         assert staging[0] == placement.kv_staging_bytes
-        assert f"{tiers}, read through the {placement.kv_staging_bytes / 2**20:.1f} MiB kv_staging layer" in out
+        assert f"{tiers}, read through the {placement.kv_staging_bytes / 2**20:.1f} MiB of kv_staging layers" in out
     assert f"longest prompt, {1023:,} tokens" in out
 
 

@@ -45,7 +45,7 @@ def test_a_tiered_cache_attends_as_a_resident_one_bit_for_bit(kv_type):
     assert tiered.is_tiered and not resident.is_tiered and tiered.resident_cells == RESIDENT
     charged = {owner: after.get(owner, 0) - before.get(owner, 0) for owner in ("kv_cache", "kv_staging")}
     assert charged == {"kv_cache": RESIDENT * resident.cell_bytes,
-                       "kv_staging": CELLS * resident.cell_bytes // NUM_LAYERS}  # the host cells are not in VRAM
+                       "kv_staging": 2 * CELLS * resident.cell_bytes // NUM_LAYERS}  # the host cells are not in VRAM
     rng = np.random.default_rng(9)
     for start, num_tokens in STEPS:
         positions = dev(np.arange(start, start + num_tokens, dtype=np.int32))

@@ -3,10 +3,11 @@
 Owners: ``dense_weights`` (embeddings, attention, norms, routers, shared experts), ``output_head``
 (the native head; absent when tied to the embeddings), ``kv_cache`` (the resident cells:
 ``runtime.kv_resident_cells`` of every main layer), ``kv_staging`` (with a host tier for the other
-cells, on a GPU: the one layer of every cell that attention reads them through), ``decode_workspace``, the
-decode-only ``verifier`` / ``mtp_draft_head`` / ``mtp_experts`` (with MTP), and the elastic
-``expert_cache``, which takes what is left after a reserve for the smallest prefill geometry (the
-cache maps no more than every expert and the largest staging ring: ``ExpertCache(max_slots=...)``).
+cells, on a GPU: two layers of every cell that attention reads them through, alternating by layer),
+``decode_workspace``, the decode-only ``verifier`` / ``mtp_draft_head`` / ``mtp_experts`` (with MTP),
+and the elastic ``expert_cache``, which takes what is left after a reserve for the smallest prefill
+geometry (the cache maps no more than every expert and the largest staging ring:
+``ExpertCache(max_slots=...)``).
 Routed experts of the main layers always live in the host expert pack; the cache holds copies.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from strata.backend.ops import ExpertLayout
+from strata.backend.ops import KV_STAGING_LAYERS, ExpertLayout
 from strata.config import Config
 from strata.engine.planning.planner import WorkspaceCosts
 from strata.errors import ConfigError
@@ -79,7 +80,8 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     layer_cell_bytes = 2 * spec.kv_size * _KV_BYTES_PER_VALUE[rt.kv_type]  # K and V of one cell of one layer
     kv_bytes = int(kv_cells * layer_cell_bytes * spec.num_layers)
     host_kv_bytes = int((context_cells - kv_cells) * layer_cell_bytes * spec.num_layers)
-    kv_staging = int(context_cells * layer_cell_bytes) if is_kv_staged and kv_cells < context_cells else 0
+    is_tiered = is_kv_staged and kv_cells < context_cells
+    kv_staging = int(KV_STAGING_LAYERS * context_cells * layer_cell_bytes) if is_tiered else 0
     # the draft's own cache: one layer, every cell, resident (it attends over the prompt as the main layers do)
     mtp_kv = int(context_cells * layer_cell_bytes) if mtp_layers else 0
     decode_ws = _bytes_per_token(spec) * (1 + rt.spec_depth) + 4 * spec.vocab_size * (1 + rt.spec_depth)
@@ -94,7 +96,8 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
         raise ConfigError(
             f"runtime.vram_budget = {budget_bytes / 2**30:.2f} GiB cannot hold this model: dense weights "
             f"{dense / 2**20:.0f} MiB, output head {head / 2**20:.0f} MiB, KV cache {kv_bytes / 2**20:.0f} MiB "
-            f"({kv_cells} cells of {rt.kv_type}{_staging_note(kv_staging)}), MTP {(mtp_head + mtp_experts + mtp_kv) / 2**20:.0f} MiB, smallest prefill "
+            f"({kv_cells} cells of {rt.kv_type}{_staging_note(kv_staging)}), "
+            f"MTP {(mtp_head + mtp_experts + mtp_kv) / 2**20:.0f} MiB, smallest prefill "
             f"workspace {smallest / 2**20:.0f} MiB, one {rt.vmm_segment_bytes >> 20} MiB cache segment; raise "
             "runtime.vram_budget, lower runtime.kv_resident_cells or use a smaller runtime.kv_type"
         )
@@ -130,7 +133,7 @@ def _bytes_per_token(spec: ModelSpec) -> int:
 
 
 def _staging_note(kv_staging_bytes: int) -> str:
-    return f", and a staging layer of {kv_staging_bytes / 2**20:.0f} MiB for the host tier" if kv_staging_bytes else ""
+    return f", and {kv_staging_bytes / 2**20:.0f} MiB of staging layers for the host tier" if kv_staging_bytes else ""
 
 
 def _layer_of(name: str) -> int | None:
