@@ -327,7 +327,7 @@ class CudaOps:
                 planes[name] = self.cuda.to_device(np.zeros(shape, dtype))
             else:
                 planes[name] = self.cuda.mapped_array(shape, dtype)
-                planes[name][...] = 0
+                planes[name].view(np.ndarray)[...] = 0
         return PackedMatrix(fmt, num_rows, num_cols, *(planes.get(n, self.placeholders[n])
                                                        for n in ("quants", "scales", "extra")))
 

@@ -52,7 +52,7 @@ def _kv_cells(engine, end: int) -> list[np.ndarray]:
                 if host.shape[0] != matrix.num_rows:
                     continue  # a placeholder of a plane the format lacks
                 if kv.is_tiered:
-                    host = np.concatenate([host, ops.to_host(getattr(kv.host_layers[layer][which], plane))])
+                    host = np.concatenate([host, np.array(getattr(kv.host_layers[layer][which], plane))])
                 cells.append(host[:end].copy())
     return cells
 

@@ -29,7 +29,8 @@ def _cells(ops, kv, layer: int) -> list[np.ndarray]:
         for name in ("quants", "scales"):
             rows = ops.to_host(getattr(matrix, name))
             if kv.is_tiered:
-                rows = np.concatenate([rows, ops.to_host(getattr(kv.host_layers[layer][which], name))])
+                # the host planes are host memory (mapped into the device's address space)
+                rows = np.concatenate([rows, np.array(getattr(kv.host_layers[layer][which], name))])
             planes.append(rows)
     return planes
 
