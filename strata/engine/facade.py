@@ -57,7 +57,7 @@ from strata.model.tokenizer import Tokenizer
 from strata.plugins import load_plugins
 
 MTP_KV_OWNER = "mtp_kv"  # the MTP block's own KV cache (placement's mtp_kv)
-KV_STAGING_OWNER = "kv_staging"  # the layer a host tier of KV cells is read through (placement's kv_staging)
+KV_STAGING_OWNER = "kv_staging"  # the layers a host tier of KV cells is read through (placement's kv_staging)
 WARMUP_HEAD_ROWS = 256  # rows of a held-back head that the warm-up's logits kernel reads
 WARMUP_MIN_TOKENS = 24  # above the decode MoE kernels' 4 tokens and block routing's 16: prefill's kernels run
 log = logging.getLogger("strata.engine")

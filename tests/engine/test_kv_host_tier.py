@@ -106,3 +106,26 @@ def test_fewer_resident_cells_than_a_prefill_chunk_are_refused_naming_both_keys(
         engine_config(tiny_path, runtime={"context_tokens": 32768, "kv_resident_cells": 8192})
     with pytest.raises(ConfigError, match=r"kv_resident_cells = 70 exceeds runtime.context_tokens = 64"):
         _engine(tiny_path, "numpy", "q4_0", 70)
+
+
+@pytest.mark.skipif(not has_cuda_device(), reason="no GPU")
+def test_a_long_prompt_on_a_gpu_at_the_reference_shape_equals_the_all_resident_output(tmp_path):
+    # the reference model's attention (4 KV heads of 128) and experts, two layers: a 10,000-token prompt in
+    # chunks of 2,048 crossing 4,096 resident cells, decode past them
+    shape = dataclasses.replace(PRESETS["qwen3-30b-a3b"], num_layers=2)
+    path = write_synthetic_model(tmp_path / "two-layers.gguf", shape, QType.Q4_0, seed=5)
+    prompt = [int(t) for t in np.random.default_rng(13).integers(3, shape.vocab_size - 1, size=10_000)]
+    outputs = []
+    for cells in (0, 4096):
+        runtime = {"backend": "cuda", "vram_budget": "8GiB", "vmm_segment": "64MiB", "context_tokens": 16384,
+                   "kv_type": "q4_0", "kv_resident_cells": cells}
+        engine = Engine.load(engine_config(path, runtime=runtime, planner={"chunk_tokens": 2048}), show_progress=False)
+        tokens, stats = greedy(engine, prompt, 16)
+        logits = engine.output_logits(engine.runner.forward(np.array([tokens[-1]]), len(prompt) + 15, None,
+                                                            StreamStats()))
+        outputs.append((tokens, logits, stats.kv_host_bytes))
+        engine.close()
+        del engine
+    (want, want_logits, no_bytes), (got, got_logits, moved) = outputs
+    assert got == want and np.array_equal(got_logits, want_logits)
+    assert no_bytes == 0 and moved > 0
