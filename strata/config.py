@@ -47,7 +47,9 @@ class RuntimeConfig:
     device: int = option(0, doc="CUDA device ordinal", min=0)
     context_tokens: int = option(4096, doc="context length in tokens", min=16, max=1 << 22)
     kv_type: str = option("f16", doc="KV cache element format", choices=KV_TYPES)
-    kv_resident_cells: int = option(0, doc="KV cells kept in VRAM (0: the whole context)", min=0)
+    kv_resident_cells: int = option(0, doc="KV cells kept in VRAM (0: the whole context); the context's other "
+                                           "cells live in pinned host memory and attention reads them from there",
+                                    min=0)
     vram_budget_bytes: int = option(0, key="vram_budget", kind="bytes",
                                     doc='VRAM the engine may use, e.g. "8GiB" (0: the device\'s free memory)')
     vram_elastic: bool = option(False, doc="elastic expert cache on CUDA virtual-memory segments")
@@ -234,6 +236,7 @@ def verify_config(config: Config) -> None:
     if rt.kv_resident_cells > rt.context_tokens:
         raise ConfigError(f"runtime.kv_resident_cells = {rt.kv_resident_cells} exceeds runtime.context_tokens = "
                           f"{rt.context_tokens}; lower kv_resident_cells or raise context_tokens")
+    _check_resident_cells_hold_a_chunk(rt, config.planner)
     if any(share <= 0 for share in rt.layer_split):
         raise ConfigError(f"runtime.layer_split = {list(rt.layer_split)}: every share must be > 0")
     pl = config.planner
@@ -284,3 +287,15 @@ def bind_plugin_tables(config: Config, schemas: Mapping[str, type], available: l
         if name not in tables and name in schemas:
             tables[name] = build_table(schemas[name], {}, f"loan.{name}")
     return dataclasses.replace(config, loan=dataclasses.replace(config.loan, tables=MappingProxyType(tables)))
+
+
+def _check_resident_cells_hold_a_chunk(rt: RuntimeConfig, pl: PlannerConfig) -> None:
+    """A host tier holds the context's tail: a prefill chunk fits in the resident cells."""
+    if not rt.kv_resident_cells or rt.kv_resident_cells >= rt.context_tokens:
+        return
+    key, chunk = ("planner.chunk_tokens", pl.chunk_tokens) if pl.chunk_tokens else \
+        ("planner.max_chunk_tokens", pl.max_chunk_tokens)
+    chunk = min(chunk, rt.context_tokens)
+    if rt.kv_resident_cells < chunk:
+        raise ConfigError(f"runtime.kv_resident_cells = {rt.kv_resident_cells} is smaller than one prefill chunk "
+                          f"({key} = {chunk}); raise kv_resident_cells to at least {chunk}, or lower {key}")

@@ -31,7 +31,7 @@ import numpy as np
 from numba import cuda  # a module global: the simulator swaps it inside kernels
 
 from strata.backend.layouts import packed_expert_layout
-from strata.backend.ops import DECODE_MAX_ROWS, ExpertLayout, QTensor
+from strata.backend.ops import DECODE_MAX_ROWS, KV_STAGING_LAYERS, ExpertLayout, QTensor
 from strata.gpu import driver_calls
 from strata.gpu.ledger import ACTIVATIONS_OWNER as ACTIVATIONS
 from strata.gpu.ledger import VramLedger
@@ -42,17 +42,34 @@ _KV_FORMATS = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
 class CudaKv:
-    def __init__(self, layers, kv_format: str, num_cells: int, num_kv_heads: int, head_dim: int):
-        self.layers = layers  # [(K, V) PackedMatrix] per layer
+    """Per layer (K, V) PackedMatrix of ``resident_cells`` rows on the device; with a host tier
+    (``resident_cells`` < ``num_cells``), the other cells of each layer in mapped host memory and two
+    staging layers of every cell, alternating by layer, that a layer's attention reads (``kernels/kv_tier.py``)."""
+
+    def __init__(self, layers, kv_format: str, num_cells: int, num_kv_heads: int, head_dim: int,
+                 host_layers=(), staging=None):
+        self.layers = layers  # [(K, V) PackedMatrix] per layer: [resident_cells, W] each
         self.kv_format = kv_format
-        self.num_cells = num_cells
+        self.num_cells = num_cells  # the cells attention may read: the context
+        self.resident_cells = layers[0][0].num_rows if layers else num_cells
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.host_layers = host_layers  # [(K, V)] per layer: [num_cells - resident_cells, W] each, or none
+        self.staging = staging  # with a host tier, two (K, V) [num_cells, W]: layer l is attended in staging[l % 2]
+
+    @property
+    def cell_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers) // self.resident_cells  # K and V of every layer
+
+    @property
+    def is_tiered(self) -> bool:
+        return bool(self.host_layers)
 
 
 class CudaOps:
     is_activation_charged = True  # the kernels' allocations go through the ledger as they are made
     is_copy_overlapped = True  # RuntimeSettings.copy_overlap, set by the engine's RuntimeState
+    is_kv_staged = True  # a host tier of KV cells is read through staging layers (``kv_cache``)
 
     def __init__(self, ledger: VramLedger, device: int = 0, is_simulator: bool = False):
         self.ledger = ledger
@@ -90,6 +107,9 @@ class CudaOps:
         self._stream = 0  # where kernels launch: the default stream, or a graph builder while capturing
         self._forced_tile_rows = None  # the MoE prefill tile rows while forcing_moe_tile_rows is open
         self._copy_stream = None
+        # the host tier's copies: the simulator runs every thread in Python, so a few there
+        self._tier_launch = dict(blocks=2, threads=32) if is_simulator else {}
+        self._kv_fills = None  # AheadFills, made at prefill's first fill ahead
         if not is_simulator:
             from strata.backend.expert_arena import CopyStream
 
@@ -310,14 +330,40 @@ class CudaOps:
             self.cuda.synchronize()
             trim_pool(self.ledger)
 
-    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type) -> CudaKv:
+    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type, resident_cells: int = 0,
+                 staging_owner: str = "") -> CudaKv:
+        """resident_cells (0: every cell) of each layer on the device; the other cells, with a host tier,
+        in mapped host memory, and two staging layers of every cell charged to ``staging_owner``."""
         from strata.gpu.kernels.kvcache import empty_kv_layer
 
-        fmt = _KV_FORMATS[kv_type]
+        fmt, width = _KV_FORMATS[kv_type], num_kv_heads * head_dim
+        resident_cells = resident_cells or num_cells
         with self._owning(owner):
-            layers = [empty_kv_layer(fmt, num_cells, num_kv_heads * head_dim) for _ in range(num_layers)]
-        kv = CudaKv(layers, fmt, num_cells, num_kv_heads, head_dim)
+            layers = [empty_kv_layer(fmt, resident_cells, width) for _ in range(num_layers)]
+        host_layers, staging = (), None
+        if resident_cells < num_cells:
+            host_layers = [tuple(self._mapped_packed(fmt, num_cells - resident_cells, width) for _ in range(2))
+                           for _ in range(num_layers)]
+            with self._owning(staging_owner):
+                staging = [empty_kv_layer(fmt, num_cells, width) for _ in range(KV_STAGING_LAYERS)]
+            self._track(staging_owner, staging, sum(m.nbytes for pair in staging for m in pair))
+        kv = CudaKv(layers, fmt, num_cells, num_kv_heads, head_dim, host_layers, staging)
         return self._track(owner, kv, sum(k.nbytes + v.nbytes for k, v in layers))
+
+    def _mapped_packed(self, fmt: str, num_rows: int, num_cols: int):
+        """A zeroed packed matrix in page-locked host memory that kernels read and write through its
+        device mapping (the simulator's device memory is host memory already)."""
+        from strata.gpu.kernels.packing import PackedMatrix, plane_shapes
+
+        planes = {}
+        for name, (shape, dtype) in plane_shapes(fmt, num_rows, num_cols).items():
+            if self.is_simulator:
+                planes[name] = self.cuda.to_device(np.zeros(shape, dtype))
+            else:
+                planes[name] = self.cuda.mapped_array(shape, dtype)
+                planes[name].view(np.ndarray)[...] = 0
+        return PackedMatrix(fmt, num_rows, num_cols, *(planes.get(n, self.placeholders[n])
+                                                       for n in ("quants", "scales", "extra")))
 
     # --- compute --------------------------------------------------------------------------
 
@@ -390,15 +436,26 @@ class CudaOps:
         return positions
 
     def kv_write(self, kv: CudaKv, layer: int, start: int, k, v, positions=None) -> None:
+        from strata.gpu.kernels.kv_tier import fill_kv_window, write_back_kv
         from strata.gpu.kernels.kvcache import append_kv
 
         num_tokens = k.shape[0]
         if positions is None:
             positions = self.cuda.to_device(np.arange(start, start + num_tokens, dtype=np.int32))
-        k_cache, v_cache = kv.layers[layer]
+        positions = self._device_positions(positions)
+        staging = kv.staging[layer % KV_STAGING_LAYERS] if kv.is_tiered else None
+        is_filled = kv.is_tiered and self._kv_fills is not None and \
+            self._kv_fills.take((id(kv), layer, start, num_tokens))
         with self._owning(ACTIVATIONS):
+            if kv.is_tiered and not is_filled:  # the layer's cells up to the new ones into its staging layer
+                fill_kv_window(staging, kv.layers[layer], kv.host_layers[layer], kv.resident_cells, positions,
+                               stream=self._stream, **self._tier_launch)
+            k_cache, v_cache = staging or kv.layers[layer]
             append_kv(k_cache, v_cache, k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), positions,
                       stream=self._stream)
+            if kv.is_tiered:  # the new cells to their home, device or host
+                write_back_kv(staging, kv.layers[layer], kv.host_layers[layer], kv.resident_cells, positions,
+                              stream=self._stream, **self._tier_launch)
 
     def decode_attention_scratch(self, owner: str, kv: CudaKv, num_heads: int, num_tokens: int = 1) -> tuple:
         """The split workspace of a decode step's attention (attention.decode_workspace_specs: the direct
@@ -427,7 +484,8 @@ class CudaOps:
         num_tokens, num_heads, head_dim = q.shape
         if positions is None:
             positions = np.arange(start, start + num_tokens, dtype=np.int32)
-        k_cache, v_cache = kv.layers[layer]
+        # with a host tier, the staging layer that this layer's kv_write filled
+        k_cache, v_cache = kv.staging[layer % KV_STAGING_LAYERS] if kv.is_tiered else kv.layers[layer]
         args = dict(num_q_heads=num_heads, num_kv_heads=kv.num_kv_heads, head_dim=head_dim)
         with self._owning(ACTIVATIONS):
             if num_tokens <= DECODE_MAX_ROWS:  # decode rows: the KV length comes from each row's position on
@@ -440,8 +498,27 @@ class CudaOps:
             scratch = None
             if k_cache.fmt != "F16" and uses_tensor_cores(num_tokens, 1, head_dim, k_cache.fmt):
                 scratch = self._f16_scratch(kv.num_cells, k_cache.num_cols)  # [cells, width] K and V
-            return attention(q.reshape(num_tokens, -1), k_cache, v_cache, self._device_positions(positions),
-                             kv_len=start + num_tokens, f16_scratch=scratch, **args)
+            positions = self._device_positions(positions)
+            out = attention(q.reshape(num_tokens, -1), k_cache, v_cache, positions, kv_len=start + num_tokens,
+                            f16_scratch=scratch, **args)
+        if kv.is_tiered and layer + 1 < len(kv.layers):
+            self._fill_next_layer(kv, layer + 1, start, positions)
+        return out
+
+    def _fill_next_layer(self, kv: CudaKv, layer: int, start: int, positions) -> None:
+        """Prefill: ``layer``'s fill runs on a stream of its own while this layer's experts compute
+        (``kv_fills.py``); with copy overlap off, or while a segment is captured, it runs in its write."""
+        if self.is_simulator or not self.is_copy_overlapped or self._stream != 0:
+            return
+        from strata.gpu.kernels.kv_tier import fill_kv_window
+
+        if self._kv_fills is None:
+            from strata.backend.kv_fills import AheadFills
+
+            self._kv_fills = AheadFills()
+        self._kv_fills.fill_ahead((id(kv), layer, start, positions.shape[0]), positions, lambda stream: fill_kv_window(
+            kv.staging[layer % KV_STAGING_LAYERS], kv.layers[layer], kv.host_layers[layer], kv.resident_cells,
+            positions, stream=stream, **self._tier_launch))
 
     def _f16_scratch(self, num_rows: int, width: int):
         """Two F16 matrices a quantized cache layer is dequantized into for prefill attention; sized

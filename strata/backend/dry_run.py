@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from strata.backend.numpy_ops import NumpyArena, NumpyKv, NumpyOps
-from strata.backend.ops import ExpertLayout
+from strata.backend.ops import KV_STAGING_LAYERS, ExpertLayout
 from strata.gpu.ledger import VramLedger
 
 
@@ -29,6 +29,10 @@ class DryRunOps(NumpyOps):
         from strata.gpu.pcie_probe import probe_host_to_device
 
         return probe_host_to_device(device=self.device)
+
+    @property
+    def is_kv_staged(self) -> bool:
+        return self.backend != "numpy"
 
     def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
         if self.backend == "numpy":
@@ -61,9 +65,13 @@ class DryRunOps(NumpyOps):
     def stage_experts(self, storage, slots, hosts, is_after_compute: bool = True) -> None:
         pass  # nothing is allocated, so nothing is copied
 
-    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type):
-        probe = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type)
-        return self._track_placeholder(owner, probe.data.nbytes * num_layers * num_cells)
+    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type, resident_cells: int = 0,
+                 staging_owner: str = ""):
+        cell_bytes = NumpyKv(1, 1, num_kv_heads, head_dim, kv_type).data.nbytes  # K and V of one layer
+        resident_cells = resident_cells or num_cells
+        if resident_cells < num_cells and self.is_kv_staged:  # the layers a tiered cache is read through
+            self._track_placeholder(staging_owner, KV_STAGING_LAYERS * cell_bytes * num_cells)
+        return self._track_placeholder(owner, cell_bytes * num_layers * resident_cells)
 
     def _track_placeholder(self, owner: str, num_bytes: int) -> np.ndarray:
         placeholder = np.empty(0, dtype=np.uint8)

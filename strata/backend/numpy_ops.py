@@ -67,17 +67,26 @@ class NumpyArena:
 
 
 class NumpyKv:
-    """Per layer K and V [cells, Hk, E] in f16, or GGUF Q8_0/Q4_0 rows of E values."""
+    """Per layer K and V [cells, Hk, E] in f16, or GGUF Q8_0/Q4_0 rows of E values. Cells from
+    ``resident_cells`` on are the host tier: host memory like the rest here, but not charged to the
+    ledger (a GPU backend keeps them in host memory)."""
 
-    def __init__(self, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int, kv_type: str):
+    def __init__(self, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int, kv_type: str,
+                 resident_cells: int = 0):
         self.kv_type = kv_type
         self.head_dim = head_dim
+        self.num_cells = num_cells
+        self.resident_cells = resident_cells or num_cells
         if kv_type == "f16":
             shape, dtype = (num_layers, 2, num_cells, num_kv_heads, head_dim), np.float16
         else:
             row = quants.row_nbytes(_KV_QTYPES[kv_type], head_dim)
             shape, dtype = (num_layers, 2, num_cells, num_kv_heads, row), np.uint8
         self.data = np.zeros(shape, dtype=dtype)
+
+    @property
+    def cell_bytes(self) -> int:
+        return self.data.nbytes // self.num_cells  # K and V of every layer
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         if self.kv_type == "f16":
@@ -96,6 +105,7 @@ class NumpyOps:
     name = "numpy"
     is_activation_charged = False  # reference ops make plain arrays: the prompt workspace charges them
     is_copy_overlapped = True  # copies are done on return: nothing to overlap or wait for
+    is_kv_staged = False  # attention reads a host tier of KV cells where it lies
 
     def __init__(self, ledger: VramLedger):
         self.ledger = ledger
@@ -184,9 +194,12 @@ class NumpyOps:
     def trim_memory(self) -> None:
         pass  # host buffers are freed when their last reference goes
 
-    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type) -> NumpyKv:
-        kv = NumpyKv(num_layers, num_cells, num_kv_heads, head_dim, kv_type)
-        self._track(owner, kv.data)
+    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type, resident_cells: int = 0,
+                 staging_owner: str = "") -> NumpyKv:
+        """Attention reads the host tier where it lies, so no staging layer is needed here."""
+        kv = NumpyKv(num_layers, num_cells, num_kv_heads, head_dim, kv_type, resident_cells)
+        charge = self.ledger.charge(owner, kv.data.nbytes // num_cells * kv.resident_cells)
+        self._charges[id(kv.data)] = (kv.data, charge)
         return kv
 
     def _track(self, owner: str, array: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ from strata.gpu.ledger import VramLedger
 
 
 DECODE_MAX_ROWS = 9  # the rows a forward computes as decode does, each bit-identical to one row alone
+KV_STAGING_LAYERS = 2  # a tiered KV cache's staging layers on a GPU: layer l is attended in staging[l % 2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +176,10 @@ class Ops(Protocol):
                      num_rope_dims: int, theta: float, is_neox: bool, eps: float,
                      freq_factors: np.ndarray | None = None) -> None: ...
     def kv_cache(self, owner: str, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int,
-                 kv_type: str) -> Any: ...
+                 kv_type: str, resident_cells: int = 0, staging_owner: str = "") -> Any:
+        """``num_cells`` per layer, the first ``resident_cells`` (0: all) charged to ``owner``; the others
+        are the host tier, read through staging layers charged to ``staging_owner`` where the backend
+        needs one. Attention over a tiered cache computes what it computes over a resident one."""
     def kv_write(self, kv: Any, layer: int, start: int, k: Any, v: Any, positions: Any = None) -> None: ...
     def attention(self, q: Any, kv: Any, layer: int, start: int, positions: Any = None,
                   split_scratch: Any = None) -> Any: ...  # -> [T, Hq*E]
@@ -216,3 +220,13 @@ class Ops(Protocol):
         after adding ``bias`` (backend ids [n] int32 and values [n] float32, or None), the lowest id among
         equals: row r's token is what ``greedy_token`` picks for x[r] alone. Nothing returns to the host.
         logits: [R, V] float32 on the backend to compute them in (None: allocated for the call)."""
+
+
+def host_tier_bytes(kv: Any, start: int, end: int) -> int:
+    """KV bytes a forward that writes cells [start, end) moves between the host tier (cells from
+    ``kv.resident_cells`` on) and the GPU: attention reads every cell before ``end``, and the new
+    cells in the tier are written back. ``kv.cell_bytes``: K and V of one cell of every layer."""
+    resident = kv.resident_cells
+    if resident >= kv.num_cells:
+        return 0
+    return (max(0, end - resident) + max(0, end - max(start, resident))) * kv.cell_bytes

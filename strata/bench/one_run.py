@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         "num_chunks": stats.num_chunks, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
         "decode_tokens_per_s": stats.decode_tokens_per_s, "prefill_seconds": stats.prefill_seconds,
         "streamed_bytes": stats.streamed_bytes, "prefill_streamed_bytes": stats.prefill_streamed_bytes,
-        "restaged_bytes": stats.restaged_bytes,
+        "restaged_bytes": stats.restaged_bytes, "kv_host_bytes": stats.kv_host_bytes,
         "cache_hit_rate": stats.cache_hit_rate, "prefetched_experts": stats.prefetched_experts,
         "prefetched_used_experts": stats.prefetched_used_experts, "decode_seconds": stats.decode_seconds,
         "decode_wait_seconds": stats.decode_wait_seconds,

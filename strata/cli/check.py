@@ -16,6 +16,7 @@ from typing import Mapping
 from strata.backend.select import select_backend
 from strata.config import Config
 from strata.engine.loading import cache_after_load
+from strata.engine.planning.placement import Placement
 from strata.engine.planning.planner import CacheState, WorkspaceCosts
 from strata.hooktypes import Geometry
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     print(f"model: {engine.model.path.name} ({spec.arch}, {spec.num_layers} layers, "
           f"{spec.num_experts} experts of which {spec.num_experts_used} per token)")
     print(f"backend: {select_backend(config)}")
-    print(format_context(config, engine.placement.kv_cells, engine.context_tokens))
+    print(format_context(config, engine.placement))
     deferred = [n for n, r in engine.resources.items() if not r.is_resident]
     if config.loan.enabled:
         print(f"loan: admitted with plugins {', '.join(engine.plugins.names) or '(none)'}; "
@@ -81,15 +82,20 @@ def cached_after_load(engine, config: Config) -> int:
     return cache.num_cached if cache else 0
 
 
-def format_context(config: Config, kv_cells: int, served_tokens: int) -> str:
-    from strata.engine.loading import context_cut_reason
-
-    configured = config.runtime.context_tokens
-    if served_tokens >= configured:
-        return f"context: {configured:,} tokens (runtime.context_tokens) in {kv_cells:,} resident KV cells"
-    return (f"context: {configured:,} tokens configured (runtime.context_tokens), {served_tokens:,} served "
-            f"(prompts up to {served_tokens - 1:,} tokens)\n"
-            f"  why: {context_cut_reason(kv_cells)}")
+def format_context(config: Config, placement: Placement) -> str:
+    """The context's KV cells by tier: resident in VRAM, and past ``runtime.kv_resident_cells`` in
+    pinned host memory, read through the staging layers (``kv_staging``) where the backend has them."""
+    context = placement.context_cells
+    line = (f"context: {context:,} tokens (runtime.context_tokens) in {placement.kv_cells:,} resident KV cells "
+            f"({config.runtime.kv_type})")
+    if placement.kv_cells == context:
+        return line
+    staging = f", read through the {placement.kv_staging_bytes / 2**20:.1f} MiB of kv_staging layers" \
+        if placement.kv_staging_bytes else ", read where they lie"
+    return (f"{line}\n"
+            f"  KV tiers: VRAM {placement.kv_cells:,} cells ({placement.kv_bytes / 2**20:.1f} MiB, kv_cache), "
+            f"host {context - placement.kv_cells:,} cells ({placement.host_kv_bytes / 2**20:.1f} MiB of pinned "
+            f"host memory, outside the budget){staging}")
 
 
 def format_placement(owners: Mapping[str, int], budget_bytes: int, costs: WorkspaceCosts, geometry: Geometry | None,

@@ -43,7 +43,8 @@ class EngineCore:
     :ivar pack: the routed experts in host memory; None for a dense model or a dry run.
     :ivar cache: the elastic expert cache in VRAM; None for a dense model.
     :ivar load_ledger: what the load holds by owner, counting resources a startup loan defers.
-    :ivar context_tokens: tokens a request may reach: ``runtime.context_tokens`` cut to the KV cells.
+    :ivar context_tokens: tokens a request may reach: ``runtime.context_tokens`` (KV cells past the resident ones
+        live in the host tier).
     :ivar kv_tokens: tokens whose K and V are in the cache, in order (the next request's reusable prefix).
     :ivar current_generation: the request whose decode state (segments, cached blocks) is live.
     :ivar mtp: the MTP block that drafts for speculative decode; None without ``runtime.mtp``.

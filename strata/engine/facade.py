@@ -58,6 +58,7 @@ from strata.model.tokenizer import Tokenizer
 from strata.plugins import load_plugins
 
 MTP_KV_OWNER = "mtp_kv"  # the MTP block's own KV cache (placement's mtp_kv)
+KV_STAGING_OWNER = "kv_staging"  # the layers a host tier of KV cells is read through (placement's kv_staging)
 WARMUP_HEAD_ROWS = 256  # rows of a held-back head that the warm-up's logits kernel reads
 WARMUP_MIN_TOKENS = 24  # above the decode MoE kernels' 4 tokens and block routing's 16: prefill's kernels run
 log = logging.getLogger("strata.engine")
@@ -102,7 +103,9 @@ class Engine(EngineCore):
         layout = ops.expert_layout(model) if spec.is_moe else None
         placement = plan_placement(config, model, layout, ledger.budget_bytes,
                                    ops.prefill_kv_scratch_bytes_per_cell(spec.head_dim, spec.kv_size,
-                                                                         config.runtime.kv_type))
+                                                                         config.runtime.kv_type),
+                                   is_kv_staged=ops.is_kv_staged)
+        loading.check_host_kv_fits(config, placement)
         resources = loading.decode_resources(config, model, ops, placement, layout)
         admit(config, plugins, resources)
         if not is_dry_run:
@@ -110,9 +113,9 @@ class Engine(EngineCore):
                 if isinstance(resource, (TensorsResource, ExpertsResource)):
                     resource.encode_host_copies()
         weights = DeviceWeights(ops, model)
-        kv = ops.kv_cache("kv_cache", spec.num_layers, placement.kv_cells, spec.num_kv_heads, spec.head_dim,
-                          config.runtime.kv_type)
-        mtp_kv = ops.kv_cache(MTP_KV_OWNER, 1, placement.kv_cells, spec.num_kv_heads, spec.head_dim,
+        kv = ops.kv_cache("kv_cache", spec.num_layers, placement.context_cells, spec.num_kv_heads, spec.head_dim,
+                          config.runtime.kv_type, resident_cells=placement.kv_cells, staging_owner=KV_STAGING_OWNER)
+        mtp_kv = ops.kv_cache(MTP_KV_OWNER, 1, placement.context_cells, spec.num_kv_heads, spec.head_dim,
                               config.runtime.kv_type) if MTP_DRAFT_HEAD in resources else None
         pack = loading.expert_pack(config, model, ops, layout, show_progress) if layout and not is_dry_run else None
         if layout and is_dry_run and config.model.expert_pack is not None:
@@ -129,7 +132,7 @@ class Engine(EngineCore):
             chunk_overhead_s=config.planner.chunk_overhead_s) if layout else None
         # the cache unmaps segments of its own size for activations (the device rounds each plane up)
         costs = dataclasses.replace(placement.costs, segment_bytes=cache.segment_bytes) if cache else placement.costs
-        planner = Planner(costs, config.planner, placement.kv_cells, cost_model, rates)
+        planner = Planner(costs, config.planner, placement.context_cells, cost_model, rates)
         workspace = PromptWorkspace(ops, cache, costs)
         state = RuntimeState(RuntimeSettings(copy_overlap=config.runtime.copy_overlap),
                              apply=lambda settings: setattr(ops, "is_copy_overlapped", settings.copy_overlap),
@@ -149,15 +152,12 @@ class Engine(EngineCore):
                      runner=runner,
                      load_ledger=LedgerSnapshot(ledger.budget_bytes, dict(sorted(expected.items()))),
                      model_name=config.model.name or model.path.stem,
-                     context_tokens=min(config.runtime.context_tokens, placement.kv_cells))
+                     context_tokens=placement.context_cells)
         rt = config.runtime
         if mtp_kv is not None:
             engine.mtp = MtpDraft(runner, resources[MTP_DRAFT_HEAD], resources.get(MTP_EXPERTS), mtp_kv,
                                   engine.output_head)
             engine.depth_policy = DepthPolicy(rt.spec_depth, is_fixed=rt.spec_policy == "fixed")
-        if rt.context_tokens > placement.kv_cells:
-            log.warning("runtime.context_tokens = %d is cut to %d tokens (prompts up to %d): %s", rt.context_tokens,
-                        placement.kv_cells, placement.kv_cells - 1, loading.context_cut_reason(placement.kv_cells))
         is_warming_up = config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run
         if is_warming_up:
             engine.warm_up()

@@ -328,7 +328,7 @@ class Generation:
             streamed_bytes=stream.streamed_bytes + self._restaged_bytes, num_chunks=stream.num_chunks,
             cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish,
             prefill_streamed_bytes=self._prefill_streamed_bytes, restaged_bytes=self._restaged_bytes,
-            prefetched_experts=stream.prefetched,
+            kv_host_bytes=stream.kv_host_bytes, prefetched_experts=stream.prefetched,
             prefetched_used_experts=stream.prefetched_used, decode_wait_seconds=stream.decode_wait_seconds,
             is_speculative=self.engine.mtp is not None, spec_rounds=stream.spec_rounds,
             spec_drafted=stream.spec_drafted, spec_accepted=stream.spec_accepted, spec_depth=stream.spec_depth,

@@ -3,7 +3,9 @@ decode-only resources the loan may lend, the host expert pack, and the checks on
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -126,11 +128,29 @@ def decode_resources(config: Config, model: GgufModel, ops: Ops, placement: Plac
     return resources
 
 
-def context_cut_reason(kv_cells: int) -> str:
-    """Why fewer tokens than ``runtime.context_tokens`` are served, and the two fixes."""
-    return (f"runtime.kv_resident_cells = {kv_cells:,} and Strata keeps every KV cell on the GPU (no host tier for "
-            "KV cells yet); raise runtime.kv_resident_cells to serve the configured context, or set "
-            f"runtime.context_tokens = {kv_cells} to configure what is served")
+def check_host_kv_fits(config: Config, placement: Placement) -> None:
+    """The host tier of KV cells (``runtime.kv_resident_cells`` < ``runtime.context_tokens``) is
+    pinned host memory for the engine's life: refuse one larger than the host's available memory."""
+    if not placement.host_kv_bytes:
+        return
+    available = available_host_bytes()
+    if placement.host_kv_bytes > available:
+        rt = config.runtime
+        raise ConfigError(
+            f"the KV cache's host tier ({rt.context_tokens - placement.kv_cells:,} cells of runtime.context_tokens = "
+            f"{rt.context_tokens:,} past runtime.kv_resident_cells = {placement.kv_cells:,}, "
+            f"{placement.host_kv_bytes / 2**20:,.1f} MiB of {rt.kv_type}) does not fit in the "
+            f"{available / 2**20:,.1f} MiB of host memory available; raise runtime.kv_resident_cells, lower "
+            "runtime.context_tokens or use a smaller runtime.kv_type")
+
+
+def available_host_bytes() -> int:
+    """Host memory available to new allocations (MemAvailable), or all of it where that is not reported."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def expert_pack(config: Config, model: GgufModel, ops: Ops, layout: ExpertLayout, show_progress: bool) -> ExpertPack:

@@ -36,6 +36,7 @@ class RequestStats:
     finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled"
     prefill_streamed_bytes: int = 0  # the part of streamed_bytes that prefill streamed
     restaged_bytes: int = 0  # the part staged after prefill to put back the experts its ring evicted
+    kv_host_bytes: int = 0  # KV cells read from and written to the host tier (past runtime.kv_resident_cells)
     prefetched_experts: int = 0  # decode's experts staged ahead of their layer (hits when the prediction held)
     prefetched_used_experts: int = 0  # of those, the ones their layer then routed the token to
     # captured decode: the host blocked on the device's readbacks. The rest of decode_seconds is the host's
@@ -79,7 +80,11 @@ class RequestStats:
                 + (f", restaged {self.restaged_bytes / 2**20:.1f}" if self.restaged_bytes else "")
                 + f"), expert-cache hit rate {self.cache_hit_rate:.1%}"
                 + (f" ({self.prefetched_experts} prefetched, {self.prefetched_used_experts} used)"
-                   if self.prefetched_experts else "") + self._host_share() + self._speculation() + f" | {loan}")
+                   if self.prefetched_experts else "") + self._kv_host_tier() + self._host_share() + self._speculation()
+                + f" | {loan}")
+
+    def _kv_host_tier(self) -> str:
+        return f" | KV host tier {self.kv_host_bytes / 2**20:.1f} MiB moved" if self.kv_host_bytes else ""
 
     def _speculation(self) -> str:
         if not self.is_speculative:

@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from strata.backend.ops import DECODE_MAX_ROWS, Ops, QTensor
+from strata.backend.ops import DECODE_MAX_ROWS, Ops, QTensor, host_tier_bytes
 from strata.engine.decode.step import DecodeStep, can_use_segments
 from strata.engine.memory.decode_resources import upload_tensor
 from strata.engine.memory.expert_cache import ExpertCache
@@ -108,6 +108,7 @@ class ModelRunner:
         spec, ops = self.spec, self.ops
         if workspace is None and len(tokens) <= DECODE_MAX_ROWS and self.decode_step is not None:
             return self.step_of(len(tokens)).forward([int(t) for t in tokens], start, stats)
+        stats.kv_host_bytes += host_tier_bytes(self.kv, start, start + len(tokens))
         ring = self._ring(workspace)
         plans = None
         if ring is not None and len(tokens) * spec.num_experts_used >= spec.num_experts:

@@ -17,6 +17,7 @@ class StreamStats:
     misses: int = 0
     prefetched: int = 0  # experts decode staged ahead of their layer (in streamed_bytes, not in misses)
     prefetched_used: int = 0  # of those, the ones their layer routed the token to (the rest were bytes spent early)
+    kv_host_bytes: int = 0  # KV cells read from and written to the host tier (``ops.host_tier_bytes``)
     decode_wait_seconds: float = 0.0  # captured decode: the host blocked on the device's routing and token ids
     spec_rounds: int = 0  # speculation: verify steps
     spec_draft_steps: int = 0  # MTP block steps that drafted a token

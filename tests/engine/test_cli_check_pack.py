@@ -187,10 +187,36 @@ def test_check_refuses_the_packs_a_load_would_refuse_with_the_same_fix(models, t
     assert f"{short}: expert pack is truncated" in capsys.readouterr().err
 
 
-def test_check_says_why_the_served_context_is_shorter_than_the_configured_one(models, tmp_path, capsys):
-    out = run_check(write_config(tmp_path / "cut.toml", models[0], kv_resident_cells=512), capsys)
-    assert "context: 1,024 tokens configured (runtime.context_tokens), 512 served (prompts up to 511 tokens)" in out
-    assert "runtime.kv_resident_cells = 512" in out and "no host tier for KV cells" in out
+@pytest.mark.parametrize("backend", ["numpy", "cudasim"])
+def test_check_shows_both_tiers_of_kv_cells_and_serves_the_whole_context(models, tmp_path, capsys, backend):
+    config = write_config(tmp_path / "tiers.toml", models[0], kv_resident_cells=512, backend=backend)
+    out = run_check(config, capsys)
+    engine = Engine.load(load_config(config), show_progress=False, is_dry_run=True)
+    placement, cell_bytes = engine.placement, engine.placement.kv_bytes // 512
+    assert engine.context_tokens == 1024 and placement.host_kv_bytes == 512 * cell_bytes
+    assert "context: 1,024 tokens (runtime.context_tokens) in 512 resident KV cells (f16)" in out
+    tiers = (f"  KV tiers: VRAM 512 cells ({placement.kv_bytes / 2**20:.1f} MiB, kv_cache), host 512 cells "
+             f"({placement.host_kv_bytes / 2**20:.1f} MiB of pinned host memory, outside the budget)")
+    assert tiers in out
+    staging = placement_tables(out)[-1].get("kv_staging")
+    if backend == "numpy":  # attention reads the host cells where they lie
+        assert f"{tiers}, read where they lie" in out and staging is None and not placement.kv_staging_bytes
+    else:  # two layers of every cell, K and V
+        assert placement.kv_staging_bytes == 2 * 1024 * cell_bytes // SMALL_MOE.num_layers
+        assert staging[0] == placement.kv_staging_bytes
+        assert f"{tiers}, read through the {placement.kv_staging_bytes / 2**20:.1f} MiB of kv_staging layers" in out
+    assert f"longest prompt, {1023:,} tokens" in out
+
+
+def test_check_refuses_a_host_tier_larger_than_the_host_memory(models, tmp_path, capsys, monkeypatch):
+    from strata.engine import loading
+
+    monkeypatch.setattr(loading, "available_host_bytes", lambda: 1 << 10)
+    assert main(["--config", str(write_config(tmp_path / "big.toml", models[0], kv_resident_cells=512)), "check"]) == 2
+    assert "does not fit in the 0.0 MiB of host memory available" in capsys.readouterr().err
+    assert main(["--config", str(write_config(tmp_path / "short.toml", models[0], kv_resident_cells=32)),
+                 "check"]) == 2
+    assert "runtime.kv_resident_cells = 32 is smaller than one prefill chunk" in capsys.readouterr().err
 
 
 def test_pack_writes_a_file_that_the_engine_loads(models, tmp_path, capsys):

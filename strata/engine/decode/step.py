@@ -56,6 +56,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from strata.backend.ops import host_tier_bytes
 from strata.engine.decode.greedy_tail import GreedyTails
 from strata.engine.decode.layers import DecodeLayers
 from strata.engine.stream_stats import StreamStats
@@ -117,6 +118,7 @@ class DecodeStep:
         """Hidden states [R, D] of ``tokens`` [R] at ``position``.. (before the output norm); appends their KV.
         drafts: [R - 1] int32 on the device, the tokens after the first (the host's are then ignored)."""
         self._begin(tokens, position, drafts)
+        stats.kv_host_bytes += host_tier_bytes(self.model.kv, position, position + self.num_rows)
         if self.is_resident:
             self._resident_segment().replay()
             stats.hits += self.num_rows * self.model.spec.num_layers * self.model.spec.num_experts_used
@@ -149,10 +151,12 @@ class DecodeStep:
                     pending = ahead
                     ahead = _launch(layers, tail.segment, readback, self._token_id) if step + 1 < num_steps else None
                     stats.hits += spec.num_layers * spec.num_experts_used
+                    stats.kv_host_bytes += host_tier_bytes(self.model.kv, position + step, position + step + 1)
                     yield self._checked(_waited(stats, readback.read, pending))
                 return
-            for _ in range(num_steps):
+            for step in range(num_steps):
                 self._layers(stats)
+                stats.kv_host_bytes += host_tier_bytes(self.model.kv, position + step, position + step + 1)
                 ticket = _launch(None, tail.segment, readback, self._token_id)
                 yield self._checked(_waited(stats, readback.read, ticket))
         except Exception as exc:

@@ -1,10 +1,13 @@
 """Placement under the VRAM budget: what each owner holds, in bytes, before anything is allocated.
 
 Owners: ``dense_weights`` (embeddings, attention, norms, routers, shared experts), ``output_head``
-(the native head; absent when tied to the embeddings), ``kv_cache``, the
-decode-only ``verifier`` / ``mtp_draft_head`` / ``mtp_experts`` (with MTP), and the elastic
-``expert_cache``, which takes what is left after a reserve for the smallest prefill geometry (the
-cache maps no more than every expert and the largest staging ring: ``ExpertCache(max_slots=...)``).
+(the native head; absent when tied to the embeddings), ``kv_cache`` (the resident cells:
+``runtime.kv_resident_cells`` of every main layer), ``kv_staging`` (with a host tier for the other
+cells, on a GPU: two layers of every cell that attention reads them through, alternating by layer),
+the decode-only ``verifier`` / ``mtp_draft_head`` / ``mtp_experts`` (with MTP),
+and the elastic ``expert_cache``, which takes what is left after a reserve for the smallest prefill
+geometry (the cache maps no more than every expert and the largest staging ring:
+``ExpertCache(max_slots=...)``).
 Routed experts of the main layers always live in the host expert pack; the cache holds copies.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from strata.backend.ops import ExpertLayout
+from strata.backend.ops import KV_STAGING_LAYERS, ExpertLayout
 from strata.config import Config
 from strata.engine.memory.verifier_arena import VerifierLayout
 from strata.engine.planning.planner import WorkspaceCosts
@@ -30,7 +33,10 @@ class Placement:
     dense_bytes: int
     output_head_bytes: int  # 0: tied to token_embd, no separate head
     kv_bytes: int
-    kv_cells: int
+    kv_cells: int  # resident: the first kv_cells of the context's cells, in VRAM
+    context_cells: int  # every cell attention may read; those past kv_cells are the host tier
+    host_kv_bytes: int  # the host tier, in pinned host memory (not in the budget)
+    kv_staging_bytes: int
     verifier_bytes: int
     mtp_head_bytes: int
     mtp_expert_bytes: int
@@ -41,7 +47,7 @@ class Placement:
 
     def by_owner(self) -> dict[str, int]:
         owners = {"dense_weights": self.dense_bytes, "output_head": self.output_head_bytes,
-                  "kv_cache": self.kv_bytes,
+                  "kv_cache": self.kv_bytes, "kv_staging": self.kv_staging_bytes,
                   "verifier": self.verifier_bytes, "mtp_draft_head": self.mtp_head_bytes,
                   "mtp_experts": self.mtp_expert_bytes, "mtp_kv": self.mtp_kv_bytes,
                   "expert_cache": self.cache_base_bytes}
@@ -49,7 +55,8 @@ class Placement:
 
 
 def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None, budget_bytes: int,
-                   kv_scratch_bytes_per_cell: int = 0) -> Placement:
+                   kv_scratch_bytes_per_cell: int = 0, is_kv_staged: bool = False) -> Placement:
+    """is_kv_staged: the backend reads a host tier through a staging layer in VRAM (``Ops.kv_cache``)."""
     spec, rt = model.spec, config.runtime
     mtp_layers = range(spec.num_layers, spec.num_layers + spec.num_nextn_layers) if rt.mtp else range(0)
     dense = mtp_head = mtp_experts = 0
@@ -67,15 +74,20 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     if mtp_experts and layout is not None:  # the MTP experts' own arena holds them in cache slots
         mtp_experts = spec.num_experts * layout.slot_bytes
     head = model.tensors["output.weight"].nbytes if "output.weight" in model.tensors else 0
-    kv_cells = rt.kv_resident_cells or rt.context_tokens
-    kv_bytes = int(kv_cells * _kv_values_per_cell(spec) * _KV_BYTES_PER_VALUE[rt.kv_type])
-    # the draft's own cache: one layer, every cell (it attends over the prompt as the main layers do)
-    mtp_kv = int(kv_cells * 2 * spec.kv_size * _KV_BYTES_PER_VALUE[rt.kv_type]) if mtp_layers else 0
+    context_cells = rt.context_tokens
+    kv_cells = rt.kv_resident_cells or context_cells
+    layer_cell_bytes = 2 * spec.kv_size * _KV_BYTES_PER_VALUE[rt.kv_type]  # K and V of one cell of one layer
+    kv_bytes = int(kv_cells * layer_cell_bytes * spec.num_layers)
+    host_kv_bytes = int((context_cells - kv_cells) * layer_cell_bytes * spec.num_layers)
+    is_tiered = is_kv_staged and kv_cells < context_cells
+    kv_staging = int(KV_STAGING_LAYERS * context_cells * layer_cell_bytes) if is_tiered else 0
+    # the draft's own cache: one layer, every cell, resident (it attends over the prompt as the main layers do)
+    mtp_kv = int(context_cells * layer_cell_bytes) if mtp_layers else 0
     verifier = VerifierLayout(spec.hidden_size, spec.vocab_size, 1 + rt.spec_depth).num_bytes if rt.mtp and rt.spec_depth \
         else 0
     # e.g. a quantized cache layer's F16 copy, which prefill attention reads on the GPU
-    costs = workspace_costs(spec, layout, config, kv_scratch_bytes_per_cell * kv_cells)
-    fixed = dense + head + kv_bytes + verifier + mtp_head + mtp_experts + mtp_kv
+    costs = workspace_costs(spec, layout, config, kv_scratch_bytes_per_cell * context_cells)
+    fixed = dense + head + kv_bytes + kv_staging + verifier + mtp_head + mtp_experts + mtp_kv
     min_ring = config.planner.min_ring_slots if layout else 0
     smallest = costs.workspace_bytes_for(config.planner.chunk_quantum_tokens, min_ring)
     cache_base = budget_bytes - fixed - smallest
@@ -83,14 +95,16 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
         raise ConfigError(
             f"runtime.vram_budget = {budget_bytes / 2**30:.2f} GiB cannot hold this model: dense weights "
             f"{dense / 2**20:.0f} MiB, output head {head / 2**20:.0f} MiB, KV cache {kv_bytes / 2**20:.0f} MiB "
-            f"({kv_cells} cells of {rt.kv_type}), MTP {(mtp_head + mtp_experts + mtp_kv) / 2**20:.0f} MiB, smallest prefill "
+            f"({kv_cells} cells of {rt.kv_type}{_staging_note(kv_staging)}), "
+            f"MTP {(mtp_head + mtp_experts + mtp_kv) / 2**20:.0f} MiB, smallest prefill "
             f"workspace {smallest / 2**20:.0f} MiB, one {rt.vmm_segment_bytes >> 20} MiB cache segment; raise "
             "runtime.vram_budget, lower runtime.kv_resident_cells or use a smaller runtime.kv_type"
         )
     cache_base = cache_base // rt.vmm_segment_bytes * rt.vmm_segment_bytes if layout else 0
     reserved = budget_bytes if layout else 0  # address space only: room to grow into all a loan frees
     return Placement(budget_bytes=budget_bytes, dense_bytes=dense, output_head_bytes=head, kv_bytes=kv_bytes,
-                     kv_cells=kv_cells, verifier_bytes=verifier,
+                     kv_cells=kv_cells, context_cells=context_cells, host_kv_bytes=host_kv_bytes,
+                     kv_staging_bytes=kv_staging, verifier_bytes=verifier,
                      mtp_head_bytes=mtp_head, mtp_expert_bytes=mtp_experts, mtp_kv_bytes=mtp_kv, cache_base_bytes=cache_base,
                      cache_reserved_bytes=reserved, costs=costs)
 
@@ -117,8 +131,8 @@ def _bytes_per_token(spec: ModelSpec) -> int:
     return 4 * values
 
 
-def _kv_values_per_cell(spec: ModelSpec) -> int:
-    return 2 * spec.kv_size * spec.num_layers  # K and V of every main layer
+def _staging_note(kv_staging_bytes: int) -> str:
+    return f", and {kv_staging_bytes / 2**20:.0f} MiB of staging layers for the host tier" if kv_staging_bytes else ""
 
 
 def _layer_of(name: str) -> int | None:
