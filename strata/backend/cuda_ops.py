@@ -361,7 +361,7 @@ class CudaOps:
                 planes[name] = self.cuda.to_device(np.zeros(shape, dtype))
             else:
                 planes[name] = self.cuda.mapped_array(shape, dtype)
-                planes[name].view(np.ndarray)[...] = 0
+                np.ndarray.fill(planes[name], 0)  # host memory: numba's view() is the device array's
         return PackedMatrix(fmt, num_rows, num_cols, *(planes.get(n, self.placeholders[n])
                                                        for n in ("quants", "scales", "extra")))
 

@@ -17,7 +17,7 @@ from strata.engine.sampling import SamplingParams
 from strata.errors import AllocationError
 from strata.gpu.kernels import (
     attention_decode,
-    attention_decode_mma,
+    attention_decode_direct,
     moe_rows,
     tensor_core,
 )
@@ -117,21 +117,21 @@ def test_experts_of_64_multiples_prefill_on_the_rows_kernels_and_give_the_refere
     assert tokens == reference_greedy(path, PROMPT, NUM_GENERATED)
 
 
-@pytest.mark.parametrize("head_dim, module", [
-    pytest.param(32, attention_decode, id="ffma"),
-    pytest.param(64, attention_decode_mma, id="tensor-cores", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("head_dim, module, name", [
+    pytest.param(32, attention_decode, "decode_kernel", id="ffma"),
+    pytest.param(64, attention_decode_direct, "attention_decode", id="direct", marks=pytest.mark.skipif(
         not tensor_core.is_available(), reason="the simulator runs its twin in tests/kernels; an engine there is slow")),
 ])
 def test_decode_attention_kernel_in_the_captured_step_gives_the_reference_logits(tmp_path, monkeypatch, head_dim,
-                                                                                   module):
+                                                                                   module, name):
     # the tiny preset's head dim (16) goes to attention.py's kernel; at 32 a decode token's attention
-    # is attention_decode's, at 64 attention_decode_mma's (tensor cores), captured in the layers'
-    # segments over the shared split scratch, its KV length read from the position on the device
+    # is attention_decode's, at 64 attention_decode_direct's (tensor cores, on a GPU), captured in the
+    # layers' segments over the shared split scratch, its KV length read from the position on the device
     path = write_synthetic_model(tmp_path / f"head-dim-{head_dim}.gguf",
                                  with_overrides(PRESETS["tiny"], head_dim=head_dim), QType.Q4_0, seed=4)
     kernels = []
-    decode_kernel = module.decode_kernel
-    monkeypatch.setattr(module, "decode_kernel", lambda *args: kernels.append(args) or decode_kernel(*args))
+    decode_kernel = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args, **kwargs: kernels.append(args) or decode_kernel(*args, **kwargs))
     runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "greedy_on_device": False}
     engine = Engine.load(engine_config(path, runtime=runtime), show_progress=False)
     logits = []

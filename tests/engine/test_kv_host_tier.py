@@ -127,5 +127,9 @@ def test_a_long_prompt_on_a_gpu_at_the_reference_shape_equals_the_all_resident_o
         engine.close()
         del engine
     (want, want_logits, no_bytes), (got, got_logits, moved) = outputs
-    assert got == want and np.array_equal(got_logits, want_logits)
+    # a prefill chunk's routed experts add into the residual with atomics (moe.py: any order), so on a GPU
+    # two runs of the same prompt differ in the last bits whatever the KV cells: the tokens are equal, the
+    # logits within float32 rounding (on the H200 the two runs differed by ~1e-6 of their scale)
+    assert got == want
+    np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=1e-5 * np.max(np.abs(want_logits)))
     assert no_bytes == 0 and moved > 0

@@ -12,6 +12,12 @@ from strata.gpu.kernels.packing import plane_shapes
 from strata.model import reference_ops
 
 needs_tensor_cores = pytest.mark.skipif(not tensor_core.is_available(), reason="needs a GPU with tensor cores")
+_NOT_SERVED = pytest.mark.skip(reason="built, not served: NaN on the H200 in some shapes (moe_rows.FORMATS)")
+
+
+def _served(*fmts):
+    """pytest params of formats, those moe_rows does not serve skipped."""
+    return [pytest.param(*f, marks=() if f[0] in moe_rows.FORMATS else _NOT_SERVED) for f in fmts]
 
 
 def _experts(fmt, num_experts, dim, ffn, seed):
@@ -83,7 +89,7 @@ def _mixed_down(fmt):  # gate/up of fmt, down of another served format: the two 
 
 @needs_tensor_cores
 @pytest.mark.parametrize("fmt, num_tokens, num_experts, dim, ffn",
-                         [(fmt, *shape) for fmt, shapes in _SHAPES.items() for shape in shapes])
+                         _served(*[(fmt, *shape) for fmt, shapes in _SHAPES.items() for shape in shapes]))
 def test_rows_path_matches_reference_moe(fmt, num_tokens, num_experts, dim, ffn):
     top_k = 2
     (gate, up, down), values = _experts(fmt, num_experts, dim, ffn, seed=40 + num_tokens)
@@ -100,7 +106,7 @@ def test_rows_path_matches_reference_moe(fmt, num_tokens, num_experts, dim, ffn)
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+@pytest.mark.parametrize("fmt", _served(*[(f,) for f in moe_rows.BUILT_FORMATS]))
 def test_every_number_of_token_groups_a_tile_matches_reference_moe(fmt):
     # one expert for each tile size 1 .. 8 groups of 8 tokens (a full group and a partial one each), a full tile,
     # and 70 tokens (a full tile and one of 6); dim 192 (Q4_K 768): down's second 128-column block has no
@@ -121,7 +127,7 @@ def test_every_number_of_token_groups_a_tile_matches_reference_moe(fmt):
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+@pytest.mark.parametrize("fmt", _served(*[(f,) for f in moe_rows.BUILT_FORMATS]))
 def test_rows_path_agrees_with_the_tile_path_and_is_the_default(monkeypatch, fmt):
     num_tokens, num_experts, top_k, dim, ffn = 96, 8, 4, 256, (256 if fmt == "Q4_K" else 128)
     (gate, up, down), _ = _experts(fmt, num_experts, dim, ffn, seed=50)
@@ -143,7 +149,7 @@ def test_rows_path_agrees_with_the_tile_path_and_is_the_default(monkeypatch, fmt
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+@pytest.mark.parametrize("fmt", _served(*[(f,) for f in moe_rows.BUILT_FORMATS]))
 def test_rows_path_reads_mapped_slots_and_skips_absent_experts(fmt):
     num_tokens, num_experts, top_k, dim, ffn = 40, 4, 2, (256 if fmt == "Q4_K" else 64), 256
     (gate, up, down), values = _experts(fmt, num_experts, dim, ffn, seed=60)
@@ -172,7 +178,9 @@ def test_other_formats_keep_the_tile_path(monkeypatch):
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+@pytest.mark.parametrize("fmt", [
+    pytest.param(f, marks=() if {f, _mixed_down(f)} <= set(moe_rows.FORMATS) else _NOT_SERVED)
+    for f in moe_rows.BUILT_FORMATS])
 def test_a_down_of_another_format_and_planes_of_a_wider_pitch_match_reference_moe(fmt):
     # gate/up and down launches each of its own format; every plane of a pitch wider than its rows, as an expert
     # cache of types that change between layers holds them (packing.shared_plane_shapes)

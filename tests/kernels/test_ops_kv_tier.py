@@ -45,8 +45,10 @@ def test_a_tiered_cache_attends_as_a_resident_one_bit_for_bit(kv_type):
     after = ops.ledger.snapshot().by_owner
     assert tiered.is_tiered and not resident.is_tiered and tiered.resident_cells == RESIDENT
     charged = {owner: after.get(owner, 0) - before.get(owner, 0) for owner in ("kv_cache", "kv_staging")}
-    assert charged == {"kv_cache": RESIDENT * resident.cell_bytes,
-                       "kv_staging": 2 * CELLS * resident.cell_bytes // NUM_LAYERS}  # the host cells are not in VRAM
+    planes = {"kv_cache": RESIDENT * resident.cell_bytes,  # the host cells are not in VRAM
+              "kv_staging": 2 * CELLS * resident.cell_bytes // NUM_LAYERS}
+    for owner, num_bytes in planes.items():  # on a GPU a format's absent planes are one-element placeholders
+        assert 0 <= charged[owner] - num_bytes <= 4 * 2 * max(NUM_LAYERS, 2), owner
     rng = np.random.default_rng(9)
     for start, num_tokens in STEPS:
         positions = dev(np.arange(start, start + num_tokens, dtype=np.int32))

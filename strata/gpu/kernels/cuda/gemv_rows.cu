@@ -418,7 +418,6 @@ __device__ __forceinline__ void rows_dot(float* out, const RowPlanes (&rows)[R],
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
       if (i0 + 32 * u < num_items)
-#pragma unroll
         F::template dot<R, NX>(it[u], xs_shared, x_stride, i0 + 32 * u, acc);
   }
 #pragma unroll
