@@ -160,6 +160,21 @@ def test_the_policy_backs_off_when_drafts_never_pay():
     assert 2 not in depths and depths[-10:].count(0) >= 9
 
 
+def test_probes_grow_rarer_while_the_best_depth_stays_the_same():
+    policy = DepthPolicy(4, probe_every=32)
+    depths = []
+    for step in range(2000):
+        cost = 0.010 + 0.004 * (depth := policy.depth(10))
+        depths.append(depth)
+        policy.record(depth, cost, num_accepted=0)
+    probes = [step for step, depth in enumerate(depths) if depth and step > 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 512  # each probe that changes nothing doubles the interval
+    assert len(probes) <= 8
+    policy.record(1, 0.001, num_accepted=1)  # a probe finds drafts paying: they are drafted at once
+    assert policy.depth(10) >= 1
+
+
 def test_the_policy_drafts_deep_when_drafts_are_taken():
     policy = DepthPolicy(4)
     for _ in range(40):
