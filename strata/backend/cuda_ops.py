@@ -715,6 +715,12 @@ class CudaOps:
 
         increment(values, stream=self._stream)
 
+    def override_token(self, token, overrides, place) -> None:
+        """token [1] = overrides[place] where that is >= 0; place += 1 (the bench's draft oracle, on the device)."""
+        from strata.gpu.kernels.elementwise import override_token
+
+        override_token(token, overrides, place, stream=self._stream)
+
     def readback(self):
         """A ``Readback`` (``strata/gpu/readback.py``): token ids and small arrays back through pinned memory."""
         from strata.gpu.readback import PINNED_BYTES, Readback

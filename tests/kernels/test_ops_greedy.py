@@ -9,7 +9,7 @@ from numba import config as numba_config
 
 from strata.backend.select import has_cuda_device, make_ops
 from strata.engine import sampling
-from strata.gpu.kernels.elementwise import increment
+from strata.gpu.kernels.elementwise import increment, override_token
 from strata.gpu.kernels.sample import add_logit_bias
 from strata.gpu.ledger import VramLedger
 
@@ -36,6 +36,16 @@ def test_logit_bias_adds_in_list_order_in_float32_like_the_host():
 
 def test_increment_steps_every_element():
     assert host(increment(dev(np.array([0, 41, -1], np.int32)), threads=2)).tolist() == [1, 42, 0]
+
+
+def test_override_token_replaces_where_asked_and_steps_its_place():
+    token, place = dev(np.array([7], np.int32)), dev(np.zeros(1, np.int32))
+    overrides = dev(np.array([-1, 12, 0], np.int32))
+    seen = []
+    for _ in range(3):
+        override_token(token, overrides, place)
+        seen.append(int(host(token)[0]))
+    assert seen == [7, 12, 0] and int(host(place)[0]) == 3  # -1 keeps the draft; 0 is a token id
 
 
 def test_greedy_token_is_the_hosts_pick_from_the_same_biased_logits():

@@ -14,8 +14,8 @@ more often than the last one measured), its time by the slowest depth below it. 
 ``probe_every`` steps the depth next to the chosen one is timed again, so a change in the text or
 the cache is seen; a probe that finds the same depth best as the one before doubles the interval
 (up to ``_MAX_PROBE_EVERY``), since each costs a step at a worse depth: on the H200 a plain run with
-a probe every 32 tokens decoded at 0.92x plain decode. ``is_fixed`` always drafts ``max_depth`` (the equality tests, the bench's
-fixed arm).
+a probe every 32 tokens decoded at 0.92x plain decode. ``is_fixed`` always drafts ``max_depth``
+(the equality tests, the bench's fixed arm).
 """
 
 from __future__ import annotations

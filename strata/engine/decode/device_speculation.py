@@ -12,7 +12,10 @@ A greedy speculation step never brings logits to the host:
              ``targets``; the host reads drafts and targets (4 bytes each) in one wait.
 
 The host compares them: the longest agreeing prefix is taken, and the target after it is the next
-token. Drafts are picked without the request's logit bias (they only propose); targets with it.
+token. With the bench's draft oracle, the host draws each place's replacement before the chain runs
+(``overrides``, -1 where the draft stays), and segments captured with it write the replacement over
+each draft on the device, so the oracle adds no host wait to a step. Drafts are picked without the
+request's logit bias (they only propose); targets with it.
 The segments read the MTP block's weights and the head where they were when captured, and a loan
 uploads those again for every request, so they are captured per request (one first(R) for each
 R the request meets, and one chain) and dropped at its end (``close``). Their buffers and the verify
@@ -44,6 +47,8 @@ class _Buffers:
     drafts: object  # [R_max] int32
     targets: object  # [R_max] int32
     logits: object  # [R_max, V] float32: the verify step's
+    overrides: object  # [R_max] int32: the draft oracle's token at each place, -1 to keep the draft
+    place_c: object  # [1] int32: the chain's place in overrides
 
 
 class DeviceSpeculation:
@@ -55,15 +60,16 @@ class DeviceSpeculation:
         self.ops = runner.ops
         self.max_rows = max_depth + 1
         self._buffers: _Buffers | None = None
-        self._first: dict[int, object] = {}  # [R] the first draft step over R rows
-        self._chain = None
-        self._host = None  # [2 R_max + 1] int32 pinned: next tokens, positions, the chain's position
+        self._first: dict[tuple[int, bool], object] = {}  # [(R, is_oracle)] the first draft step over R rows
+        self._chain: dict[bool, object] = {}  # [is_oracle]
+        # [3 R_max + 2] int32 pinned: next tokens, positions, the chain's position, overrides, their first place
+        self._host = None
         self._readback = None
 
     def draft(self, rows, next_tokens: list[int], start: int, depth: int, oracle=None) -> None:
         """``depth`` drafts into ``drafts`` after ``rows`` [R, D] (device) at positions ``start``..
-        followed by ``next_tokens`` [R]. oracle: the bench's replacement of each draft (it reads
-        each one back, so the chain continues from the replaced token)."""
+        followed by ``next_tokens`` [R]. oracle: the bench's replacement of each draft, drawn on the host
+        in place order and written over the draft on the device (the chain continues from it)."""
         ops, num_rows = self.ops, len(next_tokens)
         buffers = self._allocated()
         ops.copy_array(buffers.h_in[:num_rows], rows)
@@ -74,16 +80,20 @@ class DeviceSpeculation:
         host[2 * max_rows] = start + num_rows
         ops.copy_in(buffers.tok_in[:num_rows], host[:num_rows], is_queued=True)
         ops.copy_in(buffers.pos_in[:num_rows], host[max_rows:max_rows + num_rows], is_queued=True)
-        ops.copy_in(buffers.pos_c, host[2 * max_rows:], is_queued=True)
-        self._first_segment(num_rows).replay()
+        ops.copy_in(buffers.pos_c, host[2 * max_rows:2 * max_rows + 1], is_queued=True)
+        is_oracle = oracle is not None
+        if is_oracle:
+            overrides = host[2 * max_rows + 1:3 * max_rows + 2]  # [R_max] and the place, 0
+            # the draft at ``place`` is verified at the position after the newest token's; -1: keep the draft
+            overrides[:depth] = [oracle.replace(start + num_rows + place + 1, -1) for place in range(depth)]
+            overrides[depth:] = -1
+            overrides[max_rows] = 0
+            ops.copy_in(buffers.overrides, overrides[:max_rows], is_queued=True)
+            ops.copy_in(buffers.place_c, overrides[max_rows:], is_queued=True)
+        self._first_segment(num_rows, is_oracle).replay()
         for place in range(depth):
             if place:
-                self._chain_segment().replay()
-            if oracle is not None:
-                proposed = int(self._readback.now(buffers.tok_c)[0][0])
-                # the draft at ``place`` is verified at the position after the newest token's
-                position = start + num_rows + place + 1
-                ops.copy_in(buffers.tok_c, np.array([oracle.replace(position, proposed)], np.int32))
+                self._chain_segment(is_oracle).replay()
             ops.copy_array(buffers.drafts[place:place + 1], buffers.tok_c)
 
     def verify(self, token: int, position: int, depth: int, head: tuple, bias, stats: StreamStats):
@@ -103,9 +113,9 @@ class DeviceSpeculation:
 
     def close(self) -> None:
         """Drop the segments (the end of a request); the arena stays the resource's."""
-        for segment in [*self._first.values(), *([self._chain] if self._chain else [])]:
+        for segment in [*self._first.values(), *self._chain.values()]:
             segment.close()
-        self._first, self._chain = {}, None
+        self._first, self._chain = {}, {}
         self._buffers = None
 
     def _allocated(self) -> _Buffers:
@@ -117,32 +127,37 @@ class DeviceSpeculation:
             layout = VerifierLayout(spec.hidden_size, spec.vocab_size, rows)
             self._buffers = _Buffers(**layout.carve(self.arena.buffer))
             if self._host is None:
-                self._host = ops.host_buffer(4 * (2 * rows + 1)).view(np.int32)
+                self._host = ops.host_buffer(4 * (3 * rows + 2)).view(np.int32)
                 self._readback = ops.readback()
         return self._buffers
 
-    def _first_segment(self, num_rows: int):
-        if num_rows not in self._first:
-            self._first[num_rows] = self.ops.capture(lambda: self._first_step(num_rows), ACTIVATIONS_OWNER)
-        return self._first[num_rows]
+    def _first_segment(self, num_rows: int, is_oracle: bool):
+        key = (num_rows, is_oracle)
+        if key not in self._first:
+            self._first[key] = self.ops.capture(lambda: self._first_step(num_rows, is_oracle), ACTIVATIONS_OWNER)
+        return self._first[key]
 
-    def _chain_segment(self):
-        if self._chain is None:
-            self._chain = self.ops.capture(self._chain_step, ACTIVATIONS_OWNER)
-        return self._chain
+    def _chain_segment(self, is_oracle: bool):
+        if is_oracle not in self._chain:
+            self._chain[is_oracle] = self.ops.capture(lambda: self._chain_step(is_oracle), ACTIVATIONS_OWNER)
+        return self._chain[is_oracle]
 
-    def _first_step(self, num_rows: int):
+    def _first_step(self, num_rows: int, is_oracle: bool):
         buffers, ops = self._buffers, self.ops
         x = self.mtp.hidden(buffers.h_in[:num_rows], buffers.tok_in[:num_rows], 0,
                             positions=buffers.pos_in[:num_rows])  # [R, D]
         ops.copy_array(buffers.x_c, x[num_rows - 1:])
         ops.greedy_token(buffers.x_c, *self.mtp.head(), None, buffers.tok_c)
+        if is_oracle:
+            ops.override_token(buffers.tok_c, buffers.overrides, buffers.place_c)
         return ()
 
-    def _chain_step(self):
+    def _chain_step(self, is_oracle: bool):
         buffers, ops = self._buffers, self.ops
         x = self.mtp.hidden(buffers.x_c, buffers.tok_c, 0, positions=buffers.pos_c)  # [1, D]
         ops.copy_array(buffers.x_c, x)
         ops.increment(buffers.pos_c)
         ops.greedy_token(buffers.x_c, *self.mtp.head(), None, buffers.tok_c)
+        if is_oracle:
+            ops.override_token(buffers.tok_c, buffers.overrides, buffers.place_c)
         return ()

@@ -6,7 +6,7 @@ prefill, allocated again before decode. A request's ``DeviceSpeculation`` carves
     h_in [R, D] float32    the verified rows the first draft step reads
     x_c [1, D] float32     the draft chain's state
     logits [R, V] float32  the verify step's logits, one row per verified position
-    tok_in, pos_in, drafts, targets [R] int32;  tok_c, pos_c [1] int32
+    tok_in, pos_in, drafts, targets, overrides [R] int32;  tok_c, pos_c, place_c [1] int32
 
 R = 1 + spec_depth rows. Each part starts on a 256-byte boundary (the device allocator's, so that
 the kernels' 16-byte loads stay aligned).
@@ -36,7 +36,8 @@ class VerifierLayout(NamedTuple):
         return {"h_in": ((rows, width), np.float32), "x_c": ((1, width), np.float32),
                 "logits": ((rows, self.vocab_size), np.float32), "tok_in": ((rows,), np.int32),
                 "pos_in": ((rows,), np.int32), "drafts": ((rows,), np.int32), "targets": ((rows,), np.int32),
-                "tok_c": ((1,), np.int32), "pos_c": ((1,), np.int32)}
+                "overrides": ((rows,), np.int32), "tok_c": ((1,), np.int32), "pos_c": ((1,), np.int32),
+                "place_c": ((1,), np.int32)}
 
     @property
     def num_bytes(self) -> int:

@@ -113,6 +113,28 @@ def increment(values, *, threads: int = _DEFAULT_ADD_THREADS, stream=0):
 
 
 @cuda.jit
+def _override_token_kernel(token, overrides, place):  # one thread
+    if cuda.grid(1) == 0:
+        value = overrides[place[0]]
+        if value >= 0:
+            token[0] = value
+        place[0] += 1
+
+
+def override_token(token, overrides, place, *, stream=0):
+    """token[0] = overrides[place[0]] where that is >= 0 (else kept), then place[0] += 1: token and place [1],
+    overrides [n] int32 on the device, place[0] < n (a captured draft chain's replaced tokens, one a step).
+
+    Launch config: one block of one thread.
+    """
+    check_array("token", token, dtypes=np.int32, shape=(1,))
+    check_array("overrides", overrides, dtypes=np.int32, ndim=1)
+    check_array("place", place, dtypes=np.int32, shape=(1,))
+    _override_token_kernel[1, 1, stream](token, overrides, place)
+    return token
+
+
+@cuda.jit
 def _to_float16_kernel(x, out):  # out [n] = x [n] rounded to float16
     i = cuda.grid(1)
     if i < x.shape[0]:
