@@ -507,7 +507,8 @@ class CudaOps:
 
     def _fill_next_layer(self, kv: CudaKv, layer: int, start: int, positions) -> None:
         """Prefill: ``layer``'s fill runs on a stream of its own while this layer's experts compute
-        (``kv_fills.py``); with copy overlap off, or while a segment is captured, it runs in its write."""
+        (``kv_fills.py``); where the chunk's copies do not overlap (``is_copy_overlapped``: a ring of two
+        slots or more), or while a segment is captured, it runs in its write."""
         if self.is_simulator or not self.is_copy_overlapped or self._stream != 0:
             return
         from strata.gpu.kernels.kv_tier import fill_kv_window

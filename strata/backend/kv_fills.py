@@ -44,7 +44,8 @@ class AheadFills:
     def take(self, key: tuple) -> bool:
         """Whether the fill of ``key`` was queued ahead; kernels queued from now on then run after it."""
         pending, self._pending = self._pending, None
-        if pending is None or pending[0] != key:
+        if pending is None:
             return False
+        # a fill not taken may still be writing its staging layer, which an in-stream fill writes next
         self._calls.stream_wait_event(0, self._filled)
-        return True
+        return pending[0] == key

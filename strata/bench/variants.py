@@ -5,7 +5,7 @@ The sweeps behind the defaults of ``gemm_config.default_config()`` and ``attenti
 products (2,048 and 8,192 routed tokens; Q4_0, or --weight-format) and a dense 4096 x 4096 x 2048
 GEMM; the MoE prefill's gate/up and down launches on tiles of their own, at 512 / 2,048 / 8,192
 routed tokens (behind ``gemm_config.default_config()`` and ``default_down_config()``), and the engine's
-choice for Q4_0, Q8_0 and Q4_K experts, ``moe_rows``' kernels on 64-pair groups; every
+choice for the experts ``moe_rows`` serves, its kernels on 64-pair groups; every
 MmaAttentionConfig on causal prefill at 4k and 32k per KV format; the direct decode attention's
 launch shapes at positions 2k and 32k per KV format; and the native decode GEMVs' block shapes behind
 ``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
@@ -50,8 +50,8 @@ _DOWN_4X1 = MappingProxyType({**_BASE, "warps_n": 1, "step_k": 64})
 _SMALL = MappingProxyType({**GEMM_TILES["64x64"], "step_k": 32, "stages": 2})
 MOE_VARIANTS = MappingProxyType({  # the first is the reference of the sweep's max rel diff
     # None: no tiles given, 64-pair groups: moe_rows' kernels where they serve the experts (the engine's
-    # choice for Q4_0, Q8_0, Q4_K), else the default tiles
-    "weight rows on M, 64-pair groups (default for Q4_0, Q8_0, Q4_K)": None,
+    # choice for the formats it serves, moe_rows.FORMATS), else the default tiles
+    "weight rows on M, 64-pair groups (default where moe_rows serves the format)": None,
     "128x64, down 4x1 step_k 64 (default tiles from 96 rows an expert)": (_BASE, _DOWN_4X1),
     "128x64, down on gate/up's tiles": (_BASE, _BASE),
     "64x64, down step_k 64": (_SMALL, {**_SMALL, "step_k": 64}),

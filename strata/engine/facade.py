@@ -51,7 +51,7 @@ from strata.gpu.ledger import (
     LedgerSnapshot,
     VramLedger,
 )
-from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, VERIFIER
+from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
 from strata.model.gguf_file import open_gguf
 from strata.model.locate import resolve_model_path
 from strata.model.tokenizer import Tokenizer
@@ -264,9 +264,21 @@ class Engine(EngineCore):
                 self.mtp.logits(drafted)
         self.runner.forward(np.array([token, token]), position + 1, None, stats)
         verifier = self.resources.get(VERIFIER)
-        if not (self._is_mtp_resident() and is_head_here and verifier is not None and verifier.is_resident
-                and self.runner.decode_step is not None and self.config.runtime.greedy_on_device) \
-                or self.ops.is_simulator:  # the simulator compiles nothing
+        if self.mtp is None or verifier is None or self.runner.decode_step is None \
+                or not self.config.runtime.greedy_on_device or self.ops.is_simulator:  # the simulator compiles nothing
+            return
+        # a startup loan defers some of them (loan_head, loan_mtp): they come back for the warm-up alone,
+        # before the expert cache fills, and go again after it
+        deferred = [r for r in (self.resources.get(name) for name in (VERIFIER, OUTPUT_HEAD, MTP_DRAFT_HEAD,
+                                                                      MTP_EXPERTS)) if r is not None and not r.is_resident]
+        try:
+            for resource in deferred:
+                resource.restore()
+        except AllocationError as exc:
+            for resource in deferred:
+                resource.release()
+            log.warning("warm-up: speculation's steps not compiled (its deferred resources do not fit now: %s); a "
+                        "request compiles each depth's at its first step there", exc)
             return
         max_depth = self.config.runtime.spec_depth
         device = DeviceSpeculation(self.runner, self.mtp, max_depth, verifier)
@@ -276,6 +288,8 @@ class Engine(EngineCore):
                 device.verify(token, position + 1, depth, self.output_head(), None, stats)
         finally:
             device.close()
+            for resource in deferred:
+                resource.release()
 
     def _is_mtp_resident(self) -> bool:
         """Whether speculation's MTP block is loaded and resident (a startup loan may hold it back)."""

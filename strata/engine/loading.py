@@ -130,16 +130,20 @@ def decode_resources(config: Config, model: GgufModel, ops: Ops, placement: Plac
 
 def check_host_kv_fits(config: Config, placement: Placement) -> None:
     """The host tier of KV cells (``runtime.kv_resident_cells`` < ``runtime.context_tokens``) is
-    pinned host memory for the engine's life: refuse one larger than the host's available memory."""
+    pinned host memory for the engine's life, as the expert pack (``model.expert_pack``) is, which
+    loads after it: refuse a tier that leaves the pack less than the host's available memory."""
     if not placement.host_kv_bytes:
         return
+    pack = config.model.expert_pack
+    pack_bytes = pack.stat().st_size if pack is not None and Path(pack).is_file() else 0
     available = available_host_bytes()
-    if placement.host_kv_bytes > available:
+    if placement.host_kv_bytes + pack_bytes > available:
         rt = config.runtime
+        with_pack = f" beside the {pack_bytes / 2**20:,.1f} MiB expert pack (model.expert_pack)" if pack_bytes else ""
         raise ConfigError(
             f"the KV cache's host tier ({rt.context_tokens - placement.kv_cells:,} cells of runtime.context_tokens = "
             f"{rt.context_tokens:,} past runtime.kv_resident_cells = {placement.kv_cells:,}, "
-            f"{placement.host_kv_bytes / 2**20:,.1f} MiB of {rt.kv_type}) does not fit in the "
+            f"{placement.host_kv_bytes / 2**20:,.1f} MiB of {rt.kv_type}) does not fit{with_pack} in the "
             f"{available / 2**20:,.1f} MiB of host memory available; raise runtime.kv_resident_cells, lower "
             "runtime.context_tokens or use a smaller runtime.kv_type")
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from strata.engine.memory.verifier_arena import VerifierLayout
+from strata.errors import EngineError
 
 
 def test_parts_are_aligned_disjoint_views_of_the_buffer():
@@ -30,5 +31,5 @@ def test_the_logits_rows_dominate_a_real_models_arena():
 
 def test_a_buffer_smaller_than_the_parts_is_refused():
     layout = VerifierLayout(hidden_size=8, vocab_size=16, max_rows=2)
-    with pytest.raises(ValueError, match="verifier arena holds"):
+    with pytest.raises(EngineError, match="verifier arena holds"):
         layout.carve(np.zeros(layout.num_bytes - 1, np.uint8))

@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from strata.errors import EngineError
+
 _ALIGN = 256
 
 
@@ -46,7 +48,7 @@ class VerifierLayout(NamedTuple):
     def carve(self, buffer) -> dict[str, Any]:
         """Views of ``buffer`` (a uint8 device or host array of at least ``num_bytes``) by part name."""
         if buffer.shape[0] < self.num_bytes:
-            raise ValueError(f"the verifier arena holds {buffer.shape[0]} bytes, its parts need {self.num_bytes}")
+            raise EngineError(f"the verifier arena holds {buffer.shape[0]} bytes, its parts need {self.num_bytes}")
         views, offset = {}, 0
         for name, (shape, dtype) in self.parts().items():
             size = int(np.prod(shape)) * np.dtype(dtype).itemsize

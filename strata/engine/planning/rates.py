@@ -11,7 +11,8 @@ model's own count (``PrefillCostModel.chunk_flops``); its time is the device's, 
 around the chunk. The cost model predicts ``chunk_s = max(copy_s, compute_s) + chunk_overhead_s``,
 so a chunk whose time is clearly more than its copies (its streamed bytes at the PCIe rate) and
 the overhead is compute-bound and gives ``compute_s``, hence a rate; a copy-bound chunk only
-says the rate is at least its FLOPs over its time, and raises a rate below that. Rates are
+says the rate is at least its FLOPs over its time, and raises a rate below that (until the next
+compute-bound chunk, whose measure replaces it). Rates are
 smoothed over chunks (``DECAY``: each later chunk halves an earlier one's weight), weighted by
 FLOPs, so big chunks, the ones the planner weighs for long prompts, count most.
 

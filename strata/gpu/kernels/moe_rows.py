@@ -1,4 +1,4 @@
-"""MoE prefill expert products for chunks of few routed rows an expert (cuda/moe_rows.cu; GPU only; Q4_0, Q8_0, Q4_K).
+"""MoE prefill expert products for chunks of few routed rows an expert (cuda/moe_rows.cu; GPU only; served: Q4_0).
 
 moe.py's tiles put the routed tokens on the mma's M (16 rows a fragment) and stage each tile's
 dequantized weights in shared memory; at 32 rows an expert (512 tokens routed top-8 of 128 experts)
@@ -9,7 +9,8 @@ weight element is dequantized once a tile, from a cp.async ring of raw quant blo
 as packing.py lays them out) straight into A fragments in registers. The tile's number of 8-token
 groups picks one of eight compiled loops (a switch on the tile's rows), so a tile of 32 tokens runs
 exactly 4 groups' mma and holds their accumulators only. Gate and up take one format, down its own
-(each of FORMATS); other experts take moe.py's tiles.
+(each of FORMATS, the served ones; Q8_0 and Q4_K are built, BUILT_FORMATS, and not served: they gave
+NaN on the H200 in some shapes); other experts take moe.py's tiles.
 
 Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and hidden, weights the
 f16 roundings of gguf-py's float32 values: d * (q - 8), d * q, d * sc * q - dmin * m; f32 sums): the
