@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from strata.backend.numpy_ops import NumpyArena, NumpyKv, NumpyOps
 from strata.backend.ops import KV_STAGING_LAYERS, ExpertLayout
 from strata.gpu.ledger import VramLedger
+
+log = logging.getLogger(__name__)
 
 
 class DryRunOps(NumpyOps):
@@ -28,7 +32,11 @@ class DryRunOps(NumpyOps):
             return None
         from strata.gpu.pcie_probe import probe_host_to_device
 
-        return probe_host_to_device(device=self.device)
+        try:
+            return probe_host_to_device(device=self.device)
+        except Exception as exc:  # a busy or partitioned device, a driver without events: the rate is assumed
+            log.warning("the PCIe probe failed (%s: %s); the plan assumes the rate", type(exc).__name__, exc)
+            return None
 
     @property
     def is_kv_staged(self) -> bool:
