@@ -81,8 +81,8 @@ class RuntimeConfig:
     remote_cache: str = option("", doc="address of a remote expert cache (not supported)",
                                unsupported="a remote expert cache")
     peer_cache: bool = option(False, doc="peer-GPU expert cache (not supported)", unsupported="a peer-GPU expert cache")
-    prefill_head_alias: bool = option(False, doc="without the loan: lend the output head's VRAM to every prefill's prompt "
-                                                 "workspace (uploaded again from its host copy after prefill)")
+    prefill_head_alias: bool = option(False, doc="without the loan: lend the output head's VRAM to every prefill's "
+                                                 "prompt workspace (uploaded again from its host copy after prefill)")
     warmup: bool = option(True, doc="at load, run a tiny prefill (once per MoE tile shape) and one decode step so "
                                     "that every kernel is compiled before the first request (cuda and cudasim "
                                     "backends)")

@@ -492,8 +492,9 @@ class CudaOps:
                 # the device, so a captured step replays at any position; the splits are sized for the whole
                 # cache, the same for every row count: each row attends as a one-token call of it would
                 return attention(q.reshape(num_tokens, -1), k_cache, v_cache, self._device_positions(positions),
-                                 kv_len=kv.num_cells, num_splits=self._decode_splits(kv, num_heads), is_len_from_positions=True,
-                                 is_decode_rows=True, config=decode_config(head_dim, num_heads // kv.num_kv_heads),
+                                 kv_len=kv.num_cells, num_splits=self._decode_splits(kv, num_heads),
+                                 is_len_from_positions=True, is_decode_rows=True,
+                                 config=decode_config(head_dim, num_heads // kv.num_kv_heads),
                                  stream=self._stream, workspace=split_scratch, **args)
             scratch = None
             if k_cache.fmt != "F16" and uses_tensor_cores(num_tokens, 1, head_dim, k_cache.fmt):

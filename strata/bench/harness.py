@@ -189,7 +189,8 @@ def format_table(runs: list[dict]) -> str:
         cells = [f"{length:,}", arm, spec, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",
                  f"{statistics.median(r['cache_hit_rate'] for r in group):.1%}", f"{floor:.2f}",
                  f"{per_token:,.0f}", f"{vram_per_token:,.0f}", f"{decode_floor:.2f}",
-                 _prefill_ratio(pp_median, length, RIVAL_PREFILL), _prefill_ratio(pp_median, length, RIVAL_VRAM_PREFILL),
+                 _prefill_ratio(pp_median, length, RIVAL_PREFILL),
+                 _prefill_ratio(pp_median, length, RIVAL_VRAM_PREFILL),
                  _ratio(tg_median, RIVAL_DECODE), _ratio(tg_median, RIVAL_VRAM_DECODE), *_spec_cells(group)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

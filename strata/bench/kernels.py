@@ -7,8 +7,8 @@ prefill expert products for chunks of 512 / 2,048 / 8,192 tokens routed
 top-8 (TFLOP/s of the two bound launches' GPU time, queued back to back behind a GPU wait so that no
 launch's host cost is counted, on X as the main loop reads it, float16 for the fused loop; then gate/up
 and down each alone, the two as plain calls with the first launch's host cost, and the whole call of
-moe_experts_prefill, whose checks and copy of X to float16 run before the first launch), causal attention prefill at 4k / 32k
-(TFLOP/s), decode attention at positions 2k / 8k / 32k of the benchmark configs' 34,816-cell cache as
+moe_experts_prefill, whose checks and copy of X to float16 run before the first launch), causal attention prefill at
+4k / 32k (TFLOP/s), decode attention at positions 2k / 8k / 32k of the benchmark configs' 34,816-cell cache as
 the captured decode step launches it (GB/s of KV read, graph-timed; the direct kernel against its bars,
 then the tile kernels it replaced), one resident decode layer and a
 whole decode token (48 layers, head, sampling) as plain launches, and the launches per token. Each
@@ -162,7 +162,8 @@ def median_ms(fn: Callable[[], object], warmup: int, repeats: int, is_queued: bo
         if is_overrun:  # nanosleep may sleep less than asked: wait longer and time this call again
             if wait_us >= _MAX_QUEUE_AHEAD_US:
                 raise RuntimeError(f"the host still queued the timed call after a {wait_us} µs GPU wait: the call "
-                                   "synchronizes, or the host is too slow to time its GPU work with median_ms(is_queued)")
+                                   "synchronizes, or the host is too slow to time its GPU work with "
+                                   "median_ms(is_queued)")
             wait_us *= 2
             continue
         times.append(start.elapsed_time(end))
@@ -230,11 +231,13 @@ def bench_moe_decode(s: Shapes, experts, cfg: GemvConfig, native: bool, timing) 
 
 
 def make_experts(s: Shapes, fmt: str, rng) -> tuple:
-    return (random_packed(fmt, s.num_experts * s.ffn, s.hidden, rng), random_packed(fmt, s.num_experts * s.ffn, s.hidden, rng),
+    return (random_packed(fmt, s.num_experts * s.ffn, s.hidden, rng),
+            random_packed(fmt, s.num_experts * s.ffn, s.hidden, rng),
             random_packed(fmt, s.num_experts * s.hidden, s.ffn, rng))
 
 
-def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg=None, block_m: int | None = None) -> list:
+def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg=None,
+                      block_m: int | None = None) -> list:
     """Rows: both launches back to back, GPU time (the bar), each alone, the two as plain calls (the first
     launch's host cost counted), the whole moe_experts_prefill call, the grouping. down_cfg: the down
     launch's own tiles (moe_prefill_launches' down_config). cfg None: the engine's choice for groups of
@@ -270,7 +273,8 @@ def bench_moe_prefill(s: Shapes, experts, num_tokens: int, cfg, timing, down_cfg
     if is_rows:
         path = "tensor cores, weight rows on M"
     else:
-        path = ("tensor cores" if isinstance(cfg, MmaConfig) and cfg.is_native else "FFMA" if isinstance(cfg, GemmConfig)
+        path = ("tensor cores" if isinstance(cfg, MmaConfig) and cfg.is_native
+                else "FFMA" if isinstance(cfg, GemmConfig)
                 else "mma twin" if cfg is not None else "default tiles")
     name = f"prefill experts {experts[0].fmt} ({path}, {block_m}-row tiles), {num_tokens} tokens x top-{s.top_k}"
     return [Row(name, flops / ms / 1e9, "TFLOP/s", TARGET_GEMM_FLOPS / 1e12, 1.0),
@@ -338,8 +342,8 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
             ms = graph_ms(lambda stream: attention(q, k_cache, v_cache, positions, out, stream=stream, **args), timing)
             num_bytes = 2 * k_cache.nbytes * context / k_cache.num_rows  # the K and V rows up to the position
             target = TARGET_DECODE_ATTENTION_RATIOS[fmt] if context >= LONG_DECODE_CONTEXT else SHORT_DECODE_RATIO
-            rows.append(Row(f"attention decode {fmt}, position {context} of {s.decode_cells}, {kernel}, {splits} splits "
-                            f"({ms * 1e3:.1f} us)", num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9,
+            rows.append(Row(f"attention decode {fmt}, position {context} of {s.decode_cells}, {kernel}, "
+                            f"{splits} splits ({ms * 1e3:.1f} us)", num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9,
                             target if is_direct else None))
     return rows
 

@@ -269,8 +269,9 @@ class Engine(EngineCore):
             return
         # a startup loan defers some of them (loan_head, loan_mtp): they come back for the warm-up alone,
         # before the expert cache fills, and go again after it
-        deferred = [r for r in (self.resources.get(name) for name in (VERIFIER, OUTPUT_HEAD, MTP_DRAFT_HEAD,
-                                                                      MTP_EXPERTS)) if r is not None and not r.is_resident]
+        deferred = [r for r in (self.resources.get(name)
+                                for name in (VERIFIER, OUTPUT_HEAD, MTP_DRAFT_HEAD, MTP_EXPERTS))
+                    if r is not None and not r.is_resident]
         try:
             for resource in deferred:
                 resource.restore()
@@ -337,7 +338,8 @@ class Engine(EngineCore):
         return Generation(self, list(prompt_tokens), params, is_cancelled, draft_oracle)
 
     def format_placement(self) -> str:
-        return f"placement on {self.backend} ({self.ledger.budget_bytes / 2**30:.2f} GiB budget):\n" + self.ledger.format()
+        return (f"placement on {self.backend} ({self.ledger.budget_bytes / 2**30:.2f} GiB budget):\n"
+                + self.ledger.format())
 
     def format_plan(self) -> str:
         lines = [f"startup plan (chunk / ring): {self.loan.startup_geometry}"]

@@ -46,7 +46,8 @@ ENGINE_METRICS = (
 def render_metrics(state: Any) -> str:
     out = _Exposition()
     ready = state.ready
-    out.add("strata_ready", "gauge", "1 once the model is loaded and requests are served", [({}, int(ready is not None))])
+    out.add("strata_ready", "gauge", "1 once the model is loaded and requests are served",
+            [({}, int(ready is not None))])
     _add_http(out, state.telemetry)
     if ready is None:
         return out.text()

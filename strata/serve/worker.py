@@ -153,7 +153,8 @@ class EngineWorker:
             stats = generation.stats
         except Exception as exc:  # the engine restored its resources; this request alone fails
             log.error("%s %s failed after %.3f s: %s: %s", job.request_id, job.route, time.perf_counter() - started,
-                      type(exc).__name__, exc, exc_info=not isinstance(exc, (ConfigError, RequestError, NonFiniteLogitsError)))
+                      type(exc).__name__, exc,
+                      exc_info=not isinstance(exc, (ConfigError, RequestError, NonFiniteLogitsError)))
             job.sink(ERROR, exc)
             if isinstance(exc, LoanRestoreError):
                 self._give_up(f"{type(exc).__name__}: {exc}")

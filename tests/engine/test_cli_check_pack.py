@@ -177,7 +177,8 @@ def test_check_refuses_the_packs_a_load_would_refuse_with_the_same_fix(models, t
     capsys.readouterr()
     assert main(["--config", str(write_config(tmp_path / "own.toml", models[0], expert_pack=pack)), "check"]) == 0
     assert main(["--config", str(write_config(tmp_path / "b.toml", models[1], expert_pack=pack)), "check"]) == 2
-    assert "the GGUF changed or is another one; write it again with `strata --config FILE pack`" in capsys.readouterr().err
+    assert ("the GGUF changed or is another one; write it again with `strata --config FILE pack`"
+            in capsys.readouterr().err)
     missing = tmp_path / "missing.strpack"
     assert main(["--config", str(write_config(tmp_path / "c.toml", models[0], expert_pack=missing)), "check"]) == 2
     assert f"{missing}: cannot read expert pack" in capsys.readouterr().err

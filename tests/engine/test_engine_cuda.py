@@ -120,7 +120,8 @@ def test_experts_of_64_multiples_prefill_on_the_rows_kernels_and_give_the_refere
 @pytest.mark.parametrize("head_dim, module, name", [
     pytest.param(32, attention_decode, "decode_kernel", id="ffma"),
     pytest.param(64, attention_decode_direct, "attention_decode", id="direct", marks=pytest.mark.skipif(
-        not tensor_core.is_available(), reason="the simulator runs its twin in tests/kernels; an engine there is slow")),
+        not tensor_core.is_available(),
+        reason="the simulator runs its twin in tests/kernels; an engine there is slow")),
 ])
 def test_decode_attention_kernel_in_the_captured_step_gives_the_reference_logits(tmp_path, monkeypatch, head_dim,
                                                                                    module, name):

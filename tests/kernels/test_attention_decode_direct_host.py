@@ -33,7 +33,7 @@ static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 }
 """
 
-_MAIN = r"""
+_MAIN = (r"""
 template <OctetFormat F, int D>
 void lanes(int rows, int width, int word_pitch, int scale_pitch, const unsigned* q, const uint16_t* s, uint16_t* k_out,
            uint16_t* v_out) {
@@ -83,12 +83,18 @@ int main(int argc, char** argv) {
   if (fread(q.data(), 4, q.size(), f) != q.size()) return 1;
   if (scale_pitch && fread(s.data(), 2, s.size() - 1, f) != s.size() - 1) return 1;
   fclose(f);
-  if (fmt == 0 && d == 64) lanes<kF16, 64>(rows, width, word_pitch, scale_pitch, q.data(), s.data(), k.data(), v.data());
-  if (fmt == 0 && d == 128) lanes<kF16, 128>(rows, width, word_pitch, scale_pitch, q.data(), s.data(), k.data(), v.data());
-  if (fmt == 1 && d == 64) lanes<kQ8_0, 64>(rows, width, word_pitch, scale_pitch, q.data(), s.data(), k.data(), v.data());
-  if (fmt == 1 && d == 128) lanes<kQ8_0, 128>(rows, width, word_pitch, scale_pitch, q.data(), s.data(), k.data(), v.data());
-  if (fmt == 2 && d == 64) lanes<kQ4_0, 64>(rows, width, word_pitch, scale_pitch, q.data(), s.data(), k.data(), v.data());
-  if (fmt == 2 && d == 128) lanes<kQ4_0, 128>(rows, width, word_pitch, scale_pitch, q.data(), s.data(), k.data(), v.data());
+  if (fmt == 0 && d == 64) lanes<kF16, 64>(rows, width, word_pitch, scale_pitch, """
+r"""q.data(), s.data(), k.data(), v.data());
+  if (fmt == 0 && d == 128) lanes<kF16, 128>(rows, width, word_pitch, scale_pitch, """
+r"""q.data(), s.data(), k.data(), v.data());
+  if (fmt == 1 && d == 64) lanes<kQ8_0, 64>(rows, width, word_pitch, scale_pitch, """
+r"""q.data(), s.data(), k.data(), v.data());
+  if (fmt == 1 && d == 128) lanes<kQ8_0, 128>(rows, width, word_pitch, scale_pitch, """
+r"""q.data(), s.data(), k.data(), v.data());
+  if (fmt == 2 && d == 64) lanes<kQ4_0, 64>(rows, width, word_pitch, scale_pitch, """
+r"""q.data(), s.data(), k.data(), v.data());
+  if (fmt == 2 && d == 128) lanes<kQ4_0, 128>(rows, width, word_pitch, scale_pitch, """
+r"""q.data(), s.data(), k.data(), v.data());
   f = fopen(argv[8], "wb"); fwrite(k.data(), 2, k.size(), f); fclose(f);
   f = fopen(argv[9], "wb"); fwrite(v.data(), 2, v.size(), f); fclose(f);
   f = fopen(argv[10], "w");  // span, splits, min_keys -> keys, active
@@ -101,7 +107,7 @@ int main(int argc, char** argv) {
   fclose(f);
   return 0;
 }
-"""
+""")
 
 _FORMATS = ("F16", "Q8_0", "Q4_0")
 

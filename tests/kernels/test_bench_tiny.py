@@ -9,7 +9,8 @@ def test_kernel_benchmark_runs_at_toy_sizes(capsys):
     names = [r.name for r in rows]
     for expected in ("decode GEMV Q4_0", "decode GEMV Q8_0", "decode GEMV Q4_K", "prefill experts Q4_0",
                      "  gate and up alone", "  down alone",
-                     "attention prefill", "attention decode F16", "attention decode Q8_0", "decode layer", "decode token"):
+                     "attention prefill", "attention decode F16", "attention decode Q8_0", "decode layer",
+                     "decode token"):
         assert any(n.startswith(expected) for n in names), expected
     assert all(math.isfinite(r.figure) and r.figure > 0 for r in rows)
     launches = next(r for r in rows if r.name == "launches per decode token")

@@ -189,7 +189,8 @@ NATIVE_OPTION_CONFIGS = [MmaConfig(is_native=True, **options) for name, options 
 @needs_tensor_cores
 @pytest.mark.parametrize("fmt", SPLIT_FORMATS + ("Q4_1",))
 @pytest.mark.parametrize("config", NATIVE_OPTION_CONFIGS, ids=lambda c: "-".join(
-    f"{k}={v}" for k, v in c._asdict().items() if k not in ("is_native",) and v != MmaConfig._field_defaults[k]) or "base")
+    f"{k}={v}" for k, v in c._asdict().items()
+    if k not in ("is_native",) and v != MmaConfig._field_defaults[k]) or "base")
 def test_native_mainloop_options_agree_with_twin(fmt, config):
     num_cols = 544  # 17 x 32: a zero-filled half step when step_k = 64
     native = _check_gemm(fmt, 768 if fmt in ("Q4_K", "Q6_K") else num_cols, 170, config, num_tokens=131, num_rows=200)
@@ -281,7 +282,8 @@ def test_default_config_per_weight_format():
         assert default_down_config("Q4_0", "Q4_0", "Q4_0") == GemmConfig()
         return
     fused = default_config("Q4_0", "Q4_0", "Q8_0")
-    assert is_fused(fused, "Q4_0") and default_config() == fused == default_config("Q4_K", "Q4_K", "Q6_K") == default_config("Q4_1")
+    assert is_fused(fused, "Q4_0")
+    assert default_config() == fused == default_config("Q4_K", "Q4_K", "Q6_K") == default_config("Q4_1")
     # a format outside the default's, or gate and up apart (their shared loop could not fuse): the Numba loop
     for numba_loop in (default_config("Q4_0", "F16"), default_config("Q4_0", "Q8_0", "Q4_0")):
         assert not numba_loop.fused and numba_loop.block_m == fused.block_m  # one grouping serves both

@@ -21,7 +21,7 @@ from kernel_data import dev, host, random_gguf_bytes, reference_dequant
 from strata.gpu.kernels import moe_rows, tensor_core
 from strata.gpu.kernels.packing import pack
 
-_SHIMS = HALF_SHIMS + r"""
+_SHIMS = HALF_SHIMS + (r"""
 static inline __half2 __low2half2(__half2 a) { return {a.x, a.x}; }
 static inline __half2 __high2half2(__half2 a) { return {a.y, a.y}; }
 // exact for the dequantizer's operands ((1024 + 16q) / 16 - 72 is an integer), so one rounding as on the GPU
@@ -29,8 +29,9 @@ static inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) {
   return {to_half(fmaf(__half2float(a.x), __half2float(b.x), __half2float(c.x))),
           to_half(fmaf(__half2float(a.y), __half2float(b.y), __half2float(c.y)))};
 }
-template <unsigned MASK> static inline unsigned mask_into(unsigned word, unsigned one024) { return (word & MASK) | one024; }
-"""
+template <unsigned MASK> static inline unsigned mask_into(unsigned word, unsigned one024) """
+r"""{ return (word & MASK) | one024; }
+""")
 
 _MAIN = r"""
 // argv: rows cols tokens quant_pitch scale_pitch planes.bin x_staged.bin weights.out products.out columns.out

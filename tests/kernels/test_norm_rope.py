@@ -24,7 +24,8 @@ def test_rms_norm_rows_float32_and_float16():
     for dtype in (np.float32, np.float16):
         x = (rng.standard_normal((3, 70)) * 4).astype(dtype)
         out = host(rms_norm(dev(x), dev(weight), 1e-6, threads=32))
-        np.testing.assert_allclose(out, reference_ops.rms_norm(x.astype(np.float32), weight, 1e-6), rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(out, reference_ops.rms_norm(x.astype(np.float32), weight, 1e-6),
+                                   rtol=2e-6, atol=1e-6)
 
 
 def test_head_rms_norm_in_place():

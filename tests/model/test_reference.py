@@ -90,7 +90,8 @@ def test_attention_matches_a_loop_with_gqa_and_a_causal_mask():
         for h in range(num_heads):
             kv_head = h // (num_heads // num_kv_heads)
             seen = range(start_pos + t + 1)
-            scores = [float(np.dot(q[t, h].astype(np.float64), k_cache[s, kv_head])) / math.sqrt(head_dim) for s in seen]
+            scores = [float(np.dot(q[t, h].astype(np.float64), k_cache[s, kv_head])) / math.sqrt(head_dim)
+                      for s in seen]
             peak = max(scores)
             w = [math.exp(sc - peak) for sc in scores]
             expected = sum(w[s] * v_cache[s, kv_head].astype(np.float64) for s in seen) / sum(w)
@@ -113,7 +114,8 @@ def test_route_selects_top_k_by_probability_and_renormalises():
 def test_moe_matches_a_per_token_loop():
     num_experts, dim, ffn_size = 6, 8, 5
     x = _randn(4, dim)
-    gate, up, down = _randn(num_experts, ffn_size, dim), _randn(num_experts, ffn_size, dim), _randn(num_experts, dim, ffn_size)
+    gate, up = _randn(num_experts, ffn_size, dim), _randn(num_experts, ffn_size, dim)
+    down = _randn(num_experts, dim, ffn_size)
     ids, weights = ops.route(_randn(4, num_experts), 3)
     out = ops.moe(x, ids, weights, gate, up, down)
     for t in range(4):
@@ -281,7 +283,8 @@ def test_mtp_block_shapes_cache_and_heads():
     p = f"blk.{mtp_layer}.nextn."
     eps = QWEN.rms_norm_eps
     x = np.concatenate([ops.rms_norm(weights["token_embd.weight"][tokens[1:5]], weights[p + "enorm.weight"], eps),
-                        ops.rms_norm(hidden, weights[p + "hnorm.weight"], eps)], axis=-1) @ weights[p + "eh_proj.weight"].T
+                        ops.rms_norm(hidden, weights[p + "hnorm.weight"], eps)],
+                       axis=-1) @ weights[p + "eh_proj.weight"].T
     expected = model.decoder_layer(mtp_layer, x, 0, KVCache.for_spec(QWEN, 16))
     assert _rel_err(model.mtp_hidden(hidden, tokens[1:5], 0, KVCache.for_spec(QWEN, 16)), expected) <= 1e-6
     assert np.allclose(drafts, model.logits(expected), rtol=1e-4, atol=1e-5)  # no shared head: main head
@@ -325,7 +328,8 @@ def test_tiny_synthetic_gguf_with_mtp_runs_through_the_loader(tmp_path):
     from strata.model.gguf_file import open_gguf
     from strata.model.synth import PRESETS, write_synthetic_model
 
-    path = write_synthetic_model(tmp_path / "tiny.gguf", PRESETS["tiny"], GGMLQuantizationType.Q4_0, seed=3, with_mtp=True)
+    path = write_synthetic_model(tmp_path / "tiny.gguf", PRESETS["tiny"], GGMLQuantizationType.Q4_0, seed=3,
+                                 with_mtp=True)
     gguf = open_gguf(path)
     spec = gguf.spec
     model = ReferenceModel.from_gguf(gguf)

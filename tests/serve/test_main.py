@@ -39,7 +39,8 @@ def test_admission_failure_exits_before_binding(tiny_model, tmp_path, capsys, no
                           loan='[loan]\nenabled = true\nplugins = ["repeat_loan"]\n')
     assert main(["--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert "not admitted" in err and "runtime.prefill_head_alias" in err and "set runtime.prefill_head_alias = false" in err
+    assert "not admitted" in err and "runtime.prefill_head_alias" in err
+    assert "set runtime.prefill_head_alias = false" in err
 
 
 def test_a_feature_strata_does_not_have_is_refused_before_binding_whatever_the_loan(tiny_model, tmp_path, capsys,

@@ -3,8 +3,8 @@
 The loan is admitted only on the serialized, one-GPU serve path with the segmented elastic
 expert cache. The reference's other refusals (batch slots, pipeline windows, layer split, helper,
 remote and peer caches, HIP) are features Strata does not have: the configuration refuses them at
-load whatever the loan (``strata.config``). Every rejection names the option, its value and the fix; all are reported together
-and startup fails before any resource is deferred.
+load whatever the loan (``strata.config``). Every rejection names the option, its value and the fix; all are
+reported together and startup fails before any resource is deferred.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ class LoanTransaction:
             self.last_report = report
             self._close(ctx, vote.is_run, released, captured, cache_bytes_before, expected)
 
-    def plan_preview(self, is_loan: bool, unread_tokens: int | None = None, cache: CacheState | None = None) -> Geometry:
+    def plan_preview(self, is_loan: bool, unread_tokens: int | None = None,
+                     cache: CacheState | None = None) -> Geometry:
         """The geometry a prompt of ``unread_tokens`` (None: any) gets from the idle engine (every
         resource resident) whose cache holds ``cache``, without the loan (with the head alias, when
         configured) or with its release."""
@@ -237,7 +238,8 @@ class LoanTransaction:
                expected: dict[str, int]) -> None:
         failures: list[str] = []
         for step, action in (("free the workspace", self.workspace.free),
-                             ("shrink the expert cache", lambda: self.cache and self.cache.shrink_to(cache_bytes_before))):
+                             ("shrink the expert cache",
+                              lambda: self.cache and self.cache.shrink_to(cache_bytes_before))):
             try:
                 action()
             except Exception as exc:

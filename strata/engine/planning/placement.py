@@ -83,8 +83,8 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     kv_staging = int(KV_STAGING_LAYERS * context_cells * layer_cell_bytes) if is_tiered else 0
     # the draft's own cache: one layer, every cell, resident (it attends over the prompt as the main layers do)
     mtp_kv = int(context_cells * layer_cell_bytes) if mtp_layers else 0
-    verifier = VerifierLayout(spec.hidden_size, spec.vocab_size, 1 + rt.spec_depth).num_bytes if rt.mtp and rt.spec_depth \
-        else 0
+    verifier = (VerifierLayout(spec.hidden_size, spec.vocab_size, 1 + rt.spec_depth).num_bytes
+                if rt.mtp and rt.spec_depth else 0)
     # e.g. a quantized cache layer's F16 copy, which prefill attention reads on the GPU
     costs = workspace_costs(spec, layout, config, kv_scratch_bytes_per_cell * context_cells)
     fixed = dense + head + kv_bytes + kv_staging + verifier + mtp_head + mtp_experts + mtp_kv
@@ -105,8 +105,8 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     return Placement(budget_bytes=budget_bytes, dense_bytes=dense, output_head_bytes=head, kv_bytes=kv_bytes,
                      kv_cells=kv_cells, context_cells=context_cells, host_kv_bytes=host_kv_bytes,
                      kv_staging_bytes=kv_staging, verifier_bytes=verifier,
-                     mtp_head_bytes=mtp_head, mtp_expert_bytes=mtp_experts, mtp_kv_bytes=mtp_kv, cache_base_bytes=cache_base,
-                     cache_reserved_bytes=reserved, costs=costs)
+                     mtp_head_bytes=mtp_head, mtp_expert_bytes=mtp_experts, mtp_kv_bytes=mtp_kv,
+                     cache_base_bytes=cache_base, cache_reserved_bytes=reserved, costs=costs)
 
 
 def workspace_costs(spec: ModelSpec, layout: ExpertLayout | None, config: Config,

@@ -114,7 +114,8 @@ class Planner:
         if self.rates is not None and self._cost_model is not None:
             self.rates.record(self._cost_model, chunks)
 
-    def plan(self, budget: PlannerBudget, unread_tokens: int | None = None, cache: CacheState | None = None) -> Geometry:
+    def plan(self, budget: PlannerBudget, unread_tokens: int | None = None,
+             cache: CacheState | None = None) -> Geometry:
         """The fastest predicted geometry that fits ``budget`` for a prompt of ``unread_tokens``
         (None: the longest) and a cache holding ``cache`` (None: empty); without a cost model (a
         dense model), the largest. A chunk never exceeds the unread prompt.
@@ -215,8 +216,9 @@ class Planner:
         limits.append(Limit(self.max_chunk_tokens // quantum * quantum, reason))
         room = costs.activation_room(budget, ring_slots)
         num_tokens = room // max(1, costs.bytes_per_chunk_token)
-        limits.append(Limit(num_tokens // quantum * quantum, f"the free memory and the expert cache's segments left "
-                                                             f"after the ring ({room / 2**20:.1f} MiB: {num_tokens:,} tokens)"))
+        limits.append(Limit(num_tokens // quantum * quantum,
+                            f"the free memory and the expert cache's segments left "
+                            f"after the ring ({room / 2**20:.1f} MiB: {num_tokens:,} tokens)"))
         return limits
 
     def _ring_slots(self, budget: PlannerBudget, room_bytes: int) -> int:

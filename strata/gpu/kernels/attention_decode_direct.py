@@ -101,7 +101,8 @@ def is_supported(head_dim: int, group: int, k_cache: PackedMatrix | None = None,
                                   for p in (k_cache.quants, k_cache.scales))
 
 
-def default_num_splits(kv_len: int, num_kv_heads: int, num_sms: int, config: DirectDecodeConfig = DEFAULT_CONFIG) -> int:
+def default_num_splits(kv_len: int, num_kv_heads: int, num_sms: int,
+                       config: DirectDecodeConfig = DEFAULT_CONFIG) -> int:
     """KV splits of a decode launch over kv_len cells: blocks_per_sm blocks an SM over the KV heads."""
     by_sms = ceil_div(config.blocks_per_sm * num_sms, num_kv_heads)
     return max(1, min(by_sms, ceil_div(max(kv_len, 1), config.min_split_keys), MAX_SPLITS))

@@ -171,7 +171,8 @@ def _ffma_mainloop_device(fmt: str, config: GemmConfig):
 
 @functools.cache
 def _ffma_dual_mainloop_device(fmt_a: str, fmt_b: str, config: GemmConfig):
-    """device_gemm_dual_mainloop(x, x_rows, qa, sa, ea, qb, sb, eb, w_row0, w_row_end, xs, ws_a, ws_b, acc_a, acc_b, tid):
+    """device_gemm_dual_mainloop(x, x_rows, qa, sa, ea, qb, sb, eb, w_row0, w_row_end, xs, ws_a, ws_b,
+    acc_a, acc_b, tid):
 
     mainloop_device's products against two weights with the same row range (gate and up), the X
     tile staged once per step for both.

@@ -18,7 +18,8 @@ MOE_FULL_TILE_MIN_ROWS = 96  # mean routed rows an expert from which the MoE pre
 MMA_STEP_KS = (32, 64)  # K elements staged per barrier pair on the tensor-core path
 OCTETS_PER_STEP = BLOCK_K // OCTET
 FUSED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # the block formats cuda/gemm_mma.cu dequantizes
-_MMA_WARP_TILES = ((1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (2, 8), (4, 8))  # (16-row, 8-column) mma tiles per warp in cuda/gemm_mma.cu
+# (16-row, 8-column) mma tiles per warp in cuda/gemm_mma.cu
+_MMA_WARP_TILES = ((1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (2, 8), (4, 8))
 
 
 class GemmConfig(NamedTuple):
@@ -35,7 +36,8 @@ class GemmConfig(NamedTuple):
         for name in self._fields:
             check_power_of_two(name, getattr(self, name))
         if self.thread_m > self.block_m or self.thread_n > self.block_n:
-            raise ValueError(f"thread tile {self.thread_m}x{self.thread_n} exceeds block tile {self.block_m}x{self.block_n}")
+            raise ValueError(f"thread tile {self.thread_m}x{self.thread_n} exceeds block tile "
+                             f"{self.block_m}x{self.block_n}")
         if (self.block_n * OCTETS_PER_STEP) % self.threads or (self.block_m * BLOCK_K) % self.threads:
             raise ValueError(f"{self.threads} threads cannot stage a {self.block_m}x{self.block_n} tile evenly")
         if self.block_m > self.threads:

@@ -277,7 +277,8 @@ def _w_stage_devices(fmt: str, config: MmaConfig):
                 n = idx // _OCTETS_PER_K32
                 slot = s * w_loads + i
                 if w_row0 + n < w_row_end and k32 < num_k32:
-                    load8(quants, scales, extra, w_row0 + n, k32 * _OCTETS_PER_K32 + idx % _OCTETS_PER_K32, rw, rf, slot)
+                    load8(quants, scales, extra, w_row0 + n, k32 * _OCTETS_PER_K32 + idx % _OCTETS_PER_K32,
+                          rw, rf, slot)
                 else:  # zero raw values decode to zeros
                     for j in range(words):
                         rw[slot * words + j] = np.uint32(0)

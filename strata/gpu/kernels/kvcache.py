@@ -25,7 +25,8 @@ KV_BLOCK = 32
 _DEFAULT_THREADS = 64
 
 
-def empty_kv_layer(fmt: str, num_positions: int, width: int, on_device: bool = True) -> tuple[PackedMatrix, PackedMatrix]:
+def empty_kv_layer(fmt: str, num_positions: int, width: int,
+                   on_device: bool = True) -> tuple[PackedMatrix, PackedMatrix]:
     """Zeroed (K, V) of one layer: [num_positions, width] each, width = num_kv_heads * head_dim."""
     if fmt not in KV_FORMATS:
         raise ValueError(f"KV cache format must be one of {KV_FORMATS}, got {fmt!r}")

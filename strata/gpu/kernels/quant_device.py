@@ -139,7 +139,8 @@ def device_dequant8_q6_k(quants, scales, extra, row, octet, out, out_off):
     qh_word = sb * 48 + 32 + n * 8 + l0 // 4
     lo_shift = (q // 2) * 4
     hi_shift = q * 2
-    d = np.float32(scales[row, sb]) * np.float32(device_sign_extend_byte(extra[row, sb * 16 + n * 8 + q * 2 + l0 // 16]))
+    d = np.float32(scales[row, sb]) * np.float32(
+        device_sign_extend_byte(extra[row, sb * 16 + n * 8 + q * 2 + l0 // 16]))
     lo0 = quants[row, ql_word]
     lo1 = quants[row, ql_word + 1]
     hi0 = quants[row, qh_word]

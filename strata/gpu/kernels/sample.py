@@ -100,7 +100,8 @@ def _kernels(threads: int):
         kept_i = cuda.shared.array(MAX_TOP_K, np.int32)
         prev, prev_id = _POS_INF, -1
         for j in range(top_k):
-            prev, prev_id = candidate_best(cand_val, cand_idx, 0, cand_val.shape[0], prev, prev_id, red_v, red_i, j % 2, tid)
+            prev, prev_id = candidate_best(cand_val, cand_idx, 0, cand_val.shape[0], prev, prev_id,
+                                           red_v, red_i, j % 2, tid)
             if tid == 0:
                 kept_v[j], kept_i[j] = prev, prev_id
         if tid != 0:
