@@ -164,37 +164,34 @@ int main(int argc, char** argv) {
 """
 
 
+def _host_build(tmp_path_factory, name: str, *pieces: str):
+    """The shims, ``pieces`` cut from common.cuh and moe_rows.cu ((file, start, end) or plain text), built
+    with g++ as ``name`` in a folder of its own."""
+    sources = {name: tensor_core.source_text(name) for name in ("common.cuh", "moe_rows.cu")}
+    parts = [piece if isinstance(piece, str) else between(sources[piece[0]], *piece[1:]) for piece in pieces]
+    folder = tmp_path_factory.mktemp(f"moe_rows_{name}_host")
+    build(folder, name, "\n".join(parts).replace("[[maybe_unused]] ", ""))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def format_fragments(tmp_path_factory):
-    common = tensor_core.source_text("common.cuh")
-    rows_cu = tensor_core.source_text("moe_rows.cu")
-    source = "\n".join([
-        _SHIMS,
-        _FORMAT_SHIMS,
-        between(common, "__device__ __forceinline__ unsigned pack_half2", "// c[0..3] += A"),
-        between(common, "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
-        between(rows_cu, "// Q8_0: two f16 halves", "// The X copies of a thread"),
-        _FORMATS_MAIN,
-    ]).replace("[[maybe_unused]] ", "")
-    folder = tmp_path_factory.mktemp("moe_rows_formats_host")
-    build(folder, "formats", source)
-    return folder
+    return _host_build(
+        tmp_path_factory, "formats", _SHIMS, _FORMAT_SHIMS,
+        ("common.cuh", "__device__ __forceinline__ unsigned pack_half2", "// c[0..3] += A"),
+        ("common.cuh", "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
+        ("moe_rows.cu", "// Q8_0: two f16 halves", "// The X copies of a thread"),
+        _FORMATS_MAIN)
 
 
 @pytest.fixture(scope="module")
 def fragments(tmp_path_factory):
-    common = tensor_core.source_text("common.cuh")
-    rows_cu = tensor_core.source_text("moe_rows.cu")
-    source = "\n".join([
-        _SHIMS,
-        between(common, "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
-        between(rows_cu, "__device__ __forceinline__ unsigned q4_low_pair", "// 0x64006400 in a register"),
-        between(rows_cu, "// A fragments of block b", "// Q8_0: two f16 halves"),
-        _MAIN,
-    ]).replace("[[maybe_unused]] ", "")
-    folder = tmp_path_factory.mktemp("moe_rows_host")
-    build(folder, "fragments", source)
-    return folder
+    return _host_build(
+        tmp_path_factory, "fragments", _SHIMS,
+        ("common.cuh", "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
+        ("moe_rows.cu", "__device__ __forceinline__ unsigned q4_low_pair", "// 0x64006400 in a register"),
+        ("moe_rows.cu", "// A fragments of block b", "// Q8_0: two f16 halves"),
+        _MAIN)
 
 
 def test_lanes_dequantize_like_gguf_and_pair_with_stage_x_as_w_times_x(fragments):
