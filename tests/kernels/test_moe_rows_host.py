@@ -167,7 +167,7 @@ int main(int argc, char** argv) {
 def _host_build(tmp_path_factory, name: str, *pieces: str):
     """The shims, ``pieces`` cut from common.cuh and moe_rows.cu ((file, start, end) or plain text), built
     with g++ as ``name`` in a folder of its own."""
-    sources = {name: tensor_core.source_text(name) for name in ("common.cuh", "moe_rows.cu")}
+    sources = {file: tensor_core.source_text(file) for file in ("common.cuh", "moe_rows.cu")}
     parts = [piece if isinstance(piece, str) else between(sources[piece[0]], *piece[1:]) for piece in pieces]
     folder = tmp_path_factory.mktemp(f"moe_rows_{name}_host")
     build(folder, name, "\n".join(parts).replace("[[maybe_unused]] ", ""))
