@@ -28,7 +28,7 @@ def _cells(ops, kv, layer: int) -> list[np.ndarray]:
     for which, matrix in enumerate(kv.layers[layer]):
         for name in ("quants", "scales"):
             rows = ops.to_host(getattr(matrix, name))
-            if kv.is_tiered:
+            if kv.is_tiered and len(rows) == kv.resident_cells:  # not a format's one-element placeholder plane
                 # the host planes are host memory (mapped into the device's address space)
                 rows = np.concatenate([rows, np.array(getattr(kv.host_layers[layer][which], name))])
             planes.append(rows)
