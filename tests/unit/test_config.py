@@ -21,6 +21,12 @@ def test_serve_toml_is_the_reference_configuration():
     assert config.loan.tables["repeat_loan"] == {"min_tokens": 50000}
 
 
+def test_the_experiments_configuration_is_serve_toml_with_the_reference_gpus_model_paths():
+    serve, experiments = (load_config(ROOT / "configs" / name) for name in ("serve.toml", "experiments-h200.toml"))
+    assert experiments.runtime == serve.runtime and experiments.loan == serve.loan
+    assert experiments.model.path.name == serve.model.path.name and experiments.model.expert_pack is not None
+
+
 def test_config_is_frozen():
     config = make_config()
     with pytest.raises(dataclasses.FrozenInstanceError):
