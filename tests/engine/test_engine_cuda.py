@@ -103,9 +103,11 @@ def test_greedy_output_equals_the_reference_at_every_chunk_size(tiny_path, max_c
 
 
 @pytest.mark.skipif(not tensor_core.is_available(), reason="moe_rows' kernels need tensor cores")
-def test_experts_of_64_multiples_prefill_on_the_rows_kernels_and_give_the_reference_output(tmp_path, monkeypatch):
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q8_0], ids=lambda q: q.name)
+def test_experts_of_64_multiples_prefill_on_the_rows_kernels_and_give_the_reference_output(tmp_path, monkeypatch,
+                                                                                           qtype):
     path = write_synthetic_model(tmp_path / "rows.gguf", with_overrides(PRESETS["tiny"], hidden_size=128,
-                                                                        expert_ffn_size=64), QType.Q4_0, seed=6)
+                                                                        expert_ffn_size=64), qtype, seed=6)
     engine = Engine.load(engine_config(path, runtime={"backend": BACKEND, "vram_budget": "64MiB"}),
                          show_progress=False)
     assert engine.ops.moe_tile_rows(engine.cache.layout) == (moe_rows.TILE_ROWS,)

@@ -23,8 +23,10 @@ _SCALE_MAGNITUDES = {"Q4_K": 1.0 / 64, "Q5_K": 1.0 / 128, "Q6_K": 1.0 / 1024, "I
 DOT_RTOL = 2e-5
 
 
-def random_gguf_bytes(fmt: str, num_rows: int, num_cols: int, rng: np.random.Generator) -> np.ndarray:
-    """[num_rows, row_bytes] uint8: random quants, fp16 scales drawn small so values stay O(1)."""
+def random_gguf_bytes(fmt: str, num_rows: int, num_cols: int, rng: np.random.Generator,
+                      magnitude: float | None = None) -> np.ndarray:
+    """[num_rows, row_bytes] uint8: random quants, fp16 scales drawn small so values stay O(1) (uniform in
+    +-magnitude; by default the format's entry of _SCALE_MAGNITUDES, else 1 / 8)."""
     f = FORMATS[fmt]
     if f.is_float:
         values = rng.standard_normal((num_rows, num_cols)).astype(np.float32 if fmt != "F16" else np.float16)
@@ -36,8 +38,8 @@ def random_gguf_bytes(fmt: str, num_rows: int, num_cols: int, rng: np.random.Gen
     scale_fields = [(start, end) for plane, start, end in f.fields if plane == "scales"]
     for start, end in scale_fields:
         num_halves = (end - start) // 2
-        magnitude = _SCALE_MAGNITUDES.get(fmt, 1.0 / 8)
-        halves = (rng.uniform(-1.0, 1.0, size=(num_blocks, num_halves)) * magnitude).astype(np.float16)
+        scale = _SCALE_MAGNITUDES.get(fmt, 1.0 / 8) if magnitude is None else magnitude
+        halves = (rng.uniform(-1.0, 1.0, size=(num_blocks, num_halves)) * scale).astype(np.float16)
         blocks[:, start:end] = halves.view(np.uint8)
     return blocks.reshape(num_rows, -1)
 
@@ -47,9 +49,10 @@ def reference_dequant(raw: np.ndarray, fmt: str) -> np.ndarray:
     return np.asarray(gguf_dequantize(raw, QType[fmt]), dtype=np.float32)
 
 
-def random_matrix(fmt: str, num_rows: int, num_cols: int, seed: int) -> tuple[PackedMatrix, np.ndarray]:
-    """A packed matrix on the device and its float32 values per gguf-py."""
-    raw = random_gguf_bytes(fmt, num_rows, num_cols, np.random.default_rng(seed))
+def random_matrix(fmt: str, num_rows: int, num_cols: int, seed: int,
+                  magnitude: float | None = None) -> tuple[PackedMatrix, np.ndarray]:
+    """A packed matrix on the device and its float32 values per gguf-py (scales as random_gguf_bytes')."""
+    raw = random_gguf_bytes(fmt, num_rows, num_cols, np.random.default_rng(seed), magnitude)
     return to_device(pack(raw, fmt)), reference_dequant(raw, fmt)
 
 

@@ -260,6 +260,6 @@ def test_every_format_compiles_for_the_gpu(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     ptx = (tmp_path / "rows.ptx").read_text()
-    for fmt in moe_rows.BUILT_FORMATS:
+    for fmt in moe_rows.FORMATS:
         for launch in ("gate_up", "down"):
             assert f".func strata_moe_rows_{launch}_{fmt.lower()}(" in ptx

@@ -1,4 +1,4 @@
-"""MoE prefill expert products for chunks of few routed rows an expert (cuda/moe_rows.cu; GPU only; served: Q4_0).
+"""MoE prefill expert products for chunks of few routed rows an expert (cuda/moe_rows.cu; GPU only).
 
 moe.py's tiles put the routed tokens on the mma's M (16 rows a fragment) and stage each tile's
 dequantized weights in shared memory; at 32 rows an expert (512 tokens routed top-8 of 128 experts)
@@ -9,12 +9,12 @@ weight element is dequantized once a tile, from a cp.async ring of raw quant blo
 as packing.py lays them out) straight into A fragments in registers. The tile's number of 8-token
 groups picks one of eight compiled loops (a switch on the tile's rows), so a tile of 32 tokens runs
 exactly 4 groups' mma and holds their accumulators only. Gate and up take one format, down its own
-(each of FORMATS, the served ones; Q8_0 and Q4_K are built, BUILT_FORMATS, and not served: they gave
-NaN on the H200 in some shapes); other experts take moe.py's tiles.
+(each of FORMATS: Q4_0, Q8_0, Q4_K); other experts take moe.py's tiles.
 
 Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and hidden, weights the
 f16 roundings of gguf-py's float32 values: d * (q - 8), d * q, d * sc * q - dmin * m; f32 sums): the
-two agree up to summation order. The kernels read X, and gate/up writes hidden, with each aligned quad
+two agree up to summation order (and both give Inf where silu(gate) * up passes float16's 65,504,
+then NaN or Inf in out). The kernels read X, and gate/up writes hidden, with each aligned quad
 of columns in the order (0, 2, 1, 3) (stage_x): that is the K order in which one mask of a quant word
 yields a pair of weights.
 
@@ -42,11 +42,7 @@ from ._common import (
 )
 from .moe_route import MoeGroups, tile_slot_device
 
-BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K")  # each a pair of exports of cuda/moe_rows.cu
-# the formats a chunk's experts are sent through these kernels in: Q8_0 and Q4_K gave NaN and Inf on the
-# H200 in some shapes and format pairs (tests/kernels/test_moe_rows.py, 2026-12-01), and take moe.py's tiles
-# until that is found
-FORMATS = ("Q4_0",)
+FORMATS = ("Q4_0", "Q8_0", "Q4_K")  # each a pair of exports of cuda/moe_rows.cu
 TILE_ROWS = 64  # the groups' block_m: the tokens of a tile, 8 groups of 8
 BLOCK_COLS = 64  # gate/up: weight rows of a block (of gate and of up), 4 warps of 16
 DOWN_BLOCK_COLS = 128  # down: two 64-row halves, each warp 16 rows of both
