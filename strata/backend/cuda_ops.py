@@ -209,8 +209,8 @@ class CudaOps:
                           make_range=lambda reserved, seg: VmmArena(None, owner, reserved, seg, self.device),
                           placeholders=self.placeholders)
 
-    def expert_layout(self, model) -> ExpertLayout:
-        return packed_expert_layout(model)
+    def expert_layout(self, model, is_mtp: bool = False) -> ExpertLayout:
+        return packed_expert_layout(model, is_mtp)
 
     def encode_experts(self, raw: np.ndarray, qtype, shape, region_qtypes=()) -> np.ndarray:
         """The packed planes of N experts, each plane as wide as the widest of ``region_qtypes``'."""

@@ -157,10 +157,10 @@ class NumpyOps:
         num_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return storage.buffer[offset:offset + num_bytes].view(dtype).reshape(shape)
 
-    def expert_layout(self, model) -> ExpertLayout:
+    def expert_layout(self, model, is_mtp: bool = False) -> ExpertLayout:
         from strata.backend.layouts import expert_layout
 
-        return expert_layout(model)
+        return expert_layout(model, is_mtp=is_mtp)
 
     def encode_experts(self, raw: np.ndarray, qtype, shape, region_qtypes=()) -> np.ndarray:
         return raw.reshape(raw.shape[0], -1)  # GGUF bytes as they are, at the start of the region
