@@ -350,6 +350,18 @@ class CudaOps:
         kv = CudaKv(layers, fmt, num_cells, num_kv_heads, head_dim, host_layers, staging)
         return self._track(owner, kv, sum(k.nbytes + v.nbytes for k, v in layers))
 
+    def close_kv(self, kv: CudaKv) -> None:
+        """The host tier's planes go back to the driver now rather than at a later flush of Numba's pending
+        frees (a server loading a model again would hold both tiers' pinned memory), with the fill stream."""
+        if self._kv_fills is not None:
+            self._kv_fills.close()
+            self._kv_fills = None
+        if not kv.host_layers:
+            return
+        kv.host_layers = ()  # their last references: each plane's pinned memory is queued for freeing
+        if not self.is_simulator:
+            self.cuda.current_context().memory_manager.deallocations.clear()
+
     def _mapped_packed(self, fmt: str, num_rows: int, num_cols: int):
         """A zeroed packed matrix in page-locked host memory that kernels read and write through its
         device mapping (the simulator's device memory is host memory already)."""

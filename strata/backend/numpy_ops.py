@@ -202,6 +202,9 @@ class NumpyOps:
         self._charges[id(kv.data)] = (kv.data, charge)
         return kv
 
+    def close_kv(self, kv: NumpyKv) -> None:
+        pass  # the host tier is the cache's own array, freed with it
+
     def _track(self, owner: str, array: np.ndarray) -> np.ndarray:
         charge = self.ledger.charge(owner, array.nbytes)
         self._charges[id(array)] = (array, charge)

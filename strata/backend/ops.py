@@ -184,6 +184,9 @@ class Ops(Protocol):
         """``num_cells`` per layer, the first ``resident_cells`` (0: all) charged to ``owner``; the others
         are the host tier, read through staging layers charged to ``staging_owner`` where the backend
         needs one. Attention over a tiered cache computes what it computes over a resident one."""
+    def close_kv(self, kv: Any) -> None:
+        """Release what ``kv`` holds outside the ledger, now: a host tier's pinned planes and the stream
+        that fills its staging layers ahead. The cache is not read again; a second call does nothing."""
     def kv_write(self, kv: Any, layer: int, start: int, k: Any, v: Any, positions: Any = None) -> None: ...
     def attention(self, q: Any, kv: Any, layer: int, start: int, positions: Any = None,
                   split_scratch: Any = None) -> Any: ...  # -> [T, Hq*E]

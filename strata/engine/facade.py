@@ -353,6 +353,9 @@ class Engine(EngineCore):
         return "\n".join(lines)
 
     def close(self) -> None:
+        """Drop decode's segments and release what the engine holds outside the pool (the KV host
+        tier's pinned memory, its fill stream); the engine serves no request after."""
         self.runner.reset_decode()
         self.ops.synchronize()
+        self.ops.close_kv(self.kv)
         self.ops.trim_memory()
