@@ -65,6 +65,10 @@ class CudaKv:
     def is_tiered(self) -> bool:
         return bool(self.host_layers)
 
+    def attended(self, layer: int) -> tuple:
+        """The (K, V) that ``layer``'s attention reads: with a host tier, the staging layer its kv_write filled."""
+        return self.staging[layer % KV_STAGING_LAYERS] if self.is_tiered else self.layers[layer]
+
 
 class CudaOps:
     is_activation_charged = True  # the kernels' allocations go through the ledger as they are made
@@ -209,8 +213,8 @@ class CudaOps:
                           make_range=lambda reserved, seg: VmmArena(None, owner, reserved, seg, self.device),
                           placeholders=self.placeholders)
 
-    def expert_layout(self, model) -> ExpertLayout:
-        return packed_expert_layout(model)
+    def expert_layout(self, model, is_mtp: bool = False) -> ExpertLayout:
+        return packed_expert_layout(model, is_mtp)
 
     def encode_experts(self, raw: np.ndarray, qtype, shape, region_qtypes=()) -> np.ndarray:
         """The packed planes of N experts, each plane as wide as the widest of ``region_qtypes``'."""
@@ -350,6 +354,18 @@ class CudaOps:
         kv = CudaKv(layers, fmt, num_cells, num_kv_heads, head_dim, host_layers, staging)
         return self._track(owner, kv, sum(k.nbytes + v.nbytes for k, v in layers))
 
+    def close_kv(self, kv: CudaKv) -> None:
+        """The host tier's planes go back to the driver now rather than at a later flush of Numba's pending
+        frees (a server loading a model again would hold both tiers' pinned memory), with the fill stream."""
+        if self._kv_fills is not None:
+            self._kv_fills.close()
+            self._kv_fills = None
+        if not kv.host_layers:
+            return
+        kv.host_layers = ()  # their last references: each plane's pinned memory is queued for freeing
+        if not self.is_simulator:
+            self.cuda.current_context().memory_manager.deallocations.clear()
+
     def _mapped_packed(self, fmt: str, num_rows: int, num_cols: int):
         """A zeroed packed matrix in page-locked host memory that kernels read and write through its
         device mapping (the simulator's device memory is host memory already)."""
@@ -464,15 +480,16 @@ class CudaOps:
         from strata.gpu.kernels.attention import decode_workspace_specs
 
         specs = decode_workspace_specs(self._decode_splits(kv, num_heads), num_tokens, num_heads, kv.num_kv_heads,
-                                       kv.head_dim)
+                                       kv.head_dim, k_cache=kv.attended(0)[0])
         return tuple(self.upload(owner, np.zeros(shape, dtype)) if np.dtype(dtype).kind == "i" else
                      self.alloc(owner, shape, dtype) for shape, dtype in specs)
 
     def _decode_splits(self, kv: CudaKv, num_heads: int) -> int:
         from strata.gpu.kernels.attention import decode_num_splits
 
+        # every layer's planes are allocations of their own, aligned as layer 0's (the direct kernel asks 16 bytes)
         return decode_num_splits(kv.num_cells, kv.num_kv_heads, kv.head_dim, num_heads // kv.num_kv_heads,
-                                 self._num_sms)
+                                 self._num_sms, k_cache=kv.attended(0)[0])
 
     def attention(self, q, kv: CudaKv, layer: int, start: int, positions=None, split_scratch=None):
         from strata.gpu.kernels.attention import (
@@ -484,8 +501,7 @@ class CudaOps:
         num_tokens, num_heads, head_dim = q.shape
         if positions is None:
             positions = np.arange(start, start + num_tokens, dtype=np.int32)
-        # with a host tier, the staging layer that this layer's kv_write filled
-        k_cache, v_cache = kv.staging[layer % KV_STAGING_LAYERS] if kv.is_tiered else kv.layers[layer]
+        k_cache, v_cache = kv.attended(layer)
         args = dict(num_q_heads=num_heads, num_kv_heads=kv.num_kv_heads, head_dim=head_dim)
         with self._owning(ACTIVATIONS):
             if num_tokens <= DECODE_MAX_ROWS:  # decode rows: the KV length comes from each row's position on

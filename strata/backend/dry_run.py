@@ -49,12 +49,12 @@ class DryRunOps(NumpyOps):
 
         return kv_scratch_bytes_per_cell(head_dim, kv_width, kv_type, has_tensor_cores=True)
 
-    def expert_layout(self, model) -> ExpertLayout:
+    def expert_layout(self, model, is_mtp: bool = False) -> ExpertLayout:
         if self.backend == "numpy":
-            return super().expert_layout(model)
+            return super().expert_layout(model, is_mtp)
         from strata.backend.layouts import packed_expert_layout
 
-        return packed_expert_layout(model)
+        return packed_expert_layout(model, is_mtp)
 
     def alloc(self, owner: str, shape, dtype) -> np.ndarray:
         return self._track_placeholder(owner, int(np.prod(shape)) * np.dtype(dtype).itemsize)

@@ -49,3 +49,13 @@ class AheadFills:
         # a fill not taken may still be writing its staging layer, which an in-stream fill writes next
         self._calls.stream_wait_event(0, self._filled)
         return pending[0] == key
+
+    def close(self) -> None:
+        """Destroy the stream and its events (the driver lets work queued on them finish); once only."""
+        if self.handle is None:
+            return
+        self._pending = None
+        for event in (self._after_attention, self._filled):
+            self._calls.event_destroy(event)
+        self._calls.stream_destroy(self.handle)
+        self.handle = self._stream = self._after_attention = self._filled = None

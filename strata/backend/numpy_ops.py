@@ -157,10 +157,10 @@ class NumpyOps:
         num_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         return storage.buffer[offset:offset + num_bytes].view(dtype).reshape(shape)
 
-    def expert_layout(self, model) -> ExpertLayout:
+    def expert_layout(self, model, is_mtp: bool = False) -> ExpertLayout:
         from strata.backend.layouts import expert_layout
 
-        return expert_layout(model)
+        return expert_layout(model, is_mtp=is_mtp)
 
     def encode_experts(self, raw: np.ndarray, qtype, shape, region_qtypes=()) -> np.ndarray:
         return raw.reshape(raw.shape[0], -1)  # GGUF bytes as they are, at the start of the region
@@ -201,6 +201,9 @@ class NumpyOps:
         charge = self.ledger.charge(owner, kv.data.nbytes // num_cells * kv.resident_cells)
         self._charges[id(kv.data)] = (kv.data, charge)
         return kv
+
+    def close_kv(self, kv: NumpyKv) -> None:
+        pass  # the host tier is the cache's own array, freed with it
 
     def _track(self, owner: str, array: np.ndarray) -> np.ndarray:
         charge = self.ledger.charge(owner, array.nbytes)

@@ -45,9 +45,10 @@ class QTensor:
 class ExpertLayout:
     """Where an expert's three matrices sit inside its slot (byte offsets, each 256-byte aligned).
 
-    A model's layout describes the experts of every layer: where a matrix's type changes between
-    layers (llama.cpp's Q4_K_M gives some layers' ffn_down_exps Q6_K), its region holds the largest
-    of its types, and ``at_layer`` gives one layer's types and sizes in the same slot geometry."""
+    A model's layout describes the experts of every main layer (an MTP block's have a layout of their
+    own): where a matrix's type changes between layers (llama.cpp's Q4_K_M gives some layers'
+    ffn_down_exps Q6_K), its region holds the largest of its types, and ``at_layer`` gives one layer's
+    types and sizes in the same slot geometry."""
 
     qtypes: tuple[QType, QType, QType]  # gate, up, down (of layer 0 in a model's layout)
     shapes: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]  # [F, D], [F, D], [D, F]
@@ -55,8 +56,10 @@ class ExpertLayout:
     sizes: tuple[int, int, int]  # the bytes each matrix of ``qtypes`` fills from its offset
     slot_bytes: int
     encoding: str = "gguf"  # how each matrix's bytes are laid out in its region; the backend's choice
-    # every layer's (qtypes, sizes): main layers, then MTP blocks; () where every layer has ``qtypes``
+    # every layer's (qtypes, sizes) from ``first_layer`` on (the main layers, or an MTP block); () where
+    # every layer has ``qtypes``
     layers: tuple[tuple[tuple[QType, QType, QType], tuple[int, int, int]], ...] = ()
+    first_layer: int = 0
 
     @property
     def is_mixed(self) -> bool:
@@ -72,7 +75,7 @@ class ExpertLayout:
         """The experts of ``layer``: their types and sizes, in this slot geometry."""
         if not self.layers:
             return self
-        qtypes, sizes = self.layers[layer]
+        qtypes, sizes = self.layers[layer - self.first_layer]
         return dataclasses.replace(self, qtypes=qtypes, sizes=sizes)
 
 
@@ -125,7 +128,8 @@ class Ops(Protocol):
     def host_buffer(self, num_bytes: int) -> np.ndarray: ...
     def arena(self, owner: str, reserved_bytes: int, segment_bytes: int, layout: ExpertLayout) -> ArenaStorage: ...
     def arena_view(self, storage: ArenaStorage, offset: int, shape: tuple[int, ...], dtype: Any) -> Any: ...
-    def expert_layout(self, model: Any) -> ExpertLayout: ...
+    def expert_layout(self, model: Any, is_mtp: bool = False) -> ExpertLayout:
+        """The main layers' slot layout in this backend's encoding, or with ``is_mtp`` the first MTP block's."""
     def encode_experts(self, raw: np.ndarray, qtype: QType, shape: tuple[int, int],
                        region_qtypes: tuple[QType, ...] = ()) -> np.ndarray:
         """[N, rows, row_bytes] GGUF bytes of N experts' matrix -> [N, size] in this backend's encoding, for
@@ -180,6 +184,9 @@ class Ops(Protocol):
         """``num_cells`` per layer, the first ``resident_cells`` (0: all) charged to ``owner``; the others
         are the host tier, read through staging layers charged to ``staging_owner`` where the backend
         needs one. Attention over a tiered cache computes what it computes over a resident one."""
+    def close_kv(self, kv: Any) -> None:
+        """Release what ``kv`` holds outside the ledger, now: a host tier's pinned planes and the stream
+        that fills its staging layers ahead. The cache is not read again; a second call does nothing."""
     def kv_write(self, kv: Any, layer: int, start: int, k: Any, v: Any, positions: Any = None) -> None: ...
     def attention(self, q: Any, kv: Any, layer: int, start: int, positions: Any = None,
                   split_scratch: Any = None) -> Any: ...  # -> [T, Hq*E]

@@ -335,7 +335,7 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
         workspace = tuple(cuda.to_device(np.zeros(shape, dtype)) for shape, dtype in specs)
         args = dict(num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                     kv_len=s.decode_cells, num_splits=splits, config=cfg, workspace=workspace,
-                    is_len_from_positions=True, is_direct_decode=is_direct)
+                    is_len_from_positions=True, use_direct_decode=is_direct)
         kernel = "direct" if is_direct else "tiles"
         for context in s.decode_contexts:
             positions = cuda.to_device(np.array([context - 1], np.int32))

@@ -101,12 +101,13 @@ class Engine(EngineCore):
         rates = loading.prefill_rates(config, ops, backend)  # before placement: the probe's buffers fit
         spec = model.spec
         layout = ops.expert_layout(model) if spec.is_moe else None
+        mtp_layout = loading.mtp_expert_layout(config, model, ops) if spec.is_moe else None
         placement = plan_placement(config, model, layout, ledger.budget_bytes,
                                    ops.prefill_kv_scratch_bytes_per_cell(spec.head_dim, spec.kv_size,
                                                                          config.runtime.kv_type),
-                                   is_kv_staged=ops.is_kv_staged)
+                                   is_kv_staged=ops.is_kv_staged, mtp_layout=mtp_layout)
         loading.check_host_kv_fits(config, placement)
-        resources = loading.decode_resources(config, model, ops, placement, layout)
+        resources = loading.decode_resources(config, model, ops, placement, mtp_layout)
         admit(config, plugins, resources)
         if not is_dry_run:
             for resource in resources.values():
@@ -352,6 +353,9 @@ class Engine(EngineCore):
         return "\n".join(lines)
 
     def close(self) -> None:
+        """Drop decode's segments and release what the engine holds outside the pool (the KV host
+        tier's pinned memory, its fill stream); the engine serves no request after."""
         self.runner.reset_decode()
         self.ops.synchronize()
+        self.ops.close_kv(self.kv)
         self.ops.trim_memory()

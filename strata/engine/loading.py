@@ -105,9 +105,20 @@ def check_mtp(config: Config, model: GgufModel) -> None:
                           "block; set runtime.mtp = false and runtime.spec_depth = 0, or use a GGUF with one")
 
 
+def mtp_expert_layout(config: Config, model: GgufModel, ops: Ops) -> ExpertLayout | None:
+    """The slots of the MTP block's routed experts (an arena of their own, not the cache's), where
+    ``runtime.mtp`` runs a block that has some."""
+    spec = model.spec
+    names = [f"blk.{spec.num_layers}.{name}.weight" for name in EXPERT_MATRICES]
+    if not (config.runtime.mtp and spec.num_nextn_layers and all(n in model.tensors for n in names)):
+        return None
+    return ops.expert_layout(model, is_mtp=True)
+
+
 def decode_resources(config: Config, model: GgufModel, ops: Ops, placement: Placement,
-                     layout: ExpertLayout | None) -> dict[str, Resource]:
-    """The decode-only resources this model and configuration have, by name, none of them uploaded yet."""
+                     mtp_layout: ExpertLayout | None) -> dict[str, Resource]:
+    """The decode-only resources this model and configuration have, by name, none of them uploaded yet;
+    ``mtp_layout``: the MTP experts' slots (``mtp_expert_layout``)."""
     spec, rt = model.spec, config.runtime
     check_mtp(config, model)
     resources = {}
@@ -123,8 +134,8 @@ def decode_resources(config: Config, model: GgufModel, ops: Ops, placement: Plac
         experts = {n: r for n, r in block.items() if "_exps." in n}
         resources[MTP_DRAFT_HEAD] = TensorsResource(MTP_DRAFT_HEAD, ops,
                                                     {n: r for n, r in block.items() if n not in experts}, is_loaned)
-        if experts:
-            resources[MTP_EXPERTS] = ExpertsResource(MTP_EXPERTS, ops, model, spec.num_layers, layout)
+        if experts and mtp_layout is not None:
+            resources[MTP_EXPERTS] = ExpertsResource(MTP_EXPERTS, ops, model, spec.num_layers, mtp_layout)
     return resources
 
 

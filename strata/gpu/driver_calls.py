@@ -54,8 +54,10 @@ class DriverCalls:
         self._stream_create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         self._stream_wait_event = lib.cuStreamWaitEvent
         self._stream_wait_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        self._stream_destroy = lib.cuStreamDestroy_v2
+        self._stream_destroy.argtypes = [ctypes.c_void_p]
         for call in (self._event_create, self._event_record, self._event_synchronize, self._event_destroy,
-                     self._stream_create, self._stream_wait_event):
+                     self._stream_create, self._stream_wait_event, self._stream_destroy):
             call.restype = ctypes.c_int
         # the CUDA 13 signature (no failure index); a driver without it copies one DMA per call
         self._copy_batch = getattr(lib, "cuMemcpyBatchAsync_v2", None)
@@ -109,6 +111,10 @@ class DriverCalls:
         handle = ctypes.c_void_p()
         _check(self._stream_create(ctypes.byref(handle), _STREAM_NON_BLOCKING), "creating a stream")
         return handle.value
+
+    def stream_destroy(self, stream: int) -> None:
+        """Its resources go once the work queued on it has run."""
+        _check(self._stream_destroy(stream), "destroying a stream")
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         """Work queued on ``stream`` from now on runs after the event's last record."""

@@ -12,13 +12,15 @@ from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 
 from strata.backend import formats
-from strata.backend.layouts import packed_expert_layout
+from strata.backend.layouts import align, packed_expert_layout
 from strata.backend.select import has_cuda_device
 from strata.cli import main
 from strata.engine.facade import Engine
 from strata.engine.memory.expert_pack import HEADER_BYTES
 from strata.errors import ModelFormatError
+from strata.model import quants
 from strata.model.gguf_file import open_gguf
+from strata.model.reference import KVCache, ReferenceModel
 from strata.model.synth import SynthShape, write_synthetic_model
 
 BACKEND = "cuda" if has_cuda_device() else "cudasim"
@@ -82,6 +84,43 @@ def test_a_mix_whose_expert_types_change_between_layers_runs_on_the_gpu_as_the_r
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 290, size=24)]
     tokens, _ = greedy(engine, prompt, 4)
     assert tokens == reference_greedy(path, prompt, 4, context=256)
+
+
+@pytest.mark.parametrize("backend, is_mtp", [
+    ("numpy", False), ("numpy", True),
+    pytest.param("cuda", True, marks=pytest.mark.skipif(BACKEND != "cuda", reason="the kernels' packed planes: GPU"))])
+def test_the_mtp_blocks_wider_experts_widen_no_cache_slot_and_draft_as_the_reference(tmp_path, backend, is_mtp):
+    # 2 main layers and the MTP block: Q4_K_M gives the last layer (the MTP block's) ffn_down_exps Q6_K, the
+    # main layers' Q4_K
+    shape = dataclasses.replace(SMALL_MOE, num_layers=2)
+    path = write_synthetic_model(tmp_path / "q4_k_m-mtp.gguf", shape, "Q4_K_M", seed=3, with_mtp=True)
+    model = open_gguf(path)
+    assert [model.tensors[f"blk.{i}.ffn_down_exps.weight"].qtype for i in range(3)] == [QType.Q4_K] * 2 + [QType.Q6_K]
+    runtime = {"backend": backend, "mtp": is_mtp, "spec_depth": int(is_mtp)}
+    if backend == "cuda":
+        runtime.update(vram_budget="64MiB", context_tokens=256)
+    engine = Engine.load(engine_config(path, runtime=runtime), show_progress=False)
+    layout = engine.cache.layout
+    assert not layout.is_mixed and layout.matrix_qtypes[2] == (QType.Q4_K,)  # the main layers' types only
+    down_bytes = {q: shape.hidden_size * quants.row_nbytes(q, shape.expert_ffn_size) for q in (QType.Q4_K, QType.Q6_K)}
+    if backend == "numpy":
+        assert layout.slot_bytes == layout.offsets[2] + align(down_bytes[QType.Q4_K])
+    if not is_mtp:
+        return
+    experts = engine.resources["mtp_experts"]
+    assert experts.layout.matrix_qtypes[2] == (QType.Q6_K,) and experts.layout.slot_bytes > layout.slot_bytes
+    if backend == "numpy":
+        assert experts.layout.slot_bytes == layout.offsets[2] + align(down_bytes[QType.Q6_K])
+    assert engine.placement.mtp_expert_bytes == shape.num_experts * experts.layout.slot_bytes
+    reference = ReferenceModel.from_gguf(model)
+    tokens = np.arange(5, 17)
+    kv = KVCache.for_spec(model.spec, 64)
+    hidden = reference.forward_hidden(tokens, 0, kv)  # [12, D]
+    expected = reference.mtp_hidden(hidden[:-1], tokens[1:], 0, kv)
+    got = engine.ops.to_host(engine.mtp.hidden(engine.ops.upload("activations", hidden[:-1].astype(np.float32)),
+                                               tokens[1:], 0))
+    tolerance = 2e-3 if backend == "numpy" else 1e-2  # the kernels round activations to f16 on tensor cores
+    assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected))
 
 
 def test_check_plans_a_mixed_model_for_the_gpu_in_slots_of_its_largest_types(tmp_path, capsys):

@@ -5,11 +5,13 @@ logits as a cache whose every cell is resident (numpy, and the kernels on a GPU)
 A host tier larger than the host's memory and fewer resident cells than a chunk are refused."""
 
 import dataclasses
+import weakref
 
 import numpy as np
 import pytest
 from engine_setup import engine_config, greedy
 from gguf import GGMLQuantizationType as QType
+from numba import config as numba_config
 
 from strata.backend.select import has_cuda_device
 from strata.engine import loading
@@ -106,6 +108,29 @@ def test_fewer_resident_cells_than_a_prefill_chunk_are_refused_naming_both_keys(
         engine_config(tiny_path, runtime={"context_tokens": 32768, "kv_resident_cells": 8192})
     with pytest.raises(ConfigError, match=r"kv_resident_cells = 70 exceeds runtime.context_tokens = 64"):
         _engine(tiny_path, "numpy", "q4_0", 70)
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("cudasim", marks=pytest.mark.skipif(not numba_config.ENABLE_CUDASIM, reason="the simulator is off")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not has_cuda_device(), reason="no GPU"))])
+def test_close_releases_the_host_tier_and_its_fill_stream(tiny_path, backend):
+    engine = _engine(tiny_path, backend, "q4_0", RESIDENT)
+    if backend == "cuda":  # chunks past the resident cells: layers are filled ahead on the fill stream
+        greedy(engine, list(range(3, 3 + 3 * CHUNK)), 1)
+    fills = engine.ops._kv_fills
+    assert (fills is not None) == (backend == "cuda")
+    planes = [weakref.ref(plane) for pair in engine.kv.host_layers for matrix in pair
+              for plane in (matrix.quants, matrix.scales, matrix.extra)
+              if plane.shape[0] == CONTEXT - RESIDENT]  # not a placeholder of a plane q4_0 lacks
+    assert len(planes) == 2 * 2 * PRESETS["tiny"].num_layers and all(plane() is not None for plane in planes)
+    engine.close()
+    engine.close()  # a second close finds nothing to release
+    assert not engine.kv.is_tiered and engine.ops._kv_fills is None
+    assert all(plane() is None for plane in planes)  # no reference is left: the pinned memory is freed
+    if fills is not None:
+        from numba import cuda
+
+        assert fills.handle is None and not len(cuda.current_context().memory_manager.deallocations)
 
 
 @pytest.mark.skipif(not has_cuda_device(), reason="no GPU")

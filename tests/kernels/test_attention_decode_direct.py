@@ -12,7 +12,7 @@ from numba import cuda
 
 from strata.gpu.kernels import attention_decode_direct as direct
 from strata.gpu.kernels import tensor_core
-from strata.gpu.kernels.attention import attention, decode_num_splits, decode_workspace_specs
+from strata.gpu.kernels.attention import attention, decode_num_splits, decode_workspace_specs, is_direct_decode
 from strata.gpu.kernels.packing import pack, to_device
 from strata.model import reference_ops
 
@@ -141,7 +141,7 @@ def test_cpp_kernel_at_the_served_shape(fmt):
         workspace = tuple(dev(np.zeros(shape, dtype)) for shape, dtype in
                           decode_workspace_specs(splits, len(rows), num_q_heads, num_kv_heads, head_dim, is_direct))
         return host(attention(dev(q[rows]), *caches, dev(np.asarray(positions, np.int32)[rows]), num_splits=splits,
-                              workspace=workspace, is_direct_decode=is_direct, **args))
+                              workspace=workspace, use_direct_decode=is_direct, **args))
 
     every = list(range(len(positions)))
     out = run(every)
@@ -149,6 +149,35 @@ def test_cpp_kernel_at_the_served_shape(fmt):
     for t in every:
         assert np.array_equal(out[t], run([t])[0]), f"row {t} differs from its one-row launch"
     np.testing.assert_allclose(out, run(every, is_direct=False), **F16_TOLERANCE)
+
+
+@needs_tensor_cores
+def test_a_cache_whose_planes_the_direct_kernel_cannot_load_gets_the_tile_kernels_splits_and_workspace():
+    # K's planes 4 bytes past a 16-byte boundary: attention() sends decode to the tile kernels, so the splits
+    # and the workspace asked for that cache are theirs (the direct kernel's would not fit them)
+    num_q_heads, num_kv_heads, head_dim, num_cells, positions = 32, 4, 128, 3000, [0, 2999]
+    q, (k_cache, v_cache), values = _case("Q8_0", num_q_heads, num_kv_heads, head_dim, num_cells, 2, seed=106)
+    k_cache = k_cache._replace(quants=_unaligned(k_cache.quants), scales=_unaligned(k_cache.scales))
+    assert is_direct_decode(head_dim, 8) and not is_direct_decode(head_dim, 8, k_cache)
+    num_sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    splits = decode_num_splits(num_cells, num_kv_heads, head_dim, 8, num_sms, k_cache=k_cache)
+    assert splits == decode_num_splits(num_cells, num_kv_heads, head_dim, 8, num_sms, is_direct=False)
+    specs = decode_workspace_specs(splits, 2, num_q_heads, num_kv_heads, head_dim, k_cache=k_cache)
+    assert specs == decode_workspace_specs(splits, 2, num_q_heads, num_kv_heads, head_dim, is_direct=False)
+    out = attention(dev(q), k_cache, v_cache, dev(np.asarray(positions, np.int32)), num_q_heads=num_q_heads,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=num_cells, num_splits=splits,
+                    workspace=tuple(dev(np.zeros(shape, dtype)) for shape, dtype in specs),
+                    is_len_from_positions=True, is_decode_rows=True)
+    _check_rows(host(out), q, values, positions, num_q_heads, head_dim)
+
+
+def _unaligned(plane):
+    """``plane``'s values on the device one element past the start of an allocation (not 16-byte aligned)."""
+    flat = host(plane).reshape(-1)
+    buffer = cuda.device_array(flat.size + 1, flat.dtype)
+    view = buffer[1:]
+    view.copy_to_device(flat)
+    return view.reshape(plane.shape)
 
 
 @needs_tensor_cores

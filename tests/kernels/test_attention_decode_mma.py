@@ -41,7 +41,7 @@ def _nan_workspace(num_splits, num_q_heads, head_dim):
 def _attend(q, caches, position, num_q_heads, num_kv_heads, head_dim, num_splits, kv_len, **kwargs):
     out = attention(dev(q), *caches, dev(np.array([position], np.int32)), num_q_heads=num_q_heads,
                     num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=kv_len, num_splits=num_splits,
-                    workspace=_nan_workspace(num_splits, num_q_heads, head_dim), is_direct_decode=False, **kwargs)
+                    workspace=_nan_workspace(num_splits, num_q_heads, head_dim), use_direct_decode=False, **kwargs)
     return host(out)
 
 

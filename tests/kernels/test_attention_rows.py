@@ -54,7 +54,7 @@ def _decode_attention(q, k_cache, v_cache, positions, head_dim, num_splits, is_d
     return host(attention(dev(q), k_cache, v_cache, dev(positions), num_q_heads=NUM_Q_HEADS,
                           num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, kv_len=NUM_CELLS, num_splits=num_splits,
                           is_len_from_positions=True, is_decode_rows=True, workspace=workspace,
-                          config=decode_config(head_dim, group), is_direct_decode=is_direct))
+                          config=decode_config(head_dim, group), use_direct_decode=is_direct))
 
 
 @pytest.fixture(params=["attention_decode_direct", "attention_decode_mma", "attention_decode", "attention"])

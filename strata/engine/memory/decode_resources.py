@@ -85,7 +85,7 @@ class ExpertsResource:
     def __init__(self, name: str, ops: Ops, model: GgufModel, layer: int, layout: ExpertLayout):
         self.name = name
         self.ops = ops
-        self.layout = layout.at_layer(layer)  # in the model's slot geometry, this layer's types
+        self.layout = layout.at_layer(layer)  # this layer's types, in ``layout``'s slot geometry
         self.num_experts = model.spec.num_experts
         self._model, self._layer = model, layer
         self._host: np.ndarray | None = None  # [N, slot_bytes], packed at the first restore

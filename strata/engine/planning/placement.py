@@ -55,8 +55,10 @@ class Placement:
 
 
 def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None, budget_bytes: int,
-                   kv_scratch_bytes_per_cell: int = 0, is_kv_staged: bool = False) -> Placement:
-    """is_kv_staged: the backend reads a host tier through a staging layer in VRAM (``Ops.kv_cache``)."""
+                   kv_scratch_bytes_per_cell: int = 0, is_kv_staged: bool = False,
+                   mtp_layout: ExpertLayout | None = None) -> Placement:
+    """is_kv_staged: the backend reads a host tier through a staging layer in VRAM (``Ops.kv_cache``);
+    mtp_layout: the slots of the MTP experts' own arena."""
     spec, rt = model.spec, config.runtime
     mtp_layers = range(spec.num_layers, spec.num_layers + spec.num_nextn_layers) if rt.mtp else range(0)
     dense = mtp_head = mtp_experts = 0
@@ -71,8 +73,8 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
                 mtp_head += ref.nbytes
         elif not any(t in name for t in _EXPERT_TENSORS):
             dense += ref.nbytes
-    if mtp_experts and layout is not None:  # the MTP experts' own arena holds them in cache slots
-        mtp_experts = spec.num_experts * layout.slot_bytes
+    if mtp_experts and mtp_layout is not None:  # the MTP experts' own arena holds them in slots of their own
+        mtp_experts = spec.num_experts * mtp_layout.slot_bytes
     head = model.tensors["output.weight"].nbytes if "output.weight" in model.tensors else 0
     context_cells = rt.context_tokens
     kv_cells = rt.kv_resident_cells or context_cells

@@ -263,23 +263,25 @@ def split_partial_shapes(num_splits: int, num_tokens: int, num_q_heads: int, hea
 
 
 def is_direct_decode(head_dim: int, group: int, k_cache: PackedMatrix | None = None, is_asked: bool = True) -> bool:
-    """Whether attention() sends decode calls to attention_decode_direct.py's kernel."""
+    """Whether attention() sends decode calls over ``k_cache`` (its planes' alignment; None: any the
+    allocator gives) to attention_decode_direct.py's kernel."""
     return is_asked and attention_decode_direct.is_supported(head_dim, group, k_cache)
 
 
 def decode_num_splits(kv_len: int, num_kv_heads: int, head_dim: int, group: int, num_sms: int,
-                      is_direct: bool = True) -> int:
-    """KV splits of a decode launch over kv_len cells, for the kernel attention() picks."""
-    if is_direct_decode(head_dim, group, is_asked=is_direct):
+                      is_direct: bool = True, k_cache: PackedMatrix | None = None) -> int:
+    """KV splits of a decode launch over kv_len cells of ``k_cache``, for the kernel attention() picks."""
+    if is_direct_decode(head_dim, group, k_cache, is_direct):
         return attention_decode_direct.default_num_splits(kv_len, num_kv_heads, num_sms)
     return default_num_splits(kv_len, num_kv_heads, num_sms)
 
 
 def decode_workspace_specs(num_splits: int, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                           is_direct: bool = True) -> tuple:
-    """(shape, dtype) of each array of a decode call's split workspace, for the kernel attention() picks
-    (the direct kernel's int32 counters must start at zero; the other kernels ignore theirs with one split)."""
-    if is_direct_decode(head_dim, num_q_heads // num_kv_heads, is_asked=is_direct):
+                           is_direct: bool = True, k_cache: PackedMatrix | None = None) -> tuple:
+    """(shape, dtype) of each array of a decode call's split workspace over ``k_cache``, for the kernel
+    attention() picks (the direct kernel's int32 counters must start at zero; the other kernels ignore
+    theirs with one split)."""
+    if is_direct_decode(head_dim, num_q_heads // num_kv_heads, k_cache, is_direct):
         return attention_decode_direct.workspace_specs(num_splits, num_tokens, num_q_heads, num_kv_heads, head_dim)
     return tuple((shape, np.float32) for shape in split_partial_shapes(num_splits, num_tokens, num_q_heads, head_dim))
 
@@ -288,7 +290,7 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
               num_kv_heads: int, head_dim: int, kv_len: int | None = None, scale: float | None = None,
               num_splits: int = 1, config: AttentionConfig = AttentionConfig(), workspace=None,
               is_len_from_positions: bool = False, is_decode_rows: bool = False, stream=0, f16_scratch=None,
-              is_direct_decode: bool = True):
+              use_direct_decode: bool = True):
     """softmax(q k^T * scale + causal mask) v per query head; q, out [T, num_q_heads * head_dim] float32.
 
     k_cache / v_cache: [num_positions, num_kv_heads * head_dim] in F16, Q8_0 or Q4_0 (kvcache.py).
@@ -303,9 +305,9 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     speculative verify's rows then have the bits of plain decode.
     stream: 0 (the default stream), a Numba stream or a graph builder capturing the launches.
     f16_scratch: (K, V) F16 matrices for the tensor-core prefill of a quantized cache (attention_mma).
-    is_direct_decode: decode calls go to attention_decode_direct.py's kernel where it serves them (its
-    workspace is decode_workspace_specs'; the length always comes from the positions); False keeps the
-    kernels below (the previous decode path).
+    use_direct_decode: decode calls go to attention_decode_direct.py's kernel where it serves them
+    (``is_direct_decode``; its workspace is decode_workspace_specs'; the length always comes from the
+    positions); False keeps the kernels below (the previous decode path).
 
     Prefill (see uses_tensor_cores) runs attention_mma() instead, config unused, inputs rounded to f16.
 
@@ -345,7 +347,7 @@ def attention(q, k_cache: PackedMatrix, v_cache: PackedMatrix, q_positions, out=
     if num_tokens > 1 and is_decode_rows and bt != 1:  # the FFMA kernel's blocks would share their rows' keys
         raise ValueError(f"decode rows take a config of one token per block, got tokens_per_block {bt}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if is_decode and is_direct_decode and attention_decode_direct.is_supported(head_dim, group, k_cache):
+    if is_decode and is_direct_decode(head_dim, group, k_cache, use_direct_decode):
         return attention_decode_direct.attention_decode(
             q, k_cache, v_cache, q_positions, out, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, kv_len=kv_len, num_splits=num_splits, scale=scale, workspace=workspace, stream=stream)

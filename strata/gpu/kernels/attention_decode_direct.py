@@ -23,7 +23,7 @@ a warp and head: products in another order).
 Serves head dims 64 and 128 and groups of up to 8 query heads (the A rows g of one warp); F16, Q8_0
 and Q4_0 caches whose planes are 16-byte aligned; a GPU with tensor cores (and cffi) or the
 simulator. attention() sends other decode calls to attention_decode_mma.py or attention_decode.py,
-and these too when asked (is_direct_decode=False).
+and these too when asked (use_direct_decode=False).
 
 Launch config: grid (T, num_kv_heads, num_splits), 32 * warps threads; static shared memory
 4 * max(warps * group * (head_dim + 2), 2 * MAX_SPLITS * group + group) bytes (33,280 at 8 warps,
