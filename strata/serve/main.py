@@ -88,10 +88,14 @@ def with_overrides(config: Config, **serve_fields) -> Config:
 
 
 def configure_logging(level: str) -> None:
-    """Timing lines and startup messages go to stderr; uvicorn's own loggers share the handler."""
+    """Timing lines and startup messages go to stderr; uvicorn's own loggers share the handler.
+    Numba's stay at warnings whatever the level: its CUDA driver logger, created after a root
+    handler exists, takes the root's level, and at INFO it writes two records for every device
+    array freed (thousands in a decode token) and at DEBUG one for every driver call."""
     root = logging.getLogger()
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.getLogger("numba").setLevel(logging.WARNING)

@@ -207,3 +207,16 @@ def test_cudasim_without_a_budget_exits_2(tiny_model, tmp_path, capsys, no_bindi
     config.write_text(config.read_text().replace('"numpy"', '"cudasim"').replace('vram_budget = "512MiB"\n', ""))
     assert main(["--config", str(config)]) == 2
     assert 'runtime.backend = "cudasim" needs runtime.vram_budget' in capsys.readouterr().err
+
+
+def test_the_servers_logging_leaves_numbas_cuda_driver_at_warnings():
+    # in its own process, without the simulator: the real driver module makes its logger after
+    # the server's root handler exists, as a serving process does at its first device call
+    code = ("import logging; from strata.serve.main import configure_logging; configure_logging('debug'); "
+            "from numba.cuda.cudadrv import driver; log = driver.make_logger(); "
+            "print(log.isEnabledFor(logging.INFO), log.isEnabledFor(logging.WARNING), "
+            "logging.getLogger('strata').isEnabledFor(logging.DEBUG))")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True"]
