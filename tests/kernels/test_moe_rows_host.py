@@ -251,15 +251,24 @@ def test_lanes_of_the_other_formats_dequantize_like_gguf_and_pair_with_stage_x(f
 
 
 def test_every_format_compiles_for_the_gpu(tmp_path):
-    # the simulator cannot link C++: without a GPU, nvcc checks the source where it is installed
+    # the simulator cannot link C++: without a GPU, nvcc checks the source where it is installed, with every
+    # instantiation a kernel may append to it (each kernel links its own one)
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc")
+    launches = ("gate_up", "down")
     source = tmp_path / "moe_rows.cu"
-    source.write_text(tensor_core.source_text("moe_rows.cu"))
+    source.write_text(tensor_core.source_text("moe_rows.cu")
+                      + "".join(moe_rows.instance(launch, fmt) for fmt in moe_rows.FORMATS for launch in launches))
     done = subprocess.run(["nvcc", "-arch=sm_90", "-rdc=true", "-ptx", str(source), "-o", str(tmp_path / "rows.ptx")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     ptx = (tmp_path / "rows.ptx").read_text()
     for fmt in moe_rows.FORMATS:
-        for launch in ("gate_up", "down"):
+        for launch in launches:
             assert f".func strata_moe_rows_{launch}_{fmt.lower()}(" in ptx
+    alone = tmp_path / "alone.cu"  # the source alone exports nothing: a link compiles only what it appends
+    alone.write_text(tensor_core.source_text("moe_rows.cu"))
+    done = subprocess.run(["nvcc", "-arch=sm_90", "-rdc=true", "-ptx", str(alone), "-o", str(tmp_path / "alone.ptx")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "strata_moe_rows_" not in (tmp_path / "alone.ptx").read_text()

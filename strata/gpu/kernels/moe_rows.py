@@ -42,7 +42,7 @@ from ._common import (
 )
 from .moe_route import MoeGroups, tile_slot_device
 
-FORMATS = ("Q4_0", "Q8_0", "Q4_K")  # each a pair of exports of cuda/moe_rows.cu
+FORMATS = ("Q4_0", "Q8_0", "Q4_K")  # each a template argument of cuda/moe_rows.cu (kRows<format>)
 TILE_ROWS = 64  # the groups' block_m: the tokens of a tile, 8 groups of 8
 BLOCK_COLS = 64  # gate/up: weight rows of a block (of gate and of up), 4 warps of 16
 DOWN_BLOCK_COLS = 128  # down: two 64-row halves, each warp 16 rows of both
@@ -124,6 +124,12 @@ def is_supported(groups: MoeGroups, gate, up, down) -> bool:
             and all(_is_aligned(w) for w in (gate, up, down)))
 
 
+def instance(launch: str, fmt: str) -> str:
+    """The text appended to cuda/moe_rows.cu that exports its ``launch`` ("gate_up" or "down") for ``fmt`` as
+    strata_moe_rows_<launch>_<fmt>: a kernel links that instantiation only, not every format's."""
+    return f"STRATA_MOE_ROWS_{launch.upper()}({fmt.lower()}, kRows{fmt})\n"
+
+
 _U32_PTR, _U8_PTR, _I32_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8), types.CPointer(types.int32)
 _I32, _HALF, _FLOAT = tensor_core.INT32, tensor_core.HALF_PTR, tensor_core.FLOAT_PTR
 
@@ -132,7 +138,8 @@ _I32, _HALF, _FLOAT = tensor_core.INT32, tensor_core.HALF_PTR, tensor_core.FLOAT
 def _gate_up_kernel(fmt: str, is_mapped: bool):
     fn = tensor_core.declare(f"strata_moe_rows_gate_up_{fmt.lower()}",
                              (_HALF, _I32, _I32, _I32_PTR, _I32, _I32, _U32_PTR, _HALF, _U8_PTR, _U32_PTR, _HALF,
-                              _U8_PTR, _I32, _I32, _I32, _I32, _I32, _HALF, _I32, _I32, _U8_PTR), "moe_rows.cu")
+                              _U8_PTR, _I32, _I32, _I32, _I32, _I32, _HALF, _I32, _I32, _U8_PTR), "moe_rows.cu",
+                             instance("gate_up", fmt))
     ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(fmt)
 
     @cuda.jit
@@ -158,7 +165,8 @@ def _gate_up_kernel(fmt: str, is_mapped: bool):
 def _down_kernel(fmt: str, is_mapped: bool):
     fn = tensor_core.declare(f"strata_moe_rows_down_{fmt.lower()}",
                              (_HALF, _I32, _I32, _I32_PTR, _FLOAT, _I32, _I32, _U32_PTR, _HALF, _U8_PTR, _I32, _I32,
-                              _I32, _I32, _I32, _FLOAT, _I32, _I32, _U8_PTR), "moe_rows.cu")
+                              _I32, _I32, _I32, _FLOAT, _I32, _I32, _U8_PTR), "moe_rows.cu",
+                             instance("down", fmt))
     ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(fmt)
 
     # at 129 registers (as built without a cap) an SM holds 3 of these blocks, at 128 four; only GPU builds

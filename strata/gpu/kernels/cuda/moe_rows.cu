@@ -529,8 +529,10 @@ __device__ __forceinline__ void down(const __half* hidden, int hidden_pitch, int
 
 }  // namespace
 
-// The exported calls, one pair a format: moe_rows.py declares them (the extra plane unread but for Q4_K).
-#define STRATA_MOE_ROWS(NAME, F)                                                                                  \
+// The exported calls, one a launch and format: moe_rows.py appends the instantiation a kernel calls (moe_rows.instance,
+// e.g. STRATA_MOE_ROWS_DOWN(q4_k, kRowsQ4_K)) to this text, so a link compiles that one only. The extra plane is
+// read by the K-quants only.
+#define STRATA_MOE_ROWS_GATE_UP(NAME, F)                                                                          \
   extern "C" __device__ void strata_moe_rows_gate_up_##NAME(                                                      \
       const __half* x, int x_pitch, int num_k32, const int* pair_token, int start, int num_rows,                 \
       const unsigned* gq, const __half* gs, const unsigned char* ge, const unsigned* uq, const __half* us,       \
@@ -538,7 +540,8 @@ __device__ __forceinline__ void down(const __half* hidden, int hidden_pitch, int
       __half* hidden, int hidden_pitch, int col0, unsigned char* smem) {                                          \
     gate_up<F>(x, x_pitch, num_k32, pair_token, start, num_rows, RowsPlanes{gq, gs, ge}, RowsPlanes{uq, us, ue}, \
                quant_pitch, scale_pitch, extra_pitch, w_row0, w_row_end, hidden, hidden_pitch, col0, smem);       \
-  }                                                                                                               \
+  }
+#define STRATA_MOE_ROWS_DOWN(NAME, F)                                                                             \
   extern "C" __device__ void strata_moe_rows_down_##NAME(                                                         \
       const __half* hidden, int hidden_pitch, int num_k32, const int* pair_token, const float* pair_weight,      \
       int start, int num_rows, const unsigned* dq, const __half* ds, const unsigned char* de, int quant_pitch,   \
@@ -547,8 +550,3 @@ __device__ __forceinline__ void down(const __half* hidden, int hidden_pitch, int
     down<F>(hidden, hidden_pitch, num_k32, pair_token, pair_weight, start, num_rows, RowsPlanes{dq, ds, de},     \
             quant_pitch, scale_pitch, extra_pitch, w_row0, w_row_end, out, out_pitch, col0, smem);                \
   }
-
-STRATA_MOE_ROWS(q4_0, kRowsQ4_0)
-STRATA_MOE_ROWS(q8_0, kRowsQ8_0)
-STRATA_MOE_ROWS(q4_k, kRowsQ4_K)
-#undef STRATA_MOE_ROWS
