@@ -13,8 +13,10 @@ from strata.model import reference_ops
 
 needs_tensor_cores = pytest.mark.skipif(not tensor_core.is_available(), reason="needs a GPU with tensor cores")
 # the experts' fp16 scale magnitudes: at kernel_data's (1/8, 1/64) Q8_0 and Q4_K weights reach 16, and
-# silu(gate) * up of x ~ N(0, 1) passes float16's 65,504 in the float16 hidden (Inf, then NaN in down)
-_MAGNITUDES = {"Q8_0": 1.0 / 128, "Q4_K": 1.0 / 256}
+# silu(gate) * up of x ~ N(0, 1) passes float16's 65,504 in the float16 hidden (Inf, then NaN in down); these keep
+# every format's weights within 4 (Q5_K: 63 x 31 / 512, Q6_K: 128 x 32 / 1024)
+_MAGNITUDES = {"Q8_0": 1.0 / 128, "Q4_K": 1.0 / 256, "Q5_K": 1.0 / 512, "Q6_K": 1.0 / 1024}
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # rows of whole 256-element super-blocks
 
 
 def _matrix(fmt, num_rows, num_cols, seed):
@@ -39,6 +41,8 @@ def test_the_shared_stages_fit_static_shared_memory():
     assert moe_rows.shared_bytes() == 38_400 <= 48 * 1024  # cuda/moe_rows.cu's 3 stages of 8 + 4 + 0.5 KiB
     assert moe_rows.shared_bytes("Q8_0") == 33_792  # 2 stages of 8 + 8 + 0.5 KiB (3 would pass 48 KiB)
     assert moe_rows.shared_bytes("Q4_K") == 43_008  # 3 stages of 8 + 4 + 2 KiB (d, dmin, 12 scale bytes a row)
+    for fmt in ("Q5_K", "Q6_K"):  # 2 stages of 8 + 8 + 2 KiB (nibbles and high bits; a 16-byte record a row)
+        assert moe_rows.shared_bytes(fmt) == 36_864
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -57,9 +61,10 @@ def test_chunks_take_the_rows_kernels_tiles_where_they_serve_the_experts():
         tiles = moe.moe_block_m(num_pairs, 128)  # the tile kernels' choice
         served = moe_rows.TILE_ROWS if tensor_core.is_available() else tiles
         assert moe.prefill_tile_rows(num_pairs, 128, q4_0, 2048, 768) == served
-        for fmts in (("Q8_0",) * 3, ("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q8_0")):  # down of its own format
+        for fmts in (("Q8_0",) * 3, ("Q4_K",) * 3, ("Q4_K", "Q4_K", "Q8_0"),  # down of its own format
+                     ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q6_K"), ("Q6_K",) * 3):  # Q4_K_M's, Q5_K_M's, Q6_K's
             assert moe.prefill_tile_rows(num_pairs, 128, fmts, 2048, 768) == served
-        assert moe.prefill_tile_rows(num_pairs, 128, ("Q4_K", "Q4_K", "Q6_K"), 2048, 768) == tiles
+        assert moe.prefill_tile_rows(num_pairs, 128, ("Q4_K", "Q4_K", "Q4_1"), 2048, 768) == tiles
         assert moe.prefill_tile_rows(num_pairs, 128, ("Q4_K", "Q8_0", "Q4_K"), 2048, 768) == tiles  # gate, up differ
         assert moe.prefill_tile_rows(num_pairs, 128, q4_0, 2048, 96) == tiles  # FFN not a multiple of STEP_K
         assert moe.prefill_tile_rows(num_pairs, 128) == tiles  # experts unknown
@@ -76,16 +81,18 @@ def test_groups_of_other_rows_or_no_tensor_cores_are_not_supported():
 
 
 # (num_tokens, num_experts, dim, ffn) per format: ~35 rows an expert, both K loops past the 3-stage ring (4 and 5
-# steps); ~150 (3 tiles), down's second 64-row half partly past the hidden size; ~1 row. Q4_K's rows are whole
-# 256-element super-blocks: 2 and 3 of them (every step's sub-blocks, super-blocks past the first)
+# steps); ~150 (3 tiles), down's second 64-row half partly past the hidden size; ~1 row. The K-quants' rows are
+# whole 256-element super-blocks: 1, 2 and 3 of them (every step's sub-blocks, super-blocks past the first; Q6_K's
+# one f16 d a super-block at odd and even halves of its plane)
+_K_SHAPES = [(70, 4, 512, 768), (150, 2, 256, 512), (3, 4, 256, 256)]
 _SHAPES = {"Q4_0": [(70, 4, 256, 320), (150, 2, 192, 256), (3, 4, 128, 192)],
            "Q8_0": [(70, 4, 256, 320), (150, 2, 192, 256), (3, 4, 128, 192)],
-           "Q4_K": [(70, 4, 512, 768), (150, 2, 256, 512), (3, 4, 256, 256)]}
+           **{fmt: _K_SHAPES for fmt in _K_QUANTS}}
 _WIDER = {"quants": 4, "scales": 2, "extra": 4}  # columns added to each plane: a pitch past the format's rows
 
 
 def _mixed_down(fmt):  # gate/up of fmt, down of another served format: the two launches' formats apart
-    return {"Q4_0": "Q8_0", "Q8_0": "Q4_K", "Q4_K": "Q4_0"}[fmt]
+    return {"Q4_0": "Q8_0", "Q8_0": "Q4_K", "Q4_K": "Q6_K", "Q5_K": "Q6_K", "Q6_K": "Q4_0"}[fmt]
 
 
 @needs_tensor_cores
@@ -110,10 +117,11 @@ def test_rows_path_matches_reference_moe(fmt, num_tokens, num_experts, dim, ffn)
 @pytest.mark.parametrize("fmt", moe_rows.FORMATS)
 def test_every_number_of_token_groups_a_tile_matches_reference_moe(fmt):
     # one expert for each tile size 1 .. 8 groups of 8 tokens (a full group and a partial one each), a full tile,
-    # and 70 tokens (a full tile and one of 6); dim 192 (Q4_K 768): down's second 128-column block has no
+    # and 70 tokens (a full tile and one of 6); dim 192 (K-quants 768): down's second 128-column block has no
     # second half
     rows_per_expert = np.array([1, 9, 17, 25, 33, 41, 49, 57, 64, 70])
-    num_experts, dim, ffn = len(rows_per_expert), (768 if fmt == "Q4_K" else 192), (256 if fmt == "Q4_K" else 128)
+    is_k = fmt in _K_QUANTS
+    num_experts, dim, ffn = len(rows_per_expert), (768 if is_k else 192), (256 if is_k else 128)
     rng = np.random.default_rng(80)
     ids = rng.permutation(np.repeat(np.arange(num_experts), rows_per_expert)).astype(np.int32).reshape(-1, 1)  # [T, 1]
     weights = rng.uniform(0.5, 1.5, ids.shape).astype(np.float32)
@@ -130,7 +138,7 @@ def test_every_number_of_token_groups_a_tile_matches_reference_moe(fmt):
 @needs_tensor_cores
 @pytest.mark.parametrize("fmt", moe_rows.FORMATS)
 def test_rows_path_agrees_with_the_tile_path_and_is_the_default(monkeypatch, fmt):
-    num_tokens, num_experts, top_k, dim, ffn = 96, 8, 4, 256, (256 if fmt == "Q4_K" else 128)
+    num_tokens, num_experts, top_k, dim, ffn = 96, 8, 4, 256, (256 if fmt in _K_QUANTS else 128)
     (gate, up, down), _ = _experts(fmt, num_experts, dim, ffn, seed=50)
     ids, weights = _routing(num_tokens, num_experts, top_k, seed=51)
     x = dev(np.random.default_rng(52).standard_normal((num_tokens, dim)).astype(np.float32))
@@ -152,7 +160,7 @@ def test_rows_path_agrees_with_the_tile_path_and_is_the_default(monkeypatch, fmt
 @needs_tensor_cores
 @pytest.mark.parametrize("fmt", moe_rows.FORMATS)
 def test_rows_path_reads_mapped_slots_and_skips_absent_experts(fmt):
-    num_tokens, num_experts, top_k, dim, ffn = 40, 4, 2, (256 if fmt == "Q4_K" else 64), 256
+    num_tokens, num_experts, top_k, dim, ffn = 40, 4, 2, (256 if fmt in _K_QUANTS else 64), 256
     (gate, up, down), values = _experts(fmt, num_experts, dim, ffn, seed=60)
     ids, weights = _routing(num_tokens, num_experts, top_k, seed=61)
     x = np.random.default_rng(62).standard_normal((num_tokens, dim)).astype(np.float32)
@@ -169,11 +177,11 @@ def test_rows_path_reads_mapped_slots_and_skips_absent_experts(fmt):
 
 @needs_tensor_cores
 def test_other_formats_keep_the_tile_path(monkeypatch):
-    (gate, up, down), _ = _experts("Q6_K", 2, 256, 256, seed=70)
+    (gate, up, down), _ = _experts("Q4_1", 2, 256, 256, seed=70)
     ids, weights = _routing(8, 2, 1, seed=71)
     groups = moe_group(dev(ids), dev(weights), 2, moe_rows.TILE_ROWS)
     assert not moe_rows.is_supported(groups, gate, up, down)
-    monkeypatch.setattr(moe, "_rows_launches", lambda *a, **k: pytest.fail("Q6_K took the rows path"))
+    monkeypatch.setattr(moe, "_rows_launches", lambda *a, **k: pytest.fail("Q4_1 took the rows path"))
     moe_experts_prefill(dev(np.ones((8, 256), np.float32)), groups, gate, up, down,
                         dev(np.zeros((8, 256), np.float32)), num_experts=2)
 

@@ -1,12 +1,13 @@
 """moe_rows.cu's dequantization and K order, run on the host against gguf-py and stage_x.
 
 The simulator cannot run linked C++, so this test compiles the kernel's A-fragment dequantizers
-(dequant_block for Q4_0, dequant_q8_block, dequant_q4_k_block and the pairs and scales under them) and
-its hidden-column order, as their source text stands, for the CPU with g++ (CUDA's half type and
-intrinsics replaced by float16 shims). It checks that each lane's registers, for both of its rows, hold
-the f16 roundings of gguf-py's values of the physical elements the kernel's comments name (each format's
-quant words as the kernel stages them a step), and that pairing them with X as stage_x lays it out (an
-8-byte load a lane, as the mma's B fragments) gives the same products as W x X^T. The tensor-core loop
+(dequant_block for Q4_0, dequant_q8_block, dequant_q4_k_block, dequant_q5_k_block, dequant_q6_k_block and
+the pairs and scales under them), the K-quants' step addressing (step_words, x_step_column) and its
+hidden-column order, as their source text stands, for the CPU with g++ (CUDA's half type and intrinsics
+replaced by float16 shims). It checks that each lane's registers, for both of its rows, hold the f16
+roundings of gguf-py's values of the physical elements the kernel's comments name (each format's quant
+words and records as the kernel stages them a step), and that pairing them with X as stage_x lays it out
+(an 8-byte load a lane, as the mma's B fragments) gives the same products as W x X^T. The tensor-core loop
 around them is tested on the GPU (test_moe_rows).
 """
 
@@ -89,6 +90,7 @@ int main(int argc, char** argv) {
 
 
 _FORMAT_SHIMS = r"""
+#define __host__
 struct float2 { float x, y; };
 struct uint4 { unsigned x, y, z, w; };
 static inline float2 make_float2(float x, float y) { return {x, y}; }
@@ -99,10 +101,12 @@ static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c);
 static inline __half2 __floats2half2_rn(float a, float b) { return {to_half(a), to_half(b)}; }
 """
 
-# The kernel's reads of one step for Q8_0 (8) and Q4_K (12): words and scales as rows_tile stages them.
+# The kernel's reads of one step for Q8_0 (8), Q4_K (12), Q5_K (13) and Q6_K (14): words and records as rows_tile
+# stages them.
 _FORMATS_MAIN = r"""
 // argv: format rows cols tokens quant_pitch scale_pitch extra_pitch planes.bin x_staged.bin weights.out products.out
-// Row r is a lane's row g, and row (r + 1) mod rows its row g + 8, as in the Q4_0 test.
+// Row r is a lane's row g, and row (r + 2) mod rows its row g + 8 (rows even: as in the kernel, the two rows' d of a
+// Q6_K super-block are both odd or both even halves of the plane).
 int main(int argc, char** argv) {
   const int format = atoi(argv[1]), rows = atoi(argv[2]), cols = atoi(argv[3]), tokens = atoi(argv[4]);
   const int qp = atoi(argv[5]), sp = atoi(argv[6]), ep = atoi(argv[7]);
@@ -117,10 +121,25 @@ int main(int argc, char** argv) {
   f = fopen(argv[9], "rb");
   if (fread(x.data(), 2, x.size(), f) != x.size()) return 1;
   fclose(f);
+  // a row's step as rows_tile stages it: Q5_K and Q6_K's 4 chunks (nibbles, then high bits) of 4 words each
+  auto chunk_word = [&](int row, int step, int chunk, int t) {
+    const int at = format == 13 ? step_words<kRowsQ5_K>(step, chunk >= 2) : step_words<kRowsQ6_K>(step, chunk >= 2);
+    return q[(size_t)row * qp + at + 4 * (chunk & 1) + t];
+  };
+  // Q6_K's record: the 4-byte aligned word that holds the row's d of the step's super-block (an even half alone, an
+  // odd one with the half before it), then the 8 scales of the step's half super-block
+  auto q6_k_record = [&](int row, int step) {
+    const size_t half = (size_t)row * sp + step / 4;
+    uint4 record = {0, 0, 0, 0};
+    memcpy(&record.x, &s[half & ~(size_t)1], half & 1 ? 4 : 2);
+    memcpy(&record.y, &e[(size_t)row * ep + 16 * (step / 4) + 8 * ((step >> 1) & 1)], 8);
+    return record;
+  };
   for (int r = 0; r < rows; ++r)
     for (int kb = 0; kb < cols / 32; ++kb)  // the 32-element group b = kb % 2 of step kb / 2
       for (int t = 0; t < 4; ++t) {
-        const int r8 = (r + 1) % rows, step = kb / 2, b = kb & 1;
+        const int r8 = (r + 2) % rows, step = kb / 2, b = kb & 1;
+        int col0 = 32 * kb;  // the group's first column: Q6_K's as its X
         unsigned lo[4], hi[4];
         if (format == 8) {  // a step's 16 words: block b's lo in chunk 2b, hi in chunk 2b + 1
           unsigned scale0, scale8;
@@ -129,25 +148,40 @@ int main(int argc, char** argv) {
           const int lw = 16 * step + 8 * b + t;
           dequant_q8_block(q[(size_t)r * qp + lw], q[(size_t)r8 * qp + lw], q[(size_t)r * qp + lw + 4],
                            q[(size_t)r8 * qp + lw + 4], scale0, scale8, b, 0x64806480u, lo, hi);
-        } else {  // Q4_K: a step's 8 words, lo in chunk 0, hi in chunk 1; the row's record of its super-block
+        } else if (format == 14) {
+          const unsigned d_parity = ((unsigned)r * sp) & 1;  // rows_tile's, of row g
+          dequant_q6_k_block(chunk_word(r, step, 0, t), chunk_word(r8, step, 0, t), chunk_word(r, step, 1, t),
+                             chunk_word(r8, step, 1, t), chunk_word(r, step, 2, t), chunk_word(r8, step, 2, t),
+                             chunk_word(r, step, 3, t), chunk_word(r8, step, 3, t), q6_k_record(r, step),
+                             q6_k_record(r8, step), 16 * (d_parity ^ ((step >> 2) & 1)), b, 2 * (step & 1) + 4 * b,
+                             0x64006400u, lo, hi);
+          col0 = x_step_column<kRowsQ6_K>(step) + 64 * b;
+        } else {  // Q4_K, Q5_K: the row's record of its super-block (d, dmin, 12 scale bytes)
           const int super_block = step / 4, sub_block = 2 * (step % 4) + b, lw = 8 * step + t;
           uint4 record0, record8;
           memcpy(&record0.x, &s[(size_t)r * sp + 2 * super_block], 4);
           memcpy(&record8.x, &s[(size_t)r8 * sp + 2 * super_block], 4);
           memcpy(&record0.y, &e[(size_t)r * ep + 12 * super_block], 12);
           memcpy(&record8.y, &e[(size_t)r8 * ep + 12 * super_block], 12);
-          dequant_q4_k_block(q[(size_t)r * qp + lw], q[(size_t)r8 * qp + lw], q[(size_t)r * qp + lw + 4],
-                             q[(size_t)r8 * qp + lw + 4], q4_k_scale_min(record0, sub_block),
-                             q4_k_scale_min(record8, sub_block), b, 0x64006400u, lo, hi);
+          if (format == 12)  // a step's 8 words, lo in chunk 0, hi in chunk 1
+            dequant_q4_k_block(q[(size_t)r * qp + lw], q[(size_t)r8 * qp + lw], q[(size_t)r * qp + lw + 4],
+                               q[(size_t)r8 * qp + lw + 4], q4_k_scale_min(record0, sub_block),
+                               q4_k_scale_min(record8, sub_block), b, 0x64006400u, lo, hi);
+          else
+            dequant_q5_k_block(chunk_word(r, step, 0, t), chunk_word(r8, step, 0, t), chunk_word(r, step, 1, t),
+                               chunk_word(r8, step, 1, t), chunk_word(r, step, 2, t), chunk_word(r8, step, 2, t),
+                               chunk_word(r, step, 3, t), chunk_word(r8, step, 3, t),
+                               q4_k_scale_min(record0, sub_block), q4_k_scale_min(record8, sub_block), b, sub_block,
+                               0x64006400u, lo, hi);
         }
         const int element[8] = {4 * t, 4 * t + 2, 4 * t + 1, 4 * t + 3, 16 + 4 * t, 18 + 4 * t, 17 + 4 * t, 19 + 4 * t};
         for (int half = 0; half < 2; ++half) {
           const int row = half ? r8 : r;
           const unsigned reg[4] = {lo[half], lo[2 + half], hi[half], hi[2 + half]};
-          uint16_t* w_row = &w[((size_t)half * rows + row) * cols + 32 * kb];
+          uint16_t* w_row = &w[((size_t)half * rows + row) * cols + col0];
           for (int i = 0; i < 8; ++i) w_row[element[i]] = (uint16_t)(reg[i / 2] >> (16 * (i % 2)));
           for (int n = 0; n < tokens; ++n) {
-            const uint16_t* xs = &x[(size_t)n * cols + 32 * kb];
+            const uint16_t* xs = &x[(size_t)n * cols + col0];
             double sum = 0.0;
             for (int i = 0; i < 8; ++i) {
               const int stored = (i < 4 ? 4 * t : 16 + 4 * t) + i % 4;
@@ -179,6 +213,7 @@ def format_fragments(tmp_path_factory):
     return _host_build(
         tmp_path_factory, "formats", _SHIMS, _FORMAT_SHIMS,
         ("common.cuh", "__device__ __forceinline__ unsigned pack_half2", "// c[0..3] += A"),
+        ("moe_rows.cu", "enum RowsFormat", "// A stage's regions"),
         ("common.cuh", "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
         ("moe_rows.cu", "// Q8_0: two f16 halves", "// The X copies of a thread"),
         _FORMATS_MAIN)
@@ -222,21 +257,25 @@ def test_lanes_dequantize_like_gguf_and_pair_with_stage_x_as_w_times_x(fragments
     np.testing.assert_array_equal(host(moe_rows.stage_x(dev(row)))[0, columns], row[0])
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K"])
+_FORMAT_CODES = {"Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+
+@pytest.mark.parametrize("fmt", list(_FORMAT_CODES))
 def test_lanes_of_the_other_formats_dequantize_like_gguf_and_pair_with_stage_x(format_fragments, fmt):
-    num_rows, num_cols, num_tokens = 5, 512, 3  # Q4_K: 2 super-blocks, 8 steps (every sub-block of each)
+    # K-quants: 3 super-blocks, 12 steps (every sub-block of each; Q6_K's d at odd and even halves of its plane)
+    num_rows, num_cols, num_tokens = 6, (512 if fmt == "Q8_0" else 768), 3
     rng = np.random.default_rng(31)
     raw = random_gguf_bytes(fmt, num_rows, num_cols, rng)
     packed = pack(raw, fmt)
     x = rng.standard_normal((num_tokens, num_cols)).astype(np.float32)
     staged = host(moe_rows.stage_x(dev(x)))
-    extra = np.ascontiguousarray(packed.extra, np.uint8) if fmt == "Q4_K" else np.zeros((num_rows, 0), np.uint8)
+    extra = np.ascontiguousarray(packed.extra, np.uint8) if fmt != "Q8_0" else np.zeros((num_rows, 0), np.uint8)
     with open(format_fragments / "planes.bin", "wb") as f:
         f.write(np.ascontiguousarray(packed.quants, np.uint32).tobytes())
         f.write(np.ascontiguousarray(packed.scales, np.float16).tobytes())
         f.write(extra.tobytes())
     staged.tofile(format_fragments / "x.bin")
-    subprocess.run([str(format_fragments / "formats"), {"Q8_0": "8", "Q4_K": "12"}[fmt], str(num_rows), str(num_cols),
+    subprocess.run([str(format_fragments / "formats"), str(_FORMAT_CODES[fmt]), str(num_rows), str(num_cols),
                     str(num_tokens), str(packed.quants.shape[1]), str(packed.scales.shape[1]), str(extra.shape[1]),
                     str(format_fragments / "planes.bin"), str(format_fragments / "x.bin"),
                     str(format_fragments / "w.out"), str(format_fragments / "p.out")], check=True)

@@ -13,7 +13,7 @@ Prefill (moe_experts_prefill), two launches over the tiles of moe_route.moe_grou
         tensor cores two adjacent columns per vector reduction. The k experts of a token land in
         any order, so the float sum is not bitwise reproducible.
     With neither config nor down_config given, groups of moe_rows.TILE_ROWS pairs and experts that
-    moe_rows serves (Q4_0 on tensor cores) run moe_rows' two launches instead: the weight rows on
+    moe_rows serves (moe_rows.FORMATS on tensor cores) run moe_rows' two launches instead: the weight rows on
     the mma's M, the tile's tokens on its N. prefill_tile_rows picks a chunk's grouping accordingly.
 Decode (moe_experts_decode), two launches, GEMV-shaped (a few tokens):
     gate_up: grid (F row blocks, T * k pairs), optionally with the FFN RMSNorm fused in;

@@ -9,10 +9,11 @@ weight element is dequantized once a tile, from a cp.async ring of raw quant blo
 as packing.py lays them out) straight into A fragments in registers. The tile's number of 8-token
 groups picks one of eight compiled loops (a switch on the tile's rows), so a tile of 32 tokens runs
 exactly 4 groups' mma and holds their accumulators only. Gate and up take one format, down its own
-(each of FORMATS: Q4_0, Q8_0, Q4_K); other experts take moe.py's tiles.
+(each of FORMATS: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K); other experts take moe.py's tiles.
 
 Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and hidden, weights the
-f16 roundings of gguf-py's float32 values: d * (q - 8), d * q, d * sc * q - dmin * m; f32 sums): the
+f16 roundings of gguf-py's float32 values: d * (q - 8), d * q, d * sc * q - dmin * m (Q4_K, Q5_K),
+d * sc * (q - 32) (Q6_K); f32 sums): the
 two agree up to summation order (and both give Inf where silu(gate) * up passes float16's 65,504,
 then NaN or Inf in out). The kernels read X, and gate/up writes hidden, with each aligned quad
 of columns in the order (0, 2, 1, 3) (stage_x): that is the K order in which one mask of a quant word
@@ -42,7 +43,7 @@ from ._common import (
 )
 from .moe_route import MoeGroups, tile_slot_device
 
-FORMATS = ("Q4_0", "Q8_0", "Q4_K")  # each a template argument of cuda/moe_rows.cu (kRows<format>)
+FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # each a template argument of cuda/moe_rows.cu (kRows<format>)
 TILE_ROWS = 64  # the groups' block_m: the tokens of a tile, 8 groups of 8
 BLOCK_COLS = 64  # gate/up: weight rows of a block (of gate and of up), 4 warps of 16
 DOWN_BLOCK_COLS = 128  # down: two 64-row halves, each warp 16 rows of both
@@ -51,13 +52,15 @@ STEP_K = 64  # K staged a step: both dims must be multiples of it
 _ALIGN_BYTES = 16  # cp.async copies 16 bytes of quants (and 4 of scales and scale bytes) at a time
 _MAX_REGISTERS = 128  # 4 blocks of THREADS an SM: the register file is 64 K registers
 # cuda/moe_rows.cu's Stage<F>: (stages, a weight row's quant bytes a step, its scale bytes a step)
-_STAGE_SHAPES = {"Q4_0": (3, STEP_K // 2, 4), "Q8_0": (2, STEP_K, 4), "Q4_K": (3, STEP_K // 2, 16)}
+_STAGE_SHAPES = {"Q4_0": (3, STEP_K // 2, 4), "Q8_0": (2, STEP_K, 4), "Q4_K": (3, STEP_K // 2, 16),
+                 "Q5_K": (2, STEP_K, 16), "Q6_K": (2, STEP_K, 16)}
+_RECORD_FORMATS = ("Q4_K", "Q5_K", "Q6_K")  # a record a row and step: scales and the extra plane's bytes
 
 
 def shared_bytes(fmt: str = "Q4_0") -> int:
     """A block's shared memory for weights of ``fmt`` (cuda/moe_rows.cu's Stage<F>: both launches stage two
-    64-row weights): a stage holds X, then the two weights' raw quant bytes, then their scales (Q4_K: the
-    super-block's d, dmin and 12 scale bytes a row)."""
+    64-row weights): a stage holds X, then the two weights' raw quant bytes (Q5_K, Q6_K: their nibbles and high
+    bits), then their scales (K-quants: a 16-byte record of the super-block a row)."""
     stages, row_bytes, scale_bytes = _STAGE_SHAPES[fmt]
     x_stage = 2 * TILE_ROWS * STEP_K
     return stages * (x_stage + 2 * BLOCK_COLS * (row_bytes + scale_bytes))
@@ -94,13 +97,14 @@ def stage_x(x, out=None, *, threads: int = 256):
 
 
 def _is_aligned(w) -> bool:
-    """The planes' rows as cp.async reads them: quants in 16-byte chunks, scales (and Q4_K's scale bytes) in
-    4-byte words; a plane's row pitch may be wider than its format's (an expert cache of mixed types)."""
-    is_extra_read = w.fmt == "Q4_K"
+    """The planes' rows as cp.async reads them: quants in 16-byte chunks, scales (and the K-quants' scale bytes)
+    in 4-byte words (Q6_K's one f16 d a super-block in the aligned word that holds it, so its rows take any
+    pitch); a plane's row pitch may be wider than its format's (an expert cache of mixed types)."""
+    is_extra_read = w.fmt in _RECORD_FORMATS
     return (is_device_array(w.quants) and is_c_contiguous(w.quants) and is_c_contiguous(w.scales)
             and w.quants.device_ctypes_pointer.value % _ALIGN_BYTES == 0
             and w.quants.shape[1] * 4 % _ALIGN_BYTES == 0
-            and w.scales.device_ctypes_pointer.value % 4 == 0 and w.scales.shape[1] % 2 == 0
+            and w.scales.device_ctypes_pointer.value % 4 == 0 and (w.fmt == "Q6_K" or w.scales.shape[1] % 2 == 0)
             and (not is_extra_read or (is_c_contiguous(w.extra) and w.extra.device_ctypes_pointer.value % 4 == 0
                                        and w.extra.shape[1] % 4 == 0)))
 
@@ -108,7 +112,8 @@ def _is_aligned(w) -> bool:
 def serves(fmts: tuple, dim: int, ffn: int) -> bool:
     """True when these kernels run experts of these formats (gate, up, down) and sizes, given groups of
     TILE_ROWS pairs and aligned planes: a GPU with tensor cores, gate and up of one format and down of one, each
-    of FORMATS, hidden and FFN sizes multiples of STEP_K (Q4_K's rows are whole 256-element blocks anyway)."""
+    of FORMATS, hidden and FFN sizes multiples of STEP_K (the K-quants' rows are whole 256-element blocks
+    anyway)."""
     return (tensor_core.is_available() and len(fmts) == 3 and all(fmt in FORMATS for fmt in fmts)
             and fmts[0] == fmts[1] and dim > 0 and ffn > 0 and dim % STEP_K == 0 and ffn % STEP_K == 0)
 

@@ -1,8 +1,8 @@
 // MoE expert products for chunks of few routed rows an expert (moe_rows.py): the weight rows are the
 // mma's M and the tile's tokens its N, so a tile of up to 64 tokens pays for whole 8-token groups only,
 // and each weight element is dequantized once a tile, straight into A fragments in registers. Experts of
-// Q4_0, Q8_0 or Q4_K (gate and up of one format, down of its own): the format is a template argument F,
-// and the comments below describe Q4_0 first, then what the others change (see "Other formats").
+// Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (gate and up of one format, down of its own): the format is a template argument
+// F, and the comments below describe Q4_0 first, then what the others change (see "Other formats").
 //
 // A block: 4 warps, each owning 16 weight rows (rows g and g + 8 of a lane: g = lane / 4, t = lane % 4) of
 // the block's 64, of two weights (gate and up, or two halves of down), against all the tile's tokens in
@@ -38,6 +38,16 @@
 //         staged as Q4_0's two chunks; lo takes word t of chunk 0, hi word t of chunk 1, nibbles 4b up. Beside
 //         them a row's record: the super-block's f16 d and dmin, and its 12 bytes of 6-bit scales and mins.
 //         Each weight is the f16 rounding of the float d * sc * q - dmin * m, as gguf-py computes it in float32.
+//   Q5_K  Q4_K's step and record, and beside the 32 bytes of qs the super-block's 32 bytes of qh (its fifth bits: bit
+//         j of byte l for element l of sub-block j), a row's step 64 bytes as Q8_0's (qs in chunks 0, 1, qh in 2, 3;
+//         2 stages). lo takes word t of qs chunk 0 and of qh chunk 2, hi those of chunks 1 and 3.
+//   Q6_K  a super-block's 128 bytes of ql hold its 32-element groups 4h + i (low nibbles of bytes 64h + 32i ..) and
+//         4h + 2 + i (high nibbles), h, i in 0, 1; its 64 bytes of qh their top two bits (bits 2 (c mod 4) of byte
+//         32h + l for element l of group c). A step j of a super-block takes groups 4h + i and 4h + 2 + i (h = j / 2,
+//         i = j mod 2): one 32-byte run of ql and the 32 bytes of qh of its half, staged as Q5_K's. So its X is
+//         not 64 columns in a row but two runs of 32, 64 apart (x_step_column). The record: the word that holds
+//         d, then the 8 int8 scales of the half (one a 16-element half of a group). Each weight is the f16 rounding
+//         of the float d * sc * (q - 32), exact in float as gguf-py's.
 //
 // Why the addressing is spelled out: at few groups a step's work is mostly the weights' side and the
 // addresses. Every shared access is an ld.shared / cp.async from a base register set before the K loop
@@ -50,7 +60,14 @@
 
 namespace {
 
-enum RowsFormat { kRowsQ4_0, kRowsQ8_0, kRowsQ4_K };
+enum RowsFormat { kRowsQ4_0, kRowsQ8_0, kRowsQ4_K, kRowsQ5_K, kRowsQ6_K };
+
+// K-quants: a record of the super-block a row and step
+__host__ __device__ constexpr bool has_record(int F) { return F == kRowsQ4_K || F == kRowsQ5_K || F == kRowsQ6_K; }
+// qh beside the nibbles
+__host__ __device__ constexpr bool has_high_bits(int F) { return F == kRowsQ5_K || F == kRowsQ6_K; }
+// 64 quant bytes a row and step
+__host__ __device__ constexpr bool is_wide(int F) { return F == kRowsQ8_0 || has_high_bits(F); }
 
 constexpr int STEP_K = 64, WARP_ROWS = 16, NW = 2;
 constexpr int X_BYTES = 2 * 64 * STEP_K;  // 8 KiB: 64 tokens
@@ -60,10 +77,10 @@ constexpr int GROUP_BYTES = 8 * 2 * STEP_K;  // 8 X rows
 // Q4_0: 2 KiB a weight (64 rows x 2 blocks x 16 B) and 512 B of scales, 12,800 B a stage.
 template <int F>
 struct Stage {
-  static constexpr int STAGES = F == kRowsQ8_0 ? 2 : 3;
-  static constexpr int ROW_BYTES = F == kRowsQ8_0 ? 64 : 32;  // a weight row's quant bytes a step
+  static constexpr int STAGES = is_wide(F) ? 2 : 3;  // 3 of 64-byte rows would pass 48 KiB
+  static constexpr int ROW_BYTES = is_wide(F) ? 64 : 32;  // a weight row's quant bytes a step
   static constexpr int W_BYTES = 64 * ROW_BYTES;
-  static constexpr int S_ROW_BYTES = F == kRowsQ4_K ? 16 : 4;  // Q4_K: d, dmin and 12 scale bytes a row and weight
+  static constexpr int S_ROW_BYTES = has_record(F) ? 16 : 4;  // K-quants: a 16-byte record a row and weight
   static constexpr int W_AT = X_BYTES, S_AT = X_BYTES + NW * W_BYTES;
   static constexpr int BYTES = S_AT + S_ROW_BYTES * NW * 64;
   static constexpr int ROW_HALF_BYTES = 8 * ROW_BYTES;  // 8 weight rows
@@ -83,8 +100,11 @@ __device__ __forceinline__ void copy16_or_zeros(unsigned dst, const void* src, b
   asm volatile("cp.async.cg.shared.global [%0+%3], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0),
                "n"(OFFSET));
 }
+__device__ __forceinline__ void copy4_part(unsigned dst, const void* src, int num_bytes) {  // the rest zeros
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(num_bytes));
+}
 __device__ __forceinline__ void copy4_or_zeros(unsigned dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+  copy4_part(dst, src, valid ? 4 : 0);
 }
 
 // volatile: each stays between the barriers and cp.async waits that order it against the ring's copies
@@ -201,14 +221,33 @@ __device__ __forceinline__ float2 q4_k_scale_min(const uint4& record, int j) {
   return make_float2(__low2float(d) * static_cast<float>(sc), __high2float(d) * static_cast<float>(mn));
 }
 
-// Q4_K: two f16 halves ds * q - dm of the low nibbles of bytes 0 and 2 of `word` (the caller shifts it): the
-// nibbles set into the mantissas of 1024, less 1024, are q exactly; ds * q is exact in float, less dm rounds once
-// there, and the half rounds once more, as gguf-py's float32 values rounded to f16.
-__device__ __forceinline__ unsigned q4_k_pair(unsigned word, float2 scale_min, unsigned one024) {
-  const unsigned biased = mask_into<0x000F000Fu>(word, one024);
+// K-quants: two f16 halves ds * q - dm of the quants set by MASK in bytes 0 and 2 of `word` (the caller shifts it
+// and, for Q5_K and Q6_K, puts their high bits above the nibbles): set into the mantissas of 1024, less `bias` (1024;
+// Q6_K's 1056) they are q (q - 32) exactly; ds * q is exact in float, less dm rounds once there, and the half rounds
+// once more, as gguf-py's float32 values rounded to f16. Q6_K's dm is 0: ds * (q - 32) exact, a zero of the sign
+// gguf-py's product gives it.
+template <unsigned MASK>
+__device__ __forceinline__ unsigned k_pair(unsigned word, float2 scale_min, unsigned one024, unsigned bias) {
+  const unsigned biased = mask_into<MASK>(word, one024);
   const float2 q = __half22float2(__hsub2(*reinterpret_cast<const __half2*>(&biased),
-                                          *reinterpret_cast<const __half2*>(&one024)));
+                                          *reinterpret_cast<const __half2*>(&bias)));
   return pack_half2(__fmaf_rn(scale_min.x, q.x, -scale_min.y), __fmaf_rn(scale_min.x, q.y, -scale_min.y));
+}
+
+// A fragments of a K-quant block of a step from quant words (each byte a quant, as MASK reads it): lo from l0 (row
+// g) and l8 (row g + 8), hi from h0, h8; lo0 .. hi8: the (ds, dm) of lo's and hi's elements of rows g and g + 8.
+template <unsigned MASK>
+__device__ __forceinline__ void dequant_k_block(unsigned l0, unsigned l8, unsigned h0, unsigned h8, float2 lo0,
+                                                float2 lo8, float2 hi0, float2 hi8, unsigned one024, unsigned bias,
+                                                unsigned (&lo)[4], unsigned (&hi)[4]) {
+  lo[0] = k_pair<MASK>(l0, lo0, one024, bias);
+  lo[1] = k_pair<MASK>(l8, lo8, one024, bias);
+  lo[2] = k_pair<MASK>(l0 >> 8, lo0, one024, bias);
+  lo[3] = k_pair<MASK>(l8 >> 8, lo8, one024, bias);
+  hi[0] = k_pair<MASK>(h0, hi0, one024, bias);
+  hi[1] = k_pair<MASK>(h8, hi8, one024, bias);
+  hi[2] = k_pair<MASK>(h0 >> 8, hi0, one024, bias);
+  hi[3] = k_pair<MASK>(h8 >> 8, hi8, one024, bias);
 }
 
 // A fragments of Q4_K block b of a step: lo from quant words l0 (row g), l8 (row g + 8) of chunk 0, hi from h0, h8
@@ -217,14 +256,66 @@ __device__ __forceinline__ void dequant_q4_k_block(unsigned l0, unsigned l8, uns
                                                    float2 sm8, int b, unsigned one024, unsigned (&lo)[4],
                                                    unsigned (&hi)[4]) {
   const int shift = 4 * b;
-  lo[0] = q4_k_pair(l0 >> shift, sm0, one024);
-  lo[1] = q4_k_pair(l8 >> shift, sm8, one024);
-  lo[2] = q4_k_pair(l0 >> (shift + 8), sm0, one024);
-  lo[3] = q4_k_pair(l8 >> (shift + 8), sm8, one024);
-  hi[0] = q4_k_pair(h0 >> shift, sm0, one024);
-  hi[1] = q4_k_pair(h8 >> shift, sm8, one024);
-  hi[2] = q4_k_pair(h0 >> (shift + 8), sm0, one024);
-  hi[3] = q4_k_pair(h8 >> (shift + 8), sm8, one024);
+  dequant_k_block<0x000F000Fu>(l0 >> shift, l8 >> shift, h0 >> shift, h8 >> shift, sm0, sm8, sm0, sm8, one024,
+                               one024, lo, hi);
+}
+
+// Q5_K and Q6_K: each byte's quant, nibble 4b of `low` with the high bits of `high` at shift, ANDed with HIGH (Q5_K
+// 1 bit, Q6_K 2), above it
+template <unsigned HIGH>
+__device__ __forceinline__ unsigned high_bit_quants(unsigned low, unsigned high, int b, int shift) {
+  return ((low >> (4 * b)) & 0x0F0F0F0Fu) | (((high >> shift) & HIGH) << 4);
+}
+
+// A fragments of Q5_K block b of a step (sub-block j = 2 (step mod 4) + b): qs words l0, l8 (chunk 0), h0, h8
+// (chunk 1), qh words ql0, ql8 (chunk 2: lo's), qh0, qh8 (chunk 3: hi's), of rows g and g + 8; sm0, sm8 as Q4_K's.
+__device__ __forceinline__ void dequant_q5_k_block(unsigned l0, unsigned l8, unsigned h0, unsigned h8, unsigned ql0,
+                                                   unsigned ql8, unsigned qh0, unsigned qh8, float2 sm0, float2 sm8,
+                                                   int b, int j, unsigned one024, unsigned (&lo)[4],
+                                                   unsigned (&hi)[4]) {
+  constexpr unsigned HIGH = 0x01010101u;
+  dequant_k_block<0x001F001Fu>(high_bit_quants<HIGH>(l0, ql0, b, j), high_bit_quants<HIGH>(l8, ql8, b, j),
+                               high_bit_quants<HIGH>(h0, qh0, b, j), high_bit_quants<HIGH>(h8, qh8, b, j), sm0, sm8,
+                               sm0, sm8, one024, one024, lo, hi);
+}
+
+// Q6_K: (d * sc, 0) of scale `k` (0 .. 7) of a row record: x the aligned word holding d at bit d_shift, y and z the
+// 8 int8 scales of the step's half super-block. In float, exact (11 by 8 bits).
+__device__ __forceinline__ float2 q6_k_scale(const uint4& record, int d_shift, int k) {
+  const unsigned d_bits = record.x >> d_shift;
+  const float d = __low2float(*reinterpret_cast<const __half2*>(&d_bits));
+  const float ds = d * static_cast<float>(static_cast<signed char>((k < 4 ? record.y : record.z) >> (8 * (k & 3))));
+  return make_float2(ds, 0.f);
+}
+
+// A fragments of Q6_K block b of step j of a super-block (groups 4 (j / 2) + j mod 2 + 2b): ql words l0 .. h8, qh
+// words ql0 .. qh8 as Q5_K's; rec0, rec8: the records of rows g and g + 8, d at bit d_shift. The block's qh bits and
+// its lo scale are both at k = 2 (j mod 2) + 4b (hi's scale at k + 1).
+__device__ __forceinline__ void dequant_q6_k_block(unsigned l0, unsigned l8, unsigned h0, unsigned h8, unsigned ql0,
+                                                   unsigned ql8, unsigned qh0, unsigned qh8, const uint4& rec0,
+                                                   const uint4& rec8, int d_shift, int b, int k, unsigned one024,
+                                                   unsigned (&lo)[4], unsigned (&hi)[4]) {
+  constexpr unsigned HIGH = 0x03030303u;
+  dequant_k_block<0x003F003Fu>(high_bit_quants<HIGH>(l0, ql0, b, k), high_bit_quants<HIGH>(l8, ql8, b, k),
+                               high_bit_quants<HIGH>(h0, qh0, b, k), high_bit_quants<HIGH>(h8, qh8, b, k),
+                               q6_k_scale(rec0, d_shift, k), q6_k_scale(rec8, d_shift, k),
+                               q6_k_scale(rec0, d_shift, k + 1), q6_k_scale(rec8, d_shift, k + 1), one024,
+                               0x64206420u, lo, hi);  // 1056: q - 32
+}
+
+// Q5_K and Q6_K: the first word of a row's step in its quant plane, of the step's nibbles (high false) or of its
+// high bits (true); each two chunks of 16 bytes
+template <int F>
+__device__ __forceinline__ int step_words(int step, bool high) {
+  const int super_block = step >> 2, j = step & 3;
+  if constexpr (F == kRowsQ5_K) return 40 * super_block + (high ? 0 : 8 + 8 * j);  // qh[32], then qs[128]
+  return 48 * super_block + (high ? 32 + 8 * (j >> 1) : 8 * j);                    // ql[128], then qh[64]
+}
+
+// The first X column of a step (Q6_K: of its first run of 32; its second is 64 further on)
+template <int F>
+__device__ __forceinline__ int x_step_column(int step) {
+  return F == kRowsQ6_K ? STEP_K * step - 32 * (step & 1) : STEP_K * step;
 }
 
 // The X copies of a thread from K (rows xr + 16k, k >= K, of the tile's 8G): xoff[k] the row's offset in
@@ -289,56 +380,70 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
   const int num_steps = num_k32 / 2;
 
   // X: 16-byte chunk xq of tile rows xr + 16k, at chunk xq ^ (2r mod 8) (the same for every k); rows past the
-  // tile's tokens are not copied: they only reach the mma's columns of those tokens, which nothing stores
+  // tile's tokens are not copied: they only reach the mma's columns of those tokens, which nothing stores. Q6_K:
+  // the chunks of a step's second run of 32 columns are 32 columns further on (x_step_column)
   const int xq = tid & 7, xr = tid >> 3;
+  const int x_col = 8 * xq + (F == kRowsQ6_K && xq >= 4 ? 32 : 0);
   int xoff[KX];
 #pragma unroll
   for (int k = 0; k < KX; ++k) {
     const int r = xr + 16 * k;
-    xoff[k] = r < num_rows ? (GATHER ? pair_token[start + r] : start + r) * x_pitch + 8 * xq : -1;
+    xoff[k] = r < num_rows ? (GATHER ? pair_token[start + r] : start + r) * x_pitch + x_col : -1;
   }
   const unsigned x_dst = smem + 2 * (xr * STEP_K + 8 * (xq ^ ((2 * xr) & 7)));
-  // weights: quant chunk wb (16 bytes; Q8_0 chunks 2wb, 2wb + 1) of row wr of each weight, and the scales of row
-  // sr of weight sm
+  // weights: quant chunk wc (16 bytes; Q8_0 chunks 2wc, 2wc + 1; Q5_K, Q6_K: the nibbles' two chunks (wc = 0), or
+  // the high bits' (1)) of row wr of each weight, and the scales (records) of row sr of weight sm
   const int wr = tid >> 1, wc = tid & 1, sr = tid & 63, sm = tid >> 6;
   const bool is_wa = w_row0 + wr < w_row_end, is_wb = w_row0 + wr < w_row_end_b;
   const bool is_s = w_row0 + sr < (sm ? w_row_end_b : w_row_end);
-  constexpr int CHUNK_WORDS = F == kRowsQ8_0 ? 8 : 4;  // the words a thread copies of a row's step
+  constexpr int CHUNK_WORDS = F == kRowsQ8_0 ? 8 : (has_high_bits(F) ? 0 : 4);  // a thread's first word of a step
   const unsigned* wa_src = wa.quants + static_cast<size_t>(is_wa ? w_row0 + wr : 0) * quant_pitch + CHUNK_WORDS * wc;
   const unsigned* wb_src = wb.quants + static_cast<size_t>(is_wb ? w_row0 + wr : 0) * quant_pitch + CHUNK_WORDS * wc;
   const size_t s_row = is_s ? w_row0 + sr : 0;
   const __half* s_src = (sm ? wb.scales : wa.scales) + s_row * scale_pitch;
-  const unsigned char* e_src = (sm ? wb.extra : wa.extra) + s_row * extra_pitch;  // Q4_K only
-  unsigned w_dst, w_dst_next = 0;  // Q8_0: the second chunk
-  if constexpr (F == kRowsQ8_0) {
+  const unsigned char* e_src = (sm ? wb.extra : wa.extra) + s_row * extra_pitch;  // K-quants only
+  unsigned w_dst, w_dst_next = 0;  // 64-byte rows: the second chunk
+  if constexpr (is_wide(F)) {
     const int swizzle = (wr >> 1) & 3;
     w_dst = smem + S::W_AT + 64 * wr + 16 * ((2 * wc) ^ swizzle);
     w_dst_next = smem + S::W_AT + 64 * wr + 16 * ((2 * wc + 1) ^ swizzle);
   } else {
     w_dst = smem + S::W_AT + 32 * wr + 16 * (wc ^ ((wr >> 2) & 1));
   }
-  // Q4_0 and Q8_0: the scale words [4 warps][8 g][weight][row g, g + 8]; Q4_K: the 16-byte records in that order
-  const unsigned s_dst = F == kRowsQ4_K
+  // Q4_0 and Q8_0: the scale words [4 warps][8 g][weight][row g, g + 8]; K-quants: the 16-byte records in that order
+  const unsigned s_dst = has_record(F)
       ? smem + S::S_AT + 16 * ((((sr >> 4) * 8 + (sr & 7)) * NW + sm) * 2 + ((sr >> 3) & 1))
       : smem + S::S_AT + 4 * ((((sr >> 4) * 8 + (sr & 7)) * NW + sm) * 2 + ((sr >> 3) & 1));
 
   auto load = [&](int step, unsigned stage) {
-    copy_x<0, KX>(x + step * STEP_K, xoff, x_dst + stage);
-    if constexpr (F == kRowsQ8_0) {
-      copy16_or_zeros<0>(w_dst + stage, wa_src + 16 * step, is_wa);
-      copy16_or_zeros<0>(w_dst_next + stage, wa_src + 16 * step + 4, is_wa);
-      copy16_or_zeros<S::W_BYTES>(w_dst + stage, wb_src + 16 * step, is_wb);
-      copy16_or_zeros<S::W_BYTES>(w_dst_next + stage, wb_src + 16 * step + 4, is_wb);
+    copy_x<0, KX>(x + x_step_column<F>(step), xoff, x_dst + stage);
+    if constexpr (is_wide(F)) {
+      int at = 16 * step;
+      if constexpr (has_high_bits(F)) at = step_words<F>(step, wc);
+      copy16_or_zeros<0>(w_dst + stage, wa_src + at, is_wa);
+      copy16_or_zeros<0>(w_dst_next + stage, wa_src + at + 4, is_wa);
+      copy16_or_zeros<S::W_BYTES>(w_dst + stage, wb_src + at, is_wb);
+      copy16_or_zeros<S::W_BYTES>(w_dst_next + stage, wb_src + at + 4, is_wb);
     } else {
       copy16_or_zeros<0>(w_dst + stage, wa_src + 8 * step, is_wa);
       copy16_or_zeros<S::W_BYTES>(w_dst + stage, wb_src + 8 * step, is_wb);
     }
-    if constexpr (F == kRowsQ4_K) {  // the super-block's d and dmin, then its 12 scale bytes
+    if constexpr (F == kRowsQ4_K || F == kRowsQ5_K) {  // the super-block's d and dmin, then its 12 scale bytes
       const int super_block = step >> 2;
       copy4_or_zeros(s_dst + stage, s_src + 2 * super_block, is_s);
       copy4_or_zeros(s_dst + stage + 4, e_src + 12 * super_block, is_s);
       copy4_or_zeros(s_dst + stage + 8, e_src + 12 * super_block + 4, is_s);
       copy4_or_zeros(s_dst + stage + 12, e_src + 12 * super_block + 8, is_s);
+    } else if constexpr (F == kRowsQ6_K) {
+      // the aligned word that holds d (an odd half's word begins at the half before it; an even half's is read
+      // alone, the word's other half zeros, so no read passes the plane), then the half super-block's 8 scales
+      const int super_block = step >> 2;
+      const __half* d = s_src + super_block;
+      const int is_odd = (reinterpret_cast<size_t>(d) >> 1) & 1;
+      copy4_part(s_dst + stage, d - is_odd, is_s ? 2 + 2 * is_odd : 0);
+      const unsigned char* scales = e_src + 16 * super_block + 8 * ((step >> 1) & 1);
+      copy4_or_zeros(s_dst + stage + 4, scales, is_s);
+      copy4_or_zeros(s_dst + stage + 8, scales + 4, is_s);
     } else {
       copy4_or_zeros(s_dst + stage, s_src + 2 * step, is_s);
     }
@@ -349,8 +454,8 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
   // at +ROW_HALF_BYTES, the second weight at +W_BYTES), X of token g of group 0 for block b's low and high halves
   const int r0 = warp * WARP_ROWS + g, x_swizzle = (2 * g) & 7;
   const unsigned s_rd = smem + S::S_AT + S::S_ROW_BYTES * 4 * (warp * 8 + g);
-  unsigned w_rd[4];  // Q4_0, Q4_K: chunks 0, 1; Q8_0: chunks 0 .. 3
-  if constexpr (F == kRowsQ8_0) {
+  unsigned w_rd[4];  // Q4_0, Q4_K: chunks 0, 1; 64-byte rows: chunks 0 .. 3
+  if constexpr (is_wide(F)) {
     const int swizzle = (g >> 1) & 3;
 #pragma unroll
     for (int c = 0; c < 4; ++c) w_rd[c] = smem + S::W_AT + 64 * r0 + 16 * (c ^ swizzle) + 4 * t;
@@ -364,6 +469,9 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
   const unsigned x_rd[2][2] = {{x_row + 16 * ((t >> 1) ^ x_swizzle), x_row + 16 * ((2 + (t >> 1)) ^ x_swizzle)},
                                {x_row + 16 * ((4 + (t >> 1)) ^ x_swizzle), x_row + 16 * ((6 + (t >> 1)) ^ x_swizzle)}};
 
+  // Q6_K: d of super-block 0 of this lane's rows (g, g + 8, of both weights) is an odd half of the scale plane
+  // (4-byte aligned, moe_rows._is_aligned) when this is 1: the record's word holds it in its high half
+  const unsigned d_parity = F == kRowsQ6_K ? (static_cast<unsigned>(w_row0 + r0) * scale_pitch) & 1 : 0;
   const unsigned one024 = opaque_one024();
   constexpr int RH = S::ROW_HALF_BYTES, WB = S::W_BYTES;
   auto compute = [&](int step, unsigned stage) {
@@ -386,6 +494,39 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
                              q4_k_scale_min(rec[m][1], sub_block0 + b), b, one024, lo[m], hi[m]);
         group_mmas<0, G>(acc, lo, hi, x_rd[b][0] + stage, x_rd[b][1] + stage);
       }
+    } else if constexpr (has_high_bits(F)) {
+      const uint4 rec[NW][2] = {{load_shared4(s_rd + stage), load_shared4(s_rd + 16 + stage)},
+                                {load_shared4(s_rd + 32 + stage), load_shared4(s_rd + 48 + stage)}};
+      // chunks 0, 1: the nibbles of lo and hi; chunks 2, 3: their high bits; each [weight][row half]
+      const unsigned c0 = w_rd[0] + stage, c1 = w_rd[1] + stage, c2 = w_rd[2] + stage, c3 = w_rd[3] + stage;
+      const unsigned l[NW][2] = {{load_shared<0>(c0), load_shared<RH>(c0)},
+                                 {load_shared<WB>(c0), load_shared<WB + RH>(c0)}};
+      const unsigned h[NW][2] = {{load_shared<0>(c1), load_shared<RH>(c1)},
+                                 {load_shared<WB>(c1), load_shared<WB + RH>(c1)}};
+      const unsigned lq[NW][2] = {{load_shared<0>(c2), load_shared<RH>(c2)},
+                                  {load_shared<WB>(c2), load_shared<WB + RH>(c2)}};
+      const unsigned hq[NW][2] = {{load_shared<0>(c3), load_shared<RH>(c3)},
+                                  {load_shared<WB>(c3), load_shared<WB + RH>(c3)}};
+      // both blocks' fragments before their mma, so that the words and records die first (down at 128 registers,
+      // ptxas for sm_90 spills 32 bytes of Q5_K's and 28 of Q6_K's so, 164 and 24 a block at a time)
+      unsigned lo[2][NW][4], hi[2][NW][4];
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int m = 0; m < NW; ++m) {
+          if constexpr (F == kRowsQ5_K) {
+            const int j = 2 * (step & 3) + b;
+            dequant_q5_k_block(l[m][0], l[m][1], h[m][0], h[m][1], lq[m][0], lq[m][1], hq[m][0], hq[m][1],
+                               q4_k_scale_min(rec[m][0], j), q4_k_scale_min(rec[m][1], j), b, j, one024, lo[b][m],
+                               hi[b][m]);
+          } else {
+            dequant_q6_k_block(l[m][0], l[m][1], h[m][0], h[m][1], lq[m][0], lq[m][1], hq[m][0], hq[m][1], rec[m][0],
+                               rec[m][1], 16 * (d_parity ^ ((step >> 2) & 1)), b, 2 * (step & 1) + 4 * b, one024,
+                               lo[b][m], hi[b][m]);
+          }
+        }
+#pragma unroll
+      for (int b = 0; b < 2; ++b) group_mmas<0, G>(acc, lo[b], hi[b], x_rd[b][0] + stage, x_rd[b][1] + stage);
     } else {
       const uint4 scales = load_shared4(s_rd + stage);  // weight 0 rows g, g + 8; weight 1 rows g, g + 8
 #pragma unroll
