@@ -19,6 +19,12 @@ _MAGNITUDES = {"Q8_0": 1.0 / 128, "Q4_K": 1.0 / 256, "Q5_K": 1.0 / 512, "Q6_K": 
 _K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # rows of whole 256-element super-blocks
 
 
+@pytest.fixture(autouse=True)
+def every_built_format_served(monkeypatch):
+    """The tests run every built format through the kernels, served or not yet (moe_rows.FORMATS)."""
+    monkeypatch.setattr(moe_rows, "FORMATS", moe_rows.BUILT_FORMATS)
+
+
 def _matrix(fmt, num_rows, num_cols, seed):
     return random_matrix(fmt, num_rows, num_cols, seed, _MAGNITUDES.get(fmt))
 
@@ -114,7 +120,7 @@ def test_rows_path_matches_reference_moe(fmt, num_tokens, num_experts, dim, ffn)
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+@pytest.mark.parametrize("fmt", moe_rows.BUILT_FORMATS)
 def test_every_number_of_token_groups_a_tile_matches_reference_moe(fmt):
     # one expert for each tile size 1 .. 8 groups of 8 tokens (a full group and a partial one each), a full tile,
     # and 70 tokens (a full tile and one of 6); dim 192 (K-quants 768): down's second 128-column block has no
@@ -136,7 +142,7 @@ def test_every_number_of_token_groups_a_tile_matches_reference_moe(fmt):
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+@pytest.mark.parametrize("fmt", moe_rows.BUILT_FORMATS)
 def test_rows_path_agrees_with_the_tile_path_and_is_the_default(monkeypatch, fmt):
     num_tokens, num_experts, top_k, dim, ffn = 96, 8, 4, 256, (256 if fmt in _K_QUANTS else 128)
     (gate, up, down), _ = _experts(fmt, num_experts, dim, ffn, seed=50)
@@ -158,7 +164,7 @@ def test_rows_path_agrees_with_the_tile_path_and_is_the_default(monkeypatch, fmt
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+@pytest.mark.parametrize("fmt", moe_rows.BUILT_FORMATS)
 def test_rows_path_reads_mapped_slots_and_skips_absent_experts(fmt):
     num_tokens, num_experts, top_k, dim, ffn = 40, 4, 2, (256 if fmt in _K_QUANTS else 64), 256
     (gate, up, down), values = _experts(fmt, num_experts, dim, ffn, seed=60)
@@ -187,7 +193,7 @@ def test_other_formats_keep_the_tile_path(monkeypatch):
 
 
 @needs_tensor_cores
-@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+@pytest.mark.parametrize("fmt", moe_rows.BUILT_FORMATS)
 def test_a_down_of_another_format_and_planes_of_a_wider_pitch_match_reference_moe(fmt):
     # gate/up and down launches each of its own format; every plane of a pitch wider than its rows, as an expert
     # cache of types that change between layers holds them (packing.shared_plane_shapes)

@@ -296,13 +296,13 @@ def test_every_format_compiles_for_the_gpu(tmp_path):
         pytest.skip("needs nvcc")
     launches = ("gate_up", "down")
     source = tmp_path / "moe_rows.cu"
-    source.write_text(tensor_core.source_text("moe_rows.cu")
-                      + "".join(moe_rows.instance(launch, fmt) for fmt in moe_rows.FORMATS for launch in launches))
+    instances = (moe_rows.instance(launch, fmt) for fmt in moe_rows.BUILT_FORMATS for launch in launches)
+    source.write_text(tensor_core.source_text("moe_rows.cu") + "".join(instances))
     done = subprocess.run(["nvcc", "-arch=sm_90", "-rdc=true", "-ptx", str(source), "-o", str(tmp_path / "rows.ptx")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     ptx = (tmp_path / "rows.ptx").read_text()
-    for fmt in moe_rows.FORMATS:
+    for fmt in moe_rows.BUILT_FORMATS:
         for launch in launches:
             assert f".func strata_moe_rows_{launch}_{fmt.lower()}(" in ptx
     alone = tmp_path / "alone.cu"  # the source alone exports nothing: a link compiles only what it appends

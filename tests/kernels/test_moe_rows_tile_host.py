@@ -200,7 +200,7 @@ def _write_planes(f, raw: np.ndarray, fmt: str):
         f.write(plane.tobytes())
 
 
-@pytest.mark.parametrize("fmt", moe_rows.FORMATS)
+@pytest.mark.parametrize("fmt", moe_rows.BUILT_FORMATS)
 def test_a_tile_of_gate_up_and_down_matches_w_times_x(tiles, fmt):
     dim, ffn = _SHAPES[fmt]
     rng = np.random.default_rng(32)
