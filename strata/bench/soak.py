@@ -11,6 +11,7 @@ restores grow memory at the start); the command fails (status 1) when a slope ex
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -33,12 +34,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settle", type=int, default=20, help="first requests left out of the slope (default 20)")
     parser.add_argument("--max-slope-kib", type=float, default=64.0,
                         help="largest memory growth per request, device or RSS, that passes (default 64 KiB)")
+    parser.add_argument("--trim-heap", action="store_true",
+                        help="before each RSS reading, hand the C heap's free pages back to the OS (glibc's "
+                             "malloc_trim): what still grows is held, not the allocator's free memory")
     parser.add_argument("--out", help="write one JSON line per request and a summary line to this file")
 
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE_BYTES
+
+
+def heap_trimmer():
+    """glibc's malloc_trim(0) as a function, or None where the C library has none."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
 
 
 def slope_bytes_per_request(values: list[int]) -> float:
@@ -61,6 +75,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
     banned = {t: float("-inf") for t in engine.tokenizer.eog_ids}
     params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, logit_bias=banned)
     idle = dict(engine.idle_ledger.by_owner)
+    trim = heap_trimmer() if args.trim_heap else None
+    if args.trim_heap and trim is None:
+        print("--trim-heap: this C library has no malloc_trim; RSS is read as it is", file=sys.stderr)
     rows, num_not_idle = [], 0
     out = open(args.out, "w") if args.out else None
     print(f"{'#':>4} {'prompt':>7} {'loan':>5} {'PP tok/s':>9} {'TG tok/s':>9} {'device MiB':>11} {'RSS MiB':>9}")
@@ -74,6 +91,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
                 pass
             stats = generation.stats
             is_idle = dict(engine.ledger.snapshot().by_owner) == idle
+            if trim is not None:
+                trim()
             num_not_idle += not is_idle
             row = {"request": index, "prompt_tokens": num_prompt, "generated_tokens": stats.generated_tokens,
                    "loan_taken": stats.loan.is_taken, "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 1),
@@ -90,6 +109,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
                   + ("" if is_idle else "  ledger NOT idle"), flush=True)
         settled = rows[args.settle:] if len(rows) > args.settle + 1 else rows
         summary = {"requests": len(rows), "settle": args.settle, "backend": engine.backend,
+                   "is_heap_trimmed": trim is not None,
                    "device_slope_bytes_per_request": slope_bytes_per_request([r["device_used_bytes"] for r in settled]),
                    "rss_slope_bytes_per_request": slope_bytes_per_request([r["rss_bytes"] for r in settled]),
                    "ledger_slope_bytes_per_request": slope_bytes_per_request([r["ledger_bytes"] for r in settled]),

@@ -2,9 +2,10 @@
 
 import json
 
+import pytest
 from serve_harness import write_tiny_model
 
-from strata.bench.soak import slope_bytes_per_request
+from strata.bench.soak import heap_trimmer, slope_bytes_per_request
 from strata.cli import main
 
 
@@ -12,6 +13,13 @@ def test_the_slope_is_the_least_squares_growth_per_request():
     assert abs(slope_bytes_per_request([100, 100, 100])) < 1e-6
     assert abs(slope_bytes_per_request([0, 1024, 2048, 3072]) - 1024) < 1e-6
     assert slope_bytes_per_request([5]) == 0
+
+
+def test_the_heap_trimmer_returns_the_c_heaps_free_pages_where_glibc_has_it():
+    trim = heap_trimmer()
+    if trim is None:
+        pytest.skip("this C library has no malloc_trim")
+    assert trim() in (0, 1)  # 1: memory was released
 
 
 def test_a_soak_with_the_loan_on_records_every_request_and_passes_when_nothing_grows(tmp_path, capsys):
@@ -23,10 +31,11 @@ def test_a_soak_with_the_loan_on_records_every_request_and_passes_when_nothing_g
                       '[loan.repeat_loan]\nmin_tokens = 256\n')
     out = tmp_path / "soak.jsonl"
     assert main(["--config", str(config), "soak", "--requests", "6", "--min-prompt", "8", "--max-prompt", "300",
-                 "--gen-tokens", "2", "--settle", "2", "--out", str(out)]) == 0
+                 "--gen-tokens", "2", "--settle", "2", "--trim-heap", "--out", str(out)]) == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     rows, summary = lines[:-1], lines[-1]["summary"]
     assert [r["request"] for r in rows] == list(range(6)) and all(r["ledger_is_idle"] for r in rows)
     assert rows[0]["loan_taken"] and summary["loans_taken"] == sum(r["loan_taken"] for r in rows)
     assert summary["requests_not_idle"] == 0 and abs(summary["ledger_slope_bytes_per_request"]) < 1e-6
+    assert summary["is_heap_trimmed"] == (heap_trimmer() is not None)
     assert "slope over requests 2..5" in capsys.readouterr().out
