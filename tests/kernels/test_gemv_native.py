@@ -1,7 +1,8 @@
 """The decode GEMVs' linked C++ rows (gemv_native) against the NumPy reference and the Numba kernels.
 
 The C++ path needs a real GPU (warp shuffles, linked CUDA C++); in the simulator these tests check
-that asking for it is refused and that the automatic choice falls back to the Numba kernels.
+that asking for it is refused and that the automatic choice falls back to the Numba kernels. Every built
+format runs through the C++ here, served or not yet (gemv_native.FORMATS and EXPERT_FORMATS).
 """
 
 import functools
@@ -26,7 +27,15 @@ from strata.gpu.kernels.moe import moe_experts_decode
 from strata.model import reference_ops
 
 needs_gpu = pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
-BLOCK_ELEMS = {"Q4_0": 32, "Q8_0": 32, "Q4_K": 256, "F32": 32, "F16": 32}
+BLOCK_ELEMS = {"Q4_0": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "F32": 32, "F16": 32}
+QUANTIZED = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.fixture(autouse=True)
+def every_built_format_served(monkeypatch):
+    """The tests run every built format through the C++ rows, served or not yet."""
+    monkeypatch.setattr(gemv_native, "FORMATS", gemv_native.BUILT_FORMATS)
+    monkeypatch.setattr(gemv_native, "EXPERT_FORMATS", gemv_native.BUILT_EXPERT_FORMATS)
 
 
 def _x(num_cols, seed, scale=1.0):
@@ -34,7 +43,7 @@ def _x(num_cols, seed, scale=1.0):
 
 
 @needs_gpu
-@pytest.mark.parametrize("fmt", gemv_native.FORMATS)
+@pytest.mark.parametrize("fmt", gemv_native.BUILT_FORMATS)
 @pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
 def test_native_rows_match_the_reference_around_block_and_warp_boundaries(fmt, rows_per_warp):
     config = NativeGemvConfig(warps=2, rows_per_warp=rows_per_warp)
@@ -53,7 +62,7 @@ def test_native_rows_match_the_reference_around_block_and_warp_boundaries(fmt, r
 
 
 @needs_gpu
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("fmt", QUANTIZED)
 @pytest.mark.parametrize("is_head_shape", [False, True])
 def test_blocks_that_go_on_to_further_rows_give_the_same_products(fmt, is_head_shape):
     # a grid capped below the row groups: each block loops over several, the last one partial; the
@@ -83,11 +92,11 @@ def test_blocks_that_go_on_to_further_rows_give_the_same_products(fmt, is_head_s
 
 
 def test_each_native_format_has_its_own_looping_head_shape():
-    assert set(gemv_native._HEAD_CONFIGS) == set(gemv_native.FORMATS)  # none falls back by a misspelt key
-    for fmt in gemv_native.FORMATS:
+    assert set(gemv_native._HEAD_CONFIGS) == set(gemv_native.BUILT_FORMATS)  # none falls back by a misspelt key
+    for fmt in gemv_native.BUILT_FORMATS:
         assert gemv_native.head_config(fmt).validate().blocks_per_sm > 0
     assert gemv_native.head_config("Q8_0") != gemv_native.head_config("Q4_0")  # the sweep's fastest differ
-    assert gemv_native.head_config("Q6_K") == gemv_native.head_config("Q4_0")  # the Numba kernel, unread
+    assert gemv_native.head_config("Q4_1") == gemv_native.head_config("Q4_0")  # the Numba kernel, unread
 
 
 def test_a_negative_blocks_per_sm_is_refused():
@@ -96,7 +105,7 @@ def test_a_negative_blocks_per_sm_is_refused():
 
 
 @needs_gpu
-@pytest.mark.parametrize("fmt", gemv_native.FORMATS)
+@pytest.mark.parametrize("fmt", gemv_native.BUILT_FORMATS)
 def test_native_gemv_fuses_the_norm_and_accumulates_as_the_numba_kernel_does(fmt):
     num_rows, num_cols = 45, 512
     w, values = random_matrix(fmt, num_rows, num_cols, seed=410)
@@ -123,14 +132,15 @@ def test_native_multi_gemv_mixes_formats_and_falls_back_for_the_rest():
     x = (rng.standard_normal(512) * 2).astype(np.float32)
     norm_weight = rng.uniform(0.5, 1.5, 512).astype(np.float32)
     x_normed = reference_ops.rms_norm(x, norm_weight, 1e-6).astype(np.float64)
-    for fmts, native in ((("Q4_K", "Q4_0", "Q8_0"), True), (("Q4_0", "Q6_K", "Q4_0"), None), (("Q8_0", "F32"), True)):
+    for fmts, native in ((("Q4_K", "Q4_0", "Q8_0"), True), (("Q4_0", "Q4_1", "Q4_0"), None), (("Q8_0", "F32"), True),
+                         (("Q5_K", "Q5_K", "Q6_K"), True)):
         matrices = [random_matrix(fmt, rows, 512, seed=421 + i) for i, (fmt, rows) in
                     enumerate(zip(fmts, (37, 5, 19)))]
         ys = gemv_multi([w for w, _ in matrices], dev(x), norm_weight=dev(norm_weight), native=native)
         for y, (_, values) in zip(ys, matrices):
             assert_dot_close(host(y), values @ x_normed, np.abs(values) @ np.abs(x_normed))
     with pytest.raises(ValueError, match="native GEMV needs"):
-        gemv_multi([w for w, _ in matrices[:1]] + [random_matrix("Q6_K", 3, 512, seed=429)[0]], dev(x),
+        gemv_multi([w for w, _ in matrices[:1]] + [random_matrix("Q4_1", 3, 512, seed=429)[0]], dev(x),
                    native=True)
 
 
@@ -146,6 +156,8 @@ def _experts(fmts, num_slots, dim, ffn, seed):
 @pytest.mark.parametrize("fmts, ffn, top_k", [
     (("Q4_0", "Q4_0", "Q4_0"), 288, 3), (("Q8_0", "Q8_0", "Q4_K"), 256, 3), (("Q4_K", "Q4_K", "Q8_0"), 288, 3),
     (("Q4_0", "Q4_0", "Q4_0"), 768, 8),  # 8 x 24 chunks per down row: several passes of a warp's lanes
+    (("Q4_K", "Q4_K", "Q6_K"), 256, 3), (("Q5_K", "Q5_K", "Q6_K"), 256, 3),  # Q4_K_M's and Q5_K_M's experts
+    (("Q6_K", "Q6_K", "Q5_K"), 768, 8),
 ])
 def test_native_experts_match_the_reference_and_skip_missing_slots(fmts, ffn, top_k):
     num_slots, dim, num_tokens = 10, 512, 2
@@ -174,11 +186,11 @@ def test_native_experts_match_the_reference_and_skip_missing_slots(fmts, ffn, to
 
 
 def test_asking_for_the_native_path_where_it_cannot_run_names_the_fallback():
-    w, values = random_matrix("Q6_K", 4, 256, seed=440)
+    w, values = random_matrix("Q4_1", 4, 256, seed=440)
     x = _x(256, 441)
     with pytest.raises(ValueError, match="native=None"):
         gemv(w, dev(x), native=True)
-    # the automatic choice runs wherever it can: here the Numba kernel (Q6_K, or no GPU at all)
+    # the automatic choice runs wherever it can: here the Numba kernel (Q4_1, or no GPU at all)
     assert_dot_close(host(gemv(w, dev(x))), values.astype(np.float64) @ x, np.abs(values) @ np.abs(x))
     if not has_cuda_device():
         q4, _ = random_matrix("Q4_0", 4, 256, seed=442)

@@ -27,6 +27,7 @@ from strata.gpu.kernels.gemv_native import NativeGemvConfig
 from strata.model import reference_ops
 
 needs_gpu = pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 # the simulator runs each lane in Python: a launch of nine rows of a K-quant takes minutes there, so CI
 # checks two formats and one width; a GPU checks them all
 IS_SIMULATED = bool(numba_config.ENABLE_CUDASIM)
@@ -45,6 +46,12 @@ def _assert_rows_equal(rows, ones):
     """rows [R, N] of one launch against R one-row results, bit for bit."""
     for t, one in enumerate(ones):
         assert np.array_equal(rows[t], one), f"row {t} differs from its one-row launch"
+
+
+@pytest.fixture(autouse=True)
+def every_built_format_served(monkeypatch):
+    """The C++ rows' tests run every built format, served or not yet (gemv_native.FORMATS)."""
+    monkeypatch.setattr(gemv_native, "FORMATS", gemv_native.BUILT_FORMATS)
 
 
 # --- GEMV -----------------------------------------------------------------------------------------
@@ -127,12 +134,12 @@ def test_multi_gemv_rows_have_the_bits_of_one_row_launches():
 
 
 @needs_gpu
-@pytest.mark.parametrize("fmt", gemv_native.FORMATS)
+@pytest.mark.parametrize("fmt", gemv_native.BUILT_FORMATS)
 @pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
 def test_native_gemv_rows_have_the_bits_of_one_row_launches(fmt, rows_per_warp):
-    elems = 256 if fmt == "Q4_K" else 32
+    elems = 256 if fmt in K_QUANTS else 32
     # columns: a few items, and a row so long that a launch stages fewer than 9 rows of x (several launches)
-    for num_cols in (elems * 3, elems * (40 if fmt == "Q4_K" else 320)):
+    for num_cols in (elems * 3, elems * (40 if fmt in K_QUANTS else 320)):
         w, values = random_matrix(fmt, 37, num_cols, seed=660 + num_cols)
         x = _x(DECODE_MAX_ROWS, num_cols, seed=661)
         norm_weight = np.random.default_rng(662).uniform(0.5, 1.5, num_cols).astype(np.float32)
@@ -152,7 +159,7 @@ def test_native_gemv_rows_have_the_bits_of_one_row_launches(fmt, rows_per_warp):
 
 
 @needs_gpu
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", *K_QUANTS])
 def test_native_head_rows_accumulate_with_the_bits_of_one_row_launches(fmt):
     # one row: the head's shape; several: head_rows_config's, another shape with the same sums
     config, rows_config = gemv_native.head_config(fmt), gemv_native.head_rows_config(fmt, DECODE_MAX_ROWS)
@@ -172,9 +179,9 @@ def test_native_head_rows_accumulate_with_the_bits_of_one_row_launches(fmt):
 
 
 @needs_gpu
-def test_native_multi_gemv_rows_have_the_bits_of_one_row_launches():
-    ws = [random_matrix(fmt, rows, 2048, seed=680 + i)[0] for i, (fmt, rows) in
-          enumerate((("Q4_K", 4096), ("Q4_K", 512), ("Q8_0", 512)))]
+@pytest.mark.parametrize("fmts", [("Q4_K", "Q4_K", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q6_K")])
+def test_native_multi_gemv_rows_have_the_bits_of_one_row_launches(fmts):
+    ws = [random_matrix(fmt, rows, 2048, seed=680 + i)[0] for i, (fmt, rows) in enumerate(zip(fmts, (4096, 512, 512)))]
     x = _x(DECODE_MAX_ROWS, 2048, seed=684)
     norm_weight = np.random.default_rng(685).uniform(0.5, 1.5, 2048).astype(np.float32)
     ones = [[host(y) for y in gemv_multi(ws, dev(x[t]), norm_weight=dev(norm_weight), native=True)]

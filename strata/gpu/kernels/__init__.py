@@ -11,7 +11,8 @@ Decode products (matrix-vector):
     gemv           decode matrix-vector, optional fused RMSNorm and residual add
     gemv_multi     two or three GEMVs sharing x (q, k, v) in one launch
     gemv_native    the decode GEMVs and expert products over linked C++ rows (cuda/gemv_rows.cu): 16-byte
-                   loads and warp shuffles; Q4_0, Q8_0, Q4_K and F32 / F16 rows (GPU only)
+                   loads and warp shuffles; Q4_0, Q8_0, Q4_K and F32 / F16 rows (GPU only), Q5_K and
+                   Q6_K built and tested (served once their GPU tests pass)
 
 Prefill products (matrix-matrix):
     gemm           prefill matrix-matrix, dequantization fused into shared-memory tiles (FFMA tiles)

@@ -13,10 +13,11 @@ that lanes reading neighbouring groups start on different banks, then its warps 
 loop over each warp's row groups (loading a group's rows while it multiplies the group before), the
 others one function per row group (or row pair). gemv stages a Q4_K matrix's activations in a layout of
 its own (each super-block's 8 groups Q4_K_SB_STRIDE floats apart, each group's two half sums in its
-padding), which its loop's 32-byte items read. Formats: Q4_0, Q8_0, Q4_K, and F32 / F16 rows (the
-routers); the expert kernels take the three quantized ones. The Numba kernels remain the path for the other
-formats, the simulator, and the reference the GPU tests compare this one against (same roundings
-of x, sums in another order).
+padding), which its loop's 32-byte items read. Formats (FORMATS, those whose GPU tests passed on the reference
+H200): Q4_0, Q8_0, Q4_K, and F32 / F16 rows (the routers); the expert kernels take the three quantized ones.
+Q5_K and Q6_K are built (BUILT_FORMATS, BUILT_EXPERT_FORMATS) and served once their GPU tests pass. The Numba
+kernels remain the path for the other formats, the simulator, and the reference the GPU tests compare this one
+against (same roundings of x, sums in another order).
 
 Launch config: blocks of `warps` warps; gemv: grid ceil(N / (warps * rows_per_warp)), at most
 `blocks_per_sm` per SM when set (each block then loops over row groups); experts:
@@ -39,12 +40,18 @@ from . import tensor_core
 from ._common import ceil_div, is_c_contiguous, is_device_array, stand_in
 from .activation import device_silu_mul
 
+# every format cuda/gemv_rows.cu has rows for, and the expert formats of its gate/up pair and down row functions
+BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "F16")
+BUILT_EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# the formats a GEMV or an expert product is sent through the C++ rows in: those whose GPU tests passed on the H200
 FORMATS = ("Q4_0", "Q8_0", "Q4_K", "F32", "F16")
-EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K")  # the gate/up pair and down row functions
+EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K")
 X_GROUP, X_STRIDE = 32, 36
 # gemv's Q4_K activations: each 256-element super-block's 8 groups 4 floats further on than 8 groups, so that
 # the C++ loop's lanes of two super-blocks start on other banks (cuda/gemv_rows.cu's Q4K_SB_STRIDE)
 Q4_K_BLOCK, Q4_K_SB_STRIDE = 256, 8 * X_STRIDE + 4
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # rows of whole 256-element super-blocks
+_WORD_SCALE_FORMATS = ("Q4_K", "Q5_K")  # d and dmin read as one word, the 12 scale bytes as three
 _WARP = 32
 _MAX_SHARED_BYTES = 48 * 1024
 _RESERVED_SHARED_BYTES = 4096  # headroom for the kernels' other shared arrays (the norm's per-warp sums)
@@ -98,12 +105,14 @@ class NativeGemvConfig(NamedTuple):
 # blocks of 8 warps, which always launch; a row's sums are the same whatever the shape (each lane adds its items
 # in increasing order, then the warp's shuffles). Four rows of a 151,936 x 2,048 head on the H200: 8 x 2 at 2 an SM
 # 130 us Q4_0 / 161 Q8_0 (one row: 62-70 / 102-106); 8 x 1 at 2, 193 / 214; 8 x 2 at 1, 138 / 200; 16 x 1 at 1, 190
-# / 222.
+# / 222. Q5_K and Q6_K take Q4_K's shapes, unmeasured.
 LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
 _HEAD_CONFIGS = MappingProxyType({
     "Q4_0": NativeGemvConfig(warps=16, rows_per_warp=2, blocks_per_sm=1, x_rows=1),
     "Q8_0": NativeGemvConfig(warps=8, rows_per_warp=1, blocks_per_sm=8, x_rows=1),
     "Q4_K": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
+    "Q5_K": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
+    "Q6_K": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
     "F32": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4, x_rows=1),
     "F16": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4, x_rows=1),
 })
@@ -112,7 +121,7 @@ _HEAD_ROWS_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=2)
 
 def head_config(fmt: str) -> NativeGemvConfig:
     """The launch shape of an output head in format ``fmt``. A format the C++ rows do not serve
-    (Q6_K, Q4_1) gets Q4_0's: gemv runs such a head with its Numba kernel, which does not read it."""
+    (Q4_1, Q5_0) gets Q4_0's: gemv runs such a head with its Numba kernel, which does not read it."""
     return _HEAD_CONFIGS.get(fmt, _HEAD_CONFIGS["Q4_0"])
 
 
@@ -146,18 +155,18 @@ def is_supported(w, num_x_rows: int = 1) -> bool:
     C-contiguous and 16-byte aligned, and num_x_rows staged rows of activations fitting in shared memory."""
     if not tensor_core.is_available() or w.fmt not in FORMATS or not is_device_array(w.quants):
         return False
-    block_elems = Q4_K_BLOCK if w.fmt == "Q4_K" else X_GROUP
+    block_elems = Q4_K_BLOCK if w.fmt in _K_QUANTS else X_GROUP
     num_x = x_floats(w.num_cols, w.fmt == "Q4_K")  # the larger of the two layouts
     if w.num_cols % block_elems or 4 * num_x * num_x_rows > _MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES:
         return False
     return (all(is_c_contiguous(p) for p in (w.quants, w.scales, w.extra))
             and w.quants.device_ctypes_pointer.value % _ALIGN_BYTES == 0
             and w.quants.shape[1] * w.quants.dtype.itemsize % _ALIGN_BYTES == 0
-            and (w.fmt != "Q4_K" or _is_word_aligned(w.scales, w.extra)))
+            and (w.fmt not in _WORD_SCALE_FORMATS or _is_word_aligned(w.scales, w.extra)))
 
 
 def _is_word_aligned(*planes) -> bool:
-    """True when every plane starts on a 4-byte boundary: the Q4_K rows read a super-block's d and dmin,
+    """True when every plane starts on a 4-byte boundary: the Q4_K and Q5_K rows read a super-block's d and dmin,
     and its 12 scale bytes, as 32-bit words (each row's share of both planes is a whole number of words)."""
     return all(p.device_ctypes_pointer.value % 4 == 0 for p in planes)
 
@@ -250,6 +259,7 @@ def _quants_ptr(fmt: str):
 # one-row exports (STRATA_GEMV_ROWS / STRATA_GEMV_LOOP): the NX-row exports are the same with NX rows of x
 _ROWS_SHAPES = MappingProxyType({
     "Q4_0": ("Q40", {1: 2, 2: 2, 4: 1}), "Q8_0": ("Q80", {1: 2, 2: 2, 4: 1}), "Q4_K": ("Q4K", {1: 2, 2: 2, 4: 1}),
+    "Q5_K": ("Q5K", {1: 2, 2: 2, 4: 1}), "Q6_K": ("Q6K", {1: 2, 2: 2, 4: 1}),
     "F32": ("F32", {1: 4, 2: 4, 4: 2}), "F16": ("F16", {1: 4, 2: 4, 4: 2}),
 })
 _LOOP_SHAPES = MappingProxyType({**_ROWS_SHAPES, "Q4_K": ("Q4KWide", {1: 1, 2: 1, 4: 1})})

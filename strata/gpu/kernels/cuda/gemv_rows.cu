@@ -21,6 +21,9 @@
 //         16h .. 16h+15 of sub-blocks 2c (low nibbles) and 2c + 1 (high); K / 32 items. The
 //         super-block's d and dmin are read as one word and its 12 scale bytes as three. gemv's
 //         loop takes 32 bytes an item (Q4KWide: both halves, K / 64 items) from its own layout.
+//   Q5_K  Q4_K's items, each with the 16 bytes of qh that hold its quants' fifth bits; K / 32 items
+//   Q6_K  16 of a super-block's 128 ql bytes per item (two 16-element runs of two groups), with the 16 bytes
+//         of qh that hold their top two bits, d and the runs' two int8 scales; K / 32 items
 //   F32 / F16  4 / 8 values per item (the routers); K / 4 or K / 8 items
 // Small integers become floats through the exponent trick (0x4B000000 | q is 2^23 + q), as in
 // quant_device.py.
@@ -96,10 +99,10 @@ __device__ __forceinline__ u32 word_of(const uint4& q, int j) {
   return j == 0 ? q.x : j == 1 ? q.y : j == 2 ? q.z : q.w;
 }
 
-// One item: its 16 quant bytes and the scales it needs (d: Q4_0 / Q8_0; Q4_K: dl, ml and dh, mh,
-// d * scale and dmin * min of the sub-blocks in its low and high nibbles).
+// One item: its 16 quant bytes and the scales it needs (d: Q4_0 / Q8_0; the K-quants: dl, ml and dh, mh,
+// d * scale and dmin * min of the runs in its low and high nibbles, Q6_K without mins).
 struct Item {
-  uint4 q, q2;  // q2: the second 16 bytes of a wide Q4_K item
+  uint4 q, q2;  // q2: the second 16 bytes of a wide Q4_K item, the qh bytes of a Q5_K or Q6_K item
   float d;
   float dl, ml, dh, mh;
 };
@@ -280,6 +283,57 @@ __device__ __forceinline__ void q4_k_item_scales(const RowPlanes& r, int sb, int
   it.mh = dm.y * mn[1];
 }
 
+// ---- K-quant items: two 16-element runs of a super-block, each with its scale (Q4_K, Q5_K: and min) ----
+// The sums of an item's two runs with the activations from floats xl and xh (activation row t's t * x_stride
+// further on): sl, sh of the quants less the bias's offset (lo[r][j], hi[r][j]: word j's 4 quants of each run of
+// row r, a byte each) times x; xsum_l, xsum_h of x, for the mins (unread by Q6_K, which has none).
+template <int R, int NX>
+__device__ __forceinline__ void k_runs_dot(const u32 (&lo)[R][4], const u32 (&hi)[R][4], float bias, u32 xs,
+                                           int x_stride, int xl, int xh, float (&sl)[NX][R], float (&sh)[NX][R],
+                                           float (&xsum_l)[NX], float (&xsum_h)[NX]) {
+#pragma unroll
+  for (int t = 0; t < NX; ++t) {
+    xsum_l[t] = xsum_h[t] = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) sl[t][r] = sh[t][r] = 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float4 wl[R], wh[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      wl[r] = bytes_as_float4(lo[r][j], bias);
+      wh[r] = bytes_as_float4(hi[r][j], bias);
+    }
+#pragma unroll
+    for (int t = 0; t < NX; ++t) {
+      const float4 a = load_x4(xs, t * x_stride + xl + 4 * j), b = load_x4(xs, t * x_stride + xh + 4 * j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        sl[t][r] += dot4(wl[r], a);
+        sh[t][r] += dot4(wh[r], b);
+      }
+      xsum_l[t] += sum4(a);
+      xsum_h[t] += sum4(b);
+    }
+  }
+}
+
+// Q4_K and Q5_K item i (super-block i / 8, chunk c = (i / 2) % 4, half h = i % 2: elements 16h .. 16h + 15 of
+// sub-blocks 2c and 2c + 1, x groups 8sb + 2c and the next) of quants lo, hi: d * scale * q - dmin * min of each run.
+template <int R, int NX>
+__device__ __forceinline__ void k_min_runs_dot(const Item (&it)[R], const u32 (&lo)[R][4], const u32 (&hi)[R][4],
+                                               u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
+  const int xl = (8 * (i >> 3) + 2 * ((i >> 1) & 3)) * XSTRIDE + 16 * (i & 1);
+  float sl[NX][R], sh[NX][R], xsum_l[NX], xsum_h[NX];
+  k_runs_dot<R, NX>(lo, hi, 8388608.f, xs, x_stride, xl, xl + XSTRIDE, sl, sh, xsum_l, xsum_h);
+#pragma unroll
+  for (int t = 0; t < NX; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      acc[t][r] += (it[r].dl * sl[t][r] - it[r].ml * xsum_l[t]) + (it[r].dh * sh[t][r] - it[r].mh * xsum_h[t]);
+}
+
 struct Q4K {
   __device__ static int items(int num_cols) { return num_cols / 32; }
   __device__ static Item load(const RowPlanes& r, int i) {
@@ -290,42 +344,86 @@ struct Q4K {
   }
   template <int R, int NX>
   __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
-    // item i: super-block i / 8, chunk c = (i / 2) % 4, half h = i % 2; sub-block 2c is x group 8sb + 2c
-    const int sb = i >> 3, c = (i >> 1) & 3, h = i & 1;
-    const int xl = (8 * sb + 2 * c) * XSTRIDE + 16 * h, xh = xl + XSTRIDE;
-    float sl[NX][R], sh[NX][R], xsum_l[NX], xsum_h[NX];
+    u32 lo[R][4], hi[R][4];
 #pragma unroll
-    for (int t = 0; t < NX; ++t) {
-      xsum_l[t] = xsum_h[t] = 0.f;
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int r = 0; r < R; ++r) sl[t][r] = sh[t][r] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float4 wl[R], wh[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 4; ++j) {
         const u32 w = word_of(it[r].q, j);
-        wl[r] = bytes_as_float4(w & 0x0F0F0F0Fu, 8388608.f);
-        wh[r] = bytes_as_float4((w >> 4) & 0x0F0F0F0Fu, 8388608.f);
+        lo[r][j] = w & 0x0F0F0F0Fu;
+        hi[r][j] = (w >> 4) & 0x0F0F0F0Fu;
       }
+    k_min_runs_dot<R, NX>(it, lo, hi, xs, x_stride, i, acc);
+  }
+};
+
+// ---- Q5_K: Q4_K's items, scales and x, each quant's fifth bit from the super-block's qh ----
+// A super-block's quants are qh[32] then qs[128] (40 words): item i's nibbles are qs bytes 32c + 16h .. (q), their
+// fifth bits bits 2c and 2c + 1 of qh bytes 16h .. 16h + 15 (q2, the same 16 bytes for the 4 items of a half).
+struct Q5K {
+  __device__ static int items(int num_cols) { return num_cols / 32; }
+  __device__ static Item load(const RowPlanes& r, int i) {
+    Item it;
+    const u32* block = r.quants + 40 * (i >> 3);
+    it.q = load_stream(block + 8 + 4 * (i & 7));
+    it.q2 = load_stream(block + 4 * (i & 1));
+    q4_k_item_scales(r, i >> 3, (i >> 1) & 3, it);
+    return it;
+  }
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
+    const int c2 = 2 * ((i >> 1) & 3);  // the bit of sub-block 2c (2c + 1: the next) in each qh byte
+    u32 lo[R][4], hi[R][4];
 #pragma unroll
-      for (int t = 0; t < NX; ++t) {
-        const float4 a = load_x4(xs, t * x_stride + xl + 4 * j), b = load_x4(xs, t * x_stride + xh + 4 * j);
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          sl[t][r] += dot4(wl[r], a);
-          sh[t][r] += dot4(wh[r], b);
-        }
-        xsum_l[t] += sum4(a);
-        xsum_h[t] += sum4(b);
+      for (int j = 0; j < 4; ++j) {
+        const u32 w = word_of(it[r].q, j), b = word_of(it[r].q2, j) >> c2;
+        lo[r][j] = (w & 0x0F0F0F0Fu) | (b & 0x01010101u) << 4;
+        hi[r][j] = ((w >> 4) & 0x0F0F0F0Fu) | (b & 0x02020202u) << 3;
       }
-    }
+    k_min_runs_dot<R, NX>(it, lo, hi, xs, x_stride, i, acc);
+  }
+};
+
+// ---- Q6_K: d * scale * (q - 32), a scale per 16 elements ----
+// A super-block's quants are ql[128] then qh[64] (48 words). Item i is ql bytes 16k .. 16k + 15 (k = i % 8; q):
+// with half h = k / 4 and s = k / 2 % 2, their low nibbles are elements 16 (k % 2) .. of group 4h + s, the high
+// nibbles those of group 4h + 2 + s; each quant's top two bits are bits 2s (low) and 2s + 4 (high) of qh bytes
+// 32h + 16 (k % 2) .. (q2, shared by 4 items). The runs' scales are the int8 scales 8h + k % 4 and 8h + 4 + k % 4.
+struct Q6K {
+  __device__ static int items(int num_cols) { return num_cols / 32; }
+  __device__ static Item load(const RowPlanes& r, int i) {
+    Item it;
+    const int sb = i >> 3, k = i & 7;
+    const u32* block = r.quants + 48 * sb;
+    it.q = load_stream(block + 4 * k);
+    it.q2 = load_stream(block + 32 + 8 * (k >> 2) + 4 * (k & 1));
+    const float d = half_at(r.scales + sb);
+    const signed char* sc = reinterpret_cast<const signed char*>(r.extra) + 16 * sb + 8 * (k >> 2) + (k & 3);
+    it.dl = d * static_cast<float>(__ldg(sc));
+    it.dh = d * static_cast<float>(__ldg(sc + 4));
+    return it;
+  }
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
+    const int sb = i >> 3, k = i & 7, s = (k >> 1) & 1;
+    const int xl = (8 * sb + 4 * (k >> 2) + s) * XSTRIDE + 16 * (k & 1);
+    u32 lo[R][4], hi[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32 w = word_of(it[r].q, j), b = word_of(it[r].q2, j) >> (2 * s);
+        lo[r][j] = (w & 0x0F0F0F0Fu) | (b & 0x03030303u) << 4;
+        hi[r][j] = ((w >> 4) & 0x0F0F0F0Fu) | (b & 0x30303030u);
+      }
+    float sl[NX][R], sh[NX][R], xsum_l[NX], xsum_h[NX];
+    k_runs_dot<R, NX>(lo, hi, 8388640.f, xs, x_stride, xl, xl + 2 * XSTRIDE, sl, sh, xsum_l, xsum_h);  // q - 32
 #pragma unroll
     for (int t = 0; t < NX; ++t)
 #pragma unroll
-      for (int r = 0; r < R; ++r)
-        acc[t][r] += (it[r].dl * sl[t][r] - it[r].ml * xsum_l[t]) + (it[r].dh * sh[t][r] - it[r].mh * xsum_h[t]);
+      for (int r = 0; r < R; ++r) acc[t][r] += it[r].dl * sl[t][r] + it[r].dh * sh[t][r];
   }
 };
 
@@ -608,6 +706,12 @@ STRATA_GEMV_ROWS(strata_gemv_rows_q8_0_r4, Q80, 4, 1)
 STRATA_GEMV_ROWS(strata_gemv_rows_q4_k_r1, Q4K, 1, 2)
 STRATA_GEMV_ROWS(strata_gemv_rows_q4_k_r2, Q4K, 2, 2)
 STRATA_GEMV_ROWS(strata_gemv_rows_q4_k_r4, Q4K, 4, 1)
+STRATA_GEMV_ROWS(strata_gemv_rows_q5_k_r1, Q5K, 1, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_q5_k_r2, Q5K, 2, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_q5_k_r4, Q5K, 4, 1)
+STRATA_GEMV_ROWS(strata_gemv_rows_q6_k_r1, Q6K, 1, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_q6_k_r2, Q6K, 2, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_q6_k_r4, Q6K, 4, 1)
 // float rows have 4-8x the items of a quantized row: more of them in flight per iteration
 STRATA_GEMV_ROWS(strata_gemv_rows_f32_r1, F32, 1, 4)
 STRATA_GEMV_ROWS(strata_gemv_rows_f32_r2, F32, 2, 4)
@@ -624,6 +728,12 @@ STRATA_GEMV_LOOP(strata_gemv_loop_q8_0_r4, Q80, 4, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r1, Q4KWide, 1, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r2, Q4KWide, 2, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_q4_k_r4, Q4KWide, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_q5_k_r1, Q5K, 1, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q5_k_r2, Q5K, 2, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q5_k_r4, Q5K, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_q6_k_r1, Q6K, 1, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q6_k_r2, Q6K, 2, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_q6_k_r4, Q6K, 4, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r1, F32, 1, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r2, F32, 2, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r4, F32, 4, 2)
@@ -633,6 +743,10 @@ STRATA_GEMV_LOOP(strata_gemv_loop_f16_r4, F16, 4, 2)
 STRATA_GEMV_PAIR(strata_gemv_pair_q4_0, Q40)
 STRATA_GEMV_PAIR(strata_gemv_pair_q8_0, Q80)
 STRATA_GEMV_PAIR(strata_gemv_pair_q4_k, Q4K)
+STRATA_GEMV_PAIR(strata_gemv_pair_q5_k, Q5K)
+STRATA_GEMV_PAIR(strata_gemv_pair_q6_k, Q6K)
 STRATA_DOWN_ROW(strata_down_row_q4_0, Q40)
 STRATA_DOWN_ROW(strata_down_row_q8_0, Q80)
 STRATA_DOWN_ROW(strata_down_row_q4_k, Q4K)
+STRATA_DOWN_ROW(strata_down_row_q5_k, Q5K)
+STRATA_DOWN_ROW(strata_down_row_q6_k, Q6K)
