@@ -49,9 +49,10 @@ Norms, positions, tokens:
 Shared plumbing:
     tensor_core    declaring linked CUDA C++ device functions (cuda/*.cu) for Numba kernels; whether
                    tensor cores are available (compute capability 8.0 or later, and cffi) and why not
+    ptx_cache      the sources' PTX, compiled once a text and kept in the user's cache folder between processes
     _common        host-side helpers of every family: input checks, output allocation, constants
 
-cuda/ holds the linked CUDA C++, compiled at first use (NVRTC): attention_mma.cu, gemm_mma.cu,
+cuda/ holds the linked CUDA C++, compiled at first use (NVRTC, once: ptx_cache): attention_mma.cu, gemm_mma.cu,
 gemv_rows.cu, moe_rows.cu, reduce.cu (the MoE down epilogue's vector reductions) and common.cuh (the
 tensor-core helpers that attention_mma.cu, gemm_mma.cu and moe_rows.cu include).
 

@@ -112,13 +112,20 @@ def source_text(name: str) -> str:
 
 @functools.cache
 def cu_source(name: str, suffix: str = ""):
-    """The linkable source of kernels/cuda/<name>, with `suffix` appended (on-demand instantiations).
+    """The linkable code of kernels/cuda/<name>, with `suffix` appended (on-demand instantiations): on a
+    GPU its PTX, compiled once (ptx_cache.py); elsewhere the source, which nothing compiles there.
     One object per text: a kernel links each object once, and two copies of a text would define its
     symbols twice."""
     from numba import cuda
 
     label = f"{name}-{hashlib.sha1(suffix.encode()).hexdigest()[:12]}" if suffix else name  # one name per text
-    return cuda.CUSource((source_text(name) + suffix).encode(), name=label)
+    text = source_text(name) + suffix
+    if not is_available():
+        return cuda.CUSource(text.encode(), name=label)
+    from .ptx_cache import compiled_ptx, link_cc
+
+    return cuda.PTXSource(compiled_ptx(text, label, link_cc(cuda.get_current_device().compute_capability)),
+                          name=label)
 
 
 def declare(name: str, argtypes: tuple, source_name: str, suffix: str = ""):

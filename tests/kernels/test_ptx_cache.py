@@ -1,0 +1,75 @@
+"""The PTX cache of the CUDA C++ sources: one compile a text, architecture and compiler, kept between
+processes; the compile is a recording fake here (NVRTC needs the CUDA toolkit's library), the real one
+runs in every GPU test that links a source."""
+
+import pytest
+
+from strata.gpu.kernels import ptx_cache, tensor_core
+
+PTX = b"//\n.version 9.0\n.target sm_90a\n.address_size 64\n"
+VERSIONS = "numba-cuda 0.30.4, nvrtc 13.0"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path / "strata" / "ptx"
+
+
+class RecordingCompile:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, text, label, cc):
+        self.calls.append((label, cc))
+        return PTX + f"// {label} {text[:20]}\n".encode()
+
+
+def test_a_text_compiles_once_and_the_next_process_reads_its_ptx(cache):
+    compile_fn = RecordingCompile()
+    first = ptx_cache.compiled_ptx("extern \"C\" __device__ void f() {}", "f.cu", (9, 0, "a"), compile_fn, VERSIONS)
+    again = ptx_cache.compiled_ptx("extern \"C\" __device__ void f() {}", "f.cu", (9, 0, "a"), compile_fn, VERSIONS)
+    assert first == again and first.startswith(PTX) and compile_fn.calls == [("f.cu", (9, 0, "a"))]
+    assert [p.suffix for p in cache.iterdir()] == [".ptx"]  # no temporary file left beside it
+
+
+@pytest.mark.parametrize("change", ["text", "cc", "versions"])
+def test_another_text_architecture_or_compiler_compiles_again(cache, change):
+    compile_fn = RecordingCompile()
+    args = {"text": "int a;", "cc": (9, 0, "a"), "versions": VERSIONS}
+    ptx_cache.compiled_ptx(args["text"], "a.cu", args["cc"], compile_fn, args["versions"])
+    args[change] = {"text": "int b;", "cc": (8, 0, ""), "versions": "numba-cuda 0.31.0, nvrtc 13.0"}[change]
+    ptx_cache.compiled_ptx(args["text"], "a.cu", args["cc"], compile_fn, args["versions"])
+    assert len(compile_fn.calls) == 2 and len(list(cache.iterdir())) == 2
+
+
+def test_a_cut_file_is_compiled_again_and_an_unwritable_folder_only_loses_the_reuse(cache, tmp_path, monkeypatch):
+    compile_fn = RecordingCompile()
+    ptx = ptx_cache.compiled_ptx("int c;", "c.cu", (9, 0, "a"), compile_fn, VERSIONS)
+    (kept,) = cache.iterdir()
+    kept.write_bytes(ptx[:10])  # not a whole PTX file
+    assert ptx_cache.compiled_ptx("int c;", "c.cu", (9, 0, "a"), compile_fn, VERSIONS) == ptx
+    assert kept.read_bytes() == ptx and len(compile_fn.calls) == 2
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder's parent would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert ptx_cache.compiled_ptx("int c;", "c.cu", (9, 0, "a"), compile_fn, VERSIONS) == ptx
+
+
+def test_kernels_link_for_the_architecture_numba_links_them_for():
+    assert ptx_cache.link_cc((9, 0)) == (9, 0, "a") and ptx_cache.link_cc((8, 6)) == (8, 6, "")
+
+
+def test_without_a_gpu_the_kernels_get_the_source_and_nothing_compiles(monkeypatch):
+    if tensor_core.is_available():
+        pytest.skip("a GPU links the PTX")
+    monkeypatch.setattr(ptx_cache, "_nvrtc_compile", lambda *a: pytest.fail("compiled without a GPU"))
+    assert type(tensor_core.cu_source("gemm_mma.cu", "// another text\n")).__name__ == "CUSource"
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_kernels_link_the_ptx_of_the_source():
+    if not tensor_core.is_available():
+        pytest.skip("needs a GPU with tensor cores")
+    linkable = tensor_core.cu_source("attention_decode.cu")
+    assert type(linkable).__name__ == "PTXSource" and b".target sm_" in linkable.data
