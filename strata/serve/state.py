@@ -7,6 +7,7 @@ supervisor sees the process alive during a load that takes minutes for a large m
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -107,6 +108,10 @@ class ServeState:
             if self.phase != LOADING:  # shut down while loading
                 engine.close()
                 return
+            # the loaded model's objects live as long as the process: the collector's full passes skip
+            # them (hundreds of thousands; a full pass over them took ~0.3 s on the reference GPU machine)
+            gc.collect()
+            gc.freeze()
             ready.worker.start()
             self._ready, self.phase = ready, READY
         log.info("serving model '%s' (context %d tokens)", ready.model_name, engine.context_tokens)

@@ -198,3 +198,9 @@ def test_a_loan_that_cannot_be_restored_stops_serving(tiny_model):
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "unhealthy"
         assert error_of(httpx.post(server.url + COMPLETIONS, json=body), 503)["code"] == "engine_unhealthy"
+
+
+def test_a_ready_servers_loaded_objects_are_out_of_the_collectors_full_passes(server):
+    import gc
+
+    assert gc.get_freeze_count() > 0  # the model's objects: a full pass over them would stall a decode step
