@@ -83,6 +83,7 @@ class ServeState:
         if ready is not None:
             ready.worker.stop(timeout_s)
             ready.engine.close()
+            gc.unfreeze()  # what the engine held goes at the next collections
 
     def _load(self) -> None:
         try:
@@ -104,14 +105,15 @@ class ServeState:
                 self.phase, self.load_error = FAILED, f"{type(exc).__name__}: {exc}"
             log.error("the loaded model cannot be served: %s", self.load_error)
             return
+        # the loaded model's objects live as long as the server: the collector's full passes skip them
+        # (hundreds of thousands; a full pass over them took ~0.3 s on the reference GPU machine)
+        gc.collect()
+        gc.freeze()
         with self._lock:
             if self.phase != LOADING:  # shut down while loading
+                gc.unfreeze()
                 engine.close()
                 return
-            # the loaded model's objects live as long as the process: the collector's full passes skip
-            # them (hundreds of thousands; a full pass over them took ~0.3 s on the reference GPU machine)
-            gc.collect()
-            gc.freeze()
             ready.worker.start()
             self._ready, self.phase = ready, READY
         log.info("serving model '%s' (context %d tokens)", ready.model_name, engine.context_tokens)

@@ -1,6 +1,6 @@
-"""The PTX cache of the CUDA C++ sources: one compile a text, architecture and compiler, kept between
-processes; the compile is a recording fake here (NVRTC needs the CUDA toolkit's library), the real one
-runs in every GPU test that links a source."""
+"""The cache of the compiled CUDA C++ sources: one compile a text, architecture, output kind and
+compiler, kept between processes; the compile is a recording fake here (NVRTC needs the CUDA toolkit's
+library), the real one runs in every GPU test that links a source."""
 
 import pytest
 
@@ -20,40 +20,43 @@ class RecordingCompile:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, text, label, cc):
-        self.calls.append((label, cc))
+    def __call__(self, text, label, cc, is_ltoir):
+        self.calls.append((label, cc, is_ltoir))
         return PTX + f"// {label} {text[:20]}\n".encode()
 
 
 def test_a_text_compiles_once_and_the_next_process_reads_its_ptx(cache):
     compile_fn = RecordingCompile()
-    first = ptx_cache.compiled_ptx("extern \"C\" __device__ void f() {}", "f.cu", (9, 0, "a"), compile_fn, VERSIONS)
-    again = ptx_cache.compiled_ptx("extern \"C\" __device__ void f() {}", "f.cu", (9, 0, "a"), compile_fn, VERSIONS)
-    assert first == again and first.startswith(PTX) and compile_fn.calls == [("f.cu", (9, 0, "a"))]
+    text = 'extern "C" __device__ void f() {}'
+    first = ptx_cache.compiled_code(text, "f.cu", (9, 0, "a"), False, compile_fn, VERSIONS)
+    again = ptx_cache.compiled_code(text, "f.cu", (9, 0, "a"), False, compile_fn, VERSIONS)
+    assert first == again and first.startswith(PTX) and compile_fn.calls == [("f.cu", (9, 0, "a"), False)]
     assert [p.suffix for p in cache.iterdir()] == [".ptx"]  # no temporary file left beside it
 
 
-@pytest.mark.parametrize("change", ["text", "cc", "versions"])
-def test_another_text_architecture_or_compiler_compiles_again(cache, change):
+@pytest.mark.parametrize("change", ["text", "cc", "is_ltoir", "versions"])
+def test_another_text_architecture_output_or_compiler_compiles_again(cache, change):
     compile_fn = RecordingCompile()
-    args = {"text": "int a;", "cc": (9, 0, "a"), "versions": VERSIONS}
-    ptx_cache.compiled_ptx(args["text"], "a.cu", args["cc"], compile_fn, args["versions"])
-    args[change] = {"text": "int b;", "cc": (8, 0, ""), "versions": "numba-cuda 0.31.0, nvrtc 13.0"}[change]
-    ptx_cache.compiled_ptx(args["text"], "a.cu", args["cc"], compile_fn, args["versions"])
+    args = {"text": "int a;", "cc": (9, 0, "a"), "is_ltoir": False, "versions": VERSIONS}
+    ptx_cache.compiled_code(args["text"], "a.cu", args["cc"], args["is_ltoir"], compile_fn, args["versions"])
+    args[change] = {"text": "int b;", "cc": (8, 0, ""), "is_ltoir": True,
+                    "versions": "numba-cuda 0.31.0, nvrtc 13.0"}[change]
+    ptx_cache.compiled_code(args["text"], "a.cu", args["cc"], args["is_ltoir"], compile_fn, args["versions"])
     assert len(compile_fn.calls) == 2 and len(list(cache.iterdir())) == 2
 
 
 def test_a_cut_file_is_compiled_again_and_an_unwritable_folder_only_loses_the_reuse(cache, tmp_path, monkeypatch):
     compile_fn = RecordingCompile()
-    ptx = ptx_cache.compiled_ptx("int c;", "c.cu", (9, 0, "a"), compile_fn, VERSIONS)
+    ptx = ptx_cache.compiled_code("int c;", "c.cu", (9, 0, "a"), False, compile_fn, VERSIONS)
     (kept,) = cache.iterdir()
-    kept.write_bytes(ptx[:10])  # not a whole PTX file
-    assert ptx_cache.compiled_ptx("int c;", "c.cu", (9, 0, "a"), compile_fn, VERSIONS) == ptx
-    assert kept.read_bytes() == ptx and len(compile_fn.calls) == 2
+    whole = kept.read_bytes()
+    kept.write_bytes(whole[:len(ptx) // 2] + whole[-32:])  # cut, its digest kept
+    assert ptx_cache.compiled_code("int c;", "c.cu", (9, 0, "a"), False, compile_fn, VERSIONS) == ptx
+    assert kept.read_bytes() == whole and len(compile_fn.calls) == 2
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache folder's parent would be")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
-    assert ptx_cache.compiled_ptx("int c;", "c.cu", (9, 0, "a"), compile_fn, VERSIONS) == ptx
+    assert ptx_cache.compiled_code("int c;", "c.cu", (9, 0, "a"), False, compile_fn, VERSIONS) == ptx
 
 
 def test_kernels_link_for_the_architecture_numba_links_them_for():
@@ -68,8 +71,11 @@ def test_without_a_gpu_the_kernels_get_the_source_and_nothing_compiles(monkeypat
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_kernels_link_the_ptx_of_the_source():
+def test_on_the_gpu_kernels_link_the_source_compiled_as_their_link_takes_it():
     if not tensor_core.is_available():
         pytest.skip("needs a GPU with tensor cores")
     linkable = tensor_core.cu_source("attention_decode.cu")
-    assert type(linkable).__name__ == "PTXSource" and b".target sm_" in linkable.data
+    if ptx_cache.is_lto_link():
+        assert type(linkable).__name__ == "LTOIR" and len(linkable.data) > 0
+    else:
+        assert type(linkable).__name__ == "PTXSource" and b".target sm_" in linkable.data

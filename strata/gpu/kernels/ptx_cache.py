@@ -1,13 +1,14 @@
-"""The PTX of the CUDA C++ sources, compiled once a text and kept between processes.
+"""The compiled CUDA C++ sources, compiled once a text and kept between processes.
 
 Numba compiles a linked CUDA source (``cuda.CUSource``) with NVRTC again for every kernel it links
 into, and every process compiles all of them again: ``gemv_rows.cu`` alone is ~1.5 MB of PTX and
 seconds of NVRTC, and each of the decode GEMVs links it. Here the same NVRTC call that Numba's linker
-makes (numba-cuda's ``nvrtc.compile``, its options, the kernel's architecture) runs once a text, and
-its PTX is kept in the user's cache folder (``$XDG_CACHE_HOME/strata/ptx``, else
-``~/.cache/strata/ptx``) under a key of the text, the architecture and the compilers' versions.
-Kernels link that PTX (``cuda.PTXSource``), which is what the source became at each link before.
-A folder that cannot be written only loses the reuse between processes.
+makes (numba-cuda's ``nvrtc.compile``, its options, the kernel's architecture, LTO-IR where the link is
+link-time optimized) runs once a text, and its output is kept in the user's cache folder
+(``$XDG_CACHE_HOME/strata/ptx``, else ``~/.cache/strata/ptx``) under a key of the text, the
+architecture, the output kind and the compilers' versions, with a digest that a cut file fails.
+Kernels link that output (``cuda.LTOIR`` or ``cuda.PTXSource``), which is what the source became at
+each link before. A folder that cannot be written only loses the reuse between processes.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("strata.kernels")
-# what a compile returns: the PTX, as numba-cuda's nvrtc.compile gives it (an object with .code, or bytes)
-CompileFn = Callable[[str, str, tuple], object]
+# a compile: (text, label, cc, is_ltoir) -> the code, as numba-cuda's nvrtc.compile gives it (.code) or bytes
+CompileFn = Callable[[str, str, tuple, bool], object]
+_DIGEST_BYTES = 32
 
 
 def cache_dir() -> Path:
@@ -35,28 +37,40 @@ def link_cc(capability: tuple[int, int]) -> tuple[int, int, str]:
     return (capability[0], capability[1], "a" if tuple(capability) >= (9, 0) else "")
 
 
-def compiled_ptx(text: str, label: str, cc: tuple, compile_fn: CompileFn | None = None,
-                 versions: str | None = None) -> bytes:
-    """The PTX of ``text`` for architecture ``cc``: from the cache folder, else compiled and kept there."""
+def is_lto_link() -> bool:
+    """Whether Numba links a kernel without an ``lto`` option (every kernel here but those that set it,
+    to the same value) with link-time optimization: numba-cuda's default, nvJitLink present and no
+    debug info; the linked sources then join the link as LTO-IR."""
+    from numba.core import config
+    from numba.cuda.cudadrv.driver import _have_nvjitlink
+
+    return bool(_have_nvjitlink()) and not config.CUDA_DEBUGINFO_DEFAULT
+
+
+def compiled_code(text: str, label: str, cc: tuple, is_ltoir: bool, compile_fn: CompileFn | None = None,
+                  versions: str | None = None) -> bytes:
+    """The PTX (or LTO-IR) of ``text`` for architecture ``cc``: from the cache folder, else compiled and
+    kept there."""
     versions = _compiler_versions() if versions is None else versions
-    key = hashlib.sha256("\0".join((text, repr(tuple(cc)), versions)).encode()).hexdigest()[:32]
-    path = cache_dir() / f"{label.replace('/', '_')}-{key}.ptx"
+    key = hashlib.sha256("\0".join((text, repr(tuple(cc)), str(is_ltoir), versions)).encode()).hexdigest()[:32]
+    path = cache_dir() / f"{label.replace('/', '_')}-{key}.{'ltoir' if is_ltoir else 'ptx'}"
     try:
-        ptx = path.read_bytes()
-        if b".version" in ptx and b".target" in ptx:  # a whole PTX file (writes are atomic)
-            return ptx
+        kept = path.read_bytes()
+        code, digest = kept[:-_DIGEST_BYTES], kept[-_DIGEST_BYTES:]
+        if len(kept) > _DIGEST_BYTES and hashlib.sha256(code).digest() == digest:
+            return code
     except OSError:
         pass
-    result = (compile_fn or _nvrtc_compile)(text, label, tuple(cc))
-    ptx = result if isinstance(result, bytes) else bytes(result.code)
-    _write_atomic(path, ptx)
-    return ptx
+    result = (compile_fn or _nvrtc_compile)(text, label, tuple(cc), is_ltoir)
+    code = result if isinstance(result, bytes) else bytes(result.code)
+    _write_atomic(path, code + hashlib.sha256(code).digest())
+    return code
 
 
-def _nvrtc_compile(text: str, label: str, cc: tuple) -> object:
+def _nvrtc_compile(text: str, label: str, cc: tuple, is_ltoir: bool) -> object:
     from numba.cuda.cudadrv import nvrtc
 
-    result, _ = nvrtc.compile(text, label, cc)
+    result, _ = nvrtc.compile(text, label, cc, ltoir=is_ltoir)
     return result
 
 
@@ -75,8 +89,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
             temporary = f.name
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(temporary, path)
     except OSError as exc:
-        log.debug("the PTX of %s is not kept between processes: %s", path.name, exc)
+        log.debug("the compiled %s is not kept between processes: %s", path.name, exc)
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)

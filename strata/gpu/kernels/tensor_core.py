@@ -113,7 +113,8 @@ def source_text(name: str) -> str:
 @functools.cache
 def cu_source(name: str, suffix: str = ""):
     """The linkable code of kernels/cuda/<name>, with `suffix` appended (on-demand instantiations): on a
-    GPU its PTX, compiled once (ptx_cache.py); elsewhere the source, which nothing compiles there.
+    GPU its LTO-IR or PTX as each link took it, compiled once (ptx_cache.py); elsewhere the source, which
+    nothing compiles there.
     One object per text: a kernel links each object once, and two copies of a text would define its
     symbols twice."""
     from numba import cuda
@@ -122,10 +123,11 @@ def cu_source(name: str, suffix: str = ""):
     text = source_text(name) + suffix
     if not is_available():
         return cuda.CUSource(text.encode(), name=label)
-    from .ptx_cache import compiled_ptx, link_cc
+    from .ptx_cache import compiled_code, is_lto_link, link_cc
 
-    return cuda.PTXSource(compiled_ptx(text, label, link_cc(cuda.get_current_device().compute_capability)),
-                          name=label)
+    is_lto = is_lto_link()
+    code = compiled_code(text, label, link_cc(cuda.get_current_device().compute_capability), is_lto)
+    return cuda.LTOIR(code, name=label) if is_lto else cuda.PTXSource(code, name=label)
 
 
 def declare(name: str, argtypes: tuple, source_name: str, suffix: str = ""):
