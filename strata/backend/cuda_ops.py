@@ -815,7 +815,7 @@ def _layer_layouts(layout: ExpertLayout | None) -> list:
     if layout is None or not layout.is_mixed:
         return [layout]
     first_layer: dict = {}
-    for layer, (qtypes, _) in enumerate(layout.layers):
+    for layer, (qtypes, _) in enumerate(layout.layers, start=layout.first_layer):
         first_layer.setdefault(qtypes, layer)
     return [layout.at_layer(layer) for layer in first_layer.values()]
 
