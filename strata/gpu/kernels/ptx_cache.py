@@ -41,7 +41,7 @@ def is_lto_link() -> bool:
     """Whether Numba links a kernel without an ``lto`` option (every kernel here but those that set it,
     to the same value) with link-time optimization: numba-cuda's default, nvJitLink present and no
     debug info; the linked sources then join the link as LTO-IR."""
-    from numba.core import config
+    from numba.cuda.core import config  # the module numba-cuda's jit reads its default from
     from numba.cuda.cudadrv.driver import _have_nvjitlink
 
     return bool(_have_nvjitlink()) and not config.CUDA_DEBUGINFO_DEFAULT
