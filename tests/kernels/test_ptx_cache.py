@@ -79,3 +79,16 @@ def test_on_the_gpu_kernels_link_the_source_compiled_as_their_link_takes_it():
         assert type(linkable).__name__ == "LTOIR" and len(linkable.data) > 0
     else:
         assert type(linkable).__name__ == "PTXSource" and b".target sm_" in linkable.data
+
+
+def test_the_lto_default_is_read_as_numba_cudas_jit_reads_it():
+    # in a process without the simulator, whose modules stand in for the driver's
+    import os
+    import subprocess
+    import sys
+
+    code = ("from numba.cuda.cudadrv.driver import _have_nvjitlink; from strata.gpu.kernels import ptx_cache; "
+            "print(ptx_cache.is_lto_link() == bool(_have_nvjitlink()))")
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "NUMBA_CUDA_DEBUGINFO")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["True"], done.stderr
