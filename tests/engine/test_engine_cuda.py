@@ -3,7 +3,7 @@ real GPU when there is one (more tokens, every KV format, and a loan)."""
 
 import numpy as np
 import pytest
-from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy
+from engine_setup import LOAN_RUNTIME, SIMULATOR_TINY, engine_config, greedy, reference_greedy
 from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 from numba import cuda
@@ -30,14 +30,16 @@ from strata.model.synth import PRESETS, with_overrides, write_synthetic_model
 BACKEND = "cuda" if has_cuda_device() else "cudasim"
 pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
                                 reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)")
-NUM_PROMPT, NUM_GENERATED = (70, 8) if BACKEND == "cuda" else (6, 2)
-PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 500, size=NUM_PROMPT)]
+# the simulator runs each thread in Python: a prompt's every row there costs seconds
+NUM_PROMPT, NUM_GENERATED = (70, 8) if BACKEND == "cuda" else (2, 2)
+TINY = PRESETS["tiny"] if BACKEND == "cuda" else SIMULATOR_TINY
+PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 250, size=NUM_PROMPT)]
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    return write_synthetic_model(tmp_path_factory.mktemp("models") / "tiny.gguf", PRESETS["tiny"], QType.Q4_0,
-                                 seed=3, with_mtp=True)
+    return write_synthetic_model(tmp_path_factory.mktemp("models") / "tiny.gguf", TINY, QType.Q4_0, seed=3,
+                                 with_mtp=True)
 
 
 def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference(tiny_path, monkeypatch):
@@ -88,7 +90,7 @@ CHUNK_SIZES = [16, 32, 64] if BACKEND == "cuda" else [16]
 
 @pytest.mark.parametrize("max_chunk", CHUNK_SIZES)
 def test_greedy_output_equals_the_reference_at_every_chunk_size(tiny_path, max_chunk):
-    prompt = PROMPT if BACKEND == "cuda" else [int(t) for t in np.random.default_rng(7).integers(3, 500, size=20)]
+    prompt = PROMPT if BACKEND == "cuda" else [int(t) for t in np.random.default_rng(7).integers(3, 250, size=20)]
     engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB", "warmup": False},
                                        planner={"max_chunk_tokens": max_chunk}), show_progress=False)
     tokens, stats = greedy(engine, prompt, NUM_GENERATED)
@@ -131,7 +133,7 @@ def test_decode_attention_kernel_in_the_captured_step_gives_the_reference_logits
     # is attention_decode's, at 64 attention_decode_direct's (tensor cores, on a GPU), captured in the
     # layers' segments over the shared split scratch, its KV length read from the position on the device
     path = write_synthetic_model(tmp_path / f"head-dim-{head_dim}.gguf",
-                                 with_overrides(PRESETS["tiny"], head_dim=head_dim), QType.Q4_0, seed=4)
+                                 with_overrides(TINY, head_dim=head_dim), QType.Q4_0, seed=4)
     kernels = []
     decode_kernel = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *args, **kwargs: kernels.append(args) or decode_kernel(*args, **kwargs))
@@ -140,7 +142,7 @@ def test_decode_attention_kernel_in_the_captured_step_gives_the_reference_logits
     logits = []
     host_logits = engine.ops.logits
     monkeypatch.setattr(engine.ops, "logits", lambda *args: logits.append(host_logits(*args)) or logits[-1])
-    prompt = PROMPT[:5]
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 250, size=5)]
     tokens, _ = greedy(engine, prompt, 3)
     assert engine.runner.decode_step is not None and kernels  # the captured step ran the decode kernel
     model = open_gguf(path)

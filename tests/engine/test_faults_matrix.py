@@ -7,14 +7,14 @@ import os
 
 import numpy as np
 import pytest
-from engine_setup import LOAN_RUNTIME, engine_config, reference_greedy, write_small_moe
+from engine_setup import LOAN_RUNTIME, SIMULATOR_TINY, engine_config, reference_greedy, write_small_moe
 from fault_matrix import SITES, InjectedFault, Injector, greedy_tokens, loan_on_every_request, run_matrix, state_of
 from gguf import GGMLQuantizationType as QType
 from numba import config as numba_config
 
 from strata.engine.facade import Engine
 from strata.gpu.ledger import ACTIVATIONS_OWNER, TRANSIENT_OWNERS
-from strata.model.synth import PRESETS, write_synthetic_model
+from strata.model.synth import write_synthetic_model
 
 NUM_REQUESTS = int(os.environ.get("STRATA_FAULT_REQUESTS", "1000"))  # on numpy, over the two configurations
 LOAN_SITES = ["release", "budget", "allocate workspace", "allocate workspace: out of memory", "prefill chunk",
@@ -76,11 +76,11 @@ def test_faults_on_the_kernels_under_the_simulator_fail_cleanly_and_the_next_req
     # backends have or that the kernels run (the captured decode step's graph, a prefill chunk, the
     # workspace), then one request against the reference forward (which a fresh engine matches:
     # tests/engine/test_engine_cuda.py)
-    path = write_synthetic_model(tmp_path / "tiny.gguf", PRESETS["tiny"], QType.Q4_0, seed=3)
+    path = write_synthetic_model(tmp_path / "tiny.gguf", SIMULATOR_TINY, QType.Q4_0, seed=3)
     engine = Engine.load(engine_config(path, runtime={"backend": "cudasim", "vram_budget": "64MiB",
                                                       "warmup": False}), show_progress=False)
     assert engine.runner.decode_step is not None  # decode is captured: the graph-capture step exists
-    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 500, size=6)]
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 250, size=2)]
     expected = reference_greedy(path, prompt, 2)
     faults = [("graph capture", 1, 2), ("prefill chunk", 1, 1), ("allocate workspace", 1, 1)]
     injector = Injector(engine, [name for name, _, _ in faults])

@@ -3,7 +3,7 @@ and picks on the device through captured segments, greedy output equal to plain 
 
 import numpy as np
 import pytest
-from engine_setup import LOAN_RUNTIME, engine_config, greedy, reference_greedy
+from engine_setup import LOAN_RUNTIME, SIMULATOR_TINY, engine_config, greedy, reference_greedy
 from gguf import GGMLQuantizationType as QType
 from loan_setup import BUILTINS
 from numba import config as numba_config
@@ -18,15 +18,16 @@ from strata.model.synth import PRESETS, write_synthetic_model
 BACKEND = "cuda" if has_cuda_device() else "cudasim"
 pytestmark = pytest.mark.skipif(BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
                                 reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)")
-NUM_PROMPT, NUM_GENERATED = (70, 40) if BACKEND == "cuda" else (6, 4)
+NUM_PROMPT, NUM_GENERATED = (70, 40) if BACKEND == "cuda" else (2, 4)  # the simulator: seconds a row
 DEPTHS = (1, 2, 3, 4) if BACKEND == "cuda" else (2,)
-PROMPT = [int(t) for t in np.random.default_rng(6).integers(3, 500, size=NUM_PROMPT)]
+PROMPT = [int(t) for t in np.random.default_rng(6).integers(3, 250, size=NUM_PROMPT)]
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    return write_synthetic_model(tmp_path_factory.mktemp("models") / "tiny.gguf", PRESETS["tiny"], QType.Q4_0,
-                                 seed=3, with_mtp=True)
+    shape = PRESETS["tiny"] if BACKEND == "cuda" else SIMULATOR_TINY
+    return write_synthetic_model(tmp_path_factory.mktemp("models") / "tiny.gguf", shape, QType.Q4_0, seed=3,
+                                 with_mtp=True)
 
 
 def _runtime(**runtime):

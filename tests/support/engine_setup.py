@@ -19,6 +19,11 @@ SMALL_MOE = dataclasses.replace(PRESETS["tiny"], num_layers=3, hidden_size=128, 
                                 head_dim=32, num_experts=32, num_experts_used=4, expert_ffn_size=256,
                                 vocab_size=512)
 
+# The CUDA simulator runs every thread in Python, and the tiny preset's output head (512 rows, 32 blocks of
+# gemv's 16) is most of a decode step there: the simulator's tiny model has the same layers and the least
+# byte-level vocabulary (259) rounded to a half block (264: 16 full blocks and one of 8 rows).
+SIMULATOR_TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=264)
+
 
 def write_small_moe(path, with_mtp: bool = False, qtype: QType = QType.Q4_0):
     return write_synthetic_model(path, SMALL_MOE, qtype, seed=7, with_mtp=with_mtp)
