@@ -381,3 +381,16 @@ def test_a_failing_hook_among_others_is_named(failing):
     with pytest.raises(PluginError, match=r"plugin 'failing' failed in strata_planner_budget: ValueError\('boom'\)"):
         engine.prefill(1_000)
     assert_back_to_idle(engine)
+
+
+def test_the_report_times_each_phase_of_the_transaction():
+    engine = started()
+    _, report = engine.prefill(40_000)
+    phases = [name for name, _ in report.phase_seconds]
+    assert phases == ["release", "grow", "plan", "allocate", "free", "shrink", "restore", "put back", "hooks"]
+    assert all(seconds >= 0 for _, seconds in report.phase_seconds)
+    slow = dataclasses.replace(report, phase_seconds=(("restore", 0.0123), ("plan", 0.0001)))
+    assert slow.summary().endswith("[ms: restore 12.3]")  # phases under half a millisecond are not shown
+    _, off = started(loan={"enabled": False, "plugins": None}).prefill(40_000)
+    # a phase that recurs (restore: what a vetoed loan gives back, then after prefill) is summed under one name
+    assert [name for name, _ in off.phase_seconds] == ["restore", "plan", "allocate", "free", "shrink", "put back"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import Mapping, Protocol
 
@@ -62,13 +63,19 @@ class LoanReport:
     released_bytes: int = 0
     grown_bytes: int = 0
     num_retries: int = 0
+    # (phase, host seconds) of the transaction itself, inside the request's prefill time
+    phase_seconds: tuple[tuple[str, float], ...] = ()
 
     def summary(self) -> str:
         if not self.is_taken:
-            return f"loan off ({self.reason})"
+            return f"loan off ({self.reason}){self._phases()}"
         return (f"loan on ({self.reason}; released {', '.join(self.released) or 'nothing'}: "
                 f"{self.released_bytes / 2**20:.1f} MiB; cache +{self.grown_bytes / 2**20:.1f} MiB; "
-                f"retries {self.num_retries})")
+                f"retries {self.num_retries}){self._phases()}")
+
+    def _phases(self) -> str:
+        shown = [f"{phase} {1e3 * seconds:.1f}" for phase, seconds in self.phase_seconds if seconds >= 5e-4]
+        return f" [ms: {', '.join(shown)}]" if shown else ""
 
 
 class LoanTransaction:
@@ -127,13 +134,16 @@ class LoanTransaction:
         cache_bytes_before = self.cache.mapped_bytes if self.cache else 0
         released, self._deferred = list(self._deferred), []
         report = LoanReport(vote.is_run, vote.reason, None)
+        phases = _PhaseClock()
         try:
             if vote.is_run:
                 for name in self._release_names(ctx, already=released):
                     self.resources[name].release()
                     released.append(name)
+                phases.mark("release")
                 # all of it: the workspace borrows back, by unmapping, what its activations need
                 grown = self.cache.grow(self.ledger.free_bytes) if self.cache else 0
+                phases.mark("grow")
                 report = dataclasses.replace(report, released=tuple(released), grown_bytes=grown,
                                              released_bytes=sum(self.resources[n].num_bytes for n in released))
             else:
@@ -144,13 +154,20 @@ class LoanTransaction:
                     released.append(name)
                 if released:
                     report = dataclasses.replace(report, reason=f"{report.reason}; {_ALIAS_REASON}")
+                phases.mark("restore")
             geometry = self._plan(ctx, vote.is_run)
+            phases.mark("plan")
             geometry, num_retries = self._allocate(self.planner.capped(geometry, unread_tokens))
+            phases.mark("allocate")
             report = dataclasses.replace(report, geometry=geometry, num_retries=num_retries)
             yield geometry
+            phases.mark("prefill")
         finally:
             self.last_report = report
-            self._close(ctx, vote.is_run, released, captured, cache_bytes_before, expected)
+            try:
+                self._close(ctx, vote.is_run, released, captured, cache_bytes_before, expected, phases)
+            finally:
+                self.last_report = dataclasses.replace(report, phase_seconds=phases.without("prefill"))
 
     def plan_preview(self, is_loan: bool, unread_tokens: int | None = None,
                      cache: CacheState | None = None) -> Geometry:
@@ -235,20 +252,25 @@ class LoanTransaction:
         raise AssertionError("unreachable")
 
     def _close(self, ctx: LoanContext, is_loan: bool, released: list[str], captured, cache_bytes_before: int,
-               expected: dict[str, int]) -> None:
+               expected: dict[str, int], phases: _PhaseClock) -> None:
         failures: list[str] = []
-        for step, action in (("free the workspace", self.workspace.free),
-                             ("shrink the expert cache",
-                              lambda: self.cache and self.cache.shrink_to(cache_bytes_before))):
+        phases.mark("prefill")
+        for step, phase, action in (("free the workspace", "free", self.workspace.free),
+                                    ("shrink the expert cache", "shrink",
+                                     lambda: self.cache and self.cache.shrink_to(cache_bytes_before))):
             try:
                 action()
             except Exception as exc:
                 failures.append(f"{step}: {exc!r}")
+            phases.mark(phase)
         failures.extend(self._restore_all(released, raise_now=False))
+        phases.mark("restore")
         failures.extend(self._put_back(captured))
+        phases.mark("put back")
         if is_loan:
             failures.extend(f"restore hook of {p}: {e!r}" for p, e in
                             self.plugins.call_each_reversed("strata_prefill_restore", ctx=ctx))
+            phases.mark("hooks")
         after = {k: v for k, v in self.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS}
         if after != {k: v for k, v in expected.items() if v and k not in TRANSIENT_OWNERS}:
             diff = {o: after.get(o, 0) - expected.get(o, 0) for o in set(after) | set(expected)}
@@ -284,3 +306,19 @@ class LoanTransaction:
         if failures and raise_now:
             raise LoanRestoreError("; ".join(failures))
         return failures
+
+
+class _PhaseClock:
+    """Host seconds between marks, summed by phase name (a phase may recur: restore on entry and exit)."""
+
+    def __init__(self):
+        self._last = time.perf_counter()
+        self._seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._seconds[phase] = self._seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def without(self, phase: str) -> tuple[tuple[str, float], ...]:
+        return tuple((name, seconds) for name, seconds in self._seconds.items() if name != phase)
