@@ -84,12 +84,10 @@ class CudaOps:
             from strata.gpu.memory import install_ledger
 
             install_ledger(ledger)
-        import warnings
-
         from numba import cuda
-        from numba.core.errors import NumbaPerformanceWarning
 
-        warnings.simplefilter("ignore", NumbaPerformanceWarning)  # small grids are expected at decode
+        if not is_simulator:
+            quiet_launch_warnings()
         self.cuda = cuda
         # charge by hand where no memory manager sees the allocations: the simulator, or a context
         # that existed before the ledger's manager was installed
@@ -826,3 +824,20 @@ def _expert_formats(layout: ExpertLayout | None) -> tuple:
         return (), 0, 0
     ffn, dim = layout.shapes[0]
     return tuple(qtype.name for qtype in layout.qtypes), dim, ffn
+
+
+def quiet_launch_warnings() -> None:
+    """Numba-CUDA checks every launch's grid and warns below 128 blocks; decode launches grids that
+    small on purpose. The check is switched off, not only filtered: web frameworks enter
+    ``warnings.catch_warnings`` per request, which resets the registry that shows a warning once,
+    so in a serving process every small launch could format and log its warning again. numba-cuda's
+    warning is its own class, not ``numba.core``'s (the filter this replaced never matched it)."""
+    import warnings
+
+    from numba.core.errors import NumbaPerformanceWarning
+    from numba.cuda import dispatcher
+    from numba.cuda.core.errors import NumbaPerformanceWarning as CudaPerformanceWarning
+
+    dispatcher.config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+    for category in (NumbaPerformanceWarning, CudaPerformanceWarning):
+        warnings.simplefilter("ignore", category)
