@@ -97,6 +97,10 @@ class CudaOps:
 
             cuda.select_device(device)
             self._is_charged_by_hand = not is_ledger_managed()
+            if self._is_charged_by_hand:
+                log.warning("this process made its CUDA context before the engine installed its memory manager: "
+                            "allocations are charged by hand and decode runs without captured graphs (~10x "
+                            "slower); call strata.gpu.memory.install_manager() before the first CUDA use")
             _warn_without_tensor_cores()
         self._manual: dict[int, tuple[object, object]] = {}  # charged by hand: id → (array, charge)
         self._capture_owner = None  # the owner charged for a capture's allocations, while it runs

@@ -32,6 +32,24 @@ def install_ledger(ledger: VramLedger | None) -> None:
     cuda.set_memory_manager(manager)
 
 
+def install_manager() -> None:
+    """Install the ledger's memory manager if it is not installed, leaving the ledger it charges as
+    it is. Every helper that may make the process's CUDA context calls it first (the PCIe probe of
+    a dry run, reading the free memory for the budget, the device's identity): a context made
+    without it keeps Numba's own manager, and an engine made in it later cannot capture decode
+    graphs (``CudaOps.can_capture``), so it decodes through uncaptured launches, ~10x slower."""
+    from numba import config as numba_config
+
+    if numba_config.ENABLE_CUDASIM:
+        return
+    from numba import cuda
+    from numba.cuda.cudadrv import driver
+
+    manager = _manager_class()
+    if getattr(driver, "_memory_manager", None) is not manager:
+        cuda.set_memory_manager(manager)
+
+
 def is_ledger_managed() -> bool:
     """Whether this process's CUDA context allocates through the ledger's manager (it does not when
     the context existed before ``install_ledger``, e.g. after other CUDA work in the same process)."""

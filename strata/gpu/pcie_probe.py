@@ -19,6 +19,9 @@ def probe_host_to_device(sizes_bytes: tuple[int, ...] = SIZES_BYTES, repeats: in
     from numba import cuda
     from numba.cuda.cudadrv import driver
 
+    from strata.gpu.memory import install_manager
+
+    install_manager()  # a dry run's probe makes the context the engine's load then uses
     with cuda.gpus[device]:
         largest = max(sizes_bytes)
         host = cuda.pinned_array(largest, dtype=np.uint8)
