@@ -19,12 +19,6 @@ _MAGNITUDES = {"Q8_0": 1.0 / 128, "Q4_K": 1.0 / 256, "Q5_K": 1.0 / 512, "Q6_K": 
 _K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # rows of whole 256-element super-blocks
 
 
-@pytest.fixture(autouse=True)
-def every_built_format_served(monkeypatch):
-    """The tests run every built format through the kernels, served or not yet (moe_rows.FORMATS)."""
-    monkeypatch.setattr(moe_rows, "FORMATS", moe_rows.BUILT_FORMATS)
-
-
 def _matrix(fmt, num_rows, num_cols, seed):
     return random_matrix(fmt, num_rows, num_cols, seed, _MAGNITUDES.get(fmt))
 

@@ -27,8 +27,8 @@ Mixture of experts:
     moe            expert products, prefill (tiled, gathered, on gemm/gemm_mma's main loops) and decode
                    (GEMV-shaped); sends the prefill tiles of moe_rows.FORMATS to moe_rows where it applies
     moe_rows       prefill expert products for chunks of few routed rows an expert: the weight rows on the
-                   mma's M, the tile's tokens on its N (cuda/moe_rows.cu; GPU only; Q4_0, Q8_0 and Q4_K
-                   experts, Q5_K and Q6_K built and tested; the engine's choice wherever it applies)
+                   mma's M, the tile's tokens on its N (cuda/moe_rows.cu; GPU only; Q4_0, Q8_0, Q4_K, Q5_K
+                   and Q6_K experts; the engine's choice wherever it applies)
     activation     SwiGLU, for the paths that do not fuse it into the expert GEMM epilogues
 
 Attention:
