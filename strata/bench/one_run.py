@@ -92,6 +92,7 @@ def main(argv=None) -> int:
         "cache_hit_rate": stats.cache_hit_rate, "prefetched_experts": stats.prefetched_experts,
         "prefetched_used_experts": stats.prefetched_used_experts, "decode_seconds": stats.decode_seconds,
         "decode_wait_seconds": stats.decode_wait_seconds,
+        "num_compiles": stats.num_compiles, "compile_seconds": stats.compile_seconds,
         "loan_summary": stats.loan.summary() if stats.loan else "", "load_seconds": load_seconds,
         "backend": engine.backend, "budget_bytes": engine.ledger.budget_bytes,
         "expert_bytes": engine.pack.num_bytes if engine.pack else 0,

@@ -26,6 +26,7 @@ from strata.engine.memory.workspace import PromptWorkspace
 from strata.engine.planning.placement import Placement
 from strata.engine.planning.planner import Planner
 from strata.engine.runner import DeviceWeights, ModelRunner
+from strata.gpu.compile_events import CompileCounter
 from strata.gpu.ledger import LedgerSnapshot, VramLedger
 from strata.hooktypes import OUTPUT_HEAD
 from strata.model.gguf_file import GgufModel
@@ -48,6 +49,7 @@ class EngineCore:
     :ivar kv_tokens: tokens whose K and V are in the cache, in order (the next request's reusable prefix).
     :ivar current_generation: the request whose decode state (segments, cached blocks) is live.
     :ivar mtp: the MTP block that drafts for speculative decode; None without ``runtime.mtp``.
+    :ivar compiles: the compilations since load (on the GPU; a request's timing line shows its own).
     """
 
     config: Config
@@ -75,6 +77,7 @@ class EngineCore:
     mtp: MtpDraft | None = None  # speculative decode's draft block (runtime.mtp)
     depth_policy: DepthPolicy | None = None  # its depth, learnt across requests
     counters: EngineCounters = dataclasses.field(default_factory=EngineCounters)
+    compiles: CompileCounter = dataclasses.field(default_factory=CompileCounter)
     kv_tokens: list[int] = dataclasses.field(default_factory=list)
     current_generation: Any = None
 

@@ -159,6 +159,8 @@ class Engine(EngineCore):
             engine.mtp = MtpDraft(runner, resources[MTP_DRAFT_HEAD], resources.get(MTP_EXPERTS), mtp_kv,
                                   engine.output_head)
             engine.depth_policy = DepthPolicy(rt.spec_depth, is_fixed=rt.spec_policy == "fixed")
+        if backend == "cuda" and not is_dry_run:
+            engine.compiles.listen()
         is_warming_up = config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run
         if is_warming_up:
             engine.warm_up()
@@ -248,8 +250,9 @@ class Engine(EngineCore):
         seconds = time.perf_counter() - started
         if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
             log.warning("warm-up left the ledger at %s (before: %s)", after, before)
-        log.info("warm-up: %d-token prefill (for %d MoE tile shape(s)) and one decode step in %.2f s (kernels "
-                 "compiled, state reset)", num_tokens, len(self.ops.moe_tile_rows(layout)), seconds)
+        log.info("warm-up: %d-token prefill (for %d MoE tile shape(s)) and one decode step in %.2f s (%d "
+                 "compilations, %.2f s; state reset)", num_tokens, len(self.ops.moe_tile_rows(layout)), seconds,
+                 self.compiles.tally.num_compiles, self.compiles.tally.seconds)
         return seconds
 
     def _warmup_speculation(self, hidden, token: int, position: int, stats: StreamStats) -> None:
@@ -355,6 +358,7 @@ class Engine(EngineCore):
     def close(self) -> None:
         """Drop decode's segments and release what the engine holds outside the pool (the KV host
         tier's pinned memory, its fill stream); the engine serves no request after."""
+        self.compiles.close()
         self.runner.reset_decode()
         self.ops.synchronize()
         self.ops.close_kv(self.kv)

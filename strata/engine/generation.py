@@ -49,6 +49,7 @@ class Generation:
         self.stats: RequestStats | None = None
         self._prefill_streamed_bytes = 0
         self._restaged_bytes = 0
+        self._compiled_before = engine.compiles.tally
         self._events = self._run()
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -65,6 +66,7 @@ class Generation:
         reuse = self._reuse_prefix()
         unread = np.asarray(prompt[reuse:], dtype=np.int64)
         stream = StreamStats()
+        self._compiled_before = engine.compiles.tally
         started = time.perf_counter()
         try:
             with engine.loan.lend(len(prompt), len(unread)) as geometry:
@@ -322,6 +324,7 @@ class Generation:
         return logits
 
     def _finish(self, report, num_unread, generated, finish, prefill_seconds, decode_seconds, stream) -> None:
+        compiled = self.engine.compiles.tally.since(self._compiled_before)
         self.stats = RequestStats(
             prompt_tokens=len(self.prompt), unread_tokens=num_unread, generated_tokens=generated,
             geometry=report.geometry, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
@@ -334,7 +337,11 @@ class Generation:
             spec_drafted=stream.spec_drafted, spec_accepted=stream.spec_accepted, spec_depth=stream.spec_depth,
             spec_drafted_by_position=tuple(stream.spec_drafted_by_position),
             spec_accepted_by_position=tuple(stream.spec_accepted_by_position),
-            is_draft_oracle=self.draft_oracle is not None)
+            is_draft_oracle=self.draft_oracle is not None,
+            num_compiles=compiled.num_compiles, compile_seconds=compiled.seconds)
+        if compiled.num_compiles and self.engine.config.runtime.warmup:
+            log.warning("this request compiled %d time(s), %.2f s inside its prefill and decode: a shape the "
+                        "warm-up did not reach", compiled.num_compiles, compiled.seconds)
         self.engine.counters.record(self.stats)
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
 

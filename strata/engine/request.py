@@ -50,6 +50,8 @@ class RequestStats:
     spec_drafted_by_position: tuple[int, ...] = ()  # per place in a step's draft run
     spec_accepted_by_position: tuple[int, ...] = ()
     is_draft_oracle: bool = False  # the bench's --draft-oracle replaced the drafts: not the model's own speed
+    num_compiles: int = 0  # kernels compiled inside this request (GPU; the warm-up should have compiled them)
+    compile_seconds: float = 0.0  # their time, inside prefill_seconds and decode_seconds
 
     @property
     def spec_acceptance(self) -> float:
@@ -81,7 +83,10 @@ class RequestStats:
                 + f"), expert-cache hit rate {self.cache_hit_rate:.1%}"
                 + (f" ({self.prefetched_experts} prefetched, {self.prefetched_used_experts} used)"
                    if self.prefetched_experts else "") + self._kv_host_tier() + self._host_share() + self._speculation()
-                + f" | {loan}")
+                + self._compiles() + f" | {loan}")
+
+    def _compiles(self) -> str:
+        return f" | compiled {self.num_compiles} time(s) in {self.compile_seconds:.2f} s" if self.num_compiles else ""
 
     def _kv_host_tier(self) -> str:
         return f" | KV host tier {self.kv_host_bytes / 2**20:.1f} MiB moved" if self.kv_host_bytes else ""

@@ -25,3 +25,9 @@ def test_the_timing_line_splits_decode_into_the_hosts_waits_and_its_own_work():
     line = _stats(decode_wait_seconds=0.2).timing_line()
     assert "| decode host: waiting 20.0 ms/token, busy 5.0 |" in line
     assert "decode host" not in _stats().timing_line()  # plain launches: not measured
+
+
+
+def test_the_timing_line_names_compilations_inside_the_request_only_when_there_were_some():
+    assert "compiled" not in _stats().timing_line()
+    assert "| compiled 3 time(s) in 5.80 s | loan off" in _stats(num_compiles=3, compile_seconds=5.8).timing_line()

@@ -1,0 +1,34 @@
+"""The compile counter over numba-cuda's compiler-lock events (raised here by hand: the simulator
+compiles nothing; tests/gpu has a real kernel's)."""
+
+import numba.cuda.core.event as ev
+
+from strata.gpu.compile_events import COMPILE_EVENT, CompileCounter, CompileTally
+
+
+def test_nested_entries_count_once_and_a_closed_counter_stops_listening():
+    counter = CompileCounter().listen()
+    try:
+        ev.start_event(COMPILE_EVENT)
+        ev.start_event(COMPILE_EVENT)  # the reentrant lock, taken again inside the first compile
+        ev.end_event(COMPILE_EVENT)
+        ev.end_event(COMPILE_EVENT)
+        assert counter.tally.num_compiles == 1 and counter.tally.seconds >= 0
+        before = counter.tally
+        with ev.trigger_event(COMPILE_EVENT):
+            pass
+        assert counter.tally.since(before).num_compiles == 1
+    finally:
+        counter.close()
+    with ev.trigger_event(COMPILE_EVENT):
+        pass
+    assert counter.tally.num_compiles == 2
+    counter.close()  # a second close does nothing
+
+
+def test_a_counter_that_never_listens_counts_nothing():
+    counter = CompileCounter()
+    with ev.trigger_event(COMPILE_EVENT):
+        pass
+    assert counter.tally == CompileTally()
+    counter.close()
