@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from strata.bench.python_growth import PythonGrowth, format_report
 from strata.config import Config
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trim-heap", action="store_true",
                         help="before each RSS reading, hand the C heap's free pages back to the OS (glibc's "
                              "malloc_trim): what still grows is held, not the allocator's free memory")
+    parser.add_argument("--python-growth", action="store_true",
+                        help="trace the Python heap from the end of --settle to the last request and print the "
+                             "allocation sites and object types that grew (slower: every allocation is traced)")
     parser.add_argument("--out", help="write one JSON line per request and a summary line to this file")
 
 
@@ -78,11 +82,14 @@ def run(args: argparse.Namespace, config: Config) -> int:
     trim = heap_trimmer() if args.trim_heap else None
     if args.trim_heap and trim is None:
         print("--trim-heap: this C library has no malloc_trim; RSS is read as it is", file=sys.stderr)
+    growth = PythonGrowth() if args.python_growth else None
     rows, num_not_idle = [], 0
     out = open(args.out, "w") if args.out else None
     print(f"{'#':>4} {'prompt':>7} {'loan':>5} {'PP tok/s':>9} {'TG tok/s':>9} {'device MiB':>11} {'RSS MiB':>9}")
     try:
         for index in range(args.requests):
+            if growth is not None and index == min(args.settle, args.requests - 1):
+                growth.start()
             num_prompt = int(rng.integers(args.min_prompt, max_prompt + 1))
             tokens = prompt_tokens(engine.tokenizer, num_prompt, seed=args.seed * 100_003 + index)
             started = time.perf_counter()
@@ -114,6 +121,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
                    "rss_slope_bytes_per_request": slope_bytes_per_request([r["rss_bytes"] for r in settled]),
                    "ledger_slope_bytes_per_request": slope_bytes_per_request([r["ledger_bytes"] for r in settled]),
                    "requests_not_idle": num_not_idle, "loans_taken": sum(r["loan_taken"] for r in rows)}
+        if growth is not None:
+            summary["python_growth"] = growth.report()
+            print(format_report(summary["python_growth"]))
         if out:
             out.write(json.dumps({"summary": summary}) + "\n")
     finally:

@@ -39,3 +39,32 @@ def test_a_soak_with_the_loan_on_records_every_request_and_passes_when_nothing_g
     assert summary["requests_not_idle"] == 0 and abs(summary["ledger_slope_bytes_per_request"]) < 1e-6
     assert summary["is_heap_trimmed"] == (heap_trimmer() is not None)
     assert "slope over requests 2..5" in capsys.readouterr().out
+
+
+def test_python_growth_names_the_site_and_the_type_that_grew():
+    from strata.bench.python_growth import PythonGrowth, format_report
+
+    class Leaked:
+        pass
+
+    kept = []
+    growth = PythonGrowth()
+    growth.start()
+    kept.extend(Leaked() for _ in range(500))
+    report = growth.report()
+    assert report["traced_bytes_gained"] > 0
+    assert any(entry["type"].endswith("Leaked") and entry["objects"] >= 500 for entry in report["types"])
+    assert any("test_soak.py" in frame for site in report["sites"] for frame in site["frames"])
+    assert "Leaked" in format_report(report)
+
+
+def test_a_soak_can_trace_the_python_heap(tmp_path, capsys):
+    model = write_tiny_model(tmp_path)
+    config = tmp_path / "soak.toml"
+    config.write_text(f'[model]\npath = "{model}"\n[runtime]\nbackend = "numpy"\ncontext_tokens = 512\n')
+    out = tmp_path / "soak.jsonl"
+    assert main(["--config", str(config), "soak", "--requests", "4", "--min-prompt", "8", "--max-prompt", "64",
+                 "--gen-tokens", "2", "--settle", "1", "--python-growth", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text().splitlines()[-1])["summary"]
+    assert set(summary["python_growth"]) == {"traced_bytes_gained", "sites", "types"}
+    assert "Python heap:" in capsys.readouterr().out
