@@ -25,15 +25,19 @@ def timings(stats: Any) -> dict[str, float]:
 
 
 def engine_report(stats: Any) -> dict[str, Any]:
-    """What the engine did beyond llama-server's timings: the prefill plan, the loan and its retries,
-    and the timing line's rates (decode's over its steps: the first token comes from prefill)."""
+    """What the engine did beyond llama-server's timings: the prefill plan, the loan (its retries and
+    the host milliseconds of each of its phases), the timing line's rates (decode's over its steps:
+    the first token comes from prefill) and the kernels compiled inside the request."""
     geometry, loan = stats.geometry, stats.loan
     return {"plan": {"chunk_tokens": geometry.chunk_tokens, "ring_slots": geometry.ring_slots} if geometry else None,
             "num_chunks": stats.num_chunks,
             "loan": {"is_taken": loan.is_taken, "reason": loan.reason, "retries": loan.num_retries,
-                     "released": list(loan.released)} if loan else None,
+                     "released": list(loan.released),
+                     "phase_ms": {phase: round(1e3 * seconds, 3) for phase, seconds in loan.phase_seconds}}
+            if loan else None,
             "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 3),
-            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3)}
+            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3),
+            "compiles": {"count": stats.num_compiles, "seconds": round(stats.compile_seconds, 3)}}
 
 
 def _rates(prefix: str, num_tokens: int, milliseconds: float) -> dict[str, float]:

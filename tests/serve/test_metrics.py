@@ -56,7 +56,11 @@ def test_a_completion_carries_its_timings(server):
     assert timings["predicted_per_second"] == pytest.approx(expected_rate, rel=1e-2)
     # the engine's own figures: its plan, no loan (none configured), and decode's rate over its steps
     report = first.model_extra["strata"]
-    assert report["loan"] == {"is_taken": False, "reason": "loan.enabled is false", "retries": 0, "released": []}
+    loan = report["loan"]
+    assert {k: loan[k] for k in ("is_taken", "reason", "retries", "released")} == {
+        "is_taken": False, "reason": "loan.enabled is false", "retries": 0, "released": []}
+    assert {"plan", "allocate", "free", "put back"} <= set(loan["phase_ms"]) and min(loan["phase_ms"].values()) >= 0
+    assert report["compiles"] == {"count": 0, "seconds": 0.0}  # the numpy backend compiles no kernel
     assert report["plan"]["chunk_tokens"] >= timings["prompt_n"] and report["num_chunks"] == 1
     assert report["prefill_tokens_per_s"] == pytest.approx(timings["prompt_per_second"], rel=1e-2)
     steps = timings["predicted_n"] - 1

@@ -51,7 +51,8 @@ def test_default_off_runs_one_arm_with_the_plugins_uninstalled_and_one_without_a
     assert (installed["arm"], installed["plugins"]) == ("installed", PLUGINS)
     arm_file = tomllib.loads((tmp_path / "configs" / "no-loan-table.toml").read_text())
     assert "loan" not in arm_file and arm_file["model"]["path"] == str(config.parent / "small-moe-mtp.gguf")
-    assert all(run["loan_summary"] == "loan off (loan.enabled is false)" for run in doc["runs"])
+    # the summary goes on with the transaction's phase times where one took half a millisecond
+    assert all(run["loan_summary"].startswith("loan off (loan.enabled is false)") for run in doc["runs"])
     summary = doc["summary"]
     assert summary["is_uninstalled"] and summary["is_same_plan"]
     assert summary["passed"] == (abs(summary["pp_change"]) <= 0.01 and abs(summary["tg_change"]) <= 0.01)
