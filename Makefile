@@ -1,5 +1,5 @@
 # The two commands of the README: `make run` (the main job) and `make test` (the suite).
-# Both create .venv and install Strata with its four loan plugins on first use.
+# Both create .venv and install Strata with its loan plugins on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

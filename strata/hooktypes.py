@@ -4,7 +4,7 @@ only; they hold no engine internals."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol
 
 if TYPE_CHECKING:
     from strata.config import Config
@@ -91,6 +91,27 @@ class ResourceView(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class LoanPrediction:
+    """The cost model's prefill time of one request without the loan and with it (``LoanContext.predict``).
+
+    ``reload_seconds`` is what taking the loan adds beyond the prefill: the transaction's own work
+    (measured from the loans taken so far), and for a repeat loan the upload of what it releases at
+    the measured PCIe rate (a startup loan's resources are uploaded whichever way it goes).
+    """
+
+    off_geometry: Geometry
+    off_seconds: float
+    on_geometry: Geometry
+    on_seconds: float
+    reload_seconds: float
+
+    @property
+    def gain_seconds(self) -> float:
+        """Predicted prefill time the loan saves (negative: it costs)."""
+        return self.off_seconds - self.on_seconds - self.reload_seconds
+
+
+@dataclasses.dataclass(frozen=True)
 class LoanContext:
     """Passed to the per-request loan hooks.
 
@@ -98,12 +119,16 @@ class LoanContext:
     :ivar request: the request being prefilled.
     :ivar resources: the decode-only resources the engine offers for release, by name.
     :ivar startup_geometry: the geometry the planner chose at startup (None before it exists).
+    :ivar predict: ``predict()`` is the cost model's ``LoanPrediction`` for this request (computed
+        when called: a few planner passes), or None where the engine has no cost model (a dense
+        model, a fixed geometry); the attribute is None where no prediction is offered.
     """
 
     config: Config
     request: LoanRequest
     resources: Mapping[str, ResourceView]
     startup_geometry: Geometry | None
+    predict: Callable[[], LoanPrediction | None] | None = None
 
 
 def offered(names: Iterable[str], resources: Mapping[str, ResourceView]) -> list[str]:

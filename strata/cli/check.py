@@ -18,7 +18,7 @@ from strata.config import Config
 from strata.engine.loading import cache_after_load
 from strata.engine.planning.placement import Placement
 from strata.engine.planning.planner import CacheState, WorkspaceCosts
-from strata.hooktypes import Geometry
+from strata.hooktypes import Geometry, LoanRequest
 
 EXPERT_CACHE_OWNER = "expert_cache"
 WORKSPACE_ROW = "prefill_workspace"
@@ -72,7 +72,24 @@ def run(args: argparse.Namespace, config: Config) -> int:
                                               predicted_tokens=longest_prompt_tokens))
         # the startup loan's plan: the startup budget, the longest prompt, the cache after the load
         print("  cost model: " + planner.describe_candidates(planner.weigh(startup_budget, None, cache)[1], with_loan))
+        print(loan_gains(engine, longest_prompt_tokens, cache))
     return 0
+
+
+def loan_gains(engine, longest_prompt_tokens: int, cache: CacheState | None) -> str:
+    """The prefill time a repeat loan is predicted to save at a few prompt lengths (the cost_gate
+    plugin takes the loan where it saves time)."""
+    lengths = sorted({n for n in (2048, 8192, 32768) if n < longest_prompt_tokens} | {longest_prompt_tokens})
+    gains = []
+    for num_tokens in lengths:
+        prediction = engine.loan.predict(LoanRequest(1, num_tokens, num_tokens, is_startup_loan=False), cache)
+        if prediction is None:
+            return "loan's predicted gain: none (no cost model: a dense model or a fixed geometry)"
+        gains.append(f"{num_tokens:,} tokens {1e3 * prediction.gain_seconds:+,.0f} ms "
+                     f"({prediction.on_geometry} against {prediction.off_geometry})")
+    reload = engine.loan.overhead_seconds()
+    return (f"loan's predicted gain for a repeat loan (cost model; its own work {1e3 * reload:.0f} ms and the upload "
+            f"of what it releases counted): " + "; ".join(gains))
 
 
 def cached_after_load(engine, config: Config) -> int:

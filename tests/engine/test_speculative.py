@@ -5,7 +5,7 @@ the NumPy reference; speculative sampling's distribution; the errors a bad confi
 import numpy as np
 import pytest
 from engine_setup import LOAN_RUNTIME, engine_config, greedy, write_small_moe
-from loan_setup import BUILTINS
+from loan_setup import WRITE_UP_PLUGINS
 
 from strata.bench.draft_oracle import DraftOracle
 from strata.engine.decode.depth_policy import DepthPolicy
@@ -97,7 +97,7 @@ def test_the_context_limit_cuts_speculation_where_it_cuts_plain_decode(mtp_path)
 
 def test_speculation_with_the_loan_equals_plain_greedy(mtp_path, plain_tokens):
     runtime = {**LOAN_RUNTIME, "spec_depth": 3, "spec_policy": "fixed"}
-    engine = Engine.load(engine_config(mtp_path, runtime=runtime, loan={"enabled": True, "plugins": list(BUILTINS)}),
+    engine = Engine.load(engine_config(mtp_path, runtime=runtime, loan={"enabled": True, "plugins": WRITE_UP_PLUGINS}),
                          show_progress=False)
     tokens, stats = greedy(engine, PROMPT, NUM_TOKENS)
     assert tokens == plain_tokens and stats.loan.is_taken and stats.spec_rounds

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from engine_setup import LOAN_RUNTIME, SIMULATOR_TINY, engine_config, greedy, reference_greedy
 from gguf import GGMLQuantizationType as QType
-from loan_setup import BUILTINS
+from loan_setup import WRITE_UP_PLUGINS
 from numba import config as numba_config
 
 from strata.backend.select import has_cuda_device
@@ -69,7 +69,7 @@ def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth):
 @pytest.mark.skipif(BACKEND != "cuda", reason="the loan on the device: GPU only (slow in the simulator)")
 def test_device_speculation_with_the_loan_equals_plain_greedy(tiny_path, plain_tokens):
     runtime = _runtime(**{**LOAN_RUNTIME, "spec_depth": 3, "spec_policy": "fixed"})
-    engine = Engine.load(engine_config(tiny_path, runtime=runtime, loan={"enabled": True, "plugins": list(BUILTINS)}),
+    engine = Engine.load(engine_config(tiny_path, runtime=runtime, loan={"enabled": True, "plugins": WRITE_UP_PLUGINS}),
                          show_progress=False)
     for _ in range(2):  # the second request captures over the weights the loan uploaded again
         # seeded: no prefix reuse, each request prefills the whole prompt under a loan

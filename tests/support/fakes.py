@@ -164,7 +164,7 @@ class FakeEngine:
     """The loan's collaborators wired together over one ledger, as the engine wires the real ones."""
 
     def __init__(self, config, host, resource_mib: dict[str, int], budget_mib: int = 8192,
-                 cache_mib: int = 1024, resident_mib: int = 2048, costs=None):
+                 cache_mib: int = 1024, resident_mib: int = 2048, costs=None, cost_model=None, rates=None):
         from strata.engine.loan.runtime_state import RuntimeState
         from strata.engine.loan.transaction import LoanTransaction
         from strata.engine.planning.planner import Planner, WorkspaceCosts
@@ -178,7 +178,7 @@ class FakeEngine:
         self.cache = FakeCache(cache_mib * MIB, 64 * MIB, self.ledger, self.history, self.faults)
         self.costs = costs or WorkspaceCosts(bytes_per_chunk_token=512 * 1024, bytes_per_ring_slot=4 * MIB,
                                              target_ring_slots=128, is_ring_in_cache=True, segment_bytes=64 * MIB)
-        self.planner = Planner(self.costs, config.planner)
+        self.planner = Planner(self.costs, config.planner, cost_model=cost_model, rates=rates)
         self.workspace = FakeWorkspace(self.costs, self.ledger, self.cache, self.history, self.faults)
         self.residency = FakeResidency(self.cache, self.history, self.faults)
         self.state = RuntimeState(residency=self.residency)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import strata_cost_gate
 import strata_loan_head
 import strata_loan_mtp
 import strata_repeat_loan
@@ -18,13 +19,15 @@ BUILTINS = {
     "loan_head": strata_loan_head,
     "retain_startup_chunk": strata_retain_startup_chunk,
     "repeat_loan": strata_repeat_loan,
+    "cost_gate": strata_cost_gate,
 }
+WRITE_UP_PLUGINS = ["loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan"]  # the reference configuration's
 
 SERVE_LOAN = {
     "model": {"path": "model.gguf"},
     "runtime": {"serve": True, "vram_elastic": True, "vmm_segment": "64MiB", "mtp": True, "spec_depth": 4,
                 "vram_budget": "8GiB"},
-    "loan": {"enabled": True, "plugins": list(BUILTINS)},
+    "loan": {"enabled": True, "plugins": list(WRITE_UP_PLUGINS)},
 }
 
 ALL_RESOURCES_MIB = {"verifier": 300, "output_head": 600, "mtp_experts": 700, "mtp_draft_head": 200}

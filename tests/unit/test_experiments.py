@@ -15,6 +15,7 @@ from strata.cli import main
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 PLUGINS = ["loan_head", "loan_mtp", "repeat_loan", "retain_startup_chunk"]
+INSTALLED = sorted([*PLUGINS, "cost_gate"])  # every built-in the process finds
 TINY = ["--gen-tokens", "2", "--reps", "1"]
 
 
@@ -48,7 +49,7 @@ def test_default_off_runs_one_arm_with_the_plugins_uninstalled_and_one_without_a
     assert [arm["name"] for arm in doc["arms"]] == ["uninstalled", "installed"]
     uninstalled, installed = doc["runs"]
     assert (uninstalled["arm"], uninstalled["plugins"]) == ("uninstalled", [])
-    assert (installed["arm"], installed["plugins"]) == ("installed", PLUGINS)
+    assert (installed["arm"], installed["plugins"]) == ("installed", INSTALLED)
     arm_file = tomllib.loads((tmp_path / "configs" / "no-loan-table.toml").read_text())
     assert "loan" not in arm_file and arm_file["model"]["path"] == str(config.parent / "small-moe-mtp.gguf")
     # the summary goes on with the transaction's phase times where one took half a millisecond
@@ -59,7 +60,7 @@ def test_default_off_runs_one_arm_with_the_plugins_uninstalled_and_one_without_a
     assert table.splitlines()[2] == ("| Configuration | Loan plugins found | Prompt chunk / ring | PP median (range) "
                                      "| TG median (range) |")
     assert f"| Loan plugins uninstalled | none | 32 / 16 | {uninstalled['prefill_tokens_per_s']:,.1f} (" in table
-    assert f"| {', '.join(PLUGINS)} | 32 / 16 |" in table
+    assert f"| {', '.join(INSTALLED)} | 32 / 16 |" in table
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +88,17 @@ def test_fixed_geometry_forces_both_arms_to_one_plan(config, tmp_path):
     assert "| Loan flags on, same plan | 16 / 8 |" in table and "Both arms forced to 16 / 8 (options)" in table
 
 
-def test_crossover_runs_both_arms_at_each_length(config, tmp_path):
+def test_crossover_runs_off_on_and_the_engines_choice_at_each_length(config, tmp_path):
     doc, table = run_experiment("crossover", config, tmp_path, "--prompt-tokens", "24,40", *TINY)
-    assert [(r["prompt_tokens"], r["arm"]) for r in doc["runs"]] == [(24, "off"), (24, "on"), (40, "off"), (40, "on")]
+    assert [(r["prompt_tokens"], r["arm"]) for r in doc["runs"]] == [
+        (24, "off"), (24, "on"), (24, "auto"), (40, "off"), (40, "on"), (40, "auto")]
+    auto = tomllib.loads((tmp_path / "configs" / "crossover-auto.toml").read_text())["loan"]["plugins"]
+    assert auto == ["loan_head", "loan_mtp", "retain_startup_chunk", "cost_gate"]  # repeat_loan's threshold gone
+    assert all("cost model" in r["loan_summary"] for r in doc["runs"] if r["arm"] == "auto")
     summary = doc["summary"]
     assert sorted(summary["lengths_paying"] + summary["lengths_not_paying"]) == [24, 40]
-    assert table.count("| 24 | ") == 2 and table.count("| 40 | ") == 2
+    assert "The engine's own choice took the loan in 24: " in summary["verdict"]
+    assert table.count("| 24 | ") == 3 and table.count("| 40 | ") == 3 and "| 24 | Engine's choice |" in table
     assert "| Prompt | Loan | Prompt chunk / ring | PP median (range) | TG median (range) | PP with the loan |" in table
 
 

@@ -16,7 +16,7 @@ from strata.plugins import (
     register,
 )
 
-BUILTIN_NAMES = ("loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan")
+BUILTIN_NAMES = ("loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan", "cost_gate")
 
 
 def test_builtins_load_through_entry_points_in_allow_list_order():

@@ -1,10 +1,10 @@
 """``python -m strata.bench.experiments.uninstalled MODULE ARGS...``: run MODULE as it would run with
-the four built-in loan plugins uninstalled: the ``default-off`` experiment's second arm.
+the built-in loan plugins uninstalled: the ``default-off`` experiment's second arm.
 
 ``pip uninstall`` of a plugin removes its distribution's metadata (so ``importlib.metadata``
 lists none of its entry points, and ``strata.plugins.discover`` finds no plugin of that name) and
 its module (so an import of it fails). This process does both before it imports MODULE: the
-distributions that register the four plugins are left out of ``importlib.metadata`` (entry
+distributions that register the built-in plugins are left out of ``importlib.metadata`` (entry
 points, ``distributions``, ``distribution``), and importing their modules raises
 ``ModuleNotFoundError``. The files stay on disk; nothing else of the environment changes, so both
 arms run the same interpreter, packages and Strata tree. Run with ``--uninstalled-python`` the
@@ -18,7 +18,7 @@ import runpy
 import sys
 from importlib import metadata
 
-BUILTIN_PLUGINS = ("loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan")
+BUILTIN_PLUGINS = ("loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan", "cost_gate")
 ENTRY_POINT_GROUP = "strata.plugins"  # strata.plugins' own: imported from there it would load pluggy first
 
 

@@ -1,0 +1,85 @@
+"""The loan's cost prediction (``LoanContext.predict``) and the cost_gate plugin that decides by it."""
+
+import pytest
+from fakes import MIB, FakeEngine
+from loan_setup import ALL_RESOURCES_MIB, make_config, make_host
+
+from strata.config import PlannerConfig
+from strata.engine.loan.transaction import DEFAULT_LOAN_OVERHEAD_SECONDS
+from strata.engine.planning.prefill_cost import PrefillCostModel
+from strata.engine.planning.rates import PrefillRates
+from strata.hooktypes import LoanRequest
+
+GATED = ["loan_mtp", "loan_head", "retain_startup_chunk", "cost_gate"]  # the engine's own choice: no threshold
+
+
+def _cost_model() -> PrefillCostModel:
+    # 512 expert slots of the fakes' 4 MiB, none cached: every chunk streams them all, so chunks cost
+    return PrefillCostModel(weight_flops_per_token=6e9, attention_flops_per_pair=0.0, num_expert_slots=512,
+                            slot_bytes=4 * MIB, pcie_bytes_per_s=55e9, compute_flops_per_s=200e12,
+                            chunk_overhead_s=0.01)
+
+
+def started(plugins=GATED, cost_model=True, tables=None):
+    config = make_config(loan={"plugins": plugins, **(tables or {})})
+    host, config = make_host(config)
+    engine = FakeEngine(config, host, ALL_RESOURCES_MIB, cost_model=_cost_model() if cost_model else None,
+                        rates=PrefillRates.from_config(PlannerConfig(), None) if cost_model else None)
+    engine.loan.start()
+    return engine
+
+
+def test_without_a_cost_model_there_is_no_prediction_and_the_gate_does_not_vote():
+    engine = started(cost_model=False)
+    assert engine.loan.predict(LoanRequest(0, 100_000, 100_000, is_startup_loan=True)) is None
+    _, report = engine.prefill(100_000)
+    assert report.is_taken and report.reason == "startup loan"
+
+
+def test_a_long_prompt_takes_the_loan_its_bigger_chunk_pays_for():
+    engine = started()
+    prediction = engine.loan.predict(LoanRequest(0, 100_000, 100_000, is_startup_loan=True))
+    assert prediction.on_geometry.chunk_tokens > prediction.off_geometry.chunk_tokens
+    assert prediction.on_seconds < prediction.off_seconds and prediction.gain_seconds > 0
+    assert prediction.reload_seconds == DEFAULT_LOAN_OVERHEAD_SECONDS  # a startup loan's uploads happen anyway
+    _, report = engine.prefill(100_000)
+    assert report.is_taken and report.reason.startswith("cost model: the loan saves")
+
+
+def test_a_prompt_the_loan_off_chunk_holds_skips_the_loan():
+    engine = started()
+    prediction = engine.loan.predict(LoanRequest(0, 2_000, 2_000, is_startup_loan=True))
+    assert prediction.on_geometry == prediction.off_geometry and prediction.gain_seconds < 0
+    _, report = engine.prefill(2_000)
+    assert not report.is_taken and report.reason.startswith("cost model: the loan would not pay")
+    assert all(r.is_resident for r in engine.resources.values())  # a vetoed startup loan restored all
+
+
+def test_a_repeat_loan_pays_for_uploading_what_it_releases_and_the_overhead_is_learnt():
+    engine = started()
+    engine.prefill(100_000)  # loan
+    engine.prefill(2_000)  # no loan
+    request = LoanRequest(2, 100_000, 100_000, is_startup_loan=False)
+    prediction = engine.loan.predict(request)
+    released_bytes = sum(ALL_RESOURCES_MIB.values()) * MIB
+    overhead = engine.loan.overhead_seconds()
+    assert overhead >= 0 and prediction.reload_seconds == pytest.approx(overhead + released_bytes / 55e9, rel=1e-6)
+    _, report = engine.prefill(100_000)
+    assert report.is_taken and "ms of loan against" in report.reason
+
+
+def test_min_gain_raises_the_bar_and_a_skip_wins_over_repeat_loans_run():
+    strict = started(tables={"cost_gate": {"min_gain": 0.5}})
+    _, report = strict.prefill(100_000)
+    assert not report.is_taken and "would not pay" in report.reason
+    both = started(plugins=[*GATED, "repeat_loan"])
+    both.prefill(100_000)
+    _, report = both.prefill(3_000)  # repeat_loan votes run (>= 1,024), the gate votes skip
+    assert not report.is_taken and "cost model" in report.reason
+
+
+def test_min_gain_outside_its_range_is_refused_naming_the_key():
+    from strata.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="min_gain"):
+        started(tables={"cost_gate": {"min_gain": 0.9}})
