@@ -13,6 +13,7 @@ FIRST_USES = {
     "free memory": "from strata.gpu.device import free_device_bytes; free_device_bytes()",
     "used memory": "from strata.gpu.device import used_device_bytes; used_device_bytes()",
     "device identity": "from strata.gpu.device import device_uuid; device_uuid()",
+    "tensor-core check": "from strata.gpu.kernels.tensor_core import is_available; is_available()",
 }
 ENGINE_OPS = """
 from strata.backend.select import make_ops

@@ -46,6 +46,9 @@ def unavailable_reason() -> str | None:
 
         if not cuda.is_available():
             return "no CUDA GPU is available"
+        from strata.gpu.memory import install_manager
+
+        install_manager()  # the query below makes the process's context: with the ledger's manager
         capability = cuda.get_current_device().compute_capability
     except Exception as exc:
         return f"the GPU cannot be queried ({exc!r})"
