@@ -99,7 +99,7 @@ class LoanPrediction:
     the measured PCIe rate (a startup loan's resources are uploaded whichever way it goes).
     """
 
-    off_geometry: Geometry
+    off_geometry: Geometry | None  # None (and off_seconds infinite) where only the loan's memory holds a plan
     off_seconds: float
     on_geometry: Geometry
     on_seconds: float
@@ -121,7 +121,9 @@ class LoanContext:
     :ivar startup_geometry: the geometry the planner chose at startup (None before it exists).
     :ivar predict: ``predict()`` is the cost model's ``LoanPrediction`` for this request (computed
         when called: a few planner passes), or None where the engine has no cost model (a dense
-        model, a fixed geometry); the attribute is None where no prediction is offered.
+        model, a fixed geometry) or no plan fits; the attribute is None where no prediction is
+        offered. Call it in ``strata_loan_decide``: once the loan has released anything the
+        engine's budget is no longer the idle one it predicts from.
     """
 
     config: Config

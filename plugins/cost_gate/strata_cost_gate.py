@@ -36,8 +36,12 @@ def strata_loan_decide(ctx):
         return None
     min_gain = ctx.config.plugin_options(NAME).min_gain
     saved = prediction.gain_seconds
+    without = (f"{prediction.off_seconds:.3f} s at {prediction.off_geometry}" if prediction.off_geometry is not None
+               else "no plan that fits without it")
     figures = (f"{prediction.on_seconds:.3f} s at {prediction.on_geometry} + {1e3 * prediction.reload_seconds:.0f} ms "
-               f"of loan against {prediction.off_seconds:.3f} s at {prediction.off_geometry}")
+               f"of loan against {without}")
+    if prediction.off_geometry is None:
+        return LoanVote(True, f"cost model: only the loan fits a plan ({figures})")
     if saved > min_gain * prediction.off_seconds:
         return LoanVote(True, f"cost model: the loan saves {1e3 * saved:.0f} ms ({figures})")
     return LoanVote(False, f"cost model: the loan would not pay ({figures})")

@@ -17,13 +17,15 @@ class PythonGrowth:
         self.num_frames = num_frames
         self._snapshot: tracemalloc.Snapshot | None = None
         self._census: collections.Counter | None = None
+        self._is_tracing_ours = False
 
     def start(self) -> None:
+        gc.collect()
+        self._census = _census()  # before tracing: the census itself is not growth
         if not tracemalloc.is_tracing():
             tracemalloc.start(self.num_frames)
-        gc.collect()
+            self._is_tracing_ours = True
         self._snapshot = tracemalloc.take_snapshot()
-        self._census = _census()
 
     def report(self, top: int = 10) -> dict:
         """The ``top`` sites by bytes gained (each with its innermost frames) and types by objects gained."""
@@ -31,6 +33,9 @@ class PythonGrowth:
             raise RuntimeError("PythonGrowth.report before start")
         gc.collect()
         stats = tracemalloc.take_snapshot().compare_to(self._snapshot, "traceback")
+        if self._is_tracing_ours:
+            tracemalloc.stop()
+            self._is_tracing_ours = False
         sites = [{"bytes": stat.size_diff, "blocks": stat.count_diff,
                   "frames": [f"{frame.filename}:{frame.lineno}" for frame in list(stat.traceback)[-4:]]}
                  for stat in stats[:top] if stat.size_diff > 0]

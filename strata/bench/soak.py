@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "malloc_trim): what still grows is held, not the allocator's free memory")
     parser.add_argument("--python-growth", action="store_true",
                         help="trace the Python heap from the end of --settle to the last request and print the "
-                             "allocation sites and object types that grew (slower: every allocation is traced)")
+                             "allocation sites and object types that grew (slower: every allocation is traced, "
+                             "and the tracing's own memory is in the RSS slope)")
     parser.add_argument("--out", help="write one JSON line per request and a summary line to this file")
 
 

@@ -84,7 +84,11 @@ def loan_gains(engine, longest_prompt_tokens: int, cache: CacheState | None) -> 
     for num_tokens in lengths:
         prediction = engine.loan.predict(LoanRequest(1, num_tokens, num_tokens, is_startup_loan=False), cache)
         if prediction is None:
-            return "loan's predicted gain: none (no cost model: a dense model or a fixed geometry)"
+            return ("loan's predicted gain: none (no cost model: a dense model or a fixed geometry; or no plan "
+                    "fits even with the loan)")
+        if prediction.off_geometry is None:
+            gains.append(f"{num_tokens:,} tokens: only the loan fits a plan ({prediction.on_geometry})")
+            continue
         gains.append(f"{num_tokens:,} tokens {1e3 * prediction.gain_seconds:+,.0f} ms "
                      f"({prediction.on_geometry} against {prediction.off_geometry})")
     reload = engine.loan.overhead_seconds()

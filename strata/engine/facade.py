@@ -161,16 +161,20 @@ class Engine(EngineCore):
             engine.depth_policy = DepthPolicy(rt.spec_depth, is_fixed=rt.spec_policy == "fixed")
         if backend == "cuda" and not is_dry_run:
             engine.compiles.listen()
-        is_warming_up = config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run
-        if is_warming_up:
-            engine.warm_up()
-        if config.runtime.expert_preload and cache and pack is not None:
-            started = time.perf_counter()
-            num_filled = cache.fill(pack, spec.num_layers, spec.num_experts)
-            log.info("expert cache filled with %d of %d experts in %.2f s", num_filled,
-                     spec.num_layers * spec.num_experts, time.perf_counter() - started)
-        if is_warming_up:
-            engine.prepare_decode()
+        try:
+            is_warming_up = config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run
+            if is_warming_up:
+                engine.warm_up()
+            if config.runtime.expert_preload and cache and pack is not None:
+                started = time.perf_counter()
+                num_filled = cache.fill(pack, spec.num_layers, spec.num_experts)
+                log.info("expert cache filled with %d of %d experts in %.2f s", num_filled,
+                         spec.num_layers * spec.num_experts, time.perf_counter() - started)
+            if is_warming_up:
+                engine.prepare_decode()
+        except BaseException:
+            engine.compiles.close()  # numba-cuda's listener list would keep it for the process's life
+            raise
         return engine
 
     def prepare_decode(self) -> None:

@@ -387,10 +387,12 @@ def test_the_report_times_each_phase_of_the_transaction():
     engine = started()
     _, report = engine.prefill(40_000)
     phases = [name for name, _ in report.phase_seconds]
-    assert phases == ["release", "grow", "plan", "allocate", "free", "shrink", "restore", "put back", "hooks"]
+    assert phases == ["decide", "release", "grow", "plan", "allocate", "free", "shrink", "restore", "put back",
+                      "hooks"]
     assert all(seconds >= 0 for _, seconds in report.phase_seconds)
     slow = dataclasses.replace(report, phase_seconds=(("restore", 0.0123), ("plan", 0.0001)))
     assert slow.summary().endswith("[ms: restore 12.3]")  # phases under half a millisecond are not shown
     _, off = started(loan={"enabled": False, "plugins": None}).prefill(40_000)
     # a phase that recurs (restore: what a vetoed loan gives back, then after prefill) is summed under one name
-    assert [name for name, _ in off.phase_seconds] == ["restore", "plan", "allocate", "free", "shrink", "put back"]
+    assert [name for name, _ in off.phase_seconds] == ["decide", "restore", "plan", "allocate", "free", "shrink",
+                                                        "put back"]

@@ -1,6 +1,7 @@
 """The soak command (run on a GPU for the record) on the numpy backend: its rows, slope and verdict."""
 
 import json
+import tracemalloc
 
 import pytest
 from serve_harness import write_tiny_model
@@ -49,9 +50,11 @@ def test_python_growth_names_the_site_and_the_type_that_grew():
 
     kept = []
     growth = PythonGrowth()
+    was_tracing = tracemalloc.is_tracing()
     growth.start()
     kept.extend(Leaked() for _ in range(500))
     report = growth.report()
+    assert tracemalloc.is_tracing() == was_tracing  # what it started, it stopped
     assert report["traced_bytes_gained"] > 0
     assert any(entry["type"].endswith("Leaked") and entry["objects"] >= 500 for entry in report["types"])
     assert any("test_soak.py" in frame for site in report["sites"] for frame in site["frames"])

@@ -3,11 +3,13 @@ stops paying.
 
 At each length (default 2k, 8k, 16k, 32k, 48k, 64k) the arms run in fresh processes, interleaved:
 loan off, loan on, and the engine's own choice (``auto``: the configuration's plugins with the
-``cost_gate`` plugin in place of ``repeat_loan``, so the cost model decides each request's loan).
-The table has PP and TG per length and arm with the PP change against loan off, and the plot draws
-PP, TG and the changes against the prompt length. The loan pays where its prefill is faster than
-the loan-off one; the reload it costs is fixed, so a short prompt can lose, and the engine's choice
-should then be loan off's figure.
+``cost_gate`` plugin in place of ``repeat_loan``, so the cost model decides the loan). A fresh
+process serves one request, whose loan is the startup loan, so ``auto`` measures the cost model's
+startup decision; a repeat loan's decision shows in ``lifecycle``'s serving process. The table has
+PP and TG per length and arm with the PP change against loan off, and the plot draws PP and TG of
+each arm and the loan's PP change against the prompt length. The loan pays where its prefill is
+faster than the loan-off one; the reload it costs is fixed, so a short prompt can lose, and the
+engine's choice should then be loan off's figure.
 
 The context is the configuration's, raised for the arms (``runtime.context_tokens``) to hold the
 longest prompt and its generated tokens when it is shorter (``--context-tokens`` sets it).

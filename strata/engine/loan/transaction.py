@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import statistics
 import time
 from collections import deque
@@ -45,8 +46,10 @@ from strata.hooktypes import (
 from strata.plugins import PluginHost, name_plugins
 
 RESTORE_ATTEMPTS = 3
-# the transaction's own work a taken loan adds to a prefill, before both kinds of request have been
-# timed (measured on the reference H200: ~20 ms of phases with the loan, ~14 without, restores aside)
+# the phases only a taken loan has; their median over the last loans is its own work beyond prefill
+# (restores are predicted from their bytes, restaging by the planner, and the rest every request has)
+LOAN_ONLY_PHASES = ("release", "grow", "shrink", "hooks")
+# that work before any loan has been timed (grow and shrink took ~10 ms on the reference H200)
 DEFAULT_LOAN_OVERHEAD_SECONDS = 0.01
 _OVERHEAD_SAMPLES = 8
 _ALIAS_REASON = "output head lent to the prompt workspace (runtime.prefill_head_alias)"
@@ -100,8 +103,7 @@ class LoanTransaction:
         self.state = state
         self.startup_geometry: Geometry | None = None
         self.last_report: LoanReport | None = None
-        self._phase_totals: dict[bool, deque[float]] = {True: deque(maxlen=_OVERHEAD_SAMPLES),
-                                                         False: deque(maxlen=_OVERHEAD_SAMPLES)}
+        self._loan_overheads: deque[float] = deque(maxlen=_OVERHEAD_SAMPLES)
         self._deferred: list[str] = []
         self._num_requests = 0
 
@@ -135,7 +137,9 @@ class LoanTransaction:
                               is_startup_loan=self.is_enabled and self._num_requests == 0)
         self._num_requests += 1
         ctx = self._context(request)
+        phases = _PhaseClock()
         vote = self._decide(ctx)
+        phases.mark("decide")
         before = self.ledger.snapshot()
         expected = dict(before.by_owner)
         for name in self._deferred:
@@ -144,7 +148,6 @@ class LoanTransaction:
         cache_bytes_before = self.cache.mapped_bytes if self.cache else 0
         released, self._deferred = list(self._deferred), []
         report = LoanReport(vote.is_run, vote.reason, None)
-        phases = _PhaseClock()
         try:
             if vote.is_run:
                 for name in self._release_names(ctx, already=released):
@@ -178,8 +181,9 @@ class LoanTransaction:
                 self._close(ctx, vote.is_run, released, captured, cache_bytes_before, expected, phases)
             finally:
                 self.last_report = dataclasses.replace(report, phase_seconds=phases.without("prefill"))
-                self._phase_totals[vote.is_run].append(
-                    sum(seconds for name, seconds in self.last_report.phase_seconds if name != "restore"))
+                if vote.is_run:
+                    self._loan_overheads.append(sum(seconds for name, seconds in self.last_report.phase_seconds
+                                                    if name in LOAN_ONLY_PHASES))
 
     def plan_preview(self, is_loan: bool, unread_tokens: int | None = None,
                      cache: CacheState | None = None) -> Geometry:
@@ -213,26 +217,26 @@ class LoanTransaction:
         """The cost model's prefill time for ``request`` from the idle engine whose cache holds
         ``cache`` (None: what it holds now), without the loan and with the release of every resource
         the plugins name (their budget adjustments and geometry choices aside), and what taking it
-        adds; None without a cost model or a plan that fits."""
+        adds; None without a cost model, or when no plan fits even with the loan. Valid before the
+        loan releases anything (``strata_loan_decide``): later the budget is no longer the idle one."""
         unread, cache = request.unread_tokens or None, cache or self.cache_state()
         off = self._predicted(self.preview_budget(is_loan=False), unread, cache)
         on = self._predicted(self.preview_budget(is_loan=True), unread, cache)
-        if off is None or on is None:
+        if on is None:
             return None
         reload_seconds = self.overhead_seconds()
         rates = self.planner.rates
         if not request.is_startup_loan and rates is not None:
             names = self._release_names(self._context(request), already=[])
             reload_seconds += sum(self.resources[n].num_bytes for n in names) / rates.pcie.value
+        if off is None:  # only the loan's memory holds a plan
+            return LoanPrediction(None, math.inf, on.geometry, on.predicted_seconds, reload_seconds)
         return LoanPrediction(off.geometry, off.predicted_seconds, on.geometry, on.predicted_seconds, reload_seconds)
 
     def overhead_seconds(self) -> float:
-        """The transaction's own work a taken loan adds (restores aside): the median of the last
-        loans' phases less the median of the last requests without one, once both have run."""
-        taken, not_taken = self._phase_totals[True], self._phase_totals[False]
-        if not taken or not not_taken:
-            return DEFAULT_LOAN_OVERHEAD_SECONDS
-        return max(0.0, statistics.median(taken) - statistics.median(not_taken))
+        """The transaction's own work a taken loan adds: the median, over the last loans, of the
+        phases only a loan has (``LOAN_ONLY_PHASES``); ``DEFAULT_LOAN_OVERHEAD_SECONDS`` before any."""
+        return statistics.median(self._loan_overheads) if self._loan_overheads else DEFAULT_LOAN_OVERHEAD_SECONDS
 
     def _predicted(self, budget: PlannerBudget, unread: int | None, cache: CacheState | None) -> Candidate | None:
         try:

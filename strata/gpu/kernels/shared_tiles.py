@@ -96,7 +96,9 @@ def launch(kernel, grid, threads: int, num_dynamic_bytes: int, *args) -> None:
     are dynamic only past that, so the kernel (as compiled for these arguments) is first allowed the
     dynamic block: a driver call per launch, as the attribute is per device."""
     if num_dynamic_bytes and not IS_SIMULATOR:
-        allow_dynamic_shared(kernel.compile(tuple(kernel.typeof_pyval(a) for a in args)), num_dynamic_bytes)
+        signature = tuple(kernel.typeof_pyval(a) for a in args)
+        # compile() takes numba-cuda's compiler lock even for a kernel it has: look the kernel up first
+        allow_dynamic_shared(kernel.overloads.get(signature) or kernel.compile(signature), num_dynamic_bytes)
     kernel[grid, threads, 0, num_dynamic_bytes](*args)
 
 
