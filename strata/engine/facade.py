@@ -228,6 +228,8 @@ class Engine(EngineCore):
             finally:
                 self.ops.synchronize()  # no copy may still target the ring when the workspace goes
                 self.workspace.free()
+            if self.mtp is not None and not self._is_mtp_resident() and not self.ops.is_simulator:
+                self._warmup_deferred_mtp_prefill(hidden, tokens, layout)  # the simulator compiles nothing
             token = int(np.argmax(self._warmup_logits(hidden)))
             # decode attention's launch does not depend on the position (its splits are sized for
             # the whole cache), so one step compiles every decode kernel
@@ -259,6 +261,39 @@ class Engine(EngineCore):
                  self.compiles.tally.num_compiles, self.compiles.tally.seconds)
         return seconds
 
+    def _warmup_deferred_mtp_prefill(self, hidden, tokens: np.ndarray, layout) -> None:
+        """The MTP block over a prefill chunk while a startup loan holds it back: its resources come
+        back for the warm-up alone and go again. Otherwise the first request that prefills with the
+        block resident (the first without a loan) compiles the block's launches inside its prefill."""
+        with self._deferred_restored((MTP_DRAFT_HEAD, MTP_EXPERTS), "the MTP block's prefill launches") as is_here:
+            if not is_here:
+                return
+            for tile_rows in self.ops.moe_tile_rows(layout):
+                with self.ops.forcing_moe_tile_rows(tile_rows):
+                    self.mtp.hidden(hidden[:len(tokens) - 1], tokens[1:], 0)
+            self.ops.synchronize()
+
+    @contextlib.contextmanager
+    def _deferred_restored(self, names: tuple[str, ...], what: str):
+        """Yield True with the deferred resources among ``names`` restored (released again after),
+        or False, with a warning, when they do not fit now."""
+        deferred = [r for r in (self.resources.get(name) for name in names) if r is not None and not r.is_resident]
+        try:
+            for resource in deferred:
+                resource.restore()
+        except AllocationError as exc:
+            for resource in deferred:
+                resource.release()
+            log.warning("warm-up: %s not compiled (the startup loan's deferred resources do not fit now: %s); the "
+                        "first request that needs them compiles them", what, exc)
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            for resource in deferred:
+                resource.release()
+
     def _warmup_speculation(self, hidden, token: int, position: int, stats: StreamStats) -> None:
         """Compile the MTP block's launches and a verify step's (a forward of two rows), where a
         startup loan does not hold the block back; with greedy decode on the device, a draft and a
@@ -277,28 +312,18 @@ class Engine(EngineCore):
             return
         # a startup loan defers some of them (loan_head, loan_mtp): they come back for the warm-up alone,
         # before the expert cache fills, and go again after it
-        deferred = [r for r in (self.resources.get(name)
-                                for name in (VERIFIER, OUTPUT_HEAD, MTP_DRAFT_HEAD, MTP_EXPERTS))
-                    if r is not None and not r.is_resident]
-        try:
-            for resource in deferred:
-                resource.restore()
-        except AllocationError as exc:
-            for resource in deferred:
-                resource.release()
-            log.warning("warm-up: speculation's steps not compiled (its deferred resources do not fit now: %s); a "
-                        "request compiles each depth's at its first step there", exc)
-            return
-        max_depth = self.config.runtime.spec_depth
-        device = DeviceSpeculation(self.runner, self.mtp, max_depth, verifier)
-        try:
-            for depth in range(1, max_depth + 1):
-                device.draft(hidden, [token], position, depth)
-                device.verify(token, position + 1, depth, self.output_head(), None, stats)
-        finally:
-            device.close()
-            for resource in deferred:
-                resource.release()
+        with self._deferred_restored((VERIFIER, OUTPUT_HEAD, MTP_DRAFT_HEAD, MTP_EXPERTS),
+                                     "speculation's steps") as is_here:
+            if not is_here:
+                return
+            max_depth = self.config.runtime.spec_depth
+            device = DeviceSpeculation(self.runner, self.mtp, max_depth, verifier)
+            try:
+                for depth in range(1, max_depth + 1):
+                    device.draft(hidden, [token], position, depth)
+                    device.verify(token, position + 1, depth, self.output_head(), None, stats)
+            finally:
+                device.close()
 
     def _is_mtp_resident(self) -> bool:
         """Whether speculation's MTP block is loaded and resident (a startup loan may hold it back)."""
