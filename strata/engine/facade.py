@@ -138,8 +138,9 @@ class Engine(EngineCore):
         state = RuntimeState(RuntimeSettings(copy_overlap=config.runtime.copy_overlap),
                              apply=lambda settings: setattr(ops, "is_copy_overlapped", settings.copy_overlap),
                              residency=CacheResidency(cache, pack) if cache else None)
+        mtp_share = cost_model.mtp_share(spec) if cost_model and mtp_kv is not None else 0.0
         loan = LoanTransaction(config=config, plugins=plugins, ledger=ledger, resources=resources, cache=cache,
-                               planner=planner, workspace=workspace, state=state)
+                               planner=planner, workspace=workspace, state=state, mtp_prefill_share=mtp_share)
         loan.start(loading.cache_after_load(config, cache, spec))
         expected = dict(ledger.snapshot().by_owner)
         for resource in resources.values():
@@ -228,8 +229,8 @@ class Engine(EngineCore):
             finally:
                 self.ops.synchronize()  # no copy may still target the ring when the workspace goes
                 self.workspace.free()
-            if self.mtp is not None and not self._is_mtp_resident() and not self.ops.is_simulator:
-                self._warmup_deferred_mtp_prefill(hidden, tokens, layout)  # the simulator compiles nothing
+            if self.mtp is not None and not self._is_mtp_resident() and self.backend == "cuda":
+                self._warmup_deferred_mtp_prefill(hidden, tokens, layout)  # only the GPU compiles
             token = int(np.argmax(self._warmup_logits(hidden)))
             # decode attention's launch does not depend on the position (its splits are sized for
             # the whole cache), so one step compiles every decode kernel

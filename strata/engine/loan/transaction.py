@@ -35,6 +35,7 @@ from strata.engine.planning.planner import CacheState, Candidate, Planner
 from strata.errors import AllocationError, LoanRestoreError, PluginError
 from strata.gpu.ledger import TRANSIENT_OWNERS, VramLedger
 from strata.hooktypes import (
+    MTP_DRAFT_HEAD,
     OUTPUT_HEAD,
     Geometry,
     LoanContext,
@@ -92,8 +93,12 @@ class LoanReport:
 class LoanTransaction:
     def __init__(self, *, config: Config, plugins: PluginHost, ledger: VramLedger,
                  resources: Mapping[str, Resource], cache: ElasticCache | None, planner: Planner,
-                 workspace: Workspace, state: RuntimeState):
+                 workspace: Workspace, state: RuntimeState, mtp_prefill_share: float = 0.0):
+        """mtp_prefill_share: the compute the MTP block adds to a prefill while resident, as a fraction
+        of the main model's (``PrefillCostModel.mtp_share``; 0 without one): the predictions count it
+        where the block stays resident, and a loan that releases it saves it."""
         self.config = config
+        self.mtp_prefill_share = mtp_prefill_share
         self.plugins = plugins
         self.ledger = ledger
         self.resources = dict(resources)
@@ -225,13 +230,22 @@ class LoanTransaction:
         if on is None:
             return None
         reload_seconds = self.overhead_seconds()
-        rates = self.planner.rates
+        rates, names = self.planner.rates, self._release_names(self._context(request), already=[])
         if not request.is_startup_loan and rates is not None:
-            names = self._release_names(self._context(request), already=[])
             reload_seconds += sum(self.resources[n].num_bytes for n in names) / rates.pcie.value
+        mtp_seconds = self._mtp_prefill_seconds(request.unread_tokens or self.planner.predicted_tokens(None))
+        on_seconds = on.predicted_seconds + (0.0 if MTP_DRAFT_HEAD in names else mtp_seconds)
         if off is None:  # only the loan's memory holds a plan
-            return LoanPrediction(None, math.inf, on.geometry, on.predicted_seconds, reload_seconds)
-        return LoanPrediction(off.geometry, off.predicted_seconds, on.geometry, on.predicted_seconds, reload_seconds)
+            return LoanPrediction(None, math.inf, on.geometry, on_seconds, reload_seconds)
+        return LoanPrediction(off.geometry, off.predicted_seconds + mtp_seconds, on.geometry, on_seconds,
+                              reload_seconds)
+
+    def _mtp_prefill_seconds(self, unread_tokens: int) -> float:
+        """The MTP block's compute over a prompt while it is resident (``mtp_prefill_share``)."""
+        model = self.planner.cost_model
+        if not self.mtp_prefill_share or model is None:
+            return 0.0
+        return self.mtp_prefill_share * model.chunk_flops(unread_tokens, 0) / model.compute_flops_per_s
 
     def overhead_seconds(self) -> float:
         """The transaction's own work a taken loan adds: the median, over the last loans, of the
