@@ -81,17 +81,20 @@ def test_tiles_are_separate_and_sized(monkeypatch, num_weights, is_dynamic):
 
 
 class _RecordingKernel:
-    """A dispatcher's launch surface: compiles by argument types and launches, recording both."""
+    """A dispatcher's launch surface: compiles by argument types (keeping what it compiled in
+    ``overloads``, as numba-cuda does) and launches, recording both."""
 
     def __init__(self):
         self.calls = []
+        self.overloads = {}
 
     def typeof_pyval(self, value):
         return type(value).__name__
 
     def compile(self, argtypes):
         self.calls.append(("compile", argtypes))
-        return f"compiled for {argtypes}"
+        self.overloads[argtypes] = f"compiled for {argtypes}"
+        return self.overloads[argtypes]
 
     def __getitem__(self, launch_config):
         return lambda *args: self.calls.append(("launch", launch_config, args))
@@ -109,6 +112,9 @@ def test_launch_allows_every_dynamic_block(monkeypatch, num_dynamic_bytes):
     if num_dynamic_bytes:
         assert kernel.calls == [("compile", ("int", "float")), launch]
         assert allowed == [("compiled for ('int', 'float')", num_dynamic_bytes)]
+        # the next launch finds the kernel compiled: no compile() (it takes numba-cuda's compiler lock)
+        shared_tiles.launch(kernel, (3, 2), 256, num_dynamic_bytes, 1, 2.0)
+        assert kernel.calls == [("compile", ("int", "float")), launch, launch] and len(allowed) == 2
     else:
         assert kernel.calls == [launch] and allowed == []
 
