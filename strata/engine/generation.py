@@ -49,7 +49,7 @@ class Generation:
         self.stats: RequestStats | None = None
         self._prefill_streamed_bytes = 0
         self._restaged_bytes = 0
-        self._compiled_before = engine.compiles.tally
+        self._compiled_before = None  # the engine's compile tally when the request starts (``_run``)
         self._events = self._run()
 
     def __iter__(self) -> Iterator[TokenEvent]:

@@ -50,7 +50,7 @@ class RequestStats:
     spec_drafted_by_position: tuple[int, ...] = ()  # per place in a step's draft run
     spec_accepted_by_position: tuple[int, ...] = ()
     is_draft_oracle: bool = False  # the bench's --draft-oracle replaced the drafts: not the model's own speed
-    num_compiles: int = 0  # kernels compiled inside this request (GPU; the warm-up should have compiled them)
+    num_compiles: int = 0  # compilations inside this request (GPU; the warm-up should have done them all)
     compile_seconds: float = 0.0  # their time, inside prefill_seconds and decode_seconds
 
     @property
