@@ -27,7 +27,8 @@ def config(tmp_path_factory):
     lines = ["# strata synth --preset tiny --mtp small-moe-mtp.gguf", "[model]", 'path = "small-moe-mtp.gguf"',
              "[runtime]", *(f"{k} = {json.dumps(v)}" for k, v in runtime.items()),
              "[planner]", "chunk_quantum_tokens = 16", "max_chunk_tokens = 32", "max_ring_slots = 16",
-             "[loan]", "enabled = true", f"plugins = {json.dumps(PLUGINS)}"]
+             "[loan]", "enabled = true", f"plugins = {json.dumps(PLUGINS)}",
+             "[loan.repeat_loan]", "min_tokens = 1024"]
     path = folder / "experiment.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -92,8 +93,9 @@ def test_crossover_runs_off_on_and_the_engines_choice_at_each_length(config, tmp
     doc, table = run_experiment("crossover", config, tmp_path, "--prompt-tokens", "24,40", *TINY)
     assert [(r["prompt_tokens"], r["arm"]) for r in doc["runs"]] == [
         (24, "off"), (24, "on"), (24, "auto"), (40, "off"), (40, "on"), (40, "auto")]
-    auto = tomllib.loads((tmp_path / "configs" / "crossover-auto.toml").read_text())["loan"]["plugins"]
-    assert auto == ["loan_head", "loan_mtp", "retain_startup_chunk", "cost_gate"]  # repeat_loan's threshold gone
+    auto = tomllib.loads((tmp_path / "configs" / "crossover-auto.toml").read_text())["loan"]
+    assert auto["plugins"] == ["loan_head", "loan_mtp", "retain_startup_chunk", "cost_gate"]  # no repeat_loan
+    assert "repeat_loan" not in auto  # its table goes with it: a table for a plugin not loaded is refused
     assert all("cost model" in r["loan_summary"] for r in doc["runs"] if r["arm"] == "auto")
     summary = doc["summary"]
     assert sorted(summary["lengths_paying"] + summary["lengths_not_paying"]) == [24, 40]

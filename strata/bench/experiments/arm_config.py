@@ -41,8 +41,8 @@ def read_raw(path: Path) -> dict:
 def derive(raw: Mapping[str, Any], base_dir: Path, *, without: tuple[str, ...] = (),
            overrides: Mapping[str, Any] | None = None) -> dict:
     """``raw`` with its relative paths resolved against ``base_dir``, the tables in ``without``
-    removed, and each ``"table.key": value`` of ``overrides`` set (``"loan.repeat_loan.min_tokens"``
-    for a plugin's table)."""
+    removed (``"loan"``, or ``"loan.repeat_loan"`` for a plugin's table), and each ``"table.key": value``
+    of ``overrides`` set (``"loan.repeat_loan.min_tokens"`` for a plugin's table)."""
     data = copy.deepcopy(dict(raw))
     for section, cls in _SECTIONS.items():
         table = data.get(section, {})
@@ -52,8 +52,12 @@ def derive(raw: Mapping[str, Any], base_dir: Path, *, without: tuple[str, ...] =
             if field.metadata.get("kind") == "path" and isinstance(value, str) and value \
                     and not value.startswith(PACKAGE_PREFIX) and not Path(value).expanduser().is_absolute():
                 table[key] = str((base_dir / value).resolve())
-    for name in without:
-        data.pop(name, None)
+    for dotted in without:
+        *tables, name = dotted.split(".")
+        table = data
+        for outer in tables:
+            table = table.get(outer, {})
+        table.pop(name, None)
     for dotted, value in (overrides or {}).items():
         *tables, key = dotted.split(".")
         table = data

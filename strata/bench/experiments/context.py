@@ -11,6 +11,7 @@ from strata.bench.experiments import arm_config
 from strata.bench.experiments.results import Results
 from strata.config import Config, load_config
 from strata.errors import ExperimentError
+from strata.plugins import load_plugins
 
 
 @dataclasses.dataclass
@@ -30,7 +31,7 @@ class Setup:
         """The configuration as given, less ``without``, with ``overrides``, written as configs/<name>.toml."""
         data = arm_config.derive(self.raw, self.config_path.parent.resolve(), without=without, overrides=overrides)
         path = arm_config.write_arm(data, self.results.out_dir / "configs" / f"{name}.toml")
-        load_config(path)  # an override the schema refuses stops here, before any run
+        load_plugins(load_config(path))  # what the schema or a plugin's table refuses stops here, before any run
         return path
 
 

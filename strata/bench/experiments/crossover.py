@@ -45,7 +45,8 @@ def run(args: argparse.Namespace, setup, lengths: list[int]) -> None:
     overrides = {"runtime.context_tokens": context} if context != setup.config.runtime.context_tokens else {}
     config = setup.arm_file("crossover", overrides=overrides)
     plugins = [name for name in setup.raw.get("loan", {}).get("plugins", []) if name not in (REPEAT, GATE)]
-    auto = setup.arm_file("crossover-auto", overrides={**overrides, "loan.plugins": [*plugins, GATE]})
+    auto = setup.arm_file("crossover-auto", without=(f"loan.{REPEAT}",),
+                          overrides={**overrides, "loan.plugins": [*plugins, GATE]})
     arms = [Arm("off", "Loan flags off", config, loan="off"), Arm("on", "Loan flags on", config, loan="on"),
             Arm("auto", "Engine's choice (cost_gate)", auto, loan="on")]
     setup.results.doc["arms"] = [arm.describe() for arm in arms]
