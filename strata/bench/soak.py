@@ -4,16 +4,20 @@ memory and RSS recorded after each, and their slope: a loan that leaks shows as 
 Every request is checked as it ends: the ledger must be back at the idle engine's, to the byte. The
 figures go to stdout as a table and, with ``--out``, as JSON lines (one per request, then a summary).
 The slope is a least-squares fit over the requests after ``--settle`` (allocator caches and the first
-restores grow memory at the start); the command fails (status 1) when a slope exceeds
-``--max-slope-kib`` per request or the ledger is not idle after a request.
+restores grow memory at the start), and after the ``--python-growth`` window when there is one; the
+command fails (status 1) when a slope exceeds ``--max-slope-kib`` per request or the ledger is not idle
+after a request. SIGTERM or Ctrl-C ends the soak after the request in flight, and the summary covers
+the requests done.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
+import signal
 import sys
 import time
 
@@ -39,9 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="before each RSS reading, hand the C heap's free pages back to the OS (glibc's "
                              "malloc_trim): what still grows is held, not the allocator's free memory")
     parser.add_argument("--python-growth", action="store_true",
-                        help="trace the Python heap from the end of --settle to the last request and print the "
-                             "allocation sites and object types that grew (slower: every allocation is traced, "
-                             "and the tracing's own memory is in the RSS slope)")
+                        help="trace the Python heap over --python-growth-requests requests after --settle and "
+                             "print the allocation sites and object types that grew (those requests run several "
+                             "times slower: every allocation is traced; the slopes start after them)")
+    parser.add_argument("--python-growth-requests", type=int, default=10,
+                        help="requests the --python-growth window traces (default 10)")
     parser.add_argument("--out", help="write one JSON line per request and a summary line to this file")
 
 
@@ -84,47 +90,62 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if args.trim_heap and trim is None:
         print("--trim-heap: this C library has no malloc_trim; RSS is read as it is", file=sys.stderr)
     growth = PythonGrowth() if args.python_growth else None
-    rows, num_not_idle = [], 0
+    trace_from = min(args.settle, args.requests - 1)
+    trace_to = trace_from + max(1, args.python_growth_requests)
+    slope_from = trace_to if growth is not None else args.settle
+    rows, num_not_idle, growth_report, is_interrupted = [], 0, None, False
     out = open(args.out, "w") if args.out else None
     print(f"{'#':>4} {'prompt':>7} {'loan':>5} {'PP tok/s':>9} {'TG tok/s':>9} {'device MiB':>11} {'RSS MiB':>9}")
     try:
-        for index in range(args.requests):
-            if growth is not None and index == min(args.settle, args.requests - 1):
-                growth.start()
-            num_prompt = int(rng.integers(args.min_prompt, max_prompt + 1))
-            tokens = prompt_tokens(engine.tokenizer, num_prompt, seed=args.seed * 100_003 + index)
-            started = time.perf_counter()
-            generation = engine.generate(tokens, params)
-            for _ in generation:
-                pass
-            stats = generation.stats
-            is_idle = dict(engine.ledger.snapshot().by_owner) == idle
-            if trim is not None:
-                trim()
-            num_not_idle += not is_idle
-            row = {"request": index, "prompt_tokens": num_prompt, "generated_tokens": stats.generated_tokens,
-                   "loan_taken": stats.loan.is_taken, "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 1),
-                   "decode_tokens_per_s": round(stats.decode_tokens_per_s, 1),
-                   "seconds": round(time.perf_counter() - started, 3), "device_used_bytes": device_bytes(),
-                   "ledger_bytes": sum(engine.ledger.snapshot().by_owner.values()), "rss_bytes": rss_bytes(),
-                   "ledger_is_idle": is_idle}
-            rows.append(row)
-            if out:
-                out.write(json.dumps(row) + "\n")
-            print(f"{index:>4} {num_prompt:>7} {'on' if row['loan_taken'] else 'off':>5} "
-                  f"{row['prefill_tokens_per_s']:>9.1f} {row['decode_tokens_per_s']:>9.1f} "
-                  f"{row['device_used_bytes'] / 2**20:>11.1f} {row['rss_bytes'] / 2**20:>9.1f}"
-                  + ("" if is_idle else "  ledger NOT idle"), flush=True)
-        settled = rows[args.settle:] if len(rows) > args.settle + 1 else rows
-        summary = {"requests": len(rows), "settle": args.settle, "backend": engine.backend,
+        with _terminate_as_interrupt():
+            for index in range(args.requests):
+                if growth is not None and index == trace_from:
+                    growth.start()
+                num_prompt = int(rng.integers(args.min_prompt, max_prompt + 1))
+                tokens = prompt_tokens(engine.tokenizer, num_prompt, seed=args.seed * 100_003 + index)
+                started = time.perf_counter()
+                generation = engine.generate(tokens, params)
+                for _ in generation:
+                    pass
+                stats = generation.stats
+                is_idle = dict(engine.ledger.snapshot().by_owner) == idle
+                if growth is not None and index + 1 == trace_to:
+                    growth_report = growth.report()  # now, so that a soak cut short still prints it
+                    print(format_report(growth_report), flush=True)
+                if trim is not None:
+                    trim()
+                num_not_idle += not is_idle
+                row = {"request": index, "prompt_tokens": num_prompt, "generated_tokens": stats.generated_tokens,
+                       "loan_taken": stats.loan.is_taken,
+                       "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 1),
+                       "decode_tokens_per_s": round(stats.decode_tokens_per_s, 1),
+                       "seconds": round(time.perf_counter() - started, 3), "device_used_bytes": device_bytes(),
+                       "ledger_bytes": sum(engine.ledger.snapshot().by_owner.values()), "rss_bytes": rss_bytes(),
+                       "ledger_is_idle": is_idle, "is_traced": growth is not None and trace_from <= index < trace_to}
+                rows.append(row)
+                if out:
+                    out.write(json.dumps(row) + "\n")
+                print(f"{index:>4} {num_prompt:>7} {'on' if row['loan_taken'] else 'off':>5} "
+                      f"{row['prefill_tokens_per_s']:>9.1f} {row['decode_tokens_per_s']:>9.1f} "
+                      f"{row['device_used_bytes'] / 2**20:>11.1f} {row['rss_bytes'] / 2**20:>9.1f}"
+                      + ("" if is_idle else "  ledger NOT idle"), flush=True)
+    except KeyboardInterrupt:
+        is_interrupted = True
+        print(f"interrupted after {len(rows)} requests", file=sys.stderr)
+    try:
+        if not rows:
+            raise SystemExit("soak: no request finished")
+        slope_from = slope_from if len(rows) > slope_from + 1 else 0
+        settled = rows[slope_from:]
+        summary = {"requests": len(rows), "settle": args.settle, "slope_from_request": slope_from,
+                   "is_interrupted": is_interrupted, "backend": engine.backend,
                    "is_heap_trimmed": trim is not None,
                    "device_slope_bytes_per_request": slope_bytes_per_request([r["device_used_bytes"] for r in settled]),
                    "rss_slope_bytes_per_request": slope_bytes_per_request([r["rss_bytes"] for r in settled]),
                    "ledger_slope_bytes_per_request": slope_bytes_per_request([r["ledger_bytes"] for r in settled]),
                    "requests_not_idle": num_not_idle, "loans_taken": sum(r["loan_taken"] for r in rows)}
-        if growth is not None:
-            summary["python_growth"] = growth.report()
-            print(format_report(summary["python_growth"]))
+        if growth_report is not None:
+            summary["python_growth"] = growth_report
         if out:
             out.write(json.dumps({"summary": summary}) + "\n")
     finally:
@@ -132,7 +153,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
             out.close()
         engine.close()
     limit = args.max_slope_kib * 1024
-    print(f"slope over requests {args.settle}..{len(rows) - 1}: device "
+    print(f"slope over requests {summary['slope_from_request']}..{len(rows) - 1}: device "
           f"{summary['device_slope_bytes_per_request'] / 1024:+.1f} KiB/request, RSS "
           f"{summary['rss_slope_bytes_per_request'] / 1024:+.1f} KiB/request, ledger "
           f"{summary['ledger_slope_bytes_per_request'] / 1024:+.1f} KiB/request; loans taken "
@@ -142,6 +163,22 @@ def run(args: argparse.Namespace, config: Config) -> int:
         print(f"soak failed: a slope above {args.max_slope_kib} KiB/request or a ledger not idle", file=sys.stderr)
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (a time limit's kill) raises KeyboardInterrupt, as Ctrl-C does, so the summary is written."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave SIGTERM as it is
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _device_meter(engine):

@@ -66,8 +66,34 @@ def test_a_soak_can_trace_the_python_heap(tmp_path, capsys):
     config = tmp_path / "soak.toml"
     config.write_text(f'[model]\npath = "{model}"\n[runtime]\nbackend = "numpy"\ncontext_tokens = 512\n')
     out = tmp_path / "soak.jsonl"
-    assert main(["--config", str(config), "soak", "--requests", "4", "--min-prompt", "8", "--max-prompt", "64",
-                 "--gen-tokens", "2", "--settle", "1", "--python-growth", "--out", str(out)]) == 0
-    summary = json.loads(out.read_text().splitlines()[-1])["summary"]
+    assert main(["--config", str(config), "soak", "--requests", "6", "--min-prompt", "8", "--max-prompt", "64",
+                 "--gen-tokens", "2", "--settle", "1", "--python-growth", "--python-growth-requests", "2",
+                 "--out", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["is_traced"] for row in lines[:-1]] == [False, True, True, False, False, False]
+    summary = lines[-1]["summary"]
     assert set(summary["python_growth"]) == {"traced_bytes_gained", "sites", "types"}
+    assert summary["slope_from_request"] == 3  # the traced requests' own memory is not in the slope
     assert "Python heap:" in capsys.readouterr().out
+
+
+def test_a_soak_cut_short_still_writes_its_summary(tmp_path, monkeypatch):
+    from strata.engine.facade import Engine
+
+    model = write_tiny_model(tmp_path)
+    config = tmp_path / "soak.toml"
+    config.write_text(f'[model]\npath = "{model}"\n[runtime]\nbackend = "numpy"\ncontext_tokens = 512\n')
+    generate, calls = Engine.generate, []
+
+    def generate_until_the_third(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what SIGTERM becomes during a soak
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", generate_until_the_third)
+    out = tmp_path / "soak.jsonl"
+    assert main(["--config", str(config), "soak", "--requests", "6", "--min-prompt", "8", "--max-prompt", "32",
+                 "--gen-tokens", "2", "--settle", "0", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text().splitlines()[-1])["summary"]
+    assert (summary["requests"], summary["is_interrupted"]) == (2, True)
