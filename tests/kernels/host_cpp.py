@@ -34,6 +34,16 @@ static inline __half2 __hmul2(__half2 a, __half2 b) {
 }
 """
 
+# CUDA's __byte_perm: byte n of the result is byte (s >> 4n) & 7 of y:x
+BYTE_PERM_SHIM = r"""
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long v = x | (unsigned long long)y << 32;
+  unsigned out = 0;
+  for (int n = 0; n < 4; ++n) out |= (unsigned)(v >> (8 * ((s >> (4 * n)) & 7)) & 0xFF) << (8 * n);
+  return out;
+}
+"""
+
 
 def between(text: str, start: str, end: str) -> str:
     """The text from the first `start` up to the next `end` (a marker that moved fails loudly)."""

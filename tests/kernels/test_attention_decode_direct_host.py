@@ -15,22 +15,16 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import quantize as gguf_quantize
-from host_cpp import HALF_SHIMS, between, build
+from host_cpp import BYTE_PERM_SHIM, HALF_SHIMS, between, build
 from kernel_data import reference_dequant
 
 from strata.gpu.kernels import attention_decode_direct, tensor_core
 from strata.gpu.kernels.packing import pack
 
-_SHIMS = HALF_SHIMS + r"""
+_SHIMS = HALF_SHIMS + BYTE_PERM_SHIM + r"""
 #include <algorithm>
 using std::max;
 using std::min;
-static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
-  const uint64_t bytes = (uint64_t)y << 32 | x;
-  unsigned r = 0;
-  for (int i = 0; i < 4; ++i) r |= (unsigned)((bytes >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
-  return r;
-}
 """
 
 _MAIN = (r"""

@@ -10,24 +10,18 @@ import subprocess
 
 import numpy as np
 import pytest
-from host_cpp import HALF_SHIMS, between, build
+from host_cpp import BYTE_PERM_SHIM, HALF_SHIMS, between, build
 from kernel_data import random_gguf_bytes, reference_dequant
 
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels.gemm_config import FUSED_FORMATS
 from strata.gpu.kernels.packing import pack
 
-_SHIMS = HALF_SHIMS + r"""
+_SHIMS = HALF_SHIMS + BYTE_PERM_SHIM + r"""
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 static inline __half2 __floats2half2_rn(float a, float b) { return {to_half(a), to_half(b)}; }
 static inline float __int_as_float(unsigned b) { float f; memcpy(&f, &b, 4); return f; }
-static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {  // byte i of the result: byte s_i of (y:x)
-  const uint64_t v = ((uint64_t)y << 32) | x;
-  unsigned r = 0;
-  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
-  return r;
-}
 """
 
 _MAIN = r"""

@@ -13,13 +13,13 @@ import subprocess
 
 import numpy as np
 import pytest
-from host_cpp import HALF_SHIMS, between, build
+from host_cpp import BYTE_PERM_SHIM, HALF_SHIMS, between, build
 from kernel_data import assert_dot_close, random_gguf_bytes, reference_dequant
 
 from strata.gpu.kernels import gemv_native, tensor_core
 from strata.gpu.kernels.packing import FORMATS, pack
 
-_SHIMS = HALF_SHIMS + r"""
+_SHIMS = HALF_SHIMS + BYTE_PERM_SHIM + r"""
 typedef unsigned int u32;
 typedef unsigned char u8;
 struct uint4 { unsigned x, y, z, w; };
@@ -31,13 +31,6 @@ static inline __half __ushort_as_half(unsigned short v) { return v; }
 static inline float __int_as_float(int v) { float f; memcpy(&f, &v, 4); return f; }
 static inline float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, 4); return f; }
 template <class T> static inline T __ldg(const T* p) { return *p; }
-// byte n of the result is byte (s >> 4n) & 7 of y:x
-static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
-  const unsigned long long v = x | (unsigned long long)y << 32;
-  unsigned out = 0;
-  for (int n = 0; n < 4; ++n) out |= (unsigned)(v >> (8 * ((s >> (4 * n)) & 7)) & 0xFF) << (8 * n);
-  return out;
-}
 static inline uint4 load_stream(const u32* p) { return {p[0], p[1], p[2], p[3]}; }
 // the shared activations: a "shared address" is a byte offset from the staged rows' start
 static const float* g_xs;

@@ -1,10 +1,10 @@
 """moe_rows.cu's dequantization and K order, run on the host against gguf-py and stage_x.
 
 The simulator cannot run linked C++, so this test compiles the kernel's A-fragment dequantizers
-(dequant_block for Q4_0, dequant_q8_block, dequant_q4_k_block, dequant_q5_k_block, dequant_q6_k_block and
-the pairs and scales under them), the K-quants' step addressing (step_words, x_step_column) and its
-hidden-column order, as their source text stands, for the CPU with g++ (CUDA's half type and intrinsics
-replaced by float16 shims). It checks that each lane's registers, for both of its rows, hold the f16
+(dequant_block for Q4_0, dequant_q8_block, dequant_q4_k_block, dequant_q5_k_block, dequant_q6_k_block,
+dequant_iq4_xs_block and the pairs, levels and scales under them), the K-quants' step addressing (step_words,
+x_step_column) and its hidden-column order, as their source text stands, for the CPU with g++ (CUDA's half
+type and intrinsics replaced by float16 shims). It checks that each lane's registers, for both of its rows, hold the f16
 roundings of gguf-py's values of the physical elements the kernel's comments name (each format's quant
 words and records as the kernel stages them a step), and that pairing them with X as stage_x lays it out
 (an 8-byte load a lane, as the mma's B fragments) gives the same products as W x X^T. The tensor-core loop
@@ -16,7 +16,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from host_cpp import HALF_SHIMS, between, build
+from host_cpp import BYTE_PERM_SHIM, HALF_SHIMS, between, build
 from kernel_data import dev, host, random_gguf_bytes, reference_dequant
 
 from strata.gpu.kernels import moe_rows, tensor_core
@@ -101,8 +101,8 @@ static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c);
 static inline __half2 __floats2half2_rn(float a, float b) { return {to_half(a), to_half(b)}; }
 """
 
-# The kernel's reads of one step for Q8_0 (8), Q4_K (12), Q5_K (13) and Q6_K (14): words and records as rows_tile
-# stages them.
+# The kernel's reads of one step for Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14) and IQ4_XS (23): words and records as
+# rows_tile stages them.
 _FORMATS_MAIN = r"""
 // argv: format rows cols tokens quant_pitch scale_pitch extra_pitch planes.bin x_staged.bin weights.out products.out
 // Row r is a lane's row g, and row (r + 2) mod rows its row g + 8 (rows even: as in the kernel, the two rows' d of a
@@ -135,6 +135,16 @@ int main(int argc, char** argv) {
     memcpy(&record.y, &e[(size_t)row * ep + 16 * (step / 4) + 8 * ((step >> 1) & 1)], 8);
     return record;
   };
+  // IQ4_XS's record: Q6_K's word of d, then the two aligned words that hold the super-block's 6 scale bytes (the
+  // second read only up to them, the rest zeros)
+  auto iq4_xs_record = [&](int row, int step) {
+    const size_t half = (size_t)row * sp + step / 4, at = (size_t)row * ep + 6 * (step / 4), offset = at & 3;
+    uint4 record = {0, 0, 0, 0};
+    memcpy(&record.x, &s[half & ~(size_t)1], half & 1 ? 4 : 2);
+    memcpy(&record.y, &e[at - offset], 4);
+    memcpy(&record.z, &e[at - offset + 4], 2 + offset);
+    return record;
+  };
   for (int r = 0; r < rows; ++r)
     for (int kb = 0; kb < cols / 32; ++kb)  // the 32-element group b = kb % 2 of step kb / 2
       for (int t = 0; t < 4; ++t) {
@@ -156,6 +166,14 @@ int main(int argc, char** argv) {
                              q6_k_record(r8, step), 16 * (d_parity ^ ((step >> 2) & 1)), b, 2 * (step & 1) + 4 * b,
                              0x64006400u, lo, hi);
           col0 = x_step_column<kRowsQ6_K>(step) + 64 * b;
+        } else if (format == 23) {  // a step's 8 words, block b's in chunk b (Q4_0's); rows_tile's parities of row g
+          const unsigned super_odd = (step / 4) & 1, d_parity = ((unsigned)r * sp) & 1;
+          const unsigned e_parity = ((unsigned)r * ep) & 3;
+          const int d_shift = 16 * (d_parity ^ super_odd), e_offset = (e_parity + 2 * super_odd) & 3;
+          const int lw = 8 * step + 4 * b + t, sub_block = 2 * (step % 4) + b;
+          dequant_iq4_xs_block(q[(size_t)r * qp + lw], q[(size_t)r8 * qp + lw],
+                               iq4_xs_scale(iq4_xs_record(r, step), d_shift, e_offset, sub_block),
+                               iq4_xs_scale(iq4_xs_record(r8, step), d_shift, e_offset, sub_block), lo, hi);
         } else {  // Q4_K, Q5_K: the row's record of its super-block (d, dmin, 12 scale bytes)
           const int super_block = step / 4, sub_block = 2 * (step % 4) + b, lw = 8 * step + t;
           uint4 record0, record8;
@@ -211,7 +229,7 @@ def _host_build(tmp_path_factory, name: str, *pieces: str):
 @pytest.fixture(scope="module")
 def format_fragments(tmp_path_factory):
     return _host_build(
-        tmp_path_factory, "formats", _SHIMS, _FORMAT_SHIMS,
+        tmp_path_factory, "formats", _SHIMS, _FORMAT_SHIMS, BYTE_PERM_SHIM,
         ("common.cuh", "__device__ __forceinline__ unsigned pack_half2", "// c[0..3] += A"),
         ("moe_rows.cu", "enum RowsFormat", "// A stage's regions"),
         ("common.cuh", "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
@@ -257,12 +275,13 @@ def test_lanes_dequantize_like_gguf_and_pair_with_stage_x_as_w_times_x(fragments
     np.testing.assert_array_equal(host(moe_rows.stage_x(dev(row)))[0, columns], row[0])
 
 
-_FORMAT_CODES = {"Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+_FORMAT_CODES = {"Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_XS": 23}
 
 
 @pytest.mark.parametrize("fmt", list(_FORMAT_CODES))
 def test_lanes_of_the_other_formats_dequantize_like_gguf_and_pair_with_stage_x(format_fragments, fmt):
-    # K-quants: 3 super-blocks, 12 steps (every sub-block of each; Q6_K's d at odd and even halves of its plane)
+    # K-quants, IQ4_XS: 3 super-blocks, 12 steps (every sub-block of each; Q6_K's and IQ4_XS's d at odd and even halves
+    # of its plane; IQ4_XS's 6 scale bytes at byte 0 and 2 of an aligned word: 18 bytes a row)
     num_rows, num_cols, num_tokens = 6, (512 if fmt == "Q8_0" else 768), 3
     rng = np.random.default_rng(31)
     raw = random_gguf_bytes(fmt, num_rows, num_cols, rng)

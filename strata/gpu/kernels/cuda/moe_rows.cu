@@ -1,7 +1,7 @@
 // MoE expert products for chunks of few routed rows an expert (moe_rows.py): the weight rows are the
 // mma's M and the tile's tokens its N, so a tile of up to 64 tokens pays for whole 8-token groups only,
 // and each weight element is dequantized once a tile, straight into A fragments in registers. Experts of
-// Q4_0, Q8_0, Q4_K, Q5_K or Q6_K (gate and up of one format, down of its own): the format is a template argument
+// Q4_0, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS (gate and up of one format, down of its own): the format is a template argument
 // F, and the comments below describe Q4_0 first, then what the others change (see "Other formats").
 //
 // A block: 4 warps, each owning 16 weight rows (rows g and g + 8 of a lane: g = lane / 4, t = lane % 4) of
@@ -48,6 +48,12 @@
 //         not 64 columns in a row but two runs of 32, 64 apart (x_step_column). The record: the word that holds
 //         d, then the 8 int8 scales of the half (one a 16-element half of a group). Each weight is the f16 rounding
 //         of the float d * sc * (q - 32), exact in float as gguf-py's.
+//   IQ4_XS a step's 32 quant bytes are two 32-element sub-blocks laid out as Q4_0's blocks (low nibbles elements
+//         0 .. 15, high 16 .. 31), staged as Q4_0's; each nibble picks one of 16 int8 levels (a byte permute of the
+//         level table), set into halves as Q8_0's bytes. The record: Q6_K's word of d, then the two aligned words
+//         that hold the super-block's 6 scale bytes (scales_h, scales_l; a row's extra pitch is even, so they start
+//         at byte 0 or 2 of the first). Each weight is the f16 rounding of the float d * (ls - 32) * level, exact in
+//         float as gguf-py's.
 //
 // Why the addressing is spelled out: at few groups a step's work is mostly the weights' side and the
 // addresses. Every shared access is an ld.shared / cp.async from a base register set before the K loop
@@ -60,10 +66,14 @@
 
 namespace {
 
-enum RowsFormat { kRowsQ4_0, kRowsQ8_0, kRowsQ4_K, kRowsQ5_K, kRowsQ6_K };
+enum RowsFormat { kRowsQ4_0, kRowsQ8_0, kRowsQ4_K, kRowsQ5_K, kRowsQ6_K, kRowsIQ4_XS };
 
-// K-quants: a record of the super-block a row and step
-__host__ __device__ constexpr bool has_record(int F) { return F == kRowsQ4_K || F == kRowsQ5_K || F == kRowsQ6_K; }
+// K-quants and IQ4_XS: a record of the super-block a row and step
+__host__ __device__ constexpr bool has_record(int F) {
+  return F == kRowsQ4_K || F == kRowsQ5_K || F == kRowsQ6_K || F == kRowsIQ4_XS;
+}
+// one f16 d a super-block in the scale plane: read in the aligned word that holds it
+__host__ __device__ constexpr bool has_lone_d(int F) { return F == kRowsQ6_K || F == kRowsIQ4_XS; }
 // qh beside the nibbles
 __host__ __device__ constexpr bool has_high_bits(int F) { return F == kRowsQ5_K || F == kRowsQ6_K; }
 // 64 quant bytes a row and step
@@ -303,6 +313,56 @@ __device__ __forceinline__ void dequant_q6_k_block(unsigned l0, unsigned l8, uns
                                0x64206420u, lo, hi);  // 1056: q - 32
 }
 
+// IQ4_XS: byte i of the result is the int8 level (gguf-py's IQ4_NL.kvalues) that the nibble in bits 8i .. 8i + 3 of
+// `nibbles` picks (the bits above each nibble 0): levels 0 .. 7 and 8 .. 15 by byte permutes of the table's words
+// (a selector nibble's low 3 bits pick a byte), then a nibble's bit 3 picks between the two.
+__device__ __forceinline__ unsigned iq4_levels(unsigned nibbles) {
+  const unsigned packed = nibbles | (nibbles >> 4);  // nibbles 0, 1 in byte 0; 2, 3 in byte 2
+  const unsigned selector = (packed & 0xFFu) | ((packed >> 8) & 0xFF00u);
+  const unsigned low = __byte_perm(0xBFAD9881u, 0xF6EADDCFu, selector);  // -127, -104, -83, -65, -49, -35, -22, -10
+  const unsigned high = __byte_perm(0x26190D01u, 0x71594535u, selector);  // 1, 13, 25, 38, 53, 69, 89, 113
+  const unsigned is_high = ((nibbles >> 3) & 0x01010101u) * 0xFFu;  // 0xFF in each byte whose nibble is 8 or more
+  return (low & ~is_high) | (high & is_high);
+}
+
+// IQ4_XS: two f16 halves dl * level of the int8 levels in bytes 0 and 2 of `levels`, set into the mantissas of 1024
+// as Q8_0's (one mask and xor), less 1152 they are the levels exactly; dl * level is exact in float (11 + 6 + 7 bits)
+// and the half rounds once, as gguf-py's float32 values rounded to f16.
+__device__ __forceinline__ unsigned iq4_pair(unsigned levels, float dl) {
+  const unsigned biased = (levels & 0x00FF00FFu) ^ 0x64806480u, bias = 0x64806480u;
+  const float2 q = __half22float2(__hsub2(*reinterpret_cast<const __half2*>(&biased),
+                                          *reinterpret_cast<const __half2*>(&bias)));
+  return pack_half2(dl * q.x, dl * q.y);
+}
+
+// IQ4_XS: d * (ls - 32) of sub-block j (0 .. 7) of a row record: x the aligned word holding d at bit d_shift (as
+// Q6_K's), y and z the aligned words holding the super-block's scales_h (2 bytes), then scales_l (4), from byte
+// e_offset (0 or 2) of y on. In float, exact (11 by 6 bits).
+__device__ __forceinline__ float iq4_xs_scale(const uint4& record, int d_shift, int e_offset, int j) {
+  const unsigned d_bits = record.x >> d_shift;
+  const float d = __low2float(*reinterpret_cast<const __half2*>(&d_bits));
+  const unsigned long long bytes = ((static_cast<unsigned long long>(record.z) << 32) | record.y) >> (8 * e_offset);
+  const unsigned scales_h = static_cast<unsigned>(bytes) & 0xFFFFu, scales_l = static_cast<unsigned>(bytes >> 16);
+  const int ls = static_cast<int>(((scales_l >> (4 * j)) & 0xFu) | (((scales_h >> (2 * j)) & 3u) << 4));
+  return d * static_cast<float>(ls - 32);
+}
+
+// A fragments of IQ4_XS block b of a step (sub-block 2 (step mod 4) + b) from its quant words w0 (row g) and w8
+// (row g + 8), laid out as Q4_0's; dl0, dl8: the sub-block's scales of rows g and g + 8.
+__device__ __forceinline__ void dequant_iq4_xs_block(unsigned w0, unsigned w8, float dl0, float dl8,
+                                                     unsigned (&lo)[4], unsigned (&hi)[4]) {
+  const unsigned l0 = iq4_levels(w0 & 0x0F0F0F0Fu), l8 = iq4_levels(w8 & 0x0F0F0F0Fu);
+  const unsigned h0 = iq4_levels((w0 >> 4) & 0x0F0F0F0Fu), h8 = iq4_levels((w8 >> 4) & 0x0F0F0F0Fu);
+  lo[0] = iq4_pair(l0, dl0);
+  lo[1] = iq4_pair(l8, dl8);
+  lo[2] = iq4_pair(l0 >> 8, dl0);
+  lo[3] = iq4_pair(l8 >> 8, dl8);
+  hi[0] = iq4_pair(h0, dl0);
+  hi[1] = iq4_pair(h8, dl8);
+  hi[2] = iq4_pair(h0 >> 8, dl0);
+  hi[3] = iq4_pair(h8 >> 8, dl8);
+}
+
 // Q5_K and Q6_K: the first word of a row's step in its quant plane, of the step's nibbles (high false) or of its
 // high bits (true); each two chunks of 16 bytes
 template <int F>
@@ -434,16 +494,25 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
       copy4_or_zeros(s_dst + stage + 4, e_src + 12 * super_block, is_s);
       copy4_or_zeros(s_dst + stage + 8, e_src + 12 * super_block + 4, is_s);
       copy4_or_zeros(s_dst + stage + 12, e_src + 12 * super_block + 8, is_s);
-    } else if constexpr (F == kRowsQ6_K) {
+    } else if constexpr (has_lone_d(F)) {
       // the aligned word that holds d (an odd half's word begins at the half before it; an even half's is read
-      // alone, the word's other half zeros, so no read passes the plane), then the half super-block's 8 scales
+      // alone, the word's other half zeros, so no read passes the plane), then Q6_K's 8 scales of the half
+      // super-block, or IQ4_XS's 6 scale bytes in the two aligned words that hold them (from byte 0 or 2 of the
+      // first; past the 6, the second's last 2 bytes are zeros, not read)
       const int super_block = step >> 2;
       const __half* d = s_src + super_block;
       const int is_odd = (reinterpret_cast<size_t>(d) >> 1) & 1;
       copy4_part(s_dst + stage, d - is_odd, is_s ? 2 + 2 * is_odd : 0);
-      const unsigned char* scales = e_src + 16 * super_block + 8 * ((step >> 1) & 1);
-      copy4_or_zeros(s_dst + stage + 4, scales, is_s);
-      copy4_or_zeros(s_dst + stage + 8, scales + 4, is_s);
+      if constexpr (F == kRowsQ6_K) {
+        const unsigned char* scales = e_src + 16 * super_block + 8 * ((step >> 1) & 1);
+        copy4_or_zeros(s_dst + stage + 4, scales, is_s);
+        copy4_or_zeros(s_dst + stage + 8, scales + 4, is_s);
+      } else {
+        const unsigned char* scales = e_src + 6 * super_block;
+        const int offset = static_cast<int>(reinterpret_cast<size_t>(scales) & 3);
+        copy4_part(s_dst + stage + 4, scales - offset, is_s ? 4 : 0);
+        copy4_part(s_dst + stage + 8, scales - offset + 4, is_s ? 2 + offset : 0);
+      }
     } else {
       copy4_or_zeros(s_dst + stage, s_src + 2 * step, is_s);
     }
@@ -469,9 +538,11 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
   const unsigned x_rd[2][2] = {{x_row + 16 * ((t >> 1) ^ x_swizzle), x_row + 16 * ((2 + (t >> 1)) ^ x_swizzle)},
                                {x_row + 16 * ((4 + (t >> 1)) ^ x_swizzle), x_row + 16 * ((6 + (t >> 1)) ^ x_swizzle)}};
 
-  // Q6_K: d of super-block 0 of this lane's rows (g, g + 8, of both weights) is an odd half of the scale plane
-  // (4-byte aligned, moe_rows._is_aligned) when this is 1: the record's word holds it in its high half
-  const unsigned d_parity = F == kRowsQ6_K ? (static_cast<unsigned>(w_row0 + r0) * scale_pitch) & 1 : 0;
+  // Q6_K, IQ4_XS: d of super-block 0 of this lane's rows (g, g + 8, of both weights) is an odd half of the scale
+  // plane (4-byte aligned, moe_rows._is_aligned) when this is 1: the record's word holds it in its high half.
+  // IQ4_XS: the scale bytes of super-block 0 of those rows start at this byte of an aligned word (0 or 2)
+  const unsigned d_parity = has_lone_d(F) ? (static_cast<unsigned>(w_row0 + r0) * scale_pitch) & 1 : 0;
+  const unsigned e_parity = F == kRowsIQ4_XS ? (static_cast<unsigned>(w_row0 + r0) * extra_pitch) & 3 : 0;
   const unsigned one024 = opaque_one024();
   constexpr int RH = S::ROW_HALF_BYTES, WB = S::W_BYTES;
   auto compute = [&](int step, unsigned stage) {
@@ -492,6 +563,23 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
         for (int m = 0; m < NW; ++m)
           dequant_q4_k_block(l[m][0], l[m][1], h[m][0], h[m][1], q4_k_scale_min(rec[m][0], sub_block0 + b),
                              q4_k_scale_min(rec[m][1], sub_block0 + b), b, one024, lo[m], hi[m]);
+        group_mmas<0, G>(acc, lo, hi, x_rd[b][0] + stage, x_rd[b][1] + stage);
+      }
+    } else if constexpr (F == kRowsIQ4_XS) {
+      const uint4 rec[NW][2] = {{load_shared4(s_rd + stage), load_shared4(s_rd + 16 + stage)},
+                                {load_shared4(s_rd + 32 + stage), load_shared4(s_rd + 48 + stage)}};
+      const int super_odd = (step >> 2) & 1;
+      const int d_shift = 16 * (d_parity ^ super_odd), e_offset = (e_parity + 2 * super_odd) & 3;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int j = 2 * (step & 3) + b;
+        unsigned lo[NW][4], hi[NW][4];
+        const unsigned wq = w_rd[b] + stage;
+        dequant_iq4_xs_block(load_shared<0>(wq), load_shared<RH>(wq), iq4_xs_scale(rec[0][0], d_shift, e_offset, j),
+                             iq4_xs_scale(rec[0][1], d_shift, e_offset, j), lo[0], hi[0]);
+        dequant_iq4_xs_block(load_shared<WB>(wq), load_shared<WB + RH>(wq),
+                             iq4_xs_scale(rec[1][0], d_shift, e_offset, j),
+                             iq4_xs_scale(rec[1][1], d_shift, e_offset, j), lo[1], hi[1]);
         group_mmas<0, G>(acc, lo, hi, x_rd[b][0] + stage, x_rd[b][1] + stage);
       }
     } else if constexpr (has_high_bits(F)) {
