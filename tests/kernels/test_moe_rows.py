@@ -14,9 +14,11 @@ from strata.model import reference_ops
 needs_tensor_cores = pytest.mark.skipif(not tensor_core.is_available(), reason="needs a GPU with tensor cores")
 # the experts' fp16 scale magnitudes: at kernel_data's (1/8, 1/64) Q8_0 and Q4_K weights reach 16, and
 # silu(gate) * up of x ~ N(0, 1) passes float16's 65,504 in the float16 hidden (Inf, then NaN in down); these keep
-# every format's weights within 4 (Q5_K: 63 x 31 / 512, Q6_K: 128 x 32 / 1024, IQ4_XS: 32 x 127 / 1024)
-_MAGNITUDES = {"Q8_0": 1.0 / 128, "Q4_K": 1.0 / 256, "Q5_K": 1.0 / 512, "Q6_K": 1.0 / 1024, "IQ4_XS": 1.0 / 1024}
-_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # rows of whole 256-element super-blocks
+# every format's weights within 4 (Q5_K: 63 x 31 / 512, Q6_K: 128 x 32 / 1024, IQ4_XS: 32 x 127 / 1024, IQ3_XXS:
+# 7.75 x 62 / 128)
+_MAGNITUDES = {"Q8_0": 1.0 / 128, "Q4_K": 1.0 / 256, "Q5_K": 1.0 / 512, "Q6_K": 1.0 / 1024, "IQ4_XS": 1.0 / 1024,
+               "IQ3_XXS": 1.0 / 128}
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")  # rows of whole 256-element super-blocks
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +46,8 @@ def _routing(num_tokens, num_experts, top_k, seed):
 
 
 def test_the_shared_stages_fit_static_shared_memory():
-    assert moe_rows.shared_bytes() == 38_400 <= 48 * 1024  # cuda/moe_rows.cu's 3 stages of 8 + 4 + 0.5 KiB
+    for fmt in ("Q4_0", "IQ3_XXS"):  # cuda/moe_rows.cu's 3 stages of 8 + 4 + 0.5 KiB (a scale word a row)
+        assert moe_rows.shared_bytes(fmt) == 38_400 <= 48 * 1024
     assert moe_rows.shared_bytes("Q8_0") == 33_792  # 2 stages of 8 + 8 + 0.5 KiB (3 would pass 48 KiB)
     for fmt in ("Q4_K", "IQ4_XS"):  # 3 stages of 8 + 4 + 2 KiB (a 16-byte record of d and scale bytes a row)
         assert moe_rows.shared_bytes(fmt) == 43_008
@@ -99,7 +102,8 @@ _WIDER = {"quants": 4, "scales": 2, "extra": 4}  # columns added to each plane: 
 
 
 def _mixed_down(fmt):  # gate/up of fmt, down of another served format: the two launches' formats apart
-    return {"Q4_0": "Q8_0", "Q8_0": "Q4_K", "Q4_K": "Q6_K", "Q5_K": "Q6_K", "Q6_K": "IQ4_XS", "IQ4_XS": "Q4_0"}[fmt]
+    return {"Q4_0": "Q8_0", "Q8_0": "Q4_K", "Q4_K": "Q6_K", "Q5_K": "Q6_K", "Q6_K": "IQ4_XS", "IQ4_XS": "IQ3_XXS",
+            "IQ3_XXS": "Q4_0"}[fmt]
 
 
 @needs_tensor_cores

@@ -1,14 +1,14 @@
 """moe_rows.cu's dequantization and K order, run on the host against gguf-py and stage_x.
 
-The simulator cannot run linked C++, so this test compiles the kernel's A-fragment dequantizers
-(dequant_block for Q4_0, dequant_q8_block, dequant_q4_k_block, dequant_q5_k_block, dequant_q6_k_block,
-dequant_iq4_xs_block and the pairs, levels and scales under them), the K-quants' step addressing (step_words,
-x_step_column) and its hidden-column order, as their source text stands, for the CPU with g++ (CUDA's half
-type and intrinsics replaced by float16 shims). It checks that each lane's registers, for both of its rows, hold the f16
-roundings of gguf-py's values of the physical elements the kernel's comments name (each format's quant
-words and records as the kernel stages them a step), and that pairing them with X as stage_x lays it out
-(an 8-byte load a lane, as the mma's B fragments) gives the same products as W x X^T. The tensor-core loop
-around them is tested on the GPU (test_moe_rows).
+The simulator cannot run linked C++, so this test compiles the kernel's A-fragment dequantizers (dequant_block for
+Q4_0, dequant_q8_block, dequant_q4_k_block, dequant_q5_k_block, dequant_q6_k_block, dequant_iq4_xs_block,
+dequant_iq3_xxs_block and the pairs, levels, grid, signs and scales under them), the K-quants' step addressing
+(step_words, x_step_column) and its hidden-column order, as their source text stands, for the CPU with g++ (CUDA's
+half type and intrinsics replaced by float16 shims). It checks that each lane's registers, for both of its rows,
+hold the f16 roundings of gguf-py's values of the physical elements the kernel's comments name (each format's quant
+words and records as the kernel stages them a step), and that pairing them with X as stage_x lays it out (an 8-byte
+load a lane, as the mma's B fragments) gives the same products as W x X^T. The tensor-core loop around them is
+tested on the GPU (test_moe_rows).
 """
 
 import shutil
@@ -98,11 +98,12 @@ static inline float __low2float(__half2 a) { return __half2float(a.x); }
 static inline float __high2float(__half2 a) { return __half2float(a.y); }
 static inline float2 __half22float2(__half2 a) { return {__half2float(a.x), __half2float(a.y)}; }
 static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+static inline int __popc(unsigned v) { return __builtin_popcount(v); }
 static inline __half2 __floats2half2_rn(float a, float b) { return {to_half(a), to_half(b)}; }
 """
 
-# The kernel's reads of one step for Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14) and IQ4_XS (23): words and records as
-# rows_tile stages them.
+# The kernel's reads of one step for Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), IQ3_XXS (18) and IQ4_XS (23): words
+# and records as rows_tile stages them.
 _FORMATS_MAIN = r"""
 // argv: format rows cols tokens quant_pitch scale_pitch extra_pitch planes.bin x_staged.bin weights.out products.out
 // Row r is a lane's row g, and row (r + 2) mod rows its row g + 8 (rows even: as in the kernel, the two rows' d of a
@@ -145,6 +146,13 @@ int main(int argc, char** argv) {
     memcpy(&record.z, &e[at - offset + 4], 2 + offset);
     return record;
   };
+  // IQ3_XXS's scale word: Q6_K's word of d
+  auto d_word = [&](int row, int step) {
+    const size_t half = (size_t)row * sp + step / 4;
+    unsigned word = 0;
+    memcpy(&word, &s[half & ~(size_t)1], half & 1 ? 4 : 2);
+    return word;
+  };
   for (int r = 0; r < rows; ++r)
     for (int kb = 0; kb < cols / 32; ++kb)  // the 32-element group b = kb % 2 of step kb / 2
       for (int t = 0; t < 4; ++t) {
@@ -166,6 +174,14 @@ int main(int argc, char** argv) {
                              q6_k_record(r8, step), 16 * (d_parity ^ ((step >> 2) & 1)), b, 2 * (step & 1) + 4 * b,
                              0x64006400u, lo, hi);
           col0 = x_step_column<kRowsQ6_K>(step) + 64 * b;
+        } else if (format == 18) {  // a super-block's 24 words: qs (16), then its sign-and-scale words (8)
+          const int super_block = step / 4, j = step % 4;
+          const unsigned* row_q = &q[(size_t)r * qp + 24 * super_block];
+          const unsigned* row_q8 = &q[(size_t)r8 * qp + 24 * super_block];
+          const int d_shift = 16 * ((((unsigned)r * sp) & 1) ^ (super_block & 1));
+          dequant_iq3_xxs_block(row_q[4 * j + 2 * b], row_q[4 * j + 2 * b + 1], row_q[16 + 2 * j + b],
+                                lone_d(d_word(r, step), d_shift), row_q8[4 * j + 2 * b], row_q8[4 * j + 2 * b + 1],
+                                row_q8[16 + 2 * j + b], lone_d(d_word(r8, step), d_shift), t, lo, hi);
         } else if (format == 23) {  // a step's 8 words, block b's in chunk b (Q4_0's); rows_tile's parities of row g
           const unsigned super_odd = (step / 4) & 1, d_parity = ((unsigned)r * sp) & 1;
           const unsigned e_parity = ((unsigned)r * ep) & 3;
@@ -275,7 +291,7 @@ def test_lanes_dequantize_like_gguf_and_pair_with_stage_x_as_w_times_x(fragments
     np.testing.assert_array_equal(host(moe_rows.stage_x(dev(row)))[0, columns], row[0])
 
 
-_FORMAT_CODES = {"Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_XS": 23}
+_FORMAT_CODES = {"Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ3_XXS": 18, "IQ4_XS": 23}
 
 
 @pytest.mark.parametrize("fmt", list(_FORMAT_CODES))
@@ -288,7 +304,8 @@ def test_lanes_of_the_other_formats_dequantize_like_gguf_and_pair_with_stage_x(f
     packed = pack(raw, fmt)
     x = rng.standard_normal((num_tokens, num_cols)).astype(np.float32)
     staged = host(moe_rows.stage_x(dev(x)))
-    extra = np.ascontiguousarray(packed.extra, np.uint8) if fmt != "Q8_0" else np.zeros((num_rows, 0), np.uint8)
+    is_extra = fmt not in ("Q8_0", "IQ3_XXS")
+    extra = np.ascontiguousarray(packed.extra, np.uint8) if is_extra else np.zeros((num_rows, 0), np.uint8)
     with open(format_fragments / "planes.bin", "wb") as f:
         f.write(np.ascontiguousarray(packed.quants, np.uint32).tobytes())
         f.write(np.ascontiguousarray(packed.scales, np.float16).tobytes())
@@ -330,3 +347,12 @@ def test_every_format_compiles_for_the_gpu(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "strata_moe_rows_" not in (tmp_path / "alone.ptx").read_text()
+
+
+def test_the_iq3_xxs_grid_is_ggmls():
+    # the lanes' test draws ~1,150 grid indices, which can miss an entry: the kernel's table is checked whole
+    from strata.model.iquant_tables import IQ3XXS_GRID
+
+    table = between(tensor_core.source_text("moe_rows.cu"), "kIq3XxsGrid[256] = {", "};")
+    entries = [int(word.strip().rstrip("u"), 16) for word in table.split("{", 1)[1].split(",") if word.strip()]
+    assert entries == [int(v) for v in IQ3XXS_GRID]

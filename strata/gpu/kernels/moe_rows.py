@@ -9,12 +9,13 @@ weight element is dequantized once a tile, from a cp.async ring of raw quant blo
 as packing.py lays them out) straight into A fragments in registers. The tile's number of 8-token
 groups picks one of eight compiled loops (a switch on the tile's rows), so a tile of 32 tokens runs
 exactly 4 groups' mma and holds their accumulators only. Gate and up take one format, down its own
-(each of FORMATS: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, every one GPU-tested on the reference H200; IQ4_XS is built,
-BUILT_FORMATS, and served once its GPU tests pass); other experts take moe.py's tiles.
+(each of FORMATS: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, every one GPU-tested on the reference H200; IQ4_XS and IQ3_XXS
+are built, BUILT_FORMATS, and served once their GPU tests pass); other experts take moe.py's tiles.
 
 Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and hidden, weights the
 f16 roundings of gguf-py's float32 values: d * (q - 8), d * q, d * sc * q - dmin * m (Q4_K, Q5_K),
-d * sc * (q - 32) (Q6_K), d * (ls - 32) * level (IQ4_XS); f32 sums): the
+d * sc * (q - 32) (Q6_K), d * (ls - 32) * level (IQ4_XS), d * (0.5 + ls) * 0.5 * magnitude, signed (IQ3_XXS);
+f32 sums): the
 two agree up to summation order (and both give Inf where silu(gate) * up passes float16's 65,504,
 then NaN or Inf in out). The kernels read X, and gate/up writes hidden, with each aligned quad
 of columns in the order (0, 2, 1, 3) (stage_x): that is the K order in which one mask of a quant word
@@ -45,7 +46,7 @@ from ._common import (
 from .moe_route import MoeGroups, tile_slot_device
 
 # each a template argument of cuda/moe_rows.cu (kRows<..>)
-BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")
 # the formats a chunk's experts are sent through these kernels in: those whose GPU tests passed on the H200
 FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 TILE_ROWS = 64  # the groups' block_m: the tokens of a tile, 8 groups of 8
@@ -57,9 +58,10 @@ _ALIGN_BYTES = 16  # cp.async copies 16 bytes of quants (and 4 of scales and sca
 _MAX_REGISTERS = 128  # 4 blocks of THREADS an SM: the register file is 64 K registers
 # cuda/moe_rows.cu's Stage<F>: (stages, a weight row's quant bytes a step, its scale bytes a step)
 _STAGE_SHAPES = {"Q4_0": (3, STEP_K // 2, 4), "Q8_0": (2, STEP_K, 4), "Q4_K": (3, STEP_K // 2, 16),
-                 "Q5_K": (2, STEP_K, 16), "Q6_K": (2, STEP_K, 16), "IQ4_XS": (3, STEP_K // 2, 16)}
+                 "Q5_K": (2, STEP_K, 16), "Q6_K": (2, STEP_K, 16), "IQ4_XS": (3, STEP_K // 2, 16),
+                 "IQ3_XXS": (3, STEP_K // 2, 4)}
 _RECORD_FORMATS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # a record a row and step: scales and the extra plane's bytes
-_LONE_D_FORMATS = ("Q6_K", "IQ4_XS")  # one f16 d a super-block: read in the aligned word that holds it
+_LONE_D_FORMATS = ("Q6_K", "IQ4_XS", "IQ3_XXS")  # one f16 d a super-block: read in the aligned word that holds it
 _ODD_EXTRA_FORMATS = ("IQ4_XS",)  # 6 scale bytes a super-block: read in the two aligned words that hold them
 
 
@@ -103,10 +105,10 @@ def stage_x(x, out=None, *, threads: int = 256):
 
 
 def _is_aligned(w) -> bool:
-    """The planes' rows as cp.async reads them: quants in 16-byte chunks, scales (and the K-quants' scale bytes)
-    in 4-byte words (Q6_K's and IQ4_XS's one f16 d a super-block in the aligned word that holds it, so their rows
-    take any pitch; IQ4_XS's 6 scale bytes a super-block in the two aligned words that hold them, so its rows take
-    any even pitch); a plane's row pitch may be wider than its format's (an expert cache of mixed types)."""
+    """The planes' rows as cp.async reads them: quants in 16-byte chunks, scales (and the K-quants' scale bytes) in
+    4-byte words (Q6_K's, IQ4_XS's and IQ3_XXS's one f16 d a super-block in the aligned word that holds it, so their
+    rows take any pitch; IQ4_XS's 6 scale bytes a super-block in the two aligned words that hold them, so its rows
+    take any even pitch); a plane's row pitch may be wider than its format's (an expert cache of mixed types)."""
     is_extra_read = w.fmt in _RECORD_FORMATS
     extra_multiple = 2 if w.fmt in _ODD_EXTRA_FORMATS else 4
     return (is_device_array(w.quants) and is_c_contiguous(w.quants) and is_c_contiguous(w.scales)

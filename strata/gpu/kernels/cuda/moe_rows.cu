@@ -1,7 +1,8 @@
 // MoE expert products for chunks of few routed rows an expert (moe_rows.py): the weight rows are the
 // mma's M and the tile's tokens its N, so a tile of up to 64 tokens pays for whole 8-token groups only,
 // and each weight element is dequantized once a tile, straight into A fragments in registers. Experts of
-// Q4_0, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS (gate and up of one format, down of its own): the format is a template argument
+// Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS or IQ3_XXS (gate and up of one format, down of its own): the format is a
+// template argument
 // F, and the comments below describe Q4_0 first, then what the others change (see "Other formats").
 //
 // A block: 4 warps, each owning 16 weight rows (rows g and g + 8 of a lane: g = lane / 4, t = lane % 4) of
@@ -54,6 +55,12 @@
 //         that hold the super-block's 6 scale bytes (scales_h, scales_l; a row's extra pitch is even, so they start
 //         at byte 0 or 2 of the first). Each weight is the f16 rounding of the float d * (ls - 32) * level, exact in
 //         float as gguf-py's.
+//   IQ3_XXS a step's two 32-element sub-blocks are 16 bytes of grid indices (8 a sub-block, each 4 elements' magnitudes
+//         in kIq3XxsGrid) and 8 bytes of sign-and-scale words (one a sub-block: four 7-bit sign groups of 8 elements,
+//         the 8th sign the group's parity, and a 4-bit scale ls), staged as Q4_0's two chunks (the words in the first 8
+//         bytes of chunk 1). Lane t's elements 4t .. 4t + 3 and 16 + 4t .. of sub-block b are grid entries t and 4 + t:
+//         bytes t of qs words 2b and 2b + 1. A row's scale word is Q6_K's word of d. Each weight is the f16 rounding of
+//         the float d * (0.5 + ls) * 0.5 * magnitude, its sign set after (rounding is symmetric), as gguf-py's.
 //
 // Why the addressing is spelled out: at few groups a step's work is mostly the weights' side and the
 // addresses. Every shared access is an ld.shared / cp.async from a base register set before the K loop
@@ -66,14 +73,14 @@
 
 namespace {
 
-enum RowsFormat { kRowsQ4_0, kRowsQ8_0, kRowsQ4_K, kRowsQ5_K, kRowsQ6_K, kRowsIQ4_XS };
+enum RowsFormat { kRowsQ4_0, kRowsQ8_0, kRowsQ4_K, kRowsQ5_K, kRowsQ6_K, kRowsIQ4_XS, kRowsIQ3_XXS };
 
 // K-quants and IQ4_XS: a record of the super-block a row and step
 __host__ __device__ constexpr bool has_record(int F) {
   return F == kRowsQ4_K || F == kRowsQ5_K || F == kRowsQ6_K || F == kRowsIQ4_XS;
 }
 // one f16 d a super-block in the scale plane: read in the aligned word that holds it
-__host__ __device__ constexpr bool has_lone_d(int F) { return F == kRowsQ6_K || F == kRowsIQ4_XS; }
+__host__ __device__ constexpr bool has_lone_d(int F) { return F == kRowsQ6_K || F == kRowsIQ4_XS || F == kRowsIQ3_XXS; }
 // qh beside the nibbles
 __host__ __device__ constexpr bool has_high_bits(int F) { return F == kRowsQ5_K || F == kRowsQ6_K; }
 // 64 quant bytes a row and step
@@ -115,6 +122,9 @@ __device__ __forceinline__ void copy4_part(unsigned dst, const void* src, int nu
 }
 __device__ __forceinline__ void copy4_or_zeros(unsigned dst, const void* src, bool valid) {
   copy4_part(dst, src, valid ? 4 : 0);
+}
+__device__ __forceinline__ void copy8_or_zeros(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0));
 }
 
 // volatile: each stays between the barriers and cp.async waits that order it against the ring's copies
@@ -363,6 +373,86 @@ __device__ __forceinline__ void dequant_iq4_xs_block(unsigned w0, unsigned w8, f
   hi[3] = iq4_pair(h8 >> 8, dl8);
 }
 
+// IQ3_XXS: the magnitudes of 4 consecutive elements a grid index picks, first element in the lowest byte (ggml's
+// iq3xxs_grid); read through the L1 cache, 1 KiB
+__device__ const unsigned kIq3XxsGrid[256] = {
+    0x04040404u, 0x04040414u, 0x04040424u, 0x04040c0cu, 0x04040c1cu, 0x04040c3eu, 0x04041404u, 0x04041414u,
+    0x04041c0cu, 0x04042414u, 0x04043e1cu, 0x04043e2cu, 0x040c040cu, 0x040c041cu, 0x040c0c04u, 0x040c0c14u,
+    0x040c140cu, 0x040c142cu, 0x040c1c04u, 0x040c1c14u, 0x040c240cu, 0x040c2c24u, 0x040c3e04u, 0x04140404u,
+    0x04140414u, 0x04140424u, 0x04140c0cu, 0x04141404u, 0x04141414u, 0x04141c0cu, 0x04141c1cu, 0x04141c3eu,
+    0x04142c0cu, 0x04142c3eu, 0x04143e2cu, 0x041c040cu, 0x041c043eu, 0x041c0c04u, 0x041c0c14u, 0x041c142cu,
+    0x041c3e04u, 0x04240c1cu, 0x04241c3eu, 0x04242424u, 0x04242c3eu, 0x04243e1cu, 0x04243e2cu, 0x042c040cu,
+    0x042c043eu, 0x042c1c14u, 0x042c2c14u, 0x04341c2cu, 0x04343424u, 0x043e0c04u, 0x043e0c24u, 0x043e0c34u,
+    0x043e241cu, 0x043e340cu, 0x0c04040cu, 0x0c04041cu, 0x0c040c04u, 0x0c040c14u, 0x0c04140cu, 0x0c04141cu,
+    0x0c041c04u, 0x0c041c14u, 0x0c041c24u, 0x0c04243eu, 0x0c042c04u, 0x0c0c0404u, 0x0c0c0414u, 0x0c0c0c0cu,
+    0x0c0c1404u, 0x0c0c1414u, 0x0c14040cu, 0x0c14041cu, 0x0c140c04u, 0x0c140c14u, 0x0c14140cu, 0x0c141c04u,
+    0x0c143e14u, 0x0c1c0404u, 0x0c1c0414u, 0x0c1c1404u, 0x0c1c1c0cu, 0x0c1c2434u, 0x0c1c3434u, 0x0c24040cu,
+    0x0c24042cu, 0x0c242c04u, 0x0c2c1404u, 0x0c2c1424u, 0x0c2c2434u, 0x0c2c3e0cu, 0x0c34042cu, 0x0c3e1414u,
+    0x0c3e2404u, 0x14040404u, 0x14040414u, 0x14040c0cu, 0x14040c1cu, 0x14041404u, 0x14041414u, 0x14041434u,
+    0x14041c0cu, 0x14042414u, 0x140c040cu, 0x140c041cu, 0x140c042cu, 0x140c0c04u, 0x140c0c14u, 0x140c140cu,
+    0x140c1c04u, 0x140c341cu, 0x140c343eu, 0x140c3e04u, 0x14140404u, 0x14140414u, 0x14140c0cu, 0x14140c3eu,
+    0x14141404u, 0x14141414u, 0x14141c3eu, 0x14142404u, 0x14142c2cu, 0x141c040cu, 0x141c0c04u, 0x141c0c24u,
+    0x141c3e04u, 0x141c3e24u, 0x14241c2cu, 0x14242c1cu, 0x142c041cu, 0x142c143eu, 0x142c240cu, 0x142c3e24u,
+    0x143e040cu, 0x143e041cu, 0x143e0c34u, 0x143e242cu, 0x1c04040cu, 0x1c040c04u, 0x1c040c14u, 0x1c04140cu,
+    0x1c04141cu, 0x1c042c04u, 0x1c04342cu, 0x1c043e14u, 0x1c0c0404u, 0x1c0c0414u, 0x1c0c1404u, 0x1c0c1c0cu,
+    0x1c0c2424u, 0x1c0c2434u, 0x1c14040cu, 0x1c14041cu, 0x1c140c04u, 0x1c14142cu, 0x1c142c14u, 0x1c143e14u,
+    0x1c1c0c0cu, 0x1c1c1c1cu, 0x1c241c04u, 0x1c24243eu, 0x1c243e14u, 0x1c2c0404u, 0x1c2c0434u, 0x1c2c1414u,
+    0x1c2c2c2cu, 0x1c340c24u, 0x1c341c34u, 0x1c34341cu, 0x1c3e1c1cu, 0x1c3e3404u, 0x24040424u, 0x24040c3eu,
+    0x24041c2cu, 0x24041c3eu, 0x24042c1cu, 0x24042c3eu, 0x240c3e24u, 0x24141404u, 0x24141c3eu, 0x24142404u,
+    0x24143404u, 0x24143434u, 0x241c043eu, 0x241c242cu, 0x24240424u, 0x24242c0cu, 0x24243424u, 0x242c142cu,
+    0x242c241cu, 0x242c3e04u, 0x243e042cu, 0x243e0c04u, 0x243e0c14u, 0x243e1c04u, 0x2c040c14u, 0x2c04240cu,
+    0x2c043e04u, 0x2c0c0404u, 0x2c0c0434u, 0x2c0c1434u, 0x2c0c2c2cu, 0x2c140c24u, 0x2c141c14u, 0x2c143e14u,
+    0x2c1c0414u, 0x2c1c2c1cu, 0x2c240c04u, 0x2c24141cu, 0x2c24143eu, 0x2c243e14u, 0x2c2c0414u, 0x2c2c1c0cu,
+    0x2c342c04u, 0x2c3e1424u, 0x2c3e2414u, 0x34041424u, 0x34042424u, 0x34042434u, 0x34043424u, 0x340c140cu,
+    0x340c340cu, 0x34140c3eu, 0x34143424u, 0x341c1c04u, 0x341c1c34u, 0x34242424u, 0x342c042cu, 0x342c2c14u,
+    0x34341c1cu, 0x343e041cu, 0x343e140cu, 0x3e04041cu, 0x3e04042cu, 0x3e04043eu, 0x3e040c04u, 0x3e041c14u,
+    0x3e042c14u, 0x3e0c1434u, 0x3e0c2404u, 0x3e140c14u, 0x3e14242cu, 0x3e142c14u, 0x3e1c0404u, 0x3e1c0c2cu,
+    0x3e1c1c1cu, 0x3e1c3404u, 0x3e24140cu, 0x3e24240cu, 0x3e2c0404u, 0x3e2c0414u, 0x3e2c1424u, 0x3e341c04u,
+};
+
+// IQ3_XXS: d of a row (an f16 at bit d_shift of its scale word, Q6_K's), in float
+__device__ __forceinline__ float lone_d(unsigned word, int d_shift) {
+  const unsigned d_bits = word >> d_shift;
+  return __low2float(*reinterpret_cast<const __half2*>(&d_bits));
+}
+
+// IQ3_XXS: two f16 halves db * magnitude of bytes 0 and 2 of `grid` (set into the mantissas of 1024, less 1024 they are
+// the magnitudes exactly; db * magnitude is exact in float), negated where bits 0 and 2 of `signs` are set
+__device__ __forceinline__ unsigned iq3_pair(unsigned grid, unsigned signs, float db) {
+  const unsigned biased = (grid & 0x00FF00FFu) | 0x64006400u, bias = 0x64006400u;
+  const float2 m = __half22float2(__hsub2(*reinterpret_cast<const __half2*>(&biased),
+                                          *reinterpret_cast<const __half2*>(&bias)));
+  return pack_half2(db * m.x, db * m.y) ^ (((signs & 1u) << 15) | ((signs & 4u) << 29));
+}
+
+// IQ3_XXS: the 4 signs (bit i: element i of the entry) of grid entry `entry` (0 .. 7) of a sub-block's sign-and-scale
+// word: its group's 7 stored signs and their parity as the 8th (ggml's ksigns_iq2xs), the entry's half of them
+__device__ __forceinline__ unsigned iq3_signs(unsigned aux, int entry) {
+  const unsigned stored = (aux >> (7 * (entry >> 1))) & 0x7Fu;
+  return ((stored | ((__popc(stored) & 1u) << 7)) >> (4 * (entry & 1))) & 0xFu;
+}
+
+// A fragments of IQ3_XXS block b of a step for lane t: of row g, qs words q_lo (word 2b: entries 0 .. 3 of the
+// sub-block) and q_hi (2b + 1: entries 4 .. 7), its sign-and-scale word aux and d; the same of row g + 8 (q_lo8 ..)
+__device__ __forceinline__ void dequant_iq3_xxs_block(unsigned q_lo, unsigned q_hi, unsigned aux, float d,
+                                                      unsigned q_lo8, unsigned q_hi8, unsigned aux8, float d8, int t,
+                                                      unsigned (&lo)[4], unsigned (&hi)[4]) {
+  const float db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;  // as gguf-py's, exact
+  const float db8 = d8 * (0.5f + static_cast<float>(aux8 >> 28)) * 0.5f;
+  const unsigned g_lo = kIq3XxsGrid[(q_lo >> (8 * t)) & 0xFFu], g_hi = kIq3XxsGrid[(q_hi >> (8 * t)) & 0xFFu];
+  const unsigned g_lo8 = kIq3XxsGrid[(q_lo8 >> (8 * t)) & 0xFFu], g_hi8 = kIq3XxsGrid[(q_hi8 >> (8 * t)) & 0xFFu];
+  const unsigned s_lo = iq3_signs(aux, t), s_hi = iq3_signs(aux, 4 + t);
+  const unsigned s_lo8 = iq3_signs(aux8, t), s_hi8 = iq3_signs(aux8, 4 + t);
+  lo[0] = iq3_pair(g_lo, s_lo, db);
+  lo[1] = iq3_pair(g_lo8, s_lo8, db8);
+  lo[2] = iq3_pair(g_lo >> 8, s_lo >> 1, db);
+  lo[3] = iq3_pair(g_lo8 >> 8, s_lo8 >> 1, db8);
+  hi[0] = iq3_pair(g_hi, s_hi, db);
+  hi[1] = iq3_pair(g_hi8, s_hi8, db8);
+  hi[2] = iq3_pair(g_hi >> 8, s_hi >> 1, db);
+  hi[3] = iq3_pair(g_hi8 >> 8, s_hi8 >> 1, db8);
+}
+
 // Q5_K and Q6_K: the first word of a row's step in its quant plane, of the step's nibbles (high false) or of its
 // high bits (true); each two chunks of 16 bytes
 template <int F>
@@ -456,7 +546,8 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
   const int wr = tid >> 1, wc = tid & 1, sr = tid & 63, sm = tid >> 6;
   const bool is_wa = w_row0 + wr < w_row_end, is_wb = w_row0 + wr < w_row_end_b;
   const bool is_s = w_row0 + sr < (sm ? w_row_end_b : w_row_end);
-  constexpr int CHUNK_WORDS = F == kRowsQ8_0 ? 8 : (has_high_bits(F) ? 0 : 4);  // a thread's first word of a step
+  // a thread's first word of a step (IQ3_XXS: its own branch of load)
+  constexpr int CHUNK_WORDS = F == kRowsQ8_0 ? 8 : (has_high_bits(F) || F == kRowsIQ3_XXS ? 0 : 4);
   const unsigned* wa_src = wa.quants + static_cast<size_t>(is_wa ? w_row0 + wr : 0) * quant_pitch + CHUNK_WORDS * wc;
   const unsigned* wb_src = wb.quants + static_cast<size_t>(is_wb ? w_row0 + wr : 0) * quant_pitch + CHUNK_WORDS * wc;
   const size_t s_row = is_s ? w_row0 + sr : 0;
@@ -484,6 +575,17 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
       copy16_or_zeros<0>(w_dst_next + stage, wa_src + at + 4, is_wa);
       copy16_or_zeros<S::W_BYTES>(w_dst + stage, wb_src + at, is_wb);
       copy16_or_zeros<S::W_BYTES>(w_dst_next + stage, wb_src + at + 4, is_wb);
+    } else if constexpr (F == kRowsIQ3_XXS) {
+      // a super-block's 24 words: qs (16), then the sign-and-scale words (8); chunk 0 the step's 16 bytes of qs,
+      // chunk 1 its 2 words
+      const int at = 24 * (step >> 2) + (wc ? 16 + 2 * (step & 3) : 4 * (step & 3));
+      if (wc) {
+        copy8_or_zeros(w_dst + stage, wa_src + at, is_wa);
+        copy8_or_zeros(w_dst + stage + S::W_BYTES, wb_src + at, is_wb);
+      } else {
+        copy16_or_zeros<0>(w_dst + stage, wa_src + at, is_wa);
+        copy16_or_zeros<S::W_BYTES>(w_dst + stage, wb_src + at, is_wb);
+      }
     } else {
       copy16_or_zeros<0>(w_dst + stage, wa_src + 8 * step, is_wa);
       copy16_or_zeros<S::W_BYTES>(w_dst + stage, wb_src + 8 * step, is_wb);
@@ -507,7 +609,7 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
         const unsigned char* scales = e_src + 16 * super_block + 8 * ((step >> 1) & 1);
         copy4_or_zeros(s_dst + stage + 4, scales, is_s);
         copy4_or_zeros(s_dst + stage + 8, scales + 4, is_s);
-      } else {
+      } else if constexpr (F == kRowsIQ4_XS) {
         const unsigned char* scales = e_src + 6 * super_block;
         const int offset = static_cast<int>(reinterpret_cast<size_t>(scales) & 3);
         copy4_part(s_dst + stage + 4, scales - offset, is_s ? 4 : 0);
@@ -580,6 +682,23 @@ __device__ __forceinline__ void rows_tile(const __half* x, int x_pitch, int num_
         dequant_iq4_xs_block(load_shared<WB>(wq), load_shared<WB + RH>(wq),
                              iq4_xs_scale(rec[1][0], d_shift, e_offset, j),
                              iq4_xs_scale(rec[1][1], d_shift, e_offset, j), lo[1], hi[1]);
+        group_mmas<0, G>(acc, lo, hi, x_rd[b][0] + stage, x_rd[b][1] + stage);
+      }
+    } else if constexpr (F == kRowsIQ3_XXS) {
+      const uint4 d_words = load_shared4(s_rd + stage);  // weight 0 rows g, g + 8; weight 1 rows g, g + 8
+      const int d_shift = 16 * (d_parity ^ ((step >> 2) & 1));
+      const float d[NW][2] = {{lone_d(d_words.x, d_shift), lone_d(d_words.y, d_shift)},
+                              {lone_d(d_words.z, d_shift), lone_d(d_words.w, d_shift)}};
+      const unsigned c0 = w_rd[0] - 4 * t + stage, c1 = w_rd[1] - 4 * t + stage;  // the row's chunks 0 and 1
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        unsigned lo[NW][4], hi[NW][4];
+        const unsigned q = c0 + 8 * b, a = c1 + 4 * b;  // qs words 2b, 2b + 1; sign-and-scale word b
+        dequant_iq3_xxs_block(load_shared<0>(q), load_shared<4>(q), load_shared<0>(a), d[0][0], load_shared<RH>(q),
+                              load_shared<RH + 4>(q), load_shared<RH>(a), d[0][1], t, lo[0], hi[0]);
+        dequant_iq3_xxs_block(load_shared<WB>(q), load_shared<WB + 4>(q), load_shared<WB>(a), d[1][0],
+                              load_shared<WB + RH>(q), load_shared<WB + RH + 4>(q), load_shared<WB + RH>(a), d[1][1],
+                              t, lo[1], hi[1]);
         group_mmas<0, G>(acc, lo, hi, x_rd[b][0] + stage, x_rd[b][1] + stage);
       }
     } else if constexpr (has_high_bits(F)) {
