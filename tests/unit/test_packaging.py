@@ -99,7 +99,8 @@ def wheel_files(tmp_path_factory):
 def test_kernel_modules_name_sources_that_exist():
     names = named_sources()
     # the parse found what the kernels load: at least the five linked sources and the shared header
-    assert {"gemm_mma.cu", "attention_mma.cu", "moe_rows.cu", "gemv_rows.cu", "reduce.cu", "common.cuh"} <= names
+    assert {"gemm_mma.cu", "attention_mma.cu", "moe_rows.cu", "gemv_rows.cu", "reduce.cu", "common.cuh",
+            "iquants.cuh"} <= names
     assert sorted(name for name in names if not (CUDA_DIR / name).is_file()) == []
 
 
@@ -118,4 +119,5 @@ def test_a_source_left_out_of_package_data_is_caught(tmp_path):
     assert '"cuda/*.cuh"' in text
     pyproject.write_text(text.replace(', "cuda/*.cuh"', ""), encoding="utf-8")
     files = built_files(project, tmp_path / "built")
-    assert missing_kernel_sources(files) == ["strata/gpu/kernels/cuda/common.cuh"]
+    headers = ("common.cuh", "iquants.cuh")
+    assert missing_kernel_sources(files) == [f"strata/gpu/kernels/cuda/{name}" for name in headers]
