@@ -22,7 +22,9 @@ from strata.gpu.kernels.packing import FORMATS, pack
 _SHIMS = HALF_SHIMS + BYTE_PERM_SHIM + r"""
 typedef unsigned int u32;
 typedef unsigned char u8;
+struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
+static inline int __popc(unsigned v) { return __builtin_popcount(v); }
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
@@ -110,6 +112,10 @@ int main(int argc, char** argv) {
   else if (fmt == "Q4K") products<Q4K>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
   else if (fmt == "Q5K") products<Q5K>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
   else if (fmt == "Q6K") products<Q6K>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
+  else if (fmt == "IQ4XS")
+    products<IQ4XS>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
+  else if (fmt == "IQ3XXS")
+    products<IQ3XXS>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
   else if (fmt == "F32") products<F32>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
   else if (fmt == "F16") products<F16>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
   else return 2;
@@ -128,6 +134,7 @@ def items(tmp_path_factory):
              between(source, "constexpr int XSTRIDE", "__device__ __forceinline__ uint4 load_stream"),
              between(source, "__device__ __forceinline__ float byte_as_float", "__device__ __forceinline__ u32 "
                                                                               "shared_address"),
+             between(source, "// IQ4_XS: byte i of the result", "}  // namespace"),  # iquants.cuh's lookups
              between(source, "__device__ __forceinline__ float half_at", "__device__ __forceinline__ float warp_sum"),
              between(source, "__device__ __forceinline__ u32 word_of", "// Q4_K for the gemv loop"),
              _MAIN]
@@ -147,7 +154,7 @@ def _staged(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("fmt", gemv_native.BUILT_FORMATS)
 def test_each_formats_items_give_gguf_rows_times_x_and_two_rows_the_bits_of_one(items, fmt):
     struct, _ = gemv_native._ROWS_SHAPES[fmt]
-    block_elems = FORMATS[fmt].block_elems if fmt in ("Q4_K", "Q5_K", "Q6_K") else 32
+    block_elems = FORMATS[fmt].block_elems if fmt in gemv_native._K_QUANTS else 32
     rng = np.random.default_rng(700)
     # K-quants: rows of 1, 2, 3 super-blocks (a lane an item at most) and of 9 (lanes' second and third items)
     for num_blocks in (1, 2, 3, 9) if block_elems == 256 else (1, 3, 33, 70):

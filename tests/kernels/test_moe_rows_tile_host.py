@@ -12,7 +12,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from host_cpp import between, build
+from host_cpp import BYTE_PERM_SHIM, between, build
 from kernel_data import assert_close_to_scale, dev, host, random_gguf_bytes, reference_dequant
 from test_moe_rows_host import _FORMAT_SHIMS, _SHIMS
 
@@ -59,6 +59,9 @@ static inline void copy4_part(unsigned dst, const void* src, int num_bytes) {
   memcpy(smem_bytes + dst, src, num_bytes);
 }
 static inline void copy4_or_zeros(unsigned dst, const void* src, bool valid) { copy4_part(dst, src, valid ? 4 : 0); }
+static inline void copy8_or_zeros(unsigned dst, const void* src, bool valid) {
+  if (valid) memcpy(smem_bytes + dst, src, 8); else memset(smem_bytes + dst, 0, 8);
+}
 template <int OFFSET> static inline unsigned load_shared(unsigned addr) {
   unsigned v; memcpy(&v, smem_bytes + addr + OFFSET, 4); return v;
 }
@@ -156,6 +159,8 @@ int main(int argc, char** argv) {
     case kRowsQ4_K: run<kRowsQ4_K>(f, dim, ffn, argv[5], argv[6]); break;
     case kRowsQ5_K: run<kRowsQ5_K>(f, dim, ffn, argv[5], argv[6]); break;
     case kRowsQ6_K: run<kRowsQ6_K>(f, dim, ffn, argv[5], argv[6]); break;
+    case kRowsIQ4_XS: run<kRowsIQ4_XS>(f, dim, ffn, argv[5], argv[6]); break;
+    case kRowsIQ3_XXS: run<kRowsIQ3_XXS>(f, dim, ffn, argv[5], argv[6]); break;
     default: return 3;
   }
   fclose(f);
@@ -166,9 +171,10 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def tiles(tmp_path_factory):
-    common, rows = (tensor_core.source_text(name) for name in ("common.cuh", "moe_rows.cu"))
+    common, iquants, rows = (tensor_core.source_text(name) for name in ("common.cuh", "iquants.cuh", "moe_rows.cu"))
     source = "\n".join([
-        _SHIMS, _FORMAT_SHIMS, "#include <functional>", _PTX_SHIMS, f"#define TOKENS {_NUM_TOKENS}",
+        _SHIMS, _FORMAT_SHIMS, BYTE_PERM_SHIM, "#include <functional>", _PTX_SHIMS, f"#define TOKENS {_NUM_TOKENS}",
+        between(iquants, "// IQ4_XS: byte i of the result", "}  // namespace"),
         between(common, "__device__ __forceinline__ unsigned pack_half2", "// c[0..3] += A"),
         between(common, "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
         between(rows, "enum RowsFormat", "__device__ __forceinline__ unsigned shared_address"),
@@ -181,19 +187,25 @@ def tiles(tmp_path_factory):
     return folder
 
 
-# per format (dim, ffn): Q4_0 and Q8_0 a down block whose second half is past dim; the K-quants' gate/up rows 2
-# super-blocks, down's 1. Every plane a pitch wider than its rows: Q6_K's scales by one half, so a row's d of a
-# super-block is at an odd or an even half of the plane by its row (gate/up, 3 a row) or by its super-block (down)
-_SHAPES = {"Q4_0": (192, 128), "Q8_0": (192, 128), "Q4_K": (512, 256), "Q5_K": (512, 256), "Q6_K": (512, 256)}
-_MAGNITUDES = {"Q8_0": 1.0 / 128, "Q4_K": 1.0 / 256, "Q5_K": 1.0 / 512, "Q6_K": 1.0 / 1024}
-_FORMAT_CODES = {"Q4_0": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}  # cuda/moe_rows.cu's RowsFormat
+# per format (dim, ffn): Q4_0 and Q8_0 a down block whose second half is past dim; the K-quants' and I-quants'
+# gate/up rows 2 super-blocks, down's 1. Every plane a pitch wider than its rows: the one-d-a-super-block formats'
+# scales by one half, so a row's d of a super-block is at an odd or an even half of the plane by its row (gate/up, 3 a
+# row) or by its super-block (down); IQ4_XS's extra by 2 bytes, so a row's 6 scale bytes start at byte 0 or 2 of a word
+_LONE_D = ("Q6_K", "IQ4_XS", "IQ3_XXS")
+_SHAPES = {"Q4_0": (192, 128), "Q8_0": (192, 128),
+           **{fmt: (512, 256) for fmt in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")}}
+_MAGNITUDES = {"Q8_0": 1.0 / 128, "Q4_K": 1.0 / 256, "Q5_K": 1.0 / 512, "Q6_K": 1.0 / 1024, "IQ4_XS": 1.0 / 1024,
+               "IQ3_XXS": 1.0 / 128}
+# cuda/moe_rows.cu's RowsFormat
+_FORMAT_CODES = {"Q4_0": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "IQ4_XS": 5, "IQ3_XXS": 6}
 
 
 def _write_planes(f, raw: np.ndarray, fmt: str):
     packed = pack(raw, fmt)
     planes = [np.pad(np.ascontiguousarray(getattr(packed, p)), ((0, 0), (0, wider)))
-              for p, wider in (("quants", 4), ("scales", 1 if fmt == "Q6_K" else 2), ("extra", 4))]
-    if fmt not in ("Q4_K", "Q5_K", "Q6_K"):
+              for p, wider in (("quants", 4), ("scales", 1 if fmt in _LONE_D else 2),
+                               ("extra", 2 if fmt == "IQ4_XS" else 4))]
+    if fmt not in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
         planes[2] = np.zeros((raw.shape[0], 0), np.uint8)
     f.write(np.array([plane.shape[1] for plane in planes], np.int32).tobytes())  # the pitches
     for plane in planes:

@@ -15,7 +15,8 @@ others one function per row group (or row pair). gemv stages a Q4_K matrix's act
 its own (each super-block's 8 groups Q4_K_SB_STRIDE floats apart, each group's two half sums in its
 padding), which its loop's 32-byte items read. Formats (FORMATS, those whose GPU tests passed on the reference
 H200): Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, and F32 / F16 rows (the routers); the expert kernels take Q4_0, Q8_0 and
-Q4_K. Their Q5_K and Q6_K are built (BUILT_EXPERT_FORMATS) and served once their GPU tests pass. The Numba
+Q4_K. IQ4_XS and IQ3_XXS rows (BUILT_FORMATS) and the experts' Q5_K, Q6_K, IQ4_XS and IQ3_XXS
+(BUILT_EXPERT_FORMATS) are built and served once their GPU tests pass. The Numba
 kernels remain the path for the other formats, the simulator, and the reference the GPU tests compare this one
 against (same roundings of x, sums in another order).
 
@@ -41,16 +42,16 @@ from ._common import ceil_div, is_c_contiguous, is_device_array, stand_in
 from .activation import device_silu_mul
 
 # every format cuda/gemv_rows.cu has rows for, and the expert formats of its gate/up pair and down row functions
-BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "F16")
-BUILT_EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "F32", "F16")
+BUILT_EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")
 # the formats a GEMV or an expert product is sent through the C++ rows in: those whose GPU tests passed on the H200
-FORMATS = BUILT_FORMATS
+FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "F16")
 EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K")
 X_GROUP, X_STRIDE = 32, 36
 # gemv's Q4_K activations: each 256-element super-block's 8 groups 4 floats further on than 8 groups, so that
 # the C++ loop's lanes of two super-blocks start on other banks (cuda/gemv_rows.cu's Q4K_SB_STRIDE)
 Q4_K_BLOCK, Q4_K_SB_STRIDE = 256, 8 * X_STRIDE + 4
-_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # rows of whole 256-element super-blocks
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")  # rows of whole 256-element super-blocks
 _WORD_SCALE_FORMATS = ("Q4_K", "Q5_K")  # d and dmin read as one word, the 12 scale bytes as three
 _WARP = 32
 _MAX_SHARED_BYTES = 48 * 1024
@@ -105,7 +106,7 @@ class NativeGemvConfig(NamedTuple):
 # blocks of 8 warps, which always launch; a row's sums are the same whatever the shape (each lane adds its items
 # in increasing order, then the warp's shuffles). Four rows of a 151,936 x 2,048 head on the H200: 8 x 2 at 2 an SM
 # 130 us Q4_0 / 161 Q8_0 (one row: 62-70 / 102-106); 8 x 1 at 2, 193 / 214; 8 x 2 at 1, 138 / 200; 16 x 1 at 1, 190
-# / 222. Q5_K and Q6_K take Q4_K's shapes, unmeasured.
+# / 222. Q5_K, Q6_K, IQ4_XS and IQ3_XXS take Q4_K's shapes, unmeasured.
 LAYER_CONFIG = NativeGemvConfig(warps=8, rows_per_warp=2)
 _HEAD_CONFIGS = MappingProxyType({
     "Q4_0": NativeGemvConfig(warps=16, rows_per_warp=2, blocks_per_sm=1, x_rows=1),
@@ -113,6 +114,8 @@ _HEAD_CONFIGS = MappingProxyType({
     "Q4_K": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
     "Q5_K": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
     "Q6_K": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
+    "IQ4_XS": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
+    "IQ3_XXS": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
     "F32": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4, x_rows=1),
     "F16": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4, x_rows=1),
 })
@@ -260,6 +263,7 @@ def _quants_ptr(fmt: str):
 _ROWS_SHAPES = MappingProxyType({
     "Q4_0": ("Q40", {1: 2, 2: 2, 4: 1}), "Q8_0": ("Q80", {1: 2, 2: 2, 4: 1}), "Q4_K": ("Q4K", {1: 2, 2: 2, 4: 1}),
     "Q5_K": ("Q5K", {1: 2, 2: 2, 4: 1}), "Q6_K": ("Q6K", {1: 2, 2: 2, 4: 1}),
+    "IQ4_XS": ("IQ4XS", {1: 2, 2: 2, 4: 1}), "IQ3_XXS": ("IQ3XXS", {1: 2, 2: 2, 4: 1}),
     "F32": ("F32", {1: 4, 2: 4, 4: 2}), "F16": ("F16", {1: 4, 2: 4, 4: 2}),
 })
 _LOOP_SHAPES = MappingProxyType({**_ROWS_SHAPES, "Q4_K": ("Q4KWide", {1: 1, 2: 1, 4: 1})})

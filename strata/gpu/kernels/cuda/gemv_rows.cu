@@ -24,10 +24,16 @@
 //   Q5_K  Q4_K's items, each with the 16 bytes of qh that hold its quants' fifth bits; K / 32 items
 //   Q6_K  16 of a super-block's 128 ql bytes per item (two 16-element runs of two groups), with the 16 bytes
 //         of qh that hold their top two bits, d and the runs' two int8 scales; K / 32 items
+//   IQ4_XS  a 32-element sub-block per item, its 16 quant bytes laid out as Q4_0's block; each nibble picks an int8
+//         level (iquants.cuh), its scale d * (ls - 32) from the super-block's d and 6 scale bytes; K / 32 items
+//   IQ3_XXS  a 32-element sub-block per item: its 8 grid indices (8 bytes, each 4 elements' magnitudes) and its
+//         sign-and-scale word, its scale d * (0.5 + ls) * 0.5; K / 32 items
 //   F32 / F16  4 / 8 values per item (the routers); K / 4 or K / 8 items
 // Small integers become floats through the exponent trick (0x4B000000 | q is 2^23 + q), as in
 // quant_device.py.
 #include <cuda_fp16.h>
+
+#include "iquants.cuh"
 typedef unsigned int u32;  // NVRTC has no <stdint.h>
 typedef unsigned char u8;
 
@@ -427,6 +433,105 @@ struct Q6K {
   }
 };
 
+// ---- IQ4_XS: d * (ls - 32) * level, a scale per 32-element sub-block ----
+// A super-block's quants are qs[128] (32 words): item i is words 4i .. (sub-block j = i % 8 of super-block i / 8); its d
+// is half i / 8 of the scale plane, its scale bytes (scales_h[2], then scales_l[4]) bytes 6 (i / 8) .. of the extra
+// plane: ls is nibble j % 2 of scales_l byte j / 2, above it bits 2 (j % 4) of scales_h byte j / 4.
+struct IQ4XS {
+  __device__ static int items(int num_cols) { return num_cols / 32; }
+  __device__ static Item load(const RowPlanes& r, int i) {
+    Item it;
+    const int sb = i >> 3, j = i & 7;
+    it.q = load_stream(r.quants + 4 * i);
+    const u8* e = r.extra + 6 * sb;
+    const u32 low = (__ldg(e + 2 + (j >> 1)) >> (4 * (j & 1))) & 0xFu, high = (__ldg(e + (j >> 2)) >> (2 * (j & 3))) & 3u;
+    const u32 ls = low | high << 4;
+    it.d = half_at(r.scales + sb) * static_cast<float>(static_cast<int>(ls) - 32);
+    return it;
+  }
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
+    float s[NX][R];
+#pragma unroll
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[t][r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float4 wl[R], wh[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {  // the int8 levels offset to unsigned bytes, as Q8_0's quants
+        const u32 w = word_of(it[r].q, j);
+        wl[r] = bytes_as_float4(iq4_levels(w & 0x0F0F0F0Fu) ^ 0x80808080u, 8388736.f);
+        wh[r] = bytes_as_float4(iq4_levels((w >> 4) & 0x0F0F0F0Fu) ^ 0x80808080u, 8388736.f);
+      }
+#pragma unroll
+      for (int t = 0; t < NX; ++t) {
+        const u32 x = xs + 4 * (t * x_stride + i * XSTRIDE);
+        const float4 lo = load_x4(x, 4 * j), hi = load_x4(x, 16 + 4 * j);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          s[t][r] += dot4(wl[r], lo);
+          s[t][r] += dot4(wh[r], hi);
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[t][r] += it[r].d * s[t][r];
+  }
+};
+
+// ---- IQ3_XXS: d * (0.5 + ls) * 0.5 * magnitude, signed, a scale per 32-element sub-block ----
+// A super-block's quants are qs[64] then its 8 sign-and-scale words (24 words): item i (sub-block j = i % 8 of
+// super-block i / 8) is qs words 2j, 2j + 1 (q.x, q.y: grid entries 0 .. 3 and 4 .. 7, a byte each) and word 16 + j
+// (q.z: four 7-bit sign groups, ls in its top 4 bits); entry l is elements 4l .. 4l + 3.
+struct IQ3XXS {
+  __device__ static int items(int num_cols) { return num_cols / 32; }
+  __device__ static Item load(const RowPlanes& r, int i) {
+    Item it;
+    const int sb = i >> 3, j = i & 7;
+    const u32* block = r.quants + 24 * sb;
+    const uint2 qs = __ldg(reinterpret_cast<const uint2*>(block + 2 * j));
+    it.q.x = qs.x;
+    it.q.y = qs.y;
+    it.q.z = __ldg(block + 16 + j);
+    it.d = half_at(r.scales + sb) * (0.5f + static_cast<float>(it.q.z >> 28)) * 0.5f;  // as gguf-py's, exact
+    return it;
+  }
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
+    float s[NX][R];
+#pragma unroll
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[t][r] = 0.f;
+#pragma unroll
+    for (int l = 0; l < 8; ++l) {
+      float4 w[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const u32 index = ((l < 4 ? it[r].q.x : it[r].q.y) >> (8 * (l & 3))) & 0xFFu;
+        const u32 signs = iq3_signs(it[r].q.z, l);
+        const float4 m = bytes_as_float4(kIq3XxsGrid[index], 8388608.f);
+        w[r] = make_float4(signs & 1u ? -m.x : m.x, signs & 2u ? -m.y : m.y, signs & 4u ? -m.z : m.z,
+                           signs & 8u ? -m.w : m.w);
+      }
+#pragma unroll
+      for (int t = 0; t < NX; ++t) {
+        const float4 v = load_x4(xs + 4 * (t * x_stride + i * XSTRIDE), 4 * l);
+#pragma unroll
+        for (int r = 0; r < R; ++r) s[t][r] += dot4(w[r], v);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[t][r] += it[r].d * s[t][r];
+  }
+};
+
 // Q4_K for the gemv loop: 32 quant bytes an item, whole sub-blocks 2c and 2c + 1 (low and high nibbles of bytes
 // 32c .. 32c + 31), so that the item's scales are read and decoded once for 64 elements; K / 64 items. Its
 // activations come in gemv_native's Q4_K layout: each super-block's 8 groups Q4K_SB_STRIDE floats after the
@@ -712,6 +817,12 @@ STRATA_GEMV_ROWS(strata_gemv_rows_q5_k_r4, Q5K, 4, 1)
 STRATA_GEMV_ROWS(strata_gemv_rows_q6_k_r1, Q6K, 1, 2)
 STRATA_GEMV_ROWS(strata_gemv_rows_q6_k_r2, Q6K, 2, 2)
 STRATA_GEMV_ROWS(strata_gemv_rows_q6_k_r4, Q6K, 4, 1)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq4_xs_r1, IQ4XS, 1, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq4_xs_r2, IQ4XS, 2, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq4_xs_r4, IQ4XS, 4, 1)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq3_xxs_r1, IQ3XXS, 1, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq3_xxs_r2, IQ3XXS, 2, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq3_xxs_r4, IQ3XXS, 4, 1)
 // float rows have 4-8x the items of a quantized row: more of them in flight per iteration
 STRATA_GEMV_ROWS(strata_gemv_rows_f32_r1, F32, 1, 4)
 STRATA_GEMV_ROWS(strata_gemv_rows_f32_r2, F32, 2, 4)
@@ -734,6 +845,12 @@ STRATA_GEMV_LOOP(strata_gemv_loop_q5_k_r4, Q5K, 4, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_q6_k_r1, Q6K, 1, 2)
 STRATA_GEMV_LOOP(strata_gemv_loop_q6_k_r2, Q6K, 2, 2)
 STRATA_GEMV_LOOP(strata_gemv_loop_q6_k_r4, Q6K, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq4_xs_r1, IQ4XS, 1, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq4_xs_r2, IQ4XS, 2, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq4_xs_r4, IQ4XS, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq3_xxs_r1, IQ3XXS, 1, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq3_xxs_r2, IQ3XXS, 2, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq3_xxs_r4, IQ3XXS, 4, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r1, F32, 1, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r2, F32, 2, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r4, F32, 4, 2)
@@ -745,8 +862,12 @@ STRATA_GEMV_PAIR(strata_gemv_pair_q8_0, Q80)
 STRATA_GEMV_PAIR(strata_gemv_pair_q4_k, Q4K)
 STRATA_GEMV_PAIR(strata_gemv_pair_q5_k, Q5K)
 STRATA_GEMV_PAIR(strata_gemv_pair_q6_k, Q6K)
+STRATA_GEMV_PAIR(strata_gemv_pair_iq4_xs, IQ4XS)
+STRATA_GEMV_PAIR(strata_gemv_pair_iq3_xxs, IQ3XXS)
 STRATA_DOWN_ROW(strata_down_row_q4_0, Q40)
 STRATA_DOWN_ROW(strata_down_row_q8_0, Q80)
 STRATA_DOWN_ROW(strata_down_row_q4_k, Q4K)
 STRATA_DOWN_ROW(strata_down_row_q5_k, Q5K)
 STRATA_DOWN_ROW(strata_down_row_q6_k, Q6K)
+STRATA_DOWN_ROW(strata_down_row_iq4_xs, IQ4XS)
+STRATA_DOWN_ROW(strata_down_row_iq3_xxs, IQ3XXS)
