@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "probability P, else a wrong token (labelled in every row)")
     parser.add_argument("--profile-dir", type=Path, help="write each run's host-side profile here "
                                                          "(cProfile stats, <arm>-<prompt>-<rep>.prof)")
+    parser.add_argument("--layer-timeline", action="store_true",
+                        help="time every prefill layer on the device (attention, MoE, waits for copies) and the "
+                             "host's issuing of it; the marks slow the run a little, so compare shares, not speeds")
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
@@ -81,9 +84,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
                 if args.profile_dir:
                     args.profile_dir.mkdir(parents=True, exist_ok=True)
                     profile = args.profile_dir / f"{arm}-{spec}-{length}-{rep + 1}.prof"
+                extra = ["--spec", spec] + ([] if args.draft_oracle is None or spec == "off"
+                                            else ["--draft-oracle", str(args.draft_oracle)])
                 result = run_fresh(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile,
-                                   ["--spec", spec] + ([] if args.draft_oracle is None or spec == "off"
-                                                       else ["--draft-oracle", str(args.draft_oracle)]))
+                                   extra + (["--layer-timeline"] if args.layer_timeline else []))
                 runs.append(result)
                 print(f"[{arm} {length} #{rep + 1}] {result['timing_line']}", file=sys.stderr, flush=True)
                 if "pcie_bytes_per_s" in result:

@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-oracle", type=float, default=None, metavar="P",
                         help="replace each draft by the greedy continuation with probability P (a plain run of "
                              "the same prompt first records it)")
+    parser.add_argument("--layer-timeline", action="store_true",
+                        help="time every prefill layer on the device and the host's issuing of it")
     args = parser.parse_args(argv)
 
     from strata.engine.facade import Engine
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
         if engine.mtp is None:
             raise SystemExit("--draft-oracle needs speculative decode (runtime.mtp = true and --spec other than off)")
         oracle = DraftOracle(None, len(tokens), args.draft_oracle, engine.spec.vocab_size, seed=args.seed)
-    generation = engine.generate(tokens, params, draft_oracle=oracle)
+    generation = engine.generate(tokens, params, draft_oracle=oracle, is_timing_layers=args.layer_timeline)
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
@@ -93,6 +95,8 @@ def main(argv=None) -> int:
         "prefetched_used_experts": stats.prefetched_used_experts, "decode_seconds": stats.decode_seconds,
         "decode_wait_seconds": stats.decode_wait_seconds,
         "num_compiles": stats.num_compiles, "compile_seconds": stats.compile_seconds,
+        "prefill_forward_seconds": stats.prefill_forward_seconds, "prefill_mtp_seconds": stats.prefill_mtp_seconds,
+        "prefill_layers": stats.prefill_layers,
         "loan_summary": stats.loan.summary() if stats.loan else "", "load_seconds": load_seconds,
         "backend": engine.backend, "budget_bytes": engine.ledger.budget_bytes,
         "expert_bytes": engine.pack.num_bytes if engine.pack else 0,

@@ -364,12 +364,13 @@ class Engine(EngineCore):
 
     def generate(self, prompt_tokens: Sequence[int], params: SamplingParams,
                  is_cancelled: Callable[[], bool] = lambda: False,
-                 draft_oracle: DraftOracle | None = None) -> Generation:
+                 draft_oracle: DraftOracle | None = None, is_timing_layers: bool = False) -> Generation:
         """Tokens for ``prompt_tokens``; iterate the result. Raises ``RequestError`` for a prompt that
         leaves no room in the context. One request at a time: a generation that starts while another
         is unfinished ends that one first (its iteration stops, finish reason "cancelled").
-        draft_oracle: the bench's measurement mode (``strata bench --draft-oracle``), never serving's."""
-        return Generation(self, list(prompt_tokens), params, is_cancelled, draft_oracle)
+        draft_oracle: the bench's measurement mode (``strata bench --draft-oracle``), never serving's;
+        is_timing_layers: the bench's ``--layer-timeline`` (``prefill_timeline.py``)."""
+        return Generation(self, list(prompt_tokens), params, is_cancelled, draft_oracle, is_timing_layers)
 
     def format_placement(self) -> str:
         return (f"placement on {self.backend} ({self.ledger.budget_bytes / 2**30:.2f} GiB budget):\n"

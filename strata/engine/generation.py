@@ -16,6 +16,7 @@ from strata.engine.core import EngineCore
 from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.decode.speculative import PLAIN_DECODE, DraftOracle, Speculation
 from strata.engine.planning.rates import ChunkTiming
+from strata.engine.prefill_timeline import PrefillTimeline
 from strata.engine.request import RequestStats, TokenEvent
 from strata.engine.sampling import (
     SamplingParams,
@@ -38,15 +39,19 @@ class Generation:
     """Iterate for TokenEvents; ``stats`` is set once the iteration ends (also when it is closed early)."""
 
     def __init__(self, engine: EngineCore, prompt: list[int], params: SamplingParams, is_cancelled: Callable[[], bool],
-                 draft_oracle: DraftOracle | None = None):
-        """draft_oracle: the bench's measurement aid (``strata bench --draft-oracle``); never from serving."""
+                 draft_oracle: DraftOracle | None = None, is_timing_layers: bool = False):
+        """draft_oracle: the bench's measurement aid (``strata bench --draft-oracle``); never from serving.
+        is_timing_layers: mark every prefill layer on the device (``prefill_timeline.py``; the bench's
+        ``--layer-timeline``)."""
         _check_prompt(prompt, engine.context_tokens, engine.spec.vocab_size)
         self.engine = engine
         self.prompt = prompt
         self.params = params
         self.is_cancelled = is_cancelled
         self.draft_oracle = draft_oracle
+        self.is_timing_layers = is_timing_layers
         self.stats: RequestStats | None = None
+        self._prefill_device = (0.0, 0.0)  # the chunks' forward and the MTP block's passes, device seconds
         self._prefill_streamed_bytes = 0
         self._restaged_bytes = 0
         self._compiled_before = None  # the engine's compile tally when the request starts (``_run``)
@@ -65,7 +70,7 @@ class Generation:
         self._take_engine()
         reuse = self._reuse_prefix()
         unread = np.asarray(prompt[reuse:], dtype=np.int64)
-        stream = StreamStats()
+        stream = StreamStats(timeline=PrefillTimeline(engine.ops) if self.is_timing_layers else None)
         self._compiled_before = engine.compiles.tally
         started = time.perf_counter()
         try:
@@ -271,7 +276,7 @@ class Generation:
     def _prefill(self, unread: np.ndarray, start: int, geometry: Geometry, stream: StreamStats) -> np.ndarray:
         """The unread tokens in chunks of the loan's geometry; returns the last token's hidden state
         [1, D] on the host: the chunk's activations go before the loan maps the cache back."""
-        runner, ops, hidden, marks = self.engine.runner, self.engine.ops, None, []
+        runner, ops, hidden, marks, mtp_marks = self.engine.runner, self.engine.ops, None, [], []
         # the ring overlaps its copies with the kernels when it has two halves, and prefill samples
         # nothing; the loan transaction puts decode's settings back
         is_overlapped = geometry.ring_slots >= 2
@@ -284,7 +289,9 @@ class Generation:
                 marks.append((len(chunk), start + first, stream.streamed_bytes - streamed, started,
                               ops.timing_mark()))
                 stream.num_chunks += 1
+                mtp_started = ops.timing_mark()
                 self._draft_cache(hidden, unread[first + 1:first + len(chunk) + 1], start + first)
+                mtp_marks.append((mtp_started, ops.timing_mark()))
         except BaseException as exc:
             # the failed forward's frames hold its activations; the loan maps the cache back into
             # their memory as it closes
@@ -295,6 +302,8 @@ class Generation:
             # the ring's copies and kernels may still run: finish them before the loan frees the
             # workspace and unmaps what it grew
             ops.synchronize()
+        self._prefill_device = (sum(ops.seconds_between(a, b) for *_, a, b in marks),
+                                sum(ops.seconds_between(a, b) for a, b in mtp_marks))
         if self._is_compiled():
             self.engine.planner.calibrate([ChunkTiming(n, first, num_bytes, ops.seconds_between(a, b), is_overlapped)
                                            for n, first, num_bytes, a, b in marks])
@@ -338,7 +347,9 @@ class Generation:
             spec_drafted_by_position=tuple(stream.spec_drafted_by_position),
             spec_accepted_by_position=tuple(stream.spec_accepted_by_position),
             is_draft_oracle=self.draft_oracle is not None,
-            num_compiles=compiled.num_compiles, compile_seconds=compiled.seconds)
+            num_compiles=compiled.num_compiles, compile_seconds=compiled.seconds,
+            prefill_forward_seconds=self._prefill_device[0], prefill_mtp_seconds=self._prefill_device[1],
+            prefill_layers=stream.timeline.summary() if stream.timeline is not None else None)
         if compiled.num_compiles and self.engine.config.runtime.warmup:
             log.warning("this request compiled %d time(s), %.2f s inside its prefill and decode: a shape the "
                         "warm-up did not reach", compiled.num_compiles, compiled.seconds)

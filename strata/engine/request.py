@@ -6,6 +6,7 @@ import dataclasses
 from typing import Callable
 
 from strata.engine.loan.transaction import LoanReport
+from strata.engine.prefill_timeline import format_summary
 from strata.hooktypes import Geometry
 
 
@@ -52,6 +53,11 @@ class RequestStats:
     is_draft_oracle: bool = False  # the bench's --draft-oracle replaced the drafts: not the model's own speed
     num_compiles: int = 0  # compilations inside this request (GPU; the warm-up should have done them all)
     compile_seconds: float = 0.0  # their time, inside prefill_seconds and decode_seconds
+    # device time inside prefill_seconds: the chunks' forward passes, and the MTP block's passes over them; the rest
+    # is the loan's work, the first token's logits, the restaging, and the host's gaps
+    prefill_forward_seconds: float = 0.0
+    prefill_mtp_seconds: float = 0.0
+    prefill_layers: dict | None = None  # PrefillTimeline.summary() of a request timed layer by layer
 
     @property
     def spec_acceptance(self) -> float:
@@ -83,7 +89,14 @@ class RequestStats:
                 + f"), expert-cache hit rate {self.cache_hit_rate:.1%}"
                 + (f" ({self.prefetched_experts} prefetched, {self.prefetched_used_experts} used)"
                    if self.prefetched_experts else "") + self._kv_host_tier() + self._host_share() + self._speculation()
-                + self._compiles() + f" | {loan}")
+                + self._compiles() + self._prefill_device() + f" | {loan}")
+
+    def _prefill_device(self) -> str:
+        if self.prefill_forward_seconds <= 0:
+            return ""
+        mtp = f", MTP pass {1e3 * self.prefill_mtp_seconds:.1f}" if self.prefill_mtp_seconds > 0 else ""
+        return (f" | prefill device: forward {1e3 * self.prefill_forward_seconds:.1f} ms{mtp}"
+                + (format_summary(self.prefill_layers) if self.prefill_layers else ""))
 
     def _compiles(self) -> str:
         return f" | compiled {self.num_compiles} time(s) in {self.compile_seconds:.2f} s" if self.num_compiles else ""

@@ -115,13 +115,20 @@ class ModelRunner:
             plans = self._plan_every_layer(ring, stats)
         x = ops.embed(self.token_embedding, tokens)  # [T, D]
         positions = ops.positions(start, len(tokens))  # [T]
+        timeline = stats.timeline if workspace is not None else None  # prefill's layers only
         for layer in range(spec.num_layers):
+            marks = timeline.begin(layer) if timeline is not None else None
             self.attention_block(layer, x, positions, start)
+            if marks is not None:
+                timeline.attention_done(marks)
             h = ops.rms_norm(x, self.vector(layer, "ffn_norm"), spec.rms_norm_eps)  # [T, D]
             if not spec.is_moe:
                 ops.add(x, self._ffn(layer, h))
-                continue
-            ops.add(x, self._moe(layer, x, h, ring, plans[layer] if plans else None, stats))
+            else:
+                waits = marks.waits if marks is not None else None
+                ops.add(x, self._moe(layer, x, h, ring, plans[layer] if plans else None, stats, waits))
+            if marks is not None:
+                timeline.end(marks)
         return x
 
     def step_of(self, num_rows: int) -> DecodeStep:
@@ -213,7 +220,9 @@ class ModelRunner:
         return self.ops.ffn(h, self.matrix(layer, "ffn_gate"), self.matrix(layer, "ffn_up"),
                             self.matrix(layer, "ffn_down"))
 
-    def _moe(self, layer: int, x, h, ring: StagingRing | None, plan: _LayerPlan | None, stats: StreamStats):
+    def _moe(self, layer: int, x, h, ring: StagingRing | None, plan: _LayerPlan | None, stats: StreamStats,
+             waits: list | None = None):
+        """waits: where the ring marks its waits for copies (``PrefillTimeline``)."""
         spec, ops, cache = self.spec, self.ops, self.cache
         ids, weights = ops.route(h, self.matrix(layer, "ffn_gate_inp"), spec.num_experts_used,
                                  spec.is_expert_weights_normalized)  # [T, k] on the backend
@@ -223,17 +232,18 @@ class ModelRunner:
             groups = ops.moe_groups(ids, weights, spec.num_experts, layout)  # once for the layer's batches
             if plan.cached_table is not None:
                 ops.moe(acc, h, ids, weights, cache.storage, plan.cached_table, layout, groups)
-            for batch in ring.take(layer):
+            for batch in ring.take(layer, waits):
                 ops.moe(acc, h, ids, weights, cache.storage, batch.table, layout, groups)
         else:
-            self._routed_experts(layer, h, ids, weights, acc, ring, stats)
+            self._routed_experts(layer, h, ids, weights, acc, ring, stats, waits)
         if spec.shared_expert_ffn_size:
             shared = ops.ffn(h, self.matrix(layer, "ffn_gate_shexp"), self.matrix(layer, "ffn_up_shexp"),
                              self.matrix(layer, "ffn_down_shexp"))
             ops.shared_expert_add(acc, shared, h, self.w.vectors.get(f"blk.{layer}.ffn_gate_inp_shexp"))
         return acc
 
-    def _routed_experts(self, layer: int, h, ids, weights, acc, ring: StagingRing | None, stats: StreamStats):
+    def _routed_experts(self, layer: int, h, ids, weights, acc, ring: StagingRing | None, stats: StreamStats,
+                        waits: list | None = None):
         """The routed experts, found on the host: cached ones in place, misses through the ring
         (prefill) or into the cache (decode)."""
         ops, cache, num_experts = self.ops, self.cache, self.spec.num_experts
@@ -246,7 +256,7 @@ class ModelRunner:
         if np.any(slot_of >= 0):
             ops.moe(acc, h, ids, weights, cache.storage, slot_of, layout)  # cached experts in place
         ring.enqueue(ring.plan(layer, misses, num_experts))
-        for batch in ring.take(layer):
+        for batch in ring.take(layer, waits):
             ops.moe(acc, h, ids, weights, cache.storage, batch.table, layout)
 
     def _lookup(self, layer: int, host_ids: np.ndarray, stats: StreamStats) -> tuple[np.ndarray, list[int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -27,6 +28,7 @@ class StreamStats:
     # [spec_depth max] drafts verified and accepted at each place of a step's draft run
     spec_drafted_by_position: list[int] = dataclasses.field(default_factory=list)
     spec_accepted_by_position: list[int] = dataclasses.field(default_factory=list)
+    timeline: Any = None  # a PrefillTimeline the runner marks each prefill layer in (the bench's --layer-timeline)
 
     def record_round(self, num_drafted: int, num_accepted: int) -> None:
         """One verify step: ``num_drafted`` drafts checked, the first ``num_accepted`` of them taken."""

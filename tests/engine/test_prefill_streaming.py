@@ -46,3 +46,23 @@ def test_a_chunk_too_short_to_touch_every_expert_streams_only_its_routed_misses(
     tokens, stats = greedy(engine, PROMPT[:3], 1)  # 3 tokens x 4 experts < 32 experts
     assert tokens == reference_greedy(moe_path, PROMPT[:3], 1)
     assert 0 < stats.cache_hits + stats.cache_misses <= engine.spec.num_layers * 3 * engine.spec.num_experts_used
+
+
+def test_a_layer_timed_prefill_marks_every_layer_and_the_rings_waits_and_keeps_the_output(moe_path):
+    engine = Engine.load(engine_config(moe_path, planner={"max_chunk_tokens": 32, "max_ring_slots": 2,
+                                                          "min_ring_slots": 1}), show_progress=False)
+    from strata.engine.sampling import SamplingParams
+
+    generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6), is_timing_layers=True)
+    tokens = [event.token_id for event in generation]
+    stats = generation.stats
+    assert tokens == reference_greedy(moe_path, PROMPT, 6)
+    layers = stats.prefill_layers
+    assert layers["layers"] == stats.num_chunks * engine.spec.num_layers  # every layer of every chunk
+    assert layers["device_ms"] >= layers["attention_ms"] > 0 and layers["moe_ms"] > 0
+    assert layers["device_ms"] <= 1e3 * stats.prefill_forward_seconds + 1e-6  # inside the chunks' forward
+    assert 0 < stats.prefill_forward_seconds < stats.prefill_seconds
+    assert "| prefill device: forward " in stats.timing_line() and "copy stall" in stats.timing_line()
+    untimed = engine.generate(PROMPT[:40], SamplingParams(temperature=0, max_tokens=1))
+    list(untimed)
+    assert untimed.stats.prefill_layers is None and untimed.stats.prefill_forward_seconds > 0

@@ -50,12 +50,12 @@ def test_bench_runs_both_arms_in_fresh_processes_and_prints_the_table(tmp_path):
         assert pstats.Stats(str(profiles / name)).total_calls > 0
 
 
-def test_bench_draft_oracle_labels_its_rows_and_plain_decode_arm(tmp_path):
+def test_bench_draft_oracle_labels_its_rows_and_plain_decode_arm_and_times_layers(tmp_path):
     model = write_small_moe(tmp_path / "small-moe-mtp.gguf", with_mtp=True)
     out = tmp_path / "runs.json"
     done = subprocess.run([sys.executable, "-m", "strata.cli", "--config", str(_config(tmp_path, model)), "bench",
                            "--prompt-tokens", "40", "--gen-tokens", "9", "--reps", "1", "--arms", "off",
-                           "--spec", "fixed,off", "--draft-oracle", "1", "--out", str(out)],
+                           "--spec", "fixed,off", "--draft-oracle", "1", "--layer-timeline", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     fixed, plain = json.loads(out.read_text())
@@ -63,6 +63,9 @@ def test_bench_draft_oracle_labels_its_rows_and_plain_decode_arm(tmp_path):
     # every draft is the greedy continuation: each verify step takes all of its drafts
     assert fixed["spec_rounds"] and fixed["spec_accepted"] == fixed["spec_drafted"] > 0
     assert plain["spec_rounds"] == 0
+    # --layer-timeline: every prefill layer timed, in the JSON and the timing line
+    assert all(r["prefill_layers"]["layers"] > 0 and r["prefill_forward_seconds"] > 0 for r in (fixed, plain))
+    assert "copy stall" in fixed["timing_line"]
     assert "| 40 | off | fixed, draft oracle 1 |" in done.stdout and "| 40 | off | off |" in done.stdout
     assert "(100%)" in done.stdout
 

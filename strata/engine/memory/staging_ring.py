@@ -64,12 +64,16 @@ class StagingRing:
         self._queued.extend(batches)
         self._fill()
 
-    def take(self, layer: int) -> Iterator[RingBatch]:
+    def take(self, layer: int, waits: list | None = None) -> Iterator[RingBatch]:
         """The batches of ``layer``, each once its copies are ordered before what the caller issues
-        next; the caller issues the kernels that read it before asking for the next one."""
+        next; the caller issues the kernels that read it before asking for the next one. waits: where
+        each wait's timing marks go, (before, after), when given."""
         while self._staged and self._staged[0].layer == layer:
             batch = self._staged.popleft()
+            before = self.ops.timing_mark() if waits is not None else None
             self.ops.wait_staged(batch.ticket)
+            if waits is not None:
+                waits.append((before, self.ops.timing_mark()))
             yield batch
             self._fill()
 
