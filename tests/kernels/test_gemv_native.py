@@ -158,6 +158,7 @@ def _experts(fmts, num_slots, dim, ffn, seed):
     (("Q4_0", "Q4_0", "Q4_0"), 768, 8),  # 8 x 24 chunks per down row: several passes of a warp's lanes
     (("Q4_K", "Q4_K", "Q6_K"), 256, 3), (("Q5_K", "Q5_K", "Q6_K"), 256, 3),  # Q4_K_M's and Q5_K_M's experts
     (("Q6_K", "Q6_K", "Q5_K"), 768, 8),
+    (("IQ4_XS", "IQ4_XS", "IQ4_XS"), 256, 3), (("IQ3_XXS", "IQ3_XXS", "IQ4_XS"), 768, 8),
 ])
 def test_native_experts_match_the_reference_and_skip_missing_slots(fmts, ffn, top_k):
     num_slots, dim, num_tokens = 10, 512, 2
