@@ -6,8 +6,9 @@ state carries over, as in the reference write-up's protocol. Arms: loan off (the
 TG medians with ranges, bytes streamed per chunk, the expert-cache hit rate, the ratio of the
 prefill floor to the prefill time, the bytes decode streams and reads from VRAM a step, the ratio
 of the decode floor to the decode time, and every PP and TG median as a ratio to the rival's
-figures on the same H200 and model shape, both with its experts in host RAM and with the whole
-model in VRAM (the rival has no 8k figure for prefill; the table says so).
+figures, both with its experts in host RAM and with the whole model in VRAM (``rival.py``: llama-bench's
+table from the same machine and run with ``--rival FILE``, else an earlier run's, named under the table;
+a length the rival has no figure for says so).
 
 Floors (rates measured on the reference H200: docs/PERFORMANCE.md, "The machine and its ceilings"):
 
@@ -35,17 +36,12 @@ from pathlib import Path
 from typing import Sequence
 
 from strata.bench.provenance import code_identity
+from strata.bench.rival import EARLIER_RUN, Rival, read_rival
 from strata.config import Config
 
 PCIE_BYTES_PER_S = 55e9  # pinned host-to-device, measured on the reference H200
 TENSOR_FLOPS_PER_S = 730e12  # cuBLAS fp16 tensor cores, measured on the reference H200
 HBM_BYTES_PER_S = 3.9e12  # HBM copy (Numba kernel, read + write), measured on the reference H200
-# llama.cpp on the same H200 and model shape, experts in host RAM, its best batch size
-RIVAL_PREFILL = {2048: 4394.0, 32768: 4739.0}
-RIVAL_DECODE = 32.4
-# the same rival with the whole model in VRAM
-RIVAL_VRAM_PREFILL = {2048: 12042.0, 32768: 8685.0}
-RIVAL_VRAM_DECODE = 316.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "probability P, else a wrong token (labelled in every row)")
     parser.add_argument("--profile-dir", type=Path, help="write each run's host-side profile here "
                                                          "(cProfile stats, <arm>-<prompt>-<rep>.prof)")
+    parser.add_argument("--rival", type=Path, metavar="FILE",
+                        help="llama-bench's table from this machine and run (peer-llamacpp bench's output): the "
+                             "ratios' divisors (default: an earlier run's figures, named under the table)")
     parser.add_argument("--layer-timeline", action="store_true",
                         help="time every prefill layer on the device (attention, MoE, waits for copies) and the "
                              "host's issuing of it; the marks slow the run a little, so compare shares, not speeds")
@@ -71,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, config: Config) -> int:
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
+    rival = read_rival(args.rival)  # before any run: a file that is not llama-bench's stops here
     arms = [(loan.strip(), spec.strip()) for loan in args.arms.split(",") for spec in args.spec.split(",")]
     code = code_identity()
     print(f"# {code}", file=sys.stderr, flush=True)
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
                     print(f"[{arm} {length} #{rep + 1}] ran {result['code']}", file=sys.stderr, flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(runs, indent=1))
-    print(format_table(runs))
+    print(format_table(runs, rival))
     return 0
 
 
@@ -170,7 +170,8 @@ def _prefill_bytes(run: dict) -> int:
     return run.get("prefill_streamed_bytes", run["streamed_bytes"])
 
 
-def format_table(runs: list[dict]) -> str:
+def format_table(runs: list[dict], rival: Rival = EARLIER_RUN) -> str:
+    """The table, then a line naming the rival's figures the ratios divide by."""
     header = ("| Prompt | Loan | Spec | Prompt chunk / ring | PP median (range) | TG median (range) "
               "| MiB streamed / chunk | cache hit rate | floor / PP time | MiB streamed / decode step "
               "| MiB read from VRAM / decode step | decode floor / TG time | PP vs rival, experts in RAM "
@@ -193,11 +194,11 @@ def format_table(runs: list[dict]) -> str:
         cells = [f"{length:,}", arm, spec, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",
                  f"{statistics.median(r['cache_hit_rate'] for r in group):.1%}", f"{floor:.2f}",
                  f"{per_token:,.0f}", f"{vram_per_token:,.0f}", f"{decode_floor:.2f}",
-                 _prefill_ratio(pp_median, length, RIVAL_PREFILL),
-                 _prefill_ratio(pp_median, length, RIVAL_VRAM_PREFILL),
-                 _ratio(tg_median, RIVAL_DECODE), _ratio(tg_median, RIVAL_VRAM_DECODE), *_spec_cells(group)]
+                 _prefill_ratio(pp_median, length, rival.prefill),
+                 _prefill_ratio(pp_median, length, rival.vram_prefill),
+                 _ratio(tg_median, rival.decode), _ratio(tg_median, rival.vram_decode), *_spec_cells(group)]
         rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+    return "\n".join(rows) + f"\n\nRival: {rival.source}."
 
 
 def _spec_label(run: dict) -> str:
@@ -227,7 +228,9 @@ def _prefill_ratio(median: float, length: int, rival: dict[int, float]) -> str:
     return _ratio(median, rival[length])
 
 
-def _ratio(median: float, rival: float) -> str:
+def _ratio(median: float, rival: float | None) -> str:
+    if rival is None:
+        return "rival has no figure"
     return f"{median / rival:.2f}× of {rival:,.0f}" if rival >= 100 else f"{median / rival:.2f}× of {rival:,.1f}"
 
 

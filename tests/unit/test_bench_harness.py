@@ -5,6 +5,8 @@ import pstats
 import subprocess
 import sys
 
+import pytest
+
 from engine_setup import LOAN_RUNTIME, write_small_moe
 
 from strata.bench.harness import (
@@ -97,7 +99,8 @@ def test_table_ratios_to_both_rivals_at_every_length():
            "cache_hit_rate": 0.5, "prefill_seconds": 1.0, "active_params": 3e9, "attention_width": 4096 * 48,
            "generated_tokens": 128, "decode_seconds": 2.0}
     rows = format_table([{**run, "prompt_tokens": n} for n in (2048, 8192, 32768)]).splitlines()
-    two_k, eight_k, thirty_two_k = rows[2:]
+    two_k, eight_k, thirty_two_k = rows[2:5]
+    assert rows[-1] == "Rival: llama.cpp on the reference H200, 2026-12-01 (not this run)."
     assert "PP vs rival, experts in RAM | PP vs rival, all in VRAM" in rows[0]
     assert "TG vs rival, experts in RAM | TG vs rival, all in VRAM |" in rows[0]
     # prefill: 6,000 against 4,394 and 12,042 at 2k, 4,739 and 8,685 at 32k; no rival figure at 8k
@@ -128,3 +131,36 @@ def test_decode_floor_reads_vram_when_nothing_streams():
     # where the misses take longer over PCIe than the reads from VRAM, PCIe is the floor
     streaming = {**run, "streamed_bytes": 2**30}
     assert decode_floor_seconds(streaming) == 2**30 / 55e9 > expected / 3.9e12
+
+
+# llama-bench's table as peer-llamacpp bench printed it on the H200 (2026-12-02): its tg row with the experts in RAM
+# has fewer cells (n_batch and n_ubatch merged), the all-in-VRAM rows no exps=CPU
+LLAMA_BENCH = """# llama.cpp 0c1e57098 on NVIDIA H200, 2026-12-02
+| model | size | params | backend | ngl | n_batch | n_ubatch | fa | ot | lm | test | t/s |
+| --- | ---: | ---: | --- | --: | ---: | ---: | --: | --- | ---: | ---: | ---: |
+| qwen3moe 30B Q4_0 | 16 GiB | 30 B | CUDA | 99 | 4096 | 4096 | 1 | exps=CPU | none | pp2048 | 4415.47 ± 12.37 |
+| qwen3moe 30B Q4_0 | 16 GiB | 30 B | CUDA | 99 | 4096 | 4096 | 1 | exps=CPU | none | pp32768 | 4640.38 ± 35.91 |
+| qwen3moe 30B Q4_0 | 16 GiB | 30 B | CUDA | 99 | 1 | exps=CPU | none | tg128 | 37.51 ± 2.72 |
+| qwen3moe 30B Q4_0 | 16 GiB | 30 B | CUDA | 99 | 4096 | 2048 | 1 | none | pp2048 | 12003.26 ± 971.17 |
+| qwen3moe 30B Q4_0 | 16 GiB | 30 B | CUDA | 99 | 4096 | 2048 | 1 | none | tg128 | 318.78 ± 3.88 |
+| qwen3moe 30B Q4_0 | 16 GiB | 30 B | CUDA | 99 | 4096 | 4096 | 1 | none | pp32768 | 8767.44 ± 1.75 |
+"""
+
+
+def test_the_rival_comes_from_llama_benchs_table_of_the_same_run(tmp_path):
+    from strata.bench.rival import parse_llama_bench, read_rival
+    from strata.errors import ExperimentError
+
+    rival = parse_llama_bench(LLAMA_BENCH, "peer.txt")
+    assert (rival.prefill, rival.decode) == ({2048: 4415.47, 32768: 4640.38}, 37.51)
+    assert (rival.vram_prefill, rival.vram_decode) == ({2048: 12003.26, 32768: 8767.44}, 318.78)
+    run = {"loan": "on", "prefill_tokens_per_s": 8830.94, "decode_tokens_per_s": 75.02, "chunk_tokens": 2048,
+           "ring_slots": 128, "streamed_bytes": 2**30, "prefill_streamed_bytes": 2**30, "num_chunks": 1,
+           "cache_hit_rate": 0.5, "prefill_seconds": 1.0, "active_params": 3e9, "attention_width": 4096 * 48,
+           "generated_tokens": 128, "decode_seconds": 2.0, "prompt_tokens": 2048}
+    table = format_table([run], rival).splitlines()
+    assert "| 2.00× of 4,415 | 0.74× of 12,003 | 2.00× of 37.5 | 0.24× of 319 |" in table[2]
+    assert table[-1] == "Rival: peer.txt."
+    (tmp_path / "peer.txt").write_text("llama-bench: error: unknown model\n")
+    with pytest.raises(ExperimentError, match="no llama-bench pp/tg rows"):
+        read_rival(tmp_path / "peer.txt")

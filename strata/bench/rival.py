@@ -1,0 +1,60 @@
+"""The rival's figures the bench table divides by: llama.cpp on the same machine and model shape, with its
+experts in host RAM (``-ot exps=CPU``) and with the whole model in VRAM.
+
+The promise is a ratio to llama.cpp measured on the same machine in the same run: ``bench --rival FILE``
+reads the table ``llama-bench`` printed there (``peer-llamacpp bench``'s output); without it the table
+divides by the figures of an earlier run on the reference H200 and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from strata.errors import ExperimentError
+
+_TEST = re.compile(r"^(pp|tg)(\d+)$")
+_RATE = re.compile(r"^([\d.]+)(?:\s*±\s*[\d.]+)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rival:
+    source: str
+    prefill: dict[int, float]  # prompt tokens -> tokens/s, experts in host RAM
+    decode: float | None
+    vram_prefill: dict[int, float]  # the whole model in VRAM
+    vram_decode: float | None
+
+
+# llama.cpp on the reference H200 and model shape, 2026-12-01 (docs/PERFORMANCE.md)
+EARLIER_RUN = Rival("llama.cpp on the reference H200, 2026-12-01 (not this run)", {2048: 4394.0, 32768: 4739.0},
+                    32.4, {2048: 12042.0, 32768: 8685.0}, 316.0)
+
+
+def parse_llama_bench(text: str, source: str) -> Rival:
+    """The pp<N> and tg<N> rows of llama-bench's Markdown table: a row whose overrides name ``exps=CPU`` is the
+    experts-in-RAM figure, any other the all-in-VRAM one (the last row of each kind wins)."""
+    prefill: dict[int, float] = {}
+    vram_prefill: dict[int, float] = {}
+    decode: dict[bool, float] = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        tests = [match for match in map(_TEST.match, cells) if match]
+        rate = _RATE.match(cells[-1]) if cells else None
+        if not tests or rate is None:
+            continue
+        is_ram = any("exps=CPU" in cell for cell in cells)
+        kind, num_tokens = tests[-1].group(1), int(tests[-1].group(2))
+        if kind == "pp":
+            (prefill if is_ram else vram_prefill)[num_tokens] = float(rate.group(1))
+        else:
+            decode[is_ram] = float(rate.group(1))
+    if not prefill and not decode:
+        raise ExperimentError(f"{source}: no llama-bench pp/tg rows found; pass the table that llama-bench (or "
+                          "peer-llamacpp bench) printed")
+    return Rival(source, prefill, decode.get(True), vram_prefill, decode.get(False))
+
+
+def read_rival(path: Path | None) -> Rival:
+    return EARLIER_RUN if path is None else parse_llama_bench(Path(path).read_text(encoding="utf-8"), str(path))
