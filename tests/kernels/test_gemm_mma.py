@@ -267,8 +267,11 @@ def test_cuda_sources_inline_their_local_headers():  # NVRTC does not search the
     for name in ("gemm_mma.cu", "attention_mma.cu"):
         text = tensor_core.source_text(name)
         assert '#include "common.cuh"' not in text and text.count("struct RawOctet {") == 1
-    with open(tensor_core.source("gemv_rows.cu")) as f:  # no local include: the text as it is
-        assert tensor_core.source_text("gemv_rows.cu") == f.read()
+    for name in ("gemv_rows.cu", "moe_rows.cu"):  # the I-quants' tables once each
+        text = tensor_core.source_text(name)
+        assert '#include "iquants.cuh"' not in text and text.count("kIq3XxsGrid[256] = {") == 1
+    with open(tensor_core.source("reduce.cu")) as f:  # no local include: the text as it is
+        assert tensor_core.source_text("reduce.cu") == f.read()
 
 
 def test_one_linkable_source_per_text():  # kernels dedupe link items by identity
