@@ -16,6 +16,7 @@ from strata.errors import ExperimentError
 
 _TEST = re.compile(r"^(pp|tg)(\d+)$")
 _RATE = re.compile(r"^([\d.]+)(?:\s*±\s*[\d.]+)?$")
+_EXPERTS_ON_CPU = re.compile(r"exps[^|]*=CPU")  # -ot exps=CPU, -ot ".ffn_.*_exps.=CPU", ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,27 +34,41 @@ EARLIER_RUN = Rival("llama.cpp on the reference H200, 2026-12-01 (not this run)"
 
 
 def parse_llama_bench(text: str, source: str) -> Rival:
-    """The pp<N> and tg<N> rows of llama-bench's Markdown table: a row whose overrides name ``exps=CPU`` is the
-    experts-in-RAM figure, any other the all-in-VRAM one (the last row of each kind wins)."""
+    """The pp<N> and tg<N> rows of llama-bench's Markdown table: a row that keeps experts on the CPU (an override
+    of ``exps`` tensors to ``CPU``, or a nonzero ``n_cpu_moe`` column) is an experts-in-RAM figure, any other an
+    all-in-VRAM one; of several rows of one kind and length (a batch-size sweep), the best."""
     prefill: dict[int, float] = {}
     vram_prefill: dict[int, float] = {}
     decode: dict[bool, float] = {}
+    header: list[str] = []
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if "test" in cells and "t/s" in cells:
+            header = cells
+            continue
         tests = [match for match in map(_TEST.match, cells) if match]
         rate = _RATE.match(cells[-1]) if cells else None
         if not tests or rate is None:
             continue
-        is_ram = any("exps=CPU" in cell for cell in cells)
-        kind, num_tokens = tests[-1].group(1), int(tests[-1].group(2))
+        is_ram = any(_EXPERTS_ON_CPU.search(cell) for cell in cells) or _cpu_moe_layers(header, cells) > 0
+        kind, num_tokens, value = tests[-1].group(1), int(tests[-1].group(2)), float(rate.group(1))
         if kind == "pp":
-            (prefill if is_ram else vram_prefill)[num_tokens] = float(rate.group(1))
+            figures = prefill if is_ram else vram_prefill
+            figures[num_tokens] = max(value, figures.get(num_tokens, 0.0))
         else:
-            decode[is_ram] = float(rate.group(1))
-    if not prefill and not decode:
+            decode[is_ram] = max(value, decode.get(is_ram, 0.0))
+    if not prefill and not vram_prefill and not decode:
         raise ExperimentError(f"{source}: no llama-bench pp/tg rows found; pass the table that llama-bench (or "
                           "peer-llamacpp bench) printed")
     return Rival(source, prefill, decode.get(True), vram_prefill, decode.get(False))
+
+
+def _cpu_moe_layers(header: list[str], cells: list[str]) -> int:
+    """The row's n_cpu_moe (--n-cpu-moe: the first N layers' experts on the CPU), 0 where the table has none."""
+    if "n_cpu_moe" not in header or len(cells) != len(header):
+        return 0
+    value = cells[header.index("n_cpu_moe")]
+    return int(value) if value.isdigit() else 0
 
 
 def read_rival(path: Path | None) -> Rival:

@@ -6,8 +6,8 @@ figures go to stdout as a table and, with ``--out``, as JSON lines (one per requ
 The slope is a least-squares fit over the requests after ``--settle`` (allocator caches and the first
 restores grow memory at the start), and after the ``--python-growth`` window when there is one; the
 command fails (status 1) when a slope exceeds ``--max-slope-kib`` per request or the ledger is not idle
-after a request. SIGTERM or Ctrl-C ends the soak after the request in flight, and the summary covers
-the requests done.
+after a request. SIGTERM ends the soak after the request in flight, Ctrl-C at once; either way the
+summary covers the requests done (and the Python heap's report, when a traced window had begun).
 """
 
 from __future__ import annotations
@@ -91,16 +91,21 @@ def run(args: argparse.Namespace, config: Config) -> int:
         print("--trim-heap: this C library has no malloc_trim; RSS is read as it is", file=sys.stderr)
     growth = PythonGrowth() if args.python_growth else None
     trace_from = min(args.settle, args.requests - 1)
-    trace_to = trace_from + max(1, args.python_growth_requests)
+    trace_to = min(args.requests, trace_from + max(1, args.python_growth_requests))
     slope_from = trace_to if growth is not None else args.settle
-    rows, num_not_idle, growth_report, is_interrupted = [], 0, None, False
+    rows, num_not_idle, growth_report, is_interrupted, is_tracing = [], 0, None, False, False
     out = open(args.out, "w") if args.out else None
     print(f"{'#':>4} {'prompt':>7} {'loan':>5} {'PP tok/s':>9} {'TG tok/s':>9} {'device MiB':>11} {'RSS MiB':>9}")
     try:
-        with _terminate_as_interrupt():
+        with _stop_on_terminate() as is_stopping:
             for index in range(args.requests):
+                if is_stopping():
+                    is_interrupted = True
+                    print(f"SIGTERM: stopped after {len(rows)} requests", file=sys.stderr)
+                    break
                 if growth is not None and index == trace_from:
                     growth.start()
+                    is_tracing = True
                 num_prompt = int(rng.integers(args.min_prompt, max_prompt + 1))
                 tokens = prompt_tokens(engine.tokenizer, num_prompt, seed=args.seed * 100_003 + index)
                 started = time.perf_counter()
@@ -111,6 +116,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
                 is_idle = dict(engine.ledger.snapshot().by_owner) == idle
                 if growth is not None and index + 1 == trace_to:
                     growth_report = growth.report()  # now, so that a soak cut short still prints it
+                    is_tracing = False
                     print(format_report(growth_report), flush=True)
                 if trim is not None:
                     trim()
@@ -132,10 +138,14 @@ def run(args: argparse.Namespace, config: Config) -> int:
     except KeyboardInterrupt:
         is_interrupted = True
         print(f"interrupted after {len(rows)} requests", file=sys.stderr)
+    if is_tracing:  # cut inside the window
+        growth_report = growth.report()
+        print(format_report(growth_report), flush=True)
     try:
         if not rows:
             raise SystemExit("soak: no request finished")
-        slope_from = slope_from if len(rows) > slope_from + 1 else 0
+        if len(rows) <= slope_from + 1:  # too few after the settling (and the traced window, whose rows never count)
+            slope_from = trace_to if growth is not None else 0
         settled = rows[slope_from:]
         summary = {"requests": len(rows), "settle": args.settle, "slope_from_request": slope_from,
                    "is_interrupted": is_interrupted, "backend": engine.backend,
@@ -166,17 +176,20 @@ def run(args: argparse.Namespace, config: Config) -> int:
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM (a time limit's kill) raises KeyboardInterrupt, as Ctrl-C does, so the summary is written."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
+def _stop_on_terminate():
+    """Yields is_stopping(): true once SIGTERM (a time limit's) came, so that the soak stops between requests,
+    not inside one, and writes its summary."""
+    received = []
+
+    def remember(signum, frame):
+        received.append(signum)
     try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
+        previous = signal.signal(signal.SIGTERM, remember)
     except ValueError:  # not the main thread: leave SIGTERM as it is
-        yield
+        yield lambda: False
         return
     try:
-        yield
+        yield lambda: bool(received)
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -161,6 +161,16 @@ def test_the_rival_comes_from_llama_benchs_table_of_the_same_run(tmp_path):
     table = format_table([run], rival).splitlines()
     assert "| 2.00× of 4,415 | 0.74× of 12,003 | 2.00× of 37.5 | 0.24× of 319 |" in table[2]
     assert table[-1] == "Rival: peer.txt."
+    # another way to keep experts on the CPU (--n-cpu-moe), a batch sweep (the best row), VRAM rows only
+    other = parse_llama_bench("""| model | n_cpu_moe | n_ubatch | test | t/s |
+| --- | ---: | ---: | ---: | ---: |
+| m | 48 | 512 | pp2048 | 3000.00 ± 1.00 |
+| m | 48 | 4096 | pp2048 | 4000.00 ± 1.00 |
+| m | 0 | 4096 | pp2048 | 9000.00 ± 1.00 |
+""", "sweep.txt")
+    assert (other.prefill, other.vram_prefill, other.decode) == ({2048: 4000.0}, {2048: 9000.0}, None)
+    assert "rival has no figure" in format_table([run], other).splitlines()[2]
+    assert parse_llama_bench(LLAMA_BENCH.replace("exps=CPU", ".ffn_.*_exps.=CPU"), "regex").prefill[2048] == 4415.47
     (tmp_path / "peer.txt").write_text("llama-bench: error: unknown model\n")
     with pytest.raises(ExperimentError, match="no llama-bench pp/tg rows"):
         read_rival(tmp_path / "peer.txt")

@@ -97,3 +97,14 @@ def test_a_soak_cut_short_still_writes_its_summary(tmp_path, monkeypatch):
                  "--gen-tokens", "2", "--settle", "0", "--out", str(out)]) == 0
     summary = json.loads(out.read_text().splitlines()[-1])["summary"]
     assert (summary["requests"], summary["is_interrupted"]) == (2, True)
+
+
+def test_a_traced_window_past_the_last_request_still_reports(tmp_path, capsys):
+    model = write_tiny_model(tmp_path)
+    config = tmp_path / "soak.toml"
+    config.write_text(f'[model]\npath = "{model}"\n[runtime]\nbackend = "numpy"\ncontext_tokens = 512\n')
+    out = tmp_path / "soak.jsonl"
+    assert main(["--config", str(config), "soak", "--requests", "4", "--min-prompt", "8", "--max-prompt", "32",
+                 "--gen-tokens", "2", "--settle", "1", "--python-growth", "--out", str(out)]) == 0  # a window of 10
+    summary = json.loads(out.read_text().splitlines()[-1])["summary"]
+    assert "python_growth" in summary and "Python heap:" in capsys.readouterr().out

@@ -56,8 +56,9 @@ def derive(raw: Mapping[str, Any], base_dir: Path, *, without: tuple[str, ...] =
         *tables, name = dotted.split(".")
         table = data
         for outer in tables:
-            table = table.get(outer, {})
-        table.pop(name, None)
+            table = table.get(outer, {}) if isinstance(table, dict) else {}
+        if isinstance(table, dict):
+            table.pop(name, None)
     for dotted, value in (overrides or {}).items():
         *tables, key = dotted.split(".")
         table = data
