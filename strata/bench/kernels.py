@@ -397,13 +397,14 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
 
 
 def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, is_default_moe: bool = False,
-        expert_formats: tuple = ("Q4_0",)) -> list:
+        expert_formats: tuple = ("Q4_0",), gemv_formats: tuple = ("Q4_0", "Q8_0", "Q4_K")) -> list:
     """is_default_moe: the MoE prefill rows on the engine's kernels for each chunk (cfg None, on
     moe_block_m's tile rows), else on gemm_cfg's. expert_formats: the routed experts' formats of the
-    expert rows (the decode layer's experts are the first's)."""
+    expert rows (the decode layer's experts are the first's); gemv_formats: the head's and the dense
+    layers' GEMV rows."""
     paths = (True, False) if tensor_core.is_available() else (False,)
     q_dim = s.num_q_heads * s.head_dim
-    rows = [bench_gemv(s, fmt, n, k, gemv_cfg, native, timing) for fmt in ("Q4_0", "Q8_0", "Q4_K")
+    rows = [bench_gemv(s, fmt, n, k, gemv_cfg, native, timing) for fmt in gemv_formats
             for n, k in ((s.vocab, s.gemv_cols), (q_dim, s.gemv_cols), (s.hidden, max(q_dim, 256)))
             for native in paths]
     rows += [bench_gemv(s, "F32", s.num_experts, s.gemv_cols, gemv_cfg, native, timing) for native in paths]  # router
@@ -445,10 +446,14 @@ def main(argv=None) -> list:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 10, tiny 1)")
     parser.add_argument("--expert-formats", default="Q4_0", type=lambda text: tuple(text.split(",")),
                         help="comma-separated formats of the routed experts' rows (default Q4_0), e.g. Q4_0,Q8_0,Q4_K")
+    parser.add_argument("--gemv-formats", default="Q4_0,Q8_0,Q4_K", type=lambda text: tuple(text.split(",")),
+                        help="comma-separated formats of the head's and dense layers' GEMV rows (default "
+                             "Q4_0,Q8_0,Q4_K), e.g. Q5_K,Q6_K,IQ4_XS,IQ3_XXS")
     args = parser.parse_args(argv)
-    unknown = [fmt for fmt in args.expert_formats if fmt not in FORMATS]
-    if unknown:
-        parser.error(f"--expert-formats: {', '.join(unknown)} not among {', '.join(FORMATS)}")
+    for option, formats in (("--expert-formats", args.expert_formats), ("--gemv-formats", args.gemv_formats)):
+        unknown = [fmt for fmt in formats if fmt not in FORMATS]
+        if unknown:
+            parser.error(f"{option}: {', '.join(unknown)} not among {', '.join(FORMATS)}")
     warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 3)
     repeats = args.repeats if args.repeats is not None else (1 if args.tiny else 10)
     if args.tiny:
@@ -461,7 +466,8 @@ def main(argv=None) -> list:
         name = cuda.get_current_device().name
         device = name.decode() if isinstance(name, bytes) else str(name)
     print(f"# strata kernel benchmarks on {device}; median of {repeats} after {warmup} warm-up; {code_identity()}")
-    rows = run(*configs, (warmup, repeats), is_default_moe=not args.tiny, expert_formats=args.expert_formats)
+    rows = run(*configs, (warmup, repeats), is_default_moe=not args.tiny, expert_formats=args.expert_formats,
+               gemv_formats=args.gemv_formats)
     print(format_table(rows))
     return rows
 

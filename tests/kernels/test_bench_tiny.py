@@ -39,3 +39,15 @@ def test_variant_sweep_refuses_a_match_that_names_no_variant(capsys):
         variants.main(["--only", "gemm", "--match", "fuzed"])
     assert exit_info.value.code == 2
     assert "--match 'fuzed' names no GEMM or MoE variant" in capsys.readouterr().err
+
+
+def test_kernel_benchmark_takes_the_gemv_formats_and_refuses_an_unknown_one(capsys):
+    import pytest
+
+    rows = bench.main(["--tiny", "--gemv-formats", "IQ4_XS"])
+    names = [r.name for r in rows]
+    assert any(n.startswith("decode GEMV IQ4_XS") for n in names)
+    assert not any(n.startswith("decode GEMV Q8_0") for n in names)
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--gemv-formats", "IQ5_XS"])
+    assert "--gemv-formats: IQ5_XS not among" in capsys.readouterr().err
