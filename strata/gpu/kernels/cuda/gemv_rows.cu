@@ -125,6 +125,43 @@ struct RowPlanes {
 // (t, r) is the same chain of operations whatever R and NX are.
 
 // ---- Q4_0 ----
+// Items of 32 elements laid out as Q4_0's block (Q4_0, IQ4_XS): byte k of quant word j holds element 4j + k in its
+// low nibble and 16 + 4j + k in its high; F::weights(nibbles) converts 4 nibbles (a byte each) to their weights,
+// and the item adds d * (its weights . x).
+template <class F, int R, int NX>
+__device__ __forceinline__ void nibble_items_dot(const Item (&it)[R], u32 xs, int x_stride, int i,
+                                                 float (&acc)[NX][R]) {
+  float s[NX][R];
+#pragma unroll
+  for (int t = 0; t < NX; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[t][r] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float4 wl[R], wh[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const u32 w = word_of(it[r].q, j);
+      wl[r] = F::weights(w & 0x0F0F0F0Fu);
+      wh[r] = F::weights((w >> 4) & 0x0F0F0F0Fu);
+    }
+#pragma unroll
+    for (int t = 0; t < NX; ++t) {
+      const u32 x = xs + 4 * (t * x_stride + i * XSTRIDE);
+      const float4 lo = load_x4(x, 4 * j), hi = load_x4(x, 16 + 4 * j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        s[t][r] += dot4(wl[r], lo);
+        s[t][r] += dot4(wh[r], hi);
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NX; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[t][r] += it[r].d * s[t][r];
+}
+
 struct Q40 {
   __device__ static int items(int num_cols) { return num_cols / 32; }
   __device__ static Item load(const RowPlanes& r, int i) {
@@ -133,37 +170,11 @@ struct Q40 {
     it.d = half_at(r.scales + i);
     return it;
   }
+  // a nibble's weight q - 8 (2^23 + 8 is the bias)
+  __device__ static float4 weights(u32 nibbles) { return bytes_as_float4(nibbles, 8388616.f); }
   template <int R, int NX>
   __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
-    float s[NX][R];
-#pragma unroll
-    for (int t = 0; t < NX; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r) s[t][r] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float4 wl[R], wh[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const u32 w = word_of(it[r].q, j);
-        wl[r] = bytes_as_float4(w & 0x0F0F0F0Fu, 8388616.f);
-        wh[r] = bytes_as_float4((w >> 4) & 0x0F0F0F0Fu, 8388616.f);
-      }
-#pragma unroll
-      for (int t = 0; t < NX; ++t) {
-        const u32 x = xs + 4 * (t * x_stride + i * XSTRIDE);
-        const float4 lo = load_x4(x, 4 * j), hi = load_x4(x, 16 + 4 * j);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          s[t][r] += dot4(wl[r], lo);
-          s[t][r] += dot4(wh[r], hi);
-        }
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < NX; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[t][r] += it[r].d * s[t][r];
+    nibble_items_dot<Q40, R, NX>(it, xs, x_stride, i, acc);
   }
 };
 
@@ -434,9 +445,9 @@ struct Q6K {
 };
 
 // ---- IQ4_XS: d * (ls - 32) * level, a scale per 32-element sub-block ----
-// A super-block's quants are qs[128] (32 words): item i is words 4i .. (sub-block j = i % 8 of super-block i / 8); its d
-// is half i / 8 of the scale plane, its scale bytes (scales_h[2], then scales_l[4]) bytes 6 (i / 8) .. of the extra
-// plane: ls is nibble j % 2 of scales_l byte j / 2, above it bits 2 (j % 4) of scales_h byte j / 4.
+// A super-block's quants are qs[128] (32 words): item i is words 4i .. (sub-block j = i % 8 of super-block i / 8);
+// its d is half i / 8 of the scale plane, its scale bytes (scales_h[2], then scales_l[4]) bytes 6 (i / 8) .. of the
+// extra plane: ls is nibble j % 2 of scales_l byte j / 2, above it bits 2 (j % 4) of scales_h byte j / 4.
 struct IQ4XS {
   __device__ static int items(int num_cols) { return num_cols / 32; }
   __device__ static Item load(const RowPlanes& r, int i) {
@@ -444,42 +455,19 @@ struct IQ4XS {
     const int sb = i >> 3, j = i & 7;
     it.q = load_stream(r.quants + 4 * i);
     const u8* e = r.extra + 6 * sb;
-    const u32 low = (__ldg(e + 2 + (j >> 1)) >> (4 * (j & 1))) & 0xFu, high = (__ldg(e + (j >> 2)) >> (2 * (j & 3))) & 3u;
+    const u32 low = (__ldg(e + 2 + (j >> 1)) >> (4 * (j & 1))) & 0xFu;
+    const u32 high = (__ldg(e + (j >> 2)) >> (2 * (j & 3))) & 3u;
     const u32 ls = low | high << 4;
     it.d = half_at(r.scales + sb) * static_cast<float>(static_cast<int>(ls) - 32);
     return it;
   }
+  // a nibble's int8 level, offset to an unsigned byte as Q8_0's quants
+  __device__ static float4 weights(u32 nibbles) {
+    return bytes_as_float4(iq4_levels(nibbles) ^ 0x80808080u, 8388736.f);
+  }
   template <int R, int NX>
   __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
-    float s[NX][R];
-#pragma unroll
-    for (int t = 0; t < NX; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r) s[t][r] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float4 wl[R], wh[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {  // the int8 levels offset to unsigned bytes, as Q8_0's quants
-        const u32 w = word_of(it[r].q, j);
-        wl[r] = bytes_as_float4(iq4_levels(w & 0x0F0F0F0Fu) ^ 0x80808080u, 8388736.f);
-        wh[r] = bytes_as_float4(iq4_levels((w >> 4) & 0x0F0F0F0Fu) ^ 0x80808080u, 8388736.f);
-      }
-#pragma unroll
-      for (int t = 0; t < NX; ++t) {
-        const u32 x = xs + 4 * (t * x_stride + i * XSTRIDE);
-        const float4 lo = load_x4(x, 4 * j), hi = load_x4(x, 16 + 4 * j);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          s[t][r] += dot4(wl[r], lo);
-          s[t][r] += dot4(wh[r], hi);
-        }
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < NX; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[t][r] += it[r].d * s[t][r];
+    nibble_items_dot<IQ4XS, R, NX>(it, xs, x_stride, i, acc);
   }
 };
 
