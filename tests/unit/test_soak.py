@@ -62,9 +62,7 @@ def test_python_growth_names_the_site_and_the_type_that_grew():
 
 
 def test_a_soak_can_trace_the_python_heap(tmp_path, capsys):
-    model = write_tiny_model(tmp_path)
-    config = tmp_path / "soak.toml"
-    config.write_text(f'[model]\npath = "{model}"\n[runtime]\nbackend = "numpy"\ncontext_tokens = 512\n')
+    config = _numpy_config(tmp_path)
     out = tmp_path / "soak.jsonl"
     assert main(["--config", str(config), "soak", "--requests", "6", "--min-prompt", "8", "--max-prompt", "64",
                  "--gen-tokens", "2", "--settle", "1", "--python-growth", "--python-growth-requests", "2",
@@ -80,9 +78,7 @@ def test_a_soak_can_trace_the_python_heap(tmp_path, capsys):
 def test_a_soak_cut_short_still_writes_its_summary(tmp_path, monkeypatch):
     from strata.engine.facade import Engine
 
-    model = write_tiny_model(tmp_path)
-    config = tmp_path / "soak.toml"
-    config.write_text(f'[model]\npath = "{model}"\n[runtime]\nbackend = "numpy"\ncontext_tokens = 512\n')
+    config = _numpy_config(tmp_path)
     generate, calls = Engine.generate, []
 
     def generate_until_the_third(self, *args, **kwargs):
@@ -100,11 +96,17 @@ def test_a_soak_cut_short_still_writes_its_summary(tmp_path, monkeypatch):
 
 
 def test_a_traced_window_past_the_last_request_still_reports(tmp_path, capsys):
-    model = write_tiny_model(tmp_path)
-    config = tmp_path / "soak.toml"
-    config.write_text(f'[model]\npath = "{model}"\n[runtime]\nbackend = "numpy"\ncontext_tokens = 512\n')
+    config = _numpy_config(tmp_path)
     out = tmp_path / "soak.jsonl"
     assert main(["--config", str(config), "soak", "--requests", "4", "--min-prompt", "8", "--max-prompt", "32",
                  "--gen-tokens", "2", "--settle", "1", "--python-growth", "--out", str(out)]) == 0  # a window of 10
     summary = json.loads(out.read_text().splitlines()[-1])["summary"]
     assert "python_growth" in summary and "Python heap:" in capsys.readouterr().out
+
+
+def _numpy_config(tmp_path):
+    """The tiny model on the numpy backend, a 512-token context."""
+    config = tmp_path / "soak.toml"
+    config.write_text(f'[model]\npath = "{write_tiny_model(tmp_path)}"\n[runtime]\nbackend = "numpy"\n'
+                      'context_tokens = 512\n')
+    return config
