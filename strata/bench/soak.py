@@ -138,10 +138,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
     except KeyboardInterrupt:
         is_interrupted = True
         print(f"interrupted after {len(rows)} requests", file=sys.stderr)
-    if is_tracing:  # cut inside the window
-        growth_report = growth.report()
-        print(format_report(growth_report), flush=True)
     try:
+        if is_tracing:  # cut inside the window
+            growth_report = growth.report()
+            print(format_report(growth_report), flush=True)
         if not rows:
             raise SystemExit("soak: no request finished")
         if len(rows) <= slope_from + 1:  # too few after the settling (and the traced window, whose rows never count)
