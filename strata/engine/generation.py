@@ -289,9 +289,11 @@ class Generation:
                 marks.append((len(chunk), start + first, stream.streamed_bytes - streamed, started,
                               ops.timing_mark()))
                 stream.num_chunks += 1
-                mtp_started = ops.timing_mark()
-                self._draft_cache(hidden, unread[first + 1:first + len(chunk) + 1], start + first)
-                mtp_marks.append((mtp_started, ops.timing_mark()))
+                mtp = self.engine.mtp
+                if mtp is not None and mtp.is_resident:  # timed only where the block runs
+                    mtp_started = ops.timing_mark()
+                    self._draft_cache(mtp, hidden, unread[first + 1:first + len(chunk) + 1], start + first)
+                    mtp_marks.append((mtp_started, ops.timing_mark()))
         except BaseException as exc:
             # the failed forward's frames hold its activations; the loan maps the cache back into
             # their memory as it closes
@@ -315,11 +317,10 @@ class Generation:
         engine = self.engine
         return engine.backend != "cuda" or engine.config.runtime.warmup or engine.counters.num_requests > 0
 
-    def _draft_cache(self, hidden, next_tokens: np.ndarray, start: int) -> None:
-        """The MTP block over a prefilled chunk's rows [T, D] whose next token is known, so that drafts
-        attend over the prompt (skipped while a loan holds the block)."""
-        mtp = self.engine.mtp
-        if mtp is not None and mtp.is_resident and len(next_tokens):
+    def _draft_cache(self, mtp, hidden, next_tokens: np.ndarray, start: int) -> None:
+        """The resident MTP block over a prefilled chunk's rows [T, D] whose next token is known, so that
+        drafts attend over the prompt (the caller skips it while a loan holds the block)."""
+        if len(next_tokens):
             mtp.hidden(hidden[:len(next_tokens)], next_tokens, start)
 
     def _logits(self, hidden) -> np.ndarray:

@@ -63,6 +63,7 @@ def test_a_layer_timed_prefill_marks_every_layer_and_the_rings_waits_and_keeps_t
     assert layers["device_ms"] <= 1e3 * stats.prefill_forward_seconds + 1e-6  # inside the chunks' forward
     assert 0 < stats.prefill_forward_seconds < stats.prefill_seconds
     assert "| prefill device: forward " in stats.timing_line() and "copy stall" in stats.timing_line()
+    assert "MTP pass" not in stats.timing_line() and stats.prefill_mtp_seconds == 0  # the model has no MTP block
     untimed = engine.generate(PROMPT[:40], SamplingParams(temperature=0, max_tokens=1))
     list(untimed)
     assert untimed.stats.prefill_layers is None and untimed.stats.prefill_forward_seconds > 0
