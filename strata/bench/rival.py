@@ -72,4 +72,12 @@ def _cpu_moe_layers(header: list[str], cells: list[str]) -> int:
 
 
 def read_rival(path: Path | None) -> Rival:
-    return EARLIER_RUN if path is None else parse_llama_bench(Path(path).read_text(encoding="utf-8"), str(path))
+    if path is None:
+        return EARLIER_RUN
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ExperimentError(f"--rival {path}: cannot read it ({reason}); pass the file that peer-llamacpp "
+                              "bench wrote") from None
+    return parse_llama_bench(text, str(path))

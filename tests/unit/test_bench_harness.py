@@ -176,3 +176,5 @@ def test_the_rival_comes_from_llama_benchs_table_of_the_same_run(tmp_path):
     (tmp_path / "peer.txt").write_text("llama-bench: error: unknown model\n")
     with pytest.raises(ExperimentError, match="no llama-bench pp/tg rows"):
         read_rival(tmp_path / "peer.txt")
+    with pytest.raises(ExperimentError, match="cannot read it"):
+        read_rival(tmp_path / "missing.txt")
