@@ -64,9 +64,14 @@ def host(a) -> np.ndarray:
     return a if isinstance(a, np.ndarray) else a.copy_to_host()
 
 
+def block_elems(fmt: str) -> int:
+    """Values a block of the format holds; the float formats count in blocks of 32 like Q8_0."""
+    return 32 if FORMATS[fmt].is_float else FORMATS[fmt].block_elems
+
+
 def cols_around_blocks(fmt: str, num_blocks: int) -> tuple[int, ...]:
     """Column counts one block below, at and above num_blocks blocks of the format."""
-    elems = 32 if FORMATS[fmt].is_float else FORMATS[fmt].block_elems
+    elems = block_elems(fmt)
     return tuple(elems * n for n in (num_blocks - 1, num_blocks, num_blocks + 1))
 
 

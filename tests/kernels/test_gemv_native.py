@@ -12,6 +12,7 @@ import pytest
 from kernel_data import (
     assert_close_to_scale,
     assert_dot_close,
+    block_elems,
     dev,
     host,
     random_matrix,
@@ -27,7 +28,6 @@ from strata.gpu.kernels.moe import moe_experts_decode
 from strata.model import reference_ops
 
 needs_gpu = pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
-BLOCK_ELEMS = {"Q4_0": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "F32": 32, "F16": 32}
 QUANTIZED = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -47,7 +47,7 @@ def _x(num_cols, seed, scale=1.0):
 @pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
 def test_native_rows_match_the_reference_around_block_and_warp_boundaries(fmt, rows_per_warp):
     config = NativeGemvConfig(warps=2, rows_per_warp=rows_per_warp)
-    elems = BLOCK_ELEMS[fmt]
+    elems = block_elems(fmt)
     # columns: fewer items than lanes, a lane's second item, more than one unrolled step
     for i, num_cols in enumerate((elems, elems * 3, elems * 33 if elems == 32 else elems * 9)):
         norm_weight = np.random.default_rng(510 + i).uniform(0.5, 1.5, num_cols).astype(np.float32)
@@ -70,7 +70,7 @@ def test_blocks_that_go_on_to_further_rows_give_the_same_products(fmt, is_head_s
     is_norm_and_accumulate = is_head_shape
     looping = gemv_native.head_config(fmt) if is_head_shape else NativeGemvConfig(1, 2, blocks_per_sm=4)
     one_pass = looping._replace(blocks_per_sm=0)
-    num_cols = BLOCK_ELEMS[fmt] * 2
+    num_cols = block_elems(fmt) * 2
     rows_per_block = looping.warps * looping.rows_per_warp
     num_rows = 3 * looping.grid(10**9) * rows_per_block + 3  # three row groups a block, one more partial
     assert 3 * looping.grid(num_rows) < one_pass.grid(num_rows)

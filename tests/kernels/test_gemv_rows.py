@@ -12,6 +12,7 @@ from numba import config as numba_config
 from kernel_data import (
     ALL_FORMATS,
     assert_dot_close,
+    block_elems,
     cols_around_blocks,
     dev,
     host,
@@ -137,9 +138,9 @@ def test_multi_gemv_rows_have_the_bits_of_one_row_launches():
 @pytest.mark.parametrize("fmt", gemv_native.BUILT_FORMATS)
 @pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
 def test_native_gemv_rows_have_the_bits_of_one_row_launches(fmt, rows_per_warp):
-    elems = 256 if fmt in K_QUANTS else 32
+    elems = block_elems(fmt)
     # columns: a few items, and a row so long that a launch stages fewer than 9 rows of x (several launches)
-    for num_cols in (elems * 3, elems * (40 if fmt in K_QUANTS else 320)):
+    for num_cols in (elems * 3, elems * 40 if elems == 256 else elems * 320):
         w, values = random_matrix(fmt, 37, num_cols, seed=660 + num_cols)
         x = _x(DECODE_MAX_ROWS, num_cols, seed=661)
         norm_weight = np.random.default_rng(662).uniform(0.5, 1.5, num_cols).astype(np.float32)

@@ -14,9 +14,8 @@ loop over each warp's row groups (loading a group's rows while it multiplies the
 others one function per row group (or row pair). gemv stages a Q4_K matrix's activations in a layout of
 its own (each super-block's 8 groups Q4_K_SB_STRIDE floats apart, each group's two half sums in its
 padding), which its loop's 32-byte items read. Formats (FORMATS, those whose GPU tests passed on the reference
-H200): Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, and F32 / F16 rows (the routers); the expert kernels take Q4_0, Q8_0 and
-Q4_K. IQ4_XS and IQ3_XXS rows (BUILT_FORMATS) and the experts' Q5_K, Q6_K, IQ4_XS and IQ3_XXS
-(BUILT_EXPERT_FORMATS) are built and served once their GPU tests pass. The Numba
+H200): Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS, and F32 / F16 rows (the routers); the expert kernels
+(EXPERT_FORMATS) take the same quantized formats. The Numba
 kernels remain the path for the other formats, the simulator, and the reference the GPU tests compare this one
 against (same roundings of x, sums in another order).
 
@@ -45,8 +44,8 @@ from .activation import device_silu_mul
 BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "F32", "F16")
 BUILT_EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")
 # the formats a GEMV or an expert product is sent through the C++ rows in: those whose GPU tests passed on the H200
-FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32", "F16")
-EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K")
+FORMATS = BUILT_FORMATS
+EXPERT_FORMATS = BUILT_EXPERT_FORMATS
 X_GROUP, X_STRIDE = 32, 36
 # gemv's Q4_K activations: each 256-element super-block's 8 groups 4 floats further on than 8 groups, so that
 # the C++ loop's lanes of two super-blocks start on other banks (cuda/gemv_rows.cu's Q4K_SB_STRIDE)

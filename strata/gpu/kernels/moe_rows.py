@@ -9,8 +9,8 @@ weight element is dequantized once a tile, from a cp.async ring of raw quant blo
 as packing.py lays them out) straight into A fragments in registers. The tile's number of 8-token
 groups picks one of eight compiled loops (a switch on the tile's rows), so a tile of 32 tokens runs
 exactly 4 groups' mma and holds their accumulators only. Gate and up take one format, down its own
-(each of FORMATS: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, every one GPU-tested on the reference H200; IQ4_XS and IQ3_XXS
-are built, BUILT_FORMATS, and served once their GPU tests pass); other experts take moe.py's tiles.
+(each of FORMATS: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS, every one GPU-tested on the reference H200);
+other experts take moe.py's tiles.
 
 Same contract and numerics as moe_prefill_launches' tensor-core path (f16 X and hidden, weights the
 f16 roundings of gguf-py's float32 values: d * (q - 8), d * q, d * sc * q - dmin * m (Q4_K, Q5_K),
@@ -48,7 +48,7 @@ from .moe_route import MoeGroups, tile_slot_device
 # each a template argument of cuda/moe_rows.cu (kRows<..>)
 BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")
 # the formats a chunk's experts are sent through these kernels in: those whose GPU tests passed on the H200
-FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+FORMATS = BUILT_FORMATS
 TILE_ROWS = 64  # the groups' block_m: the tokens of a tile, 8 groups of 8
 BLOCK_COLS = 64  # gate/up: weight rows of a block (of gate and of up), 4 warps of 16
 DOWN_BLOCK_COLS = 128  # down: two 64-row halves, each warp 16 rows of both
