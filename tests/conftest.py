@@ -1,5 +1,8 @@
+import gc
 import sys
 from pathlib import Path
+
+import pytest
 
 # Shared fakes and helpers live beside this file (tests/support); test modules import them by name.
 sys.path.insert(0, str(Path(__file__).parent / "support"))
@@ -15,3 +18,11 @@ def pytest_sessionstart(session):
         from strata.gpu.memory import install_ledger
 
         install_ledger(None)
+
+
+@pytest.fixture(autouse=True)
+def thaw_after_each_test():
+    """A loaded engine freezes the interpreter's objects out of the collector until it closes; an engine a
+    test leaves open would keep its reference cycles (and the test session's) uncollected."""
+    yield
+    gc.unfreeze()

@@ -97,6 +97,8 @@ def main(argv=None) -> int:
         "num_compiles": stats.num_compiles, "compile_seconds": stats.compile_seconds,
         "prefill_forward_seconds": stats.prefill_forward_seconds, "prefill_mtp_seconds": stats.prefill_mtp_seconds,
         "prefill_layers": stats.prefill_layers,
+        "collector_passes": stats.collector.num_passes, "collector_full_passes": stats.collector.num_full_passes,
+        "collector_seconds": stats.collector.seconds, "prefill_collector_seconds": stats.prefill_collector.seconds,
         "loan_summary": stats.loan.summary() if stats.loan else "", "load_seconds": load_seconds,
         "backend": engine.backend, "budget_bytes": engine.ledger.budget_bytes,
         "expert_bytes": engine.pack.num_bytes if engine.pack else 0,

@@ -14,6 +14,7 @@ import numpy as np
 
 from strata.backend.ops import Ops, QTensor
 from strata.config import Config
+from strata.engine.collector import CollectorWatch
 from strata.engine.counters import EngineCounters
 from strata.engine.decode.depth_policy import DepthPolicy
 from strata.engine.decode.mtp import MtpDraft
@@ -50,6 +51,7 @@ class EngineCore:
     :ivar current_generation: the request whose decode state (segments, cached blocks) is live.
     :ivar mtp: the MTP block that drafts for speculative decode; None without ``runtime.mtp``.
     :ivar compiles: the compilations since load (on the GPU; a request's timing line shows its own).
+    :ivar collector: Python's collector passes since load (a request's timing line shows its own).
     """
 
     config: Config
@@ -78,6 +80,7 @@ class EngineCore:
     depth_policy: DepthPolicy | None = None  # its depth, learnt across requests
     counters: EngineCounters = dataclasses.field(default_factory=EngineCounters)
     compiles: CompileCounter = dataclasses.field(default_factory=CompileCounter)
+    collector: CollectorWatch = dataclasses.field(default_factory=CollectorWatch)
     kv_tokens: list[int] = dataclasses.field(default_factory=list)
     current_generation: Any = None
 

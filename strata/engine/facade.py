@@ -25,6 +25,7 @@ from strata.backend.formats import require_runnable_tensors
 from strata.backend.select import make_ops, select_backend
 from strata.config import Config
 from strata.engine import loading
+from strata.engine.collector import freeze_loaded, thaw
 from strata.engine.core import EngineCore
 from strata.engine.decode.depth_policy import DepthPolicy
 from strata.engine.decode.device_speculation import DeviceSpeculation
@@ -162,6 +163,8 @@ class Engine(EngineCore):
             engine.depth_policy = DepthPolicy(rt.spec_depth, is_fixed=rt.spec_policy == "fixed")
         if backend == "cuda" and not is_dry_run:
             engine.compiles.listen()
+        if not is_dry_run:
+            engine.collector.listen()
         try:
             is_warming_up = config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run
             if is_warming_up:
@@ -175,7 +178,10 @@ class Engine(EngineCore):
                 engine.prepare_decode()
         except BaseException:
             engine.compiles.close()  # numba-cuda's listener list would keep it for the process's life
+            engine.collector.close()
             raise
+        if not is_dry_run:
+            freeze_loaded()
         return engine
 
     def prepare_decode(self) -> None:
@@ -390,6 +396,8 @@ class Engine(EngineCore):
         """Drop decode's segments and release what the engine holds outside the pool (the KV host
         tier's pinned memory, its fill stream); the engine serves no request after."""
         self.compiles.close()
+        self.collector.close()
+        thaw()  # what the engine held goes at the next collections
         self.runner.reset_decode()
         self.ops.synchronize()
         self.ops.close_kv(self.kv)

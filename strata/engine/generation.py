@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from strata.engine.collector import CollectorTally
 from strata.engine.core import EngineCore
 from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.decode.speculative import PLAIN_DECODE, DraftOracle, Speculation
@@ -55,6 +56,8 @@ class Generation:
         self._prefill_streamed_bytes = 0
         self._restaged_bytes = 0
         self._compiled_before = None  # the engine's compile tally when the request starts (``_run``)
+        self._collected_before = CollectorTally()  # and its collector's
+        self._prefill_collected = CollectorTally()
         self._events = self._run()
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -72,6 +75,7 @@ class Generation:
         unread = np.asarray(prompt[reuse:], dtype=np.int64)
         stream = StreamStats(timeline=PrefillTimeline(engine.ops) if self.is_timing_layers else None)
         self._compiled_before = engine.compiles.tally
+        self._collected_before = engine.collector.tally
         started = time.perf_counter()
         try:
             with engine.loan.lend(len(prompt), len(unread)) as geometry:
@@ -85,6 +89,7 @@ class Generation:
         self._restaged_bytes = engine.state.restaged_bytes  # the cache's residency, put back for decode
         engine.kv_tokens = list(prompt)
         prefill_seconds = time.perf_counter() - started
+        self._prefill_collected = engine.collector.tally.since(self._collected_before)
         self._prefill_streamed_bytes = stream.streamed_bytes
         is_on_device = params.is_greedy and engine.config.runtime.greedy_on_device and \
             engine.runner.can_pick_greedy_on_device
@@ -335,6 +340,7 @@ class Generation:
 
     def _finish(self, report, num_unread, generated, finish, prefill_seconds, decode_seconds, stream) -> None:
         compiled = self.engine.compiles.tally.since(self._compiled_before)
+        collected = self.engine.collector.tally.since(self._collected_before)
         self.stats = RequestStats(
             prompt_tokens=len(self.prompt), unread_tokens=num_unread, generated_tokens=generated,
             geometry=report.geometry, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
@@ -350,6 +356,7 @@ class Generation:
             is_draft_oracle=self.draft_oracle is not None,
             num_compiles=compiled.num_compiles, compile_seconds=compiled.seconds,
             prefill_forward_seconds=self._prefill_device[0], prefill_mtp_seconds=self._prefill_device[1],
+            collector=collected, prefill_collector=self._prefill_collected,
             prefill_layers=stream.timeline.summary() if stream.timeline is not None else None)
         if compiled.num_compiles and self.engine.config.runtime.warmup:
             log.warning("this request compiled %d time(s), %.2f s inside its prefill and decode: a shape the "

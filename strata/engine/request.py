@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from strata.engine.collector import CollectorTally
 from strata.engine.loan.transaction import LoanReport
 from strata.engine.prefill_timeline import format_summary
 from strata.hooktypes import Geometry
@@ -58,6 +59,9 @@ class RequestStats:
     prefill_forward_seconds: float = 0.0
     prefill_mtp_seconds: float = 0.0
     prefill_layers: dict | None = None  # PrefillTimeline.summary() of a request timed layer by layer
+    # Python's collector inside the request (its time is inside prefill_seconds and decode_seconds), and in prefill
+    collector: CollectorTally = CollectorTally()
+    prefill_collector: CollectorTally = CollectorTally()
 
     @property
     def spec_acceptance(self) -> float:
@@ -89,7 +93,7 @@ class RequestStats:
                 + f"), expert-cache hit rate {self.cache_hit_rate:.1%}"
                 + (f" ({self.prefetched_experts} prefetched, {self.prefetched_used_experts} used)"
                    if self.prefetched_experts else "") + self._kv_host_tier() + self._host_share() + self._speculation()
-                + self._compiles() + self._prefill_device() + f" | {loan}")
+                + self._compiles() + self._collector() + self._prefill_device() + f" | {loan}")
 
     def _prefill_device(self) -> str:
         if self.prefill_forward_seconds <= 0:
@@ -97,6 +101,13 @@ class RequestStats:
         mtp = f", MTP pass {1e3 * self.prefill_mtp_seconds:.1f}" if self.prefill_mtp_seconds > 0 else ""
         return (f" | prefill device: forward {1e3 * self.prefill_forward_seconds:.1f} ms{mtp}"
                 + (format_summary(self.prefill_layers) if self.prefill_layers else ""))
+
+    def _collector(self) -> str:
+        """Shown once the collector cost a millisecond: a full pass over a loaded model costs hundreds."""
+        if self.collector.seconds < 1e-3:
+            return ""
+        return (f" | collector {self.collector.num_passes} pass(es) ({self.collector.num_full_passes} full) "
+                f"{1e3 * self.collector.seconds:.1f} ms, in prefill {1e3 * self.prefill_collector.seconds:.1f}")
 
     def _compiles(self) -> str:
         return f" | compiled {self.num_compiles} time(s) in {self.compile_seconds:.2f} s" if self.num_compiles else ""

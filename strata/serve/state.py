@@ -7,7 +7,6 @@ supervisor sees the process alive during a load that takes minutes for a large m
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import threading
 import time
@@ -83,7 +82,6 @@ class ServeState:
         if ready is not None:
             ready.worker.stop(timeout_s)
             ready.engine.close()
-            gc.unfreeze()  # what the engine held goes at the next collections
 
     def _load(self) -> None:
         try:
@@ -105,13 +103,8 @@ class ServeState:
                 self.phase, self.load_error = FAILED, f"{type(exc).__name__}: {exc}"
             log.error("the loaded model cannot be served: %s", self.load_error)
             return
-        # the loaded model's objects live as long as the server: the collector's full passes skip them
-        # (hundreds of thousands; a full pass over them took ~0.3 s on the reference GPU machine)
-        gc.collect()
-        gc.freeze()
         with self._lock:
             if self.phase != LOADING:  # shut down while loading
-                gc.unfreeze()
                 engine.close()
                 return
             ready.worker.start()

@@ -237,3 +237,32 @@ def test_the_compute_rate_is_calibrated_from_the_engines_own_chunks_unless_confi
                                                          "compute_flops_per_s": 5e12}), show_progress=False)
     greedy(fixed, PROMPT, 2)
     assert fixed.planner.cost_model.compute_flops_per_s == 5e12 and fixed.planner.rates.num_chunks == 0
+
+
+def test_a_loaded_engine_is_frozen_out_of_the_collector_and_a_request_shows_what_a_pass_cost(moe_path, expected,
+                                                                                              monkeypatch):
+    import dataclasses
+    import gc
+
+    from strata.engine.collector import CollectorTally
+
+    engine = Engine.load(engine_config(moe_path), show_progress=False)
+    assert gc.get_freeze_count() > 0  # the model's objects: a full pass over them would stall a chunk or a token
+    forward = engine.runner.forward
+
+    def forward_with_a_full_pass(*args, **kwargs):
+        gc.collect()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", forward_with_a_full_pass)
+    tokens, stats = greedy(engine, PROMPT, 12)
+    assert tokens == expected
+    assert stats.prefill_collector.num_full_passes >= 1 and stats.collector.num_full_passes >= 12
+    assert 0 < stats.prefill_collector.seconds <= stats.collector.seconds
+    # a pass over a frozen heap takes microseconds; the line names the collector once it cost a millisecond
+    assert ("| collector" in stats.timing_line()) == (stats.collector.seconds >= 1e-3)
+    costly = dataclasses.replace(stats, collector=CollectorTally(40, 1, 0.3125),
+                                 prefill_collector=CollectorTally(1, 1, 0.25))
+    assert "| collector 40 pass(es) (1 full) 312.5 ms, in prefill 250.0 |" in costly.timing_line()
+    engine.close()
+    assert gc.get_freeze_count() == 0
