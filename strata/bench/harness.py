@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from strata.bench.host_numa import summary as host_numa_summary
 from strata.bench.provenance import code_identity
 from strata.bench.rival import EARLIER_RUN, Rival, read_rival
 from strata.config import Config
@@ -94,6 +95,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
                     print(f"[{arm} {length} #{rep + 1}] rates: PCIe {result['pcie_bytes_per_s'] / 1e9:.1f} GB/s "
                           f"({result['pcie_source']}); compute {result['compute_flops_per_s'] / 1e12:.1f} TFLOP/s "
                           f"({result['compute_source']})", file=sys.stderr, flush=True)
+                if result.get("host_numa"):
+                    print(f"[{arm} {length} #{rep + 1}] {host_numa_summary(result['host_numa'])}", file=sys.stderr,
+                          flush=True)
                 if result.get("code", code) != code:  # the run imported another tree than this process
                     print(f"[{arm} {length} #{rep + 1}] ran {result['code']}", file=sys.stderr, flush=True)
                 if args.out:

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from strata.bench.draft_oracle import DraftOracle
+from strata.bench.host_numa import host_numa
 from strata.bench.provenance import code_identity, device_name
 from strata.config import load_config
 
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
         "spec_depth_max": engine.config.runtime.spec_depth,
         # with the oracle: the measured run's tokens are the plain run's (greedy output must not change)
         "is_output_equal": output == oracle.continuation if oracle is not None else None,
+        "host_numa": host_numa(),  # where the pinned experts live: a process-to-process difference
     }
     print("STRATA-BENCH " + json.dumps(result), flush=True)
     engine.close()
