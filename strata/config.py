@@ -85,7 +85,7 @@ class RuntimeConfig:
                                                  "prompt workspace (uploaded again from its host copy after prefill)")
     warmup: bool = option(True, doc="at load, run a tiny prefill (once per MoE tile shape) and one decode step so "
                                     "that every kernel is compiled before the first request (cuda and cudasim "
-                                    "backends)")
+                                    "backends); on numpy, dequantize the matrices the forward multiplies by")
     expert_preload: bool = option(True, doc="at load, fill the expert cache's free slots from the expert pack (an "
                                             "equal share of every layer), so the first requests find experts cached")
     decode_graphs: bool = option(True, doc="decode a token as CUDA graphs: two per layer, or one for the token "

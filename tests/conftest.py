@@ -22,7 +22,11 @@ def pytest_sessionstart(session):
 
 @pytest.fixture(autouse=True)
 def thaw_after_each_test():
-    """A loaded engine freezes the interpreter's objects out of the collector until it closes; an engine a
-    test leaves open would keep its reference cycles (and the test session's) uncollected."""
+    """A loaded engine freezes the interpreter's objects out of the collector and times its passes until it
+    closes; an engine a test leaves open would keep the session's reference cycles uncollected and its
+    callback called at every later pass."""
     yield
     gc.unfreeze()
+    from strata.engine.collector import CollectorWatch
+
+    gc.callbacks[:] = [cb for cb in gc.callbacks if not isinstance(getattr(cb, "__self__", None), CollectorWatch)]

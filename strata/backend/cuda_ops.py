@@ -329,6 +329,9 @@ class CudaOps:
             raise ValueError(f"a queued copy needs contiguous {array.dtype} host memory of {array.nbytes} bytes")
         calls.copy_one(array.device_ctypes_pointer.value, host.ctypes.data, host.nbytes, 0)
 
+    def prepare_weights(self, weights: list[QTensor]) -> None:
+        pass  # the kernels read the packed planes as uploaded
+
     def trim_memory(self) -> None:
         if not self._is_charged_by_hand:
             from strata.gpu.memory import trim_pool

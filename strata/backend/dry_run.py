@@ -23,6 +23,9 @@ class DryRunOps(NumpyOps):
         self.backend = backend
         self.device = device
 
+    def prepare_weights(self, weights) -> None:
+        pass  # nothing is allocated, nothing to ready
+
     def probe_host_to_device(self) -> list[tuple[int, float]] | None:
         """The GPU's own copy rate where the dry run plans for one that is here (nothing is charged:
         the buffers live for the probe alone); else None."""

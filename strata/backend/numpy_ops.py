@@ -210,6 +210,10 @@ class NumpyOps:
         self._charges[id(array)] = (array, charge)
         return array
 
+    def prepare_weights(self, weights: list[QTensor]) -> None:
+        for weight in weights:
+            self._dequantized(weight)
+
     def _dequantized(self, weight: QTensor) -> np.ndarray:
         key = id(weight.data)
         if key not in self._dense:

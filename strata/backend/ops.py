@@ -165,6 +165,10 @@ class Ops(Protocol):
     def trim_memory(self) -> None:
         """Give device memory kept only for reuse (freed temporaries) back, so the ledger shows what
         is resident. Called between requests."""
+    def prepare_weights(self, weights: list[QTensor]) -> None:
+        """Ready the matrices the forward pass multiplies by now, at load, rather than inside the first
+        request: the numpy backend dequantizes them (its matmuls read float32 copies); a GPU backend
+        reads the packed planes as uploaded and has nothing to do."""
 
     # compute
     def embed(self, table: QTensor, tokens: Any) -> Any: ...  # [T] ids (host; a backend may take its own) -> [T, D]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 from pathlib import Path
 
 LARGE_MAPPING_BYTES = 256 * 2**20
@@ -39,11 +40,11 @@ def parse_large_mappings(smaps_text: str, numa_maps_text: str, min_bytes: int = 
         if num_bytes < min_bytes:
             continue
         page_kb = _PAGE_KB.search(line)
-        page_bytes = int(page_kb.group(1)) * 1024 if page_kb else 4096
+        page_bytes = int(page_kb.group(1)) * 1024 if page_kb else resource.getpagesize()
         nodes = {int(node): int(pages) * page_bytes for node, pages in _NODE_PAGES.findall(line)}
+        is_hugetlb = " huge" in f" {fields[2] if len(fields) > 2 else ''}"  # numa_maps' token for hugetlbfs pages
         mappings.append({"bytes": num_bytes, "backing": backing, "policy": fields[1], "page_bytes": page_bytes,
-                         "huge_bytes": huge_bytes if page_bytes == 4096 else sum(nodes.values()),
-                         "node_bytes": nodes})
+                         "huge_bytes": sum(nodes.values()) if is_hugetlb else huge_bytes, "node_bytes": nodes})
     return mappings
 
 
@@ -61,18 +62,32 @@ def host_numa() -> dict:
     return record
 
 
+def mapping_kind(backing: str) -> str:
+    """pinned (a driver's device file: page-locked host memory), file (the GGUF, the pack) or anonymous."""
+    if backing.startswith("/dev/"):
+        return "pinned"
+    return "anonymous" if backing.startswith("[") else "file"
+
+
 def summary(record: dict) -> str:
-    """One line: resident bytes per node over the large mappings, and the share of huge pages."""
+    """One line: resident bytes per node of each kind of large mapping, and the share of huge pages."""
     mappings = record.get("large_mappings")
+    if mappings is None:
+        return f"host NUMA: nodes {record.get('nodes_online')}, mappings not read ({record.get('error')})"
     if not mappings:
-        return f"host NUMA: nodes {record.get('nodes_online')}, no large mapping read"
-    by_node: dict[int, int] = {}
-    for m in mappings:
-        for node, num_bytes in m["node_bytes"].items():
-            by_node[node] = by_node.get(node, 0) + num_bytes
-    resident = sum(by_node.values())
-    huge = sum(m["huge_bytes"] for m in mappings)
-    nodes = ", ".join(f"N{node} {num_bytes / 2**30:.1f} GiB" for node, num_bytes in sorted(by_node.items()))
+        return f"host NUMA: nodes {record.get('nodes_online')}, no mapping of {LARGE_MAPPING_BYTES >> 20} MiB or more"
+    kinds = []
+    for kind in ("pinned", "anonymous", "file"):
+        of_kind = [m for m in mappings if mapping_kind(m["backing"]) == kind]
+        if not of_kind:
+            continue
+        by_node: dict[int, int] = {}
+        for m in of_kind:
+            for node, num_bytes in m["node_bytes"].items():
+                by_node[node] = by_node.get(node, 0) + num_bytes
+        resident, huge = sum(by_node.values()), sum(m["huge_bytes"] for m in of_kind)
+        nodes = " ".join(f"N{node} {num_bytes / 2**30:.1f}" for node, num_bytes in sorted(by_node.items()))
+        kinds.append(f"{kind} {sum(m['bytes'] for m in of_kind) / 2**30:.1f} GiB (resident GiB {nodes or 'none'}"
+                     f"{f', {huge / resident:.0%} huge pages' if resident else ''})")
     return (f"host NUMA: nodes {record.get('nodes_online')}, {len(record['cpus'] or [])} CPUs; "
-            f"{len(mappings)} large mapping(s), resident {nodes or 'none'}"
-            f"{f', {huge / resident:.0%} in huge pages' if resident else ''}")
+            + "; ".join(kinds))

@@ -61,8 +61,8 @@ class CollectorWatch:
 def freeze_loaded() -> None:
     """Collect the load's garbage, then keep every object alive now out of later passes (until
     ``thaw``). The freeze is the interpreter's, not the engine's: a second engine's load freezes
-    its objects too, and the first engine's close thaws both (which costs later passes, never
-    correctness)."""
+    its objects too, and the first of them to close thaws both (which costs later passes, never
+    correctness: the VRAM ledger's last-resort collection thaws for itself, ``gpu/memory.py``)."""
     gc.collect()
     gc.freeze()
 

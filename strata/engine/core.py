@@ -81,6 +81,7 @@ class EngineCore:
     counters: EngineCounters = dataclasses.field(default_factory=EngineCounters)
     compiles: CompileCounter = dataclasses.field(default_factory=CompileCounter)
     collector: CollectorWatch = dataclasses.field(default_factory=CollectorWatch)
+    is_collector_frozen: bool = False  # the load froze the interpreter's objects (``collector.freeze_loaded``)
     kv_tokens: list[int] = dataclasses.field(default_factory=list)
     current_generation: Any = None
 

@@ -166,6 +166,8 @@ class Engine(EngineCore):
         if not is_dry_run:
             engine.collector.listen()
         try:
+            if config.runtime.warmup and not is_dry_run:
+                engine.ops.prepare_weights(engine.matmul_weights())
             is_warming_up = config.runtime.warmup and backend in ("cuda", "cudasim") and not is_dry_run
             if is_warming_up:
                 engine.warm_up()
@@ -182,7 +184,17 @@ class Engine(EngineCore):
             raise
         if not is_dry_run:
             freeze_loaded()
+            engine.is_collector_frozen = True
         return engine
+
+    def matmul_weights(self) -> list:
+        """The matrices every forward pass multiplies by: the layers' dense ones and the output head (the
+        embedding where it is tied, read row by row otherwise; a head a startup loan holds back is out)."""
+        matrices = [tensor for name, tensor in self.weights.matrices.items() if name != "token_embd"]
+        head = self.resources.get(OUTPUT_HEAD)
+        if head is None or head.is_resident:
+            matrices.append(self.output_head()[1])
+        return matrices
 
     def prepare_decode(self) -> None:
         """Capture decode's segments before the first request and keep them across requests
@@ -397,7 +409,9 @@ class Engine(EngineCore):
         tier's pinned memory, its fill stream); the engine serves no request after."""
         self.compiles.close()
         self.collector.close()
-        thaw()  # what the engine held goes at the next collections
+        if self.is_collector_frozen:
+            thaw()  # what the engine held goes at the next collections
+            self.is_collector_frozen = False
         self.runner.reset_decode()
         self.ops.synchronize()
         self.ops.close_kv(self.kv)

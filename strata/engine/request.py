@@ -59,7 +59,8 @@ class RequestStats:
     prefill_forward_seconds: float = 0.0
     prefill_mtp_seconds: float = 0.0
     prefill_layers: dict | None = None  # PrefillTimeline.summary() of a request timed layer by layer
-    # Python's collector inside the request (its time is inside prefill_seconds and decode_seconds), and in prefill
+    # Python's collector while the request ran, any thread's passes (their time is inside prefill_seconds and
+    # decode_seconds), and while it prefilled
     collector: CollectorTally = CollectorTally()
     prefill_collector: CollectorTally = CollectorTally()
 
@@ -107,7 +108,7 @@ class RequestStats:
         if self.collector.seconds < 1e-3:
             return ""
         return (f" | collector {self.collector.num_passes} pass(es) ({self.collector.num_full_passes} full) "
-                f"{1e3 * self.collector.seconds:.1f} ms, in prefill {1e3 * self.prefill_collector.seconds:.1f}")
+                f"{1e3 * self.collector.seconds:.1f} ms, in prefill {1e3 * self.prefill_collector.seconds:.1f} ms")
 
     def _compiles(self) -> str:
         return f" | compiled {self.num_compiles} time(s) in {self.compile_seconds:.2f} s" if self.num_compiles else ""

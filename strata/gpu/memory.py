@@ -83,8 +83,17 @@ def _collect_and_reclaim(pool: BlockPool, num_bytes: int) -> int:
     """The last resort of a charge that does not fit: temporaries caught in reference cycles hold
     their blocks until a collection; collected, they return to the pool, which gives them back.
     (On the H200 a 32k prefill left enough so held that the decode capture after it ran out of
-    budget; a full collection takes ~0.3 s with a model loaded, so it is not run routinely.)"""
-    gc.collect()
+    budget.) A loaded engine's objects are frozen out of the collector (``engine/collector.py``), so
+    a cycle among them would never be found: they are thawed for this one full collection (~0.3 s
+    with a model loaded, so it is not run routinely) and frozen again."""
+    is_frozen = gc.get_freeze_count() > 0
+    if is_frozen:
+        gc.unfreeze()
+    try:
+        gc.collect()
+    finally:
+        if is_frozen:
+            gc.freeze()
     return pool.reclaim(num_bytes)
 
 

@@ -28,7 +28,7 @@ from strata.gpu.kernels.moe import moe_experts_decode
 from strata.model import reference_ops
 
 needs_gpu = pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
-QUANTIZED = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZED = gemv_native.BUILT_EXPERT_FORMATS  # every quantized format the rows build
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,6 @@ from strata.gpu.kernels.gemv_native import NativeGemvConfig
 from strata.model import reference_ops
 
 needs_gpu = pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA device (not the simulator)")
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 # the simulator runs each lane in Python: a launch of nine rows of a K-quant takes minutes there, so CI
 # checks two formats and one width; a GPU checks them all
 IS_SIMULATED = bool(numba_config.ENABLE_CUDASIM)
@@ -160,7 +159,7 @@ def test_native_gemv_rows_have_the_bits_of_one_row_launches(fmt, rows_per_warp):
 
 
 @needs_gpu
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", *K_QUANTS])
+@pytest.mark.parametrize("fmt", gemv_native.BUILT_EXPERT_FORMATS)  # every quantized format an output head may have
 def test_native_head_rows_accumulate_with_the_bits_of_one_row_launches(fmt):
     # one row: the head's shape; several: head_rows_config's, another shape with the same sums
     config, rows_config = gemv_native.head_config(fmt), gemv_native.head_rows_config(fmt, DECODE_MAX_ROWS)

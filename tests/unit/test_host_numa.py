@@ -27,12 +27,22 @@ def test_large_mappings_have_their_bytes_per_node_and_their_huge_pages():
     assert anonymous["backing"] == "[anonymous]" and anonymous["policy"] == "bind:1"
     assert anonymous["node_bytes"] == {1: 2**29} and anonymous["huge_bytes"] == 2**28
     line = summary({"cpus": [0, 1], "nodes_online": "0-1", "large_mappings": [pinned, anonymous]})
-    assert line == ("host NUMA: nodes 0-1, 2 CPUs; 2 large mapping(s), resident N0 0.5 GiB, N1 1.0 GiB, "
-                    "17% in huge pages")
+    assert line == ("host NUMA: nodes 0-1, 2 CPUs; pinned 1.0 GiB (resident GiB N0 0.5 N1 0.5, 0% huge pages); "
+                    "anonymous 0.5 GiB (resident GiB N1 0.5, 50% huge pages)")
+
+
+def test_hugetlb_pages_count_as_huge_whatever_their_size():
+    smaps = "7f3000000000-7f3040000000 rw-s 00000000 00:0f 77                         /anon_hugepage (deleted)\n"
+    numa_maps = "7f3000000000 default file=/anon_hugepage\\040(deleted) huge dirty=512 N1=512 kernelpagesize_kB=2048\n"
+    (mapping,) = parse_large_mappings(smaps, numa_maps)
+    assert mapping["backing"] == "/anon_hugepage (deleted)" and mapping["page_bytes"] == 2 * 2**20
+    assert mapping["node_bytes"] == {1: 2**30} and mapping["huge_bytes"] == 2**30
 
 
 def test_the_process_reads_its_own_record():
     record = host_numa()
     assert record["cpus"] and "large_mappings" in record
     assert summary(record).startswith("host NUMA: ")
-    assert summary({"nodes_online": None, "large_mappings": None}) == "host NUMA: nodes None, no large mapping read"
+    assert summary({"nodes_online": "0", "large_mappings": None, "error": "FileNotFoundError: x"}) == \
+        "host NUMA: nodes 0, mappings not read (FileNotFoundError: x)"
+    assert summary({"nodes_online": "0", "large_mappings": []}) == "host NUMA: nodes 0, no mapping of 256 MiB or more"

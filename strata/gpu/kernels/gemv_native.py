@@ -15,7 +15,8 @@ others one function per row group (or row pair). gemv stages a Q4_K matrix's act
 its own (each super-block's 8 groups Q4_K_SB_STRIDE floats apart, each group's two half sums in its
 padding), which its loop's 32-byte items read. Formats (FORMATS, those whose GPU tests passed on the reference
 H200): Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS, and F32 / F16 rows (the routers); the expert kernels
-(EXPERT_FORMATS) take the same quantized formats. The Numba
+(EXPERT_FORMATS) take the same quantized formats (the I-quants' output-head launch shapes, head_config, are
+tested but have not run on the GPU yet). The Numba
 kernels remain the path for the other formats, the simulator, and the reference the GPU tests compare this one
 against (same roundings of x, sums in another order).
 
