@@ -4,7 +4,8 @@ Each repetition is a new process (``strata.bench.one_run``) so no cache, allocat
 state carries over, as in the reference write-up's protocol. Arms: loan off (the config with
 ``loan.enabled = false``) and loan on (the config as written). The table reports the plan, PP and
 TG medians with ranges, bytes streamed per chunk, the expert-cache hit rate, the ratio of the
-prefill floor to the prefill time, the bytes decode streams and reads from VRAM a step, the ratio
+prefill floor to the prefill time, the bytes decode streams and reads from VRAM a decoded token (under
+speculation: a verify step's bytes over the tokens it took, against a plain row's per token), the ratio
 of the decode floor to the decode time, and every PP and TG median as a ratio to the rival's
 figures, both with its experts in host RAM and with the whole model in VRAM (``rival.py``: llama-bench's
 table from the same machine and run with ``--rival FILE``, else an earlier run's, named under the table;
@@ -152,7 +153,9 @@ def _decode_bytes(run: dict) -> int:
 
 
 def _decode_steps(run: dict) -> int:
-    """Forward passes of decode: the first token comes from prefill's logits."""
+    """Tokens decoded (the first comes from prefill's logits): plain decode's forward passes; under
+    speculation, the tokens its verify steps took, so that a speculative row's bytes per token (a
+    verify step's bytes over the tokens it took) read against a plain row's."""
     return max(0, run["generated_tokens"] - 1)
 
 
@@ -177,8 +180,8 @@ def _prefill_bytes(run: dict) -> int:
 def format_table(runs: list[dict], rival: Rival = EARLIER_RUN) -> str:
     """The table, then a line naming the rival's figures the ratios divide by."""
     header = ("| Prompt | Loan | Spec | Prompt chunk / ring | PP median (range) | TG median (range) "
-              "| MiB streamed / chunk | cache hit rate | floor / PP time | MiB streamed / decode step "
-              "| MiB read from VRAM / decode step | decode floor / TG time | PP vs rival, experts in RAM "
+              "| MiB streamed / chunk | cache hit rate | floor / PP time | MiB streamed / decoded token "
+              "| MiB read from VRAM / decoded token | decode floor / TG time | PP vs rival, experts in RAM "
               "| PP vs rival, all in VRAM | TG vs rival, experts in RAM | TG vs rival, all in VRAM "
               "| drafted / accepted (rate) | tokens / verify step | depth chosen |")
     rows = [header, "| " + " | ".join(["---:"] * 19) + " |"]
