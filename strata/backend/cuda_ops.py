@@ -70,6 +70,20 @@ class CudaKv:
         return self.staging[layer % KV_STAGING_LAYERS] if self.is_tiered else self.layers[layer]
 
 
+@dataclasses.dataclass
+class LayerGroups:
+    """A prefill layer's routed pairs grouped by expert (``moe_groups``), and the layer's X staged once for
+    all of its expert launches with their hidden scratch (``moe``): both live as long as the layer's MoE."""
+
+    groups: object  # moe_route.MoeGroups
+    staged: object = None  # moe.StagedPrefill
+    staged_from: object = None  # the X it was staged from
+
+    @property
+    def block_m(self) -> int:
+        return self.groups.block_m
+
+
 class CudaOps:
     is_activation_charged = True  # the kernels' allocations go through the ledger as they are made
     is_copy_overlapped = True  # RuntimeSettings.copy_overlap, set by the engine's RuntimeState
@@ -414,7 +428,12 @@ class CudaOps:
         from strata.gpu.kernels.gemv_multi import gemv_multi_rows
 
         if x.shape[0] > DECODE_MAX_ROWS:
+            from strata.gpu.kernels.gemm import staged_input
+            from strata.gpu.kernels.gemm_config import default_config
+
             h = self.rms_norm(x, norm, eps)
+            with self._owning(ACTIVATIONS):  # the float16 copy the three GEMMs would each make, made once
+                h = staged_input(h, default_config(wq.data.fmt), wq.data.fmt, wk.data.fmt, wv.data.fmt)
             return self.matmul(h, wq), self.matmul(h, wk), self.matmul(h, wv)
         with self._owning(ACTIVATIONS):  # decode rows: each row's norm and the three GEMVs in one launch
             return gemv_multi_rows((wq.data, wk.data, wv.data), x, norm_weight=norm, eps=eps, stream=self._stream)
@@ -571,8 +590,8 @@ class CudaOps:
             return None
         ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
         with self._owning(ACTIVATIONS):  # the tiles' rows follow the chunk's rows an expert (moe() takes the groups')
-            return moe_group(ids, weights, num_experts,
-                             self._moe_block_m(ids.shape[0] * ids.shape[1], num_experts, layout))
+            return LayerGroups(moe_group(ids, weights, num_experts,
+                                         self._moe_block_m(ids.shape[0] * ids.shape[1], num_experts, layout)))
 
     def moe_tile_rows(self, layout: ExpertLayout | None = None) -> tuple:
         from strata.gpu.kernels import tensor_core
@@ -606,7 +625,7 @@ class CudaOps:
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``;
         with ``slot_of_expert`` None, ``ids`` [T, k] on the device are slots already (decode)."""
-        from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill
+        from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill, stage_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
         gate, up, down = storage.matrices(layout)  # in the types of the layer's experts
@@ -627,7 +646,12 @@ class CudaOps:
             table = slot_of_expert if not isinstance(slot_of_expert, np.ndarray) else \
                 self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
             if groups is not None:  # each launch on its default tiles of the groups' block_m
-                moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, slot_of_expert=table)
+                if groups.staged_from is not x:
+                    groups.staged = None  # its buffers go before the new ones are taken
+                    groups.staged = stage_prefill(x, groups.groups, gate, up, down, num_experts=num_slots)
+                    groups.staged_from = x
+                moe_experts_prefill(x, groups.groups, gate, up, down, out, num_experts=num_slots, slot_of_expert=table,
+                                    staged=groups.staged)
                 return
             if x.shape[0] <= DECODE_MAX_ROWS:
                 moe_experts_decode(x, _map_ids(ids, table, to_slots=True, stream=self._stream), weights, gate, up,

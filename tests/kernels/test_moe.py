@@ -133,3 +133,28 @@ def test_prefill_one_grouping_serves_launches_over_slot_tables():
     slots = [slot_of[e] for e in range(num_experts)]
     expert_values = tuple(v[slots] for v in values)  # expert e's weights sit in slot slot_of[e]
     assert_close_to_scale(host(out), reference_ops.moe(x, ids, weights, *expert_values), 2e-6)
+
+
+def test_prefill_staged_once_serves_every_launch_of_a_layer():
+    # stage_prefill's X and hidden scratch, shared by two launches over slot tables, give the unstaged launches'
+    # output bit for bit (the default tiles: what the engine's layers run)
+    num_tokens, num_experts, num_slots, top_k, dim, ffn = 9, 4, 6, 2, 32, 32
+    (gate, up, down), _ = _experts(("Q4_0", "Q4_0", "Q4_0"), num_slots, dim, ffn, seed=98)
+    rng = np.random.default_rng(99)
+    x = dev(rng.standard_normal((num_tokens, dim)).astype(np.float32))
+    ids, weights = reference_ops.route(rng.standard_normal((num_tokens, num_experts)), top_k)
+    block_m = moe.prefill_tile_rows(num_tokens * top_k, num_experts, ("Q4_0",) * 3, dim, ffn)
+    groups = moe_group(dev(ids.astype(np.int32)), dev(weights.astype(np.float32)), num_experts, block_m)
+    staged = moe.stage_prefill(x, groups, gate, up, down, num_experts=num_slots)
+    tables = (np.array([5, -1, 0, -1], np.int32), np.array([-1, 2, -1, 3], np.int32))
+    outs = []
+    for use_staged in (False, True):
+        out = dev(np.zeros((num_tokens, dim), np.float32))
+        for table in tables:
+            moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, slot_of_expert=dev(table),
+                                staged=staged if use_staged else None)
+        outs.append(host(out))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert np.abs(outs[0]).max() > 0
+    with pytest.raises(ValueError, match="staged comes with the default configs"):
+        moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=GEMM_TINY, staged=staged)

@@ -50,6 +50,8 @@ Shared plumbing:
     tensor_core    declaring linked CUDA C++ device functions (cuda/*.cu) for Numba kernels; whether
                    tensor cores are available (compute capability 8.0 or later, and cffi) and why not
     ptx_cache      the sources' PTX, compiled once a text and kept in the user's cache folder between processes
+    launcher       every global kernel's launches (``jit``): Numba's argument marshalling done once per
+                   argument types, later launches packed directly (a prefill layer is bound by their host cost)
     _common        host-side helpers of every family: input checks, output allocation, constants
 
 cuda/ holds the linked CUDA C++, compiled at first use (NVRTC, once: ptx_cache): attention_mma.cu, gemm_mma.cu,

@@ -8,6 +8,7 @@ import numpy as np
 from numba import cuda
 
 from ._common import ceil_div, check_array, check_power_of_two, empty
+from .launcher import jit
 
 _DEFAULT_THREADS = 256
 
@@ -20,7 +21,7 @@ def device_silu_mul(g, u):
     return g * sigmoid * u
 
 
-@cuda.jit
+@jit
 def _swiglu_kernel(gate, up, out):  # flat [n]
     i = cuda.grid(1)
     if i < out.shape[0]:

@@ -48,6 +48,7 @@ from .attention_mma import (
     is_supported,
 )
 from .block_reduce import NEG_INF
+from .launcher import jit
 from .packing import PackedMatrix
 from .quant_device import dequant8_for
 
@@ -105,7 +106,7 @@ def _attention_kernel(fmt: str, head_dim: int, group: int, config: AttentionConf
     keys_per_thread = bkv // tpr
     qs_size, ks_size, vs_size, ps_size = rows * head_dim, bkv * k_stride, bkv * head_dim, rows * bkv
 
-    @cuda.jit
+    @jit
     def attention_kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len,
                          split_len, scale, out, o_part, m_part, l_part):
         tid = cuda.threadIdx.x
@@ -213,7 +214,7 @@ def _attention_kernel(fmt: str, head_dim: int, group: int, config: AttentionConf
     return attention_kernel
 
 
-@cuda.jit
+@jit
 def _combine_kernel(o_part, m_part, l_part, out):  # o_part [S, T, Hq, d] -> out [T, Hq * d]
     # each split's weight exp(m_s - m) is computed once into shared memory (not once per output
     # dimension): the loop over splits is then independent loads, not a chain of exps

@@ -36,6 +36,7 @@ from numba import cuda
 
 from ._common import MAX_STATIC_SHARED_BYTES, OCTET
 from .block_reduce import NEG_INF
+from .launcher import jit
 from .quant_device import dequant8_for
 
 WARP = 32
@@ -63,7 +64,7 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool):
     # shared and local sizes as closure constants: Numba sizes them at compile time, not from expressions
     qs_size, ps_size, vs_size = head_dim * group, group * kv_tile, V_TILE * head_dim
 
-    @cuda.jit
+    @jit
     def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, split_len, scale,
                out, o_part, m_part, l_part):
         tid = cuda.threadIdx.x

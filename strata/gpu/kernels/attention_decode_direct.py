@@ -43,6 +43,7 @@ from . import tensor_core
 from ._common import IS_SIMULATOR, MAX_STATIC_SHARED_BYTES, ceil_div, check_array, is_device_array
 from .attention_mma import LN_2, LOG2_E
 from .block_reduce import NEG_INF
+from .launcher import jit
 from .packing import PackedMatrix
 from .quant_device import dequant8_for
 
@@ -126,7 +127,7 @@ def active_splits(span: int, keys: int) -> int:
     return max(1, ceil_div(span, keys))
 
 
-@cuda.jit
+@jit
 def _zero_counters(counters):  # [T, Hkv]
     i = cuda.grid(1)
     if i < counters.shape[0] * counters.shape[1]:
@@ -181,7 +182,7 @@ def _cpp_kernel(fmt: str, head_dim: int, group: int, warps: int, tiles: int):
     smem_size = shared_floats(head_dim, group, warps)
     halves_per_word = 2 if fmt == "F16" else 1  # an F16 plane's row counts halves, the C++ counts words
 
-    @cuda.jit
+    @jit
     def kernel(q, k_quants, k_scales, v_quants, v_scales, q_positions, kv_len, min_keys, q_scale, out, o_part,
                ml_part, counters):
         smem = cuda.shared.array(smem_size, np.float32, alignment=16)
@@ -221,7 +222,7 @@ def _twin_kernel(fmt: str, head_dim: int, group: int, warps: int, tiles: int):
     ws_size = 2 * MAX_SPLITS * group + group
     o_size, ml_size = warps * group * head_dim, warps * group
 
-    @cuda.jit
+    @jit
     def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, min_keys, q_scale,
                out, o_part, ml_part, counters):
         tid = cuda.threadIdx.x

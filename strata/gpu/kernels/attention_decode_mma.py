@@ -36,6 +36,7 @@ from .attention_mma import (
     default_kv_tile,
     state_size,
 )
+from .launcher import jit
 
 FUSED_WARPS = 4  # every warp stages; only the first ceil(group / 16) multiply
 FUSED_BUFFERS = 2  # K/V tile buffers of the fused loop: tile j + 1 loads while tile j multiplies
@@ -94,7 +95,7 @@ def decode_kernel(fmt: str, head_dim: int, group: int, is_split: bool, is_twin: 
                     m_part[split, t, head] = state[m_off + h] * LN_2  # the combine's natural-log units
                     l_part[split, t, head] = state[m_off + 2 + h]
 
-    @cuda.jit
+    @jit
     def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, split_len, scale,
                out, o_part, m_part, l_part):
         t = cuda.blockIdx.x  # the query row: the block sees it as the one token of a one-token launch

@@ -43,6 +43,7 @@ from ._common import (
 )
 from .block_reduce import NEG_INF
 from .kvcache import KV_FORMATS, dequantize_kv
+from .launcher import jit
 from .packing import PackedMatrix, check_packed
 from .quant_device import dequant8_for
 
@@ -358,7 +359,7 @@ def _prefill_kernel(fmt: str, head_dim: int, group: int, kv_tile: int, warps: in
     num_state = state_size(head_dim)
     jit_options = {"lto": True} if lto else {}  # the C++ declarations link their source
 
-    @cuda.jit(**jit_options)
+    @jit(**jit_options)
     def kernel(q, k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, q_positions, kv_len, q_scale, out):
         kvh = cuda.blockIdx.y
         row_base = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * rows  # the longest rows start first

@@ -8,11 +8,12 @@ import numpy as np
 from numba import cuda
 
 from ._common import ceil_div, check_array, check_power_of_two, empty
+from .launcher import jit
 
 _DEFAULT_THREADS = 256
 
 
-@cuda.jit
+@jit
 def _concat_kernel(a, b, out):  # a [R, Da], b [R, Db] -> out [R, Da + Db]
     row = cuda.blockIdx.y
     col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -41,7 +42,7 @@ def concat_columns(a, b, *, threads: int = _DEFAULT_THREADS, stream=0):
     return out
 
 
-@cuda.jit
+@jit
 def _copy_kernel(dst, src):  # flat views of equal size
     i = cuda.grid(1)
     if i < dst.shape[0]:

@@ -15,6 +15,7 @@ from ._common import (
     empty,
     is_device_array,
 )
+from .launcher import jit
 from .packing import PackedMatrix, check_packed
 from .quant_device import dequant8_for
 
@@ -26,7 +27,7 @@ _DEFAULT_ADD_THREADS = 256
 def _embedding_kernel(fmt: str, threads: int):
     dequant8 = dequant8_for(fmt)
 
-    @cuda.jit
+    @jit
     def embedding_kernel(quants, scales, extra, token_ids, num_rows, out):  # out [T, cols]
         t = cuda.blockIdx.x
         octet = cuda.blockIdx.y * threads + cuda.threadIdx.x
@@ -71,7 +72,7 @@ def embedding(table: PackedMatrix, token_ids, out=None, *, threads: int = _DEFAU
     return out
 
 
-@cuda.jit
+@jit
 def _add_kernel(y, x, alpha):  # y [n] += alpha * x [n]
     i = cuda.grid(1)
     if i < y.shape[0]:
@@ -93,7 +94,7 @@ def add(y, x, alpha: float = 1.0, *, threads: int = _DEFAULT_ADD_THREADS):
     return y
 
 
-@cuda.jit
+@jit
 def _increment_kernel(values):  # values [n] += 1
     i = cuda.grid(1)
     if i < values.shape[0]:
@@ -112,7 +113,7 @@ def increment(values, *, threads: int = _DEFAULT_ADD_THREADS, stream=0):
     return values
 
 
-@cuda.jit
+@jit
 def _override_token_kernel(token, overrides, place):  # one thread
     if cuda.grid(1) == 0:
         value = overrides[place[0]]
@@ -134,7 +135,7 @@ def override_token(token, overrides, place, *, stream=0):
     return token
 
 
-@cuda.jit
+@jit
 def _to_float16_kernel(x, out):  # out [n] = x [n] rounded to float16
     i = cuda.grid(1)
     if i < x.shape[0]:

@@ -44,6 +44,7 @@ from .gemm_config import (
     default_config,
     is_fused,
 )
+from .launcher import jit
 from .packing import PackedMatrix, check_packed
 from .quant_device import dequant8_for
 from .shared_tiles import dynamic_bytes, launch, tiles_device
@@ -216,7 +217,7 @@ def _gemm_kernel(fmt: str, config, is_accumulate: bool):
     coords = acc_coords_device(config)
     tiles = tiles_device(config, 1)
 
-    @cuda.jit(**jit_options(config))
+    @jit(**jit_options(config))
     def gemm_kernel(x, quants, scales, extra, y):  # x [T, K], y [T, N]
         tid = cuda.threadIdx.x
         x_rows = cuda.shared.array(bm, np.int32)

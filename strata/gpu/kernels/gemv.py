@@ -40,6 +40,7 @@ from .block_reduce import device_inv_rms
 from .gemv_native import FORMATS as NATIVE_FORMATS
 from .gemv_native import LAYER_CONFIG, NativeGemvConfig, gemv_native_rows
 from .gemv_native import is_supported as is_native_supported
+from .launcher import jit
 from .packing import PackedMatrix, check_packed
 from .quant_dot import dot8_for
 
@@ -152,7 +153,7 @@ def _gemv_kernel(fmt: str, config: GemvConfig, has_norm: bool, is_accumulate: bo
     x_rows_dot = x_rows_dot_device(fmt, lanes, num_rows, num_x_rows, has_norm)
     lane_sum_at = lane_sum_at_device(lanes, num_rows)
 
-    @cuda.jit
+    @jit
     def gemv_kernel(quants, scales, extra, x, norm_w, eps, y):  # x [R, K], y [R, N]
         tid = cuda.threadIdx.x
         lane = tid % lanes

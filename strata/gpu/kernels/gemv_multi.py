@@ -18,6 +18,7 @@ from ._common import OCTET, ceil_div, check_array, empty, is_finite_number, stan
 from .block_reduce import device_inv_rms
 from .gemv import GemvConfig, lane_sum_at_device, use_native, x_rows_dot_device
 from .gemv_native import gemv_multi_native
+from .launcher import jit
 from .packing import check_packed
 
 
@@ -29,7 +30,7 @@ def _gemv3_kernel(fmts: tuple, config: GemvConfig, has_norm: bool, num_x_rows: i
     dot_a, dot_b, dot_c = (x_rows_dot_device(f, lanes, num_rows, num_x_rows, has_norm) for f in fmts)
     lane_sum_at = lane_sum_at_device(lanes, num_rows)
 
-    @cuda.jit
+    @jit
     def gemv3_kernel(qa, sa, ea, qb, sb, eb, qc, sc, ec, x, norm_w, eps, blocks_a, blocks_b, ya, yb, yc):
         tid = cuda.threadIdx.x  # x [R, K], y* [R, N*]
         lane, group = tid % lanes, tid // lanes

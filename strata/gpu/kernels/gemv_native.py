@@ -40,6 +40,7 @@ from numba import cuda, types
 from . import tensor_core
 from ._common import ceil_div, is_c_contiguous, is_device_array, stand_in
 from .activation import device_silu_mul
+from .launcher import jit
 
 # every format cuda/gemv_rows.cu has rows for, and the expert formats of its gate/up pair and down row functions
 BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "F32", "F16")
@@ -360,7 +361,7 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
 
     # no launch bounds or register cap: with either (512 threads, 128 registers) the heads measured 4-10%
     # slower on the H200; the loops' registers fit a 512-thread block without (they launch at 16 warps)
-    @cuda.jit
+    @jit
     def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [R, K], y [R * N]
         tid = cuda.threadIdx.x
         red = cuda.shared.array(warps, np.float32)
@@ -437,7 +438,7 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
     rows_a_call, rows_b_call, rows_c_call = (_rows_call(fn, num_cols, num_x, num_x_rows)
                                              for fn in (rows_a, rows_b, rows_c))
 
-    @cuda.jit
+    @jit
     def gemv3_kernel(qa, sa, ea, wa, ha, xa, qb, sb, eb, wb, hb, xb, qc, sc, ec, wc, hc, xc, x, norm_w, eps, blocks_a,
                      blocks_b, ya, yb, yc):  # w*, h*, x*: words, halves and extra bytes per row of each matrix
         tid = cuda.threadIdx.x  # x [R, K], y* [R, N*]
@@ -525,7 +526,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
     num_x, hidden_stride = x_floats(dim), x_floats(ffn)
     num_hidden_x = top_k * hidden_stride
 
-    @cuda.jit
+    @jit
     def gate_up_kernel(x, norm_w, eps, ids, gq, gs, ge, uq, us, ue, words, halves, extra_bytes, num_slots, hidden):
         tid = cuda.threadIdx.x
         red = cuda.shared.array(warps, np.float32)
@@ -547,7 +548,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
             elif tid % _WARP == 0:  # no such expert (NaN logits): it contributes nothing
                 hidden[pair, n] = np.float32(0.0)
 
-    @cuda.jit
+    @jit
     def down_kernel(hidden, ids, weights, dq, ds, de, words, halves, extra_bytes, num_slots, out):  # out [T, H] +=
         tid = cuda.threadIdx.x
         xs = cuda.shared.array(num_hidden_x, np.float32, alignment=16)

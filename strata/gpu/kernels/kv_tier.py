@@ -20,6 +20,7 @@ import functools
 from numba import cuda
 
 from ._common import check_power_of_two
+from .launcher import jit
 from .packing import PackedMatrix, plane_shapes
 
 _DEFAULT_THREADS = 256
@@ -28,7 +29,7 @@ _DEFAULT_BLOCKS = 256  # per plane: every thread strides over the elements of th
 
 @functools.cache
 def _copy_kernel(is_to_staging: bool):
-    @cuda.jit
+    @jit
     def copy_kv_cells_kernel(staging, resident, host, resident_cells, positions):
         # the cells [first, end): from 0 when filling (every cell attention reads), the written ones back
         first = 0 if is_to_staging else positions[0]

@@ -18,6 +18,7 @@ import numpy as np
 from numba import cuda
 
 from ._common import ceil_div, check_array, check_power_of_two, is_device_array
+from .launcher import jit
 from .packing import PackedMatrix, check_packed, empty_packed
 
 KV_FORMATS = ("F16", "Q8_0", "Q4_0")
@@ -98,7 +99,7 @@ _STORE = MappingProxyType({"F16": device_store_f16, "Q8_0": device_quantize_q8_0
 def _append_kernel(fmt: str, threads: int):
     store = _STORE[fmt]
 
-    @cuda.jit
+    @jit
     def append_kv_kernel(k_new, v_new, positions, k_quants, k_scales, v_quants, v_scales):
         t = cuda.blockIdx.x
         block = cuda.blockIdx.y * threads + cuda.threadIdx.x
@@ -148,7 +149,7 @@ def _dequantize_kernel(fmt: str, threads: int):
 
     dequant8 = dequant8_for(fmt)
 
-    @cuda.jit
+    @jit
     def dequantize_kv_kernel(k_quants, k_scales, k_extra, v_quants, v_scales, v_extra, k_out, v_out):
         row = cuda.blockIdx.x
         octet = cuda.blockIdx.y * threads + cuda.threadIdx.x

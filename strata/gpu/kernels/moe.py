@@ -23,6 +23,7 @@ Decode (moe_experts_decode), two launches, GEMV-shaped (a few tokens):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -58,6 +59,7 @@ from .gemm_config import (
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS
 from .gemv_native import experts_supported, moe_experts_native
+from .launcher import jit
 from .moe_route import MoeGroups, tile_slot_device
 from .packing import PackedMatrix, check_packed
 from .shared_tiles import dynamic_bytes, launch, tiles_device
@@ -72,7 +74,7 @@ def _gate_up_kernel(fmt_gate: str, fmt_up: str, config, is_mapped: bool):
     coords = acc_coords_device(config)
     tile_slot = tile_slot_device(is_mapped)
 
-    @cuda.jit(**jit_options(config))
+    @jit(**jit_options(config))
     def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles,
                        slot_of_expert, hidden):
         tile = cuda.blockIdx.y
@@ -115,7 +117,7 @@ def _down_kernel(fmt_down: str, config, is_mapped: bool, is_hidden_f16: bool):
     add_weighted = _add_weighted_device(config)
     tile_slot = tile_slot_device(is_mapped)
 
-    @cuda.jit(**jit_options(config))
+    @jit(**jit_options(config))
     def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
                     slot_of_expert, out):
         tile = cuda.blockIdx.y
@@ -191,9 +193,38 @@ def _check_experts(gate, up, down, num_experts, dim):
     return ffn
 
 
+@dataclasses.dataclass(frozen=True)
+class StagedPrefill:
+    """One layer's X as its expert products read it, and their hidden scratch: made once for every launch
+    over the layer's routed pairs (the cached experts', then each ring batch's). Sharing them is safe on one
+    stream: X is read only, and each launch writes the hidden rows of its own tiles and reads them back
+    before the next launch starts."""
+
+    x: object  # [T, H] float16 (moe_rows.stage_x's column order on its kernels) or float32
+    hidden: object  # [P, F] float16, or float32 on the FFMA tiles
+    is_rows: bool  # moe_rows' kernels run the launches
+
+
+def stage_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, *,
+                  num_experts: int) -> StagedPrefill:
+    """x [T, H] staged and the hidden scratch for ``moe_prefill_launches`` on its default configs, with
+    these groups and experts."""
+    fmts = (gate.fmt, up.fmt, down.fmt)
+    ffn = _check_experts(gate, up, down, num_experts, x.shape[1])
+    num_pairs = groups.pair_token.shape[0]
+    if moe_rows.is_supported(groups, gate, up, down):
+        return StagedPrefill(moe_rows.stage_x(x), empty((num_pairs, ffn), np.float16, x), True)
+    if groups.block_m not in DEFAULT_BLOCK_MS:
+        raise ValueError(f"the groups' tiles are {groups.block_m} pairs, but the default tiles have "
+                         f"{DEFAULT_BLOCK_MS} rows: group with gemm_config.moe_block_m(num_pairs, num_experts)")
+    config = default_config(*fmts, block_m=groups.block_m).validate()
+    hidden_dtype = np.float16 if isinstance(config, MmaConfig) else np.float32
+    return StagedPrefill(staged_input(x, config, gate.fmt, up.fmt), empty((num_pairs, ffn), hidden_dtype, x), False)
+
+
 def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
                          num_experts: int, hidden=None, hidden_dtype=None, config=None, down_config=None,
-                         slot_of_expert=None):
+                         slot_of_expert=None, staged: StagedPrefill | None = None):
     """``moe_experts_prefill``'s two launches, checked and bound: (gate_up, down), each launching when
     called; down reads the hidden scratch that gate_up writes. Benchmarks time them apart. On
     moe_rows' kernels X is staged (moe_rows.stage_x) when they are bound: they read x as it was then.
@@ -210,6 +241,8 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     slot_of_expert: optional [N] int32, when the groups name expert ids: tile t computes expert e
     with the weights of slot slot_of_expert[e], and is skipped where that is -1 (one grouping serves
     several launches, each with the slots of the experts it has staged).
+    staged: ``stage_prefill``'s X and hidden scratch for these groups and experts, in place of x's staging and
+    a new hidden (with the default configs only).
 
     Launch config: two launches of gemm's blocks: gate_up grid (ceil(F / config.block_n), max_tiles)
     of config.threads, down grid (ceil(H / down_config.block_n), max_tiles) of down_config.threads;
@@ -219,9 +252,15 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         check_packed(name, w)
     fmts, block_m = (gate.fmt, up.fmt, down.fmt), groups.block_m
-    if config is None and down_config is None and moe_rows.is_supported(groups, gate, up, down) and (
-            hidden is None or hidden.dtype == np.float16) and hidden_dtype in (None, np.float16):
-        return _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_expert)
+    if staged is not None:
+        if config is not None or down_config is not None or hidden is not None:
+            raise ValueError("staged comes with the default configs and its own hidden scratch")
+        hidden = staged.hidden
+    if staged.is_rows if staged is not None else (
+            config is None and down_config is None and moe_rows.is_supported(groups, gate, up, down) and (
+            hidden is None or hidden.dtype == np.float16) and hidden_dtype in (None, np.float16)):
+        return _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_expert,
+                              None if staged is None else staged.x)
     if config is None and block_m not in DEFAULT_BLOCK_MS:
         raise ValueError(f"the groups' tiles are {block_m} pairs, but the default tiles have {DEFAULT_BLOCK_MS} rows: "
                          "group with gemm_config.moe_block_m(num_pairs, num_experts), or pass config")
@@ -246,7 +285,7 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     if is_mapped:
         check_array("slot_of_expert", slot_of_expert, dtypes=np.int32, ndim=1)
     table = slot_of_expert if is_mapped else stand_in(groups.tile_expert, np.int32, 1)
-    x = staged_input(x, config, gate.fmt, up.fmt)
+    x = staged_input(x, config, gate.fmt, up.fmt) if staged is None else staged.x
     gate_up_kernel = _gate_up_kernel(gate.fmt, up.fmt, config, is_mapped)
     down_kernel = _down_kernel(down.fmt, down_config, is_mapped, hidden.dtype == np.float16)
     tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
@@ -282,8 +321,9 @@ def prefill_tile_row_choices(fmts: tuple = (), dim: int = 0, ffn: int = 0) -> tu
     return DEFAULT_BLOCK_MS if fmts else tuple(sorted({*DEFAULT_BLOCK_MS, moe_rows.TILE_ROWS}))
 
 
-def _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_expert):
-    """moe_prefill_launches on moe_rows' kernels: the same checks, float16 X and hidden."""
+def _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_expert, staged_x=None):
+    """moe_prefill_launches on moe_rows' kernels: the same checks, float16 X and hidden; staged_x: x as
+    moe_rows.stage_x gave it already."""
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens, dim = x.shape
     ffn = _check_experts(gate, up, down, num_experts, dim)
@@ -296,17 +336,17 @@ def _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_
     if is_mapped:
         check_array("slot_of_expert", slot_of_expert, dtypes=np.int32, ndim=1)
     table = slot_of_expert if is_mapped else stand_in(groups.tile_expert, np.int32, 1)
-    x = moe_rows.stage_x(x)  # float16, column quads in the kernels' K order
+    x = moe_rows.stage_x(x) if staged_x is None else staged_x  # float16, column quads in the kernels' K order
     return moe_rows.rows_launches(x, groups, gate, up, down, out, hidden, table, is_mapped)
 
 
 def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
                         num_experts: int, hidden=None, hidden_dtype=None, config=None, down_config=None,
-                        slot_of_expert=None):
+                        slot_of_expert=None, staged: StagedPrefill | None = None):
     """out [T, H] float32 += the routed experts of every token: ``moe_prefill_launches``' two launches."""
     gate_up, down_launch = moe_prefill_launches(x, groups, gate, up, down, out, num_experts=num_experts, hidden=hidden,
                                                 hidden_dtype=hidden_dtype, config=config, down_config=down_config,
-                                                slot_of_expert=slot_of_expert)
+                                                slot_of_expert=slot_of_expert, staged=staged)
     gate_up()
     down_launch()
     return out
@@ -321,7 +361,7 @@ def _decode_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemvConfi
     down_dot = rows_dot_device(fmt_down, lanes, num_rows, False)
     lane_sum = lane_sum_device(lanes, num_rows)
 
-    @cuda.jit
+    @jit
     def gate_up_kernel(x, norm_w, eps, ids, gq, gs, ge, uq, us, ue, hidden):  # hidden [T * k, F]
         tid = cuda.threadIdx.x
         lane, group = tid % lanes, tid // lanes
@@ -352,7 +392,7 @@ def _decode_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemvConfi
         if lane < num_rows and n0 + lane < ffn:
             hidden[pair, n0 + lane] = device_silu_mul(g, u)
 
-    @cuda.jit
+    @jit
     def down_kernel(hidden, ids, weights, dq, ds, de, out):  # out [T, H] +=
         tid = cuda.threadIdx.x
         lane, group = tid % lanes, tid // lanes

@@ -35,6 +35,7 @@ from ._common import (
     empty,
 )
 from .block_reduce import NEG_INF
+from .launcher import jit
 
 WEIGHT_SUM_FLOOR = np.float32(6.103515625e-5)  # llama.cpp clamps the top-k sum to the smallest f16 normal
 _POS_INF = np.float32(np.inf)
@@ -46,7 +47,7 @@ _BLOCK_ROUTE_THREADS = 32 if IS_SIMULATOR else 128  # the simulator runs a Pytho
 
 @functools.cache
 def _route_kernel(top_k: int, is_norm: bool):
-    @cuda.jit
+    @jit
     def route_kernel(logits, ids, weights):  # logits [T, E] -> ids, weights [T, k]
         t = cuda.grid(1)
         if t >= logits.shape[0]:
@@ -82,7 +83,7 @@ def _route_kernel(top_k: int, is_norm: bool):
 
 @functools.cache
 def _route_block_kernel(top_k: int, is_norm: bool, threads: int):
-    @cuda.jit
+    @jit
     def route_block_kernel(logits, ids, weights):  # logits [T, E] -> ids, weights [T, k]; one block a token
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -214,7 +215,7 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
 def _group_kernels(num_experts: int, threads: int, top_k: int):
     chunk = threads * _PAIRS_PER_THREAD
 
-    @cuda.jit
+    @jit
     def count_kernel(pair_expert, chunk_counts):  # [P] -> [C, E]
         c = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -230,7 +231,7 @@ def _group_kernels(num_experts: int, threads: int, top_k: int):
         for e in range(tid, num_experts, threads):
             chunk_counts[c, e] = hist[e]
 
-    @cuda.jit
+    @jit
     def scan_kernel(chunk_counts, block_m, counts, offsets, chunk_base, tile_expert, tile_start, tile_rows, num_tiles):
         tid = cuda.threadIdx.x
         for e in range(tid, num_experts, threads):
@@ -256,7 +257,7 @@ def _group_kernels(num_experts: int, threads: int, top_k: int):
             for c in range(chunk_counts.shape[0]):
                 chunk_base[c, e] += offsets[e]
 
-    @cuda.jit
+    @jit
     def scatter_kernel(pair_expert, pair_weight_in, chunk_base, pair_token, pair_weight):
         c = cuda.blockIdx.x
         tid = cuda.threadIdx.x

@@ -43,6 +43,7 @@ from ._common import (
     is_c_contiguous,
     is_device_array,
 )
+from .launcher import jit
 from .moe_route import MoeGroups, tile_slot_device
 
 # each a template argument of cuda/moe_rows.cu (kRows<..>)
@@ -74,7 +75,7 @@ def shared_bytes(fmt: str = "Q4_0") -> int:
     return stages * (x_stage + 2 * BLOCK_COLS * (row_bytes + scale_bytes))
 
 
-@cuda.jit
+@jit
 def _stage_x_kernel(x, out):  # one thread an aligned quad of columns: out [T, H] f16 = x's, quads as (0, 2, 1, 3)
     i = cuda.grid(1)
     num_quads = x.shape[1] // 4
@@ -158,7 +159,7 @@ def _gate_up_kernel(fmt: str, is_mapped: bool):
                              instance("gate_up", fmt))
     ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(fmt)
 
-    @cuda.jit
+    @jit
     def gate_up_kernel(x, gq, gs, ge, uq, us, ue, pair_token, tile_expert, tile_start, tile_rows, num_tiles,
                        slot_of_expert, hidden):
         tile = cuda.blockIdx.y
@@ -187,7 +188,7 @@ def _down_kernel(fmt: str, is_mapped: bool):
 
     # at 129 registers (as built without a cap) an SM holds 3 of these blocks, at 128 four; only GPU builds
     # take the cap (the simulator's jit has no such option, and never runs these kernels)
-    @cuda.jit(**({} if IS_SIMULATOR else {"max_registers": _MAX_REGISTERS}))
+    @jit(**({} if IS_SIMULATOR else {"max_registers": _MAX_REGISTERS}))
     def down_kernel(hidden, dq, ds, de, pair_token, pair_weight, tile_expert, tile_start, tile_rows, num_tiles,
                     slot_of_expert, out):
         tile = cuda.blockIdx.y

@@ -14,6 +14,7 @@ from numba import cuda
 
 from ._common import check_array, check_power_of_two, empty, is_finite_number
 from .block_reduce import device_inv_rms
+from .launcher import jit
 from .rope import head_norm_rope
 
 _DEFAULT_THREADS = 256
@@ -21,7 +22,7 @@ _DEFAULT_THREADS = 256
 
 @functools.cache
 def _rms_norm_kernel(threads: int):
-    @cuda.jit
+    @jit
     def rms_norm_kernel(x, weight, eps, y):  # x, y [T, H]
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x

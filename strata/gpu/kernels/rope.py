@@ -30,6 +30,7 @@ from ._common import (
     stand_in,
 )
 from .block_reduce import device_block_sum
+from .launcher import jit
 
 ROPE_MODES = ("neox", "normal")
 _TWO_PI = 2.0 * math.pi
@@ -52,7 +53,7 @@ def _head_kernel(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm:
     is_neox = rope_mode == "neox"
     has_rope = rope_mode is not None
 
-    @cuda.jit
+    @jit
     def head_norm_rope_kernel(q, k, num_q_heads, q_norm_w, k_norm_w, positions, inv_freq, eps):
         # q [T, Hq * d], k [T, Hk * d], in place
         t = cuda.blockIdx.x

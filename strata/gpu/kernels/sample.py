@@ -34,6 +34,7 @@ from ._common import (
     is_finite_number,
 )
 from .block_reduce import NEG_INF
+from .launcher import jit
 
 MAX_TOP_K = 64
 _POS_INF = np.float32(np.inf)
@@ -77,7 +78,7 @@ def _kernels(threads: int):
     index_best = _block_best_device(threads, False)
     candidate_best = _block_best_device(threads, True)
 
-    @cuda.jit
+    @jit
     def candidates_kernel(logits, top_k, chunk, cand_val, cand_idx):  # -> [blocks * k]
         tid = cuda.threadIdx.x
         red_v = cuda.shared.array(red_size, np.float32)
@@ -91,7 +92,7 @@ def _kernels(threads: int):
                 cand_val[cuda.blockIdx.x * top_k + j] = prev
                 cand_idx[cuda.blockIdx.x * top_k + j] = prev_id
 
-    @cuda.jit
+    @jit
     def select_kernel(cand_val, cand_idx, top_k, params, token):  # params: temperature, top_p, u
         tid = cuda.threadIdx.x
         red_v = cuda.shared.array(red_size, np.float32)
@@ -199,7 +200,7 @@ def argmax(logits, *, token=None, workspace=None, num_blocks: int = 64, threads:
                   threads=threads, stream=stream)
 
 
-@cuda.jit
+@jit
 def _bias_kernel(logits, ids, values):  # logits [V]; ids, values [n]
     if cuda.threadIdx.x == 0 and cuda.blockIdx.x == 0:
         for j in range(ids.shape[0]):

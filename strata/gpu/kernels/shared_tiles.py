@@ -92,23 +92,6 @@ def tiles_device(config, num_weights: int):
 
 def launch(kernel, grid, threads: int, num_dynamic_bytes: int, *args) -> None:
     """kernel[grid, threads](*args) with `num_dynamic_bytes` of dynamic shared memory. A block may have
-    48 KiB of shared memory, static and dynamic together, unless its kernel is allowed more; the tiles
-    are dynamic only past that, so the kernel (as compiled for these arguments) is first allowed the
-    dynamic block: a driver call per launch, as the attribute is per device."""
-    if num_dynamic_bytes and not IS_SIMULATOR:
-        signature = tuple(kernel.typeof_pyval(a) for a in args)
-        # compile() takes numba-cuda's compiler lock even for a kernel it has: look the kernel up first
-        allow_dynamic_shared(kernel.overloads.get(signature) or kernel.compile(signature), num_dynamic_bytes)
+    48 KiB of shared memory, static and dynamic together, unless its kernel is allowed more: the kernels
+    are ``launcher.Kernel``s, which allow the compiled kernel its dynamic block before they launch it."""
     kernel[grid, threads, 0, num_dynamic_bytes](*args)
-
-
-def allow_dynamic_shared(compiled, num_bytes: int) -> None:
-    """Let the compiled kernel (numba-cuda's _Kernel) take `num_bytes` of dynamic shared memory on the
-    current device."""
-    from numba.cuda.cudadrv.driver import binding, driver
-
-    # the call numba-cuda makes for a function's shared-memory carveout (set_shared_memory_carveout);
-    # numba-cuda has none for this attribute
-    function = compiled._codelibrary.get_cufunc()
-    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attribute, num_bytes, function.handle, function.device.id)
