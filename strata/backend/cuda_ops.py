@@ -73,9 +73,12 @@ class CudaKv:
 @dataclasses.dataclass
 class LayerGroups:
     """A prefill layer's routed pairs grouped by expert (``moe_groups``), and the layer's X staged once for
-    all of its expert launches with their hidden scratch (``moe``): both live as long as the layer's MoE."""
+    all of its expert launches with their hidden scratch (``moe``). The next layer of the chunk takes its
+    buffers (``moe_groups(previous=...)``); the last layer's go when the chunk's forward lets them go."""
 
     groups: object  # moe_route.MoeGroups
+    scratch: dict = dataclasses.field(default_factory=dict)  # the grouping's buffers by role, lent to the next layer
+    reusable: object = None  # the previous layer's StagedPrefill, whose buffers the staging writes again
     staged: object = None  # moe.StagedPrefill
     staged_from: object = None  # the X it was staged from
 
@@ -581,17 +584,24 @@ class CudaOps:
     def moe_accumulator(self, x):
         return x  # the MoE kernels add into the residual stream: no zeroed array, no extra add
 
-    def moe_groups(self, ids, weights, num_experts: int, layout: ExpertLayout | None = None):
+    def moe_groups(self, ids, weights, num_experts: int, layout: ExpertLayout | None = None, previous=None):
         """A prefill chunk's routed pairs grouped by expert id once per layer: every ring batch of the
-        layer then launches only its two expert products (tiles of experts it has not staged exit)."""
+        layer then launches only its two expert products (tiles of experts it has not staged exit). The
+        previous layer's groups lend their buffers (its launches are queued before these, on one stream)."""
         from strata.gpu.kernels.moe_route import moe_group
 
         if ids.shape[0] <= DECODE_MAX_ROWS:
             return None
         ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
         with self._owning(ACTIVATIONS):  # the tiles' rows follow the chunk's rows an expert (moe() takes the groups')
-            return LayerGroups(moe_group(ids, weights, num_experts,
-                                         self._moe_block_m(ids.shape[0] * ids.shape[1], num_experts, layout)))
+            if not isinstance(self._stream, int):
+                previous = None  # a graph is being captured: its nodes keep their own buffers
+            scratch, reusable = ({}, None) if previous is None else (previous.scratch, previous.staged)
+            if previous is not None:  # the new groups hold its buffers alone (they go when not reused), and its
+                previous.staged = previous.staged_from = previous.groups = None  # input goes now
+            groups = moe_group(ids, weights, num_experts,
+                               self._moe_block_m(ids.shape[0] * ids.shape[1], num_experts, layout), scratch=scratch)
+            return LayerGroups(groups, scratch=scratch, reusable=reusable)
 
     def moe_tile_rows(self, layout: ExpertLayout | None = None) -> tuple:
         from strata.gpu.kernels import tensor_core
@@ -625,7 +635,7 @@ class CudaOps:
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``;
         with ``slot_of_expert`` None, ``ids`` [T, k] on the device are slots already (decode)."""
-        from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill, stage_prefill
+        from strata.gpu.kernels.moe import is_reusable, moe_experts_decode, moe_experts_prefill, stage_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
         gate, up, down = storage.matrices(layout)  # in the types of the layer's experts
@@ -647,8 +657,11 @@ class CudaOps:
                 self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
             if groups is not None:  # each launch on its default tiles of the groups' block_m
                 if groups.staged_from is not x:
-                    groups.staged = None  # its buffers go before the new ones are taken
-                    groups.staged = stage_prefill(x, groups.groups, gate, up, down, num_experts=num_slots)
+                    reuse, groups.reusable, groups.staged = groups.reusable or groups.staged, None, None
+                    if reuse is not None and not is_reusable(reuse, x, groups.groups, gate, up, down,
+                                                             num_experts=num_slots):
+                        reuse = None  # its buffers go before new ones are taken
+                    groups.staged = stage_prefill(x, groups.groups, gate, up, down, num_experts=num_slots, reuse=reuse)
                     groups.staged_from = x
                 moe_experts_prefill(x, groups.groups, gate, up, down, out, num_experts=num_slots, slot_of_expert=table,
                                     staged=groups.staged)

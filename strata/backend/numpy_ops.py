@@ -279,7 +279,7 @@ class NumpyOps:
 
         return _by_row(rows_route, len(x))
 
-    def moe_groups(self, ids, weights, num_experts: int, layout: ExpertLayout | None = None) -> None:
+    def moe_groups(self, ids, weights, num_experts: int, layout: ExpertLayout | None = None, previous=None) -> None:
         return None  # moe walks the routed ids itself
 
     def moe_tile_rows(self, layout: ExpertLayout | None = None) -> tuple:

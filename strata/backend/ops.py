@@ -200,9 +200,11 @@ class Ops(Protocol):
         needs none."""
     def route(self, x: Any, router: QTensor, num_used: int, is_norm: bool) -> tuple[Any, Any]:
         """ids [T, k] and weights [T, k] on the backend (``to_host`` the ids to pick experts there)."""
-    def moe_groups(self, ids: Any, weights: Any, num_experts: int, layout: ExpertLayout | None = None) -> Any:
+    def moe_groups(self, ids: Any, weights: Any, num_experts: int, layout: ExpertLayout | None = None,
+                   previous: Any = None) -> Any:
         """The routed pairs grouped by expert once, for every ``moe`` call of a layer (None where the
-        backend does not group); ``layout`` (the experts' formats and shapes) may decide the tiles."""
+        backend does not group); ``layout`` (the experts' formats and shapes) may decide the tiles;
+        ``previous``: the chunk's previous layer's groups, whose buffers this layer's may take."""
     def moe_tile_rows(self, layout: ExpertLayout | None = None) -> tuple:
         """The tile rows the backend's MoE prefill picks between per chunk for experts of ``layout`` (None:
         any), each its own compiled kernels; (None,) where it has no choice. Never empty."""

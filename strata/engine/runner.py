@@ -116,6 +116,7 @@ class ModelRunner:
         x = ops.embed(self.token_embedding, tokens)  # [T, D]
         positions = ops.positions(start, len(tokens))  # [T]
         timeline = stats.timeline if workspace is not None else None  # prefill's layers only
+        groups = None  # the previous layer's MoE groups: the next layer's grouping takes their buffers
         for layer in range(spec.num_layers):
             marks = timeline.begin(layer) if timeline is not None else None
             self.attention_block(layer, x, positions, start)
@@ -126,7 +127,8 @@ class ModelRunner:
                 ops.add(x, self._ffn(layer, h))
             else:
                 waits = marks.waits if marks is not None else None
-                ops.add(x, self._moe(layer, x, h, ring, plans[layer] if plans else None, stats, waits))
+                acc, groups = self._moe(layer, x, h, ring, plans[layer] if plans else None, stats, waits, groups)
+                ops.add(x, acc)
             if marks is not None:
                 timeline.end(marks)
         return x
@@ -221,15 +223,17 @@ class ModelRunner:
                             self.matrix(layer, "ffn_down"))
 
     def _moe(self, layer: int, x, h, ring: StagingRing | None, plan: _LayerPlan | None, stats: StreamStats,
-             waits: list | None = None):
-        """waits: where the ring marks its waits for copies (``PrefillTimeline``)."""
+             waits: list | None = None, previous_groups=None):
+        """The layer's MoE output and its groups (None where it grouped none). waits: where the ring marks its
+        waits for copies (``PrefillTimeline``); previous_groups: the previous layer's (``Ops.moe_groups``)."""
         spec, ops, cache = self.spec, self.ops, self.cache
         ids, weights = ops.route(h, self.matrix(layer, "ffn_gate_inp"), spec.num_experts_used,
                                  spec.is_expert_weights_normalized)  # [T, k] on the backend
         acc = ops.moe_accumulator(x)  # [T, D]: zeroed, or x itself
         layout = cache.layout.at_layer(layer)  # the types of this layer's experts
+        groups = None
         if plan is not None:  # every uncached expert streams; the routing stays on the backend
-            groups = ops.moe_groups(ids, weights, spec.num_experts, layout)  # once for the layer's batches
+            groups = ops.moe_groups(ids, weights, spec.num_experts, layout, previous_groups)  # once for the batches
             if plan.cached_table is not None:
                 ops.moe(acc, h, ids, weights, cache.storage, plan.cached_table, layout, groups)
             for batch in ring.take(layer, waits):
@@ -240,7 +244,7 @@ class ModelRunner:
             shared = ops.ffn(h, self.matrix(layer, "ffn_gate_shexp"), self.matrix(layer, "ffn_up_shexp"),
                              self.matrix(layer, "ffn_down_shexp"))
             ops.shared_expert_add(acc, shared, h, self.w.vectors.get(f"blk.{layer}.ffn_gate_inp_shexp"))
-        return acc
+        return acc, groups
 
     def _routed_experts(self, layer: int, h, ids, weights, acc, ring: StagingRing | None, stats: StreamStats,
                         waits: list | None = None):

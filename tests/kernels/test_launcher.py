@@ -27,8 +27,8 @@ class _DeviceArray:
         self.strides = strides or tuple(int(s) for s in np.empty(shape, dtype).strides)
         self.device_ctypes_pointer = _Pointer(pointer)
 
-    def is_c_contiguous(self):
-        return self.strides == tuple(int(s) for s in np.empty(self.shape, self.dtype).strides)
+    def is_c_contiguous(self):  # an empty array is contiguous whatever its strides, as in NumPy
+        return self.size == 0 or self.strides == tuple(int(s) for s in np.empty(self.shape, self.dtype).strides)
 
     def is_f_contiguous(self):
         return self.strides == tuple(int(s) for s in np.empty(self.shape, self.dtype, order="F").strides)
@@ -47,6 +47,8 @@ class _Compiled:
         self.argument_types = argument_types
         self.debug, self.extensions, self.cooperative = False, [], False
         self.is_packing_wrong = is_packing_wrong
+        function = object()  # the device function, one a context
+        self._codelibrary = type("CodeLibrary", (), {"get_cufunc": lambda library: function})()
 
     def _prepare_args(self, ty, value, stream, retr, params):
         if isinstance(ty, types.Array):
@@ -123,6 +125,9 @@ def test_host_arrays_and_new_layouts_are_told_apart(recorded):
     assert launcher.argument_key((contiguous,)) != launcher.argument_key((_DeviceArray((4, 4), np.int32),))
     assert launcher.argument_key((np.int32(1),)) != launcher.argument_key((1,))
     assert launcher.argument_key((host,)) is None
+    assert launcher.argument_key((2**63,)) is None  # Numba types it uint64
+    empty = _DeviceArray((0, 4), strides=(0, 4))
+    assert launcher.argument_key((empty,)) == launcher.argument_key((_DeviceArray((0, 4)),))  # not broadcast: C
 
 
 def test_dynamic_shared_memory_is_allowed_once_per_kernel_and_never_lowered(recorded):

@@ -77,6 +77,31 @@ def test_group_makes_one_segment_per_expert_in_pair_order():
     np.testing.assert_array_equal(got_tiles, tiles)
 
 
+def test_a_grouping_reuses_the_scratch_an_earlier_one_left():
+    # a chunk's next layer groups into the previous layer's arrays where they fit, and its groups are its own
+    rng = np.random.default_rng(82)
+    num_tokens, top_k, num_experts, block_m = 13, 4, 6, 4
+    scratch = {}
+    for layer in range(3):
+        ids = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(num_tokens)]).astype(np.int32)
+        weights = rng.uniform(size=(num_tokens, top_k)).astype(np.float32)
+        before = dict(scratch)
+        groups = moe_group(dev(ids), dev(weights), num_experts, block_m, threads=8, scratch=scratch)
+        if layer:
+            assert all(scratch[role] is array for role, array in before.items())  # nothing new was taken
+        assert groups.pair_token is scratch["pair_token"] and groups.tile_rows is scratch["tile_rows"]
+        counts, offsets, pair_token, pair_weight, tiles = _reference_groups(ids, weights, num_experts, block_m)
+        np.testing.assert_array_equal(host(groups.pair_token), pair_token)
+        np.testing.assert_array_equal(host(groups.pair_weight), pair_weight)
+        num_tiles = int(host(groups.num_tiles)[0])
+        got = np.stack([host(a)[:num_tiles] for a in (groups.tile_expert, groups.tile_start, groups.tile_rows)], 1)
+        np.testing.assert_array_equal(got, tiles)
+    fewer = moe_group(dev(ids[:5]), dev(weights[:5]), num_experts, block_m, threads=8, scratch=scratch)
+    assert fewer.pair_token.shape == (20,) and scratch["pair_token"] is fewer.pair_token  # a new shape: new arrays
+    np.testing.assert_array_equal(host(fewer.counts), _reference_groups(ids[:5], weights[:5], num_experts,
+                                                                       block_m)[0])
+
+
 def test_route_rejects_top_k_above_the_expert_count():
     with pytest.raises(ValueError, match="top_k 9 exceeds the 8 experts"):
         moe_route(np.zeros((2, 8), np.float32), 9)

@@ -26,6 +26,8 @@ from ._common import IS_SIMULATOR
 
 _NUMBA = object()  # an entry: these argument types launch through Numba
 _SCALAR_TYPES = (int, float, bool, np.integer, np.floating, np.bool_)
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+_MAX_CONFIGS = 1024  # launch configurations kept a kernel: grids follow the chunk lengths a process sees
 
 
 def jit(fn=None, **options):
@@ -45,12 +47,15 @@ class Kernel:
         self.dispatcher = dispatcher
         self._entries: dict = {}  # argument key -> _Entry, or _NUMBA
         self._configs: dict = {}  # (grid, block, shared bytes) -> cuda.core LaunchConfig
-        self._allowed_shared_bytes: dict = {}  # compiled kernel -> the dynamic shared memory it was allowed
+        self._allowed_shared_bytes: dict = {}  # a compiled function -> the dynamic shared memory it was allowed
 
     def __getattr__(self, name):
         return getattr(self.dispatcher, name)
 
     def __getitem__(self, launch_config):
+        if len(launch_config) not in (2, 3, 4):
+            raise ValueError("a launch takes [grid, block], [grid, block, stream] or "
+                             "[grid, block, stream, shared bytes]")
         grid, block, *rest = launch_config
         stream = rest[0] if rest else 0
         shared_bytes = rest[1] if len(rest) > 1 else 0
@@ -90,15 +95,21 @@ class Kernel:
         return entry if entry.matches_numba(args, stream) else _NUMBA
 
     def _allow_shared(self, compiled, num_bytes: int) -> None:
-        """Allowed once per compiled kernel and size, never lowered: two argument keys may share a kernel."""
-        if num_bytes > self._allowed_shared_bytes.get(compiled, 0):
+        """Allowed once per compiled kernel's function on a device (the attribute is the function's) and size,
+        never lowered: two argument keys may share a kernel."""
+        function = compiled._codelibrary.get_cufunc()  # one a device and context
+        if num_bytes > self._allowed_shared_bytes.get(function, 0):
             allow_dynamic_shared(compiled, num_bytes)
-            self._allowed_shared_bytes[compiled] = num_bytes
+            self._allowed_shared_bytes[function] = num_bytes
 
     def _config(self, grid, block, shared_bytes: int, compiled):
-        key = (grid, block, shared_bytes)
+        grid = tuple(grid) if isinstance(grid, list) else grid
+        block = tuple(block) if isinstance(block, list) else block
+        key = (grid, block, shared_bytes, compiled.cooperative)
         config = self._configs.get(key)
         if config is None:
+            if len(self._configs) >= _MAX_CONFIGS:
+                self._configs.clear()
             config = launch_config(grid, block, shared_bytes, compiled.cooperative)
             self._configs[key] = config
         return config
@@ -111,6 +122,8 @@ def argument_key(args) -> tuple | None:
     for a in args:
         if _is_device_array(a):
             key.append((type(a), a.dtype, a.ndim, _layout(a)))
+        elif type(a) is int and not _INT64_MIN <= a <= _INT64_MAX:
+            return None  # Numba types it uint64 (or refuses it)
         elif isinstance(a, _SCALAR_TYPES):
             key.append(type(a))
         else:
@@ -118,12 +131,12 @@ def argument_key(args) -> tuple | None:
     return tuple(key)
 
 
-def _is_device_array(a) -> bool:
-    return not isinstance(a, np.ndarray) and hasattr(a, "device_ctypes_pointer") and hasattr(a, "strides")
+def _is_device_array(a) -> bool:  # a device record has no contiguity: Numba packs it
+    return not isinstance(a, np.ndarray) and hasattr(a, "device_ctypes_pointer") and hasattr(a, "is_c_contiguous")
 
 
-def _layout(a) -> str:
-    if 0 in a.strides:
+def _layout(a) -> str:  # as DeviceNDArray._numba_type_ decides it
+    if 0 in a.strides and a.size != 0:  # broadcast
         return "A"
     if a.is_c_contiguous():
         return "C"

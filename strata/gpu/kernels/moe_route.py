@@ -287,12 +287,15 @@ def _group_kernels(num_experts: int, threads: int, top_k: int):
     return count_kernel, scan_kernel, scatter_kernel
 
 
-def moe_group(ids, weights, num_experts: int, block_m: int, *, threads: int = 256) -> MoeGroups:
+def moe_group(ids, weights, num_experts: int, block_m: int, *, threads: int = 256,
+              scratch: dict | None = None) -> MoeGroups:
     """Group the pairs of ids/weights [T, k] by expert into tiles of block_m (the GEMM's block_m).
 
-    Ids outside [0, num_experts) are dropped. Launch config: three launches, block `threads`
-    (default 256): count and scatter grid ceil(P / (4 * threads)) (a chunk of 4 pairs per thread),
-    scan grid 1.
+    Ids outside [0, num_experts) are dropped. scratch: arrays by role that an earlier grouping left (a
+    layer's, for the next layer of the chunk), taken where their shape and dtype fit and kept there for the
+    next; the launches that read the earlier grouping must be queued on this grouping's stream before it.
+    Launch config: three launches, block `threads` (default 256): count and scatter grid
+    ceil(P / (4 * threads)) (a chunk of 4 pairs per thread), scan grid 1.
     """
     check_array("ids", ids, dtypes=np.int32, ndim=2)
     num_tokens, top_k = ids.shape
@@ -304,17 +307,26 @@ def moe_group(ids, weights, num_experts: int, block_m: int, *, threads: int = 25
     num_chunks = max(1, ceil_div(num_pairs, threads * _PAIRS_PER_THREAD))
     n_tiles = max(1, max_tiles(num_pairs, num_experts, block_m))
 
-    def alloc(shape, dtype=np.int32):
-        return empty(shape, dtype, ids)
+    def alloc(role: str, shape, dtype=np.int32):
+        shape = shape if isinstance(shape, tuple) else (shape,)
+        found = scratch.get(role) if scratch is not None else None
+        if found is None or tuple(found.shape) != shape or found.dtype != np.dtype(dtype):
+            found = empty(shape, dtype, ids)
+            if scratch is not None:
+                scratch[role] = found
+        return found
 
-    groups = MoeGroups(block_m, alloc(num_experts), alloc(num_experts + 1), alloc(max(num_pairs, 1)),
-                       alloc(max(num_pairs, 1), np.float32), alloc(n_tiles), alloc(n_tiles), alloc(n_tiles), alloc(1))
-    chunk_counts, chunk_base = alloc((num_chunks, num_experts)), alloc((num_chunks, num_experts))
+    groups = MoeGroups(block_m, alloc("counts", num_experts), alloc("offsets", num_experts + 1),
+                       alloc("pair_token", max(num_pairs, 1)), alloc("pair_weight", max(num_pairs, 1), np.float32),
+                       alloc("tile_expert", n_tiles), alloc("tile_start", n_tiles), alloc("tile_rows", n_tiles),
+                       alloc("num_tiles", 1))
+    chunk_counts = alloc("chunk_counts", (num_chunks, num_experts))
+    chunk_base = alloc("chunk_base", (num_chunks, num_experts))
     count_kernel, scan_kernel, scatter_kernel = _group_kernels(num_experts, threads, top_k)
     if num_pairs:
         pair_expert, pair_weight_in = ids.reshape(num_pairs), weights.reshape(num_pairs)
     else:
-        pair_expert, pair_weight_in = alloc(0), alloc(0, np.float32)
+        pair_expert, pair_weight_in = empty((0,), np.int32, ids), empty((0,), np.float32, ids)
     count_kernel[num_chunks, threads](pair_expert, chunk_counts)
     scan_kernel[1, threads](chunk_counts, block_m, groups.counts, groups.offsets, chunk_base, groups.tile_expert,
                             groups.tile_start, groups.tile_rows, groups.num_tiles)
