@@ -46,7 +46,7 @@ class Kernel:
     def __init__(self, dispatcher):
         self.dispatcher = dispatcher
         self._entries: dict = {}  # argument key -> _Entry, or _NUMBA
-        self._configs: dict = {}  # (grid, block, shared bytes) -> cuda.core LaunchConfig
+        self._configs: dict = {}  # (grid, block, shared bytes, cooperative) -> cuda.core LaunchConfig
         self._allowed_shared_bytes: dict = {}  # a compiled function -> the dynamic shared memory it was allowed
 
     def __getattr__(self, name):
