@@ -78,8 +78,7 @@ class LayerGroups:
 
     groups: object  # moe_route.MoeGroups
     scratch: dict = dataclasses.field(default_factory=dict)  # the grouping's buffers by role, lent to the next layer
-    reusable: object = None  # the previous layer's StagedPrefill, whose buffers the staging writes again
-    staged: object = None  # moe.StagedPrefill
+    staged: object = None  # moe.StagedPrefill: this layer's, or the previous layer's until moe() stages again
     staged_from: object = None  # the X it was staged from
 
     @property
@@ -596,12 +595,12 @@ class CudaOps:
         with self._owning(ACTIVATIONS):  # the tiles' rows follow the chunk's rows an expert (moe() takes the groups')
             if not isinstance(self._stream, int):
                 previous = None  # a graph is being captured: its nodes keep their own buffers
-            scratch, reusable = ({}, None) if previous is None else (previous.scratch, previous.staged)
-            if previous is not None:  # the new groups hold its buffers alone (they go when not reused), and its
-                previous.staged = previous.staged_from = previous.groups = None  # input goes now
+            scratch, staged = ({}, None) if previous is None else (previous.scratch, previous.staged)
+            if previous is not None:  # the new groups hold its buffers alone, and its input goes now
+                previous.staged = previous.staged_from = previous.groups = None
             groups = moe_group(ids, weights, num_experts,
                                self._moe_block_m(ids.shape[0] * ids.shape[1], num_experts, layout), scratch=scratch)
-            return LayerGroups(groups, scratch=scratch, reusable=reusable)
+            return LayerGroups(groups, scratch=scratch, staged=staged)  # staged from another X: staged again
 
     def moe_tile_rows(self, layout: ExpertLayout | None = None) -> tuple:
         from strata.gpu.kernels import tensor_core
@@ -635,7 +634,7 @@ class CudaOps:
     def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
         """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``;
         with ``slot_of_expert`` None, ``ids`` [T, k] on the device are slots already (decode)."""
-        from strata.gpu.kernels.moe import is_reusable, moe_experts_decode, moe_experts_prefill, stage_prefill
+        from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill, stage_prefill
         from strata.gpu.kernels.moe_route import moe_group
 
         gate, up, down = storage.matrices(layout)  # in the types of the layer's experts
@@ -657,10 +656,7 @@ class CudaOps:
                 self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
             if groups is not None:  # each launch on its default tiles of the groups' block_m
                 if groups.staged_from is not x:
-                    reuse, groups.reusable, groups.staged = groups.reusable or groups.staged, None, None
-                    if reuse is not None and not is_reusable(reuse, x, groups.groups, gate, up, down,
-                                                             num_experts=num_slots):
-                        reuse = None  # its buffers go before new ones are taken
+                    reuse, groups.staged = groups.staged, None
                     groups.staged = stage_prefill(x, groups.groups, gate, up, down, num_experts=num_slots, reuse=reuse)
                     groups.staged_from = x
                 moe_experts_prefill(x, groups.groups, gate, up, down, out, num_experts=num_slots, slot_of_expert=table,

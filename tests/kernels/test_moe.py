@@ -156,5 +156,10 @@ def test_prefill_staged_once_serves_every_launch_of_a_layer():
         outs.append(host(out))
     np.testing.assert_array_equal(outs[1], outs[0])
     assert np.abs(outs[0]).max() > 0
+    again = moe.stage_prefill(x, groups, gate, up, down, num_experts=num_slots, reuse=staged)  # the next layer's
+    assert again.hidden is staged.hidden and again.is_rows == staged.is_rows
+    fewer = moe_group(dev(ids[:4].astype(np.int32)), dev(weights[:4].astype(np.float32)), num_experts, block_m)
+    assert moe.stage_prefill(x[:4], fewer, gate, up, down, num_experts=num_slots, reuse=staged).hidden is not \
+        staged.hidden  # another shape: a buffer of its own
     with pytest.raises(ValueError, match="staged comes with the default configs"):
         moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots, config=GEMM_TINY, staged=staged)

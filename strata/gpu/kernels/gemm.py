@@ -50,14 +50,15 @@ from .quant_device import dequant8_for
 from .shared_tiles import dynamic_bytes, launch, tiles_device
 
 
-def staged_input(x, config, *fmts: str):
+def staged_input(x, config, *fmts: str, out=None):
     """x (checked C-contiguous) as the main loop for these weight formats reads it: float16 for the fused
-    loop (the values every MmaConfig loop stages anyway), x itself otherwise."""
+    loop (the values every MmaConfig loop stages anyway, written into ``out`` where given), x itself
+    otherwise."""
     if not is_fused(config, *fmts) or x.dtype == np.float16:
         return x
     from .elementwise import to_float16
 
-    return to_float16(x)
+    return to_float16(x, out)
 
 
 @functools.cache

@@ -22,7 +22,11 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ._common import IS_SIMULATOR
+from ._common import IS_SIMULATOR, is_device_array
+
+if not IS_SIMULATOR:  # the launch path's calls, resolved once (a function-level import costs each launch)
+    from cuda.core import launch as _cuda_core_launch
+    from numba.cuda.cudadrv.driver import _to_core_stream
 
 _NUMBA = object()  # an entry: these argument types launch through Numba
 _SCALAR_TYPES = (int, float, bool, np.integer, np.floating, np.bool_)
@@ -132,7 +136,7 @@ def argument_key(args) -> tuple | None:
 
 
 def _is_device_array(a) -> bool:  # a device record has no contiguity: Numba packs it
-    return not isinstance(a, np.ndarray) and hasattr(a, "device_ctypes_pointer") and hasattr(a, "is_c_contiguous")
+    return is_device_array(a) and hasattr(a, "is_c_contiguous")
 
 
 def _layout(a) -> str:  # as DeviceNDArray._numba_type_ decides it
@@ -220,10 +224,7 @@ def launch_config(grid, block, shared_bytes: int, is_cooperative: bool):
 def core_launch(stream, config, compiled, params: list) -> None:
     """cuda.core's launch of the compiled kernel on ``stream`` (0, a Numba stream or a graph builder), as
     Numba's ``_Kernel.launch`` makes it."""
-    from cuda.core import launch
-    from numba.cuda.cudadrv import driver
-
-    launch(driver._to_core_stream(stream), config, compiled._codelibrary.get_cufunc().kernel, *params)
+    _cuda_core_launch(_to_core_stream(stream), config, compiled._codelibrary.get_cufunc().kernel, *params)
 
 
 def allow_dynamic_shared(compiled, num_bytes: int) -> None:

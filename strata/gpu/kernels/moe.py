@@ -208,31 +208,29 @@ class StagedPrefill:
 def stage_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, *,
                   num_experts: int, reuse: StagedPrefill | None = None) -> StagedPrefill:
     """x [T, H] staged and the hidden scratch for ``moe_prefill_launches`` on its default configs, with
-    these groups and experts. reuse: an earlier layer's, whose buffers are written again where they fit
-    (its launches queued on this stream before these)."""
-    fmts = (gate.fmt, up.fmt, down.fmt)
+    these groups and experts. reuse: an earlier layer's, whose float16 X and hidden buffers are written
+    again where their shapes and dtypes fit (its launches queued on this stream before these)."""
     ffn = _check_experts(gate, up, down, num_experts, x.shape[1])
     num_pairs = groups.pair_token.shape[0]
-    if moe_rows.is_supported(groups, gate, up, down):
-        if reuse is not None and is_reusable(reuse, x, groups, gate, up, down, num_experts=num_experts):
-            return StagedPrefill(moe_rows.stage_x(x, reuse.x), reuse.hidden, True)
-        return StagedPrefill(moe_rows.stage_x(x), empty((num_pairs, ffn), np.float16, x), True)
-    if groups.block_m not in DEFAULT_BLOCK_MS:
+    is_rows = moe_rows.is_supported(groups, gate, up, down)
+    if not is_rows and groups.block_m not in DEFAULT_BLOCK_MS:
         raise ValueError(f"the groups' tiles are {groups.block_m} pairs, but the default tiles have "
                          f"{DEFAULT_BLOCK_MS} rows: group with gemm_config.moe_block_m(num_pairs, num_experts)")
-    config = default_config(*fmts, block_m=groups.block_m).validate()
-    hidden_dtype = np.float16 if isinstance(config, MmaConfig) else np.float32
-    return StagedPrefill(staged_input(x, config, gate.fmt, up.fmt), empty((num_pairs, ffn), hidden_dtype, x), False)
+    config = None if is_rows else default_config(gate.fmt, up.fmt, down.fmt, block_m=groups.block_m).validate()
+    hidden_dtype = np.float16 if is_rows or isinstance(config, MmaConfig) else np.float32
+    x_out = _fitting(reuse and reuse.x, tuple(x.shape), np.float16)
+    hidden = _fitting(reuse and reuse.hidden, (num_pairs, ffn), hidden_dtype)
+    if hidden is None:
+        hidden = empty((num_pairs, ffn), hidden_dtype, x)
+    staged_x = moe_rows.stage_x(x, x_out) if is_rows else staged_input(x, config, gate.fmt, up.fmt, out=x_out)
+    return StagedPrefill(staged_x, hidden, is_rows)
 
 
-def is_reusable(staged: StagedPrefill, x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix,
-                down: PackedMatrix, *, num_experts: int) -> bool:
-    """Whether ``stage_prefill`` may write x and the hidden rows of these groups and experts into ``staged``'s
-    buffers (moe_rows' kernels, which stage into a given buffer, and the same shapes)."""
-    ffn = gate.num_rows // num_experts
-    return (staged.is_rows and tuple(staged.x.shape) == tuple(x.shape)
-            and tuple(staged.hidden.shape) == (groups.pair_token.shape[0], ffn)
-            and moe_rows.is_supported(groups, gate, up, down))
+def _fitting(array, shape: tuple, dtype):
+    """``array`` where it has this shape and dtype, else None."""
+    if array is None or tuple(array.shape) != shape or array.dtype != np.dtype(dtype):
+        return None
+    return array
 
 
 def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
