@@ -96,6 +96,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
                     print(f"[{arm} {length} #{rep + 1}] rates: PCIe {result['pcie_bytes_per_s'] / 1e9:.1f} GB/s "
                           f"({result['pcie_source']}); compute {result['compute_flops_per_s'] / 1e12:.1f} TFLOP/s "
                           f"({result['compute_source']})", file=sys.stderr, flush=True)
+                if result.get("tensor_cores_off"):
+                    print(f"[{arm} {length} #{rep + 1}] tensor-core kernels off: {result['tensor_cores_off']}",
+                          file=sys.stderr, flush=True)
                 if result.get("host_numa"):
                     print(f"[{arm} {length} #{rep + 1}] {host_numa_summary(result['host_numa'])}", file=sys.stderr,
                           flush=True)
@@ -205,7 +208,10 @@ def format_table(runs: list[dict], rival: Rival = EARLIER_RUN) -> str:
                  _prefill_ratio(pp_median, length, rival.vram_prefill),
                  _ratio(tg_median, rival.decode), _ratio(tg_median, rival.vram_decode), *_spec_cells(group)]
         rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows) + f"\n\nRival: {rival.source}."
+    off = sorted({run["tensor_cores_off"] for run in runs if run.get("tensor_cores_off")})
+    warning = "".join(f"\nTensor-core kernels off in this table's runs ({reason}): prefill ran the pure-Numba "
+                      f"kernels." for reason in off)
+    return "\n".join(rows) + f"\n\nRival: {rival.source}." + warning
 
 
 def _spec_label(run: dict) -> str:

@@ -119,10 +119,20 @@ def main(argv=None) -> int:
         # with the oracle: the measured run's tokens are the plain run's (greedy output must not change)
         "is_output_equal": output == oracle.continuation if oracle is not None else None,
         "host_numa": host_numa(),  # where the pinned experts live: a process-to-process difference
+        "tensor_cores_off": _tensor_cores_off(engine.backend),
     }
     print("STRATA-BENCH " + json.dumps(result), flush=True)
     engine.close()
     return 0
+
+
+def _tensor_cores_off(backend: str) -> str | None:
+    """Why a cuda run's prefill ran the pure-Numba kernels (several times slower), or None."""
+    if backend != "cuda":
+        return None
+    from strata.gpu.kernels import tensor_core
+
+    return tensor_core.unavailable_reason()
 
 
 def _set_speculation(engine, mode: str) -> None:

@@ -93,6 +93,9 @@ def test_table_medians_ranges_and_rival_ratios():
     one_token = {**run, "generated_tokens": 1, "decode_tokens_per_s": 0.0, "streamed_bytes": 2**30}
     del one_token["decode_seconds"]
     assert "| 0 | 0 | 0.00 |" in format_table([one_token])  # no decode step: no division by zero
+    assert "Tensor-core kernels off" not in table
+    slow = {**run, "tensor_cores_off": "cffi is not installed"}
+    assert "Tensor-core kernels off in this table's runs (cffi is not installed)" in format_table([run, slow])
 
 
 def test_table_ratios_to_both_rivals_at_every_length():
