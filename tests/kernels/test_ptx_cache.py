@@ -92,3 +92,22 @@ def test_the_lto_default_is_read_as_numba_cudas_jit_reads_it():
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "NUMBA_CUDA_DEBUGINFO")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["True"], done.stderr
+
+
+def test_nvrtcs_log_goes_to_the_debug_log_and_other_warnings_still_reach_the_user(monkeypatch, caplog):
+    import logging
+    import warnings
+
+    from numba.cuda.cudadrv import nvrtc
+
+    def compile_with_a_log(text, label, cc, ltoir):
+        warnings.warn("NVRTC log messages: x.cu(3): warning #177-D: function \"f\" was declared but never referenced")
+        warnings.warn("something else", RuntimeWarning)
+        return "code", None
+
+    monkeypatch.setattr(nvrtc, "compile", compile_with_a_log)
+    with caplog.at_level(logging.DEBUG, logger="strata.kernels"), warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        assert ptx_cache._nvrtc_compile("text", "x.cu", (9, 0, "a"), False) == "code"
+    assert [str(w.message) for w in shown] == ["something else"]
+    assert "warning #177-D" in caplog.text

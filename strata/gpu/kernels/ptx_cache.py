@@ -68,9 +68,20 @@ def compiled_code(text: str, label: str, cc: tuple, is_ltoir: bool, compile_fn: 
 
 
 def _nvrtc_compile(text: str, label: str, cc: tuple, is_ltoir: bool) -> object:
+    """numba-cuda's NVRTC call. Its log (remarks such as an unused helper of a format this text does
+    not instantiate) goes to this module's debug log, not to the user's terminal as a warning."""
+    import warnings
+
     from numba.cuda.cudadrv import nvrtc
 
-    result, _ = nvrtc.compile(text, label, cc, ltoir=is_ltoir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result, _ = nvrtc.compile(text, label, cc, ltoir=is_ltoir)
+    for warning in caught:
+        if issubclass(warning.category, UserWarning) and str(warning.message).startswith("NVRTC log messages"):
+            log.debug("%s: %s", label, warning.message)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return result
 
 
