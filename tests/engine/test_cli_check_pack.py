@@ -4,6 +4,7 @@ import dataclasses
 import json
 import re
 import textwrap
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -264,11 +265,16 @@ def test_check_on_the_benchmark_configuration_gives_the_documented_plans(tmp_pat
     monkeypatch.setattr(DryRunOps, "probe_host_to_device", lambda ops: samples)
     model = write_synthetic_model(tmp_path / "qwen3-30b-a3b-q4_0-mtp.gguf", PRESETS["qwen3-30b-a3b"], QType.Q4_0,
                                   seed=0, with_mtp=True, is_header_only=True)
-    text, num_paths = re.subn(r'(?m)^(path|expert_pack) = "[^"]*?(\.gguf|\.strpack)"$',
-                              lambda m: f'{m[1]} = "{model.with_suffix(m[2])}"' if m[1] == "path"
-                              else "# no expert pack: it lives in host memory, and this model's hole has no experts",
-                              (REPO / "configs" / "bench-h200.toml").read_text())
-    assert num_paths == 2
+
+    def with_model(name: str) -> str:  # configs/NAME with the model above and no expert pack
+        text, num_paths = re.subn(r'(?m)^(path|expert_pack) = "[^"]*?(\.gguf|\.strpack)"$',
+                                  lambda m: f'{m[1]} = "{model.with_suffix(m[2])}"' if m[1] == "path"
+                                  else "# no expert pack: this model's hole has no experts",
+                                  (REPO / "configs" / name).read_text())
+        assert num_paths == 2
+        return text
+
+    text = with_model("bench-h200.toml")
     config = tmp_path / "bench-h200.toml"
     config.write_text(text)
     out = run_check(config, capsys)
@@ -291,8 +297,9 @@ def test_check_on_the_benchmark_configuration_gives_the_documented_plans(tmp_pat
     saved = [int(ms.replace(",", "")) for _, ms, *_ in found]
     assert saved == sorted(saved) and saved[0] < 0 < saved[-1]
     # the write-up's model in 8 GiB without MTP and without the loan: the chunk borrows the expert cache
-    bare = re.sub(r"(?s)\[loan\].*?(\n\n|\Z)", "",
-                  text.replace("mtp = true", "mtp = false").replace("spec_depth = 4", ""))
+    bare = with_model("bench-h200-no-mtp.toml")
+    parsed = tomllib.loads(bare)
+    assert parsed["runtime"]["mtp"] is False and "loan" not in parsed
     config.write_text(bare)
     out = run_check(config, capsys)
     chunk = re.search(r"plan without the loan for the longest prompt, 34,815 tokens \(chunk / ring\): ([\d,]+) /", out)
