@@ -11,7 +11,8 @@ cuda.core launch with a configuration kept from before. Argument types it does n
 arrays, records, tuples), a kernel Numba specializes per launch configuration, or a parameter
 list that differs from Numba's keep Numba's path.
 
-In the CUDA simulator ``jit`` returns Numba's kernel itself.
+Each kernel's compiled code is kept between processes (``kernel_cache.py``). In the CUDA simulator
+``jit`` returns Numba's kernel itself.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from numba import cuda
 
 from ._common import IS_SIMULATOR, is_device_array
+from .kernel_cache import DiskCache
 
 if not IS_SIMULATOR:  # the launch path's calls, resolved once (a function-level import costs each launch)
     from cuda.core import launch as _cuda_core_launch
@@ -39,7 +41,10 @@ def jit(fn=None, **options):
     if fn is None:
         return lambda f: jit(f, **options)
     dispatcher = cuda.jit(**options)(fn) if options else cuda.jit(fn)
-    return dispatcher if IS_SIMULATOR else Kernel(dispatcher)
+    if IS_SIMULATOR:
+        return dispatcher
+    dispatcher._cache = DiskCache(dispatcher)  # Numba asks it before compiling, and hands it what it compiled
+    return Kernel(dispatcher)
 
 
 class Kernel:
