@@ -96,6 +96,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
                     print(f"[{arm} {length} #{rep + 1}] rates: PCIe {result['pcie_bytes_per_s'] / 1e9:.1f} GB/s "
                           f"({result['pcie_source']}); compute {result['compute_flops_per_s'] / 1e12:.1f} TFLOP/s "
                           f"({result['compute_source']})", file=sys.stderr, flush=True)
+                if "load_seconds" in result:
+                    print(f"[{arm} {length} #{rep + 1}] load {result['load_seconds']:.1f} s "
+                          f"({result.get('kernels_loaded', 0)} kernels from the kernel cache)", file=sys.stderr,
+                          flush=True)
                 if result.get("tensor_cores_off"):
                     print(f"[{arm} {length} #{rep + 1}] tensor-core kernels off: {result['tensor_cores_off']}",
                           file=sys.stderr, flush=True)

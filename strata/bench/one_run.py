@@ -101,6 +101,7 @@ def main(argv=None) -> int:
         "collector_passes": stats.collector.num_passes, "collector_full_passes": stats.collector.num_full_passes,
         "collector_seconds": stats.collector.seconds, "prefill_collector_seconds": stats.prefill_collector.seconds,
         "loan_summary": stats.loan.summary() if stats.loan else "", "load_seconds": load_seconds,
+        "kernels_loaded": engine.compiles.tally.num_loaded,  # by the load's warm-up, from the kernel cache
         "backend": engine.backend, "budget_bytes": engine.ledger.budget_bytes,
         "expert_bytes": engine.pack.num_bytes if engine.pack else 0,
         "active_params": _active_params(engine.spec),

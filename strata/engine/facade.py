@@ -276,8 +276,9 @@ class Engine(EngineCore):
         if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
             log.warning("warm-up left the ledger at %s (before: %s)", after, before)
         log.info("warm-up: %d-token prefill (for %d MoE tile shape(s)) and one decode step in %.2f s (%d "
-                 "compilations, %.2f s; state reset)", num_tokens, len(self.ops.moe_tile_rows(layout)), seconds,
-                 self.compiles.tally.num_compiles, self.compiles.tally.seconds)
+                 "compilations, %.2f s; %d kernels loaded from the kernel cache; state reset)", num_tokens,
+                 len(self.ops.moe_tile_rows(layout)), seconds, self.compiles.tally.num_compiles,
+                 self.compiles.tally.seconds, self.compiles.tally.num_loaded)
         return seconds
 
     def _warmup_deferred_mtp_prefill(self, hidden, tokens: np.ndarray, layout) -> None:

@@ -133,10 +133,39 @@ def test_another_source_tree_compiler_or_closure_is_another_entry(cache, tmp_pat
     assert other_closure.load_overload("(float32[:],)", None) is None
     other_compiler = DiskCache(cache.dispatcher, folder=tmp_path, environment="numba-cuda y")
     assert other_compiler.load_overload("(float32[:],)", None) is None
+    assert cache.load_overload("(float32[:],)", None) is not None
     monkeypatch.setattr(kernel_cache, "source_digest", lambda: "f" * 64)  # an edit anywhere in the package
-    assert cache.load_overload("(float32[:],)", None) is None
-    cache.save_overload("(float32[:],)", FakeKernel(FakeLibrary({CC: b"cubin"})))
+    assert cache.load_overload("(float32[:],)", None) is not None  # this process runs the code it imported
+    edited = DiskCache(cache.dispatcher, folder=tmp_path, environment="numba-cuda x")  # the next process's
+    assert edited.load_overload("(float32[:],)", None) is None
+    edited.save_overload("(float32[:],)", FakeKernel(FakeLibrary({CC: b"cubin"})))
     assert [p.name[:13] for p in tmp_path.glob("*.kernel")] == ["f" * 12 + "-"]  # the old tree's entry is gone
+
+
+def test_a_code_objects_fingerprint_does_not_follow_its_constants_reference_counts():
+    import marshal
+
+    namespace = {}
+    exec(compile("def kernel(out):\n    out[0] = 12345678.25 * 3.5\n", "kernel.py", "exec"), namespace)
+    kernel = namespace["kernel"]
+    before, marshalled = fingerprint(kernel), marshal.dumps(kernel.__code__)
+    held = list(kernel.__code__.co_consts) * 3  # as a compile's IR holds them
+    assert marshal.dumps(kernel.__code__) != marshalled  # what a key of the marshal bytes would have followed
+    assert fingerprint(kernel) == before and held
+
+
+def test_a_signatures_key_names_each_types_class():
+    Point = type("Point", (), {})
+    Other = type("Point", (), {"__module__": "elsewhere"})
+
+    class Arg:
+        def __init__(self, cls):
+            self.instance_class = cls
+
+        def __str__(self):
+            return "Point(int64 x 2)"
+
+    assert kernel_cache.signature_key((Arg(Point),)) != kernel_cache.signature_key((Arg(Other),))
 
 
 def test_a_cut_entry_or_one_of_another_device_is_compiled_again_and_dropped(cache, tmp_path):

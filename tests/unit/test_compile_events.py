@@ -32,3 +32,21 @@ def test_a_counter_that_never_listens_counts_nothing():
         pass
     assert counter.tally == CompileTally()
     counter.close()
+
+
+def test_a_kernel_the_kernel_cache_loads_inside_the_lock_counts_as_loaded_not_compiled():
+    from strata.gpu.compile_events import LOAD_EVENT
+    from strata.gpu.kernels import kernel_cache
+
+    assert LOAD_EVENT == kernel_cache.LOAD_EVENT
+    counter = CompileCounter().listen()
+    try:
+        with ev.trigger_event(COMPILE_EVENT):
+            with ev.trigger_event(LOAD_EVENT):
+                pass
+        assert (counter.tally.num_compiles, counter.tally.num_loaded, counter.tally.seconds) == (0, 1, 0.0)
+        with ev.trigger_event(COMPILE_EVENT):  # the next one compiles
+            pass
+        assert (counter.tally.num_compiles, counter.tally.num_loaded) == (1, 1)
+    finally:
+        counter.close()

@@ -18,18 +18,19 @@ are removed whenever an entry is written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import hashlib
 import logging
-import marshal
 import pickle
 import sys
 import types
 from pathlib import Path
 
 import numpy as np
+from numba.cuda.core import event
 from numba.cuda.core.caching import NullCache
 
 from . import ptx_cache
@@ -37,8 +38,13 @@ from . import ptx_cache
 log = logging.getLogger("strata.kernels")
 _DIGEST_BYTES = 32
 _SOURCE_SUFFIXES = (".py", ".cu", ".cuh")
-_MAX_DEPTH = 16
+_MAX_DEPTH = 64  # objects on one chain of captures: a runaway, not a real kernel
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
+LOAD_EVENT = "strata:kernel-cache-load"  # a kernel loaded here, inside numba-cuda's lock (compile_events.py)
+# distributions whose versions change the code a kernel compiles to (NVVM and nvJitLink come as wheels)
+_COMPILER_DISTRIBUTIONS = ("numba", "llvmlite", "cuda-bindings", "cuda-python", "nvidia-")
+_CODE_SETTINGS = ("BOUNDSCHECK", "CUDA_ENABLE_NRT", "OPT", "CUDA_DEBUGINFO_DEFAULT", "DEBUGINFO_DEFAULT",
+                  "FORCE_CUDA_CC", "CUDA_DEFAULT_PTX_CC", "CUDA_PER_THREAD_DEFAULT_STREAM")
 
 
 class Uncacheable(Exception):
@@ -59,12 +65,12 @@ def source_digest(root: Path | None = None) -> str:
     return digest.hexdigest()
 
 
-def fingerprint(obj, depth: int = 0) -> str:
+def fingerprint(obj, _active: frozenset = frozenset()) -> str:
     """A text that is the same for the same value in any process (never an ``id``); Uncacheable for
-    an object of a kind it does not know."""
-    if depth > _MAX_DEPTH:
-        raise Uncacheable("nested too deeply")
-    inner = functools.partial(fingerprint, depth=depth + 1)
+    an object of a kind it does not know, or for a cycle (a device function reaching itself)."""
+    if id(obj) in _active or len(_active) > _MAX_DEPTH:
+        raise Uncacheable("a cycle or a chain too long among a kernel's captured objects")
+    inner = functools.partial(fingerprint, _active=_active | {id(obj)})
     if isinstance(obj, _SCALARS):
         return f"{type(obj).__name__}:{obj!r}"
     if isinstance(obj, (tuple, list)):
@@ -86,12 +92,14 @@ def fingerprint(obj, depth: int = 0) -> str:
         return f"class:{_qualified(obj)}"
     if isinstance(obj, types.ModuleType):
         return f"module:{obj.__name__}"
+    if isinstance(obj, types.CodeType):
+        return code_fingerprint(obj, inner)
     if isinstance(obj, types.FunctionType):
-        return function_fingerprint(obj, depth + 1)
+        return function_fingerprint(obj, inner)
     if isinstance(obj, types.BuiltinFunctionType):
         return f"builtin:{getattr(obj, '__module__', '')}.{obj.__qualname__}"
     if hasattr(obj, "py_func") and hasattr(obj, "targetoptions"):  # a Numba dispatcher (device function)
-        return f"dispatcher({function_fingerprint(obj.py_func, depth + 1)},{inner(obj.targetoptions)})"
+        return f"dispatcher({inner(obj.py_func)},{inner(obj.targetoptions)})"
     if hasattr(obj, "dispatcher") and hasattr(obj.dispatcher, "py_func"):  # launcher.Kernel
         return f"kernel({inner(obj.dispatcher)})"
     if type(obj).__module__ == "cffi.api" and obj is _tile_ffi():  # the tensor-core kernels' pointer maker
@@ -102,9 +110,8 @@ def fingerprint(obj, depth: int = 0) -> str:
     if hasattr(obj, "data") and type(obj).__module__.startswith("numba.cuda.cudadrv.linkable_code"):
         data = obj.data if isinstance(obj.data, bytes) else str(obj.data).encode()
         return f"linkable:{type(obj).__name__}:{obj.name}:{hashlib.sha256(data).hexdigest()}"
-    if type(obj).__module__.startswith(("numba.core.types", "numba.cuda.types")) or \
-            type(obj).__module__.startswith("numba.core.typing.templates"):
-        return f"numba-type:{obj}"
+    if type(obj).__module__.startswith(("numba.core.types", "numba.cuda.types", "numba.core.typing.templates")):
+        return f"numba-type:{_qualified(type(obj))}:{obj}"
     raise Uncacheable(f"{_qualified(type(obj))} in a kernel's closure")
 
 
@@ -114,14 +121,21 @@ def _tile_ffi():
     return ffi()
 
 
-def function_fingerprint(fn: types.FunctionType, depth: int = 0) -> str:
+def code_fingerprint(code: types.CodeType, inner=fingerprint) -> str:
+    """A code object's structure: its bytecode, names and constants (nested code included). Not its
+    marshal bytes: those change with the reference counts of its constants, which compiling it changes."""
+    parts = (code.co_name, code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags,
+             code.co_code.hex(), code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars)
+    return f"code({parts!r},consts={inner(code.co_consts)})"
+
+
+def function_fingerprint(fn: types.FunctionType, inner=fingerprint) -> str:
     """The function's code, defaults, closure and the globals its code names (modules and classes by name)."""
-    inner = functools.partial(fingerprint, depth=depth + 1)
     code = fn.__code__
     cells = [cell.cell_contents for cell in fn.__closure__ or ()]
     named = sorted(name for name in _code_names(code) if name in fn.__globals__)
     globals_ = ",".join(f"{name}={inner(fn.__globals__[name])}" for name in named)
-    return (f"function:{fn.__module__}.{fn.__qualname__}:{hashlib.sha256(marshal.dumps(code)).hexdigest()}"
+    return (f"function:{fn.__module__}.{fn.__qualname__}:{inner(code)}"
             f"(defaults={inner(fn.__defaults__)},kwdefaults={inner(fn.__kwdefaults__)},"
             f"closure={inner(cells)},globals={globals_})")
 
@@ -140,13 +154,18 @@ def _qualified(cls: type) -> str:
 
 class DiskCache(NullCache):
     """The cache a kernel's dispatcher asks before compiling (``load_overload``) and gives each kernel it
-    compiled (``save_overload``)."""
+    compiled (``save_overload``). Nothing here raises: a failure costs only the compile it would have saved."""
 
     def __init__(self, dispatcher, folder: Path | None = None, environment: str | None = None):
         self.dispatcher = dispatcher
         self.folder = cache_dir() if folder is None else folder
         self._environment = environment
         self._kernel_key: str | None | bool = False  # False: not yet computed; None: not cacheable
+        try:  # the sources as this process imported them (a later edit must not name what it loaded)
+            self._source_digest = source_digest()
+        except OSError as exc:
+            log.debug("the package's sources cannot be read (%s): kernels are compiled in every process", exc)
+            self._source_digest = None
 
     @property
     def cache_path(self):
@@ -164,10 +183,12 @@ class DiskCache(NullCache):
         try:
             if len(kept) <= _DIGEST_BYTES or hashlib.sha256(payload).digest() != digest:
                 raise ValueError("cut or damaged")
-            kernel = rebuild(pickle.loads(payload), _current_cc())
+            with event.trigger_event(LOAD_EVENT):  # inside the compile's lock: the compile counter tells it apart
+                kernel = rebuild(pickle.loads(payload), _current_cc())
         except Exception as exc:  # any failure only costs the compile this entry would have saved
             log.debug("kernel cache entry %s not used: %r", path.name, exc)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
             return None
         return kernel
 
@@ -180,22 +201,42 @@ class DiskCache(NullCache):
         except Exception as exc:  # Uncacheable, or a state that does not pickle: compiled in every process
             log.debug("kernel %s not kept: %r", path.name, exc)
             return
-        _remove_other_trees(self.folder, source_digest())
+        _remove_other_trees(self.folder, self._source_digest)
         ptx_cache._write_atomic(path, payload + hashlib.sha256(payload).digest())
 
     def _path(self, sig) -> Path | None:
-        if self._kernel_key is False:
-            try:
-                self._kernel_key = fingerprint(self.dispatcher)
-            except Exception as exc:  # Uncacheable, or an object that failed to describe itself
-                log.debug("kernel %s is compiled in every process: %s", self.dispatcher.py_func.__qualname__, exc)
-                self._kernel_key = None
-        if self._kernel_key is None:
+        if self._source_digest is None:
             return None
-        environment = self._environment if self._environment is not None else _environment()
-        key = hashlib.sha256("\0".join((self._kernel_key, str(sig), environment)).encode()).hexdigest()[:32]
-        name = self.dispatcher.py_func.__qualname__.replace("<locals>.", "").replace("<", "").replace(">", "")
-        return self.folder / f"{source_digest()[:12]}-{name[-60:]}-{key}.kernel"
+        try:
+            if self._kernel_key is False:
+                self._kernel_key = self._fingerprint()
+            if self._kernel_key is None:
+                return None
+            environment = self._environment if self._environment is not None else _environment()
+            text = "\0".join((self._kernel_key, signature_key(sig), environment, repr(_current_cc())))
+            name = self.dispatcher.py_func.__qualname__.replace("<locals>.", "").replace("<", "").replace(">", "")
+        except Exception as exc:  # the compilers' versions, the device: compile, and keep nothing
+            log.debug("kernel cache not used for %r: %r", sig, exc)
+            return None
+        key = hashlib.sha256(text.encode()).hexdigest()[:32]
+        return self.folder / f"{self._source_digest[:12]}-{name[-60:]}-{key}.kernel"
+
+    def _fingerprint(self) -> str | None:
+        try:
+            return fingerprint(self.dispatcher)
+        except Exception as exc:  # Uncacheable, or an object that failed to describe itself
+            log.info("kernel %s is compiled in every process (not kept between them): %s",
+                     self.dispatcher.py_func.__qualname__, exc)
+            return None
+
+
+def signature_key(sig) -> str:
+    """Each argument type with its class (two named-tuple classes of one name print alike)."""
+    args = sig.args if hasattr(sig, "args") else sig
+    if not isinstance(args, (tuple, list)):
+        return f"{_qualified(type(sig))}:{sig}"
+    parts = [f"{_qualified(type(t))}:{getattr(t, 'instance_class', None)!r}:{t}" for t in args]
+    return "(" + ", ".join(parts) + ")"
 
 
 def reduce(kernel) -> dict:
@@ -247,6 +288,7 @@ def rebuild(state: dict, cc: tuple):
         raise ValueError(f"no cubin for {cc}")
     library = CUDACodeLibrary._rebuild(**state["library"])
     kernel = _Kernel._rebuild(codelibrary=library, **state["kernel"])
+    kernel.objectmode = False  # as a compiled kernel has it (numba reads it when no overload matches)
     kernel.bind()
     return kernel
 
@@ -261,9 +303,15 @@ def _current_cc() -> tuple:
 
 @functools.cache
 def _environment() -> str:
-    import numba
+    """The compilers, Numba, and Numba's settings that change the code it emits."""
+    from importlib import metadata
 
-    return "\0".join((ptx_cache._compiler_versions(), f"numba {numba.__version__}", repr(_current_cc()),
+    from numba.cuda.core import config
+
+    versions = sorted(f"{d.metadata['Name']} {d.version}" for d in metadata.distributions()
+                      if (d.metadata["Name"] or "").lower().startswith(_COMPILER_DISTRIBUTIONS))
+    settings = {name: getattr(config, name, None) for name in _CODE_SETTINGS}
+    return "\0".join((ptx_cache._compiler_versions(), ",".join(versions), repr(sorted(settings.items())),
                       sys.version.split()[0]))
 
 
