@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from strata.bench.host_cpu import summary as host_cpu_summary
 from strata.bench.host_numa import summary as host_numa_summary
 from strata.bench.provenance import code_identity
 from strata.bench.rival import EARLIER_RUN, Rival, read_rival
@@ -96,13 +97,16 @@ def run(args: argparse.Namespace, config: Config) -> int:
                     print(f"[{arm} {length} #{rep + 1}] rates: PCIe {result['pcie_bytes_per_s'] / 1e9:.1f} GB/s "
                           f"({result['pcie_source']}); compute {result['compute_flops_per_s'] / 1e12:.1f} TFLOP/s "
                           f"({result['compute_source']})", file=sys.stderr, flush=True)
-                if "load_seconds" in result:
+                if result.get("backend") == "cuda":
                     print(f"[{arm} {length} #{rep + 1}] load {result['load_seconds']:.1f} s "
                           f"({result.get('kernels_loaded', 0)} kernels from the kernel cache)", file=sys.stderr,
                           flush=True)
                 if result.get("tensor_cores_off"):
                     print(f"[{arm} {length} #{rep + 1}] tensor-core kernels off: {result['tensor_cores_off']}",
                           file=sys.stderr, flush=True)
+                if result.get("host_cpu"):
+                    print(f"[{arm} {length} #{rep + 1}] {host_cpu_summary(result['host_cpu'])}", file=sys.stderr,
+                          flush=True)
                 if result.get("host_numa"):
                     print(f"[{arm} {length} #{rep + 1}] {host_numa_summary(result['host_numa'])}", file=sys.stderr,
                           flush=True)

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from strata.bench import host_cpu
 from strata.bench.draft_oracle import DraftOracle
 from strata.bench.host_numa import host_numa
 from strata.bench.provenance import code_identity, device_name
@@ -80,7 +81,9 @@ def main(argv=None) -> int:
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
+    cpu_before = host_cpu.snapshot()
     output = [event.token_id for event in generation if event.token_id >= 0]
+    cpu = host_cpu.between(cpu_before, host_cpu.snapshot())
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
@@ -121,6 +124,7 @@ def main(argv=None) -> int:
         "is_output_equal": output == oracle.continuation if oracle is not None else None,
         "host_numa": host_numa(),  # where the pinned experts live: a process-to-process difference
         "tensor_cores_off": _tensor_cores_off(engine.backend),
+        "host_cpu": cpu,  # stolen time, a busy machine or waits for a CPU slow every function alike
     }
     print("STRATA-BENCH " + json.dumps(result), flush=True)
     engine.close()

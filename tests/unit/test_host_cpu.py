@@ -1,0 +1,32 @@
+"""The bench's record of what the host's CPUs did over a request: /proc/stat's aggregate line read as
+given here, and this process's own figures from getrusage."""
+
+from strata.bench import host_cpu
+
+# user nice system idle iowait irq softirq steal guest guest_nice
+BEFORE = "cpu  1000 0 500 8000 100 0 0 0 0 0\ncpu0 10 0 5 80 1 0 0 0 0 0\n"
+AFTER = "cpu  1600 0 700 8900 100 0 0 200 0 0\ncpu0 16 0 7 89 1 0 0 2 0 0\n"
+
+
+def test_the_machines_busy_and_stolen_shares_come_from_the_aggregate_line():
+    before, after = host_cpu.snapshot(BEFORE), host_cpu.snapshot(AFTER)
+    record = host_cpu.between(before, after)
+    # 600 user + 200 system busy, 900 idle, 200 stolen: of 1,900 ticks
+    assert abs(record["machine_busy_share"] - 800 / 1900) < 1e-9
+    assert abs(record["machine_steal_share"] - 200 / 1900) < 1e-9
+    assert record["process_cpu_seconds"] >= 0 and record["involuntary_switches"] >= 0
+    text = host_cpu.summary(record)
+    assert "machine busy 42% of all CPUs, stolen 10.5%" in text and "involuntary switches" in text
+
+
+def test_without_proc_stat_the_record_has_the_process_alone():
+    record = host_cpu.between(host_cpu.snapshot("no cpu line"), host_cpu.snapshot("no cpu line"))
+    assert "machine_busy_share" not in record and "machine" not in host_cpu.summary(record)
+    assert record["process_cpu_share"] >= 0
+
+
+def test_the_process_cpu_time_counts_this_processs_work():
+    before = host_cpu.snapshot()
+    total = sum(i * i for i in range(300_000))
+    record = host_cpu.between(before, host_cpu.snapshot())
+    assert total > 0 and record["process_cpu_seconds"] > 0 and record["wall_seconds"] > 0
