@@ -163,3 +163,15 @@ def test_the_simulator_gets_numbas_kernel():
 
     jitted = launcher.jit(kernel)
     assert isinstance(jitted, launcher.Kernel) != launcher.IS_SIMULATOR
+
+
+def test_launch_configurations_are_kept_to_a_bound_the_least_recently_used_dropped(recorded, monkeypatch):
+    monkeypatch.setattr(launcher, "_MAX_CONFIGS", 3)
+    made = []
+    monkeypatch.setattr(launcher, "launch_config", lambda grid, block, shared, coop: made.append(grid) or grid)
+    kernel = launcher.Kernel(_Dispatcher())
+    x = _DeviceArray((8,))
+    for grid in (1, 2, 3, 1, 4, 1, 2):  # the first launch is Numba's; 4 drops 2, and the last 2 drops 3
+        kernel[grid, 32](x)
+    assert made == [2, 3, 1, 4, 2]  # 1's second launch hit
+    assert [key[0] for key in kernel._configs] == [4, 1, 2]

@@ -33,7 +33,9 @@ if not IS_SIMULATOR:  # the launch path's calls, resolved once (a function-level
 _NUMBA = object()  # an entry: these argument types launch through Numba
 _SCALAR_TYPES = (int, float, bool, np.integer, np.floating, np.bool_)
 _INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
-_MAX_CONFIGS = 1024  # launch configurations kept a kernel: grids follow the chunk lengths a process sees
+# launch configurations kept a kernel, the least recently used dropped first: a prefill kernel's grid follows
+# its chunk's length, and a server sees many (each ~0.4 KiB; a chunk reuses its configuration for every layer)
+_MAX_CONFIGS = 64
 
 
 def jit(fn=None, **options):
@@ -115,12 +117,12 @@ class Kernel:
         grid = tuple(grid) if isinstance(grid, list) else grid
         block = tuple(block) if isinstance(block, list) else block
         key = (grid, block, shared_bytes, compiled.cooperative)
-        config = self._configs.get(key)
+        config = self._configs.pop(key, None)
         if config is None:
             if len(self._configs) >= _MAX_CONFIGS:
-                self._configs.clear()
+                del self._configs[next(iter(self._configs))]  # the least recently used
             config = launch_config(grid, block, shared_bytes, compiled.cooperative)
-            self._configs[key] = config
+        self._configs[key] = config  # now the most recently used
         return config
 
 
