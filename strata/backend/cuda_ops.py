@@ -463,6 +463,29 @@ class CudaOps:
                            rope_mode="neox" if is_neox else "normal", rope_dims=num_rope_dims,
                            inv_freq=self._rope[key], stream=self._stream)
 
+    def qk_norm_rope_kv_write(self, q, k, v, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
+                              kv: CudaKv, layer: int, start: int, freq_factors=None) -> None:
+        """One launch for the heads' norm and rotation and the KV write, where the cache is all resident (a
+        host tier fills and writes back its staging layer around the write: two launches there)."""
+        from strata.gpu.kernels.kvcache import KV_BLOCK
+        from strata.gpu.kernels.rope import head_norm_rope
+
+        num_tokens, _, head_dim = q.shape
+        if kv.is_tiered or head_dim % KV_BLOCK:
+            self.qk_norm_rope(q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps, freq_factors)
+            self.kv_write(kv, layer, start, k, v, positions)
+            return
+        if positions is None:
+            positions = self.cuda.to_device(np.arange(start, start + num_tokens, dtype=np.int32))
+        key = self.prepare_rope(num_rope_dims, theta, freq_factors)
+        k_cache, v_cache = kv.layers[layer]
+        with self._owning(ACTIVATIONS):
+            head_norm_rope(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), self._device_positions(positions),
+                           head_dim=head_dim, q_norm_weight=q_norm, k_norm_weight=k_norm, eps=eps,
+                           rope_mode="neox" if is_neox else "normal", rope_dims=num_rope_dims,
+                           inv_freq=self._rope[key], v=v.reshape(num_tokens, -1), k_cache=k_cache, v_cache=v_cache,
+                           stream=self._stream)
+
     def prepare_rope(self, num_rope_dims: int, theta: float, freq_factors=None) -> tuple:
         """Upload the RoPE frequency table once, at load, as part of the dense weights."""
         from strata.gpu.kernels.rope import rope_inv_freq

@@ -255,6 +255,11 @@ class NumpyOps:
 
         q[...], k[...] = _by_row(rows_norm_rope, len(q))
 
+    def qk_norm_rope_kv_write(self, q, k, v, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps, kv,
+                              layer, start, freq_factors=None) -> None:
+        self.qk_norm_rope(q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps, freq_factors)
+        self.kv_write(kv, layer, start, k, v, positions)
+
     def kv_write(self, kv: NumpyKv, layer: int, start: int, k, v, positions=None) -> None:
         end = start + k.shape[0]
         kv.data[layer, 0, start:end] = kv.encode(k)

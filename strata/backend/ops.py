@@ -192,6 +192,11 @@ class Ops(Protocol):
         """Release what ``kv`` holds outside the ledger, now: a host tier's pinned planes and the stream
         that fills its staging layers ahead. The cache is not read again; a second call does nothing."""
     def kv_write(self, kv: Any, layer: int, start: int, k: Any, v: Any, positions: Any = None) -> None: ...
+    def qk_norm_rope_kv_write(self, q: Any, k: Any, v: Any, q_norm: Any | None, k_norm: Any | None, positions: Any,
+                              num_rope_dims: int, theta: float, is_neox: bool, eps: float, kv: Any, layer: int,
+                              start: int, freq_factors: np.ndarray | None = None) -> None:
+        """``qk_norm_rope`` then ``kv_write`` of the normed and rotated k and v (one launch where the backend
+        can)."""
     def attention(self, q: Any, kv: Any, layer: int, start: int, positions: Any = None,
                   split_scratch: Any = None) -> Any: ...  # -> [T, Hq*E]
     def decode_attention_scratch(self, owner: str, kv: Any, num_heads: int, num_tokens: int = 1) -> Any:

@@ -66,7 +66,7 @@ TARGET_ATTENTION_FLOPS = 100e12
 # decode attention's bars (of the cache bytes read): from LONG_DECODE_CONTEXT on per format, below it one ratio
 TARGET_DECODE_ATTENTION_RATIOS = {"F16": 0.70, "Q8_0": 0.60, "Q4_0": 0.60}
 LONG_DECODE_CONTEXT, SHORT_DECODE_RATIO = 32768, 0.30
-DECODE_LAUNCHES_PER_LAYER = 10  # qkv GEMV; norm+rope; KV append; attention + combine; o; router; route; 2 expert
+DECODE_LAUNCHES_PER_LAYER = 9  # qkv GEMV; norm + rope + KV write; attention + combine; o; router; route; 2 expert
 DECODE_LAUNCHES_OUTSIDE = 4  # embedding, final norm + head GEMV (fused), 2 sampling launches
 
 
@@ -349,7 +349,7 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
 
 
 def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_cfg: AttentionConfig, timing) -> list:
-    """One resident qwen3moe layer at decode, as its 10 plain launches; the token sits at the first
+    """One resident qwen3moe layer at decode, as its 9 plain launches; the token sits at the first
     decode context (2k)."""
     rng = np.random.default_rng(5)
     d, hq, hk = s.head_dim, s.num_q_heads, s.num_kv_heads
@@ -370,8 +370,8 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
     def layer():
         gemv_multi((wq, wk, wv), x.reshape(s.hidden), (q.reshape(hq * d), k.reshape(hk * d), v.reshape(hk * d)),
                    norm_weight=ones, config=gemv_cfg)
-        head_norm_rope(q, k, positions, head_dim=d, q_norm_weight=head_ones, k_norm_weight=head_ones)
-        append_kv(k_cache, v_cache, k, v, positions, **_aux(s))
+        head_norm_rope(q, k, positions, head_dim=d, q_norm_weight=head_ones, k_norm_weight=head_ones, v=v,
+                       k_cache=k_cache, v_cache=v_cache)
         attention(q, k_cache, v_cache, positions, attn_out, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
                   kv_len=context + 1, num_splits=splits, config=attn_cfg)
         gemv(wo, attn_out.reshape(hq * d), h.reshape(s.hidden), config=gemv_cfg)  # the engine accumulates

@@ -212,9 +212,9 @@ class ModelRunner:
         q = q.reshape(num_tokens, spec.num_heads, spec.head_dim)
         k = k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
         v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
-        ops.qk_norm_rope(q, k, tensor("attn_q_norm"), tensor("attn_k_norm"), positions, spec.num_rope_dims,
-                         spec.rope_theta, spec.is_rope_neox, spec.rms_norm_eps, self.w.rope_freqs_host)
-        ops.kv_write(kv, kv_layer, start, k, v, positions)
+        ops.qk_norm_rope_kv_write(q, k, v, tensor("attn_q_norm"), tensor("attn_k_norm"), positions,
+                                  spec.num_rope_dims, spec.rope_theta, spec.is_rope_neox, spec.rms_norm_eps, kv,
+                                  kv_layer, start, self.w.rope_freqs_host)
         out = ops.attention(q, kv, kv_layer, start, positions, split_scratch)  # [T, Hq * E]
         ops.matmul_add(x, out, tensor("attn_output"))
 

@@ -112,3 +112,47 @@ def test_block_sum_gives_every_thread_the_same_total_at_any_thread_count(num_thr
     totals = host(out)
     assert np.all(totals == totals[0])
     np.testing.assert_allclose(totals[0], values.astype(np.float64).sum(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("rope_mode", ["neox", "normal"])
+def test_the_fused_cache_write_equals_the_head_kernel_then_append_kv(fmt, rope_mode):
+    from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
+    from strata.gpu.kernels.packing import unpack
+
+    head_dim, num_q, num_k, cells = 64, 4, 2, 9  # two 32-element blocks a head
+    rng = np.random.default_rng(52)
+    q = rng.standard_normal((3, num_q * head_dim)).astype(np.float32)
+    k = (rng.standard_normal((3, num_k * head_dim)) * 3).astype(np.float32)
+    v = (rng.standard_normal((3, num_k * head_dim)) * 2).astype(np.float32)
+    q_w, k_w = (rng.uniform(0.5, 1.5, head_dim).astype(np.float32) for _ in range(2))
+    positions = np.array([7, -1, 2], np.int32)  # a row outside the caches is skipped, as append_kv skips it
+    args = dict(head_dim=head_dim, q_norm_weight=dev(q_w), k_norm_weight=dev(k_w), rope_mode=rope_mode,
+                rope_dims=48, freq_base=1e4)
+
+    q1, k1 = dev(q), dev(k)
+    head_norm_rope(q1, k1, dev(positions), **args)
+    caches1 = empty_kv_layer(fmt, cells, num_k * head_dim)
+    append_kv(*caches1, k1, dev(v), dev(positions))
+
+    q2, k2 = dev(q), dev(k)
+    caches2 = empty_kv_layer(fmt, cells, num_k * head_dim)
+    head_norm_rope(q2, k2, dev(positions), v=dev(v), k_cache=caches2[0], v_cache=caches2[1], **args)
+
+    np.testing.assert_array_equal(host(q2), host(q1))
+    np.testing.assert_array_equal(host(k2), host(k1))
+    for fused, separate in zip(caches2, caches1):
+        np.testing.assert_array_equal(unpack(fused), unpack(separate))
+    assert unpack(caches2[0])[7].any() and not unpack(caches2[0])[[0, 1, 3, 4, 5, 6, 8]].any()
+
+
+def test_the_fused_cache_write_refuses_what_append_kv_refuses():
+    from strata.gpu.kernels.kvcache import empty_kv_layer
+
+    q, k = dev(np.zeros((1, 64), np.float32)), dev(np.zeros((1, 64), np.float32))
+    k_cache, v_cache = empty_kv_layer("Q4_0", 4, 64)
+    with pytest.raises(ValueError, match="k, v and positions"):
+        head_norm_rope(q, k, dev(np.zeros(1, np.int32)), head_dim=64, k_cache=k_cache, v_cache=v_cache)
+    _, wide = empty_kv_layer("Q4_0", 4, 128)
+    with pytest.raises(ValueError, match="caches must be"):
+        head_norm_rope(q, k, dev(np.zeros(1, np.int32)), head_dim=64, v=k, k_cache=k_cache, v_cache=wide)

@@ -91,13 +91,13 @@ def device_store_f16(src, t, block, quants, scales, row):
         quants[row, block * KV_BLOCK + j] = np.float16(src[t, block * KV_BLOCK + j])
 
 
-_STORE = MappingProxyType({"F16": device_store_f16, "Q8_0": device_quantize_q8_0,
+KV_STORE = MappingProxyType({"F16": device_store_f16, "Q8_0": device_quantize_q8_0,
                            "Q4_0": device_quantize_q4_0})
 
 
 @functools.cache
 def _append_kernel(fmt: str, threads: int):
-    store = _STORE[fmt]
+    store = KV_STORE[fmt]
 
     @jit
     def append_kv_kernel(k_new, v_new, positions, k_quants, k_scales, v_quants, v_scales):

@@ -30,6 +30,7 @@ from ._common import (
     stand_in,
 )
 from .block_reduce import device_block_sum
+from .kvcache import KV_BLOCK, KV_STORE
 from .launcher import jit
 
 ROPE_MODES = ("neox", "normal")
@@ -46,20 +47,16 @@ def rope_inv_freq(freq_base: float, rope_dims: int, freq_factors=None) -> np.nda
     return inv_freq
 
 
-@functools.cache
-def _head_kernel(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm: bool):
+def _head_device(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm: bool):
+    """norm_rope(q, k, num_q_heads, q_norm_w, k_norm_w, positions, inv_freq, eps, red, t, head, i): thread i
+    of the block of (token t, head) normalizes and rotates its pair of that q or k head, in place."""
     num_pairs = head_dim // 2
     half_rot = rope_dims // 2
     is_neox = rope_mode == "neox"
     has_rope = rope_mode is not None
 
-    @jit
-    def head_norm_rope_kernel(q, k, num_q_heads, q_norm_w, k_norm_w, positions, inv_freq, eps):
-        # q [T, Hq * d], k [T, Hk * d], in place
-        t = cuda.blockIdx.x
-        head = cuda.blockIdx.y
-        i = cuda.threadIdx.x
-        red = cuda.shared.array(num_pairs, np.float32)
+    @cuda.jit(device=True)
+    def norm_rope(q, k, num_q_heads, q_norm_w, k_norm_w, positions, inv_freq, eps, red, t, head, i):
         is_q = head < num_q_heads
         base = (head if is_q else head - num_q_heads) * head_dim
         if has_rope and i < half_rot:
@@ -88,13 +85,61 @@ def _head_kernel(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm:
             k[t, base + a] = xa
             k[t, base + b] = xb
 
+    return norm_rope
+
+
+@functools.cache
+def _head_kernel(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm: bool):
+    num_pairs = head_dim // 2
+    norm_rope = _head_device(head_dim, rope_dims, rope_mode, has_norm)
+
+    @jit
+    def head_norm_rope_kernel(q, k, num_q_heads, q_norm_w, k_norm_w, positions, inv_freq, eps):
+        # q [T, Hq * d], k [T, Hk * d], in place
+        red = cuda.shared.array(num_pairs, np.float32)
+        norm_rope(q, k, num_q_heads, q_norm_w, k_norm_w, positions, inv_freq, eps, red, cuda.blockIdx.x,
+                  cuda.blockIdx.y, cuda.threadIdx.x)
+
     return head_norm_rope_kernel
+
+
+@functools.cache
+def _head_append_kernel(head_dim: int, rope_dims: int, rope_mode: str | None, has_norm: bool, kv_fmt: str):
+    """The head kernel that also writes the token's K (normed and rotated) and V into row positions[t] of the
+    caches, as kvcache.append_kv does: blocks (t, Hq + Hk + j) store V head j. One launch instead of two."""
+    num_pairs = head_dim // 2
+    blocks_per_head = head_dim // KV_BLOCK
+    norm_rope = _head_device(head_dim, rope_dims, rope_mode, has_norm)
+    store = KV_STORE[kv_fmt]
+
+    @jit
+    def head_norm_rope_append_kernel(q, k, v, num_q_heads, q_norm_w, k_norm_w, positions, inv_freq, eps,
+                                     k_quants, k_scales, v_quants, v_scales):
+        # q [T, Hq * d], k, v [T, Hk * d]; caches [cells, Hk * d] in kv_fmt
+        t, head, i = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        red = cuda.shared.array(num_pairs, np.float32)
+        num_k_heads = k.shape[1] // head_dim
+        row = positions[t]
+        is_row = 0 <= row < k_quants.shape[0]
+        if head < num_q_heads + num_k_heads:  # uniform in the block: its barriers are every thread's
+            norm_rope(q, k, num_q_heads, q_norm_w, k_norm_w, positions, inv_freq, eps, red, t, head, i)
+            if head >= num_q_heads:
+                cuda.syncthreads()  # the head's every pair is written before its blocks are quantized
+                if i < blocks_per_head and is_row:
+                    store(k, t, (head - num_q_heads) * blocks_per_head + i, k_quants, k_scales, row)
+        elif i < blocks_per_head and is_row:
+            store(v, t, (head - num_q_heads - num_k_heads) * blocks_per_head + i, v_quants, v_scales, row)
+
+    return head_norm_rope_append_kernel
 
 
 def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=None, k_norm_weight=None,
                    eps: float = 1e-6, rope_mode: str | None = "neox", freq_base: float = 1e6,
-                   rope_dims: int | None = None, inv_freq=None, stream=0):
+                   rope_dims: int | None = None, inv_freq=None, v=None, k_cache=None, v_cache=None, stream=0):
     """In place: per-head RMSNorm (when norm weights are given) then RoPE (unless rope_mode=None).
+    With ``k_cache`` and ``v_cache`` (PackedMatrix [cells, Hk * head_dim] in a KV format) and ``v`` [T, Hk *
+    head_dim] float32, the same launch then writes k and v into row positions[t] of the caches, as
+    kvcache.append_kv does (rows outside the caches are skipped).
 
     q: [T, Hq * head_dim] float32; k: [T, Hk * head_dim] float32 or None; positions: [T] int32
     (needed with RoPE); q_norm_weight / k_norm_weight: [head_dim] float32, both or neither (only
@@ -141,7 +186,9 @@ def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=No
         check_array("inv_freq", inv_freq, dtypes=np.float64, shape=(rope_dims // 2,))
     num_q_heads = q.shape[1] // head_dim
     num_k_heads = 0 if k is None else k.shape[1] // head_dim
-    if num_tokens == 0 or not has_norm and rope_mode is None:
+    if k_cache is not None:
+        _check_append(k, v, positions, k_cache, v_cache, head_dim)
+    if num_tokens == 0 or not has_norm and rope_mode is None and k_cache is None:
         return q, k
     args = (
         q,
@@ -153,6 +200,26 @@ def head_norm_rope(q, k=None, positions=None, *, head_dim: int, q_norm_weight=No
         inv_freq if inv_freq is not None else stand_in(q, np.float64, 1),
         np.float32(eps),
     )
+    if k_cache is not None:
+        kernel = _head_append_kernel(head_dim, rope_dims, rope_mode, has_norm, k_cache.fmt)
+        kernel[(num_tokens, num_q_heads + 2 * num_k_heads), head_dim // 2, stream](
+            args[0], args[1], v, *args[2:], k_cache.quants, k_cache.scales, v_cache.quants, v_cache.scales)
+        return q, k
     kernel = _head_kernel(head_dim, rope_dims, rope_mode, has_norm)
     kernel[(num_tokens, num_q_heads + num_k_heads), head_dim // 2, stream](*args)
     return q, k
+
+
+def _check_append(k, v, positions, k_cache, v_cache, head_dim: int) -> None:
+    from .kvcache import KV_FORMATS
+    from .packing import check_packed
+
+    if k is None or v is None or positions is None:
+        raise ValueError("writing the KV cache needs k, v and positions")
+    check_packed("k_cache", k_cache, formats=KV_FORMATS)
+    check_packed("v_cache", v_cache, formats=(k_cache.fmt,))
+    if head_dim % KV_BLOCK or (v_cache.num_rows, v_cache.num_cols) != (k_cache.num_rows, k_cache.num_cols) \
+            or k_cache.num_cols != k.shape[1]:
+        raise ValueError(f"the caches must be [cells, {k.shape[1]}] both, and head_dim a multiple of {KV_BLOCK}")
+    check_array("v", v, dtypes=np.float32, shape=k.shape)
+    check_array("positions", positions, dtypes=np.int32, shape=(k.shape[0],))
