@@ -370,8 +370,12 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
     def layer():
         gemv_multi((wq, wk, wv), x.reshape(s.hidden), (q.reshape(hq * d), k.reshape(hk * d), v.reshape(hk * d)),
                    norm_weight=ones, config=gemv_cfg)
-        head_norm_rope(q, k, positions, head_dim=d, q_norm_weight=head_ones, k_norm_weight=head_ones, v=v,
-                       k_cache=k_cache, v_cache=v_cache)
+        if d % 32 == 0:  # the KV write in the same launch, as the engine does
+            head_norm_rope(q, k, positions, head_dim=d, q_norm_weight=head_ones, k_norm_weight=head_ones, v=v,
+                           k_cache=k_cache, v_cache=v_cache)
+        else:
+            head_norm_rope(q, k, positions, head_dim=d, q_norm_weight=head_ones, k_norm_weight=head_ones)
+            append_kv(k_cache, v_cache, k, v, positions, **_aux(s))
         attention(q, k_cache, v_cache, positions, attn_out, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
                   kv_len=context + 1, num_splits=splits, config=attn_cfg)
         gemv(wo, attn_out.reshape(hq * d), h.reshape(s.hidden), config=gemv_cfg)  # the engine accumulates
