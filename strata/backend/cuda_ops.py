@@ -451,24 +451,27 @@ class CudaOps:
                 gemm(y, weight.data, x, accumulate=True)
 
     def qk_norm_rope(self, q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
-                     freq_factors=None) -> None:
+                     freq_factors=None, v=None, caches=None) -> None:
+        """caches: the layer's resident (K, V), written from the normed and rotated k and ``v`` in the same
+        launch (``qk_norm_rope_kv_write``)."""
         from strata.gpu.kernels.rope import head_norm_rope
 
         num_tokens, _, head_dim = q.shape
         key = self.prepare_rope(num_rope_dims, theta, freq_factors)
+        k_cache, v_cache = caches or (None, None)
         with self._owning(ACTIVATIONS):
             head_norm_rope(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
                            self._device_positions(positions), head_dim=head_dim,
                            q_norm_weight=q_norm, k_norm_weight=k_norm, eps=eps,
                            rope_mode="neox" if is_neox else "normal", rope_dims=num_rope_dims,
-                           inv_freq=self._rope[key], stream=self._stream)
+                           inv_freq=self._rope[key], v=None if v is None else v.reshape(num_tokens, -1),
+                           k_cache=k_cache, v_cache=v_cache, stream=self._stream)
 
     def qk_norm_rope_kv_write(self, q, k, v, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
                               kv: CudaKv, layer: int, start: int, freq_factors=None) -> None:
         """One launch for the heads' norm and rotation and the KV write, where the cache is all resident (a
         host tier fills and writes back its staging layer around the write: two launches there)."""
         from strata.gpu.kernels.kvcache import KV_BLOCK
-        from strata.gpu.kernels.rope import head_norm_rope
 
         num_tokens, _, head_dim = q.shape
         if kv.is_tiered or head_dim % KV_BLOCK:
@@ -477,14 +480,8 @@ class CudaOps:
             return
         if positions is None:
             positions = self.cuda.to_device(np.arange(start, start + num_tokens, dtype=np.int32))
-        key = self.prepare_rope(num_rope_dims, theta, freq_factors)
-        k_cache, v_cache = kv.layers[layer]
-        with self._owning(ACTIVATIONS):
-            head_norm_rope(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), self._device_positions(positions),
-                           head_dim=head_dim, q_norm_weight=q_norm, k_norm_weight=k_norm, eps=eps,
-                           rope_mode="neox" if is_neox else "normal", rope_dims=num_rope_dims,
-                           inv_freq=self._rope[key], v=v.reshape(num_tokens, -1), k_cache=k_cache, v_cache=v_cache,
-                           stream=self._stream)
+        self.qk_norm_rope(q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps, freq_factors, v=v,
+                          caches=kv.layers[layer])
 
     def prepare_rope(self, num_rope_dims: int, theta: float, freq_factors=None) -> tuple:
         """Upload the RoPE frequency table once, at load, as part of the dense weights."""
