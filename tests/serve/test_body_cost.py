@@ -1,8 +1,11 @@
-"""A body just under the 4 MiB limit, of any shape, costs under 100 MB and 0.5 s to answer:
+"""A body just under the 4 MiB limit, of any shape, costs under 100 MB and 0.5 s to answer (or,
+on a machine too slow or busy for that, a few times what parsing that JSON alone costs there):
 its size is checked before it is parsed, its shape before it becomes objects, and its text before
 it is tokenized."""
 
+import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -11,6 +14,7 @@ import pytest
 NUM_BYTES = 4_000_000
 MAX_PEAK_BYTES = 100 * 2**20
 MAX_SECONDS = 0.5
+MAX_PARSE_MULTIPLE = 4  # the answer may cost this many times a bare json.loads of the body, measured beside it
 STATUS = Path("/proc/self/status")
 PEAK_RESET = Path("/proc/self/clear_refs")
 
@@ -39,6 +43,19 @@ BODIES = {
 }
 
 
+def _parse_seconds(body: bytes) -> float:
+    """The fastest of three bare parses: what this machine, as loaded as it is now, needs for the JSON alone."""
+    fastest = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        try:
+            json.loads(body)
+        except (ValueError, RecursionError):
+            pass
+        fastest = min(fastest, time.perf_counter() - start)
+    return fastest
+
+
 def _kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+) kB", STATUS.read_text()).group(1))
 
@@ -64,4 +81,5 @@ def test_a_4_mb_body_costs_under_100_mb_and_half_a_second(client, name):
     seconds = response.elapsed.total_seconds()
     peak_bytes = (_kib("VmHWM") - resident_kib) * 1024
     assert response.status_code in (200, 400), response.text
-    assert peak_bytes < MAX_PEAK_BYTES and seconds < MAX_SECONDS, (name, peak_bytes / 2**20, seconds)
+    max_seconds = max(MAX_SECONDS, MAX_PARSE_MULTIPLE * _parse_seconds(body))
+    assert peak_bytes < MAX_PEAK_BYTES and seconds < max_seconds, (name, peak_bytes / 2**20, seconds, max_seconds)
