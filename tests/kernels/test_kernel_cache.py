@@ -5,10 +5,12 @@ and the rebuild from numba-cuda's own classes in a process without the simulator
 
 import dataclasses
 import hashlib
+import os
 import pickle
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -139,7 +141,22 @@ def test_another_source_tree_compiler_or_closure_is_another_entry(cache, tmp_pat
     edited = DiskCache(cache.dispatcher, folder=tmp_path, environment="numba-cuda x")  # the next process's
     assert edited.load_overload("(float32[:],)", None) is None
     edited.save_overload("(float32[:],)", FakeKernel(FakeLibrary({CC: b"cubin"})))
-    assert [p.name[:13] for p in tmp_path.glob("*.kernel")] == ["f" * 12 + "-"]  # the old tree's entry is gone
+    assert len(list(tmp_path.glob("*.kernel"))) == 2  # a second tree in use keeps its entries
+
+
+def test_another_trees_entries_go_once_idle_for_a_week_and_a_load_keeps_them(cache, tmp_path, monkeypatch):
+    cache.save_overload("(float32[:],)", FakeKernel(FakeLibrary({CC: b"cubin"})))
+    (old,) = tmp_path.glob("*.kernel")
+    week_ago = time.time() - kernel_cache._OTHER_TREE_MAX_IDLE_S - 60
+    os.utime(old, (week_ago, week_ago))
+    assert cache.load_overload("(float32[:],)", None) is not None  # a load marks it in use
+    monkeypatch.setattr(kernel_cache, "source_digest", lambda: "f" * 64)
+    edited = DiskCache(cache.dispatcher, folder=tmp_path, environment="numba-cuda x")
+    edited.save_overload("(float32[:],)", FakeKernel(FakeLibrary({CC: b"cubin"})))
+    assert old.exists()
+    os.utime(old, (week_ago, week_ago))
+    edited.save_overload("(float16[:],)", FakeKernel(FakeLibrary({CC: b"cubin"})))
+    assert not old.exists() and len(list(tmp_path.glob("*.kernel"))) == 2  # the edited tree's two
 
 
 def test_a_code_objects_fingerprint_does_not_follow_its_constants_reference_counts():

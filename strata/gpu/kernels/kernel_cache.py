@@ -26,6 +26,7 @@ import hashlib
 import logging
 import pickle
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -37,6 +38,9 @@ from . import ptx_cache
 
 log = logging.getLogger("strata.kernels")
 _DIGEST_BYTES = 32
+# another source tree's entries (an older install, a second checkout) go once unused this long: two trees
+# in use share the folder, and a tree no longer run does not keep its kernels forever
+_OTHER_TREE_MAX_IDLE_S = 7 * 86400
 _SOURCE_SUFFIXES = (".py", ".cu", ".cuh")
 _MAX_DEPTH = 64  # objects on one chain of captures: a runaway, not a real kernel
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -190,6 +194,8 @@ class DiskCache(NullCache):
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
             return None
+        with contextlib.suppress(OSError):
+            path.touch()  # in use: its tree's entries are not idle
         return kernel
 
     def save_overload(self, sig, kernel):
@@ -201,7 +207,7 @@ class DiskCache(NullCache):
         except Exception as exc:  # Uncacheable, or a state that does not pickle: compiled in every process
             log.debug("kernel %s not kept: %r", path.name, exc)
             return
-        _remove_other_trees(self.folder, self._source_digest)
+        _remove_idle_trees(self.folder, self._source_digest, time.time())
         ptx_cache._write_atomic(path, payload + hashlib.sha256(payload).digest())
 
     def _path(self, sig) -> Path | None:
@@ -315,11 +321,11 @@ def _environment() -> str:
                       sys.version.split()[0]))
 
 
-def _remove_other_trees(folder: Path, digest: str) -> None:
-    """Entries written by other source trees (an entry is written only where a kernel was compiled)."""
+def _remove_idle_trees(folder: Path, digest: str, now_s: float) -> None:
+    """Other source trees' entries unused for _OTHER_TREE_MAX_IDLE_S (run where a kernel was compiled)."""
     try:
         for path in folder.glob("*.kernel"):
-            if not path.name.startswith(digest[:12] + "-"):
+            if not path.name.startswith(digest[:12] + "-") and now_s - path.stat().st_mtime > _OTHER_TREE_MAX_IDLE_S:
                 path.unlink(missing_ok=True)
     except OSError:
         pass
