@@ -4,5 +4,7 @@
 where an expert's matrices sit in a slot; ``select.py`` ``runtime.backend`` → an implementation;
 ``numpy_ops.py`` the reference ops on host memory; ``dry_run.py`` charges without allocating
 (``strata check``); ``cuda_ops.py`` the Numba kernels (``cuda``, and ``cudasim`` under the
-simulator); ``expert_arena.py`` the expert cache's storage in VMM segments.
+simulator), with its KV and attention in ``cuda_attention_ops.py``, its routed experts in
+``cuda_moe_ops.py`` and its output head in ``cuda_head_ops.py``; ``expert_arena.py`` the expert
+cache's storage in VMM segments.
 """

@@ -17,76 +17,34 @@ Accounting: on the GPU every Numba allocation passes the ledger's memory manager
 the owner in effect (``ledger.owner``); temporaries of a computation are charged to
 ``activations``, which must be back to zero between requests. The simulator has no memory
 manager, so allocations made through these ops are charged by hand, as the same owners.
+
+This file holds memory, streams, capture and the dense compute; the KV cache and attention
+(``cuda_attention_ops.py``), the routed experts (``cuda_moe_ops.py``) and the output head
+(``cuda_head_ops.py``) are the classes ``CudaOps`` takes them from.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import time
 
 import numpy as np
-from numba import cuda  # a module global: the simulator swaps it inside kernels
 
+from strata.backend.cuda_attention_ops import AttentionOps
+from strata.backend.cuda_head_ops import HeadOps
+from strata.backend.cuda_moe_ops import MoeOps
 from strata.backend.layouts import packed_expert_layout
-from strata.backend.ops import DECODE_MAX_ROWS, KV_STAGING_LAYERS, ExpertLayout, QTensor
+from strata.backend.ops import DECODE_MAX_ROWS, ExpertLayout, QTensor
 from strata.gpu import driver_calls
 from strata.gpu.ledger import ACTIVATIONS_OWNER as ACTIVATIONS
 from strata.gpu.ledger import VramLedger
 
 log = logging.getLogger(__name__)
 
-_KV_FORMATS = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
-
-class CudaKv:
-    """Per layer (K, V) PackedMatrix of ``resident_cells`` rows on the device; with a host tier
-    (``resident_cells`` < ``num_cells``), the other cells of each layer in mapped host memory and two
-    staging layers of every cell, alternating by layer, that a layer's attention reads (``kernels/kv_tier.py``)."""
-
-    def __init__(self, layers, kv_format: str, num_cells: int, num_kv_heads: int, head_dim: int,
-                 host_layers=(), staging=None):
-        self.layers = layers  # [(K, V) PackedMatrix] per layer: [resident_cells, W] each
-        self.kv_format = kv_format
-        self.num_cells = num_cells  # the cells attention may read: the context
-        self.resident_cells = layers[0][0].num_rows if layers else num_cells
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.host_layers = host_layers  # [(K, V)] per layer: [num_cells - resident_cells, W] each, or none
-        self.staging = staging  # with a host tier, two (K, V) [num_cells, W]: layer l is attended in staging[l % 2]
-
-    @property
-    def cell_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.layers) // self.resident_cells  # K and V of every layer
-
-    @property
-    def is_tiered(self) -> bool:
-        return bool(self.host_layers)
-
-    def attended(self, layer: int) -> tuple:
-        """The (K, V) that ``layer``'s attention reads: with a host tier, the staging layer its kv_write filled."""
-        return self.staging[layer % KV_STAGING_LAYERS] if self.is_tiered else self.layers[layer]
-
-
-@dataclasses.dataclass
-class LayerGroups:
-    """A prefill layer's routed pairs grouped by expert (``moe_groups``), and the layer's X staged once for
-    all of its expert launches with their hidden scratch (``moe``). The next layer of the chunk takes its
-    buffers (``moe_groups(previous=...)``); the last layer's go when the chunk's forward lets them go."""
-
-    groups: object  # moe_route.MoeGroups
-    scratch: dict = dataclasses.field(default_factory=dict)  # the grouping's buffers by role, lent to the next layer
-    staged: object = None  # moe.StagedPrefill: this layer's, or the previous layer's until moe() stages again
-    staged_from: object = None  # the X it was staged from
-
-    @property
-    def block_m(self) -> int:
-        return self.groups.block_m
-
-
-class CudaOps:
+class CudaOps(AttentionOps, MoeOps, HeadOps):
     is_activation_charged = True  # the kernels' allocations go through the ledger as they are made
     is_copy_overlapped = True  # RuntimeSettings.copy_overlap, set by the engine's RuntimeState
     is_kv_staged = True  # a host tier of KV cells is read through staging layers (``kv_cache``)
@@ -171,12 +129,6 @@ class CudaOps:
         rows = int(np.prod(shape[:-1]))
         packed = pack(raw.reshape(rows, -1), qtype.name, shape[-1])
         return QTensor(data=packed, qtype=qtype, shape=tuple(shape), num_bytes=int(raw.nbytes))
-
-    def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
-        from strata.gpu.kernels import tensor_core
-
-        return kv_scratch_bytes_per_cell(head_dim, kv_width, kv_type,
-                                         has_tensor_cores=self.is_simulator or tensor_core.is_available())
 
     def pinned(self, host: QTensor) -> QTensor:
         """``host``'s packed planes in page-locked memory: a restore uploads them at the pinned PCIe
@@ -355,53 +307,6 @@ class CudaOps:
             self.cuda.synchronize()
             trim_pool(self.ledger)
 
-    def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type, resident_cells: int = 0,
-                 staging_owner: str = "") -> CudaKv:
-        """resident_cells (0: every cell) of each layer on the device; the other cells, with a host tier,
-        in mapped host memory, and two staging layers of every cell charged to ``staging_owner``."""
-        from strata.gpu.kernels.kvcache import empty_kv_layer
-
-        fmt, width = _KV_FORMATS[kv_type], num_kv_heads * head_dim
-        resident_cells = resident_cells or num_cells
-        with self._owning(owner):
-            layers = [empty_kv_layer(fmt, resident_cells, width) for _ in range(num_layers)]
-        host_layers, staging = (), None
-        if resident_cells < num_cells:
-            host_layers = [tuple(self._mapped_packed(fmt, num_cells - resident_cells, width) for _ in range(2))
-                           for _ in range(num_layers)]
-            with self._owning(staging_owner):
-                staging = [empty_kv_layer(fmt, num_cells, width) for _ in range(KV_STAGING_LAYERS)]
-            self._track(staging_owner, staging, sum(m.nbytes for pair in staging for m in pair))
-        kv = CudaKv(layers, fmt, num_cells, num_kv_heads, head_dim, host_layers, staging)
-        return self._track(owner, kv, sum(k.nbytes + v.nbytes for k, v in layers))
-
-    def close_kv(self, kv: CudaKv) -> None:
-        """The host tier's planes go back to the driver now rather than at a later flush of Numba's pending
-        frees (a server loading a model again would hold both tiers' pinned memory), with the fill stream."""
-        if self._kv_fills is not None:
-            self._kv_fills.close()
-            self._kv_fills = None
-        if not kv.host_layers:
-            return
-        kv.host_layers = ()  # their last references: each plane's pinned memory is queued for freeing
-        if not self.is_simulator:
-            self.cuda.current_context().memory_manager.deallocations.clear()
-
-    def _mapped_packed(self, fmt: str, num_rows: int, num_cols: int):
-        """A zeroed packed matrix in page-locked host memory that kernels read and write through its
-        device mapping (the simulator's device memory is host memory already)."""
-        from strata.gpu.kernels.packing import PackedMatrix, plane_shapes
-
-        planes = {}
-        for name, (shape, dtype) in plane_shapes(fmt, num_rows, num_cols).items():
-            if self.is_simulator:
-                planes[name] = self.cuda.to_device(np.zeros(shape, dtype))
-            else:
-                planes[name] = self.cuda.mapped_array(shape, dtype)
-                np.ndarray.fill(planes[name], 0)  # host memory: numba's view() is the device array's
-        return PackedMatrix(fmt, num_rows, num_cols, *(planes.get(n, self.placeholders[n])
-                                                       for n in ("quants", "scales", "extra")))
-
     # --- compute --------------------------------------------------------------------------
 
     def embed(self, table: QTensor, tokens: np.ndarray, out=None):
@@ -450,251 +355,6 @@ class CudaOps:
             with self._owning(ACTIVATIONS):  # gemm may stage a float16 copy of y
                 gemm(y, weight.data, x, accumulate=True)
 
-    def qk_norm_rope(self, q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
-                     freq_factors=None, v=None, caches=None) -> None:
-        """caches: the layer's resident (K, V), written from the normed and rotated k and ``v`` in the same
-        launch (``qk_norm_rope_kv_write``)."""
-        from strata.gpu.kernels.rope import head_norm_rope
-
-        num_tokens, _, head_dim = q.shape
-        key = self.prepare_rope(num_rope_dims, theta, freq_factors)
-        k_cache, v_cache = caches or (None, None)
-        with self._owning(ACTIVATIONS):
-            head_norm_rope(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
-                           self._device_positions(positions), head_dim=head_dim,
-                           q_norm_weight=q_norm, k_norm_weight=k_norm, eps=eps,
-                           rope_mode="neox" if is_neox else "normal", rope_dims=num_rope_dims,
-                           inv_freq=self._rope[key], v=None if v is None else v.reshape(num_tokens, -1),
-                           k_cache=k_cache, v_cache=v_cache, stream=self._stream)
-
-    def qk_norm_rope_kv_write(self, q, k, v, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps,
-                              kv: CudaKv, layer: int, start: int, freq_factors=None) -> None:
-        """One launch for the heads' norm and rotation and the KV write, where the cache is all resident (a
-        host tier fills and writes back its staging layer around the write: two launches there)."""
-        from strata.gpu.kernels.kvcache import KV_BLOCK
-
-        num_tokens, _, head_dim = q.shape
-        if kv.is_tiered or head_dim % KV_BLOCK:
-            self.qk_norm_rope(q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps, freq_factors)
-            self.kv_write(kv, layer, start, k, v, positions)
-            return
-        if positions is None:
-            positions = self.cuda.to_device(np.arange(start, start + num_tokens, dtype=np.int32))
-        self.qk_norm_rope(q, k, q_norm, k_norm, positions, num_rope_dims, theta, is_neox, eps, freq_factors, v=v,
-                          caches=kv.layers[layer])
-
-    def prepare_rope(self, num_rope_dims: int, theta: float, freq_factors=None) -> tuple:
-        """Upload the RoPE frequency table once, at load, as part of the dense weights."""
-        from strata.gpu.kernels.rope import rope_inv_freq
-
-        key = (theta, num_rope_dims, None if freq_factors is None else np.asarray(freq_factors).tobytes())
-        if key not in self._rope:
-            self._rope[key] = self.upload("dense_weights", rope_inv_freq(theta, num_rope_dims, freq_factors))
-        return key
-
-    def _device_positions(self, positions):
-        if isinstance(positions, np.ndarray):
-            return self.cuda.to_device(np.asarray(positions, dtype=np.int32))
-        return positions
-
-    def kv_write(self, kv: CudaKv, layer: int, start: int, k, v, positions=None) -> None:
-        from strata.gpu.kernels.kv_tier import fill_kv_window, write_back_kv
-        from strata.gpu.kernels.kvcache import append_kv
-
-        num_tokens = k.shape[0]
-        if positions is None:
-            positions = self.cuda.to_device(np.arange(start, start + num_tokens, dtype=np.int32))
-        positions = self._device_positions(positions)
-        staging = kv.staging[layer % KV_STAGING_LAYERS] if kv.is_tiered else None
-        is_filled = kv.is_tiered and self._kv_fills is not None and \
-            self._kv_fills.take((id(kv), layer, start, num_tokens))
-        with self._owning(ACTIVATIONS):
-            if kv.is_tiered and not is_filled:  # the layer's cells up to the new ones into its staging layer
-                fill_kv_window(staging, kv.layers[layer], kv.host_layers[layer], kv.resident_cells, positions,
-                               stream=self._stream, **self._tier_launch)
-            k_cache, v_cache = staging or kv.layers[layer]
-            append_kv(k_cache, v_cache, k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), positions,
-                      stream=self._stream)
-            if kv.is_tiered:  # the new cells to their home, device or host
-                write_back_kv(staging, kv.layers[layer], kv.host_layers[layer], kv.resident_cells, positions,
-                              stream=self._stream, **self._tier_launch)
-
-    def decode_attention_scratch(self, owner: str, kv: CudaKv, num_heads: int, num_tokens: int = 1) -> tuple:
-        """The split workspace of a decode step's attention (attention.decode_workspace_specs: the direct
-        kernel's partials and zeroed counters, or the other kernels' o, m and l); a captured layer that
-        allocated its own would keep ~1 MiB per layer at 34k cells."""
-        from strata.gpu.kernels.attention import decode_workspace_specs
-
-        specs = decode_workspace_specs(self._decode_splits(kv, num_heads), num_tokens, num_heads, kv.num_kv_heads,
-                                       kv.head_dim, k_cache=kv.attended(0)[0])
-        return tuple(self.upload(owner, np.zeros(shape, dtype)) if np.dtype(dtype).kind == "i" else
-                     self.alloc(owner, shape, dtype) for shape, dtype in specs)
-
-    def _decode_splits(self, kv: CudaKv, num_heads: int) -> int:
-        from strata.gpu.kernels.attention import decode_num_splits
-
-        # every layer's planes are allocations of their own, aligned as layer 0's (the direct kernel asks 16 bytes)
-        return decode_num_splits(kv.num_cells, kv.num_kv_heads, kv.head_dim, num_heads // kv.num_kv_heads,
-                                 self._num_sms, k_cache=kv.attended(0)[0])
-
-    def attention(self, q, kv: CudaKv, layer: int, start: int, positions=None, split_scratch=None):
-        from strata.gpu.kernels.attention import (
-            attention,
-            decode_config,
-            uses_tensor_cores,
-        )
-
-        num_tokens, num_heads, head_dim = q.shape
-        if positions is None:
-            positions = np.arange(start, start + num_tokens, dtype=np.int32)
-        k_cache, v_cache = kv.attended(layer)
-        args = dict(num_q_heads=num_heads, num_kv_heads=kv.num_kv_heads, head_dim=head_dim)
-        with self._owning(ACTIVATIONS):
-            if num_tokens <= DECODE_MAX_ROWS:  # decode rows: the KV length comes from each row's position on
-                # the device, so a captured step replays at any position; the splits are sized for the whole
-                # cache, the same for every row count: each row attends as a one-token call of it would
-                return attention(q.reshape(num_tokens, -1), k_cache, v_cache, self._device_positions(positions),
-                                 kv_len=kv.num_cells, num_splits=self._decode_splits(kv, num_heads),
-                                 is_len_from_positions=True, is_decode_rows=True,
-                                 config=decode_config(head_dim, num_heads // kv.num_kv_heads),
-                                 stream=self._stream, workspace=split_scratch, **args)
-            scratch = None
-            if k_cache.fmt != "F16" and uses_tensor_cores(num_tokens, 1, head_dim, k_cache.fmt):
-                scratch = self._f16_scratch(kv.num_cells, k_cache.num_cols)  # [cells, width] K and V
-            positions = self._device_positions(positions)
-            out = attention(q.reshape(num_tokens, -1), k_cache, v_cache, positions, kv_len=start + num_tokens,
-                            f16_scratch=scratch, **args)
-        if kv.is_tiered and layer + 1 < len(kv.layers):
-            self._fill_next_layer(kv, layer + 1, start, positions)
-        return out
-
-    def _fill_next_layer(self, kv: CudaKv, layer: int, start: int, positions) -> None:
-        """Prefill: ``layer``'s fill runs on a stream of its own while this layer's experts compute
-        (``kv_fills.py``); where the chunk's copies do not overlap (``is_copy_overlapped``: a ring of two
-        slots or more), or while a segment is captured, it runs in its write."""
-        if self.is_simulator or not self.is_copy_overlapped or self._stream != 0:
-            return
-        from strata.gpu.kernels.kv_tier import fill_kv_window
-
-        if self._kv_fills is None:
-            from strata.backend.kv_fills import AheadFills
-
-            self._kv_fills = AheadFills()
-        self._kv_fills.fill_ahead((id(kv), layer, start, positions.shape[0]), positions, lambda stream: fill_kv_window(
-            kv.staging[layer % KV_STAGING_LAYERS], kv.layers[layer], kv.host_layers[layer], kv.resident_cells,
-            positions, stream=stream, **self._tier_launch))
-
-    def _f16_scratch(self, num_rows: int, width: int):
-        """Two F16 matrices a quantized cache layer is dequantized into for prefill attention; sized
-        for the whole cache, so every layer and chunk reuses the same pooled blocks."""
-        from strata.gpu.kernels.packing import PackedMatrix
-
-        return tuple(PackedMatrix("F16", num_rows, width, self.cuda.device_array((num_rows, width), np.float16),
-                                  self.placeholders["scales"], self.placeholders["extra"]) for _ in range(2))
-
-    def route(self, x, router: QTensor, num_used: int, is_norm: bool):
-        from strata.gpu.kernels.moe_route import moe_route
-
-        logits = self.matmul(x, router)
-        with self._owning(ACTIVATIONS):
-            ids, weights = moe_route(logits, num_used, norm_weights=is_norm, stream=self._stream)
-        return ids, weights  # [T, k] int32 on the device; to_host when the host must pick experts
-
-    def moe_accumulator(self, x):
-        return x  # the MoE kernels add into the residual stream: no zeroed array, no extra add
-
-    def moe_groups(self, ids, weights, num_experts: int, layout: ExpertLayout | None = None, previous=None):
-        """A prefill chunk's routed pairs grouped by expert id once per layer: every ring batch of the
-        layer then launches only its two expert products (tiles of experts it has not staged exit). The
-        previous layer's groups lend their buffers (its launches are queued before these, on one stream)."""
-        from strata.gpu.kernels.moe_route import moe_group
-
-        if ids.shape[0] <= DECODE_MAX_ROWS:
-            return None
-        ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
-        with self._owning(ACTIVATIONS):  # the tiles' rows follow the chunk's rows an expert (moe() takes the groups')
-            if not isinstance(self._stream, int):
-                previous = None  # a graph is being captured: its nodes keep their own buffers
-            scratch, staged = ({}, None) if previous is None else (previous.scratch, previous.staged)
-            if previous is not None:  # the new groups hold its buffers alone, and its input goes now
-                previous.staged = previous.staged_from = previous.groups = None
-            groups = moe_group(ids, weights, num_experts,
-                               self._moe_block_m(ids.shape[0] * ids.shape[1], num_experts, layout), scratch=scratch)
-            return LayerGroups(groups, scratch=scratch, staged=staged)  # staged from another X: staged again
-
-    def moe_tile_rows(self, layout: ExpertLayout | None = None) -> tuple:
-        from strata.gpu.kernels import tensor_core
-        from strata.gpu.kernels.moe import prefill_tile_row_choices
-
-        if not tensor_core.is_available():
-            return (None,)  # the FFMA tiles have one shape
-        choices = {rows for each in _layer_layouts(layout) for rows in prefill_tile_row_choices(*_expert_formats(each))}
-        return tuple(sorted(choices))
-
-    @contextlib.contextmanager
-    def forcing_moe_tile_rows(self, rows: int | None):
-        if rows not in self.moe_tile_rows():
-            raise ValueError(f"MoE tile rows must be one of {self.moe_tile_rows()}, got {rows}")
-        previous, self._forced_tile_rows = self._forced_tile_rows, rows
-        try:
-            yield
-        finally:
-            self._forced_tile_rows = previous
-
-    def _moe_block_m(self, num_pairs: int, num_experts: int, layout: ExpertLayout | None) -> int:
-        """The forced tile rows where this layer's experts may take them (a mixed model's layers may pick
-        between different tiles), else the pick for this chunk."""
-        from strata.gpu.kernels.moe import prefill_tile_row_choices, prefill_tile_rows
-
-        formats = _expert_formats(layout)
-        if self._forced_tile_rows in prefill_tile_row_choices(*formats):
-            return self._forced_tile_rows
-        return prefill_tile_rows(num_pairs, num_experts, *formats)
-
-    def moe(self, out, x, ids, weights, storage, slot_of_expert, layout: ExpertLayout, groups=None) -> None:
-        """out += the experts of ``slot_of_expert`` ([N] slot or -1, host or device) for the routed ``ids``;
-        with ``slot_of_expert`` None, ``ids`` [T, k] on the device are slots already (decode)."""
-        from strata.gpu.kernels.moe import moe_experts_decode, moe_experts_prefill, stage_prefill
-        from strata.gpu.kernels.moe_route import moe_group
-
-        gate, up, down = storage.matrices(layout)  # in the types of the layer's experts
-        num_slots = storage.num_slots_reserved
-        if slot_of_expert is None:
-            with self._owning(ACTIVATIONS):
-                moe_experts_decode(x, ids, weights, gate, up, down, out, num_experts=num_slots, stream=self._stream)
-            return
-        if isinstance(ids, np.ndarray) and isinstance(slot_of_expert, np.ndarray) and x.shape[0] <= DECODE_MAX_ROWS:
-            # decode with the routing on the host already: the slots are looked up here, no map launch
-            slot_ids = np.where(ids >= 0, slot_of_expert[np.clip(ids, 0, len(slot_of_expert) - 1)], -1)  # [T, k]
-            with self._owning(ACTIVATIONS):
-                moe_experts_decode(x, self.cuda.to_device(slot_ids.astype(np.int32)), weights, gate, up, down, out,
-                                   num_experts=num_slots)
-            return
-        ids = ids if not isinstance(ids, np.ndarray) else self.cuda.to_device(np.asarray(ids, dtype=np.int32))
-        with self._owning(ACTIVATIONS):
-            table = slot_of_expert if not isinstance(slot_of_expert, np.ndarray) else \
-                self.cuda.to_device(np.asarray(slot_of_expert, dtype=np.int32))
-            if groups is not None:  # each launch on its default tiles of the groups' block_m
-                if groups.staged_from is not x:
-                    reuse, groups.staged = groups.staged, None
-                    groups.staged = stage_prefill(x, groups.groups, gate, up, down, num_experts=num_slots, reuse=reuse)
-                    groups.staged_from = x
-                moe_experts_prefill(x, groups.groups, gate, up, down, out, num_experts=num_slots, slot_of_expert=table,
-                                    staged=groups.staged)
-                return
-            if x.shape[0] <= DECODE_MAX_ROWS:
-                moe_experts_decode(x, _map_ids(ids, table, to_slots=True, stream=self._stream), weights, gate, up,
-                                   down, out, num_experts=num_slots, stream=self._stream)
-                return
-            # group by expert id (few: the grouping keeps a counter per expert in shared memory),
-            # then point each tile at its expert's slot; tensor cores on the GPU (the down launch on
-            # tiles of its own), FFMA in the simulator
-            block_m = self._moe_block_m(ids.shape[0] * ids.shape[1], table.shape[0], layout)
-            groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], block_m)
-            tiles = groups.tile_expert.shape[0]
-            _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)
-            moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots)
-
     def ffn(self, x, gate: QTensor, up: QTensor, down: QTensor):
         from strata.gpu.kernels.activation import swiglu
 
@@ -702,14 +362,6 @@ class CudaOps:
         with self._owning(ACTIVATIONS):
             hidden = swiglu(g, u)
         return self.matmul(hidden, down)
-
-    def shared_expert_add(self, acc, shared, h, gate_inp) -> None:
-        if gate_inp is not None:
-            from strata.errors import EngineError
-
-            raise EngineError("a gated shared expert (ffn_gate_inp_shexp) is not supported on the cuda backend yet; "
-                              'use runtime.backend = "numpy"')
-        self.add(acc, shared)
 
     def add(self, x, y) -> None:
         from strata.gpu.kernels.elementwise import add
@@ -729,90 +381,6 @@ class CudaOps:
 
         copy_array(dst, src, stream=self._stream)
 
-    def logits(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
-        from strata.gpu.kernels.gemv import gemv
-        from strata.gpu.kernels.gemv_native import head_config
-
-        last = x[x.shape[0] - 1:] if hasattr(x, "copy_to_host") else self.cuda.to_device(np.asarray(x[-1:]))
-        with self._owning(ACTIVATIONS):
-            return gemv(head.data, last[0], norm_weight=norm, eps=eps,
-                        native_config=head_config(head.data.fmt)).copy_to_host()
-
-    def greedy_token(self, x, norm, head: QTensor, eps: float, bias, token) -> None:
-        """token [1] int32 (device) = the argmax of the last row's logits (the same kernel as
-        ``logits``) after adding ``bias`` (device ids [n] int32 and values [n] float32, or None); the
-        lowest id among equals, as the host's ``np.argmax``. Nothing returns to the host."""
-        from strata.gpu.kernels.gemv import gemv
-        from strata.gpu.kernels.gemv_native import head_config
-        from strata.gpu.kernels.sample import add_logit_bias, argmax
-
-        with self._owning(ACTIVATIONS):
-            logits = gemv(head.data, x[x.shape[0] - 1], norm_weight=norm, eps=eps,
-                          native_config=head_config(head.data.fmt), stream=self._stream)  # [V]
-            if bias is not None:
-                add_logit_bias(logits, *bias, stream=self._stream)
-            # the simulator runs every thread in Python: a few small blocks there
-            shape = dict(num_blocks=2, threads=32) if self.is_simulator else {}
-            argmax(logits, token=token, stream=self._stream, **shape)
-
-    def logits_rows(self, x, norm, head: QTensor, eps: float) -> np.ndarray:
-        """[R, V] float32 on the host, row r the bits of ``logits`` of x[r] alone (the head's rows GEMV)."""
-        with self._owning(ACTIVATIONS):
-            return self._head_rows(x, norm, head, eps).copy_to_host()
-
-    def greedy_rows(self, x, norm, head: QTensor, eps: float, bias, tokens, logits=None) -> None:
-        """tokens [R] int32 (device) = per row of x, what ``greedy_token`` picks for that row alone: the
-        argmax after ``bias``, the lowest id among equals. Nothing returns to the host."""
-        from strata.gpu.kernels.sample import add_logit_bias, argmax
-
-        with self._owning(ACTIVATIONS):
-            logits = self._head_rows(x, norm, head, eps, logits)  # [R, V]
-            shape = dict(num_blocks=2, threads=32) if self.is_simulator else {}
-            for row in range(logits.shape[0]):
-                if bias is not None:
-                    add_logit_bias(logits[row], *bias, stream=self._stream)
-                argmax(logits[row], token=tokens[row:row + 1], stream=self._stream, **shape)
-
-    def _head_rows(self, x, norm, head: QTensor, eps: float, out=None):
-        """[R, V] logits of every row of x on the device: the output head's rows GEMV (``logits``' kernel)."""
-        from strata.gpu.kernels.gemv import gemv_rows
-        from strata.gpu.kernels.gemv_native import head_rows_config
-
-        if x.shape[0] > DECODE_MAX_ROWS:
-            from strata.errors import EngineError
-
-            raise EngineError(f"the output head's rows take at most {DECODE_MAX_ROWS} rows, got {x.shape[0]}")
-        rows = x if hasattr(x, "copy_to_host") else self.cuda.to_device(np.ascontiguousarray(x, dtype=np.float32))
-        return gemv_rows(head.data, rows, out, norm_weight=norm, eps=eps, stream=self._stream,
-                         native_config=head_rows_config(head.data.fmt, x.shape[0]))
-
-    def increment(self, values) -> None:
-        from strata.gpu.kernels.elementwise import increment
-
-        increment(values, stream=self._stream)
-
-    def override_token(self, token, overrides, place) -> None:
-        """token [1] = overrides[place] where that is >= 0; place += 1 (the bench's draft oracle, on the device)."""
-        from strata.gpu.kernels.elementwise import override_token
-
-        override_token(token, overrides, place, stream=self._stream)
-
-    def readback(self):
-        """A ``Readback`` (``strata/gpu/readback.py``): token ids and small arrays back through pinned memory."""
-        from strata.gpu.readback import PINNED_BYTES, Readback
-
-        calls = None if self.is_simulator else driver_calls.load()
-        return Readback(self.host_buffer(PINNED_BYTES) if calls else None, calls)
-
-
-def kv_scratch_bytes_per_cell(head_dim: int, kv_width: int, kv_type: str, *, has_tensor_cores: bool) -> int:
-    """The F16 copy (K and V) a quantized cache layer is dequantized into for tensor-core prefill
-    attention (``attention`` above), per cell; 0 where that kernel does not run."""
-    from strata.gpu.kernels.attention_mma import is_supported
-
-    fmt = _KV_FORMATS[kv_type]
-    return 4 * kv_width if fmt != "F16" and has_tensor_cores and is_supported(head_dim, fmt) else 0
-
 
 def _warn_without_tensor_cores() -> None:
     from strata.gpu.kernels import tensor_core
@@ -821,69 +389,6 @@ def _warn_without_tensor_cores() -> None:
     if reason is not None:
         log.warning("the tensor-core kernels are off: %s. Prefill runs the pure-Numba kernels, several times slower "
                     "(FFMA peaks near 15 TFLOP/s)", reason)
-
-
-def _map_ids(ids, table, *, to_slots: bool, stream=0):
-    """[T, k] routed ids → their slots (``to_slots``) or themselves, -1 where ``table`` has no slot."""
-    from numba import cuda as numba_cuda
-
-    out = numba_cuda.device_array(ids.shape, dtype=np.int32)
-    num_pairs = ids.shape[0] * ids.shape[1]
-    if num_pairs:
-        _map_ids_kernel(to_slots)[(num_pairs + 127) // 128, 128, stream](ids, table, out)
-    return out
-
-
-@functools.cache
-def _map_ids_kernel(to_slots: bool):
-    @cuda.jit
-    def map_ids_kernel(ids, slot_of_expert, out):  # ids, out [T, k]
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        top_k = ids.shape[1]
-        if i < ids.shape[0] * top_k:
-            expert = ids[i // top_k, i % top_k]
-            slot = -1
-            if 0 <= expert < slot_of_expert.shape[0]:
-                slot = slot_of_expert[expert]
-            if slot < 0:
-                out[i // top_k, i % top_k] = -1
-            elif to_slots:
-                out[i // top_k, i % top_k] = slot
-            else:
-                out[i // top_k, i % top_k] = expert
-
-    return map_ids_kernel
-
-
-@functools.cache
-def _tiles_to_slots_kernel():
-    @cuda.jit
-    def tiles_to_slots_kernel(tile_expert, slot_of_expert, num_tiles):  # in place: expert id → slot
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if i < tile_expert.shape[0] and i < num_tiles[0]:
-            expert = tile_expert[i]
-            if expert >= 0:
-                tile_expert[i] = slot_of_expert[expert]
-
-    return tiles_to_slots_kernel
-
-
-def _layer_layouts(layout: ExpertLayout | None) -> list:
-    """A layer's layout for each set of types a model's layers have, or [layout] itself."""
-    if layout is None or not layout.is_mixed:
-        return [layout]
-    first_layer: dict = {}
-    for layer, (qtypes, _) in enumerate(layout.layers, start=layout.first_layer):
-        first_layer.setdefault(qtypes, layer)
-    return [layout.at_layer(layer) for layer in first_layer.values()]
-
-
-def _expert_formats(layout: ExpertLayout | None) -> tuple:
-    """(formats of gate, up, down; hidden size; FFN size) of the experts, or nothing known without a layout."""
-    if layout is None:
-        return (), 0, 0
-    ffn, dim = layout.shapes[0]
-    return tuple(qtype.name for qtype in layout.qtypes), dim, ffn
 
 
 def quiet_launch_warnings() -> None:

@@ -48,7 +48,7 @@ class DryRunOps(NumpyOps):
     def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
         if self.backend == "numpy":
             return 0
-        from strata.backend.cuda_ops import kv_scratch_bytes_per_cell
+        from strata.backend.cuda_attention_ops import kv_scratch_bytes_per_cell
 
         return kv_scratch_bytes_per_cell(head_dim, kv_width, kv_type, has_tensor_cores=True)
 
