@@ -4,31 +4,25 @@
 anything is deferred or uploaded), places dense weights, KV cache and the expert cache under the
 budget, packs the experts into host memory and starts the loan transaction. ``generate`` reuses
 the KV prefix shared with the previous request, prefills only the unread tokens inside the loan
-transaction, and decodes token by token. On the GPU backends ``load`` ends with a warm-up (a tiny
-prefill, one decode step and the greedy tail) so that Numba compiles every kernel before the
-first request.
+transaction, and decodes token by token. On the GPU backends ``load`` ends with a warm-up
+(``warmup.py``) so that every kernel is compiled before the first request.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
-
-import numpy as np
 
 from strata.backend.dry_run import DryRunOps
 from strata.backend.formats import require_runnable_tensors
 from strata.backend.select import make_ops, select_backend
 from strata.config import Config
-from strata.engine import loading
+from strata.engine import loading, warmup
 from strata.engine.collector import freeze_loaded, thaw
 from strata.engine.core import EngineCore
 from strata.engine.decode.depth_policy import DepthPolicy
-from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.decode.mtp import MtpDraft
 from strata.engine.decode.speculative import DraftOracle
 from strata.engine.generation import Generation
@@ -44,15 +38,9 @@ from strata.engine.planning.planner import Planner, largest_ring_slots
 from strata.engine.planning.prefill_cost import PrefillCostModel
 from strata.engine.runner import DeviceWeights, ModelRunner
 from strata.engine.sampling import SamplingParams
-from strata.engine.stream_stats import StreamStats
 from strata.errors import AllocationError
-from strata.gpu.ledger import (
-    ACTIVATIONS_OWNER,
-    DECODE_GRAPHS_OWNER,
-    LedgerSnapshot,
-    VramLedger,
-)
-from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
+from strata.gpu.ledger import DECODE_GRAPHS_OWNER, LedgerSnapshot, VramLedger
+from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD
 from strata.model.gguf_file import open_gguf
 from strata.model.locate import resolve_model_path
 from strata.model.tokenizer import Tokenizer
@@ -60,8 +48,6 @@ from strata.plugins import load_plugins
 
 MTP_KV_OWNER = "mtp_kv"  # the MTP block's own KV cache (placement's mtp_kv)
 KV_STAGING_OWNER = "kv_staging"  # the layers a host tier of KV cells is read through (placement's kv_staging)
-WARMUP_HEAD_ROWS = 256  # rows of a held-back head that the warm-up's logits kernel reads
-WARMUP_MIN_TOKENS = 24  # above the decode MoE kernels' 4 tokens and block routing's 16: prefill's kernels run
 log = logging.getLogger("strata.engine")
 
 
@@ -222,164 +208,8 @@ class Engine(EngineCore):
                  time.perf_counter() - started, num_bytes / 2**20)
 
     def warm_up(self) -> float:
-        """Compile every kernel a request uses: a tiny prefill through the staging ring (once per MoE
-        tile shape the backend picks between), its logits,
-        one decode step, the launches of a fully cached model's decode token, and the greedy tail
-        (head, bias, argmax) of device decode. Then the KV tokens
-        are cleared, the expert cache is emptied and the ledger is checked against its state before.
-        Returns the seconds it took."""
-        started = time.perf_counter()
-        before = dict(self.ledger.snapshot().by_owner)
-        geometry = self._warmup_geometry()
-        num_tokens = geometry.chunk_tokens if geometry else WARMUP_MIN_TOKENS
-        tokens = np.arange(3, 3 + num_tokens, dtype=np.int64) % self.spec.vocab_size
-        stats = StreamStats()
-        layout = self.cache.layout if self.cache else None
-        try:
-            if geometry:
-                self.workspace.allocate(geometry)
-            try:
-                for tile_rows in self.ops.moe_tile_rows(layout):  # the MoE kernels of every tile a chunk may take
-                    with self.ops.forcing_moe_tile_rows(tile_rows):
-                        hidden = self.runner.forward(tokens, 0, self.workspace if geometry else None, stats)
-                        if self._is_mtp_resident():  # the MTP block over a prefill chunk (its KV of the prompt)
-                            self.mtp.hidden(hidden[:num_tokens - 1], tokens[1:], 0)
-            finally:
-                self.ops.synchronize()  # no copy may still target the ring when the workspace goes
-                self.workspace.free()
-            if self.mtp is not None and not self._is_mtp_resident() and self.backend == "cuda":
-                self._warmup_deferred_mtp_prefill(hidden, tokens, layout)  # only the GPU compiles
-            token = int(np.argmax(self._warmup_logits(hidden)))
-            # decode attention's launch does not depend on the position (its splits are sized for
-            # the whole cache), so one step compiles every decode kernel
-            hidden = self.runner.forward(np.array([token]), num_tokens, None, stats)
-            self._warmup_logits(hidden)
-            if self.mtp is not None:  # a draft step and a verify step of two rows
-                self._warmup_speculation(hidden, token, num_tokens, stats)
-            if self.runner.decode_step is not None:  # the one-graph token of a fully cached model
-                self.runner.decode_step.compile_resident(token, num_tokens + 1)
-                if self.config.runtime.greedy_on_device:  # the head, bias and argmax of a greedy step
-                    with self._warmup_head() as head_tensor:
-                        self.runner.decode_step.compile_greedy(
-                            (self.weights.vectors["output_norm"], head_tensor, self.spec.rms_norm_eps))
-            self.ops.synchronize()
-            del hidden
-        finally:
-            self.runner.reset_decode()
-            self.kv_tokens = []
-            if self.cache:
-                self.cache.clear()
-            gc.collect()  # the temporaries of the warm-up go, and with them their charges
-            self.ops.trim_memory()
-        after = dict(self.ledger.snapshot().by_owner)
-        seconds = time.perf_counter() - started
-        if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
-            log.warning("warm-up left the ledger at %s (before: %s)", after, before)
-        log.info("warm-up: %d-token prefill (for %d MoE tile shape(s)) and one decode step in %.2f s (%d "
-                 "compilations, %.2f s; %d kernels loaded from the kernel cache; state reset)", num_tokens,
-                 len(self.ops.moe_tile_rows(layout)), seconds, self.compiles.tally.num_compiles,
-                 self.compiles.tally.seconds, self.compiles.tally.num_loaded)
-        return seconds
-
-    def _warmup_deferred_mtp_prefill(self, hidden, tokens: np.ndarray, layout) -> None:
-        """The MTP block over a prefill chunk while a startup loan holds it back: its resources come
-        back for the warm-up alone and go again. Otherwise the first request that prefills with the
-        block resident (the first without a loan) compiles the block's launches inside its prefill."""
-        with self._deferred_restored((MTP_DRAFT_HEAD, MTP_EXPERTS), "the MTP block's prefill launches") as is_here:
-            if not is_here:
-                return
-            for tile_rows in self.ops.moe_tile_rows(layout):
-                with self.ops.forcing_moe_tile_rows(tile_rows):
-                    self.mtp.hidden(hidden[:len(tokens) - 1], tokens[1:], 0)
-            self.ops.synchronize()
-
-    @contextlib.contextmanager
-    def _deferred_restored(self, names: tuple[str, ...], what: str):
-        """Yield True with the deferred resources among ``names`` restored (released again after),
-        or False, with a warning, when they do not fit now."""
-        deferred = [r for r in (self.resources.get(name) for name in names) if r is not None and not r.is_resident]
-        try:
-            for resource in deferred:
-                resource.restore()
-        except AllocationError as exc:
-            for resource in deferred:
-                resource.release()
-            log.warning("warm-up: %s not compiled (the startup loan's deferred resources do not fit now: %s); the "
-                        "first request that needs them compiles them", what, exc)
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            for resource in deferred:
-                resource.release()
-
-    def _warmup_speculation(self, hidden, token: int, position: int, stats: StreamStats) -> None:
-        """Compile the MTP block's launches and a verify step's (a forward of two rows), where a
-        startup loan does not hold the block back; with greedy decode on the device, a draft and a
-        verify step at every depth (each row count compiles its own launches, ~0.3 s each, which a
-        request's first step at that depth would otherwise pay inside its decode time)."""
-        head = self.resources.get("output_head")
-        is_head_here = head is None or head.is_resident
-        if self._is_mtp_resident():
-            drafted = self.mtp.hidden(hidden, np.array([token]), position)
-            if is_head_here:
-                self.mtp.logits(drafted)
-        self.runner.forward(np.array([token, token]), position + 1, None, stats)
-        verifier = self.resources.get(VERIFIER)
-        if self.mtp is None or verifier is None or self.runner.decode_step is None \
-                or not self.config.runtime.greedy_on_device or self.ops.is_simulator:  # the simulator compiles nothing
-            return
-        # a startup loan defers some of them (loan_head, loan_mtp): they come back for the warm-up alone,
-        # before the expert cache fills, and go again after it
-        with self._deferred_restored((VERIFIER, OUTPUT_HEAD, MTP_DRAFT_HEAD, MTP_EXPERTS),
-                                     "speculation's steps") as is_here:
-            if not is_here:
-                return
-            max_depth = self.config.runtime.spec_depth
-            device = DeviceSpeculation(self.runner, self.mtp, max_depth, verifier)
-            try:
-                for depth in range(1, max_depth + 1):
-                    device.draft(hidden, [token], position, depth)
-                    device.verify(token, position + 1, depth, self.output_head(), None, stats)
-            finally:
-                device.close()
-
-    def _is_mtp_resident(self) -> bool:
-        """Whether speculation's MTP block is loaded and resident (a startup loan may hold it back)."""
-        return self.mtp is not None and self.mtp.is_resident
-
-    def _warmup_logits(self, hidden) -> np.ndarray:
-        """The head's logits (``_warmup_head``)."""
-        with self._warmup_head() as head_tensor:
-            return self.ops.logits(hidden, self.weights.vectors["output_norm"], head_tensor, self.spec.rms_norm_eps)
-
-    @contextlib.contextmanager
-    def _warmup_head(self):
-        """The output head; while a startup loan holds the native head back, a slice of it uploaded
-        for the call (the same kernels run on it)."""
-        head = self.resources.get("output_head")
-        if head is None or head.is_resident:
-            yield self.output_head()[1]
-            return
-        ref = head.sources["output"]
-        num_rows = min(WARMUP_HEAD_ROWS, int(np.prod(ref.shape[:-1])))
-        raw = ref.data.reshape(int(np.prod(ref.shape[:-1])), -1)[:num_rows]
-        tensor = self.ops.upload_qtensor(ACTIVATIONS_OWNER, raw, ref.qtype, (num_rows, ref.shape[-1]))
-        try:
-            yield tensor
-        finally:
-            self.ops.free(tensor.data)
-
-    def _warmup_geometry(self):
-        """The startup ring with a chunk just big enough for the prefill MoE path to stream every expert."""
-        startup = self.loan.startup_geometry
-        if startup is None or self.cache is None:
-            return None
-        spec = self.spec
-        wanted = max(WARMUP_MIN_TOKENS, -(-spec.num_experts // max(1, spec.num_experts_used)))
-        num_tokens = max(1, min(wanted, startup.chunk_tokens, self.context_tokens - 2))
-        return dataclasses.replace(startup, chunk_tokens=num_tokens)
+        """Compile every kernel a request uses, then reset (``warmup.py``); returns the seconds it took."""
+        return warmup.warm_up(self)
 
     def generate(self, prompt_tokens: Sequence[int], params: SamplingParams,
                  is_cancelled: Callable[[], bool] = lambda: False,

@@ -1,0 +1,193 @@
+"""The warm-up that ends a load on the GPU backends: every kernel a request uses is compiled (or loaded from
+the kernel cache) before the first request, and the engine is left as it was.
+
+A tiny prefill through the staging ring (once per MoE tile shape the backend picks between) and its
+logits, one decode step, a draft and a verify step at every depth where speculation runs on the
+device, the launches of a fully cached model's decode token and the greedy tail (head, bias, argmax).
+Resources a startup loan holds back come back for the warm-up alone where they fit. Then the KV
+tokens are cleared, the expert cache is emptied and the ledger is checked against its state before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import time
+
+import numpy as np
+
+from strata.engine.decode.device_speculation import DeviceSpeculation
+from strata.engine.stream_stats import StreamStats
+from strata.errors import AllocationError
+from strata.gpu.ledger import ACTIVATIONS_OWNER
+from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
+
+WARMUP_HEAD_ROWS = 256  # rows of a held-back head that the warm-up's logits kernel reads
+WARMUP_MIN_TOKENS = 24  # above the decode MoE kernels' 4 tokens and block routing's 16: prefill's kernels run
+log = logging.getLogger("strata.engine")
+
+
+def warm_up(engine) -> float:
+    """Compile every kernel a request uses on ``engine`` (an ``Engine``) and reset its state; returns the
+    seconds it took."""
+    started = time.perf_counter()
+    before = dict(engine.ledger.snapshot().by_owner)
+    geometry = _geometry(engine)
+    num_tokens = geometry.chunk_tokens if geometry else WARMUP_MIN_TOKENS
+    tokens = np.arange(3, 3 + num_tokens, dtype=np.int64) % engine.spec.vocab_size
+    stats = StreamStats()
+    layout = engine.cache.layout if engine.cache else None
+    try:
+        if geometry:
+            engine.workspace.allocate(geometry)
+        try:
+            for tile_rows in engine.ops.moe_tile_rows(layout):  # the MoE kernels of every tile a chunk may take
+                with engine.ops.forcing_moe_tile_rows(tile_rows):
+                    hidden = engine.runner.forward(tokens, 0, engine.workspace if geometry else None, stats)
+                    if _is_mtp_resident(engine):  # the MTP block over a prefill chunk (its KV of the prompt)
+                        engine.mtp.hidden(hidden[:num_tokens - 1], tokens[1:], 0)
+        finally:
+            engine.ops.synchronize()  # no copy may still target the ring when the workspace goes
+            engine.workspace.free()
+        if engine.mtp is not None and not _is_mtp_resident(engine) and engine.backend == "cuda":
+            _deferred_mtp_prefill(engine, hidden, tokens, layout)  # only the GPU compiles
+        token = int(np.argmax(_logits(engine, hidden)))
+        # decode attention's launch does not depend on the position (its splits are sized for
+        # the whole cache), so one step compiles every decode kernel
+        hidden = engine.runner.forward(np.array([token]), num_tokens, None, stats)
+        _logits(engine, hidden)
+        if engine.mtp is not None:  # a draft step and a verify step of two rows
+            _speculation(engine, hidden, token, num_tokens, stats)
+        if engine.runner.decode_step is not None:  # the one-graph token of a fully cached model
+            engine.runner.decode_step.compile_resident(token, num_tokens + 1)
+            if engine.config.runtime.greedy_on_device:  # the head, bias and argmax of a greedy step
+                with _head(engine) as head_tensor:
+                    engine.runner.decode_step.compile_greedy(
+                        (engine.weights.vectors["output_norm"], head_tensor, engine.spec.rms_norm_eps))
+        engine.ops.synchronize()
+        del hidden
+    finally:
+        engine.runner.reset_decode()
+        engine.kv_tokens = []
+        if engine.cache:
+            engine.cache.clear()
+        gc.collect()  # the temporaries of the warm-up go, and with them their charges
+        engine.ops.trim_memory()
+    after = dict(engine.ledger.snapshot().by_owner)
+    seconds = time.perf_counter() - started
+    if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
+        log.warning("warm-up left the ledger at %s (before: %s)", after, before)
+    log.info("warm-up: %d-token prefill (for %d MoE tile shape(s)) and one decode step in %.2f s (%d "
+             "compilations, %.2f s; %d kernels loaded from the kernel cache; state reset)", num_tokens,
+             len(engine.ops.moe_tile_rows(layout)), seconds, engine.compiles.tally.num_compiles,
+             engine.compiles.tally.seconds, engine.compiles.tally.num_loaded)
+    return seconds
+
+
+def _deferred_mtp_prefill(engine, hidden, tokens: np.ndarray, layout) -> None:
+    """The MTP block over a prefill chunk while a startup loan holds it back: its resources come
+    back for the warm-up alone and go again. Otherwise the first request that prefills with the
+    block resident (the first without a loan) compiles the block's launches inside its prefill."""
+    with deferred_restored(engine, (MTP_DRAFT_HEAD, MTP_EXPERTS), "the MTP block's prefill launches") as is_here:
+        if not is_here:
+            return
+        for tile_rows in engine.ops.moe_tile_rows(layout):
+            with engine.ops.forcing_moe_tile_rows(tile_rows):
+                engine.mtp.hidden(hidden[:len(tokens) - 1], tokens[1:], 0)
+        engine.ops.synchronize()
+
+
+@contextlib.contextmanager
+def deferred_restored(engine, names: tuple[str, ...], what: str):
+    """Yield True with the deferred resources among ``names`` restored (released again after),
+    or False, with a warning, when they do not fit now."""
+    deferred = [r for r in (engine.resources.get(name) for name in names) if r is not None and not r.is_resident]
+    try:
+        for resource in deferred:
+            resource.restore()
+    except AllocationError as exc:
+        for resource in deferred:
+            resource.release()
+        log.warning("warm-up: %s not compiled (the startup loan's deferred resources do not fit now: %s); the "
+                    "first request that needs them compiles them", what, exc)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        for resource in deferred:
+            resource.release()
+
+
+def _speculation(engine, hidden, token: int, position: int, stats: StreamStats) -> None:
+    """Compile the MTP block's launches and a verify step's (a forward of two rows), where a
+    startup loan does not hold the block back; with greedy decode on the device, a draft and a
+    verify step at every depth (each row count compiles its own launches, ~0.3 s each, which a
+    request's first step at that depth would otherwise pay inside its decode time)."""
+    head = engine.resources.get("output_head")
+    is_head_here = head is None or head.is_resident
+    if _is_mtp_resident(engine):
+        drafted = engine.mtp.hidden(hidden, np.array([token]), position)
+        if is_head_here:
+            engine.mtp.logits(drafted)
+    engine.runner.forward(np.array([token, token]), position + 1, None, stats)
+    verifier = engine.resources.get(VERIFIER)
+    if engine.mtp is None or verifier is None or engine.runner.decode_step is None \
+            or not engine.config.runtime.greedy_on_device or engine.ops.is_simulator:  # the simulator compiles nothing
+        return
+    # a startup loan defers some of them (loan_head, loan_mtp): they come back for the warm-up alone,
+    # before the expert cache fills, and go again after it
+    with deferred_restored(engine, (VERIFIER, OUTPUT_HEAD, MTP_DRAFT_HEAD, MTP_EXPERTS),
+                                 "speculation's steps") as is_here:
+        if not is_here:
+            return
+        max_depth = engine.config.runtime.spec_depth
+        device = DeviceSpeculation(engine.runner, engine.mtp, max_depth, verifier)
+        try:
+            for depth in range(1, max_depth + 1):
+                device.draft(hidden, [token], position, depth)
+                device.verify(token, position + 1, depth, engine.output_head(), None, stats)
+        finally:
+            device.close()
+
+
+def _is_mtp_resident(engine) -> bool:
+    """Whether speculation's MTP block is loaded and resident (a startup loan may hold it back)."""
+    return engine.mtp is not None and engine.mtp.is_resident
+
+
+def _logits(engine, hidden) -> np.ndarray:
+    """The head's logits (``_warmup_head``)."""
+    with _head(engine) as head_tensor:
+        return engine.ops.logits(hidden, engine.weights.vectors["output_norm"], head_tensor, engine.spec.rms_norm_eps)
+
+
+@contextlib.contextmanager
+def _head(engine):
+    """The output head; while a startup loan holds the native head back, a slice of it uploaded
+    for the call (the same kernels run on it)."""
+    head = engine.resources.get("output_head")
+    if head is None or head.is_resident:
+        yield engine.output_head()[1]
+        return
+    ref = head.sources["output"]
+    num_rows = min(WARMUP_HEAD_ROWS, int(np.prod(ref.shape[:-1])))
+    raw = ref.data.reshape(int(np.prod(ref.shape[:-1])), -1)[:num_rows]
+    tensor = engine.ops.upload_qtensor(ACTIVATIONS_OWNER, raw, ref.qtype, (num_rows, ref.shape[-1]))
+    try:
+        yield tensor
+    finally:
+        engine.ops.free(tensor.data)
+
+
+def _geometry(engine):
+    """The startup ring with a chunk just big enough for the prefill MoE path to stream every expert."""
+    startup = engine.loan.startup_geometry
+    if startup is None or engine.cache is None:
+        return None
+    spec = engine.spec
+    wanted = max(WARMUP_MIN_TOKENS, -(-spec.num_experts // max(1, spec.num_experts_used)))
+    num_tokens = max(1, min(wanted, startup.chunk_tokens, engine.context_tokens - 2))
+    return dataclasses.replace(startup, chunk_tokens=num_tokens)
