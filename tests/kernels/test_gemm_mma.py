@@ -21,6 +21,7 @@ from strata.gpu.kernels._common import IS_SIMULATOR
 from strata.gpu.kernels.gemm import gemm, jit_options
 from strata.gpu.kernels.gemm_config import (
     DEFAULT_BLOCK_MS,
+    FFMA_DEFAULT_CONFIG,
     FUSED_FORMATS,
     MOE_FULL_TILE_MIN_ROWS,
     GemmConfig,
@@ -281,8 +282,8 @@ def test_one_linkable_source_per_text():  # kernels dedupe link items by identit
 
 def test_default_config_per_weight_format():
     if not tensor_core.is_available():
-        assert default_config("Q4_0") == default_config() == GemmConfig()
-        assert default_down_config("Q4_0", "Q4_0", "Q4_0") == GemmConfig()
+        assert default_config("Q4_0") == default_config() == FFMA_DEFAULT_CONFIG
+        assert default_down_config("Q4_0", "Q4_0", "Q4_0") == FFMA_DEFAULT_CONFIG
         return
     fused = default_config("Q4_0", "Q4_0", "Q8_0")
     assert is_fused(fused, "Q4_0")
@@ -322,7 +323,7 @@ def test_moe_tile_rows_follow_the_rows_an_expert():
     with pytest.raises(ValueError, match=r"block_m must be one of \(64, 128\), got 32"):
         default_config("Q4_0", block_m=32)
     if not tensor_core.is_available():  # the FFMA tiles have rows of their own
-        assert {moe_block_m(n, 128) for n in (1, 4096, 65536)} == {GemmConfig().block_m}
+        assert {moe_block_m(n, 128) for n in (1, 4096, 65536)} == {FFMA_DEFAULT_CONFIG.block_m}
         return
     assert moe_block_m(512 * 8, 128) == 64  # 32 rows an expert: the 128-row tiles would be three quarters padding
     assert moe_block_m(MOE_FULL_TILE_MIN_ROWS * 128 - 1, 128) == 64

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import tensor_core
-from ._common import OCTET, check_power_of_two
+from ._common import IS_SIMULATOR, OCTET, check_power_of_two
 from .shared_tiles import shared_bytes
 
 BLOCK_K = 32  # elements of K staged per step: one legacy block, one K-quant sub-block
@@ -57,6 +57,10 @@ class GemmConfig(NamedTuple):
         return BLOCK_K * self.block_n
 
     stage_dtype = np.float32
+
+
+# the simulator runs a Python thread per GPU thread, each barrier a switch of every one: 64 threads a tile there
+FFMA_DEFAULT_CONFIG = GemmConfig(thread_m=8, thread_n=8) if IS_SIMULATOR else GemmConfig()
 
 
 class MmaConfig(NamedTuple):
@@ -190,7 +194,7 @@ def default_config(*fmts: str, block_m: int = 128):
     if block_m not in DEFAULT_BLOCK_MS:
         raise ValueError(f"block_m must be one of {DEFAULT_BLOCK_MS}, got {block_m}")
     if not tensor_core.is_available():
-        return GemmConfig()
+        return FFMA_DEFAULT_CONFIG
     warps_m = block_m // 32
     if all(fmt in FUSED_FORMATS for fmt in fmts) and len(set(fmts[:2])) <= 1:
         return MmaConfig(block_m=block_m, block_n=64, warps_m=warps_m, warps_n=2, stages=2, fused=True).validate()
@@ -225,5 +229,5 @@ def moe_block_m(num_pairs: int, num_experts: int) -> int:
     tokens routed top-8 of 128 experts: 32 / 128 / 512 rows an expert on average): 128-row tiles
     40.5 / 113.0 / 162.5, 64-row tiles 61.1 / 111.0 / 143.5."""
     if not tensor_core.is_available():
-        return GemmConfig().block_m
+        return FFMA_DEFAULT_CONFIG.block_m
     return 64 if num_pairs < MOE_FULL_TILE_MIN_ROWS * num_experts else 128

@@ -28,6 +28,7 @@ import numpy as np
 from numba import cuda
 
 from ._common import (
+    IS_SIMULATOR,
     OCTET,
     ceil_div,
     check_array,
@@ -62,6 +63,10 @@ class GemvConfig(NamedTuple):
     @property
     def rows_per_block(self) -> int:
         return self.threads // self.lanes_per_row * self.rows_per_group
+
+
+# the simulator runs a Python thread per GPU thread, each barrier a switch of every one: fewer lanes a row
+DEFAULT_CONFIG = GemvConfig(threads=32, lanes_per_row=8) if IS_SIMULATOR else GemvConfig()
 
 
 @functools.cache
@@ -184,7 +189,7 @@ def _gemv_kernel(fmt: str, config: GemvConfig, has_norm: bool, is_accumulate: bo
 
 
 def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
-         config: GemvConfig = GemvConfig(), native: bool | None = None,
+         config: GemvConfig = DEFAULT_CONFIG, native: bool | None = None,
          native_config: NativeGemvConfig = LAYER_CONFIG, stream=0):
     """y[n] = sum_k W[n, k] x'[k] with x' = x, or RMSNorm(x) * norm_weight when norm_weight is given.
 
@@ -212,7 +217,7 @@ def gemv(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, acc
 
 
 def gemv_rows(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
-              config: GemvConfig = GemvConfig(), native: bool | None = None,
+              config: GemvConfig = DEFAULT_CONFIG, native: bool | None = None,
               native_config: NativeGemvConfig = LAYER_CONFIG, stream=0):
     """gemv of R rows of activations in one launch: y[t] = W x'[t] (x'[t] RMSNorm-ed alone when norm_weight
     is given); row t of the result has the bits of gemv(w, x[t]). x: [R, K] float32 or float16; y: [R, N]

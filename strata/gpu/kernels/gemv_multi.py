@@ -16,6 +16,7 @@ from numba import cuda
 
 from ._common import OCTET, ceil_div, check_array, empty, is_finite_number, stand_in
 from .block_reduce import device_inv_rms
+from .gemv import DEFAULT_CONFIG as DEFAULT_GEMV_CONFIG
 from .gemv import GemvConfig, lane_sum_at_device, use_native, x_rows_dot_device
 from .gemv_native import gemv_multi_native
 from .launcher import jit
@@ -71,7 +72,7 @@ def _gemv3_kernel(fmts: tuple, config: GemvConfig, has_norm: bool, num_x_rows: i
     return gemv3_kernel
 
 
-def gemv_multi(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: GemvConfig = GemvConfig(),
+def gemv_multi(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: GemvConfig = DEFAULT_GEMV_CONFIG,
                native: bool | None = None, stream=0):
     """ys[i][n] = sum_k W_i[n, k] x'[k] for 2 or 3 packed matrices with the same K (x' as in gemv).
 
@@ -91,7 +92,7 @@ def gemv_multi(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: G
     return tuple(y.reshape(y.shape[1]) for y in outs) if ys is None else tuple(ys)
 
 
-def gemv_multi_rows(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: GemvConfig = GemvConfig(),
+def gemv_multi_rows(ws, x, ys=None, *, norm_weight=None, eps: float = 1e-6, config: GemvConfig = DEFAULT_GEMV_CONFIG,
                     native: bool | None = None, stream=0):
     """gemv_multi of R rows of activations in one launch, as gemv.gemv_rows: x [R, K]; ys [R, N_i] (allocated
     when None); row t of each output has the bits of gemv_multi(ws, x[t]). Returns ys as a tuple."""

@@ -56,6 +56,7 @@ from .gemm_config import (
     default_down_config,
     moe_block_m,
 )
+from .gemv import DEFAULT_CONFIG as DEFAULT_GEMV_CONFIG
 from .gemv import GemvConfig, lane_sum_device, rows_dot_device
 from .gemv_native import FORMATS as NATIVE_FORMATS
 from .gemv_native import experts_supported, moe_experts_native
@@ -436,7 +437,7 @@ def _decode_kernels(fmt_gate: str, fmt_up: str, fmt_down: str, config: GemvConfi
 
 def moe_experts_decode(x, ids, weights, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
                        num_experts: int, norm_weight=None, eps: float = 1e-6, hidden=None,
-                       config: GemvConfig = GemvConfig(), native: bool | None = None, stream=0):
+                       config: GemvConfig = DEFAULT_GEMV_CONFIG, native: bool | None = None, stream=0):
     """out [T, H] += routed experts for a few tokens; x [T, H] float32 (RMSNorm-ed here when
     norm_weight [H] is given), ids/weights [T, k] from moe_route (an id outside [0, num_experts)
     contributes nothing); hidden: optional [T * k, F] float32 scratch.

@@ -12,12 +12,12 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ._common import check_array, check_power_of_two, empty, is_finite_number
+from ._common import IS_SIMULATOR, check_array, check_power_of_two, empty, is_finite_number
 from .block_reduce import device_inv_rms
 from .launcher import jit
 from .rope import head_norm_rope
 
-_DEFAULT_THREADS = 256
+_DEFAULT_THREADS = 32 if IS_SIMULATOR else 256  # the simulator runs a Python thread per GPU thread
 
 
 @functools.cache
@@ -40,7 +40,7 @@ def rms_norm(x, weight, eps: float = 1e-6, out=None, *, threads: int = _DEFAULT_
 
     out may be x itself (float32) for an in-place norm.
 
-    Launch config: grid T, block `threads` (default 256); shared memory `threads` float32.
+    Launch config: grid T, block `threads` (default 256, 32 in the simulator); shared memory `threads` float32.
     """
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     check_array("weight", weight, dtypes=np.float32, shape=(x.shape[1],))
