@@ -42,8 +42,9 @@ class CudaKv:
 
 
 class AttentionOps:
-    """The KV and attention ops of ``CudaOps`` (its ``cuda``, ``_owning``, ``_track``, ``_stream``,
-    ``placeholders`` and the host tier's ``_kv_fills`` and ``_tier_launch``)."""
+    """The KV and attention ops of ``CudaOps`` (its ``cuda``, ``is_simulator``, ``alloc``, ``upload``,
+    ``_owning``, ``_track``, ``_stream``, ``_num_sms``, ``_rope``, ``placeholders``, ``is_copy_overlapped``
+    and the host tier's ``_kv_fills`` and ``_tier_launch``)."""
 
     def kv_cache(self, owner, num_layers, num_cells, num_kv_heads, head_dim, kv_type, resident_cells: int = 0,
                  staging_owner: str = "") -> CudaKv:

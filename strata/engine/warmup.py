@@ -140,7 +140,7 @@ def _speculation(engine, hidden, token: int, position: int, stats: StreamStats) 
     # a startup loan defers some of them (loan_head, loan_mtp): they come back for the warm-up alone,
     # before the expert cache fills, and go again after it
     with deferred_restored(engine, (VERIFIER, OUTPUT_HEAD, MTP_DRAFT_HEAD, MTP_EXPERTS),
-                                 "speculation's steps") as is_here:
+                           "speculation's steps") as is_here:
         if not is_here:
             return
         max_depth = engine.config.runtime.spec_depth
@@ -159,7 +159,7 @@ def _is_mtp_resident(engine) -> bool:
 
 
 def _logits(engine, hidden) -> np.ndarray:
-    """The head's logits (``_warmup_head``)."""
+    """The head's logits (``_head``)."""
     with _head(engine) as head_tensor:
         return engine.ops.logits(hidden, engine.weights.vectors["output_norm"], head_tensor, engine.spec.rms_norm_eps)
 

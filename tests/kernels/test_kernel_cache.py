@@ -159,6 +159,16 @@ def test_another_trees_entries_go_once_idle_for_a_week_and_a_load_keeps_them(cac
     assert not old.exists() and len(list(tmp_path.glob("*.kernel"))) == 2  # the edited tree's two
 
 
+def test_only_the_most_recently_used_other_trees_are_kept(cache, tmp_path, monkeypatch):
+    entry = FakeKernel(FakeLibrary({CC: b"cubin"}))
+    for num_edits, tree in enumerate("abcd"):  # four edits, each a tree of its own, used in turn
+        monkeypatch.setattr(kernel_cache, "source_digest", lambda tree=tree: tree * 64)
+        DiskCache(cache.dispatcher, folder=tmp_path, environment="numba-cuda x").save_overload("(float32[:],)", entry)
+        (path,) = tmp_path.glob(tree * 12 + "-*")
+        os.utime(path, (time.time() - 60 * (4 - num_edits),) * 2)
+    assert sorted(p.name[0] for p in tmp_path.glob("*.kernel")) == ["b", "c", "d"]  # d's own and the two before
+
+
 def test_a_code_objects_fingerprint_does_not_follow_its_constants_reference_counts():
     import marshal
 

@@ -30,7 +30,7 @@ def test_deferred_resources_are_back_inside_the_block_only():
     head, experts, resident = Deferred("mtp_draft_head"), Deferred("mtp_experts"), Deferred("verifier")
     resident.is_resident = True  # not deferred: left alone
     with deferred_restored(_engine(head, experts, resident), ("mtp_draft_head", "mtp_experts", "verifier"),
-                                   "the MTP block's prefill launches") as is_here:
+                           "the MTP block's prefill launches") as is_here:
         assert is_here and head.is_resident and experts.is_resident
     assert not head.is_resident and not experts.is_resident and resident.calls == []
 
@@ -38,7 +38,7 @@ def test_deferred_resources_are_back_inside_the_block_only():
 def test_what_does_not_fit_is_released_and_the_block_is_skipped(caplog):
     head, experts = Deferred("mtp_draft_head"), Deferred("mtp_experts", fits=False)
     with deferred_restored(_engine(head, experts), ("mtp_draft_head", "mtp_experts"),
-                                   "the MTP block's prefill launches") as is_here:
+                           "the MTP block's prefill launches") as is_here:
         assert not is_here
     assert not head.is_resident and head.calls == ["restore", "release"]
     assert "the MTP block's prefill launches not compiled" in caplog.text

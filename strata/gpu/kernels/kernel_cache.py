@@ -12,8 +12,9 @@ compiling and hands every new kernel to) keeps the linked cubin under a key of:
   it captures (two kernels of one factory with other arguments are two entries); a closure holding
   anything whose identity cannot be written down is not cached,
 - the signature, the device's architecture and the compilers' and Numba's versions.
-An entry that is cut, unreadable or fails to load is compiled again. Entries of other source trees
-are removed whenever an entry is written.
+An entry that is cut, unreadable or fails to load is compiled again. When an entry is written, other
+source trees' entries go once a week has passed without their use, and beyond the _MAX_OTHER_TREES
+most recently used (each edit makes a tree: a developer's edits must not pile up copies).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ _DIGEST_BYTES = 32
 # another source tree's entries (an older install, a second checkout) go once unused this long: two trees
 # in use share the folder, and a tree no longer run does not keep its kernels forever
 _OTHER_TREE_MAX_IDLE_S = 7 * 86400
+_MAX_OTHER_TREES = 2
+_DIGEST_PREFIX_CHARS = 12  # an entry's name starts with its tree's digest, this long, and "-"
 _SOURCE_SUFFIXES = (".py", ".cu", ".cuh")
 _MAX_DEPTH = 64  # objects on one chain of captures: a runaway, not a real kernel
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -225,7 +228,7 @@ class DiskCache(NullCache):
             log.debug("kernel cache not used for %r: %r", sig, exc)
             return None
         key = hashlib.sha256(text.encode()).hexdigest()[:32]
-        return self.folder / f"{self._source_digest[:12]}-{name[-60:]}-{key}.kernel"
+        return self.folder / f"{self._source_digest[:_DIGEST_PREFIX_CHARS]}-{name[-60:]}-{key}.kernel"
 
     def _fingerprint(self) -> str | None:
         try:
@@ -322,11 +325,25 @@ def _environment() -> str:
 
 
 def _remove_idle_trees(folder: Path, digest: str, now_s: float) -> None:
-    """Other source trees' entries unused for _OTHER_TREE_MAX_IDLE_S (run where a kernel was compiled)."""
+    """Other source trees' entries unused for _OTHER_TREE_MAX_IDLE_S, and those of all but the
+    _MAX_OTHER_TREES most recently used other trees (run where a kernel was compiled)."""
+    last_used: dict[str, float] = {}
+    entries: list[tuple[str, Path, float]] = []
     try:
-        for path in folder.glob("*.kernel"):
-            if not path.name.startswith(digest[:12] + "-") and now_s - path.stat().st_mtime > _OTHER_TREE_MAX_IDLE_S:
-                path.unlink(missing_ok=True)
+        paths = list(folder.glob("*.kernel"))
     except OSError:
-        pass
+        return
+    for path in paths:
+        tree = path.name[:_DIGEST_PREFIX_CHARS]
+        if tree == digest[:_DIGEST_PREFIX_CHARS]:
+            continue
+        with contextlib.suppress(OSError):  # another process may have removed it since the listing
+            used_s = path.stat().st_mtime
+            entries.append((tree, path, used_s))
+            last_used[tree] = max(used_s, last_used.get(tree, used_s))
+    kept = set(sorted(last_used, key=last_used.get, reverse=True)[:_MAX_OTHER_TREES])
+    for tree, path, used_s in entries:
+        if tree not in kept or now_s - used_s > _OTHER_TREE_MAX_IDLE_S:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
 
