@@ -3,6 +3,8 @@ around tile (16), split and warp-step boundaries, several splits combined by the
 bits of one-row launches, a workspace replayed at any position. Under the simulator its twin at small configs;
 on a tensor-core GPU the C++ kernel at Qwen3-30B-A3B's shapes (32 query heads over 4 KV heads of 128)."""
 
+import sys
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
@@ -19,6 +21,17 @@ from strata.model import reference_ops
 F16_TOLERANCE = dict(rtol=1e-2, atol=2e-3)  # Q, K, V and P rounded to f16, sums in f32 (as prefill's tests)
 SMALL = direct.DirectDecodeConfig(warps=2, min_split_keys=32)  # 2 warps a split of at least 2 tiles
 needs_tensor_cores = pytest.mark.skipif(not tensor_core.is_available(), reason="the C++ kernel needs a tensor-core GPU")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quick_thread_switches():
+    """The simulator's twin of this kernel passes many barriers and an atomic with few threads, each
+    barrier a hand-over of the interpreter lock: at Python's 5 ms switch interval a test took 67-361 s,
+    at 0.2 ms 5 s (the engine's wider launches run slower at 0.2 ms, so only here)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)
+    yield
+    sys.setswitchinterval(interval)
 
 
 def _case(fmt, num_q_heads, num_kv_heads, head_dim, num_cells, num_rows, seed):
