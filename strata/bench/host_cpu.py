@@ -6,16 +6,25 @@ have run it 1.5-2x apart (docs/PERFORMANCE.md). Time stolen by a hypervisor, oth
 machine, or this process waiting for a CPU (involuntary switches) each slow every function alike; a
 bench row records them so that a slow process can be told apart from a slow build. The machine's
 shares come from ``/proc/stat`` (Linux); elsewhere the record has the process's figures alone.
+
+A fixed pure-Python workload timed before and after the request (``speed_probe``) tells a process whose
+interpreter runs slowly on the CPU it was given from one whose engine does more work: on a machine of
+shared virtual CPUs the same build's per-token host time has differed ~2x between processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import resource
 import time
 from pathlib import Path
 
 _STAT = Path("/proc/stat")
+_THREAD_STAT = Path("/proc/thread-self/stat")
+_PROCESSOR_FIELD = 36  # /proc/*/stat's field 39, counted after the ")" closing the command name
+_PROBE_KEYS = 1024  # the workload's dict stays in the L1/L2 caches: it times the interpreter, not memory
+_PROBE_ITEMS = 40_000
 # /proc/stat's cpu line: user nice system idle iowait irq softirq steal (guest time is inside user)
 _BUSY_FIELDS = (0, 1, 2, 5, 6)
 _IDLE_FIELDS = (3, 4)
@@ -58,8 +67,41 @@ def summary(record: dict) -> str:
     if "machine_busy_share" in record:
         machine = (f"machine busy {record['machine_busy_share']:.0%} of all CPUs, stolen "
                    f"{record['machine_steal_share']:.1%}; ")
+    probe = ""
+    if "probe_seconds" in record:
+        before, after = (f"{1e3 * seconds:.2f}" for seconds in record["probe_seconds"])
+        cpus = " / ".join("?" if cpu is None else str(cpu) for cpu in record["cpus"])
+        probe = f"; interpreter probe {before} / {after} ms before / after, on CPU {cpus}"
     return (f"host CPU over the request: {machine}this process {record['process_cpu_seconds']:.2f} s of CPU "
-            f"in {record['wall_seconds']:.2f} s, {record['involuntary_switches']} involuntary switches")
+            f"in {record['wall_seconds']:.2f} s, {record['involuntary_switches']} involuntary switches{probe}")
+
+
+def speed_probe(num_repeats: int = 5) -> float:
+    """Seconds of the fastest of ``num_repeats`` runs of a fixed pure-Python workload (~3 ms on a fast
+    core): this interpreter's speed on the CPU it runs on now, comparable between processes of one build."""
+    best = math.inf
+    for _ in range(num_repeats):
+        started = time.perf_counter()
+        _workload()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def current_cpu(stat_text: str | None = None) -> int | None:
+    """The CPU the calling thread last ran on (Linux), or None where unreadable."""
+    try:
+        text = _THREAD_STAT.read_text() if stat_text is None else stat_text
+        return int(text.rsplit(")", 1)[1].split()[_PROCESSOR_FIELD])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _workload() -> int:
+    counts: dict[int, int] = {}
+    for i in range(_PROBE_ITEMS):
+        key = i % _PROBE_KEYS
+        counts[key] = counts.get(key, 0) + i
+    return sum(counts.values())
 
 
 def _machine_ticks(stat_text: str | None) -> tuple[int, ...] | None:

@@ -81,9 +81,11 @@ def main(argv=None) -> int:
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
+    probe_before, cpu_at_start = host_cpu.speed_probe(), host_cpu.current_cpu()
     cpu_before = host_cpu.snapshot()
     output = [event.token_id for event in generation if event.token_id >= 0]
     cpu = host_cpu.between(cpu_before, host_cpu.snapshot())
+    cpu.update(probe_seconds=(probe_before, host_cpu.speed_probe()), cpus=(cpu_at_start, host_cpu.current_cpu()))
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)

@@ -30,3 +30,20 @@ def test_the_process_cpu_time_counts_this_processs_work():
     total = sum(i * i for i in range(300_000))
     record = host_cpu.between(before, host_cpu.snapshot())
     assert total > 0 and record["process_cpu_seconds"] > 0 and record["wall_seconds"] > 0
+
+
+def test_the_cpu_a_thread_ran_on_is_field_39_of_its_stat_line():
+    # a command name with spaces and a parenthesis: the fields are counted after its closing ")"
+    stat = "123 (python (x) y) R " + " ".join(str(n) for n in range(4, 39)) + " 7 0 0"
+    assert host_cpu.current_cpu(stat) == 7
+    assert host_cpu.current_cpu("garbage") is None
+    here = host_cpu.current_cpu()
+    assert here is None or here >= 0
+
+
+def test_the_interpreter_probe_times_a_fixed_workload_and_the_summary_shows_it():
+    seconds = host_cpu.speed_probe(num_repeats=2)
+    assert 0 < seconds < 5
+    record = host_cpu.between(host_cpu.snapshot(BEFORE), host_cpu.snapshot(AFTER))
+    record.update(probe_seconds=(0.0031, 0.0062), cpus=(3, None))
+    assert "interpreter probe 3.10 / 6.20 ms before / after, on CPU 3 / ?" in host_cpu.summary(record)
