@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from strata.bench.host_cpu import choice as host_cpu_choice
 from strata.bench.host_cpu import summary as host_cpu_summary
 from strata.bench.host_numa import summary as host_numa_summary
 from strata.bench.provenance import code_identity
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rival", type=Path, metavar="FILE",
                         help="llama-bench's table from this machine and run (peer-llamacpp bench's output): the "
                              "ratios' divisors (default: an earlier run's figures, named under the table)")
+    parser.add_argument("--host-cpu", default="any", type=host_cpu_choice,
+                        help="the CPU each run's request thread runs on: any (default), fastest (by a probe on "
+                             "each CPU after load) or a CPU number; every run records the per-CPU probes")
     parser.add_argument("--layer-timeline", action="store_true",
                         help="time every prefill layer on the device (attention, MoE, waits for copies) and the "
                              "host's issuing of it; the marks slow the run a little, so compare shares, not speeds")
@@ -89,8 +93,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
                     profile = args.profile_dir / f"{arm}-{spec}-{length}-{rep + 1}.prof"
                 extra = ["--spec", spec] + ([] if args.draft_oracle is None or spec == "off"
                                             else ["--draft-oracle", str(args.draft_oracle)])
-                result = run_fresh(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile,
-                                   extra + (["--layer-timeline"] if args.layer_timeline else []))
+                extra += ["--host-cpu", args.host_cpu] + (["--layer-timeline"] if args.layer_timeline else [])
+                result = run_fresh(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile, extra)
                 runs.append(result)
                 print(f"[{arm} {length} #{rep + 1}] {result['timing_line']}", file=sys.stderr, flush=True)
                 if "pcie_bytes_per_s" in result:

@@ -14,11 +14,15 @@ shared virtual CPUs the same build's per-token host time has differed ~2x betwee
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import os
 import resource
 import time
 from pathlib import Path
+
+from strata.errors import ConfigError
 
 _STAT = Path("/proc/stat")
 _THREAD_STAT = Path("/proc/thread-self/stat")
@@ -72,6 +76,10 @@ def summary(record: dict) -> str:
         before, after = (f"{1e3 * seconds:.2f}" for seconds in record["probe_seconds"])
         cpus = " / ".join("?" if cpu is None else str(cpu) for cpu in record["cpus"])
         probe = f"; interpreter probe {before} / {after} ms before / after, on CPU {cpus}"
+    if "cpu_speeds" in record:
+        probe += f"; per-CPU probe {speeds_summary(record['cpu_speeds'])}"
+    if record.get("pinned_cpu") is not None:
+        probe += f", pinned to CPU {record['pinned_cpu']}"
     return (f"host CPU over the request: {machine}this process {record['process_cpu_seconds']:.2f} s of CPU "
             f"in {record['wall_seconds']:.2f} s, {record['involuntary_switches']} involuntary switches{probe}")
 
@@ -85,6 +93,57 @@ def speed_probe(num_repeats: int = 5) -> float:
         _workload()
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def cpu_speeds(num_repeats: int = 3) -> dict[int, float]:
+    """``speed_probe`` on each CPU the calling thread may run on, {cpu: seconds}; the thread may run
+    anywhere it could before afterwards. Empty where the platform cannot pin a thread (not Linux)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return {}
+    allowed = os.sched_getaffinity(0)
+    speeds = {}
+    try:
+        for cpu in sorted(allowed):
+            os.sched_setaffinity(0, {cpu})
+            speeds[cpu] = speed_probe(num_repeats)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return speeds
+
+
+def choice(text: str) -> str:
+    """``--host-cpu``'s value, checked: any, fastest or a CPU number."""
+    if text in ("any", "fastest") or text.isdigit():
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: choose any, fastest or a CPU number")
+
+
+def pin(wanted: str, speeds: dict[int, float]) -> int | None:
+    """Pin the calling thread as ``wanted`` says: "any" leaves it free (None), "fastest" pins it to the
+    CPU of ``speeds`` with the shortest probe, a number to that CPU; the CPU pinned to."""
+    if wanted == "any":
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError("pinning the host thread to a CPU needs Linux; use --host-cpu any")
+    if wanted == "fastest":
+        if not speeds:
+            raise ConfigError("no CPU was probed; use --host-cpu any")
+        cpu = min(speeds, key=speeds.__getitem__)
+    else:
+        cpu = int(wanted)
+        if cpu not in os.sched_getaffinity(0):
+            raise ConfigError(f"--host-cpu {cpu}: this process may run on CPUs {sorted(os.sched_getaffinity(0))}")
+    os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
+def speeds_summary(speeds: dict[int, float]) -> str:
+    """The spread of the per-CPU probes: "2.91-5.80 ms over 16 CPUs (fastest 3, slowest 12)"."""
+    if not speeds:
+        return "no per-CPU probe"
+    fastest, slowest = min(speeds, key=speeds.__getitem__), max(speeds, key=speeds.__getitem__)
+    return (f"{1e3 * speeds[fastest]:.2f}-{1e3 * speeds[slowest]:.2f} ms over {len(speeds)} CPUs "
+            f"(fastest {fastest}, slowest {slowest})")
 
 
 def current_cpu(stat_text: str | None = None) -> int | None:

@@ -56,6 +56,9 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-oracle", type=float, default=None, metavar="P",
                         help="replace each draft by the greedy continuation with probability P (a plain run of "
                              "the same prompt first records it)")
+    parser.add_argument("--host-cpu", default="any", type=host_cpu.choice,
+                        help="the CPU the request's thread runs on: any (default), fastest (by a probe on each "
+                             "CPU after load), or a CPU number")
     parser.add_argument("--layer-timeline", action="store_true",
                         help="time every prefill layer on the device and the host's issuing of it")
     args = parser.parse_args(argv)
@@ -81,11 +84,14 @@ def main(argv=None) -> int:
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
+    speeds = host_cpu.cpu_speeds()
+    pinned_cpu = host_cpu.pin(args.host_cpu, speeds)
     probe_before, cpu_at_start = host_cpu.speed_probe(), host_cpu.current_cpu()
     cpu_before = host_cpu.snapshot()
     output = [event.token_id for event in generation if event.token_id >= 0]
     cpu = host_cpu.between(cpu_before, host_cpu.snapshot())
-    cpu.update(probe_seconds=(probe_before, host_cpu.speed_probe()), cpus=(cpu_at_start, host_cpu.current_cpu()))
+    cpu.update(probe_seconds=(probe_before, host_cpu.speed_probe()), cpus=(cpu_at_start, host_cpu.current_cpu()),
+               cpu_speeds=speeds, pinned_cpu=pinned_cpu)
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)

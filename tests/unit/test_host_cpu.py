@@ -1,7 +1,13 @@
 """The bench's record of what the host's CPUs did over a request: /proc/stat's aggregate line read as
 given here, and this process's own figures from getrusage."""
 
+import argparse
+import os
+
+import pytest
+
 from strata.bench import host_cpu
+from strata.errors import ConfigError
 
 # user nice system idle iowait irq softirq steal guest guest_nice
 BEFORE = "cpu  1000 0 500 8000 100 0 0 0 0 0\ncpu0 10 0 5 80 1 0 0 0 0 0\n"
@@ -47,3 +53,35 @@ def test_the_interpreter_probe_times_a_fixed_workload_and_the_summary_shows_it()
     record = host_cpu.between(host_cpu.snapshot(BEFORE), host_cpu.snapshot(AFTER))
     record.update(probe_seconds=(0.0031, 0.0062), cpus=(3, None))
     assert "interpreter probe 3.10 / 6.20 ms before / after, on CPU 3 / ?" in host_cpu.summary(record)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning a thread needs Linux")
+def test_each_cpu_is_probed_and_the_thread_runs_anywhere_it_could_after():
+    allowed = os.sched_getaffinity(0)
+    speeds = host_cpu.cpu_speeds(num_repeats=1)
+    assert set(speeds) == allowed and all(seconds > 0 for seconds in speeds.values())
+    assert os.sched_getaffinity(0) == allowed
+    assert "over %d CPUs" % len(allowed) in host_cpu.speeds_summary(speeds)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning a thread needs Linux")
+def test_pinning_takes_the_fastest_probe_or_the_cpu_named():
+    allowed = os.sched_getaffinity(0)
+    slowest_first = {cpu: 1.0 / (1 + i) for i, cpu in enumerate(sorted(allowed))}
+    try:
+        assert host_cpu.pin("any", slowest_first) is None and os.sched_getaffinity(0) == allowed
+        fastest = max(allowed)
+        assert host_cpu.pin("fastest", slowest_first) == fastest and os.sched_getaffinity(0) == {fastest}
+        os.sched_setaffinity(0, allowed)
+        assert host_cpu.pin(str(min(allowed)), {}) == min(allowed)
+        os.sched_setaffinity(0, allowed)
+        with pytest.raises(ConfigError, match="may run on CPUs"):
+            host_cpu.pin(str(max(allowed) + 1), {})
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def test_the_host_cpu_choice_is_checked_where_it_is_parsed():
+    assert [host_cpu.choice(text) for text in ("any", "fastest", "3")] == ["any", "fastest", "3"]
+    with pytest.raises(argparse.ArgumentTypeError, match="choose any, fastest or a CPU number"):
+        host_cpu.choice("slowest")
