@@ -30,11 +30,12 @@ plan is the one a build without plugins makes)::
                                         default: run the startup loan, skip later requests
     if the loan runs:
         strata_prefill_release(ctx)     names of resources to release, in plugin order
-        (engine releases them, then grows the elastic expert cache)
+        (engine releases them; the budget counts what they freed as expert cache grown into it)
         strata_planner_budget(ctx, budget)  byte adjustments, summed
         (planner plans)
         strata_planner_geometry(ctx, geometry)  first non-None result replaces the plan
-        (engine allocates the workspace; on allocation failure retries smaller geometries,
+        (engine grows the elastic expert cache by what the staging ring can use of the memory the
+         chunk's activations leave, then allocates the workspace; on allocation failure retries smaller geometries,
          bounded by planner.max_retries)
     (prefill)
     finally, also when any step above raised:
@@ -130,11 +131,12 @@ def strata_planner_budget(ctx: LoanContext, budget: PlannerBudget) -> int | None
     """Adjust the bytes the planner may spend on this prefill.
 
     :param ctx: the loan context.
-    :param budget: free bytes and borrowable expert-cache bytes after release and cache growth.
+    :param budget: free bytes and borrowable expert-cache bytes after release, counting the released
+        memory as expert cache grown into it (the workspace may take it as ring slots or free memory).
     :returns: bytes to add (> 0) or withhold (< 0); None for no change. Adjustments are summed,
         so their order does not matter; the total never goes below zero.
 
-    Called in plugin order after release and cache growth, before planning.
+    Called in plugin order after release, before planning.
     """
 
 

@@ -86,6 +86,10 @@ class PlaneArena:
     def num_slots(self) -> int:
         return len(self._charges) * self.slots_per_segment
 
+    def slots_in(self, mapped_bytes: int) -> int:
+        """Slots ``mapped_bytes`` of mapped segments hold."""
+        return mapped_bytes // self.segment_bytes * self.slots_per_segment
+
     @property
     def num_slots_reserved(self) -> int:
         return self.num_segments_reserved * self.slots_per_segment

@@ -48,7 +48,11 @@ class NumpyArena:
 
     @property
     def num_slots(self) -> int:
-        return self.mapped_bytes // self.slot_bytes
+        return self.slots_in(self.mapped_bytes)
+
+    def slots_in(self, mapped_bytes: int) -> int:
+        """Slots ``mapped_bytes`` of mapped segments hold."""
+        return mapped_bytes // self.slot_bytes
 
     def segments_for(self, num_slots: int) -> int:
         """Segments that map at least ``num_slots`` slots."""

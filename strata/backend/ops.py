@@ -99,6 +99,9 @@ class ArenaStorage(Protocol):
     num_slots: int
 
     def segments_for(self, num_slots: int) -> int: ...
+    def slots_in(self, mapped_bytes: int) -> int:
+        """The whole expert slots ``mapped_bytes`` of mapped segments hold."""
+
     def map_segments(self, num_bytes: int) -> None: ...
 
     def unmap_to(self, num_bytes: int) -> None: ...

@@ -82,8 +82,15 @@ class FakeCache:
     def num_cached(self) -> int:
         return 0  # the fake holds no experts
 
-    def borrowable_bytes(self) -> int:
-        return max(0, self.mapped_bytes - self.reserved_bytes - self.lent_bytes)
+    def borrowable_bytes(self, grown_bytes: int = 0) -> int:
+        grown = grown_bytes // self.segment_bytes * self.segment_bytes
+        return max(0, self.mapped_bytes + grown - self.reserved_bytes - self.lent_bytes)
+
+    def growable_bytes(self, max_bytes: int) -> int:
+        return max(0, max_bytes) // self.segment_bytes * self.segment_bytes
+
+    def slots_after_growth(self, grown_bytes: int) -> int:
+        return (self.mapped_bytes + self.growable_bytes(grown_bytes)) // (4 * MIB)
 
     def lend(self, num_bytes: int) -> int:
         lent = min(num_bytes, self.borrowable_bytes())

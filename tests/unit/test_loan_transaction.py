@@ -387,7 +387,7 @@ def test_the_report_times_each_phase_of_the_transaction():
     engine = started()
     _, report = engine.prefill(40_000)
     phases = [name for name, _ in report.phase_seconds]
-    assert phases == ["decide", "release", "grow", "plan", "allocate", "free", "shrink", "restore", "put back",
+    assert phases == ["decide", "release", "plan", "grow", "allocate", "free", "shrink", "restore", "put back",
                       "hooks"]
     assert all(seconds >= 0 for _, seconds in report.phase_seconds)
     slow = dataclasses.replace(report, phase_seconds=(("restore", 0.0123), ("plan", 0.0001)))
@@ -396,3 +396,31 @@ def test_the_report_times_each_phase_of_the_transaction():
     # a phase that recurs (restore: what a vetoed loan gives back, then after prefill) is summed under one name
     assert [name for name, _ in off.phase_seconds] == ["decide", "restore", "plan", "allocate", "free", "shrink",
                                                         "put back"]
+
+
+def _ring_growth_expected(engine, free_bytes: int, geometry: Geometry) -> int:
+    costs, segment = engine.costs, engine.cache.segment_bytes
+    spare = free_bytes - costs.workspace_bytes(Geometry(geometry.chunk_tokens, 0))
+    ring_segments = -(-geometry.ring_slots * costs.bytes_per_ring_slot // segment)
+    return max(0, min(spare // segment, ring_segments)) * segment
+
+
+def test_the_cache_grows_by_what_the_ring_can_use_of_the_memory_the_activations_leave():
+    engine = started()
+    free = engine.ledger.free_bytes  # the startup loan's resources are already deferred
+    geometry, report = engine.prefill(1_000)
+    ring_bytes = geometry.ring_slots * engine.costs.bytes_per_ring_slot
+    # a short chunk leaves most of the released memory free: the ring's slots, whole segments, and no more
+    assert ring_bytes > 0 and report.grown_bytes == _ring_growth_expected(engine, free, geometry)
+    assert ring_bytes <= report.grown_bytes < ring_bytes + engine.cache.segment_bytes
+    assert f"grow:{report.grown_bytes // MIB}MiB" in engine.history
+    assert_back_to_idle(engine)
+
+
+def test_the_cache_does_not_grow_when_the_chunks_activations_take_the_released_memory():
+    engine = started()
+    free = engine.ledger.free_bytes
+    geometry, report = engine.prefill(100_000)
+    assert engine.costs.workspace_bytes(Geometry(geometry.chunk_tokens, 0)) >= free
+    assert report.grown_bytes == 0 and not any(h.startswith("grow:") and h != "grow:0MiB" for h in engine.history)
+    assert_back_to_idle(engine)

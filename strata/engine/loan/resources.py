@@ -48,8 +48,19 @@ class ElasticCache(Protocol):
     def num_cached(self) -> int:
         """Experts resident in the cache now."""
 
-    def borrowable_bytes(self) -> int:
-        """Cache storage the prompt workspace may borrow during prefill."""
+    @property
+    def segment_bytes(self) -> int:
+        """What one segment maps: growth and shrink move whole ones."""
+
+    def borrowable_bytes(self, grown_bytes: int = 0) -> int:
+        """Cache storage the prompt workspace may borrow during prefill, now or once ``grown_bytes``
+        more are mapped."""
+
+    def growable_bytes(self, max_bytes: int) -> int:
+        """What ``grow(max_bytes)`` would map."""
+
+    def slots_after_growth(self, grown_bytes: int) -> int:
+        """``num_slots`` once ``grown_bytes`` more are mapped."""
 
     def grow(self, max_bytes: int) -> int:
         """Map up to ``max_bytes`` more (whole segments); return the bytes mapped."""

@@ -1,13 +1,14 @@
 """The request-scoped prefill VRAM loan: one transaction around every prefill.
 
-decide → release in plugin order → grow the elastic expert cache into what was released → adjust
-the planner budget → plan (the cost model weighs the chunk against the cache its workspace borrows)
-→ allocate the workspace (its chunk capped at the prompt; smaller geometries on failure, bounded)
-→ prefill → finally: free the workspace (mapping back the cache segments it unmapped), shrink
-the cache, restore resources in reverse order, put back the runtime
-state (settings, and the expert cache's residency, staging again what the ring evicted), run the
-restore hooks, and check that the ledger and state equal what they were before. A restore or a
-put-back that fails is tried again (``RESTORE_ATTEMPTS``) before the engine is declared unhealthy.
+decide → release in plugin order → adjust the planner budget → plan, as if the elastic expert cache
+had grown into all that was released (the cost model weighs the chunk against the cache its
+workspace borrows; the chunk capped at the prompt) → grow the cache by what the workspace's staging
+ring can use of it → allocate the workspace (smaller geometries on failure, bounded) → prefill →
+finally: free the workspace (mapping back the cache segments it unmapped), shrink the cache, restore
+resources in reverse order, put back the runtime state (settings, and the expert cache's residency,
+staging again what the ring evicted), run the restore hooks, and check that the ledger and state
+equal what they were before. A restore or a put-back that fails is tried again
+(``RESTORE_ATTEMPTS``) before the engine is declared unhealthy.
 
 With ``loan.enabled`` false the same object plans and allocates, and no hook runs: the plan is the
 one a build without plugins makes, or, with ``runtime.prefill_head_alias``, the one it makes with
@@ -159,10 +160,7 @@ class LoanTransaction:
                     self.resources[name].release()
                     released.append(name)
                 phases.mark("release")
-                # all of it: the workspace borrows back, by unmapping, what its activations need
-                grown = self.cache.grow(self.ledger.free_bytes) if self.cache else 0
-                phases.mark("grow")
-                report = dataclasses.replace(report, released=tuple(released), grown_bytes=grown,
+                report = dataclasses.replace(report, released=tuple(released),
                                              released_bytes=sum(self.resources[n].num_bytes for n in released))
             else:
                 self._restore_all(released)  # a vetoed startup loan gives everything back first
@@ -173,9 +171,12 @@ class LoanTransaction:
                 if released:
                     report = dataclasses.replace(report, reason=f"{report.reason}; {_ALIAS_REASON}")
                 phases.mark("restore")
-            geometry = self._plan(ctx, vote.is_run)
+            geometry = self.planner.capped(self._plan(ctx, vote.is_run), unread_tokens)
             phases.mark("plan")
-            geometry, num_retries = self._allocate(self.planner.capped(geometry, unread_tokens))
+            if vote.is_run and self.cache:
+                report = dataclasses.replace(report, grown_bytes=self.cache.grow(self._ring_growth(geometry)))
+                phases.mark("grow")
+            geometry, num_retries = self._allocate(geometry)
             phases.mark("allocate")
             report = dataclasses.replace(report, geometry=geometry, num_retries=num_retries)
             yield geometry
@@ -286,19 +287,43 @@ class LoanTransaction:
                     names.append(name)
         return names
 
-    def budget(self, adjust_bytes: int = 0) -> PlannerBudget:
+    def budget(self, adjust_bytes: int = 0, is_grown: bool = False) -> PlannerBudget:
+        """The planner's budget now; ``is_grown``: as it would be with the expert cache grown into all
+        free memory (a loan plans so: its workspace may take the released memory as cache slots)."""
+        free = self.ledger.free_bytes
         borrowable = self.cache.borrowable_bytes() if self.cache else 0
-        return PlannerBudget(self.ledger.free_bytes, borrowable, adjust_bytes)
+        if is_grown and self.cache:
+            grown = self.cache.growable_bytes(free)
+            free, borrowable = free - grown, self.cache.borrowable_bytes(grown)
+        return PlannerBudget(free, borrowable, adjust_bytes)
 
-    def cache_state(self) -> CacheState | None:
-        """What the expert cache holds now, for the planner's cost model."""
-        return CacheState(self.cache.num_slots, self.cache.num_cached) if self.cache else None
+    def _ring_growth(self, geometry: Geometry) -> int:
+        """What a loan grows the cache by for ``geometry``: the staging ring lives in the cache's top
+        slots, so the released memory that the chunk's activations leave free serves as ring slots
+        instead of evicting cached experts. More would be mapped only to be unmapped again: prefill
+        never fills empty slots (expert_cache.py), and the activations would unmap them first (a 64 MiB
+        segment costs ~0.3-0.5 ms each way on the reference H200, 10-20 segments a loan)."""
+        costs, segment_bytes = self.planner.costs, self.cache.segment_bytes
+        if not costs.is_ring_in_cache:
+            return 0
+        spare = self.ledger.free_bytes - costs.workspace_bytes(Geometry(geometry.chunk_tokens, 0))
+        ring_bytes = geometry.ring_slots * costs.bytes_per_ring_slot
+        return max(0, min(spare // segment_bytes, -(-ring_bytes // segment_bytes))) * segment_bytes
+
+    def cache_state(self, is_grown: bool = False) -> CacheState | None:
+        """What the expert cache holds now, for the planner's cost model; ``is_grown``: its slots as
+        ``budget(is_grown=True)`` counts them."""
+        if not self.cache:
+            return None
+        grown = self.cache.growable_bytes(self.ledger.free_bytes) if is_grown else 0
+        return CacheState(self.cache.slots_after_growth(grown), self.cache.num_cached)
 
     def _plan(self, ctx: LoanContext, is_loan: bool) -> Geometry:
         if not is_loan:
             return self.planner.plan(self.budget(), ctx.request.unread_tokens, self.cache_state())
-        budget = self.budget(sum(self.plugins.call("strata_planner_budget", ctx=ctx, budget=self.budget())))
-        geometry = self.planner.plan(budget, ctx.request.unread_tokens, self.cache_state())
+        adjust_bytes = sum(self.plugins.call("strata_planner_budget", ctx=ctx, budget=self.budget(is_grown=True)))
+        budget = self.budget(adjust_bytes, is_grown=True)
+        geometry = self.planner.plan(budget, ctx.request.unread_tokens, self.cache_state(is_grown=True))
         chosen = self.plugins.call("strata_planner_geometry", ctx=ctx, geometry=geometry)
         return geometry if chosen is None else chosen
 

@@ -66,13 +66,22 @@ class ExpertCache:
     def num_slots(self) -> int:
         return self.storage.num_slots
 
-    def borrowable_bytes(self) -> int:
-        free_slots = self.num_slots - self._lent_slots - self.min_cache_slots
+    def borrowable_bytes(self, grown_bytes: int = 0) -> int:
+        """What the prompt workspace may borrow now, or once ``grown_bytes`` more are mapped."""
+        free_slots = self.slots_after_growth(grown_bytes) - self._lent_slots - self.min_cache_slots
         return max(0, free_slots) * self.layout.slot_bytes
 
-    def grow(self, max_bytes: int) -> int:
+    def slots_after_growth(self, grown_bytes: int) -> int:
+        """The slots mapped once ``grown_bytes`` more are (whole segments)."""
+        return self.storage.slots_in(self.mapped_bytes + grown_bytes // self.segment_bytes * self.segment_bytes)
+
+    def growable_bytes(self, max_bytes: int) -> int:
+        """What ``grow(max_bytes)`` would map: whole segments, within the reserved range."""
         room = self._max_bytes - self.mapped_bytes
-        num_bytes = min(room, max_bytes) // self.segment_bytes * self.segment_bytes
+        return max(0, min(room, max_bytes)) // self.segment_bytes * self.segment_bytes
+
+    def grow(self, max_bytes: int) -> int:
+        num_bytes = self.growable_bytes(max_bytes)
         if num_bytes > 0:
             before = self.num_slots
             self.storage.map_segments(num_bytes)
