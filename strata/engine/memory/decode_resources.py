@@ -115,8 +115,9 @@ class ExpertsResource:
         self.storage.map_segments(self.storage.segment_bytes)
         try:
             ticket = self.ops.stage_experts(self.storage, list(range(self.num_experts)), list(self._host))
+            # the kernels' stream waits for the copies, the host does not: the loan's put-back and
+            # checks run while they land (324 MiB, ~6 ms at 55 GB/s, for the 30B model's block)
             self.ops.wait_staged(ticket)
-            self.ops.synchronize()
         except BaseException:
             self.storage.unmap_to(0)
             raise
