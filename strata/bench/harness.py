@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ratios' divisors (default: an earlier run's figures, named under the table)")
     parser.add_argument("--host-cpu", default="any", type=host_cpu_choice,
                         help="the CPU each run's request thread runs on: any (default), fastest (by a probe on "
-                             "each CPU after load) or a CPU number; every run records the per-CPU probes")
+                             "each CPU after load) or a CPU number (threads it starts later share it); every run "
+                             "records the per-CPU probes")
     parser.add_argument("--layer-timeline", action="store_true",
                         help="time every prefill layer on the device (attention, MoE, waits for copies) and the "
                              "host's issuing of it; the marks slow the run a little, so compare shares, not speeds")

@@ -113,7 +113,7 @@ def cpu_speeds(num_repeats: int = 3) -> dict[int, float]:
 
 def choice(text: str) -> str:
     """``--host-cpu``'s value, checked: any, fastest or a CPU number."""
-    if text in ("any", "fastest") or text.isdigit():
+    if text in ("any", "fastest") or (text.isascii() and text.isdecimal()):
         return text
     raise argparse.ArgumentTypeError(f"{text!r}: choose any, fastest or a CPU number")
 

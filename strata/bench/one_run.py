@@ -80,21 +80,21 @@ def main(argv=None) -> int:
         if engine.mtp is None:
             raise SystemExit("--draft-oracle needs speculative decode (runtime.mtp = true and --spec other than off)")
         oracle = DraftOracle(None, len(tokens), args.draft_oracle, engine.spec.vocab_size, seed=args.seed)
+    speeds = host_cpu.cpu_speeds()  # probes outside the profiled window: cProfile would slow them
+    pinned_cpu = host_cpu.pin(args.host_cpu, speeds)
+    probe_before, cpu_at_start = host_cpu.speed_probe(), host_cpu.current_cpu()
     generation = engine.generate(tokens, params, draft_oracle=oracle, is_timing_layers=args.layer_timeline)
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
-    speeds = host_cpu.cpu_speeds()
-    pinned_cpu = host_cpu.pin(args.host_cpu, speeds)
-    probe_before, cpu_at_start = host_cpu.speed_probe(), host_cpu.current_cpu()
     cpu_before = host_cpu.snapshot()
     output = [event.token_id for event in generation if event.token_id >= 0]
     cpu = host_cpu.between(cpu_before, host_cpu.snapshot())
-    cpu.update(probe_seconds=(probe_before, host_cpu.speed_probe()), cpus=(cpu_at_start, host_cpu.current_cpu()),
-               cpu_speeds=speeds, pinned_cpu=pinned_cpu)
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
+    cpu.update(probe_seconds=(probe_before, host_cpu.speed_probe()), cpus=(cpu_at_start, host_cpu.current_cpu()),
+               cpu_speeds=speeds, pinned_cpu=pinned_cpu)
     stats = generation.stats
     result = {
         "loan": args.loan, "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,

@@ -58,10 +58,14 @@ class FakeResource:
 
 
 class FakeCache:
-    """An elastic expert cache of whole segments over the ledger."""
+    """An elastic expert cache of whole segments over the ledger. A segment holds ``slots_per_segment``
+    slots (default: as many 4 MiB ring slots as it has room for; fewer, as on the GPU, where each
+    plane of a segment rounds up to the mapping granularity)."""
 
-    def __init__(self, base_bytes: int, segment_bytes: int, ledger: VramLedger, history: list, faults: Faults):
+    def __init__(self, base_bytes: int, segment_bytes: int, ledger: VramLedger, history: list, faults: Faults,
+                 slots_per_segment: int | None = None):
         self.segment_bytes = segment_bytes
+        self.slots_per_segment = slots_per_segment or segment_bytes // (4 * MIB)
         self._ledger = ledger
         self._history = history
         self._faults = faults
@@ -76,7 +80,7 @@ class FakeCache:
 
     @property
     def num_slots(self) -> int:
-        return self.mapped_bytes // (4 * MIB)  # the fakes' ring slot
+        return len(self._segments) * self.slots_per_segment
 
     @property
     def num_cached(self) -> int:
@@ -90,7 +94,10 @@ class FakeCache:
         return max(0, max_bytes) // self.segment_bytes * self.segment_bytes
 
     def slots_after_growth(self, grown_bytes: int) -> int:
-        return (self.mapped_bytes + self.growable_bytes(grown_bytes)) // (4 * MIB)
+        return (len(self._segments) + self.growable_bytes(grown_bytes) // self.segment_bytes) * self.slots_per_segment
+
+    def segments_for(self, num_slots: int) -> int:
+        return -(-num_slots // self.slots_per_segment)
 
     def lend(self, num_bytes: int) -> int:
         lent = min(num_bytes, self.borrowable_bytes())
@@ -171,7 +178,8 @@ class FakeEngine:
     """The loan's collaborators wired together over one ledger, as the engine wires the real ones."""
 
     def __init__(self, config, host, resource_mib: dict[str, int], budget_mib: int = 8192,
-                 cache_mib: int = 1024, resident_mib: int = 2048, costs=None, cost_model=None, rates=None):
+                 cache_mib: int = 1024, resident_mib: int = 2048, costs=None, cost_model=None, rates=None,
+                 cache_slots_per_segment: int | None = None):
         from strata.engine.loan.runtime_state import RuntimeState
         from strata.engine.loan.transaction import LoanTransaction
         from strata.engine.planning.planner import Planner, WorkspaceCosts
@@ -182,7 +190,8 @@ class FakeEngine:
         self.ledger.charge("dense_weights", resident_mib * MIB)
         self.resources = {name: FakeResource(name, mib * MIB, self.ledger, self.history, self.faults)
                           for name, mib in resource_mib.items()}
-        self.cache = FakeCache(cache_mib * MIB, 64 * MIB, self.ledger, self.history, self.faults)
+        self.cache = FakeCache(cache_mib * MIB, 64 * MIB, self.ledger, self.history, self.faults,
+                               cache_slots_per_segment)
         self.costs = costs or WorkspaceCosts(bytes_per_chunk_token=512 * 1024, bytes_per_ring_slot=4 * MIB,
                                              target_ring_slots=128, is_ring_in_cache=True, segment_bytes=64 * MIB)
         self.planner = Planner(self.costs, config.planner, cost_model=cost_model, rates=rates)

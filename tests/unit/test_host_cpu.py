@@ -85,3 +85,5 @@ def test_the_host_cpu_choice_is_checked_where_it_is_parsed():
     assert [host_cpu.choice(text) for text in ("any", "fastest", "3")] == ["any", "fastest", "3"]
     with pytest.raises(argparse.ArgumentTypeError, match="choose any, fastest or a CPU number"):
         host_cpu.choice("slowest")
+    with pytest.raises(argparse.ArgumentTypeError):
+        host_cpu.choice("²")

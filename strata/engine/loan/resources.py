@@ -62,6 +62,9 @@ class ElasticCache(Protocol):
     def slots_after_growth(self, grown_bytes: int) -> int:
         """``num_slots`` once ``grown_bytes`` more are mapped."""
 
+    def segments_for(self, num_slots: int) -> int:
+        """Segments that map at least ``num_slots`` slots."""
+
     def grow(self, max_bytes: int) -> int:
         """Map up to ``max_bytes`` more (whole segments); return the bytes mapped."""
 

@@ -307,8 +307,7 @@ class LoanTransaction:
         if not costs.is_ring_in_cache:
             return 0
         spare = self.ledger.free_bytes - costs.workspace_bytes(Geometry(geometry.chunk_tokens, 0))
-        ring_bytes = geometry.ring_slots * costs.bytes_per_ring_slot
-        return max(0, min(spare // segment_bytes, -(-ring_bytes // segment_bytes))) * segment_bytes
+        return max(0, min(spare // segment_bytes, self.cache.segments_for(geometry.ring_slots))) * segment_bytes
 
     def cache_state(self, is_grown: bool = False) -> CacheState | None:
         """What the expert cache holds now, for the planner's cost model; ``is_grown``: its slots as

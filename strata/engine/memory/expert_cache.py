@@ -71,6 +71,11 @@ class ExpertCache:
         free_slots = self.slots_after_growth(grown_bytes) - self._lent_slots - self.min_cache_slots
         return max(0, free_slots) * self.layout.slot_bytes
 
+    def segments_for(self, num_slots: int) -> int:
+        """Segments that map at least ``num_slots`` slots (a segment's planes round up to the device's
+        mapping granularity, so it may cost more than its slots)."""
+        return self.storage.segments_for(num_slots)
+
     def slots_after_growth(self, grown_bytes: int) -> int:
         """The slots mapped once ``grown_bytes`` more are (whole segments)."""
         return self.storage.slots_in(self.mapped_bytes + grown_bytes // self.segment_bytes * self.segment_bytes)
