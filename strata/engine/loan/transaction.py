@@ -51,7 +51,8 @@ RESTORE_ATTEMPTS = 3
 # the phases only a taken loan has; their median over the last loans is its own work beyond prefill
 # (restores are predicted from their bytes, restaging by the planner, and the rest every request has)
 LOAN_ONLY_PHASES = ("release", "grow", "shrink", "hooks")
-# that work before any loan has been timed (grow and shrink took ~10 ms on the reference H200)
+# that work before any loan has been timed (~10 ms on the reference H200 while the cache grew into all the
+# released memory; growing only for the ring leaves less, which the median of the loans taken then says)
 DEFAULT_LOAN_OVERHEAD_SECONDS = 0.01
 _OVERHEAD_SAMPLES = 8
 _ALIAS_REASON = "output head lent to the prompt workspace (runtime.prefill_head_alias)"
