@@ -9,7 +9,9 @@ shares come from ``/proc/stat`` (Linux); elsewhere the record has the process's 
 
 A fixed pure-Python workload timed before and after the request (``speed_probe``) tells a process whose
 interpreter runs slowly on the CPU it was given from one whose engine does more work: on a machine of
-shared virtual CPUs the same build's per-token host time has differed ~2x between processes.
+shared virtual CPUs the same build's per-token host time has differed ~2x between processes. The same
+workload on each CPU the process may use (``cpu_speeds``) shows whether the CPUs differ, and ``pin``
+(``bench --host-cpu``) runs the request's thread on the fastest or a chosen one.
 """
 
 from __future__ import annotations
