@@ -8,6 +8,8 @@ restores grow memory at the start), and after the ``--python-growth`` window whe
 command fails (status 1) when a slope exceeds ``--max-slope-kib`` per request or the ledger is not idle
 after a request. SIGTERM ends the soak after the request in flight, Ctrl-C at once; either way the
 summary covers the requests done (and the Python heap's report, when a traced window had begun).
+With glibc each row also has the C heap's bytes in use, free inside it and mmapped (``heap_meter``),
+and the summary their slopes: which of them an RSS slope follows says leak, fragmentation or neither.
 """
 
 from __future__ import annotations
@@ -66,6 +68,29 @@ def heap_trimmer():
     return lambda: trim(0)
 
 
+class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (2.33+): every arena's totals
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_meter():
+    """A function giving the C heap's bytes in use, free inside it, and in mmapped blocks (glibc's
+    mallinfo2), or None where the C library has none. Telling RSS growth apart: in use grows with a
+    leak through malloc, free with fragmentation that ``malloc_trim`` cannot return, neither with growth
+    outside malloc (the interpreter's own arenas, the driver's mappings)."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.argtypes, mallinfo2.restype = [], _MallInfo2
+
+    def measure() -> dict[str, int]:
+        info = mallinfo2()
+        return {"heap_in_use_bytes": info.uordblks, "heap_free_bytes": info.fordblks,
+                "heap_mmapped_bytes": info.hblkhd}
+    return measure
+
+
 def slope_bytes_per_request(values: list[int]) -> float:
     """Least-squares slope of ``values`` against their index; 0 for fewer than two."""
     if len(values) < 2:
@@ -87,6 +112,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, logit_bias=banned)
     idle = dict(engine.idle_ledger.by_owner)
     trim = heap_trimmer() if args.trim_heap else None
+    heap = heap_meter()
     if args.trim_heap and trim is None:
         print("--trim-heap: this C library has no malloc_trim; RSS is read as it is", file=sys.stderr)
     growth = PythonGrowth() if args.python_growth else None
@@ -127,7 +153,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
                        "decode_tokens_per_s": round(stats.decode_tokens_per_s, 1),
                        "seconds": round(time.perf_counter() - started, 3), "device_used_bytes": device_bytes(),
                        "ledger_bytes": sum(engine.ledger.snapshot().by_owner.values()), "rss_bytes": rss_bytes(),
-                       "ledger_is_idle": is_idle, "is_traced": growth is not None and trace_from <= index < trace_to}
+                       "ledger_is_idle": is_idle, "is_traced": growth is not None and trace_from <= index < trace_to,
+                       **(heap() if heap is not None else {})}
                 rows.append(row)
                 if out:
                     out.write(json.dumps(row) + "\n")
@@ -154,6 +181,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
                    "rss_slope_bytes_per_request": slope_bytes_per_request([r["rss_bytes"] for r in settled]),
                    "ledger_slope_bytes_per_request": slope_bytes_per_request([r["ledger_bytes"] for r in settled]),
                    "requests_not_idle": num_not_idle, "loans_taken": sum(r["loan_taken"] for r in rows)}
+        if heap is not None:
+            for key in ("heap_in_use", "heap_free", "heap_mmapped"):
+                values = [r[f"{key}_bytes"] for r in settled]
+                summary[f"{key}_slope_bytes_per_request"] = slope_bytes_per_request(values)
         if growth_report is not None:
             summary["python_growth"] = growth_report
         if out:
@@ -168,6 +199,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
           f"{summary['rss_slope_bytes_per_request'] / 1024:+.1f} KiB/request, ledger "
           f"{summary['ledger_slope_bytes_per_request'] / 1024:+.1f} KiB/request; loans taken "
           f"{summary['loans_taken']}/{len(rows)}; requests leaving the ledger not idle: {num_not_idle}")
+    if heap is not None:
+        print(f"C heap slope: in use {summary['heap_in_use_slope_bytes_per_request'] / 1024:+.1f} KiB/request, free "
+              f"inside it {summary['heap_free_slope_bytes_per_request'] / 1024:+.1f}, mmapped blocks "
+              f"{summary['heap_mmapped_slope_bytes_per_request'] / 1024:+.1f}")
     is_steady = max(summary["device_slope_bytes_per_request"], summary["rss_slope_bytes_per_request"]) <= limit
     if not is_steady or num_not_idle:
         print(f"soak failed: a slope above {args.max_slope_kib} KiB/request or a ledger not idle", file=sys.stderr)

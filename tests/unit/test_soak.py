@@ -1,12 +1,13 @@
 """The soak command (run on a GPU for the record) on the numpy backend: its rows, slope and verdict."""
 
+import ctypes
 import json
 import tracemalloc
 
 import pytest
 from serve_harness import write_tiny_model
 
-from strata.bench.soak import heap_trimmer, slope_bytes_per_request
+from strata.bench.soak import heap_meter, heap_trimmer, slope_bytes_per_request
 from strata.cli import main
 
 
@@ -39,7 +40,27 @@ def test_a_soak_with_the_loan_on_records_every_request_and_passes_when_nothing_g
     assert rows[0]["loan_taken"] and summary["loans_taken"] == sum(r["loan_taken"] for r in rows)
     assert summary["requests_not_idle"] == 0 and abs(summary["ledger_slope_bytes_per_request"]) < 1e-6
     assert summary["is_heap_trimmed"] == (heap_trimmer() is not None)
-    assert "slope over requests 2..5" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "slope over requests 2..5" in printed
+    if heap_meter() is not None:  # glibc: the C heap's figures per request and their slopes
+        assert all(r["heap_in_use_bytes"] > 0 and r["heap_free_bytes"] >= 0 for r in rows)
+        assert "heap_free_slope_bytes_per_request" in summary and "C heap slope: in use" in printed
+
+
+def test_the_heap_meter_counts_a_block_malloc_hands_out_until_it_is_freed():
+    heap = heap_meter()
+    if heap is None:
+        pytest.skip("this C library has no mallinfo2")
+    libc = ctypes.CDLL(None)
+    libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
+    before = heap()
+    block = libc.malloc(64 * 1024)  # below the mmap threshold: from the heap
+    try:
+        assert heap()["heap_in_use_bytes"] - before["heap_in_use_bytes"] >= 64 * 1024
+    finally:
+        libc.free(block)
+    assert heap()["heap_in_use_bytes"] - before["heap_in_use_bytes"] < 64 * 1024
 
 
 def test_python_growth_names_the_site_and_the_type_that_grew():
