@@ -84,7 +84,7 @@ class PlaneArena:
 
     @property
     def num_slots(self) -> int:
-        return len(self._charges) * self.slots_per_segment
+        return self.slots_in(self.mapped_bytes)
 
     def slots_in(self, mapped_bytes: int) -> int:
         """Slots ``mapped_bytes`` of mapped segments hold."""
