@@ -360,7 +360,8 @@ class Generation:
             prefill_layers=stream.timeline.summary() if stream.timeline is not None else None)
         if compiled.num_compiles and self.engine.config.runtime.warmup:
             log.warning("this request compiled %d time(s), %.2f s inside its prefill and decode: a shape the "
-                        "warm-up did not reach", compiled.num_compiles, compiled.seconds)
+                        "warm-up did not reach (%s)", compiled.num_compiles, compiled.seconds,
+                        "; ".join(compiled.names))
         self.engine.counters.record(self.stats)
         log.debug("%s", self.stats.timing_line())  # callers (serve, generate, bench) print the line
 

@@ -14,6 +14,7 @@ load event inside the lock counts it as loaded, not compiled.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 COMPILE_EVENT = "numba-cuda:compiler_lock"
@@ -25,10 +26,36 @@ class CompileTally:
     num_compiles: int = 0
     seconds: float = 0.0
     num_loaded: int = 0  # kernels the kernel cache loaded (their seconds are not in ``seconds``)
+    names: tuple[str, ...] = ()  # what compiled, latest last (at most MAX_NAMES), so a warning can name it
 
     def since(self, earlier: CompileTally) -> CompileTally:
-        return CompileTally(self.num_compiles - earlier.num_compiles, self.seconds - earlier.seconds,
-                            self.num_loaded - earlier.num_loaded)
+        num_compiles = self.num_compiles - earlier.num_compiles
+        return CompileTally(num_compiles, self.seconds - earlier.seconds, self.num_loaded - earlier.num_loaded,
+                            self.names[len(self.names) - min(num_compiles, len(self.names)):])
+
+
+MAX_NAMES = 64
+
+
+def compiling_what(frame) -> str:
+    """The kernel a compile is for, read from the stack that took the lock: the Numba dispatcher's
+    function and argument types, else the innermost Strata function (a linked CUDA source)."""
+    fallback = "?"
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        py_func = getattr(owner, "py_func", None)
+        if py_func is not None:
+            args = frame.f_locals.get("args", frame.f_locals.get("sig", ()))
+            try:
+                types = ", ".join(str(owner.typeof_pyval(a)) for a in args)
+            except Exception:  # noqa: BLE001 - a name for a log line; any argument may refuse typing
+                types = ", ".join(type(a).__name__ for a in args) if isinstance(args, tuple) else str(args)
+            return f"{py_func.__qualname__}({types})"
+        module = frame.f_globals.get("__name__", "")
+        if fallback == "?" and module.startswith("strata.") and module != __name__:
+            fallback = f"{module}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return fallback
 
 
 class CompileCounter:
@@ -39,6 +66,7 @@ class CompileCounter:
         self._depth = 0
         self._started = 0.0
         self._is_loaded = False  # the outermost lock held now loaded a kept kernel
+        self._name = "?"
         self._listeners = []
 
     def listen(self) -> CompileCounter:
@@ -76,6 +104,7 @@ class CompileCounter:
     def _on_start(self) -> None:
         if self._depth == 0:
             self._started = time.perf_counter()
+            self._name = compiling_what(sys._getframe(2))
         self._depth += 1
 
     def _on_end(self) -> None:
@@ -83,8 +112,8 @@ class CompileCounter:
         if self._depth == 0:
             tally = self.tally
             if self._is_loaded:
-                self.tally = CompileTally(tally.num_compiles, tally.seconds, tally.num_loaded + 1)
+                self.tally = dataclasses.replace(tally, num_loaded=tally.num_loaded + 1)
             else:
                 self.tally = CompileTally(tally.num_compiles + 1, tally.seconds + time.perf_counter() - self._started,
-                                          tally.num_loaded)
+                                          tally.num_loaded, (*tally.names, self._name)[-MAX_NAMES:])
             self._is_loaded = False

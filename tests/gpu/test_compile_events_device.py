@@ -22,4 +22,6 @@ def test_a_new_kernel_counts_and_its_second_launch_does_not():
         counter.close()
     assert compiled.num_compiles >= 1 and compiled.seconds > 0  # typing, lowering and linking may each take the lock
     assert again.num_compiles == 0
+    assert any(name.startswith("test_a_new_kernel_counts_and_its_second_launch_does_not.<locals>.add_one(")
+               for name in compiled.names), compiled.names
     assert (out.copy_to_host() == 2).all()

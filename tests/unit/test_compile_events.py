@@ -50,3 +50,37 @@ def test_a_kernel_the_kernel_cache_loads_inside_the_lock_counts_as_loaded_not_co
         assert (counter.tally.num_compiles, counter.tally.num_loaded) == (1, 1)
     finally:
         counter.close()
+
+
+class _FakeDispatcher:
+    """A dispatcher's two attributes the name is read from (numba-cuda's compile path holds the lock inside
+    a method of the dispatcher, with its arguments in ``args``)."""
+
+    def __init__(self, py_func):
+        self.py_func = py_func
+
+    def typeof_pyval(self, value):
+        return f"{type(value).__name__}:{value}"
+
+    def compile_for(self, *args):
+        with ev.trigger_event(COMPILE_EVENT):
+            pass
+
+
+def test_each_compile_is_named_by_its_kernel_and_argument_types_and_a_request_sees_its_own():
+    def scale_rows(out, x):
+        pass
+
+    counter = CompileCounter().listen()
+    try:
+        _FakeDispatcher(scale_rows).compile_for(3, 2.5)
+        before = counter.tally
+        _FakeDispatcher(scale_rows).compile_for(7)
+        with ev.trigger_event(COMPILE_EVENT):  # no dispatcher on the stack: the innermost Strata frame, or "?"
+            pass
+    finally:
+        counter.close()
+    qualname = scale_rows.__qualname__
+    assert counter.tally.names[0] == f"{qualname}(int:3, float:2.5)"
+    assert counter.tally.since(before).names == (f"{qualname}(int:7)", "?")
+    assert CompileTally(3, 1.0, 0, ("a", "b")).since(CompileTally(1, 0.5, 0, ("a",))).names == ("a", "b")
