@@ -1,10 +1,13 @@
 """The engine on the Numba kernels: under the simulator in CI (a tiny model, a few tokens) and on a
 real GPU when there is one (more tokens, every KV format, and a loan)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 from engine_setup import LOAN_RUNTIME, SIMULATOR_TINY, engine_config, greedy, reference_greedy
 from gguf import GGMLQuantizationType as QType
+from launch_recorder import recording_launches
 from numba import config as numba_config
 from numba import cuda
 
@@ -57,7 +60,8 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
         return groups
 
     monkeypatch.setattr(engine.ops, "moe_groups", recording_group)
-    assert engine.warm_up() > 0
+    with _launches(monkeypatch) as warmed:
+        assert engine.warm_up() > 0
     monkeypatch.undo()
     assert dict(engine.ledger.snapshot().by_owner) == before
     # each tile shape a chunk may take has its kernels compiled (64 and 128 rows on tensor cores: moe_rows'
@@ -66,9 +70,16 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     assert grouped_rows and forced <= set(grouped_rows) and len(set(grouped_rows)) == max(1, len(forced))
     assert engine.kv_tokens == [] and engine.cache.num_cached == 0 and engine.cache.num_evictions == 0
     assert engine.cache.borrowable_bytes() > 0 and engine.workspace.geometry is None
-    tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
+    # a prompt shorter than decode's rows: its chunk runs decode's row kernels with the staging ring's slots
+    with _launches(monkeypatch) as requested:
+        tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
     assert tokens == reference_greedy(tiny_path, PROMPT, NUM_GENERATED)
     assert stats.streamed_bytes > 0
+    # no launch of the request compiles: on a GPU counted, in the simulator asked of every launch's types
+    assert stats.num_compiles == 0, stats.timing_line()
+    if requested is not None:
+        assert warmed.launches and not requested.launches - warmed.launches, \
+            requested.names(requested.launches - warmed.launches)
     idle = {k: v for k, v in engine.idle_ledger.by_owner.items()}
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
     # more tokens than a decode step's rows: the MoE groups them
@@ -82,6 +93,12 @@ def test_warm_up_leaves_the_engine_as_it_was_and_the_output_equals_the_reference
     with pytest.raises(ValueError, match=r"MoE tile rows must be one of \(.*\), got 32"):
         with engine.ops.forcing_moe_tile_rows(32):
             pass
+
+
+def _launches(monkeypatch):
+    """The simulator's launches with their argument types (``launch_recorder``); on a GPU nothing (its
+    compile counter answers instead)."""
+    return recording_launches(monkeypatch) if BACKEND == "cudasim" else contextlib.nullcontext()
 
 
 # the simulator runs one two-chunk prompt; a GPU every chunk size from a quantum to the whole prompt
