@@ -2,11 +2,11 @@
 the kernel cache) before the first request, and the engine is left as it was.
 
 A tiny prefill through the staging ring (once per MoE tile shape the backend picks between), chunks of
-each of decode's row counts after it, and its logits, one decode step, a draft and a verify step at every depth
-where speculation runs on the device, the launches of a fully cached model's decode token and the
-greedy tail (head, bias, argmax). Resources a startup loan holds back come back for the warm-up alone
-where they fit. Then the KV tokens are cleared, the expert cache is emptied and the ledger is checked
-against its state before.
+each of decode's row counts after it (the MTP block's too), and its logits, one decode step, a draft and
+a verify step at every depth where speculation runs on the device, the launches of a fully cached
+model's decode token and the greedy tail (head, bias, argmax). Resources a startup loan holds back come
+back for the warm-up alone where they fit. Then the KV tokens are cleared, the expert cache is emptied
+and the ledger is checked against its state before.
 """
 
 from __future__ import annotations
@@ -50,16 +50,14 @@ def warm_up(engine) -> float:
                     hidden = engine.runner.forward(tokens, 0, engine.workspace if geometry else None, stats)
                     if _is_mtp_resident(engine):  # the MTP block over a prefill chunk (its KV of the prompt)
                         engine.mtp.hidden(hidden[:num_tokens - 1], tokens[1:], 0)
-            shorts = _short_chunks(engine, tokens) if geometry else []
-            for short in shorts:  # a prompt's last few tokens, or the unread end of a cached prefix
-                short_hidden = engine.runner.forward(short, num_tokens, engine.workspace, stats)
-                if _is_mtp_resident(engine):
-                    engine.mtp.hidden(short_hidden[:len(short) - 1], short[1:], num_tokens)
+            _prefill_rows(engine, tokens, num_tokens, stats)
+            if _is_mtp_resident(engine):
+                _mtp_rows(engine, hidden, tokens, num_tokens)
         finally:
             engine.ops.synchronize()  # no copy may still target the ring when the workspace goes
             engine.workspace.free()
         if engine.mtp is not None and not _is_mtp_resident(engine) and engine.backend == "cuda":
-            _deferred_mtp_prefill(engine, hidden, tokens, layout, shorts)  # only the GPU compiles
+            _deferred_mtp_prefill(engine, hidden, tokens, layout)  # only the GPU compiles
         token = int(np.argmax(_logits(engine, hidden)))
         # decode attention's launch does not depend on the position (its splits are sized for
         # the whole cache), so one step compiles every decode kernel
@@ -93,8 +91,8 @@ def warm_up(engine) -> float:
     return seconds
 
 
-def _deferred_mtp_prefill(engine, hidden, tokens: np.ndarray, layout, shorts: list[np.ndarray]) -> None:
-    """The MTP block over a prefill chunk (and over the short ones) while a startup loan holds it back:
+def _deferred_mtp_prefill(engine, hidden, tokens: np.ndarray, layout) -> None:
+    """The MTP block over a prefill chunk (and over short ones) while a startup loan holds it back:
     its resources come back for the warm-up alone and go again. Otherwise the first request that
     prefills with the block resident (the first without a loan) compiles the block's launches inside
     its prefill."""
@@ -104,20 +102,32 @@ def _deferred_mtp_prefill(engine, hidden, tokens: np.ndarray, layout, shorts: li
         for tile_rows in engine.ops.moe_tile_rows(layout):
             with engine.ops.forcing_moe_tile_rows(tile_rows):
                 engine.mtp.hidden(hidden[:len(tokens) - 1], tokens[1:], 0)
-        for short in shorts:
-            engine.mtp.hidden(hidden[:len(short) - 1], short[1:], len(tokens))
+        _mtp_rows(engine, hidden, tokens, len(tokens))
         engine.ops.synchronize()
 
 
-def _short_chunks(engine, tokens: np.ndarray) -> list[np.ndarray]:
-    """Tokens for prefill chunks of 2 to ``DECODE_MAX_ROWS`` rows after ``tokens``. Such a chunk runs
-    decode's row kernels with the staging ring's slot table (the map launch and the row-wise experts),
-    which neither the full chunk nor a decode step reaches, and the row kernels are compiled for each
-    row count. The simulator compiles nothing: one row count runs the path there (a chunk of nine rows
-    takes minutes in it)."""
-    max_rows = min(DECODE_MAX_ROWS, engine.context_tokens - 2 - len(tokens))
-    row_counts = range(2, max_rows + 1) if not engine.ops.is_simulator else range(2, min(2, max_rows) + 1)
-    return [tokens[:num_rows] for num_rows in row_counts]
+def _prefill_rows(engine, tokens: np.ndarray, position: int, stats: StreamStats) -> None:
+    """Prefill chunks of up to ``DECODE_MAX_ROWS`` tokens at ``position`` (a prompt's last few tokens,
+    or the unread end of a cached prefix). Such a chunk runs decode's row kernels, compiled for each
+    row count, with the staging ring's slot table: neither the full chunk nor a decode step reaches them."""
+    for num_rows in _row_counts(engine, engine.context_tokens - 2 - position):
+        engine.runner.forward(tokens[:num_rows], position, engine.workspace, stats)
+
+
+def _mtp_rows(engine, hidden, tokens: np.ndarray, position: int) -> None:
+    """The MTP block over up to ``DECODE_MAX_ROWS`` rows of ``hidden`` at ``position`` (a prefill chunk
+    of R tokens runs it over R - 1 rows, or R when the next chunk's first token is known)."""
+    for num_rows in _row_counts(engine, min(len(tokens) - 1, engine.context_tokens - 2 - position)):
+        engine.mtp.hidden(hidden[:num_rows], tokens[1:num_rows + 1], position)
+
+
+def _row_counts(engine, max_rows: int) -> range:
+    """1 to ``DECODE_MAX_ROWS`` rows (at most ``max_rows``). The simulator compiles nothing: there one
+    count, two rows, runs the path (a chunk of nine rows takes minutes in it)."""
+    max_rows = min(DECODE_MAX_ROWS, max_rows)
+    if engine.ops.is_simulator:
+        return range(min(2, max_rows), min(2, max_rows) + 1) if max_rows >= 1 else range(0)
+    return range(1, max_rows + 1)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,14 @@ COMPILE_EVENT = "numba-cuda:compiler_lock"
 LOAD_EVENT = "strata:kernel-cache-load"  # kernel_cache.LOAD_EVENT (a lower layer's name, not imported here)
 
 
+MAX_NAMES = 64  # compiles a tally names, the latest kept
+# the frames that hold a kernel being compiled and its arguments: numba-cuda's dispatcher (the lock is
+# taken in the wrapper of its ``compile``, so the caller's frame is the innermost with the arguments) and
+# the launcher's
+_COMPILING_FRAMES = frozenset({"_compile_for_args", "call", "specialize", "_compiled"})
+_MAX_FRAMES = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileTally:
     num_compiles: int = 0
@@ -34,26 +42,37 @@ class CompileTally:
                             self.names[len(self.names) - min(num_compiles, len(self.names)):])
 
 
-MAX_NAMES = 64
-
-
-def compiling_what(frame) -> str:
+def compiled_kernel_name(frame) -> str:
     """The kernel a compile is for, read from the stack that took the lock: the Numba dispatcher's
-    function and argument types, else the innermost Strata function (a linked CUDA source)."""
+    function and argument types, else the innermost Strata function (a linked CUDA source), else "?".
+    Never raises: it runs while numba-cuda holds its compiler lock."""
+    try:
+        return _kernel_name(frame)
+    except Exception:  # noqa: BLE001 - a name for a log line must not fail the compile
+        return "?"
+
+
+def _kernel_name(frame) -> str:
     fallback = "?"
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        py_func = getattr(owner, "py_func", None)
-        if py_func is not None:
-            args = frame.f_locals.get("args", frame.f_locals.get("sig", ()))
-            try:
-                types = ", ".join(str(owner.typeof_pyval(a)) for a in args)
-            except Exception:  # noqa: BLE001 - a name for a log line; any argument may refuse typing
-                types = ", ".join(type(a).__name__ for a in args) if isinstance(args, tuple) else str(args)
-            return f"{py_func.__qualname__}({types})"
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        code = frame.f_code
+        # only the compile path's frames: reading a frame's locals keeps a copy of them on the frame
+        if code.co_name in _COMPILING_FRAMES and code.co_varnames[:1] == ("self",):
+            local = frame.f_locals
+            owner = local.get("self")
+            py_func = getattr(owner, "py_func", None)
+            if py_func is not None:
+                args = local.get("args", local.get("sig", ()))
+                try:
+                    types = ", ".join(str(owner.typeof_pyval(a)) for a in args)
+                except Exception:  # noqa: BLE001 - any argument may refuse typing
+                    types = ", ".join(type(a).__name__ for a in args) if isinstance(args, tuple) else str(args)
+                return f"{py_func.__qualname__}({types})"
         module = frame.f_globals.get("__name__", "")
         if fallback == "?" and module.startswith("strata.") and module != __name__:
-            fallback = f"{module}.{frame.f_code.co_name}"
+            fallback = f"{module}.{code.co_name}"
         frame = frame.f_back
     return fallback
 
@@ -104,7 +123,7 @@ class CompileCounter:
     def _on_start(self) -> None:
         if self._depth == 0:
             self._started = time.perf_counter()
-            self._name = compiling_what(sys._getframe(2))
+            self._name = compiled_kernel_name(sys._getframe(2))  # above the listener's own frames
         self._depth += 1
 
     def _on_end(self) -> None:

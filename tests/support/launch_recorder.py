@@ -22,7 +22,7 @@ class LaunchRecorder:
         """Each launch as the kernel's name, the constants its factory closed over (a row count, a format)
         and its argument types."""
         return sorted(f"{fn.__module__}.{fn.__qualname__}{_constants(fn)}{types}"
-                      for fn, types in (launches or self.launches))
+                      for fn, types in (self.launches if launches is None else launches))
 
 
 @contextlib.contextmanager
@@ -51,7 +51,8 @@ def _numba_type(value) -> str:
     if isinstance(array, np.ndarray) and array.ndim > 0:
         flags = array.flags
         layout = "C" if flags.c_contiguous else "F" if flags.f_contiguous else "A"
-        return f"array({array.dtype}, {array.ndim}d, {layout})"
+        readonly = "" if flags.writeable else "readonly "  # Numba compiles a read-only array apart
+        return f"{readonly}array({array.dtype}, {array.ndim}d, {layout})"
     try:
         return str(numba.typeof(value))
     except ValueError:

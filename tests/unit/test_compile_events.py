@@ -53,8 +53,8 @@ def test_a_kernel_the_kernel_cache_loads_inside_the_lock_counts_as_loaded_not_co
 
 
 class _FakeDispatcher:
-    """A dispatcher's two attributes the name is read from (numba-cuda's compile path holds the lock inside
-    a method of the dispatcher, with its arguments in ``args``)."""
+    """A dispatcher's two attributes the name is read from (numba-cuda takes the lock under its
+    ``_compile_for_args``, whose ``args`` are the launch's)."""
 
     def __init__(self, py_func):
         self.py_func = py_func
@@ -62,9 +62,13 @@ class _FakeDispatcher:
     def typeof_pyval(self, value):
         return f"{type(value).__name__}:{value}"
 
-    def compile_for(self, *args):
+    def _compile_for_args(self, *args):
         with ev.trigger_event(COMPILE_EVENT):
             pass
+
+    def typeof_refused(self, *args):  # typing raises: the name still comes, the compile goes on
+        self.typeof_pyval = None
+        self._compile_for_args(*args)
 
 
 def test_each_compile_is_named_by_its_kernel_and_argument_types_and_a_request_sees_its_own():
@@ -73,14 +77,15 @@ def test_each_compile_is_named_by_its_kernel_and_argument_types_and_a_request_se
 
     counter = CompileCounter().listen()
     try:
-        _FakeDispatcher(scale_rows).compile_for(3, 2.5)
+        _FakeDispatcher(scale_rows)._compile_for_args(3, 2.5)
         before = counter.tally
-        _FakeDispatcher(scale_rows).compile_for(7)
+        _FakeDispatcher(scale_rows)._compile_for_args(7)
+        _FakeDispatcher(scale_rows).typeof_refused(1.5)
         with ev.trigger_event(COMPILE_EVENT):  # no dispatcher on the stack: the innermost Strata frame, or "?"
             pass
     finally:
         counter.close()
     qualname = scale_rows.__qualname__
     assert counter.tally.names[0] == f"{qualname}(int:3, float:2.5)"
-    assert counter.tally.since(before).names == (f"{qualname}(int:7)", "?")
+    assert counter.tally.since(before).names == (f"{qualname}(int:7)", f"{qualname}(float)", "?")
     assert CompileTally(3, 1.0, 0, ("a", "b")).since(CompileTally(1, 0.5, 0, ("a",))).names == ("a", "b")
