@@ -125,9 +125,10 @@ def _row_counts(engine, max_rows: int) -> range:
     """1 to ``DECODE_MAX_ROWS`` rows (at most ``max_rows``) on the GPU. Other backends compile nothing:
     there one count, two rows, runs the path (a chunk of nine rows takes minutes in the simulator)."""
     max_rows = min(DECODE_MAX_ROWS, max_rows)
-    if engine.backend != "cuda":
-        return range(min(2, max_rows), min(2, max_rows) + 1) if max_rows >= 1 else range(0)
-    return range(1, max_rows + 1)
+    if engine.backend == "cuda":
+        return range(1, max_rows + 1)
+    num_rows = min(2, max_rows)
+    return range(num_rows, num_rows + 1) if num_rows >= 1 else range(0)
 
 
 @contextlib.contextmanager
