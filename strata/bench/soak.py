@@ -174,17 +174,17 @@ def run(args: argparse.Namespace, config: Config) -> int:
         if len(rows) <= slope_from + 1:  # too few after the settling (and the traced window, whose rows never count)
             slope_from = trace_to if growth is not None else 0
         settled = rows[slope_from:]
+        is_sloped = len(settled) >= 2  # else no slope says anything: the soak cannot pass
         summary = {"requests": len(rows), "settle": args.settle, "slope_from_request": slope_from,
                    "is_interrupted": is_interrupted, "backend": engine.backend,
                    "is_heap_trimmed": trim is not None,
-                   "device_slope_bytes_per_request": slope_bytes_per_request([r["device_used_bytes"] for r in settled]),
-                   "rss_slope_bytes_per_request": slope_bytes_per_request([r["rss_bytes"] for r in settled]),
-                   "ledger_slope_bytes_per_request": slope_bytes_per_request([r["ledger_bytes"] for r in settled]),
+                   "device_slope_bytes_per_request": _slope(settled, "device_used_bytes"),
+                   "rss_slope_bytes_per_request": _slope(settled, "rss_bytes"),
+                   "ledger_slope_bytes_per_request": _slope(settled, "ledger_bytes"),
                    "requests_not_idle": num_not_idle, "loans_taken": sum(r["loan_taken"] for r in rows)}
         if heap is not None:
             for key in ("heap_in_use", "heap_free", "heap_mmapped"):
-                values = [r[f"{key}_bytes"] for r in settled]
-                summary[f"{key}_slope_bytes_per_request"] = slope_bytes_per_request(values)
+                summary[f"{key}_slope_bytes_per_request"] = _slope(settled, f"{key}_bytes")
         if growth_report is not None:
             summary["python_growth"] = growth_report
         if out:
@@ -194,6 +194,12 @@ def run(args: argparse.Namespace, config: Config) -> int:
             out.close()
         engine.close()
     limit = args.max_slope_kib * 1024
+    if not is_sloped:
+        print(f"soak failed: no slope: {len(settled)} request(s) after request {slope_from} (the settling"
+              f"{' and the traced window' if growth is not None else ''}) of {len(rows)} finished; send more "
+              f"requests (--requests) or settle fewer (--settle); requests leaving the ledger not idle: {num_not_idle}",
+              file=sys.stderr)
+        return 1
     print(f"slope over requests {summary['slope_from_request']}..{len(rows) - 1}: device "
           f"{summary['device_slope_bytes_per_request'] / 1024:+.1f} KiB/request, RSS "
           f"{summary['rss_slope_bytes_per_request'] / 1024:+.1f} KiB/request, ledger "
@@ -208,6 +214,11 @@ def run(args: argparse.Namespace, config: Config) -> int:
         print(f"soak failed: a slope above {args.max_slope_kib} KiB/request or a ledger not idle", file=sys.stderr)
         return 1
     return 0
+
+
+def _slope(rows: list[dict], key: str) -> float | None:
+    """``slope_bytes_per_request`` of the rows' ``key``; None for fewer than two rows."""
+    return slope_bytes_per_request([r[key] for r in rows]) if len(rows) >= 2 else None
 
 
 @contextlib.contextmanager

@@ -116,13 +116,17 @@ def test_a_soak_cut_short_still_writes_its_summary(tmp_path, monkeypatch):
     assert (summary["requests"], summary["is_interrupted"]) == (2, True)
 
 
-def test_a_traced_window_past_the_last_request_still_reports(tmp_path, capsys):
+def test_a_traced_window_past_the_last_request_still_reports_and_leaves_no_slope(tmp_path, capsys):
     config = _numpy_config(tmp_path)
     out = tmp_path / "soak.jsonl"
+    # a window of 10 from request 1: no untraced request after it, so no slope, and the soak cannot pass
     assert main(["--config", str(config), "soak", "--requests", "4", "--min-prompt", "8", "--max-prompt", "32",
-                 "--gen-tokens", "2", "--settle", "1", "--python-growth", "--out", str(out)]) == 0  # a window of 10
+                 "--gen-tokens", "2", "--settle", "1", "--python-growth", "--out", str(out)]) == 1
     summary = json.loads(out.read_text().splitlines()[-1])["summary"]
-    assert "python_growth" in summary and "Python heap:" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "python_growth" in summary and "Python heap:" in printed.out
+    assert summary["rss_slope_bytes_per_request"] is None and summary["device_slope_bytes_per_request"] is None
+    assert "no slope: 0 request(s) after request 4" in printed.err and "slope over requests" not in printed.out
 
 
 def _numpy_config(tmp_path):
