@@ -295,7 +295,7 @@ class CudaOps(AttentionOps, MoeOps, HeadOps):
             return
         if host.dtype != array.dtype or not host.flags.c_contiguous or host.nbytes != array.nbytes:
             raise ValueError(f"a queued copy needs contiguous {array.dtype} host memory of {array.nbytes} bytes")
-        calls.copy_one(array.device_ctypes_pointer.value, host.ctypes.data, host.nbytes, 0)
+        calls.copy_one(array.device_ctypes_pointer.value, driver_calls.host_address(host), host.nbytes, 0)
 
     def prepare_weights(self, weights: list[QTensor]) -> None:
         pass  # the kernels read the packed planes as uploaded

@@ -21,6 +21,7 @@ import numpy as np
 
 from strata.backend.ops import ExpertLayout
 from strata.errors import EngineError
+from strata.gpu.driver_calls import host_address
 from strata.gpu.ledger import Charge, VramLedger
 
 _PLANE_NAMES = ("quants", "scales", "extra")
@@ -165,10 +166,10 @@ class PlaneArena:
         num_copies = len(slots) * len(self.planes)
         if len(self._dma_sizes) < num_copies:
             self._dma_sizes = np.tile(self._plane_bytes, 2 * len(slots))
-        slot_ids = np.asarray(slots, dtype=np.intp)  # [n]
-        if slot_ids.min() < 0:  # an index from the end would name another slot
+        if min(slots) < 0:  # an index from the end would name another slot
             raise ValueError(f"expert slots must be non-negative, got {slots}")
-        sources = np.array([h.ctypes.data for h in host_slots], dtype=np.uint64)  # [n]
+        slot_ids = np.asarray(slots, dtype=np.intp)  # [n]
+        sources = np.array([host_address(h) for h in host_slots], dtype=np.uint64)  # [n]
         destinations = self._slot_addresses[slot_ids].ravel()  # [n*P]
         sources = (sources[:, None] + self._plane_offsets[None, :]).ravel()  # [n*P]
         self.copier.copy(destinations, sources, self._dma_sizes[:num_copies], stream)

@@ -34,6 +34,9 @@ class Readback:
         self._calls = calls if pinned is not None else None
         self._slots = pinned[:4 * _NUM_SLOTS].view(np.int32) if pinned is not None else None  # [2]
         self._scratch = pinned[_SCRATCH_OFFSET:] if pinned is not None else None
+        # the pinned block does not move: its addresses once, not a ``.ctypes`` object each copy
+        self._slots_address = self._slots.ctypes.data if pinned is not None else 0
+        self._scratch_address = self._scratch.ctypes.data if pinned is not None else 0
         # one event per slot, and one for ``now``
         self._events = [calls.event_create() for _ in range(_NUM_SLOTS + 1)] if self._calls else []
         self._next = 0
@@ -43,7 +46,7 @@ class Readback:
         if self._calls is None:
             return int(token.copy_to_host()[0])
         slot, self._next = self._next, (self._next + 1) % _NUM_SLOTS
-        destination = self._slots.ctypes.data + 4 * slot
+        destination = self._slots_address + 4 * slot
         self._calls.copy_out(destination, token.device_ctypes_pointer.value, 4, 0)
         self._calls.event_record(self._events[slot], 0)
         return slot
@@ -68,7 +71,7 @@ class Readback:
             if array is None:
                 placed.append(None)
                 continue
-            self._calls.copy_out(self._scratch.ctypes.data + offset, array.device_ctypes_pointer.value,
+            self._calls.copy_out(self._scratch_address + offset, array.device_ctypes_pointer.value,
                                  array.nbytes, 0)
             placed.append((offset, array))
             offset += _padded(array.nbytes)

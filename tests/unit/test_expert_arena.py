@@ -60,7 +60,11 @@ def test_stage_many_writes_the_bytes_stage_writes(monkeypatch):
     rng = np.random.default_rng(0)
     batches = [[9, 0, 3, 15, 4], [int(s) for s in rng.permutation(16)[:13]]]  # the second outgrows the first's sizes
     for slots in batches:
-        hosts = [rng.integers(0, 256, layout.slot_bytes, dtype=np.uint8) for _ in slots]
+        # slices of one buffer, as the expert pack hands them out; one of them read-only
+        pack = rng.integers(0, 256, (len(slots), layout.slot_bytes), dtype=np.uint8)
+        hosts = list(pack)
+        hosts[1] = hosts[1].copy()
+        hosts[1].flags.writeable = False
         batched.stage_many(slots, hosts)
         for slot, host in zip(slots, hosts):
             one_by_one.stage(slot, host)

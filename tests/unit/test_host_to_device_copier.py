@@ -120,3 +120,12 @@ def test_staging_waits_for_the_kernels_only_when_asked(monkeypatch, is_after_com
     assert fake.calls == ([("record", 0), ("wait", 99)] + copied if is_after_compute else copied)
     stream.wait(ticket)
     assert fake.calls[-1] == ("wait", 0)
+
+
+@pytest.mark.parametrize("view", ["whole", "row", "column", "strided", "empty", "read-only", "transposed"])
+def test_host_address_is_the_address_ctypes_gives(view):
+    block = np.arange(64, dtype=np.uint8).reshape(8, 8)
+    read_only = np.frombuffer(bytes(16), dtype=np.uint8)
+    array = {"whole": block, "row": block[3], "column": block[:, 5:], "strided": block[::2],
+             "empty": np.zeros(0, dtype=np.uint8), "read-only": read_only, "transposed": block.T}[view]
+    assert driver_calls.host_address(array) == array.ctypes.data
