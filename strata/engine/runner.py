@@ -256,37 +256,39 @@ class ModelRunner:
         if ring is None:
             ops.moe(acc, h, host_ids, weights, cache.storage, self.decode_slots(layer, host_ids, stats), layout)
             return
-        slot_of, misses = self._lookup(layer, host_ids, stats)
-        if np.any(slot_of >= 0):
+        slot_of, misses, hit_slots = self._lookup(layer, host_ids, stats)
+        if hit_slots:
             ops.moe(acc, h, ids, weights, cache.storage, slot_of, layout)  # cached experts in place
         ring.enqueue(ring.plan(layer, misses, num_experts))
         for batch in ring.take(layer, waits):
             ops.moe(acc, h, ids, weights, cache.storage, batch.table, layout)
 
-    def _lookup(self, layer: int, host_ids: np.ndarray, stats: StreamStats) -> tuple[np.ndarray, list[int]]:
-        """[N] slots of the routed experts found in the cache (-1 elsewhere), and the routed misses."""
+    def _lookup(self, layer: int, host_ids: np.ndarray,
+                stats: StreamStats) -> tuple[np.ndarray, list[int], list[int]]:
+        """[N] slots of the routed experts found in the cache (-1 elsewhere), the routed misses, and
+        the slots of the hits."""
         cache = self.cache
         slot_of = np.full(self.spec.num_experts, -1, dtype=np.int32)  # [N]
-        misses, num_hits = [], 0
+        misses, hit_slots = [], []
         for expert in _distinct(host_ids):
             slot = cache.lookup(layer, expert)
             if slot < 0:
                 misses.append(expert)
             else:
                 slot_of[expert] = slot
-                num_hits += 1
-        stats.hits += num_hits
+                hit_slots.append(slot)
+        stats.hits += len(hit_slots)
         stats.misses += len(misses)
         stats.streamed_bytes += len(misses) * cache.layout.slot_bytes
-        return slot_of, misses
+        return slot_of, misses, hit_slots
 
     def decode_slots(self, layer: int, host_ids: np.ndarray, stats: StreamStats,
                      is_after_compute: bool = True) -> np.ndarray:
         """[N] slots of the routed experts of a decode token: misses are inserted into the cache
         (evicting by its policy) and staged, and the kernels issued next read them.
         is_after_compute: as ``Ops.stage_experts`` takes it."""
-        slot_of, misses = self._lookup(layer, host_ids, stats)
-        slots, ticket = self._stage_into_cache(layer, misses, set(slot_of[slot_of >= 0].tolist()), is_after_compute)
+        slot_of, misses, hit_slots = self._lookup(layer, host_ids, stats)
+        slots, ticket = self._stage_into_cache(layer, misses, set(hit_slots), is_after_compute)
         if len(slots) < len(misses):
             self.cache.forget(slots)
             raise EngineError(f"no expert-cache slot is free for a decode miss (layer {layer}); raise "

@@ -283,7 +283,7 @@ class DecodeStep:
             if layer + 1 < spec.num_layers:
                 self._attention_segment(layer + 1).replay()
             if host_predicted is not None:  # behind this layer's misses on the copy stream, beside the kernels
-                in_use = {int(s) for s in slot_of[host_ids].ravel()}
+                in_use = set(row.ravel().tolist())  # this layer's slots
                 ticket, experts = model.prefetch(layer + 1, host_predicted, in_use, stats, is_after_compute=False)
                 self._prefetched = (ticket, experts) if experts else None
 

@@ -146,11 +146,12 @@ class ExpertCache:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((k for k, s in self._lru.items() if s not in protected), None)
-            if victim is None:
+            for victim, slot in self._lru.items():  # a loop, not a generator: ~6 inserts a decode layer
+                if slot not in protected:
+                    break
+            else:
                 return -1
-            slot = self._lru.pop(victim)
-            del self._key_of[slot]
+            del self._lru[victim], self._key_of[slot]
             self.num_evictions += 1
         self._lru[(layer, expert)] = slot
         self._key_of[slot] = (layer, expert)
