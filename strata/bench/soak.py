@@ -195,9 +195,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
         engine.close()
     limit = args.max_slope_kib * 1024
     if not is_sloped:
-        print(f"soak failed: no slope: {len(settled)} request(s) after request {slope_from} (the settling"
-              f"{' and the traced window' if growth is not None else ''}) of {len(rows)} finished; send more "
-              f"requests (--requests) or settle fewer (--settle); requests leaving the ledger not idle: {num_not_idle}",
+        print(f"soak failed: no slope: {len(settled)} request(s) from request {slope_from} on, of {len(rows)} "
+              f"finished (a slope needs two after the settling and any traced window); send more requests "
+              f"(--requests) or settle fewer (--settle); requests leaving the ledger not idle: {num_not_idle}",
               file=sys.stderr)
         return 1
     print(f"slope over requests {summary['slope_from_request']}..{len(rows) - 1}: device "
