@@ -6,7 +6,9 @@ state carries over, as in the reference write-up's protocol. Arms: loan off (the
 TG medians with ranges, bytes streamed per chunk, the expert-cache hit rate, the ratio of the
 prefill floor to the prefill time, the bytes decode streams and reads from VRAM a decoded token (under
 speculation: a verify step's bytes over the tokens it took, against a plain row's per token), the ratio
-of the decode floor to the decode time, and every PP and TG median as a ratio to the rival's
+of the decode floor to the decode time, the host's own work a decode step (decode time less its waits on
+the device, the timing line's "busy": median, range, and the process furthest from the median), and every
+PP and TG median as a ratio to the rival's
 figures, both with its experts in host RAM and with the whole model in VRAM (``rival.py``: llama-bench's
 table from the same machine and run with ``--rival FILE``, else an earlier run's, named under the table;
 a length the rival has no figure for says so).
@@ -197,10 +199,11 @@ def format_table(runs: list[dict], rival: Rival = EARLIER_RUN) -> str:
     """The table, then a line naming the rival's figures the ratios divide by."""
     header = ("| Prompt | Loan | Spec | Prompt chunk / ring | PP median (range) | TG median (range) "
               "| MiB streamed / chunk | cache hit rate | floor / PP time | MiB streamed / decoded token "
-              "| MiB read from VRAM / decoded token | decode floor / TG time | PP vs rival, experts in RAM "
+              "| MiB read from VRAM / decoded token | decode floor / TG time "
+              "| decode host busy ms / token (range, widest from median) | PP vs rival, experts in RAM "
               "| PP vs rival, all in VRAM | TG vs rival, experts in RAM | TG vs rival, all in VRAM "
               "| drafted / accepted (rate) | tokens / verify step | depth chosen |")
-    rows = [header, "| " + " | ".join(["---:"] * 19) + " |"]
+    rows = [header, "| " + " | ".join(["---:"] * 20) + " |"]
     groups: dict[tuple[int, str, str], list[dict]] = {}
     for run in runs:
         groups.setdefault((run["prompt_tokens"], run["loan"], _spec_label(run)), []).append(run)
@@ -216,7 +219,7 @@ def format_table(runs: list[dict], rival: Rival = EARLIER_RUN) -> str:
         pp_median, tg_median = statistics.median(pp), statistics.median(tg)
         cells = [f"{length:,}", arm, spec, ", ".join(plans), _median_range(pp), _median_range(tg), f"{per_chunk:,.0f}",
                  f"{statistics.median(r['cache_hit_rate'] for r in group):.1%}", f"{floor:.2f}",
-                 f"{per_token:,.0f}", f"{vram_per_token:,.0f}", f"{decode_floor:.2f}",
+                 f"{per_token:,.0f}", f"{vram_per_token:,.0f}", f"{decode_floor:.2f}", _host_busy_cell(group),
                  _prefill_ratio(pp_median, length, rival.prefill),
                  _prefill_ratio(pp_median, length, rival.vram_prefill),
                  _ratio(tg_median, rival.decode), _ratio(tg_median, rival.vram_decode), *_spec_cells(group)]
@@ -225,6 +228,26 @@ def format_table(runs: list[dict], rival: Rival = EARLIER_RUN) -> str:
     warning = "".join(f"\nTensor-core kernels off in this table's runs ({reason}): prefill ran the pure-Numba "
                       f"kernels." for reason in off)
     return "\n".join(rows) + f"\n\nRival: {rival.source}." + warning
+
+
+def host_busy_ms(run: dict) -> float | None:
+    """The host's own work a decode step, in ms: decode time less its waits on the device, over the steps
+    (as the timing line's "busy"); None where decode was not captured (no waits recorded) or had no step."""
+    steps, wait = _decode_steps(run), run.get("decode_wait_seconds", 0.0)
+    if not steps or wait <= 0:
+        return None
+    return 1e3 * max(0.0, _decode_seconds(run) - wait) / steps
+
+
+def _host_busy_cell(group: list[dict]) -> str:
+    """Median busy ms a step, its range, and the process furthest from the median as a share of it (issue
+    33's bar: within ±10% across fresh processes)."""
+    values = [v for v in (host_busy_ms(r) for r in group) if v is not None]
+    if not values:
+        return "-"
+    median = statistics.median(values)
+    widest = max(abs(v - median) for v in values) / median if median > 0 else 0.0
+    return f"{median:.1f} ({min(values):.1f}–{max(values):.1f}, ±{widest:.0%})"
 
 
 def _spec_label(run: dict) -> str:

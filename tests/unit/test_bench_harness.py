@@ -13,6 +13,7 @@ from strata.bench.harness import (
     decode_floor_seconds,
     decode_vram_bytes,
     format_table,
+    host_busy_ms,
     prefill_floor_seconds,
 )
 from strata.bench.provenance import code_identity
@@ -102,7 +103,7 @@ def test_table_ratios_to_both_rivals_at_every_length():
     run = {"loan": "on", "prefill_tokens_per_s": 6000.0, "decode_tokens_per_s": 63.2, "chunk_tokens": 5376,
            "ring_slots": 128, "streamed_bytes": 2**30, "prefill_streamed_bytes": 2**30, "num_chunks": 1,
            "cache_hit_rate": 0.5, "prefill_seconds": 1.0, "active_params": 3e9, "attention_width": 4096 * 48,
-           "generated_tokens": 128, "decode_seconds": 2.0}
+           "generated_tokens": 128, "decode_seconds": 2.0, "decode_wait_seconds": 1.0}
     rows = format_table([{**run, "prompt_tokens": n} for n in (2048, 8192, 32768)]).splitlines()
     two_k, eight_k, thirty_two_k = rows[2:5]
     assert rows[-1] == "Rival: llama.cpp on the reference H200, 2026-12-01 (not this run)."
@@ -181,3 +182,17 @@ def test_the_rival_comes_from_llama_benchs_table_of_the_same_run(tmp_path):
         read_rival(tmp_path / "peer.txt")
     with pytest.raises(ExperimentError, match="cannot read it"):
         read_rival(tmp_path / "missing.txt")
+
+
+def test_table_shows_the_hosts_busy_time_a_step_and_its_widest_spread():
+    run = {"prompt_tokens": 2048, "loan": "off", "prefill_tokens_per_s": 8000.0, "decode_tokens_per_s": 50.0,
+           "chunk_tokens": 2048, "ring_slots": 128, "streamed_bytes": 2**30, "prefill_streamed_bytes": 2**30,
+           "num_chunks": 1, "cache_hit_rate": 0.8, "prefill_seconds": 0.256, "active_params": 3e9,
+           "attention_width": 4096 * 48, "generated_tokens": 65, "decode_seconds": 1.28}
+    # 64 steps in 1.28 s: 20 ms a step, of which the host waited 0.64 s (10 ms a step) and worked 10 ms
+    runs = [{**run, "decode_wait_seconds": wait} for wait in (0.64, 0.576, 0.704)]  # busy 10, 11, 9 ms
+    assert host_busy_ms(runs[0]) == pytest.approx(10.0)
+    assert "| 10.0 (9.0–11.0, ±10%) |" in format_table(runs)
+    # uncaptured decode records no waits: no busy figure
+    assert host_busy_ms(run) is None and "| 0.49 | - |" not in format_table([run])
+    assert "| - |" in format_table([run]).splitlines()[2]
