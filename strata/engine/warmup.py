@@ -23,6 +23,7 @@ from strata.backend.ops import DECODE_MAX_ROWS
 from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.stream_stats import StreamStats
 from strata.errors import AllocationError
+from strata.gpu import live_allocations
 from strata.gpu.ledger import ACTIVATIONS_OWNER
 from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
 
@@ -84,6 +85,10 @@ def warm_up(engine) -> float:
     seconds = time.perf_counter() - started
     if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
         log.warning("warm-up left the ledger at %s (before: %s)", after, before)
+        leftover = after.get(ACTIVATIONS_OWNER, 0) - before.get(ACTIVATIONS_OWNER, 0)
+        if leftover > 0 and engine.backend == "cuda":  # numba-cuda's pointers: who holds the bytes
+            for line in live_allocations.holders(leftover):
+                log.warning("warm-up's leftover %d bytes held by: %s", leftover, line)
     log.info("warm-up: %d-token prefill (for %d MoE tile shape(s)) and one decode step in %.2f s (%d "
              "compilations, %.2f s; %d kernels loaded from the kernel cache; state reset)", num_tokens,
              len(engine.ops.moe_tile_rows(layout)), seconds, engine.compiles.tally.num_compiles,

@@ -1,0 +1,65 @@
+"""Who holds a device allocation of a given size: the warm-up's ledger check names the holders when
+memory charged during the warm-up outlives it.
+
+Numba hands out an allocation as ``OwnedPointer`` objects (``memalloc``'s ``own()``); device arrays
+keep theirs as ``gpu_data``, and a captured graph keeps the ones it allocated in a list. The chain of
+referrers above each pointer of the size (the array, then what holds the array) is what a reader needs
+to find the leak. Walking the interpreter's objects (once, then a scan a link) costs about a second with a model
+loaded, so this runs only once a check has failed.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+
+MAX_LISTED = 2
+CHAIN_DEPTH = 5
+
+
+def holders(num_bytes: int, pointer_type=None) -> list[str]:
+    """One line per live owned pointer of an allocation of ``num_bytes`` (at most ``MAX_LISTED``): the
+    types of the objects holding it, nearest first, arrays with their shape and dtype.
+    pointer_type: the class to look for (default: numba-cuda's ``OwnedPointer``)."""
+    if pointer_type is None:
+        from numba.cuda.cudadrv.driver import OwnedPointer as pointer_type
+    # type(), not isinstance: isinstance asks a weakref proxy for its referent's class, and a dead one raises
+    pointers = [o for o in gc.get_objects() if type(o) is pointer_type and _size(o) == num_bytes][:MAX_LISTED]
+    chains = [[p] for p in pointers]
+    for _ in range(CHAIN_DEPTH):
+        for chain in chains:
+            ignored = {id(chains), id(pointers), *(id(c) for c in chains), *(id(o) for o in chain)}
+            holder = _first_referrer(chain[-1], ignored)
+            if holder is not None:
+                chain.append(holder)
+    return [" <- ".join(_describe(o) for o in chain) for chain in chains]
+
+
+def _first_referrer(obj, ignored: set[int]):
+    """The first object referring to ``obj`` that is neither a frame nor in ``ignored`` (ids); None if none.
+    The referrers' list lives only inside this call, so it is never found as a holder itself."""
+    for referrer in gc.get_referrers(obj):
+        if id(referrer) not in ignored and not inspect.isframe(referrer):
+            return referrer
+    return None
+
+
+def _size(pointer) -> int | None:
+    try:
+        return pointer._mem.size
+    except (AttributeError, ReferenceError):  # not an allocation's pointer, or its memory already gone
+        return None
+
+
+def _describe(obj) -> str:
+    """The object's type, with its shape and dtype where it has them (an array), or its size (a container)."""
+    name = type(obj).__qualname__
+    try:
+        shape, dtype = getattr(obj, "shape", None), getattr(obj, "dtype", None)
+    except Exception:  # noqa: BLE001 - a proxy's or a lazy object's lookup may raise anything: the type will do
+        return name
+    if isinstance(obj, dict):
+        return f"{name} of {len(obj)} ({', '.join(map(str, list(obj)[:4]))})"
+    if isinstance(obj, (list, tuple)):
+        return f"{name} of {len(obj)}"
+    return f"{name} {tuple(shape)} {dtype}" if shape is not None and dtype is not None else name
