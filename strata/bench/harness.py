@@ -44,6 +44,7 @@ from strata.bench.host_numa import summary as host_numa_summary
 from strata.bench.provenance import code_identity
 from strata.bench.rival import EARLIER_RUN, Rival, read_rival
 from strata.config import Config
+from strata.engine.request import host_ms_per_step
 
 PCIE_BYTES_PER_S = 55e9  # pinned host-to-device, measured on the reference H200
 TENSOR_FLOPS_PER_S = 730e12  # cuBLAS fp16 tensor cores, measured on the reference H200
@@ -231,12 +232,9 @@ def format_table(runs: list[dict], rival: Rival = EARLIER_RUN) -> str:
 
 
 def host_busy_ms(run: dict) -> float | None:
-    """The host's own work a decode step, in ms: decode time less its waits on the device, over the steps
-    (as the timing line's "busy"); None where decode was not captured (no waits recorded) or had no step."""
-    steps, wait = _decode_steps(run), run.get("decode_wait_seconds", 0.0)
-    if not steps or wait <= 0:
-        return None
-    return 1e3 * max(0.0, _decode_seconds(run) - wait) / steps
+    """The host's own work a decode step in ms, the timing line's "busy"; None for uncaptured decode."""
+    share = host_ms_per_step(_decode_seconds(run), run.get("decode_wait_seconds", 0.0), _decode_steps(run))
+    return None if share is None else share[1]
 
 
 def _host_busy_cell(group: list[dict]) -> str:

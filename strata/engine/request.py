@@ -125,12 +125,19 @@ class RequestStats:
 
     def _host_share(self) -> str:
         """Per decode step: the host's waits on the device and its own work (captured decode only)."""
-        steps = max(0, self.generated_tokens - 1)
-        if not steps or self.decode_wait_seconds <= 0:
+        share = host_ms_per_step(self.decode_seconds, self.decode_wait_seconds, self.generated_tokens - 1)
+        if share is None:
             return ""
-        wait_ms = 1e3 * self.decode_wait_seconds / steps
-        busy_ms = 1e3 * max(0.0, self.decode_seconds - self.decode_wait_seconds) / steps
+        wait_ms, busy_ms = share
         return f" | decode host: waiting {wait_ms:.1f} ms/token, busy {busy_ms:.1f}"
+
+
+def host_ms_per_step(decode_seconds: float, wait_seconds: float, num_steps: int) -> tuple[float, float] | None:
+    """(waiting, busy) ms a decode step: the host's waits on the device, and the rest of the decode time (its
+    own work); None where decode was not captured (no waits recorded) or had no step."""
+    if num_steps <= 0 or wait_seconds <= 0:
+        return None
+    return 1e3 * wait_seconds / num_steps, 1e3 * max(0.0, decode_seconds - wait_seconds) / num_steps
 
 
 IsCancelled = Callable[[], bool]

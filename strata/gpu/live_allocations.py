@@ -4,8 +4,8 @@ memory charged during the warm-up outlives it.
 Numba hands out an allocation as ``OwnedPointer`` objects (``memalloc``'s ``own()``); device arrays
 keep theirs as ``gpu_data``, and a captured graph keeps the ones it allocated in a list. The chain of
 referrers above each pointer of the size (the array, then what holds the array) is what a reader needs
-to find the leak. Walking the interpreter's objects (once, then a scan a link) costs about a second with a model
-loaded, so this runs only once a check has failed.
+to find the leak. Walking the interpreter's objects (once, then a scan a link) costs about a second
+with a model loaded, so this runs only once a check has failed.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ def holders(num_bytes: int, pointer_type=None) -> list[str]:
     # type(), not isinstance: isinstance asks a weakref proxy for its referent's class, and a dead one raises
     pointers = [o for o in gc.get_objects() if type(o) is pointer_type and _size(o) == num_bytes][:MAX_LISTED]
     chains = [[p] for p in pointers]
-    for _ in range(CHAIN_DEPTH):
-        for chain in chains:
+    for chain in chains:
+        while len(chain) <= CHAIN_DEPTH:  # a scan of every object a link: stop where nothing holds the last
             ignored = {id(chains), id(pointers), *(id(c) for c in chains), *(id(o) for o in chain)}
             holder = _first_referrer(chain[-1], ignored)
-            if holder is not None:
-                chain.append(holder)
+            if holder is None:
+                break
+            chain.append(holder)
     return [" <- ".join(_describe(o) for o in chain) for chain in chains]
 
 
@@ -55,11 +56,11 @@ def _describe(obj) -> str:
     """The object's type, with its shape and dtype where it has them (an array), or its size (a container)."""
     name = type(obj).__qualname__
     try:
+        if isinstance(obj, dict):
+            return f"{name} of {len(obj)} ({', '.join(map(str, list(obj)[:4]))})"
+        if isinstance(obj, (list, tuple)):
+            return f"{name} of {len(obj)}"
         shape, dtype = getattr(obj, "shape", None), getattr(obj, "dtype", None)
-    except Exception:  # noqa: BLE001 - a proxy's or a lazy object's lookup may raise anything: the type will do
+        return f"{name} {tuple(shape)} {dtype}" if shape is not None and dtype is not None else name
+    except Exception:  # noqa: BLE001 - a proxy's or a lazy object's lookup, or a key's str, may raise: the type will do
         return name
-    if isinstance(obj, dict):
-        return f"{name} of {len(obj)} ({', '.join(map(str, list(obj)[:4]))})"
-    if isinstance(obj, (list, tuple)):
-        return f"{name} of {len(obj)}"
-    return f"{name} {tuple(shape)} {dtype}" if shape is not None and dtype is not None else name
