@@ -8,27 +8,24 @@ restores grow memory at the start), and after the ``--python-growth`` window whe
 command fails (status 1) when a slope exceeds ``--max-slope-kib`` per request or the ledger is not idle
 after a request. SIGTERM ends the soak after the request in flight, Ctrl-C at once; either way the
 summary covers the requests done (and the Python heap's report, when a traced window had begun).
-With glibc each row also has the C heap's bytes in use, free inside it and mmapped (``heap_meter``),
-and the summary their slopes: which of them an RSS slope follows says leak, fragmentation or neither.
+Each row also has RSS by kind, the interpreter's allocated blocks and (with glibc) the C heap's bytes
+(``process_memory``), and the summary their slopes: which of them an RSS slope follows says where it grows.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
-import os
 import signal
 import sys
 import time
 
 import numpy as np
 
+from strata.bench.process_memory import heap_meter, heap_trimmer, memory_kinds, rss_bytes
 from strata.bench.python_growth import PythonGrowth, format_report
 from strata.config import Config
-
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,44 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--python-growth-requests", type=int, default=10,
                         help="requests the --python-growth window traces (default 10)")
     parser.add_argument("--out", help="write one JSON line per request and a summary line to this file")
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE_BYTES
-
-
-def heap_trimmer():
-    """glibc's malloc_trim(0) as a function, or None where the C library has none."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return lambda: trim(0)
-
-
-class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (2.33+): every arena's totals
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def heap_meter():
-    """A function giving the C heap's bytes in use, free inside it, and in mmapped blocks (glibc's
-    mallinfo2), or None where the C library has none. Telling RSS growth apart: in use grows with a
-    leak through malloc, free with fragmentation that ``malloc_trim`` cannot return, neither with growth
-    outside malloc (the interpreter's own arenas, the driver's mappings)."""
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    mallinfo2.argtypes, mallinfo2.restype = [], _MallInfo2
-
-    def measure() -> dict[str, int]:
-        info = mallinfo2()
-        return {"heap_in_use_bytes": info.uordblks, "heap_free_bytes": info.fordblks,
-                "heap_mmapped_bytes": info.hblkhd}
-    return measure
 
 
 def slope_bytes_per_request(values: list[int]) -> float:
@@ -154,7 +113,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
                        "seconds": round(time.perf_counter() - started, 3), "device_used_bytes": device_bytes(),
                        "ledger_bytes": sum(engine.ledger.snapshot().by_owner.values()), "rss_bytes": rss_bytes(),
                        "ledger_is_idle": is_idle, "is_traced": growth is not None and trace_from <= index < trace_to,
-                       **(heap() if heap is not None else {})}
+                       **memory_kinds(), **(heap() if heap is not None else {})}
                 rows.append(row)
                 if out:
                     out.write(json.dumps(row) + "\n")
@@ -182,9 +141,11 @@ def run(args: argparse.Namespace, config: Config) -> int:
                    "rss_slope_bytes_per_request": _slope(settled, "rss_bytes"),
                    "ledger_slope_bytes_per_request": _slope(settled, "ledger_bytes"),
                    "requests_not_idle": num_not_idle, "loans_taken": sum(r["loan_taken"] for r in rows)}
-        if heap is not None:
-            for key in ("heap_in_use", "heap_free", "heap_mmapped"):
-                summary[f"{key}_slope_bytes_per_request"] = _slope(settled, f"{key}_bytes")
+        for key in ("rss_anon_bytes", "rss_file_bytes", "rss_shmem_bytes", "python_blocks", "heap_in_use_bytes",
+                    "heap_free_bytes", "heap_mmapped_bytes"):
+            if key in rows[0]:
+                summary[f"{key.removesuffix('_bytes')}_slope_{'bytes' if key.endswith('_bytes') else 'blocks'}"
+                        f"_per_request"] = _slope(settled, key)
         if growth_report is not None:
             summary["python_growth"] = growth_report
         if out:
@@ -205,6 +166,11 @@ def run(args: argparse.Namespace, config: Config) -> int:
           f"{summary['rss_slope_bytes_per_request'] / 1024:+.1f} KiB/request, ledger "
           f"{summary['ledger_slope_bytes_per_request'] / 1024:+.1f} KiB/request; loans taken "
           f"{summary['loans_taken']}/{len(rows)}; requests leaving the ledger not idle: {num_not_idle}")
+    if "rss_anon_slope_bytes_per_request" in summary:
+        print(f"RSS slope by kind: anonymous {summary['rss_anon_slope_bytes_per_request'] / 1024:+.1f} KiB/request, "
+              f"file-backed {summary['rss_file_slope_bytes_per_request'] / 1024:+.1f}, shared "
+              f"{summary['rss_shmem_slope_bytes_per_request'] / 1024:+.1f}; the interpreter's allocated blocks "
+              f"{summary['python_blocks_slope_blocks_per_request']:+.1f}/request")
     if heap is not None:
         print(f"C heap slope: in use {summary['heap_in_use_slope_bytes_per_request'] / 1024:+.1f} KiB/request, free "
               f"inside it {summary['heap_free_slope_bytes_per_request'] / 1024:+.1f}, mmapped blocks "
