@@ -85,10 +85,12 @@ def warm_up(engine) -> float:
     seconds = time.perf_counter() - started
     if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
         log.warning("warm-up left the ledger at %s (before: %s)", after, before)
-        leftover = after.get(ACTIVATIONS_OWNER, 0) - before.get(ACTIVATIONS_OWNER, 0)
-        if leftover > 0 and engine.backend == "cuda":  # numba-cuda's pointers: who holds the bytes
-            for line in live_allocations.holders(leftover):
-                log.warning("warm-up's leftover %d bytes held by: %s", leftover, line)
+        if after.get(ACTIVATIONS_OWNER, 0) > before.get(ACTIVATIONS_OWNER, 0) and engine.backend == "cuda":
+            charges = engine.ledger.live_charges(ACTIVATIONS_OWNER)  # numba-cuda's pointers: who holds them
+            log.warning("warm-up's leftover activations: %d allocation(s) of %s bytes", len(charges),
+                        ", ".join(str(c.num_bytes) for c in charges[:16]))
+            for line in live_allocations.holders([c.charge_id for c in charges]):
+                log.warning("warm-up's leftover held by: %s", line)
     log.info("warm-up: %d-token prefill (for %d MoE tile shape(s)) and one decode step in %.2f s (%d "
              "compilations, %.2f s; %d kernels loaded from the kernel cache; state reset)", num_tokens,
              len(engine.ops.moe_tile_rows(layout)), seconds, engine.compiles.tally.num_compiles,

@@ -149,6 +149,11 @@ class VramLedger:
             reclaimable = self._owner_bytes.get(POOL_OWNER, 0)
             return max(0, self.budget_bytes - self._used_bytes + reclaimable)
 
+    def live_charges(self, owner: str) -> list[Charge]:
+        """The charges of ``owner`` not yet discharged, oldest first."""
+        with self._lock:
+            return [c for c in self._charges.values() if c.owner == owner]
+
     def owner_bytes(self, owner: str) -> int:
         return self.snapshot().by_owner.get(owner, 0)
 

@@ -1,9 +1,10 @@
-"""Who holds a device allocation of a given size: the warm-up's ledger check names the holders when
-memory charged during the warm-up outlives it.
+"""Who holds the device allocations behind given ledger charges: the warm-up's ledger check names the
+holders when memory charged during the warm-up outlives it.
 
-Numba hands out an allocation as ``OwnedPointer`` objects (``memalloc``'s ``own()``); device arrays
-keep theirs as ``gpu_data``, and a captured graph keeps the ones it allocated in a list. The chain of
-referrers above each pointer of the size (the array, then what holds the array) is what a reader needs
+Numba hands out an allocation as ``OwnedPointer`` objects (``memalloc``'s ``own()``), whose memory
+carries the charge it was made under (``ledger_charge``, set by ``gpu/memory.py``); device arrays keep
+their pointer as ``gpu_data``, and a captured graph keeps the ones it allocated in a list. The chain of
+referrers above each pointer of a charge (the array, then what holds the array) is what a reader needs
 to find the leak. Walking the interpreter's objects (once, then a scan a link) costs about a second
 with a model loaded, so this runs only once a check has failed.
 """
@@ -12,19 +13,21 @@ from __future__ import annotations
 
 import gc
 import inspect
+from collections.abc import Collection
 
 MAX_LISTED = 2
 CHAIN_DEPTH = 5
 
 
-def holders(num_bytes: int, pointer_type=None) -> list[str]:
-    """One line per live owned pointer of an allocation of ``num_bytes`` (at most ``MAX_LISTED``): the
-    types of the objects holding it, nearest first, arrays with their shape and dtype.
-    pointer_type: the class to look for (default: numba-cuda's ``OwnedPointer``)."""
+def holders(charge_ids: Collection[int], pointer_type=None) -> list[str]:
+    """One line per live owned pointer of an allocation made under one of ``charge_ids`` (at most
+    ``MAX_LISTED``): its bytes, then the types of the objects holding it, nearest first, arrays with their
+    shape and dtype. pointer_type: the class to look for (default: numba-cuda's ``OwnedPointer``)."""
     if pointer_type is None:
         from numba.cuda.cudadrv.driver import OwnedPointer as pointer_type
+    wanted = set(charge_ids)
     # type(), not isinstance: isinstance asks a weakref proxy for its referent's class, and a dead one raises
-    pointers = [o for o in gc.get_objects() if type(o) is pointer_type and _size(o) == num_bytes][:MAX_LISTED]
+    pointers = [o for o in gc.get_objects() if type(o) is pointer_type and _charge_id(o) in wanted][:MAX_LISTED]
     chains = [[p] for p in pointers]
     for chain in chains:
         while len(chain) <= CHAIN_DEPTH:  # a scan of every object a link: stop where nothing holds the last
@@ -33,7 +36,7 @@ def holders(num_bytes: int, pointer_type=None) -> list[str]:
             if holder is None:
                 break
             chain.append(holder)
-    return [" <- ".join(_describe(o) for o in chain) for chain in chains]
+    return [f"{_size(chain[0])} bytes: " + " <- ".join(_describe(o) for o in chain) for chain in chains]
 
 
 def _first_referrer(obj, ignored: set[int]):
@@ -45,10 +48,17 @@ def _first_referrer(obj, ignored: set[int]):
     return None
 
 
+def _charge_id(pointer) -> int | None:
+    try:
+        return pointer._mem.ledger_charge.charge_id
+    except (AttributeError, ReferenceError):  # not a charged allocation's pointer, or its memory already gone
+        return None
+
+
 def _size(pointer) -> int | None:
     try:
         return pointer._mem.size
-    except (AttributeError, ReferenceError):  # not an allocation's pointer, or its memory already gone
+    except (AttributeError, ReferenceError):
         return None
 
 

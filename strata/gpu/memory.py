@@ -138,6 +138,7 @@ def _manager_class():
                 pool.put(size_class, pointer, charge)
 
             memory = driver.AutoFreePointer(weakref.proxy(self.context), pointer, size, finalizer=give_back)
+            memory.ledger_charge = charge  # who holds it, when a check finds it outliving its owner (live_allocations)
             self.allocations[key] = memory
             return memory.own()
 

@@ -36,6 +36,10 @@ def test_every_numba_allocation_is_charged_and_agrees_with_the_device():
         used_device = free0 - ctx.get_memory_info().free
         print("by_owner", dict(ledger.snapshot().by_owner))
         assert dict(ledger.snapshot().by_owner) == {"dense_weights": 64 << 20, "kv_cache": 256 << 20}
+        from strata.gpu import live_allocations  # each allocation carries its charge: its holders are found
+        held = live_allocations.holders([c.charge_id for c in ledger.live_charges("kv_cache")])
+        assert len(held) == 1 and held[0].startswith(f"{256 << 20} bytes: OwnedPointer"), held
+        assert "DeviceNDArray (268435456,) uint8" in held[0], held
         # the device agrees within the driver's rounding (2 MiB pages)
         assert abs(used_device - (320 << 20)) <= 8 << 20, used_device
         try:

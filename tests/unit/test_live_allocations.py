@@ -1,13 +1,14 @@
-"""The holders of a device allocation of a given size, named for the warm-up's failed ledger check."""
+"""The holders of the device allocations behind ledger charges, named for the warm-up's failed ledger check."""
 
 import numpy as np
 
 from strata.gpu import live_allocations
+from strata.gpu.ledger import VramLedger
 
 
-class Memory:
-    def __init__(self, size):
-        self.size = size
+class Memory:  # numba-cuda's MemoryPointer, with the charge ``gpu/memory.py`` tags it with
+    def __init__(self, charge):
+        self.size, self.ledger_charge = charge.num_bytes, charge
 
 
 class Pointer:  # numba-cuda's OwnedPointer: the allocation behind ``_mem``
@@ -25,14 +26,20 @@ class Keeper:
         self.held = held
 
 
-def test_the_chain_above_an_allocation_of_the_size_names_the_array_and_its_keeper():
-    keeper = Keeper(Holder(Pointer(Memory(294_912)), (36, 2048)))
-    other = Holder(Pointer(Memory(4096)), (1, 1024))  # another size: not listed
-    lines = live_allocations.holders(294_912, pointer_type=Pointer)
+def test_the_chain_above_a_charged_allocation_names_the_array_and_its_keeper():
+    ledger = VramLedger(2**20)
+    leaked, other = ledger.charge("activations", 294_912), ledger.charge("kv_cache", 294_912)
+    keeper = Keeper(Holder(Pointer(Memory(leaked)), (36, 2048)))
+    held = Holder(Pointer(Memory(other)), (36, 2048))  # the same size under another charge: not listed
+    assert ledger.live_charges("activations") == [leaked]
+    lines = live_allocations.holders([c.charge_id for c in ledger.live_charges("activations")], pointer_type=Pointer)
     assert len(lines) == 1
-    assert lines[0].startswith("Pointer") and "Holder (36, 2048) float32" in lines[0] and "Keeper" in lines[0]
-    assert live_allocations.holders(123, pointer_type=Pointer) == []
-    del keeper, other
+    assert lines[0].startswith("294912 bytes: Pointer") and "Holder (36, 2048) float32" in lines[0]
+    assert "Keeper" in lines[0]
+    assert live_allocations.holders([12345], pointer_type=Pointer) == []
+    ledger.discharge(leaked)
+    assert ledger.live_charges("activations") == []
+    del keeper, held
 
 
 def test_weak_proxies_among_the_objects_neither_count_nor_raise():
@@ -41,13 +48,14 @@ def test_weak_proxies_among_the_objects_neither_count_nor_raise():
     class Gone:
         pass
 
-    target = Pointer(Memory(512))
+    charge = VramLedger(1024).charge("activations", 512)
+    target = Pointer(Memory(charge))
     alive = weakref.proxy(target)  # isinstance would take it for a Pointer
     dead_target = Gone()
     dead = weakref.proxy(dead_target)
     del dead_target  # isinstance on it would raise ReferenceError
     kept = [alive, dead]
-    assert len(live_allocations.holders(512, pointer_type=Pointer)) == 1
+    assert len(live_allocations.holders([charge.charge_id], pointer_type=Pointer)) == 1
     del kept, target
 
 
@@ -58,5 +66,5 @@ def test_a_pointer_whose_memory_is_gone_is_skipped():
             raise ReferenceError("weakly-referenced object no longer exists")
 
     kept = [Gone()]
-    assert live_allocations.holders(0, pointer_type=Gone) == []
+    assert live_allocations.holders([1], pointer_type=Gone) == []
     del kept
