@@ -304,3 +304,27 @@ def test_check_on_the_benchmark_configuration_gives_the_documented_plans(tmp_pat
     out = run_check(config, capsys)
     chunk = re.search(r"plan without the loan for the longest prompt, 34,815 tokens \(chunk / ring\): ([\d,]+) /", out)
     assert "loan: off" in out and int(chunk[1].replace(",", "")) >= 4096
+
+
+@pytest.mark.parametrize("preset", ["Q4_K_M", "IQ3_XXS"])
+def test_the_mixed_format_benchmark_configurations_check_with_a_loan_and_a_long_chunk(preset, tmp_path, capsys):
+    # issue 30's end-to-end configurations: llama.cpp's per-tensor mix, no MTP block (llama.cpp loads the
+    # same file), the loan admitted without the plugins that need MTP, the chunk borrowing the cache
+    name = f"bench-h200-{preset.lower()}.toml"
+    text = (REPO / "configs" / name).read_text()
+    parsed = tomllib.loads(text)
+    assert parsed["runtime"]["mtp"] is False and parsed["loan"]["enabled"] is True
+    assert Path(parsed["model"]["path"]).name == f"qwen3-30b-a3b-{preset.lower()}.gguf"
+    assert f"--qtype {preset} {parsed['model']['path']}" in text  # the comment's synth command writes that file
+    model = write_synthetic_model(tmp_path / "model.gguf", PRESETS["qwen3-30b-a3b"], preset, seed=0,
+                                  is_header_only=True)
+    text = re.sub(r'(?m)^path = ".*"$', f'path = "{model}"', text)
+    text = re.sub(r'(?m)^expert_pack = ".*"$', "", text)
+    config = tmp_path / name
+    config.write_text(text)
+    out = run_check(config, capsys)
+    assert "loan: admitted with plugins retain_startup_chunk, repeat_loan" in out
+    for plan in ("plan without the loan for the longest prompt, 34,815 tokens (chunk / ring): ",
+                 "plan with the loan (chunk / ring): "):
+        chunk = re.search(re.escape(plan) + r"([\d,]+) /", out)
+        assert chunk and int(chunk[1].replace(",", "")) >= 4096, out
