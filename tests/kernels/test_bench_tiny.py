@@ -51,3 +51,15 @@ def test_kernel_benchmark_takes_the_gemv_formats_and_refuses_an_unknown_one(caps
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--gemv-formats", "IQ5_XS"])
     assert "--gemv-formats: IQ5_XS not among" in capsys.readouterr().err
+
+
+def test_the_zero_copy_benchmark_runs_at_toy_sizes_and_reads_host_planes_as_device_ones(capsys):
+    from strata.bench import zero_copy
+
+    rows = zero_copy.main(["--tiny"])  # raises where a kernel reads other values from pinned host memory
+    names = [r.name for r in rows]
+    assert names[0].startswith("DMA host→device, 4 KiB") and names[1].startswith("kernel reading pinned host memory")
+    assert any("planes in device memory" in n for n in names)
+    assert any("planes in pinned host memory" in n for n in names)
+    assert all(math.isfinite(r.figure) and r.figure > 0 for r in rows)
+    assert capsys.readouterr().out.count("\n| ") == len(rows) + 2
