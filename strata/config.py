@@ -88,8 +88,8 @@ class RuntimeConfig:
                                     "backends); on numpy, dequantize the matrices the forward multiplies by")
     expert_preload: bool = option(True, doc="at load, fill the expert cache's free slots from the expert pack (an "
                                             "equal share of every layer), so the first requests find experts cached")
-    decode_graphs: bool = option(True, doc="decode a token as CUDA graphs: two per layer, or one for the token "
-                                           "when every expert is cached (cuda backend; MoE models without a "
+    decode_graphs: bool = option(True, doc="decode a token as CUDA graphs: one per layer and one more, or one for "
+                                           "the token when every expert is cached (cuda backend; MoE models without a "
                                            "shared expert); with warmup, captured at load and kept across requests")
     copy_overlap: bool = option(True, doc="decode's expert copies run on a copy stream alongside the kernels; false: "
                                           "the kernels issued after a staging wait for it at once (prefill sets "

@@ -1,17 +1,19 @@
-"""A decode token as captured segments: two per layer (one for the whole token when every expert
-is cached), recorded once and replayed for every token. A step of ``num_rows`` tokens at once (the
+"""A decode token as captured segments: one per layer and one more (one for the whole token when
+every expert is cached), recorded once and replayed for every token. A step of ``num_rows`` tokens at once (the
 rows of a speculative verify step, up to ``DECODE_MAX_ROWS``) is the same segments over [R, ...]
 buffers: the backend computes each row as it computes a one-token step.
 
 Per layer l (the same sums as ``ModelRunner.forward`` with one token):
 
-    segment A_l:  x += attention block;  h = rms_norm(x);  ids, w = route(h)        (captured)
-    host:         ids → slots: hits looked up, misses inserted and staged (copy stream, events)
-    segment B_l:  x += sum_k w * expert_slot_k(h)                                     (captured)
+    A_l:   x += attention block;  h = rms_norm(x);  ids, w = route(h)
+    host:  ids → slots: hits looked up, misses inserted and staged (copy stream, events)
+    B_l:   x += sum_k w * expert_slot_k(h)
 
-The host must see the routing before it can stage the misses, so a layer cannot be one graph; it
-is two, and everything between them is the host's cache bookkeeping and one small upload of
-[1, k] slot ids. A segment's inputs are buffers of this object (x, the position, the slot ids),
+The host must see the routing before it can stage the misses, so a layer cannot be one graph.
+Nothing of the host's comes between B_l and A_{l+1}, so they are one segment (a graph launch a
+layer: each costs the host a driver call): the token is segment 0 = A_0, then segment l + 1 =
+B_l A_{l+1} (the last only B_{L-1}), and between two segments the host's cache bookkeeping and
+one small upload of [1, k] slot ids. A segment's inputs are buffers of this object (x, the position, the slot ids),
 refreshed before the replay; its kernels read the position on the device (``ops.attention`` at
 one token), so one capture serves every position. Segments hold their memory until ``reset``.
 The step sees the model only through ``DecodeLayers`` (``layers.py``), which the runner implements.
@@ -88,8 +90,7 @@ class DecodeStep:
         self._slot_ids = None  # [R, k] int32
         self._attention_scratch: tuple | None = None  # every layer's (ops.decode_attention_scratch)
         self._slot_rows = None  # [L, R * k] int32 in pinned host memory: each layer's slot ids, queued copies
-        self._attention: list = []
-        self._experts: list = []
+        self._segments: list = []  # [L + 1]: A_0, then B_l A_{l+1} (``_segment``)
         self.is_resident: bool | None = None  # decided at a request's first token
         self._prefetched = None  # (ticket, experts): the copies of the next layer's predicted experts
         self._tables = None  # [L, N] int32 slot of every expert (resident)
@@ -107,9 +108,8 @@ class DecodeStep:
         if self.is_resident:
             self._resident_segment()
         else:
-            for layer in range(self.model.spec.num_layers):
-                self._attention_segment(layer)
-                self._experts_segment(layer)
+            for index in range(self.model.spec.num_layers + 1):
+                self._segment(index)
         if head is not None:
             self._tails.for_request(head, 0)
         self._is_request_start = True  # the first request still checks what its prefill changed
@@ -244,28 +244,30 @@ class DecodeStep:
             self._token = self._capture(self._resident_token, self._owner)
         return self._token
 
-    def _attention_segment(self, layer: int):
-        if layer == len(self._attention):
-            self._attention.append(self._capture(lambda: self._attention_and_route(layer), self._owner))
-        return self._attention[layer]
-
-    def _experts_segment(self, layer: int):
-        if layer == len(self._experts):
-            self._experts.append(self._capture(lambda: self._experts_of(layer), self._owner))
-        return self._experts[layer]
+    def _segment(self, index: int):
+        """Segment 0: layer 0's attention and routing; segment l + 1: layer l's experts, then layer
+        l + 1's attention and routing (none after the last layer). Segment l's outputs are layer l's
+        routing (``_attention_and_route``)."""
+        if index == len(self._segments):
+            def record():
+                if index > 0:
+                    self._experts_of(index - 1)
+                return self._attention_and_route(index) if index < self.model.spec.num_layers else ()
+            self._segments.append(self._capture(record, self._owner))
+        return self._segments[index]
 
     def _layers(self, stats: StreamStats) -> None:
-        """Every layer of a step whose experts may miss: two segments a layer, the host between.
+        """Every layer of a step whose experts may miss: a segment a layer, the host between.
 
         After layer l's routing is read back, the host stages its misses, replays its experts and
-        layer l+1's attention, and only then stages layer l+1's predicted experts, so that this
+        layer l+1's attention (one segment), and only then stages layer l+1's predicted experts, so that this
         staging overlaps the GPU's work instead of preceding it. No staging waits for the kernels:
         each follows a readback issued after every kernel that could read the slots it overwrites,
         except this layer's experts, whose slots it protects (``in_use``)."""
         model, ops, spec = self.model, self.model.ops, self.model.spec
-        self._attention_segment(0).replay()
+        self._segment(0).replay()
         for layer in range(spec.num_layers):
-            _, ids, _, predicted = self._attention_segment(layer).outputs
+            _, ids, _, predicted = self._segment(layer).outputs
             # [R, k] each, read at once after the segment and before anything queued makes the
             # default stream wait for copies
             host_ids, host_predicted = _waited(stats, self._readback.now, ids, predicted)
@@ -279,9 +281,7 @@ class DecodeStep:
             row = self._slot_rows[layer].reshape(host_ids.shape)
             row[:] = slot_of[host_ids]
             ops.copy_in(self._slot_ids, row, is_queued=True)  # behind the staged copies, host not waiting
-            self._experts_segment(layer).replay()
-            if layer + 1 < spec.num_layers:
-                self._attention_segment(layer + 1).replay()
+            self._segment(layer + 1).replay()  # this layer's experts, then the next layer's attention
             if host_predicted is not None:  # behind this layer's misses on the copy stream, beside the kernels
                 in_use = set(row.ravel().tolist())  # this layer's slots
                 ticket, experts = model.prefetch(layer + 1, host_predicted, in_use, stats, is_after_compute=False)
@@ -334,9 +334,9 @@ class DecodeStep:
         self._is_request_start = True
 
     def _close_layers(self) -> None:
-        for segment in self._attention + self._experts + ([self._token] if self._token else []):
+        for segment in self._segments + ([self._token] if self._token else []):
             segment.close()
-        self._attention, self._experts, self._token = [], [], None
+        self._segments, self._token = [], None
 
     def _greedy_tail(self, head: tuple, bias) -> tuple:
         """After a step's layers: pick the next token into the token buffer, step the position, and
@@ -383,7 +383,7 @@ class DecodeStep:
 
     def _experts_of(self, layer: int):
         model = self.model
-        h, _, weights, _ = self._attention[layer].outputs
+        h, _, weights, _ = self._segments[layer].outputs
         cache = model.cache
         model.ops.moe(self._x, h, self._slot_ids, weights, cache.storage, None, cache.layout.at_layer(layer))
         return ()
