@@ -1,5 +1,6 @@
-"""What the host's CPUs did while a bench request ran: the machine's busy and stolen shares, and this
-process's own CPU time and context switches.
+"""What the host's CPUs did while a bench request ran: the machine's busy and stolen shares, this
+process's own CPU time and context switches, and its threads' CPU time (which of them besides the
+engine's was busy: a helper spinning beside the engine's thread slows it).
 
 A short prefill and decode are bound by the Python that issues them, and fresh processes of one build
 have run it 1.5-2x apart (docs/PERFORMANCE.md). Time stolen by a hypervisor, other processes busy on the
@@ -28,6 +29,9 @@ from strata.errors import ConfigError
 
 _STAT = Path("/proc/stat")
 _THREAD_STAT = Path("/proc/thread-self/stat")
+_TASKS = Path("/proc/self/task")
+_UTIME_FIELD, _STIME_FIELD = 11, 12  # /proc/*/stat's fields 14 and 15, counted after the ")"
+_MIN_THREAD_SECONDS = 0.01  # threads busier than this over the request are listed
 _PROCESSOR_FIELD = 36  # /proc/*/stat's field 39, counted after the ")" closing the command name
 _PROBE_KEYS = 1024  # the workload's dict stays in the L1/L2 caches: it times the interpreter, not memory
 _PROBE_ITEMS = 40_000
@@ -44,12 +48,32 @@ class CpuSnapshot:
     process_seconds: float
     involuntary_switches: int
     voluntary_switches: int
+    thread_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # "name[tid]" -> CPU seconds
 
 
-def snapshot(stat_text: str | None = None) -> CpuSnapshot:
+def snapshot(stat_text: str | None = None, tasks: Path = _TASKS) -> CpuSnapshot:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return CpuSnapshot(time.perf_counter(), _machine_ticks(stat_text), usage.ru_utime + usage.ru_stime,
-                       usage.ru_nivcsw, usage.ru_nvcsw)
+                       usage.ru_nivcsw, usage.ru_nvcsw, thread_seconds(tasks))
+
+
+def thread_seconds(tasks: Path = _TASKS) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, keyed "name[tid]" (the main
+    thread's tid is the process id); {} where unreadable (not Linux)."""
+    ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    threads = {}
+    try:
+        entries = list(tasks.iterdir())
+    except OSError:
+        return {}
+    for entry in entries:
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            name = (entry / "comm").read_text().strip()
+            threads[f"{name}[{entry.name}]"] = (int(fields[_UTIME_FIELD]) + int(fields[_STIME_FIELD])) / ticks_per_s
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return threads
 
 
 def between(before: CpuSnapshot, after: CpuSnapshot) -> dict:
@@ -59,6 +83,9 @@ def between(before: CpuSnapshot, after: CpuSnapshot) -> dict:
     record = {"wall_seconds": wall, "process_cpu_seconds": after.process_seconds - before.process_seconds,
               "involuntary_switches": after.involuntary_switches - before.involuntary_switches,
               "voluntary_switches": after.voluntary_switches - before.voluntary_switches}
+    busy = {name: seconds - before.thread_seconds.get(name, 0.0) for name, seconds in after.thread_seconds.items()}
+    record["thread_seconds"] = dict(sorted(((n, round(s, 3)) for n, s in busy.items() if s >= _MIN_THREAD_SECONDS),
+                                           key=lambda item: -item[1]))
     record["process_cpu_share"] = record["process_cpu_seconds"] / wall
     if before.machine_ticks and after.machine_ticks:
         delta = [b - a for a, b in zip(before.machine_ticks, after.machine_ticks)]
@@ -82,6 +109,9 @@ def summary(record: dict) -> str:
         probe += f"; per-CPU probe {speeds_summary(record['cpu_speeds'])}"
     if record.get("pinned_cpu") is not None:
         probe += f", pinned to CPU {record['pinned_cpu']}"
+    if record.get("thread_seconds"):
+        busy = record["thread_seconds"].items()
+        probe += "; threads: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in busy)
     return (f"host CPU over the request: {machine}this process {record['process_cpu_seconds']:.2f} s of CPU "
             f"in {record['wall_seconds']:.2f} s, {record['involuntary_switches']} involuntary switches{probe}")
 

@@ -87,3 +87,45 @@ def test_the_host_cpu_choice_is_checked_where_it_is_parsed():
         host_cpu.choice("slowest")
     with pytest.raises(argparse.ArgumentTypeError):
         host_cpu.choice("²")
+
+
+def test_thread_seconds_reads_each_threads_user_and_system_ticks(tmp_path):
+    ticks = os.sysconf("SC_CLK_TCK")
+    for tid, name, utime, stime in ((100, "python3", 3 * ticks, ticks), (101, "cuda-EvtHandlr", ticks // 2, 0)):
+        task = tmp_path / str(tid)
+        task.mkdir()
+        # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ...
+        (task / "stat").write_text(f"{tid} ({name}) S 1 1 1 0 -1 0 0 0 0 0 {utime} {stime} 0 0 20 0 1 0\n")
+        (task / "comm").write_text(name + "\n")
+    (tmp_path / "102").mkdir()  # a thread that ended between the listing and the reads
+    assert host_cpu.thread_seconds(tmp_path) == {"python3[100]": 4.0, "cuda-EvtHandlr[101]": 0.5}
+    assert host_cpu.thread_seconds(tmp_path / "missing") == {}
+
+
+def test_a_busy_helper_thread_is_named_in_the_record():
+    import threading
+    import time
+
+    spun, release = threading.Event(), threading.Event()
+
+    def spin(seconds=0.15):  # then stays alive: an ended thread's times leave /proc with it
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        release.wait()
+
+    before = host_cpu.snapshot()
+    helper = threading.Thread(target=spin)
+    helper.start()
+    spun.wait()
+    try:
+        record = host_cpu.between(before, host_cpu.snapshot())
+    finally:
+        release.set()
+        helper.join()
+    if not record["thread_seconds"] and not os.path.isdir("/proc/self/task"):
+        pytest.skip("no per-thread CPU times here (not Linux)")
+    helpers = {name: s for name, s in record["thread_seconds"].items() if not name.endswith(f"[{os.getpid()}]")}
+    assert helpers and max(helpers.values()) >= 0.1
+    assert "; threads: " in host_cpu.summary(record)
