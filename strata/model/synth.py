@@ -14,7 +14,9 @@ llama.cpp's qwen3moe loader does not read.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import multiprocessing
 import os
 import sys
 import time
@@ -39,6 +41,8 @@ from strata.model.synth_mix import MixModel, preset_types
 from strata.model.synth_vocab import SynthVocab, build_vocab, train_tokenizer
 
 ARCH = "qwen3moe"
+MAX_WORKERS = 16  # processes writing a large file's tensors (``--jobs``); past this the disk sets the pace
+PARALLEL_MIN_BYTES = 1 << 30  # smaller files are written by one process: spawning the others costs more
 ATTN_OUTPUT_SCALE = 0.25
 SAMPLE_PROMPT = (
     "Tell me a short story about a lighthouse keeper who finds a message in a bottle. It should be "
@@ -102,7 +106,7 @@ PRESETS: dict[str, SynthShape] = {
 
 
 def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype: QType | str, seed: int,
-                          with_mtp: bool = False, is_header_only: bool = False) -> Path:
+                          with_mtp: bool = False, is_header_only: bool = False, num_workers: int | None = 1) -> Path:
     """Write the model to `path` (through a temporary file, renamed when complete).
 
     ``qtype``: a QType puts every quantized tensor in that type; a preset name (``synth_mix.PRESETS``,
@@ -110,7 +114,11 @@ def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype
 
     ``is_header_only`` writes the real header and tensor table and leaves the tensor data a hole
     (a sparse file of the full size, all zeros): a 30B-shape file in a second and no disk, for
-    what reads only shapes and sizes (placement, the planner, ``strata check``)."""
+    what reads only shapes and sizes (placement, the planner, ``strata check``).
+
+    ``num_workers`` > 1 writes the tensors from that many processes at once, each at its offset; the
+    bytes are the same (each tensor's random stream is its own). None: this machine's CPUs (up to
+    ``MAX_WORKERS``) for a file of more than ``PARALLEL_MIN_BYTES``, else one."""
     path = Path(path)
     if isinstance(qtype, str) and qtype not in QUANT_PRESETS:
         raise ValueError(f"synthetic models know the presets {', '.join(QUANT_PRESETS)}, not {qtype!r}")
@@ -119,6 +127,9 @@ def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype
                          f"{QType(qtype).name}")
     spec = shape.spec(with_mtp)
     plan = tensor_plan(spec, qtype)
+    if num_workers is None:
+        num_bytes = sum(_tensor_nbytes(tensor_shape, tensor_qtype) for tensor_shape, tensor_qtype in plan.values())
+        num_workers = min(os.cpu_count() or 1, MAX_WORKERS) if num_bytes > PARALLEL_MIN_BYTES else 1
     tmp = path.with_name(path.name + ".partial")
     writer = GGUFWriter(tmp, ARCH)
     _add_metadata(writer, shape, spec, _file_type(qtype), build_vocab(shape.vocab_size))
@@ -132,7 +143,7 @@ def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype
         if is_header_only:
             _leave_tensor_data_a_hole(writer.fout[0], plan, writer.data_alignment)
         else:
-            _write_tensor_data(writer.fout[0], plan, seed, writer.data_alignment)
+            _write_tensor_data(writer.fout[0], plan, seed, writer.data_alignment, num_workers)
         writer.close()
         os.replace(tmp, path)
     finally:
@@ -145,21 +156,68 @@ def _tensor_nbytes(tensor_shape: tuple[int, ...], qtype: QType) -> int:
     return int(np.prod(tensor_shape[:-1], dtype=np.int64)) * quants.row_nbytes(qtype, tensor_shape[-1])
 
 
-def _write_tensor_data(fout, plan: dict[str, tuple[tuple[int, ...], QType]], seed: int, alignment: int) -> None:
+def _write_tensor_data(fout, plan: dict[str, tuple[tuple[int, ...], QType]], seed: int, alignment: int,
+                       num_workers: int = 1) -> None:
+    if num_workers > 1:
+        _write_tensor_data_in_parallel(fout, plan, seed, alignment, num_workers)
+        return
     for index, (name, (tensor_shape, tensor_qtype)) in enumerate(plan.items()):
-        rng = np.random.default_rng([seed, index])  # per tensor: its bytes do not depend on the others
         fout.write(bytes(-fout.tell() % alignment))
-        for chunk in _tensor_chunks(rng, name, tensor_shape, tensor_qtype):
-            chunk.tofile(fout)
+        _write_tensor(fout, index, name, tensor_shape, tensor_qtype, seed)
 
 
-def _leave_tensor_data_a_hole(fout, plan: dict[str, tuple[tuple[int, ...], QType]], alignment: int) -> None:
+def _write_tensor(fout, index: int, name: str, tensor_shape: tuple[int, ...], qtype: QType, seed: int) -> int:
+    """The tensor's bytes at the file's position; the bytes written."""
+    rng = np.random.default_rng([seed, index])  # per tensor: its bytes do not depend on the others
+    num_bytes = 0
+    for chunk in _tensor_chunks(rng, name, tensor_shape, qtype):
+        chunk.tofile(fout)
+        num_bytes += chunk.nbytes
+    return num_bytes
+
+
+def _write_tensor_at(path: str, offset: int, index: int, name: str, tensor_shape: tuple[int, ...], qtype: QType,
+                     seed: int) -> int:
+    with open(path, "r+b") as fout:
+        fout.seek(offset)
+        return _write_tensor(fout, index, name, tensor_shape, qtype, seed)
+
+
+def _write_tensor_data_in_parallel(fout, plan: dict[str, tuple[tuple[int, ...], QType]], seed: int, alignment: int,
+                                   num_workers: int) -> None:
+    """The file at its full size first (the padding a hole of zeros), then each tensor written at its
+    offset by one of ``num_workers`` processes (spawned: the caller's state, a CUDA context, stays its own)."""
+    offsets = _tensor_offsets(fout.tell(), plan, alignment)
+    end = _leave_tensor_data_a_hole(fout, plan, alignment)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=context) as pool:
+        futures = {pool.submit(_write_tensor_at, fout.name, offsets[name], index, name, shape, qtype, seed):
+                   _tensor_nbytes(shape, qtype) for index, (name, (shape, qtype)) in enumerate(plan.items())}
+        for future in concurrent.futures.as_completed(futures):
+            if future.result() != futures[future]:
+                raise RuntimeError("a synthetic tensor's bytes came out another size than its type and shape give")
+    fout.seek(end)
+
+
+def _tensor_offsets(start: int, plan: dict[str, tuple[tuple[int, ...], QType]], alignment: int) -> dict[str, int]:
+    """Each tensor's offset in the file when its data starts at ``start``, every tensor aligned."""
+    offsets, end = {}, start
+    for name, (tensor_shape, tensor_qtype) in plan.items():
+        end += -end % alignment
+        offsets[name] = end
+        end += _tensor_nbytes(tensor_shape, tensor_qtype)
+    return offsets
+
+
+def _leave_tensor_data_a_hole(fout, plan: dict[str, tuple[tuple[int, ...], QType]], alignment: int) -> int:
+    """The file truncated (grown) to where the tensor data ends, the data a hole; that end."""
     end = fout.tell()
     for tensor_shape, tensor_qtype in plan.values():
         end += -end % alignment + _tensor_nbytes(tensor_shape, tensor_qtype)
     fout.flush()
     fout.truncate(end)
     fout.seek(end)
+    return end
 
 
 def tensor_plan(spec: ModelSpec, qtype: QType | str) -> dict[str, tuple[tuple[int, ...], QType]]:
@@ -279,6 +337,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every quantized tensor in the preset's default type, as llama-quantize --pure")
     parser.add_argument("--mtp", action="store_true", help="add one MTP (nextn) block after the last layer")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help=f"processes writing the tensors (default: the CPUs, up to {MAX_WORKERS}, for a file "
+                             f"over {PARALLEL_MIN_BYTES >> 30} GiB; else 1); the bytes do not depend on it")
     parser.add_argument("--check", action="store_true",
                         help="load the file back and print the routing histogram of a sample prompt; "
                              "exit 1 if routing collapses onto a few experts")
@@ -293,7 +354,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     try:
-        path = write_synthetic_model(args.out, shape, qtype, args.seed, with_mtp=args.mtp)
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError(f"--jobs {args.jobs}: give at least 1 process")
+        path = write_synthetic_model(args.out, shape, qtype, args.seed, with_mtp=args.mtp, num_workers=args.jobs)
     except ValueError as exc:
         print(f"strata synth: error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from strata.model.synth import (
     run,
     sample_prompt_tokens,
     tensor_plan,
+    with_overrides,
     write_synthetic_model,
 )
 from strata.model.synth_blocks import SUPPORTED_QTYPES, random_rows
@@ -90,6 +91,15 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
     b = write_synthetic_model(tmp_path / "b.gguf", TINY, Q.Q4_0, seed=5).read_bytes()
     c = write_synthetic_model(tmp_path / "c.gguf", TINY, Q.Q4_0, seed=6).read_bytes()
     assert a == b and len(a) == len(c) and a != c
+    assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, "Q4_K_M"])
+def test_tensors_written_by_several_processes_are_the_same_bytes(tmp_path, qtype):
+    shape = with_overrides(TINY, num_layers=3)
+    alone = write_synthetic_model(tmp_path / "alone.gguf", shape, qtype, seed=5, with_mtp=True).read_bytes()
+    shared = write_synthetic_model(tmp_path / "shared.gguf", shape, qtype, seed=5, with_mtp=True, num_workers=3)
+    assert shared.read_bytes() == alone
     assert not list(tmp_path.glob("*.partial"))
 
 
@@ -169,6 +179,8 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert run(parser.parse_args([str(tmp_path / "x.gguf"), "--qtype", "IQ2_XXS"])) == 2
     assert run(parser.parse_args([str(tmp_path / "x.gguf"), "--heads", "3"])) == 2
     assert "num_heads (3) must be a multiple of num_kv_heads (2)" in capsys.readouterr().err
+    assert run(parser.parse_args([str(tmp_path / "x.gguf"), "--jobs", "0"])) == 2
+    assert "--jobs 0: give at least 1 process" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()
 
 
