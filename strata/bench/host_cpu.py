@@ -48,7 +48,7 @@ class CpuSnapshot:
     process_seconds: float
     involuntary_switches: int
     voluntary_switches: int
-    thread_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # "name[tid]" -> CPU seconds
+    thread_seconds: dict[int, tuple[str, float]] = dataclasses.field(default_factory=dict)  # tid -> (name, CPU s)
 
 
 def snapshot(stat_text: str | None = None, tasks: Path = _TASKS) -> CpuSnapshot:
@@ -57,9 +57,9 @@ def snapshot(stat_text: str | None = None, tasks: Path = _TASKS) -> CpuSnapshot:
                        usage.ru_nivcsw, usage.ru_nvcsw, thread_seconds(tasks))
 
 
-def thread_seconds(tasks: Path = _TASKS) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of this process, keyed "name[tid]" (the main
-    thread's tid is the process id); {} where unreadable (not Linux)."""
+def thread_seconds(tasks: Path = _TASKS) -> dict[int, tuple[str, float]]:
+    """{tid: (name, CPU seconds, user + system)} of each thread of this process (the main thread's tid
+    is the process id); {} where unreadable (not Linux)."""
     ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     threads = {}
     try:
@@ -70,7 +70,8 @@ def thread_seconds(tasks: Path = _TASKS) -> dict[str, float]:
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             name = (entry / "comm").read_text().strip()
-            threads[f"{name}[{entry.name}]"] = (int(fields[_UTIME_FIELD]) + int(fields[_STIME_FIELD])) / ticks_per_s
+            seconds = (int(fields[_UTIME_FIELD]) + int(fields[_STIME_FIELD])) / ticks_per_s
+            threads[int(entry.name)] = (name, seconds)
         except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
             continue
     return threads
@@ -78,12 +79,14 @@ def thread_seconds(tasks: Path = _TASKS) -> dict[str, float]:
 
 def between(before: CpuSnapshot, after: CpuSnapshot) -> dict:
     """The interval's record: machine busy and steal shares (of all CPUs' time), this process's CPU
-    seconds and its share of the wall time, and its context switches."""
+    seconds and its share of the wall time, its context switches, and the CPU seconds of each of its
+    threads busy for ``_MIN_THREAD_SECONDS`` or more ("name[tid]", busiest first)."""
     wall = max(after.seconds - before.seconds, 1e-9)
     record = {"wall_seconds": wall, "process_cpu_seconds": after.process_seconds - before.process_seconds,
               "involuntary_switches": after.involuntary_switches - before.involuntary_switches,
               "voluntary_switches": after.voluntary_switches - before.voluntary_switches}
-    busy = {name: seconds - before.thread_seconds.get(name, 0.0) for name, seconds in after.thread_seconds.items()}
+    busy = {f"{name}[{tid}]": seconds - before.thread_seconds.get(tid, ("", 0.0))[1]  # by tid: a thread may rename
+            for tid, (name, seconds) in after.thread_seconds.items()}
     record["thread_seconds"] = dict(sorted(((n, round(s, 3)) for n, s in busy.items() if s >= _MIN_THREAD_SECONDS),
                                            key=lambda item: -item[1]))
     record["process_cpu_share"] = record["process_cpu_seconds"] / wall

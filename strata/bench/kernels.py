@@ -200,7 +200,7 @@ def graph_ms(launch: Callable[[object], object], timing, count: int = 20) -> flo
         segment.close()
 
 
-def _path_name(native: bool) -> str:
+def path_name(native: bool) -> str:
     return "C++ rows" if native else "Numba"
 
 
@@ -212,7 +212,7 @@ def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfi
     ms = graph_ms(lambda stream: gemv(w, x, y, config=cfg, native=native, native_config=native_config,
                                       stream=stream), timing)
     num_bytes = w.nbytes + 4 * (num_cols + num_rows)
-    return Row(f"decode GEMV {fmt} {num_rows}x{num_cols}, {_path_name(native)}", num_bytes / ms / 1e6, "GB/s",
+    return Row(f"decode GEMV {fmt} {num_rows}x{num_cols}, {path_name(native)}", num_bytes / ms / 1e6, "GB/s",
                HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
 
 
@@ -226,7 +226,7 @@ def bench_moe_decode(s: Shapes, experts, cfg: GemvConfig, native: bool, timing) 
     ms = graph_ms(lambda stream: moe_experts_decode(x, ids, weights, *experts, out, num_experts=s.num_experts,
                                                     hidden=hidden, config=cfg, native=native, stream=stream), timing)
     num_bytes = s.top_k * sum(w.nbytes for w in experts) // s.num_experts
-    return Row(f"decode experts {experts[0].fmt}, top-{s.top_k} of {s.num_experts}, {_path_name(native)}",
+    return Row(f"decode experts {experts[0].fmt}, top-{s.top_k} of {s.num_experts}, {path_name(native)}",
                num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
 
 

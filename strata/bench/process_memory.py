@@ -2,7 +2,9 @@
 interpreter's live blocks. Which of them an RSS slope follows says where the growth lives:
 
 - RSS by kind (Linux ``/proc/self/status``): anonymous memory (heaps, the interpreter's arenas, the
-  driver's private mappings), file-backed pages (mapped files, libraries), shared memory;
+  driver's private mappings), file-backed pages (mapped files, libraries), shared memory; where the
+  status file has no such lines (some sandboxed kernels), ``/proc/self/statm``'s resident and shared
+  pages: anonymous, and file-backed or shared;
 - the C heap (glibc's mallinfo2): bytes in use grow with a leak through malloc, free bytes with
   fragmentation ``malloc_trim`` cannot return, neither with growth outside malloc;
 - the interpreter's allocated blocks (``sys.getallocatedblocks``): objects kept alive, whichever
@@ -24,19 +26,26 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * PAGE_BYTES
 
 
-def rss_kinds(status_path: str = "/proc/self/status") -> dict[str, int]:
-    """{rss_anon_bytes, rss_file_bytes, rss_shmem_bytes} from the kernel's status file; {} where there is none."""
+def rss_kinds(status_path: str = "/proc/self/status", statm_path: str = "/proc/self/statm") -> dict[str, int]:
+    """{rss_anon_bytes, rss_file_bytes, rss_shmem_bytes} from the kernel's status file, else
+    {rss_anon_bytes, rss_file_or_shared_bytes} from statm; {} where neither can be read."""
+    kinds = {}
     try:
         with open(status_path) as f:
-            lines = f.read().splitlines()
+            for line in f.read().splitlines():
+                fields = line.split()
+                if fields and fields[0] in _STATUS_KINDS and len(fields) >= 2 and fields[1].isdecimal():
+                    kinds[_STATUS_KINDS[fields[0]]] = int(fields[1]) * 1024  # the file says kB
     except OSError:
+        pass
+    if kinds:
+        return kinds
+    try:
+        with open(statm_path) as f:
+            resident, shared = (int(x) for x in f.read().split()[1:3])
+    except (OSError, ValueError):
         return {}
-    kinds = {}
-    for line in lines:
-        fields = line.split()
-        if fields and fields[0] in _STATUS_KINDS and len(fields) >= 2 and fields[1].isdecimal():
-            kinds[_STATUS_KINDS[fields[0]]] = int(fields[1]) * 1024  # the file says kB
-    return kinds
+    return {"rss_anon_bytes": (resident - shared) * PAGE_BYTES, "rss_file_or_shared_bytes": shared * PAGE_BYTES}
 
 
 def memory_kinds() -> dict[str, int]:

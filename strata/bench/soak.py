@@ -27,6 +27,9 @@ from strata.bench.process_memory import heap_meter, heap_trimmer, memory_kinds, 
 from strata.bench.python_growth import PythonGrowth, format_report
 from strata.config import Config
 
+RSS_KINDS = {"rss_anon_bytes": "anonymous", "rss_file_bytes": "file-backed", "rss_shmem_bytes": "shared",
+             "rss_file_or_shared_bytes": "file-backed or shared"}  # row key -> what the slope line calls it
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=200, help="requests to send (default 200)")
@@ -141,8 +144,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
                    "rss_slope_bytes_per_request": _slope(settled, "rss_bytes"),
                    "ledger_slope_bytes_per_request": _slope(settled, "ledger_bytes"),
                    "requests_not_idle": num_not_idle, "loans_taken": sum(r["loan_taken"] for r in rows)}
-        for key in ("rss_anon_bytes", "rss_file_bytes", "rss_shmem_bytes", "python_blocks", "heap_in_use_bytes",
-                    "heap_free_bytes", "heap_mmapped_bytes"):
+        for key in (*RSS_KINDS, "python_blocks", "heap_in_use_bytes", "heap_free_bytes", "heap_mmapped_bytes"):
             if key in rows[0]:
                 summary[f"{key.removesuffix('_bytes')}_slope_{'bytes' if key.endswith('_bytes') else 'blocks'}"
                         f"_per_request"] = _slope(settled, key)
@@ -166,11 +168,12 @@ def run(args: argparse.Namespace, config: Config) -> int:
           f"{summary['rss_slope_bytes_per_request'] / 1024:+.1f} KiB/request, ledger "
           f"{summary['ledger_slope_bytes_per_request'] / 1024:+.1f} KiB/request; loans taken "
           f"{summary['loans_taken']}/{len(rows)}; requests leaving the ledger not idle: {num_not_idle}")
-    if "rss_anon_slope_bytes_per_request" in summary:
-        print(f"RSS slope by kind: anonymous {summary['rss_anon_slope_bytes_per_request'] / 1024:+.1f} KiB/request, "
-              f"file-backed {summary['rss_file_slope_bytes_per_request'] / 1024:+.1f}, shared "
-              f"{summary['rss_shmem_slope_bytes_per_request'] / 1024:+.1f}; the interpreter's allocated blocks "
-              f"{summary['python_blocks_slope_blocks_per_request']:+.1f}/request")
+    kinds = [f"{label} {summary[key] / 1024:+.1f}" for label, key in
+             ((RSS_KINDS[k], f"{k.removesuffix('_bytes')}_slope_bytes_per_request") for k in RSS_KINDS)
+             if key in summary]
+    if kinds:
+        print(f"RSS slope by kind, KiB/request: {', '.join(kinds)}")
+    print(f"the interpreter's allocated blocks: {summary['python_blocks_slope_blocks_per_request']:+.1f}/request")
     if heap is not None:
         print(f"C heap slope: in use {summary['heap_in_use_slope_bytes_per_request'] / 1024:+.1f} KiB/request, free "
               f"inside it {summary['heap_free_slope_bytes_per_request'] / 1024:+.1f}, mmapped blocks "

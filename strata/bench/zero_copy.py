@@ -2,9 +2,10 @@
 
 The question it answers: can decode's routed experts that miss the cache be read by the expert
 kernels straight from the pinned expert pack (zero-copy, over PCIe), instead of being staged into
-cache slots by DMA between two captured segments a layer? Then a decoded token needs no host work
-per layer (the whole token is one graph, as a fully cached model's is), and the host's speed stops
-setting decode's pace. It pays only if a kernel pulls host memory at about the DMA rate.
+cache slots by DMA between a layer's routing and its experts (two captured segments)? Then a
+decoded token needs no host work per layer (the whole token is one graph, as a fully cached model's
+is), and the host's speed stops setting decode's pace. It pays only if a kernel pulls host memory at
+about the DMA rate.
 
 Rows (GB/s of the bytes read, each the median of --repeats CUDA-event timings after --warmup runs):
 - the DMA rate: one pinned host buffer copied to the device (the engine's staging path);
@@ -23,6 +24,7 @@ import numpy as np
 from numba import cuda
 
 from strata.bench.kernels import (
+    HBM_BYTES_PER_S,
     QWEN3_30B,
     TINY,
     TINY_GEMV,
@@ -32,6 +34,7 @@ from strata.bench.kernels import (
     graph_ms,
     make_experts,
     median_ms,
+    path_name,
 )
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
@@ -107,14 +110,12 @@ def experts_output(s: Shapes, experts: tuple, native: bool, cfg: GemvConfig) -> 
     return launch, out.copy_to_host()
 
 
-def bench_experts(s: Shapes, experts: tuple, where: str, native: bool, cfg: GemvConfig, ceiling: float,
-                  timing) -> Row:
-    launch, _ = experts_output(s, experts, native, cfg)
+def bench_experts(s: Shapes, experts: tuple, launch, where: str, native: bool, ceiling: float, timing) -> Row:
+    """GB/s of ``launch`` (``experts_output``'s) over the bytes of the top_k experts it reads."""
     ms = graph_ms(launch, timing, count=4)
     num_bytes = s.top_k * sum(m.nbytes for m in experts) // s.num_experts
-    path = "C++ rows" if native else "Numba"
-    return Row(f"decode experts {experts[0].fmt}, top-{s.top_k} of {s.num_experts}, planes in {where}, {path}",
-               num_bytes / ms / 1e6, "GB/s", ceiling, None)
+    return Row(f"decode experts {experts[0].fmt}, top-{s.top_k} of {s.num_experts}, planes in {where}, "
+               f"{path_name(native)}", num_bytes / ms / 1e6, "GB/s", ceiling, None)
 
 
 def run(s: Shapes, num_bytes: int, cfg: GemvConfig, timing, fmt: str = "Q4_0") -> list[Row]:
@@ -124,12 +125,13 @@ def run(s: Shapes, num_bytes: int, cfg: GemvConfig, timing, fmt: str = "Q4_0") -
     host_experts = mapped_experts(experts)
     paths = (True, False) if tensor_core.is_available() else (False,)
     for native in paths:
-        on_device, on_host = (experts_output(s, e, native, cfg)[1] for e in (experts, host_experts))
-        if not np.array_equal(on_device, on_host):
+        (on_device, device_out), (on_host, host_out) = (experts_output(s, e, native, cfg)
+                                                        for e in (experts, host_experts))
+        if not np.array_equal(device_out, host_out):
             raise RuntimeError(f"the experts' output differs with their planes in pinned host memory "
-                               f"(native={native}): max difference {np.abs(on_device - on_host).max()}")
-        rows.append(bench_experts(s, experts, "device memory", native, cfg, 3.9e3, timing))
-        rows.append(bench_experts(s, host_experts, "pinned host memory", native, cfg, dma.figure, timing))
+                               f"({path_name(native)}): max difference {np.abs(device_out - host_out).max()}")
+        rows.append(bench_experts(s, experts, on_device, "device memory", native, HBM_BYTES_PER_S / 1e9, timing))
+        rows.append(bench_experts(s, host_experts, on_host, "pinned host memory", native, dma.figure, timing))
     return rows
 
 

@@ -37,6 +37,7 @@ def warm_up(engine) -> float:
     seconds it took."""
     started = time.perf_counter()
     before = dict(engine.ledger.snapshot().by_owner)
+    charges_before = {c.charge_id for c in engine.ledger.live_charges(ACTIVATIONS_OWNER)}
     geometry = _geometry(engine)
     num_tokens = geometry.chunk_tokens if geometry else WARMUP_MIN_TOKENS
     tokens = np.arange(3, 3 + num_tokens, dtype=np.int64) % engine.spec.vocab_size
@@ -86,7 +87,8 @@ def warm_up(engine) -> float:
     if {k: v for k, v in after.items() if v} != {k: v for k, v in before.items() if v}:
         log.warning("warm-up left the ledger at %s (before: %s)", after, before)
         if after.get(ACTIVATIONS_OWNER, 0) > before.get(ACTIVATIONS_OWNER, 0) and engine.backend == "cuda":
-            charges = engine.ledger.live_charges(ACTIVATIONS_OWNER)  # numba-cuda's pointers: who holds them
+            # the warm-up's own charges still live, and numba-cuda's pointers to them: who holds them
+            charges = [c for c in engine.ledger.live_charges(ACTIVATIONS_OWNER) if c.charge_id not in charges_before]
             log.warning("warm-up's leftover activations: %d allocation(s) of %s bytes", len(charges),
                         ", ".join(str(c.num_bytes) for c in charges[:16]))
             for line in live_allocations.holders([c.charge_id for c in charges]):

@@ -25,9 +25,14 @@ def holders(charge_ids: Collection[int], pointer_type=None) -> list[str]:
     shape and dtype. pointer_type: the class to look for (default: numba-cuda's ``OwnedPointer``)."""
     if pointer_type is None:
         from numba.cuda.cudadrv.driver import OwnedPointer as pointer_type
-    wanted = set(charge_ids)
+    wanted, pointers = set(charge_ids), {}
     # type(), not isinstance: isinstance asks a weakref proxy for its referent's class, and a dead one raises
-    pointers = [o for o in gc.get_objects() if type(o) is pointer_type and _charge_id(o) in wanted][:MAX_LISTED]
+    for o in gc.get_objects():
+        if type(o) is pointer_type and _charge_id(o) in wanted:
+            pointers.setdefault(_charge_id(o), o)  # a view's pointer shares its allocation's charge: one of them
+            if len(pointers) == MAX_LISTED:
+                break
+    pointers = list(pointers.values())
     chains = [[p] for p in pointers]
     for chain in chains:
         while len(chain) <= CHAIN_DEPTH:  # a scan of every object a link: stop where nothing holds the last

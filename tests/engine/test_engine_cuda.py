@@ -175,9 +175,10 @@ def test_decode_attention_kernel_in_the_captured_step_gives_the_reference_logits
 def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path, monkeypatch):
     # captured per-layer segments (graphs on the GPU, re-run in the simulator), captured before
     # the first request and kept, against plain launches over several tokens: positions move,
-    # misses are staged between the two segments, and the next layer's predicted experts are
-    # staged ahead; the logits go to the host (the device's greedy tail runs in the warm-up test's
-    # streaming decode). A second request replays the same segments.
+    # misses are staged between a layer's routing and its experts, and the next layer's predicted
+    # experts are staged ahead; the logits go to the host (the device's greedy tail runs in the
+    # warm-up test's streaming decode). A second request replays the same segments: one a layer
+    # and one more (a layer's experts and the next layer's attention are one).
     runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "expert_preload": False,  # misses
                "decode_prefetch": True, "greedy_on_device": False}
     prompt, num_generated = PROMPT[:4], NUM_GENERATED + 1  # the simulator takes ~10 s per decode step
@@ -194,10 +195,11 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path,
         return attention(q, kv, layer, start, positions, split_scratch)
 
     monkeypatch.setattr(captured.ops, "attention", spied_attention)
-    captured.prepare_decode()
-    owners = []
-    capture = captured.ops.capture
+    capture, owners = captured.ops.capture, []
     monkeypatch.setattr(captured.ops, "capture", lambda fn, owner: owners.append(owner) or capture(fn, owner))
+    captured.prepare_decode()
+    assert len(owners) == captured.spec.num_layers + 1  # greedy_on_device is off here: no tail
+    owners.clear()
     events = []  # ("staged" | "routed", layer, experts) in the order the decode step saw them
     prefetch, decode_slots = captured.runner.prefetch, captured.runner.decode_slots
 

@@ -53,10 +53,10 @@ def test_kernel_benchmark_takes_the_gemv_formats_and_refuses_an_unknown_one(caps
     assert "--gemv-formats: IQ5_XS not among" in capsys.readouterr().err
 
 
-def test_the_zero_copy_benchmark_runs_at_toy_sizes_and_reads_host_planes_as_device_ones(capsys):
+def test_the_zero_copy_benchmark_runs_at_toy_sizes(capsys):
     from strata.bench import zero_copy
 
-    rows = zero_copy.main(["--tiny"])  # raises where a kernel reads other values from pinned host memory
+    rows = zero_copy.main(["--tiny"])  # on a GPU it raises where host planes give other values than device ones
     names = [r.name for r in rows]
     assert names[0].startswith("DMA host→device, 4 KiB") and names[1].startswith("kernel reading pinned host memory")
     assert any("planes in device memory" in n for n in names)

@@ -98,7 +98,7 @@ def test_thread_seconds_reads_each_threads_user_and_system_ticks(tmp_path):
         (task / "stat").write_text(f"{tid} ({name}) S 1 1 1 0 -1 0 0 0 0 0 {utime} {stime} 0 0 20 0 1 0\n")
         (task / "comm").write_text(name + "\n")
     (tmp_path / "102").mkdir()  # a thread that ended between the listing and the reads
-    assert host_cpu.thread_seconds(tmp_path) == {"python3[100]": 4.0, "cuda-EvtHandlr[101]": 0.5}
+    assert host_cpu.thread_seconds(tmp_path) == {100: ("python3", 4.0), 101: ("cuda-EvtHandlr", 0.5)}
     assert host_cpu.thread_seconds(tmp_path / "missing") == {}
 
 

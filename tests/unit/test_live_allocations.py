@@ -68,3 +68,15 @@ def test_a_pointer_whose_memory_is_gone_is_skipped():
     kept = [Gone()]
     assert live_allocations.holders([1], pointer_type=Gone) == []
     del kept
+
+
+def test_views_sharing_an_allocation_are_listed_once():
+    ledger = VramLedger(1 << 20)
+    charge = ledger.charge("activations", 4096)
+    memory = Memory(charge)
+    whole, view = Holder(Pointer(memory), (1, 1024)), Holder(Pointer(memory), (1, 512))  # a slice's pointer
+    other = ledger.charge("activations", 1024)
+    third = Holder(Pointer(Memory(other)), (1, 256))
+    lines = live_allocations.holders([charge.charge_id, other.charge_id], pointer_type=Pointer)
+    assert len(lines) == 2 and sum(line.startswith("4096 bytes") for line in lines) == 1
+    del whole, view, third

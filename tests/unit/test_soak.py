@@ -7,7 +7,7 @@ import tracemalloc
 import pytest
 from serve_harness import write_tiny_model
 
-from strata.bench.process_memory import heap_meter, heap_trimmer, rss_kinds
+from strata.bench.process_memory import PAGE_BYTES, heap_meter, heap_trimmer, rss_kinds
 from strata.bench.soak import slope_bytes_per_request
 from strata.cli import main
 
@@ -47,9 +47,10 @@ def test_a_soak_with_the_loan_on_records_every_request_and_passes_when_nothing_g
         assert all(r["heap_in_use_bytes"] > 0 and r["heap_free_bytes"] >= 0 for r in rows)
         assert "heap_free_slope_bytes_per_request" in summary and "C heap slope: in use" in printed
     assert all(r["python_blocks"] > 0 for r in rows) and "python_blocks_slope_blocks_per_request" in summary
+    assert "the interpreter's allocated blocks: " in printed
     if rss_kinds():  # Linux: RSS by kind per request and their slopes
-        assert all(r["rss_anon_bytes"] > 0 for r in rows) and "rss_file_slope_bytes_per_request" in summary
-        assert "RSS slope by kind: anonymous" in printed
+        assert all(r["rss_anon_bytes"] > 0 for r in rows) and "rss_anon_slope_bytes_per_request" in summary
+        assert "RSS slope by kind, KiB/request: anonymous " in printed
 
 
 def test_rss_kinds_reads_the_kernels_status_lines_in_bytes(tmp_path):
@@ -58,7 +59,12 @@ def test_rss_kinds_reads_the_kernels_status_lines_in_bytes(tmp_path):
                       "RssShmem:\t     50 kB\nThreads:\t1\n")
     assert rss_kinds(str(status)) == {"rss_anon_bytes": 1000 * 1024, "rss_file_bytes": 150 * 1024,
                                       "rss_shmem_bytes": 50 * 1024}
-    assert rss_kinds(str(tmp_path / "missing")) == {}
+    # without those lines (a sandboxed kernel's status file), statm's resident and shared pages
+    (tmp_path / "bare").write_text("Name:\tpython3\nVmRSS:\t  1200 kB\n")
+    (tmp_path / "statm").write_text("5000 300 100 10 0 900 0\n")
+    assert rss_kinds(str(tmp_path / "bare"), str(tmp_path / "statm")) == {
+        "rss_anon_bytes": 200 * PAGE_BYTES, "rss_file_or_shared_bytes": 100 * PAGE_BYTES}
+    assert rss_kinds(str(tmp_path / "missing"), str(tmp_path / "missing")) == {}
 
 
 def test_the_heap_meter_counts_a_block_malloc_hands_out_until_it_is_freed():

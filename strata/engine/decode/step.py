@@ -30,7 +30,7 @@ ones are dropped and from then on every request captures its own. Without ``prep
 warm-up) a request captures what it replays, charged to its ``activations``, and ``end_request``
 drops it.
 
-Prefetch (``is_prefetching``): segment A_l also runs layer l+1's router on layer l's stream (its
+Prefetch (``is_prefetching``): A_l (in segment l) also runs layer l+1's router on layer l's stream (its
 input differs from the real one only by this layer's experts and the next attention, so in deep
 layers it mostly picks the same experts); the host stages the predicted misses right behind this
 layer's, and they copy while layer l's experts and layer l+1's attention compute. A prediction
@@ -386,7 +386,6 @@ class DecodeStep:
         h, _, weights, _ = self._segments[layer].outputs
         cache = model.cache
         model.ops.moe(self._x, h, self._slot_ids, weights, cache.storage, None, cache.layout.at_layer(layer))
-        return ()
 
     def _resident_token(self):
         model, ops = self.model, self.model.ops
