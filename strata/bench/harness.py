@@ -120,6 +120,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
                           flush=True)
                 if result.get("code", code) != code:  # the run imported another tree than this process
                     print(f"[{arm} {length} #{rep + 1}] ran {result['code']}", file=sys.stderr, flush=True)
+                for line in result.get("stderr_lines", ()):  # its warnings (the warm-up's ledger check...)
+                    print(f"[{arm} {length} #{rep + 1}] said: {line}", file=sys.stderr, flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(runs, indent=1))
     print(format_table(runs, rival))
@@ -127,6 +129,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
 
 
 ONE_RUN = ("-m", "strata.bench.one_run")
+MAX_STDERR_LINES = 20  # of a successful run's stderr kept in its figures (a run's warnings; more are counted)
 
 
 def run_fresh(config_path: str, length: int, gen_tokens: int, arm: str, rep: int, timeout: float,
@@ -142,7 +145,14 @@ def run_fresh(config_path: str, length: int, gen_tokens: int, arm: str, rep: int
     lines = [line for line in done.stdout.splitlines() if line.startswith("STRATA-BENCH ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"benchmark run failed ({' '.join(command)}):\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1][len("STRATA-BENCH "):])
+    return {**json.loads(lines[-1][len("STRATA-BENCH "):]), "stderr_lines": stderr_lines(done.stderr)}
+
+
+def stderr_lines(text: str, limit: int = MAX_STDERR_LINES) -> list[str]:
+    """A successful run's non-blank stderr lines, the first ``limit`` of them and a count of the rest: what
+    it warned of would otherwise be lost with the process."""
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    return lines[:limit] + ([f"... and {len(lines) - limit} more line(s)"] if len(lines) > limit else [])
 
 
 def prefill_floor_seconds(run: dict) -> float:

@@ -15,6 +15,7 @@ from strata.bench.harness import (
     format_table,
     host_busy_ms,
     prefill_floor_seconds,
+    stderr_lines,
 )
 from strata.bench.provenance import code_identity
 
@@ -48,6 +49,8 @@ def test_bench_runs_both_arms_in_fresh_processes_and_prints_the_table(tmp_path):
     code = code_identity()
     assert all(r["code"] == code for r in runs) and f"# {code}\n" in done.stderr
     assert " ran strata" not in done.stderr
+    assert all(isinstance(r["stderr_lines"], list) for r in runs)
+    assert all(f"[{r['loan']} 40 #1] said: {line}" in done.stderr for r in runs for line in r["stderr_lines"])
     assert "| 40 | off |" in done.stdout and "| 40 | on |" in done.stdout
     for name in ("off-config-40-1.prof", "on-config-40-1.prof"):
         assert pstats.Stats(str(profiles / name)).total_calls > 0
@@ -196,3 +199,11 @@ def test_table_shows_the_hosts_busy_time_a_step_and_its_widest_spread():
     # uncaptured decode records no waits: no busy figure
     assert host_busy_ms(run) is None and "| 0.49 | - |" not in format_table([run])
     assert "| - |" in format_table([run]).splitlines()[2]
+
+
+def test_a_runs_stderr_is_kept_in_its_figures_up_to_a_limit():
+    text = "\n".join(["warm-up left the ledger at {...}", "", "  "] + [f"line {i}" for i in range(30)]) + "\n"
+    lines = stderr_lines(text, limit=5)
+    assert lines == ["warm-up left the ledger at {...}", "line 0", "line 1", "line 2", "line 3",
+                     "... and 26 more line(s)"]
+    assert stderr_lines("") == []
