@@ -1,7 +1,7 @@
 """A decode token as captured segments: one per layer and one more (one for the whole token when
-every expert is cached), recorded once and replayed for every token. A step of ``num_rows`` tokens at once (the
-rows of a speculative verify step, up to ``DECODE_MAX_ROWS``) is the same segments over [R, ...]
-buffers: the backend computes each row as it computes a one-token step.
+every expert is cached), recorded once and replayed for every token. A step of ``num_rows`` tokens
+at once (the rows of a speculative verify step, up to ``DECODE_MAX_ROWS``) is the same segments
+over [R, ...] buffers: the backend computes each row as it computes a one-token step.
 
 Per layer l (the same sums as ``ModelRunner.forward`` with one token):
 
@@ -13,9 +13,9 @@ The host must see the routing before it can stage the misses, so a layer cannot 
 Nothing of the host's comes between B_l and A_{l+1}, so they are one segment (a graph launch a
 layer: each costs the host a driver call): the token is segment 0 = A_0, then segment l + 1 =
 B_l A_{l+1} (the last only B_{L-1}), and between two segments the host's cache bookkeeping and
-one small upload of [1, k] slot ids. A segment's inputs are buffers of this object (x, the position, the slot ids),
-refreshed before the replay; its kernels read the position on the device (``ops.attention`` at
-one token), so one capture serves every position. Segments hold their memory until ``reset``.
+one small upload of [1, k] slot ids. A segment's inputs are buffers of this object (x, the
+position, the slot ids), refreshed before the replay; its kernels read the position on the device
+(``ops.attention`` at one token), so one capture serves every position. Segments hold their memory until ``reset``.
 The step sees the model only through ``DecodeLayers`` (``layers.py``), which the runner implements.
 
 Capturing a token's ~600 launches takes ~170 ms of host time, so the engine captures them at load
@@ -30,11 +30,11 @@ ones are dropped and from then on every request captures its own. Without ``prep
 warm-up) a request captures what it replays, charged to its ``activations``, and ``end_request``
 drops it.
 
-Prefetch (``is_prefetching``): A_l (in segment l) also runs layer l+1's router on layer l's stream (its
-input differs from the real one only by this layer's experts and the next attention, so in deep
-layers it mostly picks the same experts); the host stages the predicted misses right behind this
-layer's, and they copy while layer l's experts and layer l+1's attention compute. A prediction
-changes which experts are cached, never what is computed.
+Prefetch (``is_prefetching``): A_l (in segment l) also runs layer l+1's router on layer l's
+stream (its input differs from the real one only by this layer's experts and the next attention,
+so in deep layers it mostly picks the same experts); the host stages the predicted misses right
+behind this layer's, and they copy while layer l's experts and layer l+1's attention compute. A
+prediction changes which experts are cached, never what is computed.
 
 When the cache holds every expert of every layer at a request's first token (a budget the whole
 model fits in), nothing can miss: the slots of all experts go to the device once as [L, N] tables,
@@ -260,8 +260,8 @@ class DecodeStep:
         """Every layer of a step whose experts may miss: a segment a layer, the host between.
 
         After layer l's routing is read back, the host stages its misses, replays its experts and
-        layer l+1's attention (one segment), and only then stages layer l+1's predicted experts, so that this
-        staging overlaps the GPU's work instead of preceding it. No staging waits for the kernels:
+        layer l+1's attention (one segment), and only then stages layer l+1's predicted experts, so
+        that this staging overlaps the GPU's work instead of preceding it. No staging waits for the kernels:
         each follows a readback issued after every kernel that could read the slots it overwrites,
         except this layer's experts, whose slots it protects (``in_use``)."""
         model, ops, spec = self.model, self.model.ops, self.model.spec
