@@ -19,6 +19,9 @@ import sys
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 _STATUS_KINDS = {"RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes", "RssShmem:": "rss_shmem_bytes"}
+# every key ``rss_kinds`` may give -> what a report calls it (the last: statm's, where the status file has none)
+RSS_KIND_LABELS = {"rss_anon_bytes": "anonymous", "rss_file_bytes": "file-backed", "rss_shmem_bytes": "shared",
+                   "rss_file_or_shared_bytes": "file-backed or shared"}
 
 
 def rss_bytes() -> int:

@@ -23,12 +23,9 @@ import time
 
 import numpy as np
 
-from strata.bench.process_memory import heap_meter, heap_trimmer, memory_kinds, rss_bytes
+from strata.bench.process_memory import RSS_KIND_LABELS, heap_meter, heap_trimmer, memory_kinds, rss_bytes
 from strata.bench.python_growth import PythonGrowth, format_report
 from strata.config import Config
-
-RSS_KINDS = {"rss_anon_bytes": "anonymous", "rss_file_bytes": "file-backed", "rss_shmem_bytes": "shared",
-             "rss_file_or_shared_bytes": "file-backed or shared"}  # row key -> what the slope line calls it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,7 +141,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
                    "rss_slope_bytes_per_request": _slope(settled, "rss_bytes"),
                    "ledger_slope_bytes_per_request": _slope(settled, "ledger_bytes"),
                    "requests_not_idle": num_not_idle, "loans_taken": sum(r["loan_taken"] for r in rows)}
-        for key in (*RSS_KINDS, "python_blocks", "heap_in_use_bytes", "heap_free_bytes", "heap_mmapped_bytes"):
+        for key in (*RSS_KIND_LABELS, "python_blocks", "heap_in_use_bytes", "heap_free_bytes", "heap_mmapped_bytes"):
             if key in rows[0]:
                 summary[f"{key.removesuffix('_bytes')}_slope_{'bytes' if key.endswith('_bytes') else 'blocks'}"
                         f"_per_request"] = _slope(settled, key)
@@ -169,7 +166,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
           f"{summary['ledger_slope_bytes_per_request'] / 1024:+.1f} KiB/request; loans taken "
           f"{summary['loans_taken']}/{len(rows)}; requests leaving the ledger not idle: {num_not_idle}")
     kinds = [f"{label} {summary[key] / 1024:+.1f}" for label, key in
-             ((RSS_KINDS[k], f"{k.removesuffix('_bytes')}_slope_bytes_per_request") for k in RSS_KINDS)
+             ((RSS_KIND_LABELS[k], f"{k.removesuffix('_bytes')}_slope_bytes_per_request") for k in RSS_KIND_LABELS)
              if key in summary]
     if kinds:
         print(f"RSS slope by kind, KiB/request: {', '.join(kinds)}")

@@ -188,7 +188,7 @@ def _write_tensor_data_in_parallel(fout, plan: dict[str, tuple[tuple[int, ...], 
     """The file at its full size first (the padding a hole of zeros), then each tensor written at its
     offset by one of ``num_workers`` processes (spawned: the caller's state, a CUDA context, stays its own)."""
     offsets = _tensor_offsets(fout.tell(), plan, alignment)
-    end = _leave_tensor_data_a_hole(fout, plan, alignment)
+    end = _leave_tensor_data_a_hole(fout, plan, alignment)  # the file's end: past the last offset
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=context) as pool:
         futures = {pool.submit(_write_tensor_at, fout.name, offsets[name], index, name, shape, qtype, seed):
@@ -212,8 +212,9 @@ def _tensor_offsets(start: int, plan: dict[str, tuple[tuple[int, ...], QType]], 
 def _leave_tensor_data_a_hole(fout, plan: dict[str, tuple[tuple[int, ...], QType]], alignment: int) -> int:
     """The file truncated (grown) to where the tensor data ends, the data a hole; that end."""
     end = fout.tell()
-    for tensor_shape, tensor_qtype in plan.values():
-        end += -end % alignment + _tensor_nbytes(tensor_shape, tensor_qtype)
+    if plan:
+        name, (tensor_shape, tensor_qtype) = next(reversed(plan.items()))
+        end = _tensor_offsets(end, plan, alignment)[name] + _tensor_nbytes(tensor_shape, tensor_qtype)
     fout.flush()
     fout.truncate(end)
     fout.seek(end)
