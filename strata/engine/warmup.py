@@ -70,9 +70,7 @@ def warm_up(engine) -> float:
         if engine.runner.decode_step is not None:  # the one-graph token of a fully cached model
             engine.runner.decode_step.compile_resident(token, num_tokens + 1)
             if engine.config.runtime.greedy_on_device:  # the head, bias and argmax of a greedy step
-                with _head(engine) as head_tensor:
-                    engine.runner.decode_step.compile_greedy(
-                        (engine.weights.vectors["output_norm"], head_tensor, engine.spec.rms_norm_eps))
+                _compile_greedy(engine)
         engine.ops.synchronize()
         del hidden
     finally:
@@ -203,6 +201,14 @@ def _logits(engine, hidden) -> np.ndarray:
     """The head's logits (``_head``)."""
     with _head(engine) as head_tensor:
         return engine.ops.logits(hidden, engine.weights.vectors["output_norm"], head_tensor, engine.spec.rms_norm_eps)
+
+
+def _compile_greedy(engine) -> None:
+    """The greedy tail's kernels over the head (``_head``). A function of its own: a ``with ... as``
+    name outlives its block, and the warm-up's ledger check would find the held-back head's slice alive."""
+    with _head(engine) as head_tensor:
+        engine.runner.decode_step.compile_greedy(
+            (engine.weights.vectors["output_norm"], head_tensor, engine.spec.rms_norm_eps))
 
 
 @contextlib.contextmanager
