@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from strata.bench.process_memory import RSS_KIND_LABELS, heap_meter, heap_trimmer, memory_kinds, rss_bytes
-from strata.bench.python_growth import PythonGrowth, format_report
+from strata.bench.python_growth import ObjectCensus, PythonGrowth, format_census, format_report
 from strata.config import Config
 
 
@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "times slower: every allocation is traced; the slopes start after them)")
     parser.add_argument("--python-growth-requests", type=int, default=10,
                         help="requests the --python-growth window traces (default 10)")
+    parser.add_argument("--census", action="store_true",
+                        help="count live Python objects by type after --settle and at the end, and print the "
+                             "types that grew (no tracing: the requests keep their speed)")
     parser.add_argument("--out", help="write one JSON line per request and a summary line to this file")
 
 
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if args.trim_heap and trim is None:
         print("--trim-heap: this C library has no malloc_trim; RSS is read as it is", file=sys.stderr)
     growth = PythonGrowth() if args.python_growth else None
+    census = ObjectCensus() if args.census else None
     trace_from = min(args.settle, args.requests - 1)
     trace_to = min(args.requests, trace_from + max(1, args.python_growth_requests))
     slope_from = trace_to if growth is not None else args.settle
@@ -88,6 +92,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
                     is_interrupted = True
                     print(f"SIGTERM: stopped after {len(rows)} requests", file=sys.stderr)
                     break
+                if census is not None and index == slope_from:
+                    census.start()
                 if growth is not None and index == trace_from:
                     growth.start()
                     is_tracing = True
@@ -147,6 +153,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
                         f"_per_request"] = _slope(settled, key)
         if growth_report is not None:
             summary["python_growth"] = growth_report
+        if census is not None and len(rows) > slope_from:
+            summary["census"] = census.report(len(rows) - slope_from)
+            print(format_census(summary["census"], len(rows) - slope_from), flush=True)
         if out:
             out.write(json.dumps({"summary": summary}) + "\n")
     finally:

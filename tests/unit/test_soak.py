@@ -102,6 +102,32 @@ def test_python_growth_names_the_site_and_the_type_that_grew():
     assert "Leaked" in format_report(report)
 
 
+def test_the_object_census_names_the_type_that_grew_per_request():
+    from strata.bench.python_growth import ObjectCensus, format_census
+
+    class Kept:
+        pass
+
+    kept = []
+    census = ObjectCensus()
+    census.start()
+    kept.extend(Kept() for _ in range(300))
+    types = census.report(num_requests=3)
+    entry = next(t for t in types if t["type"].endswith("Kept"))
+    assert entry["objects"] == 300 and entry["per_request"] == 100
+    assert "+100.0/request" in format_census(types, 3)
+
+
+def test_a_soak_with_the_census_prints_it_and_keeps_it_in_the_summary(tmp_path, capsys):
+    config = _numpy_config(tmp_path)
+    out = tmp_path / "soak.jsonl"
+    assert main(["--config", str(config), "soak", "--requests", "5", "--min-prompt", "8", "--max-prompt", "32",
+                 "--gen-tokens", "2", "--settle", "2", "--census", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text().splitlines()[-1])["summary"]
+    assert isinstance(summary["census"], list) and summary["slope_from_request"] == 2
+    assert "live objects gained over 3 request(s)" in capsys.readouterr().out
+
+
 def test_a_soak_can_trace_the_python_heap(tmp_path, capsys):
     config = _numpy_config(tmp_path)
     out = tmp_path / "soak.jsonl"
