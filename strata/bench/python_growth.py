@@ -16,12 +16,11 @@ class PythonGrowth:
     def __init__(self, num_frames: int = 8):
         self.num_frames = num_frames
         self._snapshot: tracemalloc.Snapshot | None = None
-        self._census: collections.Counter | None = None
+        self._census = ObjectCensus()
         self._is_tracing_ours = False
 
     def start(self) -> None:
-        gc.collect()
-        self._census = _census()  # before tracing: the census itself is not growth
+        self._census.start()  # before tracing: the census itself is not growth
         if not tracemalloc.is_tracing():
             tracemalloc.start(self.num_frames)
             self._is_tracing_ours = True
@@ -29,7 +28,7 @@ class PythonGrowth:
 
     def report(self, top: int = 10) -> dict:
         """The ``top`` sites by bytes gained (each with its innermost frames) and types by objects gained."""
-        if self._snapshot is None or self._census is None:
+        if self._snapshot is None:
             raise RuntimeError("PythonGrowth.report before start")
         gc.collect()
         stats = tracemalloc.take_snapshot().compare_to(self._snapshot, "traceback")
@@ -39,9 +38,7 @@ class PythonGrowth:
         sites = [{"bytes": stat.size_diff, "blocks": stat.count_diff,
                   "frames": [f"{frame.filename}:{frame.lineno}" for frame in list(stat.traceback)[-4:]]}
                  for stat in stats[:top] if stat.size_diff > 0]
-        gained = _census()
-        gained.subtract(self._census)
-        types = [{"type": name, "objects": num} for name, num in gained.most_common(top) if num > 0]
+        types = [{"type": t["type"], "objects": t["objects"]} for t in self._census.report(1, top)]
         return {"traced_bytes_gained": sum(stat.size_diff for stat in stats), "sites": sites, "types": types}
 
 

@@ -83,6 +83,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     trace_to = min(args.requests, trace_from + max(1, args.python_growth_requests))
     slope_from = trace_to if growth is not None else args.settle
     rows, num_not_idle, growth_report, is_interrupted, is_tracing = [], 0, None, False, False
+    census_from = None  # the request the census started before
     out = open(args.out, "w") if args.out else None
     print(f"{'#':>4} {'prompt':>7} {'loan':>5} {'PP tok/s':>9} {'TG tok/s':>9} {'device MiB':>11} {'RSS MiB':>9}")
     try:
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
                     break
                 if census is not None and index == slope_from:
                     census.start()
+                    census_from = index
                 if growth is not None and index == trace_from:
                     growth.start()
                     is_tracing = True
@@ -153,9 +155,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
                         f"_per_request"] = _slope(settled, key)
         if growth_report is not None:
             summary["python_growth"] = growth_report
-        if census is not None and len(rows) > slope_from:
-            summary["census"] = census.report(len(rows) - slope_from)
-            print(format_census(summary["census"], len(rows) - slope_from), flush=True)
+        if census_from is not None and len(rows) > census_from:
+            summary["census"] = census.report(len(rows) - census_from)
+            print(format_census(summary["census"], len(rows) - census_from), flush=True)
         if out:
             out.write(json.dumps({"summary": summary}) + "\n")
     finally:

@@ -128,6 +128,15 @@ def test_a_soak_with_the_census_prints_it_and_keeps_it_in_the_summary(tmp_path, 
     assert "live objects gained over 3 request(s)" in capsys.readouterr().out
 
 
+def test_a_soak_too_short_for_its_census_has_none_and_still_passes(tmp_path, capsys):
+    config = _numpy_config(tmp_path)
+    out = tmp_path / "soak.jsonl"
+    assert main(["--config", str(config), "soak", "--requests", "3", "--min-prompt", "8", "--max-prompt", "32",
+                 "--gen-tokens", "2", "--settle", "5", "--census", "--out", str(out)]) == 0
+    assert "census" not in json.loads(out.read_text().splitlines()[-1])["summary"]
+    assert "live objects gained" not in capsys.readouterr().out
+
+
 def test_a_soak_can_trace_the_python_heap(tmp_path, capsys):
     config = _numpy_config(tmp_path)
     out = tmp_path / "soak.jsonl"
