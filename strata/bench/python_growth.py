@@ -38,7 +38,7 @@ class PythonGrowth:
         sites = [{"bytes": stat.size_diff, "blocks": stat.count_diff,
                   "frames": [f"{frame.filename}:{frame.lineno}" for frame in list(stat.traceback)[-4:]]}
                  for stat in stats[:top] if stat.size_diff > 0]
-        types = [{"type": t["type"], "objects": t["objects"]} for t in self._census.report(1, top)]
+        types = [{"type": name, "objects": num} for name, num in self._census.gained(top)]
         return {"traced_bytes_gained": sum(stat.size_diff for stat in stats), "sites": sites, "types": types}
 
 
@@ -53,19 +53,23 @@ class ObjectCensus:
         gc.collect()
         self._census = _census()
 
-    def report(self, num_requests: int, top: int = 12) -> list[dict]:
-        """The ``top`` types by objects gained, each with its gain per request (``num_requests`` since ``start``)."""
+    def gained(self, top: int = 12) -> list[tuple[str, int]]:
+        """The ``top`` types by live objects gained since ``start``: (type, objects)."""
         if self._census is None:
-            raise RuntimeError("ObjectCensus.report before start")
+            raise RuntimeError("ObjectCensus used before start")
         gc.collect()
         gained = _census()
         gained.subtract(self._census)
+        return [(name, num) for name, num in gained.most_common(top) if num > 0]
+
+    def report(self, num_requests: int, top: int = 12) -> list[dict]:
+        """``gained`` with each type's gain per request (``num_requests`` since ``start``)."""
         return [{"type": name, "objects": num, "per_request": num / max(1, num_requests)}
-                for name, num in gained.most_common(top) if num > 0]
+                for name, num in self.gained(top)]
 
 
-def format_census(types: list[dict], num_requests: int) -> str:
-    lines = [f"live objects gained over {num_requests} request(s), by type:"]
+def format_census(types: list[dict], first_request: int, num_requests: int) -> str:
+    lines = [f"live objects gained over {num_requests} request(s) from request {first_request}, by type:"]
     lines += [f"  {t['objects']:+9d} ({t['per_request']:+.1f}/request) {t['type']}" for t in types]
     return "\n".join(lines) if types else lines[0] + " none"
 

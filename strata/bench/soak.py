@@ -10,6 +10,8 @@ after a request. SIGTERM ends the soak after the request in flight, Ctrl-C at on
 summary covers the requests done (and the Python heap's report, when a traced window had begun).
 Each row also has RSS by kind, the interpreter's allocated blocks and (with glibc) the C heap's bytes
 (``process_memory``), and the summary their slopes: which of them an RSS slope follows says where it grows.
+``--census`` counts live objects by type before the slope's first request and after the last, and names
+the types that grew (``python_growth.ObjectCensus``).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--python-growth-requests", type=int, default=10,
                         help="requests the --python-growth window traces (default 10)")
     parser.add_argument("--census", action="store_true",
-                        help="count live Python objects by type after --settle and at the end, and print the "
-                             "types that grew (no tracing: the requests keep their speed)")
+                        help="count live Python objects by type before the slope's first request and after the "
+                             "last, and print the types that grew (no tracing: the requests keep their speed)")
     parser.add_argument("--out", help="write one JSON line per request and a summary line to this file")
 
 
@@ -132,7 +134,12 @@ def run(args: argparse.Namespace, config: Config) -> int:
     except KeyboardInterrupt:
         is_interrupted = True
         print(f"interrupted after {len(rows)} requests", file=sys.stderr)
+    census_report = None
     try:
+        if census_from is not None and len(rows) > census_from:  # before the summary's own objects exist
+            census_report = census.report(len(rows) - census_from)
+        elif census is not None:
+            print("--census: the soak ended before the census's first request; no census", file=sys.stderr)
         if is_tracing:  # cut inside the window
             growth_report = growth.report()
             print(format_report(growth_report), flush=True)
@@ -155,9 +162,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
                         f"_per_request"] = _slope(settled, key)
         if growth_report is not None:
             summary["python_growth"] = growth_report
-        if census_from is not None and len(rows) > census_from:
-            summary["census"] = census.report(len(rows) - census_from)
-            print(format_census(summary["census"], len(rows) - census_from), flush=True)
+        if census_report is not None:
+            summary["census"], summary["census_from_request"] = census_report, census_from
+            print(format_census(census_report, census_from, len(rows) - census_from), flush=True)
         if out:
             out.write(json.dumps({"summary": summary}) + "\n")
     finally:

@@ -61,7 +61,8 @@ def _size(num_bytes: int) -> str:
 
 
 def mapped_copy(array) -> object:
-    """A pinned host array the device reads through its address (zero-copy), holding ``array``'s values."""
+    """``array``'s values in pinned host memory, as a device array over those pages (the kernels read them
+    over PCIe: zero-copy); the simulator's mapped array itself there."""
     host = cuda.mapped_array(array.shape, dtype=array.dtype)
     host[...] = array.copy_to_host()
     if IS_SIMULATOR:

@@ -115,7 +115,7 @@ def test_the_object_census_names_the_type_that_grew_per_request():
     types = census.report(num_requests=3)
     entry = next(t for t in types if t["type"].endswith("Kept"))
     assert entry["objects"] == 300 and entry["per_request"] == 100
-    assert "+100.0/request" in format_census(types, 3)
+    assert "+100.0/request" in format_census(types, 0, 3)
 
 
 def test_a_soak_with_the_census_prints_it_and_keeps_it_in_the_summary(tmp_path, capsys):
@@ -124,8 +124,8 @@ def test_a_soak_with_the_census_prints_it_and_keeps_it_in_the_summary(tmp_path, 
     assert main(["--config", str(config), "soak", "--requests", "5", "--min-prompt", "8", "--max-prompt", "32",
                  "--gen-tokens", "2", "--settle", "2", "--census", "--out", str(out)]) == 0
     summary = json.loads(out.read_text().splitlines()[-1])["summary"]
-    assert isinstance(summary["census"], list) and summary["slope_from_request"] == 2
-    assert "live objects gained over 3 request(s)" in capsys.readouterr().out
+    assert isinstance(summary["census"], list) and summary["slope_from_request"] == summary["census_from_request"] == 2
+    assert "live objects gained over 3 request(s) from request 2" in capsys.readouterr().out
 
 
 def test_a_soak_too_short_for_its_census_has_none_and_still_passes(tmp_path, capsys):
@@ -134,7 +134,8 @@ def test_a_soak_too_short_for_its_census_has_none_and_still_passes(tmp_path, cap
     assert main(["--config", str(config), "soak", "--requests", "3", "--min-prompt", "8", "--max-prompt", "32",
                  "--gen-tokens", "2", "--settle", "5", "--census", "--out", str(out)]) == 0
     assert "census" not in json.loads(out.read_text().splitlines()[-1])["summary"]
-    assert "live objects gained" not in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "live objects gained" not in printed.out and "--census: the soak ended before" in printed.err
 
 
 def test_a_soak_can_trace_the_python_heap(tmp_path, capsys):
