@@ -132,16 +132,20 @@ def speed_probe(num_repeats: int = 5) -> float:
 
 def cpu_speeds(num_repeats: int = 3) -> dict[int, float]:
     """``speed_probe`` on each CPU the calling thread may run on, {cpu: seconds}; the thread may run
-    anywhere it could before afterwards. Empty where the platform cannot pin a thread (not Linux)."""
+    anywhere it could before afterwards, and is back on the CPU it started on (a busy thread stays where
+    it is put: left on the last CPU probed, every request would run there). Empty where the platform
+    cannot pin a thread (not Linux)."""
     if not hasattr(os, "sched_setaffinity"):
         return {}
-    allowed = os.sched_getaffinity(0)
+    allowed, started_on = os.sched_getaffinity(0), current_cpu()
     speeds = {}
     try:
         for cpu in sorted(allowed):
             os.sched_setaffinity(0, {cpu})
             speeds[cpu] = speed_probe(num_repeats)
     finally:
+        if started_on in allowed:
+            os.sched_setaffinity(0, {started_on})
         os.sched_setaffinity(0, allowed)
     return speeds
 

@@ -64,6 +64,16 @@ def test_each_cpu_is_probed_and_the_thread_runs_anywhere_it_could_after():
     assert "over %d CPUs" % len(allowed) in host_cpu.speeds_summary(speeds)
 
 
+def test_after_the_probes_the_thread_is_put_back_on_the_cpu_it_started_on(monkeypatch):
+    pinned = []
+    monkeypatch.setattr(host_cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(host_cpu.os, "sched_setaffinity", lambda pid, cpus: pinned.append(set(cpus)), raising=False)
+    monkeypatch.setattr(host_cpu, "current_cpu", lambda: 1)
+    monkeypatch.setattr(host_cpu, "speed_probe", lambda num_repeats: 0.004)
+    assert host_cpu.cpu_speeds() == {0: 0.004, 1: 0.004, 2: 0.004, 3: 0.004}
+    assert pinned == [{0}, {1}, {2}, {3}, {1}, {0, 1, 2, 3}]  # the last probe's CPU is not where it stays
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pinning a thread needs Linux")
 def test_pinning_takes_the_fastest_probe_or_the_cpu_named():
     allowed = os.sched_getaffinity(0)
