@@ -141,7 +141,8 @@ def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         if is_header_only:
-            _leave_tensor_data_a_hole(writer.fout[0], plan, writer.data_alignment)
+            fout = writer.fout[0]
+            _leave_tensor_data_a_hole(fout, plan, _tensor_offsets(fout.tell(), plan, writer.data_alignment))
         else:
             _write_tensor_data(writer.fout[0], plan, seed, writer.data_alignment, num_workers)
         writer.close()
@@ -188,7 +189,7 @@ def _write_tensor_data_in_parallel(fout, plan: dict[str, tuple[tuple[int, ...], 
     """The file at its full size first (the padding a hole of zeros), then each tensor written at its
     offset by one of ``num_workers`` processes (spawned: the caller's state, a CUDA context, stays its own)."""
     offsets = _tensor_offsets(fout.tell(), plan, alignment)
-    end = _leave_tensor_data_a_hole(fout, plan, alignment)  # the file's end: past the last offset
+    end = _leave_tensor_data_a_hole(fout, plan, offsets)
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=context) as pool:
         futures = {pool.submit(_write_tensor_at, fout.name, offsets[name], index, name, shape, qtype, seed):
@@ -209,12 +210,13 @@ def _tensor_offsets(start: int, plan: dict[str, tuple[tuple[int, ...], QType]], 
     return offsets
 
 
-def _leave_tensor_data_a_hole(fout, plan: dict[str, tuple[tuple[int, ...], QType]], alignment: int) -> int:
-    """The file truncated (grown) to where the tensor data ends, the data a hole; that end."""
+def _leave_tensor_data_a_hole(fout, plan: dict[str, tuple[tuple[int, ...], QType]], offsets: dict[str, int]) -> int:
+    """The file truncated (grown) to where the tensor data ends (past the last of ``offsets``,
+    ``_tensor_offsets``'), the data a hole; that end."""
     end = fout.tell()
     if plan:
         name, (tensor_shape, tensor_qtype) = next(reversed(plan.items()))
-        end = _tensor_offsets(end, plan, alignment)[name] + _tensor_nbytes(tensor_shape, tensor_qtype)
+        end = offsets[name] + _tensor_nbytes(tensor_shape, tensor_qtype)
     fout.flush()
     fout.truncate(end)
     fout.seek(end)
