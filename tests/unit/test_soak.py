@@ -119,21 +119,16 @@ def test_the_object_census_names_the_type_that_grew_per_request():
 
 
 def test_a_soak_with_the_census_prints_it_and_keeps_it_in_the_summary(tmp_path, capsys):
-    config = _numpy_config(tmp_path)
-    out = tmp_path / "soak.jsonl"
-    assert main(["--config", str(config), "soak", "--requests", "5", "--min-prompt", "8", "--max-prompt", "32",
-                 "--gen-tokens", "2", "--settle", "2", "--census", "--out", str(out)]) == 0
-    summary = json.loads(out.read_text().splitlines()[-1])["summary"]
+    rc, summary = _short_soak(tmp_path, "--requests", "5", "--settle", "2", "--census")
+    assert rc == 0
     assert isinstance(summary["census"], list) and summary["slope_from_request"] == summary["census_from_request"] == 2
     assert "live objects gained over 3 request(s) from request 2" in capsys.readouterr().out
 
 
 def test_a_soak_too_short_for_its_census_has_none_and_still_passes(tmp_path, capsys):
-    config = _numpy_config(tmp_path)
-    out = tmp_path / "soak.jsonl"
-    assert main(["--config", str(config), "soak", "--requests", "3", "--min-prompt", "8", "--max-prompt", "32",
-                 "--gen-tokens", "2", "--settle", "5", "--census", "--out", str(out)]) == 0
-    assert "census" not in json.loads(out.read_text().splitlines()[-1])["summary"]
+    rc, summary = _short_soak(tmp_path, "--requests", "3", "--settle", "5", "--census")
+    assert rc == 0
+    assert "census" not in summary
     printed = capsys.readouterr()
     assert "live objects gained" not in printed.out and "--census: the soak ended before" in printed.err
 
@@ -173,17 +168,23 @@ def test_a_soak_cut_short_still_writes_its_summary(tmp_path, monkeypatch):
 
 
 def test_a_traced_window_past_the_last_request_still_reports_and_leaves_no_slope(tmp_path, capsys):
-    config = _numpy_config(tmp_path)
-    out = tmp_path / "soak.jsonl"
     # a window of 10 from request 1: no untraced request after it, so no slope, and the soak cannot pass
-    assert main(["--config", str(config), "soak", "--requests", "4", "--min-prompt", "8", "--max-prompt", "32",
-                 "--gen-tokens", "2", "--settle", "1", "--python-growth", "--out", str(out)]) == 1
-    summary = json.loads(out.read_text().splitlines()[-1])["summary"]
+    rc, summary = _short_soak(tmp_path, "--requests", "4", "--settle", "1", "--python-growth")
+    assert rc == 1
     printed = capsys.readouterr()
     assert "python_growth" in summary and "Python heap:" in printed.out
     assert summary["rss_slope_bytes_per_request"] is None and summary["device_slope_bytes_per_request"] is None
     assert "no slope: 0 request(s) from request 4 on, of 4 finished" in printed.err
     assert "slope over requests" not in printed.out
+
+
+def _short_soak(tmp_path, *flags: str) -> tuple[int, dict]:
+    """A soak of 8-32-token prompts and 2 generated tokens on ``_numpy_config`` with ``flags``: its exit
+    status and the summary it wrote."""
+    out = tmp_path / "soak.jsonl"
+    rc = main(["--config", str(_numpy_config(tmp_path)), "soak", "--min-prompt", "8", "--max-prompt", "32",
+               "--gen-tokens", "2", *flags, "--out", str(out)])
+    return rc, json.loads(out.read_text().splitlines()[-1])["summary"]
 
 
 def _numpy_config(tmp_path):
