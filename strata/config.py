@@ -96,7 +96,14 @@ class RuntimeConfig:
                                           "its own for its staging ring; a request puts this one back before decode)")
     decode_prefetch: bool = option(True, doc="with decode_graphs: stage the experts the next layer's router picks "
                                              "from this layer's hidden state while this layer computes (its "
-                                             "default follows decode_graphs)")
+                                             "default: on with decode_graphs where decode_misses is \"stage\")")
+    decode_misses: str = option("stage", doc="with decode_graphs, where a decode token's routed experts that "
+                                             'the cache lacks are read: "stage": copied into cache slots between '
+                                             "the layer's routing and its experts (a graph a layer, the host "
+                                             'between); "host": read by the expert kernels from the pinned expert '
+                                             "pack over PCIe, the cache unchanged during decode, the whole token "
+                                             "one graph (cuda, expert formats of the C++ rows); elsewhere "
+                                             '"stage"', choices=("stage", "host"))
     greedy_on_device: bool = option(True, doc="with decode_graphs: a greedy request (temperature 0) picks each "
                                               "token on the GPU inside the captured step (output head, logit bias, "
                                               "argmax) and reads back 4 bytes instead of the logits; sampled "
@@ -193,8 +200,9 @@ def parse_config(data: Mapping[str, Any], base_dir: Path | None = None, source: 
     runtime_table = data.get("runtime", {})
     if isinstance(runtime_table, Mapping) and "decode_prefetch" not in runtime_table:
         # the prediction runs inside the captured layer: off where decode is not captured
-        sections["runtime"] = dataclasses.replace(sections["runtime"],
-                                                  decode_prefetch=sections["runtime"].decode_graphs)
+        runtime = sections["runtime"]  # prefetching stages: nothing to do where misses are read in place
+        sections["runtime"] = dataclasses.replace(runtime, decode_prefetch=runtime.decode_graphs
+                                                  and runtime.decode_misses == "stage")
     config = Config(**sections, loan=_parse_loan(data.get("loan", {})), source=source)
     verify_config(config)
     return config
@@ -228,6 +236,13 @@ def verify_config(config: Config) -> None:
         raise ConfigError("runtime.decode_prefetch = true needs runtime.decode_graphs = true (the prediction runs "
                           "inside the captured layer); set runtime.decode_graphs = true or "
                           "runtime.decode_prefetch = false")
+    if rt.decode_misses == "host" and not rt.decode_graphs:
+        raise ConfigError('runtime.decode_misses = "host" needs runtime.decode_graphs = true (the token is one '
+                          'captured graph); set runtime.decode_graphs = true or runtime.decode_misses = "stage"')
+    if rt.decode_misses == "host" and rt.decode_prefetch:
+        raise ConfigError('runtime.decode_prefetch = true stages experts ahead, which runtime.decode_misses = "host" '
+                          'never does (misses are read in place); set runtime.decode_prefetch = false or '
+                          'runtime.decode_misses = "stage"')
     pl = config.planner
     if pl.ring_slots and not pl.min_ring_slots <= pl.ring_slots <= pl.max_ring_slots:
         raise ConfigError(f"planner.ring_slots = {pl.ring_slots} is outside planner.min_ring_slots = "

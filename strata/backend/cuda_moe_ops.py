@@ -138,6 +138,23 @@ class MoeOps:
             _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)
             moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots)
 
+    def can_address_experts(self, storage, layout: ExpertLayout, top_k: int) -> bool:
+        """Whether ``moe_addressed`` runs a layer of ``layout``'s experts (the C++ rows of their formats)."""
+        from strata.gpu.kernels.moe_addressed import can_address
+
+        return can_address(*storage.matrices(layout), top_k)
+
+    def moe_addressed(self, out, x, ids, weights, table, storage, layout: ExpertLayout, host_reads=None) -> None:
+        """out += the routed experts ``ids`` [T, k] (expert ids on the device) read at their planes'
+        addresses ``table`` [N, C] (``PlaneArena.address_table``): cache slots or pinned host memory;
+        host_reads [1] int32 += the routed pairs read from host memory."""
+        from strata.gpu.kernels.moe_addressed import moe_experts_addressed
+
+        gate, _, down = storage.matrices(layout)  # formats and row layout of the layer's experts
+        with self._owning(ACTIVATIONS):
+            moe_experts_addressed(x, ids, weights, table, gate, down, out, host_reads=host_reads,
+                                  stream=self._stream)
+
     def shared_expert_add(self, acc, shared, h, gate_inp) -> None:
         if gate_inp is not None:
             from strata.errors import EngineError

@@ -80,6 +80,11 @@ class PlaneArena:
         self.copier = HostToDeviceCopier()
 
     @property
+    def has_device_addresses(self) -> bool:
+        """Whether the planes are CUDA virtual memory with raw addresses (``address_table``), not host arrays."""
+        return self._slot_addresses is not None
+
+    @property
     def mapped_bytes(self) -> int:
         return len(self._charges) * self.segment_bytes
 
@@ -145,6 +150,27 @@ class PlaneArena:
             out.append(PackedMatrix(qtype.name, num_rows * self.num_slots_reserved, num_cols,
                                     planes["quants"], planes["scales"], planes["extra"]))
         return tuple(out)
+
+    def address_table(self, slots: np.ndarray, host_addresses: np.ndarray) -> np.ndarray | None:
+        """A layer's experts' plane addresses, as ``moe_addressed`` reads them: [N, TABLE_COLUMNS] uint64,
+        expert e's at slot ``slots[e]`` where that is >= 0, else at its packed bytes ``host_addresses[e]``
+        (pinned host memory, the same address on the device) plus each plane's offset in a slot, with the
+        host column set. A plane the layout lacks is 0 (never read). None without device addresses (the
+        simulator's ranges)."""
+        from strata.gpu.kernels.moe_addressed import HOST_FLAG, TABLE_COLUMNS
+
+        if self._slot_addresses is None:
+            return None
+        slots = np.asarray(slots)
+        columns = [3 * index + _PLANE_NAMES.index(name) for index, name, *_ in self.planes]  # [P]
+        table = np.zeros((len(slots), TABLE_COLUMNS), np.uint64)  # [N, C]
+        cached = slots >= 0
+        table[np.ix_(cached, columns)] = self._slot_addresses[slots[cached]]
+        in_host = ~cached
+        table[np.ix_(in_host, columns)] = (np.asarray(host_addresses, np.uint64)[in_host, None]
+                                           + self._plane_offsets[None, :])
+        table[in_host, HOST_FLAG] = 1
+        return table
 
     def stage(self, slot: int, host_slot: np.ndarray, stream=None) -> None:
         """Copy one expert's packed slot bytes into slot ``slot`` of every plane."""

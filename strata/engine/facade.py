@@ -134,7 +134,7 @@ class Engine(EngineCore):
             if not resource.is_resident:
                 expected[resource.name] = expected.get(resource.name, 0) + resource.num_bytes
         runner = ModelRunner(spec, ops, weights, kv, cache, pack, config.runtime.decode_graphs,
-                             config.runtime.decode_prefetch)
+                             config.runtime.decode_prefetch, config.runtime.decode_misses == "host")
         engine = cls(config=config, model=model, spec=spec, tokenizer=tokenizer, plugins=plugins, backend=backend,
                      ledger=ledger, ops=ops, placement=placement, resources=resources, weights=weights, kv=kv,
                      pack=pack, cache=cache, planner=planner, workspace=workspace, state=state, loan=loan,

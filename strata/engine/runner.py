@@ -74,15 +74,16 @@ class ModelRunner:
     that its ``DecodeStep`` is built on."""
 
     def __init__(self, spec: ModelSpec, ops: Ops, weights: DeviceWeights, kv, cache: ExpertCache | None,
-                 pack: ExpertPack | None, is_decode_captured: bool = True, is_decode_prefetching: bool = False):
+                 pack: ExpertPack | None, is_decode_captured: bool = True, is_decode_prefetching: bool = False,
+                 is_decode_reading_in_place: bool = False):
         self.spec = spec
         self.ops = ops
         self.w = weights
         self.kv = kv
         self.cache = cache
         self.pack = pack
-        self.decode_step = DecodeStep(self, is_decode_prefetching) if is_decode_captured and can_use_segments(self) \
-            else None
+        self.decode_step = DecodeStep(self, is_decode_prefetching, is_reading_in_place=is_decode_reading_in_place) \
+            if is_decode_captured and can_use_segments(self) else None
         self._row_steps: dict[int, DecodeStep] = {}  # [R] captured steps of R tokens (speculation's verify)
 
     @property
@@ -138,7 +139,8 @@ class ModelRunner:
         if num_rows == 1:
             return self.decode_step
         if num_rows not in self._row_steps:
-            self._row_steps[num_rows] = DecodeStep(self, self.decode_step.is_prefetching, num_rows)
+            self._row_steps[num_rows] = DecodeStep(self, self.decode_step.is_prefetching, num_rows,
+                                                   self.decode_step.is_reading_in_place)
         return self._row_steps[num_rows]
 
     def _steps(self) -> list[DecodeStep]:

@@ -138,6 +138,43 @@ def test_experts_of_64_multiples_prefill_on_the_rows_kernels_and_give_the_refere
     assert tokens == reference_greedy(path, PROMPT, NUM_GENERATED)
 
 
+@pytest.mark.skipif(BACKEND != "cuda" or not tensor_core.is_available(),
+                    reason="misses read in place need the C++ rows on a GPU")
+@pytest.mark.parametrize("greedy_on_device", [True, False])
+def test_misses_read_in_place_give_the_reference_output_in_one_graph_a_token(tmp_path, monkeypatch,
+                                                                             greedy_on_device):
+    # half of every layer's experts cached, the others read by the expert kernels from the pinned pack:
+    # the tokens are the reference's, every decode step is the whole-token segment kept from load, and
+    # it counts the pairs it read from host memory as misses; nothing is staged during decode
+    path = write_synthetic_model(tmp_path / "rows.gguf", with_overrides(PRESETS["tiny"], hidden_size=128,
+                                                                        expert_ffn_size=64), QType.Q4_0, seed=6)
+    runtime = {"backend": BACKEND, "vram_budget": "64MiB", "expert_preload": False, "decode_misses": "host",
+               "greedy_on_device": greedy_on_device}
+    engine = Engine.load(engine_config(path, runtime=runtime), show_progress=False)
+    spec, cache = engine.spec, engine.cache
+    placed = [((layer, e), cache.insert(layer, e, set())) for layer in range(spec.num_layers)
+              for e in range(0, spec.num_experts, 2)]
+    cache.stage_from(engine.pack, placed)
+    engine.ops.synchronize()
+    counts, staged = [], []
+    count = DecodeStep._count_token_reads
+
+    def spied_count(step, stats, num_steps):
+        misses, hits = stats.misses, stats.hits
+        count(step, stats, num_steps)
+        counts.append((step.kind, stats.misses - misses, stats.hits - hits))
+
+    monkeypatch.setattr(DecodeStep, "_count_token_reads", spied_count)
+    decode_slots = engine.runner.decode_slots
+    monkeypatch.setattr(engine.runner, "decode_slots", lambda *a, **k: staged.append(1) or decode_slots(*a, **k))
+    tokens, _ = greedy(engine, PROMPT, NUM_GENERATED)
+    assert tokens == reference_greedy(path, PROMPT, NUM_GENERATED)
+    assert counts and all(kind == "addressed" for kind, _, _ in counts) and not staged
+    assert sum(m for _, m, _ in counts) > 0 and sum(h for _, _, h in counts) > 0
+    assert engine.runner.decode_step.is_kept and cache.num_cached == len(placed)  # the cache as it was
+    assert _lasting(engine) == dict(engine.idle_ledger.by_owner)
+
+
 @pytest.mark.parametrize("head_dim, module, name", [
     pytest.param(32, attention_decode, "decode_kernel", id="ffma"),
     pytest.param(64, attention_decode_direct, "attention_decode", id="direct", marks=pytest.mark.skipif(
@@ -255,8 +292,8 @@ def test_a_fully_cached_model_decodes_from_segments_kept_across_requests(tiny_pa
     # are captured before the first request and kept: a request captures again only a greedy tail,
     # when the output head was uploaded again or for a bias longer than the kept tail holds
     calls = []
-    resident_token = DecodeStep._resident_token
-    monkeypatch.setattr(DecodeStep, "_resident_token", lambda self: calls.append(1) or resident_token(self))
+    whole_token = DecodeStep._whole_token
+    monkeypatch.setattr(DecodeStep, "_whole_token", lambda self: calls.append(1) or whole_token(self))
     engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB",
                                                             "warmup": False}), show_progress=False)
     spec = engine.spec

@@ -1,6 +1,6 @@
 """The C++ rows compile for every built format: cuda/gemv_rows.cu's own exports (one row of x, the experts'
-pair and down row) and what gemv_native appends to it for a launch of several rows of x (the simulator cannot
-link C++, so without a GPU nvcc checks the source, where it is installed)."""
+pair and down row, stacked and addressed) and what gemv_native appends to it for a launch of several rows
+of x (the simulator cannot link C++, so without a GPU nvcc checks the source, where it is installed)."""
 
 import shutil
 import subprocess
@@ -46,5 +46,7 @@ def test_every_format_and_rows_shape_instantiates_for_several_rows_of_x(tmp_path
     for fmt in gemv_native.BUILT_EXPERT_FORMATS:
         assert f".func strata_gemv_pair_{fmt.lower()}(" in ptx
         assert f".func strata_down_row_{fmt.lower()}(" in ptx
+        assert f".func strata_gemv_pair_at_{fmt.lower()}(" in ptx  # the same over an address table (moe_addressed)
+        assert f".func strata_down_row_at_{fmt.lower()}(" in ptx
     assert set(gemv_native.FORMATS) <= set(gemv_native.BUILT_FORMATS)
     assert set(gemv_native.EXPERT_FORMATS) <= set(gemv_native.BUILT_EXPERT_FORMATS) <= set(gemv_native.BUILT_FORMATS)

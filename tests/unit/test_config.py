@@ -98,6 +98,17 @@ def test_cross_field_error_names_both_options_and_the_fix():
     # left unset, decode_prefetch follows decode_graphs
     assert not parse_config(config_dict(runtime={"decode_graphs": False})).runtime.decode_prefetch
     assert parse_config(config_dict(runtime={})).runtime.decode_prefetch
+    # misses read in place: one graph a token, nothing staged ahead
+    with pytest.raises(ConfigError, match=r'runtime.decode_misses = "host" needs runtime.decode_graphs = true .*; '
+                                          r'set runtime.decode_graphs = true or runtime.decode_misses = "stage"'):
+        parse_config(config_dict(runtime={"decode_misses": "host", "decode_graphs": False}))
+    with pytest.raises(ConfigError, match=r'runtime.decode_prefetch = true stages experts ahead, which '
+                                          r'runtime.decode_misses = "host" never does .*; set '
+                                          r'runtime.decode_prefetch = false or runtime.decode_misses = "stage"'):
+        parse_config(config_dict(runtime={"decode_misses": "host", "decode_prefetch": True}))
+    assert not parse_config(config_dict(runtime={"decode_misses": "host"})).runtime.decode_prefetch
+    with pytest.raises(ConfigError, match="runtime.decode_misses"):
+        parse_config(config_dict(runtime={"decode_misses": "pinned"}))
     with pytest.raises(ConfigError, match="loan.plugins .* has no effect without loan.enabled = true"):
         parse_config(config_dict(loan={"enabled": False}))
 

@@ -1,4 +1,5 @@
-"""Batched staging into the plane arena: the same bytes as staging expert by expert."""
+"""Batched staging into the plane arena: the same bytes as staging expert by expert; the address table of
+experts read where they lie (cache slots or the pinned pack)."""
 
 import ctypes
 
@@ -81,3 +82,27 @@ def test_stage_many_refuses_a_negative_slot_and_copies_nothing(monkeypatch):
     with pytest.raises(ValueError, match=r"expert slots must be non-negative, got \[2, -1\]"):
         arena.stage_many([2, -1], [host, host])  # -1 would index the table from its end: the last slot
     assert copies == []
+
+
+def test_the_address_table_points_at_slots_for_cached_experts_and_at_the_pack_for_the_rest():
+    from strata.gpu.kernels.moe_addressed import HOST_FLAG, TABLE_COLUMNS
+
+    arena, layout = _arena(AddressedRange)
+    assert arena.has_device_addresses and not _arena(HostRange)[0].has_device_addresses
+    assert _arena(HostRange)[0].address_table(np.zeros(1, np.int32), np.zeros(1, np.uint64)) is None
+    slots = np.array([3, -1, 0, -1], np.int32)
+    pack_slots = np.array([1 << 40, 2 << 40, 3 << 40, 4 << 40], np.uint64)  # each expert's packed bytes
+    table = arena.address_table(slots, pack_slots)
+    assert table.shape == (4, TABLE_COLUMNS) and table.dtype == np.uint64
+    assert table[:, HOST_FLAG].tolist() == [0, 1, 0, 1]
+    present = {3 * index + ("quants", "scales", "extra").index(name): (offset, plane_range, shape, dtype)
+               for (index, name, shape, dtype, offset), plane_range in zip(arena.planes, arena._ranges)}
+    for column in range(HOST_FLAG):
+        if column not in present:  # a plane Q4_0 and Q8_0 do not have: never read
+            assert not table[:, column].any()
+            continue
+        offset, plane_range, shape, dtype = present[column]
+        slot_bytes = int(np.prod(shape)) * dtype.itemsize
+        assert table[0, column] == plane_range.base + 3 * slot_bytes  # slot 3 of the plane's range
+        assert table[2, column] == plane_range.base
+        assert table[1, column] == (2 << 40) + offset and table[3, column] == (4 << 40) + offset  # pack + plane offset

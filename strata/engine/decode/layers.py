@@ -14,6 +14,7 @@ import numpy as np
 
 from strata.backend.ops import Ops, QTensor
 from strata.engine.memory.expert_cache import ExpertCache
+from strata.engine.memory.expert_pack import ExpertPack
 from strata.engine.stream_stats import StreamStats
 from strata.model.spec import ModelSpec
 
@@ -34,6 +35,10 @@ class DecodeLayers(Protocol):
     @property
     def cache(self) -> ExpertCache | None:
         """The expert cache the routed experts' slots point into; decode is built only where there is one."""
+
+    @property
+    def pack(self) -> ExpertPack | None:
+        """The pinned expert pack: where a miss is staged from, or read in place (``expert_addresses``)."""
 
     @property
     def token_embedding(self) -> QTensor:

@@ -39,8 +39,11 @@ prediction changes which experts are cached, never what is computed.
 When the cache holds every expert of every layer at a request's first token (a budget the whole
 model fits in), nothing can miss: the slots of all experts go to the device once as [L, N] tables,
 each layer maps its routed ids through its table on the device, and the whole token is one graph
-with no host round trip (``is_resident``). Nothing is inserted or evicted during decode, so the
-tables stay true until the request ends.
+with no host round trip (``kind`` RESIDENT). Nothing is inserted or evicted during decode, so the
+tables stay true until the request ends. Where misses are read in place (``is_reading_in_place``,
+``expert_addresses.py``), a token of a model that does not fit is one graph too (``kind`` ADDRESSED):
+each layer's experts are read through a table of plane addresses, cache slots or the pinned expert
+pack, and the host reads back only how many pairs were read from host memory.
 
 Greedy decode (``greedy_tokens``) ends each step on the device: the output head, the request's
 logit bias and the argmax write the next token's id, the position steps, and the id is embedded
@@ -59,6 +62,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from strata.backend.ops import host_tier_bytes
+from strata.engine.decode.expert_addresses import address_tables, can_read_in_place
 from strata.engine.decode.greedy_tail import GreedyTails
 from strata.engine.decode.layers import DecodeLayers
 from strata.engine.stream_stats import StreamStats
@@ -66,6 +70,7 @@ from strata.errors import EngineError, NonFiniteLogitsError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 
 log = logging.getLogger("strata.engine")
+RESIDENT, ADDRESSED, LAYERS = "resident", "addressed", "layers"  # DecodeStep.kind: how a token's experts are read
 
 
 def can_use_segments(model: DecodeLayers) -> bool:
@@ -76,9 +81,11 @@ def can_use_segments(model: DecodeLayers) -> bool:
 
 
 class DecodeStep:
-    def __init__(self, model: DecodeLayers, is_prefetching: bool = False, num_rows: int = 1):
+    def __init__(self, model: DecodeLayers, is_prefetching: bool = False, num_rows: int = 1,
+                 is_reading_in_place: bool = False):
         self.model = model
         self.is_prefetching = is_prefetching
+        self.is_reading_in_place = is_reading_in_place  # misses read from the pinned pack, where the backend can
         self.num_rows = num_rows  # tokens a step computes (consecutive positions)
         self.is_kept = False  # segments and buffers kept across requests (``prepare``)
         self._is_request_start = True
@@ -91,12 +98,19 @@ class DecodeStep:
         self._attention_scratch: tuple | None = None  # every layer's (ops.decode_attention_scratch)
         self._slot_rows = None  # [L, R * k] int32 in pinned host memory: each layer's slot ids, queued copies
         self._segments: list = []  # [L + 1]: A_0, then B_l A_{l+1} (``_segment``)
-        self.is_resident: bool | None = None  # decided at a request's first token
+        self.kind: str | None = None  # RESIDENT, ADDRESSED or LAYERS, decided at a request's first token
         self._prefetched = None  # (ticket, experts): the copies of the next layer's predicted experts
         self._tables = None  # [L, N] int32 slot of every expert (resident)
-        self._token = None  # a resident token's layers as one segment
+        self._address_tables = None  # [L, N, C] uint64 plane addresses of every expert (addressed)
+        self._host_reads = None  # [1] int32 routed pairs read from host memory since the last count (addressed)
+        self._token = None  # a whole token's layers as one segment (resident or addressed)
         self._tails = GreedyTails(model.ops, self._greedy_tail, self._capture)
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
+
+    @property
+    def is_resident(self) -> bool | None:
+        """Whether every expert is cached (None until a request's first token decides)."""
+        return None if self.kind is None else self.kind == RESIDENT
 
     def prepare(self, head: tuple | None) -> None:
         """Capture the segments the next request's decode replays, now (the engine's load), and keep
@@ -105,8 +119,8 @@ class DecodeStep:
         greedy request). Captures only: nothing runs, the KV cache is untouched."""
         self.is_kept, self._tails.is_kept = True, head is not None
         self._start_request()
-        if self.is_resident:
-            self._resident_segment()
+        if self.kind != LAYERS:
+            self._token_segment()
         else:
             for index in range(self.model.spec.num_layers + 1):
                 self._segment(index)
@@ -119,9 +133,9 @@ class DecodeStep:
         drafts: [R - 1] int32 on the device, the tokens after the first (the host's are then ignored)."""
         self._begin(tokens, position, drafts)
         stats.kv_host_bytes += host_tier_bytes(self.model.kv, position, position + self.num_rows)
-        if self.is_resident:
-            self._resident_segment().replay()
-            stats.hits += self.num_rows * self.model.spec.num_layers * self.model.spec.num_experts_used
+        if self.kind != LAYERS:
+            self._token_segment().replay()
+            self._count_token_reads(stats, 1)
         else:
             self._layers(stats)
         return self._x
@@ -133,24 +147,25 @@ class DecodeStep:
         reads 4 bytes a token. head: (output norm, head QTensor, eps). bias: host (ids [n] int32,
         values [n] float32) added to the logits, ids checked by the caller, or None.
 
-        A fully cached model runs one step ahead: step s+1 is queued before step s's id is read, so
+        A whole-token step (every expert cached, or misses read in place) runs one step ahead: step s+1
+        is queued before step s's id is read, so
         the GPU does not wait for the host between tokens. A caller that stops early leaves that
         step's KV cell written past the tokens it keeps; a later token or request writes it again."""
-        spec = self.model.spec
         if self.num_rows != 1:
             raise EngineError("greedy decode on the device runs one token a step")
         self._begin([token], position)
         tail = self._tails.for_request(head, 0 if bias is None else len(bias[0]))
         tail.write_bias(self.model.ops, bias)
-        readback, error = self._readback, None
+        readback, error, num_launched = self._readback, None, 0
         try:
-            if self.is_resident:
-                layers = self._resident_segment()
+            if self.kind != LAYERS:
+                layers = self._token_segment()
                 ahead = _launch(layers, tail.segment, readback, self._token_id) if num_steps else None
+                num_launched = min(num_steps, 1)
                 for step in range(num_steps):
                     pending = ahead
                     ahead = _launch(layers, tail.segment, readback, self._token_id) if step + 1 < num_steps else None
-                    stats.hits += spec.num_layers * spec.num_experts_used
+                    num_launched += ahead is not None
                     stats.kv_host_bytes += host_tier_bytes(self.model.kv, position + step, position + step + 1)
                     yield self._checked(_waited(stats, readback.read, pending))
                 return
@@ -167,6 +182,8 @@ class DecodeStep:
             # error, that error is the one to see
             if error is None:
                 self.model.ops.synchronize()
+                if num_launched:
+                    self._count_token_reads(stats, num_launched)
             else:
                 with contextlib.suppress(Exception):
                     self.model.ops.synchronize()
@@ -200,21 +217,26 @@ class DecodeStep:
         ops.embed(model.token_embedding, self._token_id, out=self._x)
 
     def _start_request(self) -> None:
-        """Allocate the buffers (once), decide residency, and drop the segments of the other kind;
-        a resident token's slot tables are written again (the prefill may have moved experts)."""
+        """Allocate the buffers (once), decide how experts are read (``kind``), and drop the segments
+        of another kind; a whole token's tables are written again (the prefill may have moved experts)."""
         model, spec = self.model, self.model.spec
-        is_resident = model.cache.num_cached == spec.num_layers * spec.num_experts
+        if model.cache.num_cached == spec.num_layers * spec.num_experts:
+            kind = RESIDENT
+        else:
+            kind = ADDRESSED if self.is_reading_in_place and can_read_in_place(model) else LAYERS
         # only kept segments outlive a request (end_request resets the others)
-        if self.is_kept and self.is_resident is not None and is_resident != self.is_resident:
-            log.info("the expert cache %s complete: decode segments are captured per request from now on",
-                     "became" if is_resident else "is no longer")
+        if self.is_kept and self.kind is not None and kind != self.kind:
+            log.info("decode reads experts as %s, no longer as %s: its segments are captured per request from now on",
+                     kind, self.kind)
             self.reset()  # what load kept no longer serves
         self._is_pool_trimmed = False
         if self._x is None:
             self._allocate()
-        self.is_resident = is_resident
-        if is_resident:
+        self.kind = kind
+        if kind == RESIDENT:
             self._write_tables(model.cache.slot_table(spec.num_layers, spec.num_experts))
+        elif kind == ADDRESSED:
+            self._write_address_tables(address_tables(model))
         self._is_request_start = False
 
     def _write_tables(self, tables: np.ndarray) -> None:
@@ -223,6 +245,30 @@ class DecodeStep:
             self._tables = self.model.ops.upload(self._owner, tables)
         else:
             self.model.ops.copy_in(self._tables, tables)
+
+    def _write_address_tables(self, tables: np.ndarray) -> None:
+        """[L, N, C] plane addresses of every expert, and a zero count of host reads (made once)."""
+        ops = self.model.ops
+        if self._address_tables is None:
+            self._address_tables = ops.upload(self._owner, tables)
+            self._host_reads = ops.upload(self._owner, np.zeros(1, np.int32))
+        else:
+            ops.copy_in(self._address_tables, tables)
+            ops.copy_in(self._host_reads, np.zeros(1, np.int32))
+
+    def _count_token_reads(self, stats: StreamStats, num_steps: int) -> None:
+        """Hits and misses of ``num_steps`` whole-token steps once they have run: every routed pair a
+        hit, but those read from host memory (the device's count, read and zeroed here)."""
+        spec = self.model.spec
+        num_pairs = num_steps * self.num_rows * spec.num_layers * spec.num_experts_used
+        num_host = 0
+        if self.kind == ADDRESSED:
+            (count,) = _waited(stats, self._readback.now, self._host_reads)
+            num_host = int(count[0])
+            self.model.ops.copy_in(self._host_reads, np.zeros(1, np.int32))
+            stats.streamed_bytes += num_host * self.model.cache.layout.slot_bytes
+        stats.hits += num_pairs - num_host
+        stats.misses += num_host
 
     @property
     def _owner(self) -> str:
@@ -238,10 +284,10 @@ class DecodeStep:
             self._is_pool_trimmed = True
         return self.model.ops.capture(fn, owner)
 
-    def _resident_segment(self):
-        """A resident token's layers as one segment, captured at its first use."""
+    def _token_segment(self):
+        """A whole token's layers as one segment (resident or addressed), captured at its first use."""
         if self._token is None:
-            self._token = self._capture(self._resident_token, self._owner)
+            self._token = self._capture(self._whole_token, self._owner)
         return self._token
 
     def _segment(self, index: int):
@@ -297,7 +343,11 @@ class DecodeStep:
         self._write_tables(np.full((spec.num_layers, spec.num_experts), -1, np.int32))
         ops.embed(self.model.token_embedding, np.full(self.num_rows, token), out=self._x)
         ops.copy_in(self._positions, np.arange(position, position + self.num_rows, dtype=np.int32))
-        self._resident_token()
+        kind, self.kind = self.kind, RESIDENT
+        try:
+            self._whole_token()
+        finally:
+            self.kind = kind
 
     def compile_greedy(self, head: tuple) -> None:
         """Run the greedy tail once, uncaptured, with a one-token bias, so a warm-up compiles its
@@ -323,13 +373,13 @@ class DecodeStep:
         """Drop every segment and buffer (a later request captures again)."""
         self._close_layers()
         self._tails.close()
-        for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables,
-                      *(self._attention_scratch or ())):
+        for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables, self._address_tables,
+                      self._host_reads, *(self._attention_scratch or ())):
             if array is not None:
                 self.model.ops.free(array)
         self._x = self._token_id = self._positions = self._slot_ids = self._tables = None
-        self._attention_scratch = None
-        self.is_resident = self._prefetched = None
+        self._address_tables = self._host_reads = self._attention_scratch = None
+        self.kind = self._prefetched = None
         self.is_kept = False
         self._is_request_start = True
 
@@ -387,14 +437,18 @@ class DecodeStep:
         cache = model.cache
         model.ops.moe(self._x, h, self._slot_ids, weights, cache.storage, None, cache.layout.at_layer(layer))
 
-    def _resident_token(self):
+    def _whole_token(self):
         model, ops = self.model, self.model.ops
         cache = model.cache
         for layer in range(model.spec.num_layers):
             model.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
             h, ids, weights = self._route(layer)
-            # the routed ids go through the layer's table to slots on the device
-            ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], cache.layout.at_layer(layer))
+            layout = cache.layout.at_layer(layer)
+            if self.kind == ADDRESSED:  # the routed ids read their experts' planes where they lie
+                ops.moe_addressed(self._x, h, ids, weights, self._address_tables[layer], cache.storage, layout,
+                                  self._host_reads)
+            else:  # the routed ids go through the layer's table to slots on the device
+                ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], layout)
         return ()
 
 

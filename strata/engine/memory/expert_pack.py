@@ -56,6 +56,14 @@ class ExpertPack:
         start = (layer * self.num_experts + expert) * self.layout.slot_bytes
         return self.buffer[start:start + self.layout.slot_bytes]
 
+    def slot_addresses(self, layer: int) -> np.ndarray:
+        """[N] uint64 host address of each of ``layer``'s expert slots (in pinned memory on CUDA, where a
+        kernel reads them at the same address)."""
+        from strata.gpu.driver_calls import host_address
+
+        first = host_address(self.buffer) + layer * self.num_experts * self.layout.slot_bytes
+        return first + np.arange(self.num_experts, dtype=np.uint64) * np.uint64(self.layout.slot_bytes)
+
     @classmethod
     def from_gguf(cls, model: GgufModel, layout: ExpertLayout, allocate: Callable[[int], np.ndarray],
                   encode: Encode | None = None, progress: Callable[[int], None] | None = None) -> ExpertPack:

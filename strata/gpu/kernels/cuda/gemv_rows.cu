@@ -689,13 +689,38 @@ __device__ __forceinline__ void rows_loop(float* y, long long y_stride, const u3
   }
 }
 
-// Output row n of the routed experts' down projection: sum_e weight[e] * W[slot[e] * dim + n] . x_e,
-// the items of all experts dealt to the lanes in turn. x_e = xs + e * x_stride.
-template <class F, int UNROLL>
-__device__ __forceinline__ float down_row(const u32* quants, const __half* scales, const u8* extra,
-                                          const int* slots, const float* weights, int top_k, int num_slots,
-                                          long long n, int dim, int words_per_row, int halves_per_row,
-                                          int extra_per_row, const float* xs, int x_stride, int num_cols) {
+// Where a routed expert's rows lie. SlotPlanes: stacked planes, expert (slot) s at row s * num_rows_each.
+// AddressPlanes: each expert's planes anywhere (a cache slot, or pinned host memory the kernel reads over
+// PCIe), as device addresses in a table of `stride` per expert, this matrix's three from `first`.
+struct SlotPlanes {
+  const u32* quants;
+  const __half* scales;
+  const u8* extra;
+  int num_experts;
+  long long num_rows_each;
+  int words_per_row, halves_per_row, extra_per_row;
+  __device__ __forceinline__ RowPlanes row(int e, long long n) const {
+    return row_planes(quants, scales, extra, (long long)e * num_rows_each + n, words_per_row, halves_per_row,
+                      extra_per_row);
+  }
+};
+
+struct AddressPlanes {
+  const unsigned long long* table;
+  int num_experts, stride, first;
+  int words_per_row, halves_per_row, extra_per_row;
+  __device__ __forceinline__ RowPlanes row(int e, long long n) const {
+    const unsigned long long* at = table + (long long)e * stride + first;
+    return row_planes(reinterpret_cast<const u32*>(at[0]), reinterpret_cast<const __half*>(at[1]),
+                      reinterpret_cast<const u8*>(at[2]), n, words_per_row, halves_per_row, extra_per_row);
+  }
+};
+
+// Output row n of the routed experts' down projection: sum_e weight[e] * W_{ids[e]}[n] . x_e, the items of
+// all experts dealt to the lanes in turn. x_e = xs + e * x_stride. An id outside [0, num_experts) adds nothing.
+template <class F, int UNROLL, class Planes>
+__device__ __forceinline__ float down_row(const Planes& planes, const int* ids, const float* weights, int top_k,
+                                          long long n, const float* xs, int x_stride, int num_cols) {
   const int lane = threadIdx.x & 31;
   const int per_row = F::items(num_cols), num_items = top_k * per_row;
   const u32 xs_shared = shared_address(xs);
@@ -709,11 +734,9 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
     for (int u = 0; u < UNROLL; ++u) {
       ee[u] = e;
       ii[u] = i;
-      const int slot = e < top_k ? slots[e] : -1;
-      ok[u] = i0 + 32 * u < num_items && slot >= 0 && slot < num_slots;
-      if (ok[u])
-        it[u][0] = F::load(row_planes(quants, scales, extra, (long long)slot * dim + n, words_per_row, halves_per_row,
-                                      extra_per_row), i);
+      const int id = e < top_k ? ids[e] : -1;
+      ok[u] = i0 + 32 * u < num_items && id >= 0 && id < planes.num_experts;
+      if (ok[u]) it[u][0] = F::load(planes.row(id, n), i);
       for (i += 32; i >= per_row; i -= per_row) ++e;
     }
 #pragma unroll
@@ -786,8 +809,29 @@ __device__ __forceinline__ float down_row(const u32* quants, const __half* scale
                                   const int* slots, const float* weights, int top_k, int num_slots, long long n,     \
                                   int dim, int words_per_row, int halves_per_row, int extra_per_row,                 \
                                   const float* xs, int x_stride, int num_cols) {                                     \
-    out[0] = down_row<F, 4>(quants, scales, extra, slots, weights, top_k, num_slots, n, dim, words_per_row,          \
-                            halves_per_row, extra_per_row, xs, x_stride, num_cols);                                  \
+    const SlotPlanes planes{quants, scales, extra, num_slots, dim, words_per_row, halves_per_row, extra_per_row};   \
+    out[0] = down_row<F, 4>(planes, slots, weights, top_k, n, xs, x_stride, num_cols);                              \
+  }
+
+// The experts' products over an address table (AddressPlanes): `planes` is one expert's row of the table, its
+// gate planes first and its up planes next; the down row's table has `stride` addresses an expert, the
+// down planes from `first`.
+#define STRATA_GEMV_PAIR_AT(NAME, F)                                                                                 \
+  extern "C" __device__ void NAME(float* out, const unsigned long long* planes, long long row, int words_per_row,    \
+                                  int halves_per_row, int extra_per_row, const float* xs, int num_cols) {            \
+    const AddressPlanes gate{planes, 1, 0, 0, words_per_row, halves_per_row, extra_per_row};                         \
+    const AddressPlanes up{planes, 1, 0, 3, words_per_row, halves_per_row, extra_per_row};                           \
+    const RowPlanes rows[2] = {gate.row(0, row), up.row(0, row)};                                                    \
+    rows_dot<F, 2, 2, 1>(out, rows, xs, 0, num_cols);                                                             \
+  }
+
+#define STRATA_DOWN_ROW_AT(NAME, F)                                                                                  \
+  extern "C" __device__ void NAME(float* out, const unsigned long long* table, int stride, int first,               \
+                                  const int* ids, const float* weights, int top_k, int num_experts, long long n,     \
+                                  int words_per_row, int halves_per_row, int extra_per_row, const float* xs,         \
+                                  int x_stride, int num_cols) {                                                      \
+    const AddressPlanes planes{table, num_experts, stride, first, words_per_row, halves_per_row, extra_per_row};    \
+    out[0] = down_row<F, 4>(planes, ids, weights, top_k, n, xs, x_stride, num_cols);                                \
   }
 
 STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r1, Q40, 1, 2)
@@ -859,3 +903,17 @@ STRATA_DOWN_ROW(strata_down_row_q5_k, Q5K)
 STRATA_DOWN_ROW(strata_down_row_q6_k, Q6K)
 STRATA_DOWN_ROW(strata_down_row_iq4_xs, IQ4XS)
 STRATA_DOWN_ROW(strata_down_row_iq3_xxs, IQ3XXS)
+STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_q4_0, Q40)
+STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_q8_0, Q80)
+STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_q4_k, Q4K)
+STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_q5_k, Q5K)
+STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_q6_k, Q6K)
+STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_iq4_xs, IQ4XS)
+STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_iq3_xxs, IQ3XXS)
+STRATA_DOWN_ROW_AT(strata_down_row_at_q4_0, Q40)
+STRATA_DOWN_ROW_AT(strata_down_row_at_q8_0, Q80)
+STRATA_DOWN_ROW_AT(strata_down_row_at_q4_k, Q4K)
+STRATA_DOWN_ROW_AT(strata_down_row_at_q5_k, Q5K)
+STRATA_DOWN_ROW_AT(strata_down_row_at_q6_k, Q6K)
+STRATA_DOWN_ROW_AT(strata_down_row_at_iq4_xs, IQ4XS)
+STRATA_DOWN_ROW_AT(strata_down_row_at_iq3_xxs, IQ3XXS)
