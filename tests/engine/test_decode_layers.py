@@ -37,7 +37,7 @@ def test_the_runner_has_every_method_of_the_interface_with_its_parameters(runner
 
 def test_the_runner_has_every_attribute_of_the_interface(runner):
     attributes = _protocol_members(property)
-    assert attributes.keys() == {"spec", "ops", "kv", "cache", "token_embedding"}
+    assert attributes.keys() == {"spec", "ops", "kv", "cache", "pack", "token_embedding"}
     for name in attributes:
         assert getattr(runner, name) is not None, name
     assert runner.token_embedding is runner.w.matrices["token_embd"]
