@@ -48,19 +48,32 @@ class ObjectCensus:
 
     def __init__(self):
         self._census: collections.Counter | None = None
+        self._ids_at_start: set[int] = set()
 
     def start(self) -> None:
         gc.collect()
-        self._census = _census()
+        objects = gc.get_objects()
+        self._census = _census(objects)
+        self._ids_at_start = {id(o) for o in objects}
 
     def gained(self, top: int = 12) -> list[tuple[str, int]]:
         """The ``top`` types by live objects gained since ``start``: (type, objects)."""
         if self._census is None:
             raise RuntimeError("ObjectCensus used before start")
         gc.collect()
-        gained = _census()
+        gained = _census(gc.get_objects())
         gained.subtract(self._census)
         return [(name, num) for name, num in gained.most_common(top) if num > 0]
+
+    def holders(self, type_name: str, max_listed: int = 3, depth: int = 8) -> list[str]:
+        """What holds up to ``max_listed`` objects of ``type_name`` that were not alive at ``start``: one
+        referrer chain each, nearest first (``live_allocations.referrer_chain``; a scan of every object a link)."""
+        from strata.gpu.live_allocations import describe_chain, referrer_chain
+
+        born = [o for o in gc.get_objects() if _type_name(o) == type_name and id(o) not in self._ids_at_start]
+        samples = born[:max_listed]
+        del born
+        return [describe_chain(referrer_chain(o, {id(samples)}, depth)) for o in samples]
 
     def report(self, num_requests: int, top: int = 12) -> list[dict]:
         """``gained`` with each type's gain per request (``num_requests`` since ``start``)."""
@@ -74,8 +87,21 @@ def format_census(types: list[dict], first_request: int, num_requests: int) -> s
     return "\n".join(lines) if types else lines[0] + " none"
 
 
-def _census() -> collections.Counter:
-    return collections.Counter(f"{type(obj).__module__}.{type(obj).__qualname__}" for obj in gc.get_objects())
+def format_holders(holders: dict[str, list[str]]) -> str:
+    lines = []
+    for name, chains in holders.items():
+        lines.append(f"held {name}, new since the census began:" if chains else f"held {name}: none found")
+        lines += [f"  {chain}" for chain in chains]
+    return "\n".join(lines)
+
+
+def _census(objects: list) -> collections.Counter:
+    return collections.Counter(_type_name(obj) for obj in objects)
+
+
+def _type_name(obj) -> str:
+    kind = type(obj)  # type(), not __class__: a dead weak proxy's lookup raises
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def format_report(report: dict) -> str:

@@ -10,8 +10,9 @@ after a request. SIGTERM ends the soak after the request in flight, Ctrl-C at on
 summary covers the requests done (and the Python heap's report, when a traced window had begun).
 Each row also has RSS by kind, the interpreter's allocated blocks and (with glibc) the C heap's bytes
 (``process_memory``), and the summary their slopes: which of them an RSS slope follows says where it grows.
-``--census`` counts live objects by type before the slope's first request and after the last, and names
-the types that grew (``python_growth.ObjectCensus``).
+``--census`` counts live objects by type before the slope's first request and after the last, names
+the types that grew (``python_growth.ObjectCensus``), and, for the two that grew most past the
+interpreter's own types, what holds a few of the objects born since (a chain of referrers each).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import numpy as np
 
 from strata.bench.process_memory import RSS_KIND_LABELS, heap_meter, heap_trimmer, memory_kinds, rss_bytes
-from strata.bench.python_growth import ObjectCensus, PythonGrowth, format_census, format_report
+from strata.bench.python_growth import ObjectCensus, PythonGrowth, format_census, format_holders, format_report
 from strata.config import Config
 
 
@@ -134,10 +135,13 @@ def run(args: argparse.Namespace, config: Config) -> int:
     except KeyboardInterrupt:
         is_interrupted = True
         print(f"interrupted after {len(rows)} requests", file=sys.stderr)
-    census_report = None
+    census_report, census_holders = None, None
     try:
         if census_from is not None and len(rows) > census_from:  # before the summary's own objects exist
             census_report = census.report(len(rows) - census_from)
+            # what holds the two types that grew most, past the interpreter's own (a tuple or a dict says little)
+            grown = [t["type"] for t in census_report if not t["type"].startswith("builtins.")][:2]
+            census_holders = {name: census.holders(name) for name in grown}
         elif census is not None:
             print("--census: the soak ended before the census's first request; no census", file=sys.stderr)
         if is_tracing:  # cut inside the window
@@ -164,7 +168,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
             summary["python_growth"] = growth_report
         if census_report is not None:
             summary["census"], summary["census_from_request"] = census_report, census_from
+            summary["census_holders"] = census_holders
             print(format_census(census_report, census_from, len(rows) - census_from), flush=True)
+            print(format_holders(census_holders), flush=True)
         if out:
             out.write(json.dumps({"summary": summary}) + "\n")
     finally:

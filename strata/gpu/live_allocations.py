@@ -33,15 +33,25 @@ def holders(charge_ids: Collection[int], pointer_type=None) -> list[str]:
             if len(pointers) == MAX_LISTED:
                 break
     pointers = list(pointers.values())
-    chains = [[p] for p in pointers]
-    for chain in chains:
-        while len(chain) <= CHAIN_DEPTH:  # a scan of every object a link: stop where nothing holds the last
-            ignored = {id(chains), id(pointers), *(id(c) for c in chains), *(id(o) for o in chain)}
-            holder = _first_referrer(chain[-1], ignored)
-            if holder is None:
-                break
-            chain.append(holder)
-    return [f"{_size(chain[0])} bytes: " + " <- ".join(_describe(o) for o in chain) for chain in chains]
+    ignored = {id(pointers)}
+    return [f"{_size(p)} bytes: " + describe_chain(referrer_chain(p, ignored)) for p in pointers]
+
+
+def referrer_chain(obj, ignored: set[int], depth: int = CHAIN_DEPTH) -> list:
+    """``obj``, then what refers to it, then what refers to that, up to ``depth`` links: the first referrer
+    of each that is neither a frame nor in ``ignored`` (ids). A scan of every object a link."""
+    chain = [obj]
+    while len(chain) <= depth:
+        holder = _first_referrer(chain[-1], {*ignored, id(chain), *(id(o) for o in chain)})
+        if holder is None:
+            break
+        chain.append(holder)
+    return chain
+
+
+def describe_chain(chain: list) -> str:
+    """A referrer chain as one line, nearest first: each object's type, an array's shape and dtype."""
+    return " <- ".join(_describe(o) for o in chain)
 
 
 def _first_referrer(obj, ignored: set[int]):

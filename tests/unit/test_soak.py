@@ -118,11 +118,39 @@ def test_the_object_census_names_the_type_that_grew_per_request():
     assert "+100.0/request" in format_census(types, 0, 3)
 
 
+class Held:  # a module's class: its census name is stable
+    pass
+
+
+class Holder:
+    def __init__(self):
+        self.held_items = []
+
+
+def test_the_census_names_what_holds_the_objects_born_since_it_began():
+    from strata.bench.python_growth import ObjectCensus, format_holders
+
+    before = Held()  # alive at the start: not a sample
+    holder = Holder()
+    census = ObjectCensus()
+    census.start()
+    holder.held_items.extend(Held() for _ in range(5))
+    name = f"{__name__}.Held"
+    chains = census.holders(name, max_listed=2)
+    assert len(chains) == 2
+    for chain in chains:  # the object, the list, the holder
+        assert chain.startswith("Held <- list of 5 <- Holder"), chain
+    assert "held" in format_holders({name: chains}) and "none found" in format_holders({"x.Y": []})
+    del before
+
+
 def test_a_soak_with_the_census_prints_it_and_keeps_it_in_the_summary(tmp_path, capsys):
     rc, summary = _short_soak(tmp_path, "--requests", "5", "--settle", "2", "--census")
     assert rc == 0
     assert isinstance(summary["census"], list) and summary["slope_from_request"] == summary["census_from_request"] == 2
-    assert "live objects gained over 3 request(s) from request 2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "live objects gained over 3 request(s) from request 2" in printed
+    assert isinstance(summary["census_holders"], dict)  # what holds the two types past the interpreter's that grew
 
 
 def test_a_soak_too_short_for_its_census_has_none_and_still_passes(tmp_path, capsys):
