@@ -301,6 +301,9 @@ class CudaOps(AttentionOps, MoeOps, HeadOps):
         pass  # the kernels read the packed planes as uploaded
 
     def trim_memory(self) -> None:
+        from strata.gpu.descriptor_cache import trim_descriptor_cache
+
+        trim_descriptor_cache()  # numba-cuda's unbounded memo of array layouts (every prompt length adds some)
         if not self._is_charged_by_hand:
             from strata.gpu.memory import trim_pool
 
