@@ -43,7 +43,7 @@ with no host round trip (``kind`` RESIDENT). Nothing is inserted or evicted duri
 tables stay true until the request ends. Where misses are read in place (``is_reading_in_place``,
 ``expert_addresses.py``), a token of a model that does not fit is one graph too (``kind`` ADDRESSED):
 each layer's experts are read through a table of plane addresses, cache slots or the pinned expert
-pack, and the host reads back only how many pairs were read from host memory.
+pack (``token_tables.py``), and the host reads back only how many pairs were read from host memory.
 
 Greedy decode (``greedy_tokens``) ends each step on the device: the output head, the request's
 logit bias and the argmax write the next token's id, the position steps, and the id is embedded
@@ -62,15 +62,15 @@ from collections.abc import Iterator
 import numpy as np
 
 from strata.backend.ops import host_tier_bytes
-from strata.engine.decode.expert_addresses import address_tables, can_read_in_place
+from strata.engine.decode.expert_addresses import can_read_in_place
 from strata.engine.decode.greedy_tail import GreedyTails
 from strata.engine.decode.layers import DecodeLayers
+from strata.engine.decode.token_tables import ADDRESSED, LAYERS, RESIDENT, TokenTables
 from strata.engine.stream_stats import StreamStats
 from strata.errors import EngineError, NonFiniteLogitsError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 
 log = logging.getLogger("strata.engine")
-RESIDENT, ADDRESSED, LAYERS = "resident", "addressed", "layers"  # DecodeStep.kind: how a token's experts are read
 
 
 def can_use_segments(model: DecodeLayers) -> bool:
@@ -100,9 +100,7 @@ class DecodeStep:
         self._segments: list = []  # [L + 1]: A_0, then B_l A_{l+1} (``_segment``)
         self.kind: str | None = None  # RESIDENT, ADDRESSED or LAYERS, decided at a request's first token
         self._prefetched = None  # (ticket, experts): the copies of the next layer's predicted experts
-        self._tables = None  # [L, N] int32 slot of every expert (resident)
-        self._address_tables = None  # [L, N, C] uint64 plane addresses of every expert (addressed)
-        self._host_reads = None  # [1] int32 routed pairs read from host memory since the last count (addressed)
+        self._tables = TokenTables(model)  # what a whole-token step reads its experts through
         self._token = None  # a whole token's layers as one segment (resident or addressed)
         self._tails = GreedyTails(model.ops, self._greedy_tail, self._capture)
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
@@ -233,42 +231,14 @@ class DecodeStep:
         if self._x is None:
             self._allocate()
         self.kind = kind
-        if kind == RESIDENT:
-            self._write_tables(model.cache.slot_table(spec.num_layers, spec.num_experts))
-        elif kind == ADDRESSED:
-            self._write_address_tables(address_tables(model))
+        self._tables.write(kind, self._owner)
         self._is_request_start = False
 
-    def _write_tables(self, tables: np.ndarray) -> None:
-        """[L, N] slot of every expert, into the buffer the resident segment reads (made once)."""
-        if self._tables is None:
-            self._tables = self.model.ops.upload(self._owner, tables)
-        else:
-            self.model.ops.copy_in(self._tables, tables)
-
-    def _write_address_tables(self, tables: np.ndarray) -> None:
-        """[L, N, C] plane addresses of every expert, and a zero count of host reads (made once)."""
-        ops = self.model.ops
-        if self._address_tables is None:
-            self._address_tables = ops.upload(self._owner, tables)
-            self._host_reads = ops.upload(self._owner, np.zeros(1, np.int32))
-        else:
-            ops.copy_in(self._address_tables, tables)
-            ops.copy_in(self._host_reads, np.zeros(1, np.int32))
-
     def _count_token_reads(self, stats: StreamStats, num_steps: int) -> None:
-        """Hits and misses of ``num_steps`` whole-token steps once they have run: every routed pair a
-        hit, but those read from host memory (the device's count, read and zeroed here)."""
+        """Hits and misses of ``num_steps`` whole-token steps, once they have run (``TokenTables.count``)."""
         spec = self.model.spec
         num_pairs = num_steps * self.num_rows * spec.num_layers * spec.num_experts_used
-        num_host = 0
-        if self.kind == ADDRESSED:
-            (count,) = _waited(stats, self._readback.now, self._host_reads)
-            num_host = int(count[0])
-            self.model.ops.copy_in(self._host_reads, np.zeros(1, np.int32))
-            stats.streamed_bytes += num_host * self.model.cache.layout.slot_bytes
-        stats.hits += num_pairs - num_host
-        stats.misses += num_host
+        self._tables.count(self.kind, stats, num_pairs, lambda array: _waited(stats, self._readback.now, array))
 
     @property
     def _owner(self) -> str:
@@ -340,7 +310,7 @@ class DecodeStep:
         ops, spec = self.model.ops, self.model.spec
         if self._x is None:
             self._allocate()
-        self._write_tables(np.full((spec.num_layers, spec.num_experts), -1, np.int32))
+        self._tables.write_slots(np.full((spec.num_layers, spec.num_experts), -1, np.int32), self._owner)
         ops.embed(self.model.token_embedding, np.full(self.num_rows, token), out=self._x)
         ops.copy_in(self._positions, np.arange(position, position + self.num_rows, dtype=np.int32))
         kind, self.kind = self.kind, RESIDENT
@@ -373,12 +343,11 @@ class DecodeStep:
         """Drop every segment and buffer (a later request captures again)."""
         self._close_layers()
         self._tails.close()
-        for array in (self._x, self._token_id, self._positions, self._slot_ids, self._tables, self._address_tables,
-                      self._host_reads, *(self._attention_scratch or ())):
+        self._tables.free()
+        for array in (self._x, self._token_id, self._positions, self._slot_ids, *(self._attention_scratch or ())):
             if array is not None:
                 self.model.ops.free(array)
-        self._x = self._token_id = self._positions = self._slot_ids = self._tables = None
-        self._address_tables = self._host_reads = self._attention_scratch = None
+        self._x = self._token_id = self._positions = self._slot_ids = self._attention_scratch = None
         self.kind = self._prefetched = None
         self.is_kept = False
         self._is_request_start = True
@@ -438,17 +407,11 @@ class DecodeStep:
         model.ops.moe(self._x, h, self._slot_ids, weights, cache.storage, None, cache.layout.at_layer(layer))
 
     def _whole_token(self):
-        model, ops = self.model, self.model.ops
-        cache = model.cache
+        model = self.model
         for layer in range(model.spec.num_layers):
             model.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
             h, ids, weights = self._route(layer)
-            layout = cache.layout.at_layer(layer)
-            if self.kind == ADDRESSED:  # the routed ids read their experts' planes where they lie
-                ops.moe_addressed(self._x, h, ids, weights, self._address_tables[layer], cache.storage, layout,
-                                  self._host_reads)
-            else:  # the routed ids go through the layer's table to slots on the device
-                ops.moe(self._x, h, ids, weights, cache.storage, self._tables[layer], layout)
+            self._tables.moe(self.kind, layer, self._x, h, ids, weights)
         return ()
 
 
