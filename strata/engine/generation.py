@@ -134,6 +134,8 @@ class Generation:
         finally:
             try:
                 tokens.close()  # its hidden state and logits return to the allocator's cache, which is trimmed
+                if sys.exc_info()[0] is None:  # a readback after a device error would hide that error
+                    engine.runner.count_decode_reads(stream)  # before the timing line: one readback a request
             finally:
                 decode_seconds = time.perf_counter() - decode_started
                 self._finish(report, len(unread), generated, finish, prefill_seconds, decode_seconds, stream)

@@ -146,6 +146,11 @@ class ModelRunner:
     def _steps(self) -> list[DecodeStep]:
         return [] if self.decode_step is None else [self.decode_step, *self._row_steps.values()]
 
+    def count_decode_reads(self, stats: StreamStats) -> None:
+        """The hits and misses of decode's whole-token steps not yet counted (``DecodeStep.count_reads``)."""
+        for step in self._steps():
+            step.count_reads(stats)
+
     def end_request(self) -> None:
         """A request's decode is over: its segments are dropped, unless they are kept (``prepare_decode``)."""
         for step in self._steps():

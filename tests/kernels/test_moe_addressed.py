@@ -82,6 +82,10 @@ def test_addressed_experts_give_the_stacked_rows_bits_wherever_their_planes_lie(
     moe_experts_addressed(dev(x), dev(ids), dev(weights), dev(table), stacks[0], stacks[2], addressed,
                           norm_weight=dev(norm_weight), host_reads=host_reads)
     assert np.array_equal(host(addressed), host(stacked))
+    uncounted = dev(residual)  # without a count of its own the launch keeps one aside (never in ids)
+    moe_experts_addressed(dev(x), dev(ids), dev(weights), dev(table), stacks[0], stacks[2], uncounted,
+                          norm_weight=dev(norm_weight))
+    assert np.array_equal(host(uncounted), host(stacked))
     valid = (ids >= 0) & (ids < num_experts)
     assert host(host_reads)[0] == int(in_host[ids[valid]].sum())
     x_normed = reference_ops.rms_norm(x, norm_weight, 1e-6)

@@ -101,6 +101,8 @@ class DecodeStep:
         self.kind: str | None = None  # RESIDENT, ADDRESSED or LAYERS, decided at a request's first token
         self._prefetched = None  # (ticket, experts): the copies of the next layer's predicted experts
         self._tables = TokenTables(model)  # what a whole-token step reads its experts through
+        self._num_uncounted_steps = 0  # whole-token ``forward`` steps whose hits and misses are not counted yet
+        self._is_fallback_logged = False
         self._token = None  # a whole token's layers as one segment (resident or addressed)
         self._tails = GreedyTails(model.ops, self._greedy_tail, self._capture)
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
@@ -133,7 +135,7 @@ class DecodeStep:
         stats.kv_host_bytes += host_tier_bytes(self.model.kv, position, position + self.num_rows)
         if self.kind != LAYERS:
             self._token_segment().replay()
-            self._count_token_reads(stats, 1)
+            self._num_uncounted_steps += 1  # counted at the end of decode (``count_reads``): no wait here
         else:
             self._layers(stats)
         return self._x
@@ -186,6 +188,13 @@ class DecodeStep:
                 with contextlib.suppress(Exception):
                     self.model.ops.synchronize()
 
+    def count_reads(self, stats: StreamStats) -> None:
+        """Add the hits and misses of the whole-token ``forward`` steps since the last count to ``stats``
+        (one readback: the host waits for those steps)."""
+        if self._num_uncounted_steps and self.kind in (RESIDENT, ADDRESSED):
+            self._count_token_reads(stats, self._num_uncounted_steps)
+        self._num_uncounted_steps = 0
+
     def _checked(self, token: int) -> int:
         if not 0 <= token < self.model.spec.vocab_size:  # the argmax found no finite logit
             raise NonFiniteLogitsError(f"the device picked token id {token}, outside the vocabulary: the logits "
@@ -222,6 +231,10 @@ class DecodeStep:
             kind = RESIDENT
         else:
             kind = ADDRESSED if self.is_reading_in_place and can_read_in_place(model) else LAYERS
+            if self.is_reading_in_place and kind == LAYERS and not self._is_fallback_logged:
+                log.warning('runtime.decode_misses = "host": the expert kernels cannot read this model\'s experts '
+                            'in place (formats without C++ rows, no expert pack, or no GPU); decode stages them')
+                self._is_fallback_logged = True
         # only kept segments outlive a request (end_request resets the others)
         if self.is_kept and self.kind is not None and kind != self.kind:
             log.info("decode reads experts as %s, no longer as %s: its segments are captured per request from now on",
@@ -334,6 +347,7 @@ class DecodeStep:
     def end_request(self) -> None:
         """A request's decode is over: kept segments wait for the next one, others are dropped."""
         self._prefetched = None
+        self._num_uncounted_steps = 0
         self._is_request_start = True
         self._tails.end_request()
         if not self.is_kept:
@@ -349,6 +363,7 @@ class DecodeStep:
                 self.model.ops.free(array)
         self._x = self._token_id = self._positions = self._slot_ids = self._attention_scratch = None
         self.kind = self._prefetched = None
+        self._num_uncounted_steps = 0
         self.is_kept = False
         self._is_request_start = True
 

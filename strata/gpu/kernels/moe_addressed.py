@@ -22,7 +22,7 @@ import numpy as np
 from numba import cuda, types
 
 from . import gemv_native, tensor_core
-from ._common import ceil_div, check_array, empty, stand_in
+from ._common import ceil_div, check_array, empty, stand_in, zeros
 from .activation import device_silu_mul
 from .launcher import jit
 from .packing import PackedMatrix
@@ -65,8 +65,8 @@ def moe_experts_addressed(x, ids, weights, table, gate: PackedMatrix, down: Pack
     if hidden is None:
         hidden = empty((num_tokens * top_k, ffn), np.float32, x)
     check_array("hidden", hidden, dtypes=np.float32, shape=(num_tokens * top_k, ffn))
-    if host_reads is None:
-        host_reads = stand_in(ids, np.int32, 1)
+    if host_reads is None:  # a count of its own: the kernel adds to it (a stand-in view would alias ids)
+        host_reads = zeros((1,), np.int32, x)
     check_array("host_reads", host_reads, dtypes=np.int32, shape=(1,))
     if num_tokens == 0:
         return out
