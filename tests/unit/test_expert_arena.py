@@ -102,7 +102,23 @@ def test_the_address_table_points_at_slots_for_cached_experts_and_at_the_pack_fo
             assert not table[:, column].any()
             continue
         offset, plane_range, shape, dtype = present[column]
+        assert offset == _pack_offset(layout, column)  # where the pack holds the plane in an expert's bytes
         slot_bytes = int(np.prod(shape)) * dtype.itemsize
         assert table[0, column] == plane_range.base + 3 * slot_bytes  # slot 3 of the plane's range
         assert table[2, column] == plane_range.base
         assert table[1, column] == (2 << 40) + offset and table[3, column] == (4 << 40) + offset  # pack + plane offset
+
+
+def _pack_offset(layout, column: int) -> int:
+    """The byte offset of plane ``column % 3`` of matrix ``column // 3`` in a packed expert, from the layout: the
+    matrix's region, then its planes in order (quants, scales, extra), each as plane_shapes sizes it."""
+    from strata.gpu.kernels.packing import plane_shapes
+
+    index, plane = divmod(column, 3)
+    planes = plane_shapes(layout.qtypes[index].name, *layout.shapes[index])
+    offset = layout.offsets[index]
+    for name in ("quants", "scales", "extra")[:plane]:
+        if name in planes:
+            shape, dtype = planes[name]
+            offset += int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return offset
