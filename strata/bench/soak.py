@@ -31,14 +31,29 @@ from strata.bench.python_growth import ObjectCensus, PythonGrowth, format_census
 from strata.config import Config
 
 
+def at_least(minimum: int):
+    """An argparse type: an integer of at least ``minimum`` (argparse names the flag in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}; give at least {minimum}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=200, help="requests to send (default 200)")
-    parser.add_argument("--min-prompt", type=int, default=64, help="shortest prompt in tokens (default 64)")
-    parser.add_argument("--max-prompt", type=int, default=0,
+    parser.add_argument("--requests", type=at_least(1), default=200, help="requests to send (default 200)")
+    parser.add_argument("--min-prompt", type=at_least(1), default=64, help="shortest prompt in tokens (default 64)")
+    parser.add_argument("--max-prompt", type=at_least(0), default=0,
                         help="longest prompt in tokens (default: half the context)")
-    parser.add_argument("--gen-tokens", type=int, default=16, help="tokens generated per request (default 16)")
+    parser.add_argument("--gen-tokens", type=at_least(1), default=16, help="tokens generated per request (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and tokens (default 0)")
-    parser.add_argument("--settle", type=int, default=20, help="first requests left out of the slope (default 20)")
+    parser.add_argument("--settle", type=at_least(0), default=20,
+                        help="first requests left out of the slope (default 20)")
     parser.add_argument("--max-slope-kib", type=float, default=64.0,
                         help="largest memory growth per request, device or RSS, that passes (default 64 KiB)")
     parser.add_argument("--trim-heap", action="store_true",
@@ -48,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trace the Python heap over --python-growth-requests requests after --settle and "
                              "print the allocation sites and object types that grew (those requests run several "
                              "times slower: every allocation is traced; the slopes start after them)")
-    parser.add_argument("--python-growth-requests", type=int, default=10,
+    parser.add_argument("--python-growth-requests", type=at_least(1), default=10,
                         help="requests the --python-growth window traces (default 10)")
     parser.add_argument("--census", action="store_true",
                         help="count live Python objects by type before the slope's first request and after the "

@@ -221,3 +221,12 @@ def _numpy_config(tmp_path):
     config.write_text(f'[model]\npath = "{write_tiny_model(tmp_path)}"\n[runtime]\nbackend = "numpy"\n'
                       'context_tokens = 512\n')
     return config
+
+
+@pytest.mark.parametrize("flag, value", [("--requests", "-1"), ("--requests", "0"), ("--gen-tokens", "0"),
+                                         ("--settle", "-2"), ("--min-prompt", "many")])
+def test_a_count_out_of_range_is_refused_naming_its_flag(tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", str(_numpy_config(tmp_path)), "soak", flag, value])
+    assert exc.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
