@@ -148,9 +148,9 @@ class DecodeStep:
         values [n] float32) added to the logits, ids checked by the caller, or None.
 
         A whole-token step (every expert cached, or misses read in place) runs one step ahead: step s+1
-        is queued before step s's id is read, so
-        the GPU does not wait for the host between tokens. A caller that stops early leaves that
-        step's KV cell written past the tokens it keeps; a later token or request writes it again."""
+        is queued before step s's id is read, so the GPU does not wait for the host between tokens. A
+        caller that stops early leaves that step's KV cell written past the tokens it keeps; a later
+        token or request writes it again."""
         if self.num_rows != 1:
             raise EngineError("greedy decode on the device runs one token a step")
         self._begin([token], position)
