@@ -41,6 +41,7 @@ from typing import Sequence
 from strata.bench.host_cpu import choice as host_cpu_choice
 from strata.bench.host_cpu import summary as host_cpu_summary
 from strata.bench.host_numa import summary as host_numa_summary
+from strata.bench.one_run import DECODE_MISSES
 from strata.bench.provenance import code_identity
 from strata.bench.rival import EARLIER_RUN, Rival, read_rival
 from strata.config import Config
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec", default="config",
                         help="speculative decode arms, comma-separated: config (as configured), auto, fixed "
                              "(depth runtime.spec_depth), off (plain decode with the same memory)")
+    parser.add_argument("--decode-misses", default="config",
+                        help="decode-miss arms, comma-separated: config (runtime.decode_misses as configured), "
+                             "stage, host (each arm's rows say which it ran)")
     parser.add_argument("--draft-oracle", type=float, default=None, metavar="P",
                         help="measurement mode: each draft is the target's own greedy continuation with "
                              "probability P, else a wrong token (labelled in every row)")
@@ -82,7 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, config: Config) -> int:
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
     rival = read_rival(args.rival)  # before any run: a file that is not llama-bench's stops here
-    arms = [(loan.strip(), spec.strip()) for loan in args.arms.split(",") for spec in args.spec.split(",")]
+    arms = [(loan.strip(), spec.strip(), misses.strip()) for loan in args.arms.split(",")
+            for spec in args.spec.split(",") for misses in args.decode_misses.split(",")]
+    unknown = sorted({misses for *_, misses in arms} - set(DECODE_MISSES))
+    if unknown:  # before any run, not in the middle of the bench
+        raise SystemExit(f"--decode-misses {', '.join(unknown)}: each arm must be one of {', '.join(DECODE_MISSES)}")
     code = code_identity()
     print(f"# {code}", file=sys.stderr, flush=True)
     runs = []
@@ -90,13 +98,14 @@ def run(args: argparse.Namespace, config: Config) -> int:
         # arms interleaved per repetition: the first process after the GPU has idled runs slower
         # (measured on the H200), and it must not always be the same arm's
         for rep in range(args.reps):
-            for arm, spec in arms:
+            for arm, spec, misses in arms:
                 profile = None
                 if args.profile_dir:
                     args.profile_dir.mkdir(parents=True, exist_ok=True)
-                    profile = args.profile_dir / f"{arm}-{spec}-{length}-{rep + 1}.prof"
-                extra = ["--spec", spec] + ([] if args.draft_oracle is None or spec == "off"
-                                            else ["--draft-oracle", str(args.draft_oracle)])
+                    misses_part = "" if misses == "config" else f"-{misses}"
+                    profile = args.profile_dir / f"{arm}-{spec}{misses_part}-{length}-{rep + 1}.prof"
+                extra = ["--spec", spec, "--decode-misses", misses] + (
+                    [] if args.draft_oracle is None or spec == "off" else ["--draft-oracle", str(args.draft_oracle)])
                 extra += ["--host-cpu", args.host_cpu] + (["--layer-timeline"] if args.layer_timeline else [])
                 result = run_fresh(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile, extra)
                 runs.append(result)
@@ -259,10 +268,15 @@ def _host_busy_cell(group: list[dict]) -> str:
 
 
 def _spec_label(run: dict) -> str:
-    """The run's decode: plain, or speculation's policy; the draft oracle named (it is not the model's speed)."""
+    """The run's decode: plain, or speculation's policy; the draft oracle named (it is not the model's speed),
+    and where the run set runtime.decode_misses (``--decode-misses``), the value."""
     label = run.get("spec", "none")
     oracle = run.get("draft_oracle")
-    return label if oracle is None or label in ("off", "none") else f"{label}, draft oracle {oracle:g}"
+    if oracle is not None and label not in ("off", "none"):
+        label = f"{label}, draft oracle {oracle:g}"
+    if run.get("decode_misses_arm", "config") != "config":  # the arms of --decode-misses
+        label = f"{label}, misses {run['decode_misses']}"
+    return label
 
 
 def _spec_cells(group: list[dict]) -> list[str]:

@@ -20,18 +20,28 @@ from strata.bench import host_cpu
 from strata.bench.draft_oracle import DraftOracle
 from strata.bench.host_numa import host_numa
 from strata.bench.provenance import code_identity, device_name
-from strata.config import load_config
+from strata.config import load_config, verify_config
 
 SPEC_MODES = ("config", "auto", "fixed", "off")
+DECODE_MISSES = ("config", "stage", "host")  # runtime.decode_misses as configured, or either value
 
 
-def bench_config(path: str, is_loan: bool):
+def bench_config(path: str, is_loan: bool, decode_misses: str = "config"):
+    """The configuration at ``path`` for one arm: the loan off where ``is_loan`` is false, and
+    ``runtime.decode_misses`` set where ``decode_misses`` is not "config" (prefetching as that value's
+    default has it: on with captured decode where misses are staged, off where they are read in place)."""
     config = load_config(path)
     if is_loan and not config.loan.enabled:
         raise SystemExit("the loan arm needs loan.enabled = true in the config")
     if not is_loan:
         config = dataclasses.replace(config, loan=dataclasses.replace(config.loan, enabled=False, plugins=(),
                                                                        tables={}))
+    runtime = config.runtime
+    if decode_misses != "config" and decode_misses != runtime.decode_misses:
+        runtime = dataclasses.replace(runtime, decode_misses=decode_misses,
+                                      decode_prefetch=runtime.decode_graphs and decode_misses == "stage")
+        config = dataclasses.replace(config, runtime=runtime)
+        verify_config(config)
     return config
 
 
@@ -61,6 +71,8 @@ def main(argv=None) -> int:
                              "CPU after load), or a CPU number")
     parser.add_argument("--layer-timeline", action="store_true",
                         help="time every prefill layer on the device and the host's issuing of it")
+    parser.add_argument("--decode-misses", choices=DECODE_MISSES, default="config",
+                        help="runtime.decode_misses for this run: as configured (default), stage or host")
     args = parser.parse_args(argv)
 
     from strata.engine.facade import Engine
@@ -68,7 +80,7 @@ def main(argv=None) -> int:
     from strata.plugins import discover
 
     started = time.perf_counter()
-    engine = Engine.load(bench_config(args.config, args.loan == "on"), show_progress=False)
+    engine = Engine.load(bench_config(args.config, args.loan == "on", args.decode_misses), show_progress=False)
     load_seconds = time.perf_counter() - started
     _set_speculation(engine, args.spec)
     tokens = prompt_tokens(engine.tokenizer, args.prompt_tokens, args.seed)
@@ -125,6 +137,7 @@ def main(argv=None) -> int:
         "compute_flops_per_s": engine.planner.rates.compute.value,
         "compute_source": engine.planner.rates.compute.source,
         "spec": args.spec if engine.mtp is not None or args.spec == "off" else "none",
+        "decode_misses": engine.config.runtime.decode_misses, "decode_misses_arm": args.decode_misses,
         "draft_oracle": args.draft_oracle, "spec_rounds": stats.spec_rounds, "spec_drafted": stats.spec_drafted,
         "spec_accepted": stats.spec_accepted, "spec_depth": stats.spec_depth,
         "spec_depth_max": engine.config.runtime.spec_depth,

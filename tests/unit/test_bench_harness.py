@@ -207,3 +207,40 @@ def test_a_runs_stderr_is_kept_in_its_figures_up_to_a_limit():
     assert lines == ["warm-up left the ledger at {...}", "line 0", "line 1", "line 2", "line 3",
                      "... and 26 more line(s)"]
     assert stderr_lines("") == []
+
+
+def test_bench_decode_miss_arms_set_the_key_per_run_and_label_their_rows(tmp_path):
+    model = write_small_moe(tmp_path / "small-moe-mtp.gguf", with_mtp=True)
+    out = tmp_path / "runs.json"
+    done = subprocess.run([sys.executable, "-m", "strata.cli", "--config", str(_config(tmp_path, model)), "bench",
+                           "--prompt-tokens", "40", "--gen-tokens", "3", "--reps", "1", "--arms", "off",
+                           "--decode-misses", "stage,host", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(out.read_text())
+    assert [(r["decode_misses_arm"], r["decode_misses"]) for r in runs] == [("stage", "stage"), ("host", "host")]
+    assert "| 40 | off | config, misses stage |" in done.stdout and "| 40 | off | config, misses host |" in done.stdout
+
+
+def test_an_unknown_decode_miss_arm_stops_the_bench_before_any_run(tmp_path):
+    model = write_small_moe(tmp_path / "small-moe-mtp.gguf", with_mtp=True)
+    done = subprocess.run([sys.executable, "-m", "strata.cli", "--config", str(_config(tmp_path, model)), "bench",
+                           "--prompt-tokens", "40", "--reps", "1", "--decode-misses", "stage,pinned"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--decode-misses pinned: each arm must be one of config, stage, host" in done.stderr
+    assert "[off 40 #1]" not in done.stderr
+
+
+def test_a_decode_miss_arm_sets_prefetching_as_its_default_has_it(tmp_path):
+    from strata.bench.one_run import bench_config
+
+    path = _config(tmp_path, write_small_moe(tmp_path / "small-moe.gguf", with_mtp=True))
+    staged = bench_config(str(path), False)
+    assert staged.runtime.decode_misses == "stage" and staged.runtime.decode_prefetch
+    in_place = bench_config(str(path), False, "host")
+    assert in_place.runtime.decode_misses == "host" and not in_place.runtime.decode_prefetch
+    assert not in_place.loan.enabled and bench_config(str(path), True, "host").loan.enabled
+    path.write_text(path.read_text().replace("[runtime]\n", '[runtime]\ndecode_misses = "host"\n'))
+    back = bench_config(str(path), False, "stage")
+    assert back.runtime.decode_misses == "stage" and back.runtime.decode_prefetch
