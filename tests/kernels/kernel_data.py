@@ -56,6 +56,16 @@ def random_matrix(fmt: str, num_rows: int, num_cols: int, seed: int,
     return to_device(pack(raw, fmt)), reference_dequant(raw, fmt)
 
 
+def random_experts(fmts: tuple[str, str, str], num_experts: int, dim: int, ffn: int, seed: int) -> tuple:
+    """Stacked routed experts (gate, up, down) in ``fmts`` on the device, and their values per gguf-py as
+    ([N, F, H], [N, F, H], [N, H, F]) float32."""
+    gate, gate_v = random_matrix(fmts[0], num_experts * ffn, dim, seed)
+    up, up_v = random_matrix(fmts[1], num_experts * ffn, dim, seed + 1)
+    down, down_v = random_matrix(fmts[2], num_experts * dim, ffn, seed + 2)
+    return (gate, up, down), (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
+                              down_v.reshape(num_experts, dim, ffn))
+
+
 def dev(a: np.ndarray):
     return cuda.to_device(np.ascontiguousarray(a))
 

@@ -15,6 +15,7 @@ from kernel_data import (
     block_elems,
     dev,
     host,
+    random_experts,
     random_matrix,
 )
 from numba import cuda
@@ -144,14 +145,6 @@ def test_native_multi_gemv_mixes_formats_and_falls_back_for_the_rest():
                    native=True)
 
 
-def _experts(fmts, num_slots, dim, ffn, seed):
-    gate, gate_v = random_matrix(fmts[0], num_slots * ffn, dim, seed)
-    up, up_v = random_matrix(fmts[1], num_slots * ffn, dim, seed + 1)
-    down, down_v = random_matrix(fmts[2], num_slots * dim, ffn, seed + 2)
-    return (gate, up, down), (gate_v.reshape(num_slots, ffn, dim), up_v.reshape(num_slots, ffn, dim),
-                              down_v.reshape(num_slots, dim, ffn))
-
-
 @needs_gpu
 @pytest.mark.parametrize("fmts, ffn, top_k", [
     (("Q4_0", "Q4_0", "Q4_0"), 288, 3), (("Q8_0", "Q8_0", "Q4_K"), 256, 3), (("Q4_K", "Q4_K", "Q8_0"), 288, 3),
@@ -162,7 +155,7 @@ def _experts(fmts, num_slots, dim, ffn, seed):
 ])
 def test_native_experts_match_the_reference_and_skip_missing_slots(fmts, ffn, top_k):
     num_slots, dim, num_tokens = 10, 512, 2
-    (gate, up, down), values = _experts(fmts, num_slots, dim, ffn, seed=430)
+    (gate, up, down), values = random_experts(fmts, num_slots, dim, ffn, seed=430)
     rng = np.random.default_rng(431)
     x = (rng.standard_normal((num_tokens, dim)) * 2).astype(np.float32)
     norm_weight = rng.uniform(0.5, 1.5, dim).astype(np.float32)

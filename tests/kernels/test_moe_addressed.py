@@ -4,7 +4,7 @@ the NumPy reference. The C++ needs a real GPU; in the simulator the addressed pa
 
 import numpy as np
 import pytest
-from kernel_data import assert_close_to_scale, dev, host, random_matrix
+from kernel_data import assert_close_to_scale, dev, host, random_experts
 from numba import cuda
 
 from strata.backend.select import has_cuda_device
@@ -21,14 +21,6 @@ needs_gpu = pytest.mark.skipif(not has_cuda_device(), reason="needs a real CUDA 
 def every_built_format_served(monkeypatch):
     monkeypatch.setattr(gemv_native, "FORMATS", gemv_native.BUILT_FORMATS)
     monkeypatch.setattr(gemv_native, "EXPERT_FORMATS", gemv_native.BUILT_EXPERT_FORMATS)
-
-
-def _experts(fmts, num_experts, dim, ffn, seed):
-    gate, gate_v = random_matrix(fmts[0], num_experts * ffn, dim, seed)
-    up, up_v = random_matrix(fmts[1], num_experts * ffn, dim, seed + 1)
-    down, down_v = random_matrix(fmts[2], num_experts * dim, ffn, seed + 2)
-    return (gate, up, down), (gate_v.reshape(num_experts, ffn, dim), up_v.reshape(num_experts, ffn, dim),
-                              down_v.reshape(num_experts, dim, ffn))
 
 
 def _mapped(plane):
@@ -64,7 +56,7 @@ def _table(stacks, in_host, num_experts):
 ])
 def test_addressed_experts_give_the_stacked_rows_bits_wherever_their_planes_lie(fmts, ffn, top_k):
     num_experts, dim, num_tokens = 10, 512, 3
-    stacks, values = _experts(fmts, num_experts, dim, ffn, seed=470)
+    stacks, values = random_experts(fmts, num_experts, dim, ffn, seed=470)
     rng = np.random.default_rng(471)
     in_host = rng.random(num_experts) < 0.5
     table, copies = _table(stacks, in_host, num_experts)
@@ -97,7 +89,7 @@ def test_addressed_experts_give_the_stacked_rows_bits_wherever_their_planes_lie(
 
 
 def test_the_addressed_path_is_refused_by_name_where_it_cannot_run():
-    stacks, _ = _experts(("Q4_1",) * 3, 2, 64, 32, seed=480)  # no C++ rows for Q4_1 (nor any in the simulator)
+    stacks, _ = random_experts(("Q4_1",) * 3, 2, 64, 32, seed=480)  # no C++ rows for Q4_1 (nor any in the simulator)
     assert not can_address(*stacks, 1)
     table = dev(np.zeros((2, TABLE_COLUMNS), np.uint64))
     out = dev(np.zeros((1, 64), np.float32))
