@@ -20,10 +20,12 @@ Where experts come from:
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
 from strata.backend.ops import DECODE_MAX_ROWS, Ops, QTensor, host_tier_bytes
+from strata.engine.decode.expert_addresses import can_read_in_place
 from strata.engine.decode.step import DecodeStep, can_use_segments
 from strata.engine.memory.decode_resources import upload_tensor
 from strata.engine.memory.expert_cache import ExpertCache
@@ -34,6 +36,8 @@ from strata.engine.stream_stats import StreamStats
 from strata.errors import EngineError
 from strata.model.gguf_file import GgufModel
 from strata.model.spec import ModelSpec
+
+log = logging.getLogger("strata.engine")
 
 DENSE_OWNER = "dense_weights"
 _LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_down",
@@ -82,8 +86,14 @@ class ModelRunner:
         self.kv = kv
         self.cache = cache
         self.pack = pack
+        is_captured = is_decode_captured and can_use_segments(self)
+        if is_captured and is_decode_reading_in_place and not can_read_in_place(self):
+            log.warning('runtime.decode_misses = "host": the expert kernels cannot read this model\'s experts in '
+                        'place (formats without C++ rows, no expert pack, or no GPU); decode stages them')
+            is_decode_reading_in_place = False
+        # whether the kernels can read the experts in place does not change while the engine lives: decided once
         self.decode_step = DecodeStep(self, is_decode_prefetching, is_reading_in_place=is_decode_reading_in_place) \
-            if is_decode_captured and can_use_segments(self) else None
+            if is_captured else None
         self._row_steps: dict[int, DecodeStep] = {}  # [R] captured steps of R tokens (speculation's verify)
 
     @property

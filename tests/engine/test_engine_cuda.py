@@ -175,6 +175,17 @@ def test_misses_read_in_place_give_the_reference_output_in_one_graph_a_token(tmp
     assert _lasting(engine) == dict(engine.idle_ledger.by_owner)
 
 
+@pytest.mark.skipif(BACKEND != "cudasim", reason="the simulator cannot read experts in place: the fallback")
+def test_misses_asked_to_be_read_in_place_where_they_cannot_be_are_staged_with_a_warning(tiny_path, caplog):
+    runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "decode_misses": "host"}
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        engine = Engine.load(engine_config(tiny_path, runtime=runtime), show_progress=False)
+    assert not engine.runner.decode_step.is_reading_in_place
+    assert [r.message for r in caplog.records].count(
+        'runtime.decode_misses = "host": the expert kernels cannot read this model\'s experts in place (formats '
+        'without C++ rows, no expert pack, or no GPU); decode stages them') == 1
+
+
 @pytest.mark.parametrize("head_dim, module, name", [
     pytest.param(32, attention_decode, "decode_kernel", id="ffma"),
     pytest.param(64, attention_decode_direct, "attention_decode", id="direct", marks=pytest.mark.skipif(

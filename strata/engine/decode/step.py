@@ -62,7 +62,6 @@ from collections.abc import Iterator
 import numpy as np
 
 from strata.backend.ops import host_tier_bytes
-from strata.engine.decode.expert_addresses import can_read_in_place
 from strata.engine.decode.greedy_tail import GreedyTails
 from strata.engine.decode.layers import DecodeLayers
 from strata.engine.decode.token_tables import ADDRESSED, LAYERS, RESIDENT, TokenTables
@@ -85,7 +84,8 @@ class DecodeStep:
                  is_reading_in_place: bool = False):
         self.model = model
         self.is_prefetching = is_prefetching
-        self.is_reading_in_place = is_reading_in_place  # misses read from the pinned pack, where the backend can
+        # misses read from the pinned pack: the caller checked that the backend can (``can_read_in_place``)
+        self.is_reading_in_place = is_reading_in_place
         self.num_rows = num_rows  # tokens a step computes (consecutive positions)
         self.is_kept = False  # segments and buffers kept across requests (``prepare``)
         self._is_request_start = True
@@ -102,7 +102,6 @@ class DecodeStep:
         self._prefetched = None  # (ticket, experts): the copies of the next layer's predicted experts
         self._tables = TokenTables(model)  # what a whole-token step reads its experts through
         self._num_uncounted_steps = 0  # whole-token ``forward`` steps whose hits and misses are not counted yet
-        self._is_fallback_logged = False
         self._token = None  # a whole token's layers as one segment (resident or addressed)
         self._tails = GreedyTails(model.ops, self._greedy_tail, self._capture)
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
@@ -230,11 +229,7 @@ class DecodeStep:
         if model.cache.num_cached == spec.num_layers * spec.num_experts:
             kind = RESIDENT
         else:
-            kind = ADDRESSED if self.is_reading_in_place and can_read_in_place(model) else LAYERS
-            if self.is_reading_in_place and kind == LAYERS and not self._is_fallback_logged:
-                log.warning('runtime.decode_misses = "host": the expert kernels cannot read this model\'s experts '
-                            'in place (formats without C++ rows, no expert pack, or no GPU); decode stages them')
-                self._is_fallback_logged = True
+            kind = ADDRESSED if self.is_reading_in_place else LAYERS
         # only kept segments outlive a request (end_request resets the others)
         if self.is_kept and self.kind is not None and kind != self.kind:
             log.info("decode reads experts as %s, no longer as %s: its segments are captured per request from now on",
