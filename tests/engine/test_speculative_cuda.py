@@ -55,7 +55,7 @@ def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth):
         tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
         assert tokens == plain_tokens and stats.spec_rounds > 0
     # every draft the greedy continuation, which the request records first by plain decode on the
-    # device (its greedy steps queued ahead, then a one-row step): each verify step takes all its drafts
+    # device (one run of greedy steps, each queued ahead): each verify step takes all its drafts
     oracle = DraftOracle(None, 0, 1.0, engine.spec.vocab_size)
     generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=NUM_GENERATED, seed=0),
                                  draft_oracle=oracle)
@@ -64,6 +64,17 @@ def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth):
     assert generation.stats.spec_accepted == generation.stats.spec_drafted > 0
     idle = dict(engine.idle_ledger.by_owner)
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
+
+
+def test_device_speculation_with_the_depth_policy_equals_plain_greedy(tiny_path, plain_tokens):
+    """spec_policy "auto": runs of plain steps on the device between the policy's looks (in the simulator
+    the request's 4 tokens are one run, the last, with no verify step after it), drafts where it probes."""
+    engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=2, spec_policy="auto")),
+                         show_progress=False)
+    tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
+    assert tokens == plain_tokens
+    if BACKEND == "cuda":  # 40 tokens: a first run of 16, then depth 1 tried
+        assert stats.spec_rounds > 0
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the loan on the device: GPU only (slow in the simulator)")

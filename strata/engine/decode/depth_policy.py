@@ -14,8 +14,9 @@ more often than the last one measured), its time by the slowest depth below it. 
 ``probe_every`` steps the depth next to the chosen one is timed again, so a change in the text or
 the cache is seen; a probe that finds the same depth best as the one before doubles the interval
 (up to ``_MAX_PROBE_EVERY``), since each costs a step at a worse depth: on the H200 a plain run with
-a probe every 32 tokens decoded at 0.92x plain decode. ``is_fixed`` always drafts ``max_depth``
-(the equality tests, the bench's fixed arm).
+a probe every 32 tokens decoded at 0.92x plain decode. Between probes, where plain decode is best,
+``plain_steps`` says how long a caller may run plain steps without asking. ``is_fixed`` always
+drafts ``max_depth`` (the equality tests, the bench's fixed arm).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class DepthPolicy:
             return limit
         if self.seconds[0] is None:
             return 0
-        best = max(range(limit + 1), key=lambda d: self._rate(d) if self.seconds[d] is not None else -1.0)
+        best = self._best(limit)
         best_rate = self._rate(best)
         untried = next((d for d in range(1, limit + 1) if self.seconds[d] is None), None)
         if untried is not None and self._bound(untried) > best_rate:
@@ -59,6 +60,14 @@ class DepthPolicy:
             self._best_at_probe, self._last_probe = best, self._num_steps
             return min(limit, best + 1) if best < limit else best - 1
         return best
+
+    def plain_steps(self) -> int:
+        """Steps in a row that ``depth`` answers 0 from now on, as the records stand: where plain decode is
+        the best depth, the steps until the next probe; else 0 (depth 0 is timed for the first time, or
+        probed as the neighbour of a better depth). A caller may run that many plain steps without asking."""
+        if self.is_fixed or self.seconds[0] is None or self._best(self.max_depth) != 0:
+            return 0
+        return max(0, self._probe_every - (self._num_steps - self._last_probe))
 
     def record(self, depth: int, seconds: float, num_accepted: int) -> None:
         """A step at ``depth`` took ``seconds`` and its first ``num_accepted`` drafts were taken."""
@@ -90,6 +99,10 @@ class DepthPolicy:
             total += chance
             last = rate
         return total
+
+    def _best(self, limit: int) -> int:
+        """The timed depth up to ``limit`` with the most expected tokens per second."""
+        return max(range(limit + 1), key=lambda d: self._rate(d) if self.seconds[d] is not None else -1.0)
 
     def _rate(self, depth: int) -> float:
         return self.expected_tokens(depth) / max(self.seconds[depth], 1e-9)

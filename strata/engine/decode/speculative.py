@@ -21,6 +21,7 @@ Depth 0 (the policy found drafting slower than it saves) is a plain one-token st
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -32,8 +33,7 @@ from strata.engine.decode.mtp import MtpDraft
 from strata.engine.sampling import SamplingParams, distribution, draw, sample
 from strata.engine.stream_stats import StreamStats
 
-
-PLAIN_RUN_TOKENS = 16  # plain steps on the device between two looks at the depth policy
+PLAIN_RUN_TOKENS = 16  # the fewest plain steps on the device between two looks at the depth policy
 
 
 class DraftOracle(Protocol):
@@ -52,6 +52,9 @@ class _PlainDecode:
 
     def depth(self, limit: int) -> int:
         return 0
+
+    def plain_steps(self) -> int:
+        return sys.maxsize
 
     def record(self, depth: int, seconds: float, num_accepted: int) -> None:
         pass
@@ -87,17 +90,38 @@ class Speculation:
         num_left = num_steps
         while num_left > 0:
             depth = self.policy.depth(num_left - 1)
-            started = time.perf_counter()
             if depth == 0 and self.device is not None:
-                rows, emitted = self._device_plain_run(token, position, min(num_left, PLAIN_RUN_TOKENS))
-                num_accepted = 0
-            else:
-                step = self._device_step if self.device is not None else self._host_step
-                rows, emitted, num_accepted = step(token, position, depth, rows, next_tokens, start)
-                rows = rows[:num_accepted + 1]  # [n + 1, D] the verified rows
-            seconds = (time.perf_counter() - started) / (len(emitted) if depth == 0 else 1)
-            for _ in range(len(emitted) if depth == 0 else 1):
-                self.policy.record(depth, seconds, num_accepted)
+                # until the policy would look again; to the request's end, where it would not before it
+                num_tokens = min(num_left, max(PLAIN_RUN_TOKENS, self.policy.plain_steps()))
+                run = self._device_plain_run(token, position, num_tokens, is_last=num_tokens == num_left)
+                seconds = 0.0  # the host's time in the run's steps, not the caller's between tokens
+                try:
+                    while True:
+                        started = time.perf_counter()
+                        try:
+                            out = next(run)
+                        except StopIteration as end:
+                            rows = end.value
+                            break
+                        finally:
+                            seconds += time.perf_counter() - started
+                        kv_tokens.append(token)
+                        position, token, num_left = position + 1, out, num_left - 1
+                        yield out
+                finally:
+                    run.close()
+                for _ in range(num_tokens):
+                    self.policy.record(0, seconds / num_tokens, 0)
+                self.stats.spec_depth = 0
+                if rows is None:  # the request's last run: nothing drafts after it
+                    return
+                next_tokens, start = [token], position - 1
+                continue
+            started = time.perf_counter()
+            step = self._device_step if self.device is not None else self._host_step
+            rows, emitted, num_accepted = step(token, position, depth, rows, next_tokens, start)
+            rows = rows[:num_accepted + 1]  # [n + 1, D] the verified rows
+            self.policy.record(depth, time.perf_counter() - started, num_accepted)
             if depth:
                 self.stats.record_round(depth, num_accepted)
             self.stats.spec_depth = depth
@@ -111,21 +135,26 @@ class Speculation:
                 yield out
             num_left -= len(emitted)
 
-    def _device_plain_run(self, token: int, position: int, num_tokens: int):
-        """(row [1, D], tokens): ``num_tokens`` plain greedy steps on the device, all but the last
-        queued one ahead of the host (``ModelRunner.greedy_tokens``), the last a one-row verify step,
-        whose hidden row the next drafting starts from."""
+    def _device_plain_run(self, token: int, position: int, num_tokens: int, is_last: bool) -> Iterator[int]:
+        """Yields ``num_tokens`` plain greedy tokens picked on the device, each step queued one ahead of
+        the host (``ModelRunner.greedy_tokens``) but the last, a one-row verify step whose hidden row
+        [1, D] (the generator's return value) the next drafting starts from. is_last: the request ends
+        with these tokens and nothing drafts after them: every step is queued ahead, and it returns None."""
         device, head, bias, host_bias = self.device
-        emitted: list[int] = []
-        if num_tokens > 1:
-            steps = self.runner.greedy_tokens(token, position, num_tokens - 1, head, host_bias, self.stats)
+        num_queued = num_tokens if is_last else num_tokens - 1
+        last = token
+        if num_queued:
+            steps = self.runner.greedy_tokens(token, position, num_queued, head, host_bias, self.stats)
             try:
-                emitted = list(steps)
+                for last in steps:
+                    yield last
             finally:
                 steps.close()
-        last = emitted[-1] if emitted else token
-        rows, _, targets = device.verify(last, position + len(emitted), 0, head, bias, self.stats)
-        return rows, [*emitted, targets[0]]
+        if is_last:
+            return None
+        rows, _, targets = device.verify(last, position + num_queued, 0, head, bias, self.stats)
+        yield targets[0]
+        return rows
 
     def _host_step(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int):
         """(rows [n + 1, D] verified or not, tokens to emit, drafts taken), logits read on the host."""

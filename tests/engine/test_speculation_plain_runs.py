@@ -1,0 +1,121 @@
+"""Runs of plain steps on the device inside speculation (``Speculation._device_plain_run``), with
+recording fakes for the runner and the device steps: how long a run goes between two looks at the
+depth policy, what a run ends with, and that its tokens stream one at a time."""
+
+import numpy as np
+
+from strata.engine.decode.depth_policy import DepthPolicy
+from strata.engine.decode.speculative import PLAIN_DECODE, PLAIN_RUN_TOKENS, Speculation
+from strata.engine.sampling import SamplingParams
+from strata.engine.stream_stats import StreamStats
+
+
+def _next(token: int) -> int:
+    return (7 * token + 3) % 101
+
+
+class _Runner:
+    """Greedy steps on the 'device': each token's successor is ``_next``; records every run asked for."""
+
+    def __init__(self):
+        self.runs, self.closed = [], 0
+
+    def greedy_tokens(self, token, position, num_steps, head, bias, stats):
+        self.runs.append((token, position, num_steps))
+        try:
+            for _ in range(num_steps):
+                token = _next(token)
+                yield token
+        finally:
+            self.closed += 1
+
+
+class _Device:
+    """The one-row verify step that ends a run that is not the request's last."""
+
+    def __init__(self):
+        self.verified = []
+
+    def verify(self, token, position, depth, head, bias, stats):
+        self.verified.append((token, position, depth))
+        return np.zeros((1, 4), np.float32), [], [_next(token)]
+
+
+class _NeverDrafts:
+    """A policy at depth 0 that would look again after ``plain_steps`` steps."""
+
+    def __init__(self, plain_steps: int):
+        self._plain_steps = plain_steps
+        self.recorded = 0
+
+    def depth(self, limit: int) -> int:
+        return 0
+
+    def plain_steps(self) -> int:
+        return self._plain_steps
+
+    def record(self, depth, seconds, num_accepted):
+        self.recorded += 1
+
+
+def _speculation(policy, runner, device):
+    return Speculation(runner, None, policy, None, SamplingParams(temperature=0.0), None, StreamStats(),
+                       device=(device, None, None, None))
+
+
+def _expected(token: int, num_tokens: int) -> list[int]:
+    out = []
+    for _ in range(num_tokens):
+        token = _next(token)
+        out.append(token)
+    return out
+
+
+def test_a_run_lasts_until_the_policy_would_look_again_and_the_last_run_ends_the_request():
+    runner, device, policy = _Runner(), _Device(), _NeverDrafts(plain_steps=100)
+    kv_tokens = []
+    tokens = list(_speculation(policy, runner, device).tokens(5, None, 40, 250, kv_tokens))
+    assert tokens == _expected(5, 250)
+    # 100, 100, then the 50 the request has left: each run but the last ends with a verify step
+    assert [num for _, _, num in runner.runs] == [99, 99, 50]
+    assert [(position, depth) for _, position, depth in device.verified] == [(40 + 99, 0), (40 + 199, 0)]
+    assert kv_tokens == [5, *tokens[:-1]] and policy.recorded == 250
+    assert runner.closed == 3
+
+
+def test_runs_are_never_shorter_than_the_floor():
+    runner, device = _Runner(), _Device()
+    tokens = list(_speculation(_NeverDrafts(plain_steps=0), runner, device).tokens(9, None, 0, 40, []))
+    assert tokens == _expected(9, 40)
+    assert [num for _, _, num in runner.runs] == [PLAIN_RUN_TOKENS - 1, PLAIN_RUN_TOKENS - 1, 40 - 2 * PLAIN_RUN_TOKENS]
+
+
+def test_plain_decode_is_one_run_with_no_verify_step():
+    runner, device = _Runner(), _Device()
+    tokens = list(_speculation(PLAIN_DECODE, runner, device).tokens(3, None, 10, 300, []))
+    assert tokens == _expected(3, 300) and runner.runs == [(3, 10, 300)] and device.verified == []
+
+
+def test_a_run_streams_its_tokens_and_a_caller_that_stops_closes_the_device_steps():
+    runner, device = _Runner(), _Device()
+    stream = _speculation(PLAIN_DECODE, runner, device).tokens(3, None, 10, 300, [])
+    assert next(stream) == _next(3)  # the first token before the run's other 299 are picked
+    stream.close()
+    assert runner.closed == 1 and device.verified == []
+
+
+def test_plain_steps_counts_down_to_the_next_probe_only_where_plain_decode_is_best():
+    policy = DepthPolicy(4, probe_every=32)
+    assert policy.plain_steps() == 0  # depth 0 not timed yet
+    assert policy.depth(10) == 0
+    policy.record(0, 0.010, 0)
+    assert policy.depth(10) == 1  # an untried depth that could win
+    policy.record(1, 0.030, num_accepted=0)  # drafting costs and nothing is taken
+    assert policy.depth(10) == 0
+    policy.record(0, 0.010, 0)
+    assert policy.plain_steps() == 32 - 3  # the steps before the next probe
+    fast = DepthPolicy(4, probe_every=32)
+    fast.record(0, 0.010, 0)
+    fast.record(1, 0.006, num_accepted=1)  # drafting pays: depth 0 is only ever a probe
+    assert fast.plain_steps() == 0
+    assert DepthPolicy(4, is_fixed=True).plain_steps() == 0
