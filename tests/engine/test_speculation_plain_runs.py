@@ -2,6 +2,8 @@
 recording fakes for the runner and the device steps: how long a run goes between two looks at the
 depth policy, what a run ends with, and that its tokens stream one at a time."""
 
+import itertools
+
 import numpy as np
 
 from strata.engine.decode.depth_policy import DepthPolicy
@@ -18,13 +20,14 @@ class _Runner:
     """Greedy steps on the 'device': each token's successor is ``_next``; records every run asked for."""
 
     def __init__(self):
-        self.runs, self.closed = [], 0
+        self.runs, self.closed, self.num_picked = [], 0, 0
 
     def greedy_tokens(self, token, position, num_steps, head, bias, stats):
         self.runs.append((token, position, num_steps))
         try:
             for _ in range(num_steps):
                 token = _next(token)
+                self.num_picked += 1
                 yield token
         finally:
             self.closed += 1
@@ -71,21 +74,37 @@ def _expected(token: int, num_tokens: int) -> list[int]:
     return out
 
 
+def _taken(stream, num_tokens: int) -> list[int]:
+    """What a request takes, as ``Generation`` does: its tokens, then it closes the stream (no next() after)."""
+    tokens = list(itertools.islice(stream, num_tokens))
+    stream.close()
+    return tokens
+
+
 def test_a_run_lasts_until_the_policy_would_look_again_and_the_last_run_ends_the_request():
     runner, device, policy = _Runner(), _Device(), _NeverDrafts(plain_steps=100)
     kv_tokens = []
-    tokens = list(_speculation(policy, runner, device).tokens(5, None, 40, 250, kv_tokens))
+    tokens = _taken(_speculation(policy, runner, device).tokens(5, None, 40, 250, kv_tokens), 250)
     assert tokens == _expected(5, 250)
     # 100, 100, then the 50 the request has left: each run but the last ends with a verify step
     assert [num for _, _, num in runner.runs] == [99, 99, 50]
     assert [(position, depth) for _, position, depth in device.verified] == [(40 + 99, 0), (40 + 199, 0)]
-    assert kv_tokens == [5, *tokens[:-1]] and policy.recorded == 250
+    assert kv_tokens == [5, *tokens[:-1]]
+    assert policy.recorded == 250  # every step timed, the last run's too, though the caller closed it
     assert runner.closed == 3
+
+
+def test_a_caller_that_stops_inside_a_run_has_its_steps_recorded():
+    runner, device, policy = _Runner(), _Device(), _NeverDrafts(plain_steps=100)
+    kv_tokens = []
+    tokens = _taken(_speculation(policy, runner, device).tokens(5, None, 0, 250, kv_tokens), 130)
+    assert tokens == _expected(5, 130) and policy.recorded == 130 and runner.closed == 2
+    assert kv_tokens == [5, *tokens[:-1]]  # the cells written for the tokens delivered
 
 
 def test_runs_are_never_shorter_than_the_floor():
     runner, device = _Runner(), _Device()
-    tokens = list(_speculation(_NeverDrafts(plain_steps=0), runner, device).tokens(9, None, 0, 40, []))
+    tokens = _taken(_speculation(_NeverDrafts(plain_steps=0), runner, device).tokens(9, None, 0, 40, []), 40)
     assert tokens == _expected(9, 40)
     assert [num for _, _, num in runner.runs] == [PLAIN_RUN_TOKENS - 1, PLAIN_RUN_TOKENS - 1, 40 - 2 * PLAIN_RUN_TOKENS]
 
@@ -99,7 +118,8 @@ def test_plain_decode_is_one_run_with_no_verify_step():
 def test_a_run_streams_its_tokens_and_a_caller_that_stops_closes_the_device_steps():
     runner, device = _Runner(), _Device()
     stream = _speculation(PLAIN_DECODE, runner, device).tokens(3, None, 10, 300, [])
-    assert next(stream) == _next(3)  # the first token before the run's other 299 are picked
+    assert next(stream) == _next(3)
+    assert runner.num_picked == 1  # the first token before the run's other 299 are picked
     stream.close()
     assert runner.closed == 1 and device.verified == []
 

@@ -94,7 +94,8 @@ class Speculation:
                 # until the policy would look again; to the request's end, where it would not before it
                 num_tokens = min(num_left, max(PLAIN_RUN_TOKENS, self.policy.plain_steps()))
                 run = self._device_plain_run(token, position, num_tokens, is_last=num_tokens == num_left)
-                seconds = 0.0  # the host's time in the run's steps, not the caller's between tokens
+                self.stats.spec_depth = 0
+                seconds, num_done = 0.0, 0  # the host's time in the run's steps, not the caller's between tokens
                 try:
                     while True:
                         started = time.perf_counter()
@@ -105,14 +106,15 @@ class Speculation:
                             break
                         finally:
                             seconds += time.perf_counter() - started
+                        num_done += 1
                         kv_tokens.append(token)
                         position, token, num_left = position + 1, out, num_left - 1
                         yield out
                 finally:
                     run.close()
-                for _ in range(num_tokens):
-                    self.policy.record(0, seconds / num_tokens, 0)
-                self.stats.spec_depth = 0
+                    # the steps taken, also where the caller stopped inside the run (its request's end, a stop)
+                    for _ in range(num_done):
+                        self.policy.record(0, seconds / num_done, 0)
                 if rows is None:  # the request's last run: nothing drafts after it
                     return
                 next_tokens, start = [token], position - 1
