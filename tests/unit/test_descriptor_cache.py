@@ -50,7 +50,8 @@ def test_a_soak_of_prompt_lengths_stays_under_the_bound(layouts):
 def test_no_memo_no_work():
     from numba.cuda.cudadrv import dummyarray  # the simulator's stand-in under NUMBA_ENABLE_CUDASIM=1
 
-    assert trim_descriptor_cache(0) >= 0  # the default module, whichever it is, never raises
+    trim_descriptor_cache(0)  # the default module, whichever it is: a memo there is emptied, and
+    assert trim_descriptor_cache(0) == 0  # nothing is left for a second trim
     assert trim_descriptor_cache(0, layouts=type("NoArray", (), {})) == 0
     if getattr(dummyarray, "Array", None) is None:
         assert trim_descriptor_cache(0) == 0
