@@ -93,30 +93,11 @@ class Speculation:
             if depth == 0 and self.device is not None:
                 # until the policy would look again; to the request's end, where it would not before it
                 num_tokens = min(num_left, max(PLAIN_RUN_TOKENS, self.policy.plain_steps()))
-                run = self._device_plain_run(token, position, num_tokens, is_last=num_tokens == num_left)
-                self.stats.spec_depth = 0
-                seconds, num_done = 0.0, 0  # the host's time in the run's steps, not the caller's between tokens
-                try:
-                    while True:
-                        started = time.perf_counter()
-                        try:
-                            out = next(run)
-                        except StopIteration as end:
-                            rows = end.value
-                            break
-                        finally:
-                            seconds += time.perf_counter() - started
-                        num_done += 1
-                        kv_tokens.append(token)
-                        position, token, num_left = position + 1, out, num_left - 1
-                        yield out
-                finally:
-                    run.close()
-                    # the steps taken, also where the caller stopped inside the run (its request's end, a stop)
-                    for _ in range(num_done):
-                        self.policy.record(0, seconds / num_done, 0)
-                if rows is None:  # the request's last run: nothing drafts after it
+                is_last = num_tokens == num_left
+                rows, token = yield from self._device_plain_run(token, position, num_tokens, is_last, kv_tokens)
+                if is_last:  # nothing drafts after it
                     return
+                position, num_left = position + num_tokens, num_left - num_tokens
                 next_tokens, start = [token], position - 1
                 continue
             started = time.perf_counter()
@@ -133,30 +114,44 @@ class Speculation:
             next_tokens, start = emitted[-rows.shape[0]:], position + len(verified) - rows.shape[0]
             position += len(verified)
             token = emitted[-1]
-            for out in emitted[:num_left]:
-                yield out
+            yield from emitted[:num_left]
             num_left -= len(emitted)
 
-    def _device_plain_run(self, token: int, position: int, num_tokens: int, is_last: bool) -> Iterator[int]:
-        """Yields ``num_tokens`` plain greedy tokens picked on the device, each step queued one ahead of
-        the host (``ModelRunner.greedy_tokens``) but the last, a one-row verify step whose hidden row
-        [1, D] (the generator's return value) the next drafting starts from. is_last: the request ends
-        with these tokens and nothing drafts after them: every step is queued ahead, and it returns None."""
+    def _device_plain_run(self, token: int, position: int, num_tokens: int, is_last: bool, kv_tokens: list[int]):
+        """Yields ``num_tokens`` plain greedy tokens after ``token`` picked on the device, each step queued
+        one ahead of the host (``ModelRunner.greedy_tokens``) but the last, a one-row verify step whose
+        hidden row [1, D] the next drafting starts from; returns (that row, or None where ``is_last``: the
+        request ends with these tokens and every step is queued ahead; the last token). Appends each token
+        whose KV cell a step wrote to ``kv_tokens``, and records the steps taken in the policy, also where
+        the caller closes the run: the host's time in them, not the caller's between tokens."""
         device, head, bias, host_bias = self.device
+        self.stats.spec_depth = 0
         num_queued = num_tokens if is_last else num_tokens - 1
-        last = token
-        if num_queued:
-            steps = self.runner.greedy_tokens(token, position, num_queued, head, host_bias, self.stats)
-            try:
-                for last in steps:
-                    yield last
-            finally:
+        steps = self.runner.greedy_tokens(token, position, num_queued, head, host_bias, self.stats) \
+            if num_queued else None
+        seconds, num_done = 0.0, 0
+        try:
+            started = time.perf_counter()
+            for picked in steps or ():
+                seconds += time.perf_counter() - started
+                kv_tokens.append(token)
+                token, num_done = picked, num_done + 1
+                yield picked
+                started = time.perf_counter()
+            if is_last:
+                seconds += time.perf_counter() - started
+                return None, token
+            rows, _, targets = device.verify(token, position + num_queued, 0, head, bias, self.stats)
+            seconds += time.perf_counter() - started
+            kv_tokens.append(token)
+            token, num_done = targets[0], num_done + 1
+            yield token
+            return rows, token
+        finally:
+            if steps is not None:
                 steps.close()
-        if is_last:
-            return None
-        rows, _, targets = device.verify(last, position + num_queued, 0, head, bias, self.stats)
-        yield targets[0]
-        return rows
+            for _ in range(num_done):
+                self.policy.record(0, seconds / num_done, 0)
 
     def _host_step(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int):
         """(rows [n + 1, D] verified or not, tokens to emit, drafts taken), logits read on the host."""
