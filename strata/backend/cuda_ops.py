@@ -325,6 +325,11 @@ class CudaOps(AttentionOps, MoeOps, HeadOps):
         with self._owning(ACTIVATIONS):
             return rms_norm(x, weight, eps, stream=self._stream)
 
+    def prefill_weight_scratch_bytes(self, model) -> int:
+        from strata.gpu.kernels import tensor_core
+
+        return weight_scratch_bytes(model, has_tensor_cores=tensor_core.is_available())
+
     def matmul(self, x, weight: QTensor):
         from strata.gpu.kernels.gemm import gemm
         from strata.gpu.kernels.gemv import gemv_rows
@@ -409,3 +414,18 @@ def quiet_launch_warnings() -> None:
     dispatcher.config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
     for category in (NumbaPerformanceWarning, CudaPerformanceWarning):
         warnings.simplefilter("ignore", category)
+
+
+def weight_scratch_bytes(model, *, has_tensor_cores: bool) -> int:
+    """The float16 copy of the largest dense layer matrix that ``gemm`` stages before its launch (a format its
+    fused loop does not read: ``is_staged_as_f16``); 0 without tensor cores, where nothing is staged. The routed
+    experts run their own kernels, and the embedding and the output head are not prefill products."""
+    from strata.gpu.kernels.gemm import f16_staging_bytes, is_staged_as_f16
+
+    if not has_tensor_cores:
+        return 0
+    sizes = [f16_staging_bytes(ref.shape[0], ref.shape[1]) for name, ref in model.tensors.items()
+             if name.startswith("blk.") and len(ref.shape) == 2 and "_exps" not in name
+             and is_staged_as_f16(ref.qtype.name)]
+    return max(sizes, default=0)
+

@@ -1,4 +1,4 @@
-"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe|...|prefetch]``.
+"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe|attention|decode|gemv]``.
 
 The sweeps behind the defaults of ``gemm_config.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/performance-log.md): every MmaConfig main-loop variant on the MoE prefill
@@ -8,8 +8,7 @@ routed tokens (behind ``gemm_config.default_config()`` and ``default_down_config
 choice for the experts ``moe_rows`` serves, its kernels on 64-pair groups; every
 MmaAttentionConfig on causal prefill at 4k and 32k per KV format; the direct decode attention's
 launch shapes at positions 2k and 32k per KV format; and the native decode GEMVs' block shapes behind
-``gemv_native.LAYER_CONFIG`` / ``head_config``; and the decode launches with and without their L2 prefetches
-(``NativeGemvConfig.is_prefetch``, ``gemv_native.EXPERT_PREFETCH``). Each line also reports the
+``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
 largest difference from a reference output (the GEMM, attention and GEMV sweeps) or from the first
 variant's output (the MoE sweep), so a fast but wrong variant shows. Needs a GPU with tensor cores.
 """
@@ -278,97 +277,12 @@ def gemv_sweep(timing) -> None:
               f"{_attempt(lambda run=run: f'{b.graph_ms(run, timing) * 1e3:7.1f} us')}", flush=True)
 
 
-# (format, rows, columns, role) of the prefetch sweep's GEMVs: a layer's projections and a head, each in its
-# engine shape (gemv_native.LAYER_CONFIG, head_config)
-PREFETCH_GEMVS = (("Q4_0", 4096, 2048, "q"), ("Q4_0", 2048, 4096, "o"), ("Q8_0", 4096, 2048, "q"),
-                  ("Q8_0", 2048, 4096, "o"), ("Q4_K", 4096, 2048, "q"), ("Q4_K", 2048, 4096, "o"),
-                  ("F32", 128, 2048, "router"), ("Q4_0", 151936, 2048, "head"))
-
-
-def _device_table(stacks, num_experts: int):
-    """moe_addressed's table over stacked experts on the device: expert e's nine planes' addresses."""
-    from strata.gpu.kernels.moe_addressed import TABLE_COLUMNS
-
-    table = np.zeros((num_experts, TABLE_COLUMNS), np.uint64)
-    for index, matrix in enumerate(stacks):
-        for p, plane in enumerate((matrix.quants, matrix.scales, matrix.extra)):
-            rows_each = matrix.num_rows // num_experts if plane.shape[0] == matrix.num_rows else 0
-            for e in range(num_experts):
-                table[e, 3 * index + p] = plane.device_ctypes_pointer.value + e * rows_each * plane.strides[0]
-    return table
-
-
-def prefetch_sweep(timing) -> None:
-    """The decode launches with and without their L2 prefetches (NativeGemvConfig.is_prefetch, the experts'
-    is_prefetch): each GEMV of PREFETCH_GEMVS in its engine shape with the fused norm, the three attention
-    projections in one launch, one token's top-8 experts stacked and over an address table, per expert format;
-    microseconds a launch replayed in a CUDA graph, each "on" line with its largest difference from "off"."""
-    from numba import cuda
-
-    from strata.bench import kernels as b
-    from strata.gpu.kernels import gemv_native
-    from strata.gpu.kernels.moe_addressed import moe_experts_addressed
-
-    s, rng = b.QWEN3_30B, np.random.default_rng(0)
-
-    def both(label, num_bytes, launch, out):
-        first = None
-        for is_prefetch in (False, True):
-            def line(is_prefetch=is_prefetch):
-                nonlocal first
-                ms = b.graph_ms(lambda stream: launch(is_prefetch, stream), timing)
-                got = out.copy_to_host()
-                first = got if first is None else first
-                return (f"{ms * 1e3:7.1f} us {num_bytes / ms / 1e6:6.0f} GB/s "
-                        f"({num_bytes / ms * 1e3 / b.HBM_BYTES_PER_S:.2f} of HBM)  "
-                        f"max diff {np.max(np.abs(got - first)):.1e}")
-
-            print(f"{label}, prefetch {'on' if is_prefetch else 'off'}: {_attempt(line)}", flush=True)
-
-    for fmt, num_rows, num_cols, role in PREFETCH_GEMVS:
-        w, x = b.random_packed(fmt, num_rows, num_cols, rng), b.device_randn(num_cols, rng)
-        norm = cuda.to_device(rng.uniform(0.5, 1.5, num_cols).astype(np.float32))
-        y = cuda.device_array(num_rows, np.float32)
-        config = gemv_native.head_config(fmt) if role == "head" else gemv_native.LAYER_CONFIG
-        both(f"{fmt} {role} {num_rows}x{num_cols}, {config.warps} x {config.rows_per_warp}", w.nbytes,
-             lambda is_prefetch, stream, w=w, x=x, y=y, norm=norm, config=config: gemv_native.gemv_native(
-                 w, x, y, norm_weight=norm, config=config._replace(is_prefetch=is_prefetch), stream=stream), y)
-    for fmt in ("Q4_0", "Q8_0", "Q4_K"):
-        ws = tuple(b.random_packed(fmt, heads * s.head_dim, s.hidden, rng) for heads in
-                   (s.num_q_heads, s.num_kv_heads, s.num_kv_heads))
-        x = b.device_randn((1, s.hidden), rng)
-        norm = cuda.to_device(rng.uniform(0.5, 1.5, s.hidden).astype(np.float32))
-        ys = tuple(cuda.device_array((1, w.num_rows), np.float32) for w in ws)
-        both(f"{fmt} q, k, v in one launch", sum(w.nbytes for w in ws),
-             lambda is_prefetch, stream, ws=ws, x=x, ys=ys, norm=norm: gemv_native.gemv_multi_native(
-                 ws, x, ys, norm_weight=norm, config=gemv_native.LAYER_CONFIG._replace(is_prefetch=is_prefetch),
-                 stream=stream), ys[0])
-    x = b.device_randn((1, s.hidden), rng)
-    norm = cuda.to_device(rng.uniform(0.5, 1.5, s.hidden).astype(np.float32))
-    ids = cuda.to_device(rng.choice(s.num_experts, s.top_k, replace=False).astype(np.int32).reshape(1, -1))
-    weights = cuda.to_device(np.full((1, s.top_k), 1.0 / s.top_k, np.float32))
-    for fmt in ("Q4_0", "Q4_K", "IQ3_XXS"):
-        experts = b.make_experts(s, fmt, rng)
-        table = cuda.to_device(_device_table(experts, s.num_experts))
-        num_bytes = sum(m.nbytes for m in experts) * s.top_k / s.num_experts
-        out, hidden = cuda.device_array((1, s.hidden), np.float32), cuda.device_array((s.top_k, s.ffn), np.float32)
-        both(f"experts {fmt} top-{s.top_k}, stacked", num_bytes,
-             lambda is_prefetch, stream, experts=experts, out=out, hidden=hidden: gemv_native.moe_experts_native(
-                 x, ids, weights, *experts, out, hidden, norm_weight=norm, is_prefetch=is_prefetch, stream=stream),
-             out)
-        both(f"experts {fmt} top-{s.top_k}, over an address table", num_bytes,
-             lambda is_prefetch, stream, experts=experts, table=table, out=out, hidden=hidden: moe_experts_addressed(
-                 x, ids, weights, table, experts[0], experts[2], out, norm_weight=norm, hidden=hidden,
-                 is_prefetch=is_prefetch, stream=stream), out)
-
-
 def main(argv=None) -> int:
     from strata.bench.provenance import code_identity
     from strata.gpu.kernels import tensor_core
 
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("gemm", "moe", "attention", "decode", "gemv", "prefetch"),
-                        help="run one sweep")
+    parser.add_argument("--only", choices=("gemm", "moe", "attention", "decode", "gemv"), help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--match", default="", help="only the GEMM and MoE variants whose name contains this text")
     parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
@@ -383,7 +297,7 @@ def main(argv=None) -> int:
     timing = (2, args.repeats)
     print(f"# {code_identity()}", flush=True)
     sweeps = {"gemm": gemm_sweep, "moe": moe_sweep, "attention": attention_sweep, "decode": decode_sweep,
-              "gemv": gemv_sweep, "prefetch": prefetch_sweep}
+              "gemv": gemv_sweep}
     for name, sweep in sweeps.items():
         if args.only in (None, name):
             if name in ("gemm", "moe"):

@@ -49,6 +49,7 @@ int main(int argc, char** argv) {  // format rows cols quant_pitch scale_pitch e
     case 2: dequant_all<kQ8_0>(p, rows, cols, out.data()); break;
     case 3: dequant_all<kQ4_K>(p, rows, cols, out.data()); break;
     case 4: dequant_all<kQ6_K>(p, rows, cols, out.data()); break;
+    case 5: dequant_all<kF16>(p, rows, cols, out.data()); break;
     default: return 2;
   }
   f = fopen(argv[8], "wb");
@@ -83,10 +84,11 @@ def test_fused_loop_dequantizes_like_gguf(dequantizer, fmt):
     packed = pack(raw, fmt)
     planes = dequantizer / f"{fmt}.bin"
     out = dequantizer / f"{fmt}.out"
+    quants = np.ascontiguousarray(packed.quants).view(np.uint32)  # an F16 matrix's values, two a word
     with open(planes, "wb") as f:  # a plane the format lacks is a (1, 1) placeholder: one row of it per row
-        for plane, dtype in ((packed.quants, np.uint32), (packed.scales, np.float16), (packed.extra, np.uint8)):
+        for plane, dtype in ((quants, np.uint32), (packed.scales, np.float16), (packed.extra, np.uint8)):
             f.write(np.ascontiguousarray(np.broadcast_to(plane, (num_rows, plane.shape[1])), dtype).tobytes())
-    pitches = (packed.quants.shape[1], packed.scales.shape[1], packed.extra.shape[1])
+    pitches = (quants.shape[1], packed.scales.shape[1], packed.extra.shape[1])
     subprocess.run([str(dequantizer / "dequant"), str(FUSED_FORMATS.index(fmt)), str(num_rows), str(num_cols),
                     *map(str, pitches), str(planes), str(out)], check=True)
     got = np.fromfile(out, np.float16).reshape(num_rows, num_cols)

@@ -18,7 +18,7 @@ from kernel_data import (
 
 from strata.gpu.kernels import tensor_core
 from strata.gpu.kernels._common import IS_SIMULATOR
-from strata.gpu.kernels.gemm import gemm, jit_options
+from strata.gpu.kernels.gemm import dequantize_f16, gemm, is_staged_as_f16, jit_options
 from strata.gpu.kernels.gemm_config import (
     DEFAULT_BLOCK_MS,
     FFMA_DEFAULT_CONFIG,
@@ -153,7 +153,7 @@ def test_mma_config_option_checks(monkeypatch):
     # the fused loop takes the block formats, one format at a time, only where the C++ runs
     fused = MmaConfig(fused=True, stages=2, is_native=True)
     assert is_fused(fused, "Q4_0") and is_fused(fused, "Q6_K", "Q6_K")
-    assert not is_fused(fused, "F16") and not is_fused(fused, "Q4_0", "Q8_0")
+    assert is_fused(fused, "F16") and not is_fused(fused, "F32") and not is_fused(fused, "Q4_0", "Q8_0")
     assert not is_fused(fused._replace(is_native=False), "Q4_0") and not is_fused(GemmConfig(), "Q4_0")
     # kernels link with LTO only when the C++ main loop runs (not the twin, not the FFMA tiles)
     assert jit_options(MmaConfig(lto=True, is_native=True)) == {"lto": True}
@@ -337,3 +337,19 @@ def test_fused_configs_dispatch_to_the_cpp_loop():
     config = FUSED_CONFIGS[0]
     assert gemm_mma.mainloop_device("Q4_0", config) is gemm_mma._fused_mainloop_device("Q4_0", config, 1)
     assert gemm_mma.dual_mainloop_device("Q6_K", "Q6_K", config) is gemm_mma._fused_mainloop_device("Q6_K", config, 2)
+
+
+@pytest.mark.parametrize("fmt", ["Q5_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_S", "BF16", "Q5_0"])
+def test_a_format_the_fused_loop_does_not_read_is_staged_as_float16_values(fmt):
+    # dequantize_f16 writes each value as the tiles stage it (bit for bit against the Numba dequantizer's
+    # float16 rounding, everywhere); on a GPU with tensor cores gemm stages such a matrix and runs the fused loop
+    num_cols = 512
+    w, values = random_matrix(fmt, 70, num_cols, seed=150)
+    assert is_staged_as_f16(fmt) and not is_staged_as_f16("Q4_0") and not is_staged_as_f16("F32")
+    staged = dequantize_f16(w)
+    assert staged.fmt == "F16" and (staged.num_rows, staged.num_cols) == (70, num_cols)
+    np.testing.assert_array_equal(host(staged.quants).view(np.uint16), values.astype(np.float16).view(np.uint16))
+    if tensor_core.is_available():
+        fused = _check_gemm(fmt, num_cols, 151, None, num_tokens=131, num_rows=70)
+        numba_loop = _check_gemm(fmt, num_cols, 151, MmaConfig(is_native=False), num_tokens=131, num_rows=70)
+        assert np.max(np.abs(fused - numba_loop)) <= 1e-4 * np.max(np.abs(numba_loop))

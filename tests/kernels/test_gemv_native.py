@@ -179,49 +179,6 @@ def test_native_experts_match_the_reference_and_skip_missing_slots(fmts, ffn, to
     assert_close_to_scale(outs[0], outs[1], 2e-6)
 
 
-@needs_gpu
-@pytest.mark.parametrize("fmt", gemv_native.BUILT_FORMATS)
-def test_prefetching_each_warps_rows_changes_no_bit(fmt):
-    # the L2 hints before the staging: one and several rows of x, a partial last block and warps past the rows
-    # (the loop's), the three-matrix launch, and one token's experts where the format is an expert format
-    rng = np.random.default_rng(440)
-    num_cols = block_elems(fmt) * 3
-    w, _ = random_matrix(fmt, 37, num_cols, seed=441)
-    x = (rng.standard_normal((3, num_cols)) * 2).astype(np.float32)
-    norm_weight = dev(rng.uniform(0.5, 1.5, num_cols).astype(np.float32))
-    residual = rng.standard_normal((3, 37)).astype(np.float32)
-    for num_x_rows in (1, 3):
-        outs = []
-        for is_prefetch in (False, True):
-            y = dev(residual[:num_x_rows])
-            gemv_native.gemv_native_rows(w, dev(x[:num_x_rows]), y, norm_weight=norm_weight, accumulate=True,
-                                         config=NativeGemvConfig(warps=2, rows_per_warp=2, is_prefetch=is_prefetch))
-            outs.append(host(y))
-        np.testing.assert_array_equal(outs[0], outs[1])
-    if fmt in ("F32", "F16"):
-        return
-    matrices = [random_matrix(fmt, rows, num_cols, seed=442 + rows)[0] for rows in (37, 5, 19)]
-    outs = []
-    for is_prefetch in (False, True):
-        ys = tuple(dev(np.zeros((3, m.num_rows), np.float32)) for m in matrices)
-        gemv_native.gemv_multi_native(tuple(matrices), dev(x), ys, norm_weight=norm_weight,
-                                      config=NativeGemvConfig(warps=2, rows_per_warp=2, is_prefetch=is_prefetch))
-        outs.append([host(y) for y in ys])
-    for before, after in zip(*outs):
-        np.testing.assert_array_equal(before, after)
-    (gate, up, down), _ = random_experts((fmt,) * 3, 10, num_cols, 256, seed=443)
-    ids = dev(np.array([[5, 0, -1], [2, 10, 3]], np.int32))
-    weights = dev(rng.uniform(0.1, 1.0, (2, 3)).astype(np.float32))
-    out_before = rng.standard_normal((2, num_cols)).astype(np.float32)
-    outs = []
-    for is_prefetch in (False, True):
-        out, hidden = dev(out_before), dev(np.zeros((6, 256), np.float32))
-        gemv_native.moe_experts_native(dev(x[:2]), ids, weights, gate, up, down, out, hidden, norm_weight=norm_weight,
-                                       is_prefetch=is_prefetch)
-        outs.append(host(out))
-    np.testing.assert_array_equal(outs[0], outs[1])
-
-
 def test_asking_for_the_native_path_where_it_cannot_run_names_the_fallback():
     w, values = random_matrix("Q4_1", 4, 256, seed=440)
     x = _x(256, 441)

@@ -177,28 +177,3 @@ def test_each_formats_items_give_gguf_rows_times_x_and_two_rows_the_bits_of_one(
         ones, pairs = np.fromfile(items / "out.bin", np.float32).reshape(2, 2, num_rows)
         assert_dot_close(ones, x.astype(np.float64) @ values.T.astype(np.float64), np.abs(x) @ np.abs(values).T)
         np.testing.assert_array_equal(pairs, ones)  # each (x row, row) the same chain of operations
-
-
-def test_a_spans_prefetched_lines_are_exactly_those_holding_its_bytes(tmp_path):
-    # the L2 hints' arithmetic: lines from the one holding the first byte to the one holding the last, none more
-    source = tensor_core.source_text("gemv_rows.cu")
-    helpers = between(source, "__device__ __forceinline__ unsigned long long span_first_line",
-                      "__device__ __forceinline__ void prefetch_l2")
-    main = r"""
-int main() {
-  unsigned long long starts[] = {0, 1, 127, 128, 129, 4096 + 64, 1ull << 40};
-  long long sizes[] = {0, 1, 2, 127, 128, 129, 1152, 4608, -4};
-  for (unsigned long long start : starts)
-    for (long long bytes : sizes) {
-      const unsigned long long first = span_first_line(start);
-      const long long lines = span_lines(start, bytes);
-      if (bytes <= 0) { if (lines != 0) return 1; continue; }
-      const unsigned long long last_byte = start + bytes - 1;
-      if (first > start || start - first >= 128 || first % 128) return 2;
-      if (first + 128ull * (lines - 1) > last_byte || first + 128ull * lines <= last_byte) return 3;
-    }
-  return 0;
-}
-"""
-    binary = build(tmp_path, "spans", "#define __device__\n#define __forceinline__ inline\n" + helpers + main)
-    assert subprocess.run([str(binary)]).returncode == 0

@@ -149,3 +149,27 @@ def test_fixed_chunk_and_ring_give_one_geometry_whatever_the_budget_or_the_cost_
     with pytest.raises(AllocationError, match=r"planner.chunk_tokens = 16384 and planner.ring_slots = 0 ask for"):
         Planner(COSTS, PlannerConfig(chunk_tokens=16384)).plan(PlannerBudget(free_bytes=1024 * MIB,
                                                                               borrowable_cache_bytes=512 * MIB))
+
+
+def test_the_largest_dense_matrix_prefill_stages_as_float16_is_reserved():
+    # gemm stages a dense matrix of a format its fused loop does not read (the I-quants' attention projections of
+    # an IQ3_XXS mix) as float16: the planner keeps room for the largest; fused formats, routers, the routed
+    # experts, the embedding and the head stage nothing
+    from types import SimpleNamespace
+
+    from strata.backend.cuda_ops import weight_scratch_bytes
+    from strata.model.quants import QType
+
+    def ref(qtype, *shape):
+        return SimpleNamespace(qtype=qtype, shape=shape)
+
+    tensors = {"blk.0.attn_q.weight": ref(QType.IQ2_S, 4096, 2048), "blk.0.attn_k.weight": ref(QType.IQ2_S, 512, 2048),
+               "blk.0.attn_output.weight": ref(QType.Q4_K, 2048, 8192),
+               "blk.0.ffn_gate_inp.weight": ref(QType.F32, 128, 8192),
+               "blk.0.ffn_down_exps.weight": ref(QType.IQ3_XXS, 128, 2048, 768),
+               "token_embd.weight": ref(QType.IQ3_S, 151936, 2048), "output.weight": ref(QType.Q5_K, 151936, 2048)}
+    model = SimpleNamespace(tensors=tensors)
+    assert weight_scratch_bytes(model, has_tensor_cores=True) == 2 * 4096 * 2048
+    assert weight_scratch_bytes(model, has_tensor_cores=False) == 0
+    tensors["blk.1.attn_output.weight"] = ref(QType.Q5_K, 2048, 8192)
+    assert weight_scratch_bytes(model, has_tensor_cores=True) == 2 * 2048 * 8192

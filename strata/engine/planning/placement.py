@@ -56,9 +56,10 @@ class Placement:
 
 def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None, budget_bytes: int,
                    kv_scratch_bytes_per_cell: int = 0, is_kv_staged: bool = False,
-                   mtp_layout: ExpertLayout | None = None) -> Placement:
+                   mtp_layout: ExpertLayout | None = None, weight_scratch_bytes: int = 0) -> Placement:
     """is_kv_staged: the backend reads a host tier through a staging layer in VRAM (``Ops.kv_cache``);
-    mtp_layout: the slots of the MTP experts' own arena."""
+    mtp_layout: the slots of the MTP experts' own arena; weight_scratch_bytes: what prefill's dense products
+    stage besides the weights (``Ops.prefill_weight_scratch_bytes``)."""
     spec, rt = model.spec, config.runtime
     mtp_layers = range(spec.num_layers, spec.num_layers + spec.num_nextn_layers) if rt.mtp else range(0)
     dense = mtp_head = mtp_experts = 0
@@ -87,8 +88,8 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     mtp_kv = int(context_cells * layer_cell_bytes) if mtp_layers else 0
     verifier = (VerifierLayout(spec.hidden_size, spec.vocab_size, 1 + rt.spec_depth).num_bytes
                 if rt.mtp and rt.spec_depth else 0)
-    # e.g. a quantized cache layer's F16 copy, which prefill attention reads on the GPU
-    costs = workspace_costs(spec, layout, config, kv_scratch_bytes_per_cell * context_cells)
+    # e.g. a quantized cache layer's F16 copy, which prefill attention reads on the GPU, and a dense matrix's
+    costs = workspace_costs(spec, layout, config, kv_scratch_bytes_per_cell * context_cells + weight_scratch_bytes)
     fixed = dense + head + kv_bytes + kv_staging + verifier + mtp_head + mtp_experts + mtp_kv
     min_ring = config.planner.min_ring_slots if layout else 0
     smallest = costs.workspace_bytes_for(config.planner.chunk_quantum_tokens, min_ring)

@@ -28,16 +28,19 @@ import functools
 import numpy as np
 from numba import cuda
 
-from . import gemm_mma
+from . import gemm_mma, tensor_core
 from ._common import (
     IS_SIMULATOR,
     OCTET,
     ceil_div,
     check_array,
     empty,
+    is_device_array,
+    stand_in,
 )
 from .gemm_config import (
     BLOCK_K,
+    FUSED_FORMATS,
     OCTETS_PER_STEP,
     GemmConfig,
     MmaConfig,
@@ -59,6 +62,50 @@ def staged_input(x, config, *fmts: str, out=None):
     from .elementwise import to_float16
 
     return to_float16(x, out)
+
+
+def is_staged_as_f16(fmt: str) -> bool:
+    """Whether gemm stages a matrix of ``fmt`` as float16 values before its launch (on a GPU with tensor cores):
+    the quantized formats the fused loop does not read (the other K-quants, the I-quants, BF16), whose octets
+    the Numba loop would dequantize again in every tile of every block (the I-quants' grid lookups among
+    them). Float32 weights (the routers) keep the Numba loop."""
+    return fmt not in FUSED_FORMATS and fmt != "F32"
+
+
+def f16_staging_bytes(num_rows: int, num_cols: int) -> int:
+    """The float16 copy gemm stages a [num_rows, num_cols] matrix in (is_staged_as_f16)."""
+    return 2 * num_rows * num_cols
+
+
+@functools.cache
+def _to_f16_kernel(fmt: str):
+    dequant8 = dequant8_for(fmt)
+
+    @jit
+    def to_f16_kernel(quants, scales, extra, out):  # out [N, K] float16
+        i = cuda.grid(1)
+        num_octets = out.shape[1] // OCTET
+        if i < out.shape[0] * num_octets:
+            row, octet = i // num_octets, i % num_octets
+            values = cuda.local.array(OCTET, np.float32)
+            dequant8(quants, scales, extra, row, octet, values, 0)
+            for j in range(OCTET):
+                out[row, octet * OCTET + j] = np.float16(values[j])
+
+    return to_f16_kernel
+
+
+def dequantize_f16(w: PackedMatrix, out=None) -> PackedMatrix:
+    """w as an F16 matrix: each value the float16 rounding of its octet dequantizer's (the value every
+    tensor-core loop stages); out: optional [N, K] float16."""
+    if out is None:
+        out = empty((w.num_rows, w.num_cols), np.float16, w.quants)
+    check_array("out", out, dtypes=np.float16, shape=(w.num_rows, w.num_cols))
+    num_octets = w.num_rows * (w.num_cols // OCTET)
+    if num_octets:
+        _to_f16_kernel(w.fmt)[ceil_div(num_octets, 256), 256](w.quants, w.scales, w.extra, out)
+    return PackedMatrix("F16", w.num_rows, w.num_cols, out, stand_in(out, np.float16, 2),
+                        stand_in(w.extra, np.uint8, 2))
 
 
 @functools.cache
@@ -249,6 +296,9 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
 
     accumulate=True adds into y (the residual stream) instead of overwriting it.
 
+    Without a config, on a GPU with tensor cores, a matrix of a format the fused loop does not read is first
+    staged as float16 (dequantize_f16: f16_staging_bytes of scratch, one launch) and runs the fused loop.
+
     Launch config: grid (ceil(N / block_n), ceil(T / block_m)), config.threads threads.
     GemmConfig (FFMA): (block_m / thread_m) * (block_n / thread_n) threads, shared 32 * (block_m +
     block_n) float32; MmaConfig (tensor cores, the default on the GPU): for the block formats the fused
@@ -257,6 +307,8 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
     float16 (20 KiB).
     """
     check_packed("w", w)
+    if config is None and is_staged_as_f16(w.fmt) and is_device_array(w.quants) and tensor_core.is_available():
+        w = dequantize_f16(w)
     config = (config or default_config(w.fmt)).validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens = x.shape[0]

@@ -17,7 +17,8 @@ DEFAULT_BLOCK_MS = (64, 128)  # the rows default_config's tiles may have (moe_bl
 MOE_FULL_TILE_MIN_ROWS = 96  # mean routed rows an expert from which the MoE prefill takes 128-row tiles (else 64)
 MMA_STEP_KS = (32, 64)  # K elements staged per barrier pair on the tensor-core path
 OCTETS_PER_STEP = BLOCK_K // OCTET
-FUSED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # the block formats cuda/gemm_mma.cu dequantizes
+# the formats cuda/gemm_mma.cu's fused loop reads: the block formats it dequantizes, and F16 values as they are
+FUSED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "F16")
 # (16-row, 8-column) mma tiles per warp in cuda/gemm_mma.cu
 _MMA_WARP_TILES = ((1, 1), (1, 2), (1, 4), (2, 4), (4, 4), (2, 8), (4, 8))
 

@@ -52,7 +52,8 @@ def _fused_loop(fmt: str, config: MmaConfig, num_weights: int):
     name = f"strata_gemm_fused_{fmt}_m{bm}_n{bn}_w{wm}x{wn}_x{num_weights}_k{k}"
     line = f"\nSTRATA_GEMM_FUSED({fmt}, {bm}, {bn}, {wm}, {wn}, {num_weights}, {k})\n"
     half, i32, f32 = tensor_core.HALF_PTR, tensor_core.INT32, tensor_core.FLOAT_PTR
-    argtypes = (half, i32, _INT_PTR, i32, _U32_PTR, half, _U8_PTR, _U32_PTR, half, _U8_PTR, i32, i32, i32, i32, i32,
+    quants = half if fmt == "F16" else _U32_PTR  # an F16 matrix's values; the C++ reads them as words
+    argtypes = (half, i32, _INT_PTR, i32, quants, half, _U8_PTR, quants, half, _U8_PTR, i32, i32, i32, i32, i32,
                 half, half, half, f32, f32)
     return tensor_core.declare(name, argtypes, "gemm_mma.cu", line)
 
@@ -62,6 +63,7 @@ def _fused_mainloop_device(fmt: str, config: MmaConfig, num_weights: int):
     """The (dual_)mainloop_device contract over the C++ fused loop; x float16, C-contiguous."""
     ffi = tensor_core.ffi()
     loop = _fused_loop(fmt, config, num_weights)
+    halves_per_word = 2 if fmt == "F16" else 1  # the C++ counts a row's quants in 32-bit words
     if num_weights == 1:
         @cuda.jit(device=True)
         def device_fused_mainloop(x, x_rows, quants, scales, extra, w_row0, w_row_end, xs, ws, acc, tid):
@@ -69,8 +71,8 @@ def _fused_mainloop_device(fmt: str, config: MmaConfig, num_weights: int):
             a = ffi.from_buffer(acc)
             q, s, e = ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra)
             loop(ffi.from_buffer(x), np.int32(x.shape[1]), ffi.from_buffer(x_rows), np.int32(x.shape[1] // BLOCK_K),
-                 q, s, e, q, s, e, np.int32(quants.shape[1]), np.int32(scales.shape[1]), np.int32(extra.shape[1]),
-                 np.int32(w_row0), np.int32(w_row_end), ffi.from_buffer(xs), w, w, a, a)
+                 q, s, e, q, s, e, np.int32(quants.shape[1] // halves_per_word), np.int32(scales.shape[1]),
+                 np.int32(extra.shape[1]), np.int32(w_row0), np.int32(w_row_end), ffi.from_buffer(xs), w, w, a, a)
 
         return device_fused_mainloop
 
@@ -79,7 +81,8 @@ def _fused_mainloop_device(fmt: str, config: MmaConfig, num_weights: int):
                                    acc_b, tid):
         loop(ffi.from_buffer(x), np.int32(x.shape[1]), ffi.from_buffer(x_rows), np.int32(x.shape[1] // BLOCK_K),
              ffi.from_buffer(qa), ffi.from_buffer(sa), ffi.from_buffer(ea), ffi.from_buffer(qb), ffi.from_buffer(sb),
-             ffi.from_buffer(eb), np.int32(qa.shape[1]), np.int32(sa.shape[1]), np.int32(ea.shape[1]),
+             ffi.from_buffer(eb), np.int32(qa.shape[1] // halves_per_word), np.int32(sa.shape[1]),
+             np.int32(ea.shape[1]),
              np.int32(w_row0), np.int32(w_row_end), ffi.from_buffer(xs), ffi.from_buffer(ws_a), ffi.from_buffer(ws_b),
              ffi.from_buffer(acc_a), ffi.from_buffer(acc_b))
 

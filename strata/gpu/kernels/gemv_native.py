@@ -72,9 +72,6 @@ class NativeGemvConfig(NamedTuple):
     # for many rows: a vocabulary-sized head has ~5,000 row groups and spent as long staging as multiplying
     blocks_per_sm: int = 0
     x_rows: int = 0  # rows of activations a launch stages: 0, as many as shared memory holds
-    # each warp asks the L2 for its first rows before the block stages its activations (cuda/gemv_rows.cu's
-    # prefetches: the rows' DRAM latency then passes during the staging); no value changes
-    is_prefetch: bool = False
 
     def validate(self) -> "NativeGemvConfig":
         if self.warps not in (1, 2, 4, 8, 16):
@@ -302,14 +299,6 @@ def _declare_rows(fmt: str, rows_per_warp: int, num_x_rows: int = 1, instances: 
         "gemv_rows.cu", instances)
 
 
-def _declare_prefetch_rows(fmt: str, suffix: str = ""):
-    """strata_prefetch_rows(quants, scales, extra, row0, num_rows, words, halves, extra_bytes) for a matrix of
-    `fmt`, from the object of `suffix` (the one the kernel's other C++ functions come from: a kernel links each
-    object once)."""
-    name = "strata_prefetch_rows" + {"F32": "_f32", "F16": "_f16"}.get(fmt, "")
-    return tensor_core.declare(name, (_quants_ptr(fmt), *_PLANES[1:], _I64, _I64, *_STRIDES), "gemv_rows.cu", suffix)
-
-
 def _declare_loop(fmt: str, rows_per_warp: int, num_x_rows: int = 1):
     if num_x_rows == 1:
         return tensor_core.declare(
@@ -317,24 +306,14 @@ def _declare_loop(fmt: str, rows_per_warp: int, num_x_rows: int = 1):
             (tensor_core.FLOAT_PTR, _quants_ptr(fmt), *_PLANES[1:], _I64, _I64, _I64, *_STRIDES,
              tensor_core.FLOAT_PTR, tensor_core.INT32, tensor_core.INT32),
             "gemv_rows.cu")
+    name = f"strata_gemv_loop_x{num_x_rows}_{_suffix(fmt)}_r{rows_per_warp}"
+    struct, unroll = _LOOP_SHAPES[fmt]
+    instance = f"STRATA_GEMV_LOOP_X({name}, {struct}, {rows_per_warp}, {unroll[rows_per_warp]}, {num_x_rows})\n"
     return tensor_core.declare(
-        _loop_name(fmt, rows_per_warp, num_x_rows),
+        name,
         (tensor_core.FLOAT_PTR, _I64, _quants_ptr(fmt), *_PLANES[1:], _I64, _I64, _I64, *_STRIDES,
          tensor_core.FLOAT_PTR, tensor_core.INT32, tensor_core.INT32, tensor_core.INT32),
-        "gemv_rows.cu", _loop_instance(fmt, rows_per_warp, num_x_rows))
-
-
-def _loop_name(fmt: str, rows_per_warp: int, num_x_rows: int) -> str:
-    return f"strata_gemv_loop_x{num_x_rows}_{_suffix(fmt)}_r{rows_per_warp}"
-
-
-def _loop_instance(fmt: str, rows_per_warp: int, num_x_rows: int) -> str:
-    """The source line instantiating the NX-row loop (none for one row: the source has those)."""
-    if num_x_rows == 1:
-        return ""
-    struct, unroll = _LOOP_SHAPES[fmt]
-    return (f"STRATA_GEMV_LOOP_X({_loop_name(fmt, rows_per_warp, num_x_rows)}, {struct}, {rows_per_warp}, "
-            f"{unroll[rows_per_warp]}, {num_x_rows})\n")
+        "gemv_rows.cu", instance)
 
 
 def max_x_rows(w) -> int:
@@ -374,9 +353,6 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
                  num_x_rows: int = 1):
     warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
     loop_fn = _declare_loop(fmt, rows_per_warp, num_x_rows)
-    is_prefetch = config.is_prefetch
-    prefetch_fn = _declare_prefetch_rows(fmt, _loop_instance(fmt, rows_per_warp, num_x_rows))
-    ffi = tensor_core.ffi()
     is_q4_k = fmt == "Q4_K"  # its loop reads the Q4_K layout, with the half sums staged in the padding
     stage = _stage_device(num_cols, threads, has_norm, is_q4_k)
     num_x = x_floats(num_cols, is_q4_k)
@@ -390,12 +366,6 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
         tid = cuda.threadIdx.x
         red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(xs_size, np.float32, alignment=16)  # [R, num_x]: read as float4 by the C++
-        # each warp's row groups, row_step apart: the C++ loads a group's rows while it multiplies the last ones
-        row_begin = (cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp
-        num_rows = y.shape[0] // num_x_rows
-        if is_prefetch:  # the warp's first group
-            prefetch_fn(ffi.from_buffer(quants), ffi.from_buffer(scales), ffi.from_buffer(extra), row_begin,
-                        min(rows_per_warp, num_rows - row_begin), words, halves, extra_bytes)
         for t in range(num_x_rows):
             if t > 0:
                 cuda.syncthreads()  # every warp has read the last row's norm sums out of red
@@ -405,8 +375,10 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
             for t in range(num_x_rows):
                 device_stage_half_sums_at(xs, t * num_x, num_cols // X_GROUP, tid, threads)
             cuda.syncthreads()
-        loop_call(y, quants, scales, extra, row_begin, cuda.gridDim.x * warps * rows_per_warp, num_rows, words, halves,
-                  extra_bytes, xs)
+        # each warp's row groups, row_step apart: the C++ loads a group's rows while it multiplies the last ones
+        row_begin = (cuda.blockIdx.x * warps + tid // _WARP) * rows_per_warp
+        loop_call(y, quants, scales, extra, row_begin, cuda.gridDim.x * warps * rows_per_warp, y.shape[0] // num_x_rows,
+                  words, halves, extra_bytes, xs)
 
     return gemv_kernel
 
@@ -460,9 +432,6 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
     warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
     instances = _rows_instances(fmts, rows_per_warp, num_x_rows)  # one linked object for the three
     rows_a, rows_b, rows_c = (_declare_rows(f, rows_per_warp, num_x_rows, instances) for f in fmts)
-    is_prefetch = config.is_prefetch
-    prefetch_a, prefetch_b, prefetch_c = (_declare_prefetch_rows(f, instances) for f in fmts)
-    ffi = tensor_core.ffi()
     stage = _stage_device(num_cols, threads, has_norm)
     num_x = x_floats(num_cols)
     xs_size, out_size = num_x * num_x_rows, rows_per_warp * num_x_rows
@@ -475,25 +444,17 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
         tid = cuda.threadIdx.x  # x [R, K], y* [R, N*]
         red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(xs_size, np.float32, alignment=16)  # [R, num_x]: read as float4 by the C++
+        for t in range(num_x_rows):
+            if t > 0:
+                cuda.syncthreads()  # every warp has read the last row's norm sums out of red
+            stage(x, t, norm_w, eps, red, xs, t * num_x, tid)
+        cuda.syncthreads()
         lane = tid % _WARP
         block = cuda.blockIdx.x
         segment = 0 if block < blocks_a else (1 if block < blocks_a + blocks_b else 2)
         first = 0 if segment == 0 else (blocks_a if segment == 1 else blocks_a + blocks_b)
         row0 = ((block - first) * warps + tid // _WARP) * rows_per_warp
         num_rows = ya.shape[1] if segment == 0 else (yb.shape[1] if segment == 1 else yc.shape[1])
-        if is_prefetch:
-            count = min(rows_per_warp, num_rows - row0)
-            if segment == 0:
-                prefetch_a(ffi.from_buffer(qa), ffi.from_buffer(sa), ffi.from_buffer(ea), row0, count, wa, ha, xa)
-            elif segment == 1:
-                prefetch_b(ffi.from_buffer(qb), ffi.from_buffer(sb), ffi.from_buffer(eb), row0, count, wb, hb, xb)
-            else:
-                prefetch_c(ffi.from_buffer(qc), ffi.from_buffer(sc), ffi.from_buffer(ec), row0, count, wc, hc, xc)
-        for t in range(num_x_rows):
-            if t > 0:
-                cuda.syncthreads()  # every warp has read the last row's norm sums out of red
-            stage(x, t, norm_w, eps, red, xs, t * num_x, tid)
-        cuda.syncthreads()
         if row0 < num_rows:
             out = cuda.local.array(out_size, np.float32)  # [R, rows_per_warp]
             count = min(rows_per_warp, num_rows - row0)
@@ -517,7 +478,7 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
 
 
 def gemv_multi_native(ws: tuple, x, ys: tuple, *, norm_weight=None, eps: float = 1e-6,
-                      config: NativeGemvConfig = LAYER_CONFIG, stream=0):
+                      config: NativeGemvConfig = NativeGemvConfig(), stream=0):
     """gemv_multi's 2 or 3 products through the linked C++ rows: x [R, K], ys [R, N_i]; the caller validated
     the inputs. Each launch stages as many rows of x as fit (max_x_rows) and reads each matrix once for them."""
     config = config.validate()
@@ -554,23 +515,11 @@ def _declare_down(fmt: str):
         "gemv_rows.cu")
 
 
-def _declare_prefetch_down():
-    """strata_prefetch_down(quants, scales, extra, slots, top_k, num_slots, n, dim, words, halves, extra_bytes)."""
-    return tensor_core.declare(
-        "strata_prefetch_down", (*_PLANES, _I32_PTR, tensor_core.INT32, tensor_core.INT32, _I64, tensor_core.INT32,
-                                 *_STRIDES), "gemv_rows.cu")
-
-
-# the expert kernels' L2 prefetches (NativeGemvConfig.is_prefetch's, for one token's routed experts)
-EXPERT_PREFETCH = False
-
-
 @functools.cache
 def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, warps: int, down_warps: int,
-                    has_norm: bool, is_prefetch: bool = EXPERT_PREFETCH):
+                    has_norm: bool):
     threads, down_threads = warps * _WARP, down_warps * _WARP
     pair_fn, down_fn = _declare_pair(fmt_gate_up), _declare_down(fmt_down)
-    prefetch_rows, prefetch_down = _declare_prefetch_rows(fmt_gate_up), _declare_prefetch_down()
     stage_x = _stage_device(dim, threads, has_norm)
     stage_hidden = _stage_device(ffn, down_threads, False)
     ffi = tensor_core.ffi()
@@ -584,15 +533,10 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         pair = cuda.blockIdx.y
         token = pair // top_k
-        n = cuda.blockIdx.x * warps + tid // _WARP
-        slot = ids[token, pair % top_k]
-        if is_prefetch and n < ffn and 0 <= slot < num_slots:
-            prefetch_rows(ffi.from_buffer(gq), ffi.from_buffer(gs), ffi.from_buffer(ge), slot * ffn + n, 1, words,
-                          halves, extra_bytes)
-            prefetch_rows(ffi.from_buffer(uq), ffi.from_buffer(us), ffi.from_buffer(ue), slot * ffn + n, 1, words,
-                          halves, extra_bytes)
         stage_x(x, token, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
+        n = cuda.blockIdx.x * warps + tid // _WARP
+        slot = ids[token, pair % top_k]
         if n < ffn:
             if 0 <= slot < num_slots:
                 out = cuda.local.array(2, np.float32)
@@ -609,13 +553,10 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
         tid = cuda.threadIdx.x
         xs = cuda.shared.array(num_hidden_x, np.float32, alignment=16)
         token = cuda.blockIdx.y
-        n = cuda.blockIdx.x * down_warps + tid // _WARP
-        if is_prefetch and n < dim:
-            prefetch_down(ffi.from_buffer(dq), ffi.from_buffer(ds), ffi.from_buffer(de), ffi.from_buffer(ids[token]),
-                          top_k, num_slots, n, dim, words, halves, extra_bytes)
         for j in range(top_k):
             stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(0.0), xs, xs, j * hidden_stride, tid)
         cuda.syncthreads()
+        n = cuda.blockIdx.x * down_warps + tid // _WARP
         if n < dim:
             total = cuda.local.array(1, np.float32)
             down_fn(ffi.from_buffer(total), ffi.from_buffer(dq), ffi.from_buffer(ds), ffi.from_buffer(de),
@@ -635,17 +576,15 @@ def experts_supported(gate, up, down, top_k: int) -> bool:
 
 
 def moe_experts_native(x, ids, weights, gate, up, down, out, hidden, *, norm_weight=None, eps: float = 1e-6,
-                       warps: int = 16, down_warps: int = 16, is_prefetch: bool = EXPERT_PREFETCH, stream=0):
+                       warps: int = 16, down_warps: int = 16, stream=0):
     """moe.moe_experts_decode's products through the linked C++ rows; the caller validated the inputs
     and experts_supported(gate, up, down, top_k). The default block sizes were the fastest measured
-    on the H200 for one token's top-8 of 128 Q4_0 experts (19.9 us, against 21.6 with 8 warps).
-    is_prefetch: each warp asks the L2 for its rows before its block stages the activations."""
+    on the H200 for one token's top-8 of 128 Q4_0 experts (19.9 us, against 21.6 with 8 warps)."""
     num_tokens, dim = x.shape
     top_k = ids.shape[1]
     ffn = hidden.shape[1]
     has_norm = norm_weight is not None
-    gate_up_kernel, down_kernel = _expert_kernels(gate.fmt, down.fmt, dim, ffn, top_k, warps, down_warps, has_norm,
-                                                  is_prefetch)
+    gate_up_kernel, down_kernel = _expert_kernels(gate.fmt, down.fmt, dim, ffn, top_k, warps, down_warps, has_norm)
     num_slots = np.int32(gate.num_rows // ffn)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     threads = warps * _WARP

@@ -43,14 +43,12 @@ def can_address(gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, top_k:
 
 def moe_experts_addressed(x, ids, weights, table, gate: PackedMatrix, down: PackedMatrix, out, *,
                           norm_weight=None, eps: float = 1e-6, hidden=None, host_reads=None,
-                          warps: int = 16, down_warps: int = 16, is_prefetch: bool = gemv_native.EXPERT_PREFETCH,
-                          stream=0):
+                          warps: int = 16, down_warps: int = 16, stream=0):
     """out [T, H] += the routed experts ``ids`` [T, k] (expert ids; one outside [0, N) adds nothing) weighted
     by ``weights`` [T, k], each expert's planes at ``table`` [N, TABLE_COLUMNS] uint64; x [T, H] float32
     (RMSNorm-ed here when norm_weight [H] is given). gate and down: stacks in the experts' formats and row
     layout (their planes are not read; up is gate's format). hidden: optional [T * k, F] float32 scratch.
-    host_reads: optional [1] int32, += the routed pairs whose planes are in host memory. is_prefetch: each warp
-    asks the L2 for its rows (from the cache or over PCIe) before its block stages the activations."""
+    host_reads: optional [1] int32, += the routed pairs whose planes are in host memory."""
     check_array("x", x, dtypes=np.float32, ndim=2)
     num_tokens, dim = x.shape
     check_array("ids", ids, dtypes=np.int32, shape=(num_tokens, None))
@@ -76,8 +74,7 @@ def moe_experts_addressed(x, ids, weights, table, gate: PackedMatrix, down: Pack
     if has_norm:
         check_array("norm_weight", norm_weight, dtypes=np.float32, shape=(dim,))
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    gate_up_kernel, down_kernel = _kernels(gate.fmt, down.fmt, dim, ffn, top_k, warps, down_warps, has_norm,
-                                           is_prefetch)
+    gate_up_kernel, down_kernel = _kernels(gate.fmt, down.fmt, dim, ffn, top_k, warps, down_warps, has_norm)
     num_experts = np.int32(table.shape[0])
     gate_up_kernel[(ceil_div(ffn, warps), num_tokens * top_k), warps * _WARP, stream](
         x, norm_w, np.float32(eps), ids, table, num_experts, *gemv_native._row_strides(gate), hidden, host_reads)
@@ -99,20 +96,11 @@ def _declare_down(fmt: str):
          _I32, _I64, *_STRIDES, tensor_core.FLOAT_PTR, _I32, _I32), "gemv_rows.cu")
 
 
-def _declare_prefetches():
-    """strata_prefetch_pair_at(planes, row, words, halves, extra_bytes) and strata_prefetch_down_at(table, stride,
-    first, ids, top_k, num_experts, n, words, halves, extra_bytes)."""
-    return (tensor_core.declare("strata_prefetch_pair_at", (_U64_PTR, _I64, *_STRIDES), "gemv_rows.cu"),
-            tensor_core.declare("strata_prefetch_down_at", (_U64_PTR, _I32, _I32, types.CPointer(types.int32), _I32,
-                                                            _I32, _I64, *_STRIDES), "gemv_rows.cu"))
-
-
 @functools.cache
 def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, warps: int, down_warps: int,
-             has_norm: bool, is_prefetch: bool):
+             has_norm: bool):
     threads, down_threads = warps * _WARP, down_warps * _WARP
     pair_fn, down_fn = _declare_pair(fmt_gate_up), _declare_down(fmt_down)
-    prefetch_pair, prefetch_down = _declare_prefetches()
     stage_x = gemv_native._stage_device(dim, threads, has_norm)
     stage_hidden = gemv_native._stage_device(ffn, down_threads, False)
     ffi = tensor_core.ffi()
@@ -127,13 +115,11 @@ def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, wa
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         pair = cuda.blockIdx.y
         token = pair // top_k
+        stage_x(x, token, norm_w, eps, red, xs, 0, tid)
+        cuda.syncthreads()
         n = cuda.blockIdx.x * warps + tid // _WARP
         expert = ids[token, pair % top_k]
         is_expert = 0 <= expert < num_experts
-        if is_prefetch and is_expert and n < ffn:
-            prefetch_pair(ffi.from_buffer(table[expert]), n, words, halves, extra_bytes)
-        stage_x(x, token, norm_w, eps, red, xs, 0, tid)
-        cuda.syncthreads()
         if is_expert and cuda.blockIdx.x == 0 and tid == 0 and table[expert, HOST_FLAG] != 0:
             cuda.atomic.add(host_reads, 0, 1)
         if n < ffn:
@@ -151,13 +137,10 @@ def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, wa
         tid = cuda.threadIdx.x
         xs = cuda.shared.array(num_hidden_x, np.float32, alignment=16)
         token = cuda.blockIdx.y
-        n = cuda.blockIdx.x * down_warps + tid // _WARP
-        if is_prefetch and n < dim:
-            prefetch_down(ffi.from_buffer(table), columns, down_first, ffi.from_buffer(ids[token]), top_k, num_experts, n,
-                          words, halves, extra_bytes)
         for j in range(top_k):
             stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(0.0), xs, xs, j * hidden_stride, tid)
         cuda.syncthreads()
+        n = cuda.blockIdx.x * down_warps + tid // _WARP
         if n < dim:
             total = cuda.local.array(1, np.float32)
             down_fn(ffi.from_buffer(total), ffi.from_buffer(table), columns, down_first, ffi.from_buffer(ids[token]),

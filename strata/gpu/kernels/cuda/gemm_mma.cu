@@ -139,7 +139,8 @@ extern "C" __device__ void strata_store8_f16(__half* dst, float v0, float v1, fl
 
 // ---- The fused K loop: a block's whole GEMM tile, the accumulators in registers from the first step to the last. ----
 
-// A packed weight matrix's planes (packing.py): quant words, f16 block fields, K-quant sub-block bytes.
+// A packed weight matrix's planes (packing.py): quant words, f16 block fields, K-quant sub-block bytes. An F16
+// matrix's quants are its values (two a word); it has no other plane.
 struct WeightPlanes {
   const unsigned* quants;
   const __half* scales;
@@ -158,7 +159,10 @@ template <OctetFormat F>
 __device__ __forceinline__ RawWeights load_weights(const WeightPlanes& p, int row, int octet) {
   const unsigned* q = p.quants + static_cast<size_t>(row) * p.quant_pitch;
   const __half* s = p.scales + static_cast<size_t>(row) * p.scale_pitch;
-  if constexpr (F == kQ4_0 || F == kQ8_0) {
+  if constexpr (F == kF16) {  // the values themselves, four words an octet; d = 1 marks them valid
+    const uint4 w = *reinterpret_cast<const uint4*>(q + 4 * octet);
+    return {w.x, w.y, w.z, w.w, 1.f, 0.f};
+  } else if constexpr (F == kQ4_0 || F == kQ8_0) {
     const RawOctet r = load_octet<F>(p.quants, p.scales, row, octet, p.quant_pitch, p.scale_pitch);
     return {r.w0, r.w1, 0u, 0u, r.d, 0.f};
   } else if constexpr (F == kQ4_1) {  // d, m per 32; byte j holds element j (low nibble) and j + 16 (high)
@@ -191,7 +195,10 @@ __device__ __forceinline__ RawWeights load_weights(const WeightPlanes& p, int ro
 
 template <OctetFormat F>
 __device__ __forceinline__ uint4 dequant_weights(const RawWeights& r, int octet) {
-  if constexpr (F == kQ4_0 || F == kQ8_0) {
+  if constexpr (F == kF16) {  // an octet past the end (d = 0): zeros
+    if (r.d == 0.f) return {0u, 0u, 0u, 0u};
+    return {r.w0, r.w1, r.w2, r.w3};
+  } else if constexpr (F == kQ4_0 || F == kQ8_0) {
     return dequant_octet<F>(RawOctet{r.w0, r.w1, r.d}, octet);
   } else {
     float x[8];

@@ -750,49 +750,6 @@ __device__ __forceinline__ float down_row(const Planes& planes, const int* ids, 
   return warp_sum(acc);
 }
 
-// ---- L2 prefetches ----
-// A decode launch is one wave whose warps read a few hundred bytes to a few KiB of rows each: the DRAM latency,
-// not the bandwidth, sets its time, and the rows' loads wait behind the block's staging of its activations (an
-// RMSNorm's two passes and two barriers). A warp that asks the L2 for its rows first has them in flight while it
-// stages; the loads then meet the L2. The hints change no value.
-
-// The 128-byte lines that hold any byte of [start, start + bytes): the first one's address and their number.
-__device__ __forceinline__ unsigned long long span_first_line(unsigned long long start) { return start & ~127ull; }
-__device__ __forceinline__ long long span_lines(unsigned long long start, long long bytes) {
-  if (bytes <= 0) return 0;
-  return static_cast<long long>((((start + bytes + 127) & ~127ull) - (start & ~127ull)) / 128);
-}
-
-__device__ __forceinline__ void prefetch_l2(unsigned long long address) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
-}
-
-// The span's lines, dealt to the warp's lanes in turn.
-__device__ __forceinline__ void prefetch_span(const void* p, long long bytes) {
-  const int lane = threadIdx.x & 31;
-  const unsigned long long start = reinterpret_cast<unsigned long long>(p);
-  const long long num_lines = span_lines(start, bytes);
-  for (long long line = lane; line < num_lines; line += 32) prefetch_l2(span_first_line(start) + 128ull * line);
-}
-
-// num_rows consecutive rows from `r` in every plane (a stand-in plane has 0 bytes a row).
-__device__ __forceinline__ void prefetch_rows(const RowPlanes& r, long long num_rows, int words_per_row,
-                                              int halves_per_row, int extra_per_row) {
-  prefetch_span(r.quants, 4ll * words_per_row * num_rows);
-  prefetch_span(r.scales, 2ll * halves_per_row * num_rows);
-  prefetch_span(r.extra, static_cast<long long>(extra_per_row) * num_rows);
-}
-
-// Row n of each routed expert's matrix (ids outside [0, num_experts) read nothing).
-template <class Planes>
-__device__ __forceinline__ void prefetch_expert_rows(const Planes& planes, const int* ids, int top_k, long long n) {
-  for (int e = 0; e < top_k; ++e) {
-    const int id = ids[e];
-    if (id >= 0 && id < planes.num_experts)
-      prefetch_rows(planes.row(id, n), 1, planes.words_per_row, planes.halves_per_row, planes.extra_per_row);
-  }
-}
-
 }  // namespace
 
 #define STRATA_GEMV_ROWS(NAME, F, R, UNROLL)                                                                         \
@@ -876,55 +833,6 @@ __device__ __forceinline__ void prefetch_expert_rows(const Planes& planes, const
     const AddressPlanes planes{table, num_experts, stride, first, words_per_row, halves_per_row, extra_per_row};    \
     out[0] = down_row<F, 4>(planes, ids, weights, top_k, n, xs, x_stride, num_cols);                                \
   }
-
-// L2 prefetches of what a warp is about to read (no value changes): rows row0 .. row0 + num_rows - 1 of a matrix
-// (none when num_rows <= 0); an expert's gate and up row over its address-table row (STRATA_GEMV_PAIR_AT's
-// planes); output row n of the routed experts' down matrices, stacked (STRATA_DOWN_ROW's slots) or over the
-// table (STRATA_DOWN_ROW_AT's).
-extern "C" __device__ void strata_prefetch_rows(const u32* quants, const __half* scales, const u8* extra,
-                                                long long row0, long long num_rows, int words_per_row,
-                                                int halves_per_row, int extra_per_row) {
-  if (num_rows <= 0) return;
-  prefetch_rows(row_planes(quants, scales, extra, row0, words_per_row, halves_per_row, extra_per_row), num_rows,
-                words_per_row, halves_per_row, extra_per_row);
-}
-
-// the same for a float matrix's values (the quants plane of F32 and F16 rows)
-extern "C" __device__ void strata_prefetch_rows_f32(const float* values, const __half* scales, const u8* extra,
-                                                    long long row0, long long num_rows, int words_per_row,
-                                                    int halves_per_row, int extra_per_row) {
-  strata_prefetch_rows(reinterpret_cast<const u32*>(values), scales, extra, row0, num_rows, words_per_row,
-                       halves_per_row, extra_per_row);
-}
-
-extern "C" __device__ void strata_prefetch_rows_f16(const __half* values, const __half* scales, const u8* extra,
-                                                    long long row0, long long num_rows, int words_per_row,
-                                                    int halves_per_row, int extra_per_row) {
-  strata_prefetch_rows(reinterpret_cast<const u32*>(values), scales, extra, row0, num_rows, words_per_row,
-                       halves_per_row, extra_per_row);
-}
-
-extern "C" __device__ void strata_prefetch_pair_at(const unsigned long long* planes, long long row, int words_per_row,
-                                                   int halves_per_row, int extra_per_row) {
-  const AddressPlanes gate{planes, 1, 0, 0, words_per_row, halves_per_row, extra_per_row};
-  const AddressPlanes up{planes, 1, 0, 3, words_per_row, halves_per_row, extra_per_row};
-  prefetch_rows(gate.row(0, row), 1, words_per_row, halves_per_row, extra_per_row);
-  prefetch_rows(up.row(0, row), 1, words_per_row, halves_per_row, extra_per_row);
-}
-
-extern "C" __device__ void strata_prefetch_down(const u32* quants, const __half* scales, const u8* extra,
-                                                const int* slots, int top_k, int num_slots, long long n, int dim,
-                                                int words_per_row, int halves_per_row, int extra_per_row) {
-  const SlotPlanes planes{quants, scales, extra, num_slots, dim, words_per_row, halves_per_row, extra_per_row};
-  prefetch_expert_rows(planes, slots, top_k, n);
-}
-
-extern "C" __device__ void strata_prefetch_down_at(const unsigned long long* table, int stride, int first,
-                                                   const int* ids, int top_k, int num_experts, long long n,
-                                                   int words_per_row, int halves_per_row, int extra_per_row) {
-  const AddressPlanes planes{table, num_experts, stride, first, words_per_row, halves_per_row, extra_per_row};
-  prefetch_expert_rows(planes, ids, top_k, n);
-}
 
 STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r1, Q40, 1, 2)
 STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r2, Q40, 2, 2)
