@@ -88,7 +88,8 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     mtp_kv = int(context_cells * layer_cell_bytes) if mtp_layers else 0
     verifier = (VerifierLayout(spec.hidden_size, spec.vocab_size, 1 + rt.spec_depth).num_bytes
                 if rt.mtp and rt.spec_depth else 0)
-    # e.g. a quantized cache layer's F16 copy, which prefill attention reads on the GPU, and a dense matrix's
+    # e.g. a quantized cache layer's F16 copy, which prefill attention reads on the GPU, and the float16 copy
+    # of a dense matrix that prefill's GEMM stages
     costs = workspace_costs(spec, layout, config, kv_scratch_bytes_per_cell * context_cells + weight_scratch_bytes)
     fixed = dense + head + kv_bytes + kv_staging + verifier + mtp_head + mtp_experts + mtp_kv
     min_ring = config.planner.min_ring_slots if layout else 0
