@@ -116,6 +116,10 @@ int main(int argc, char** argv) {
     products<IQ4XS>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
   else if (fmt == "IQ3XXS")
     products<IQ3XXS>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
+  else if (fmt == "IQ3S")
+    products<IQ3S>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
+  else if (fmt == "IQ2S")
+    products<IQ2S>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
   else if (fmt == "F32") products<F32>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
   else if (fmt == "F16") products<F16>(rows, cols, num_x, q.data(), s.data(), e.data(), qp, sp, ep, g_xs, ones, pairs);
   else return 2;

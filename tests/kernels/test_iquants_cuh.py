@@ -8,7 +8,7 @@ import numpy as np
 from host_cpp import BYTE_PERM_SHIM, HALF_SHIMS, between, build
 
 from strata.gpu.kernels import tensor_core
-from strata.model.iquant_tables import IQ3XXS_GRID, KVALUES_IQ4NL
+from strata.model.iquant_tables import IQ2S_GRID, IQ3S_GRID, IQ3XXS_GRID, KVALUES_IQ4NL
 
 _MAIN = r"""
 // every nibble 0 .. 15, four at a time (one a byte): the level bytes iq4_levels gives, in nibble order
@@ -37,3 +37,15 @@ def test_the_iq3_xxs_grid_is_ggmls():
     entries = [int(word.strip().rstrip("u"), 16) for word in table.split("{", 1)[1].split(",") if word.strip()]
     assert entries == [int(v) for v in IQ3XXS_GRID]
     assert np.asarray(IQ3XXS_GRID).shape == (256,)
+
+
+def _table_words(name: str) -> list:
+    table = between(tensor_core.source_text("iquants.cuh"), f"{name}[", "};")
+    return [int(word.strip().rstrip("u"), 16) for word in table.split("{", 1)[1].split(",") if word.strip()]
+
+
+def test_the_iq3_s_and_iq2_s_grids_are_ggmls():
+    assert _table_words("kIq3SGrid") == [int(v) for v in IQ3S_GRID]
+    assert _table_words("kIq2SGrid") == [int(v) for v in np.asarray(IQ2S_GRID, np.uint64).view(np.uint32)]
+    assert len(_table_words("kIq3SGrid")) == 512 and len(_table_words("kIq2SGrid")) == 2 * 1024
+

@@ -14,9 +14,10 @@ loop over each warp's row groups (loading a group's rows while it multiplies the
 others one function per row group (or row pair). gemv stages a Q4_K matrix's activations in a layout of
 its own (each super-block's 8 groups Q4_K_SB_STRIDE floats apart, each group's two half sums in its
 padding), which its loop's 32-byte items read. Formats (FORMATS, those whose GPU tests passed on the reference
-H200): Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS, and F32 / F16 rows (the routers); the expert kernels
-(EXPERT_FORMATS) take the same quantized formats (the I-quants' output-head launch shapes, head_config, are
-tested but have not run on the GPU yet). The Numba
+H200): Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ3_XXS, IQ3_S, IQ2_S, and F32 / F16 rows (the routers); the
+expert kernels (EXPERT_FORMATS) take the quantized ones but IQ3_S and IQ2_S (an IQ3_XXS mix's attention
+projections, not its experts). The I-quants' output-head launch shapes (head_config) are tested but have not
+run on the GPU yet. The Numba
 kernels remain the path for the other formats, the simulator, and the reference the GPU tests compare this one
 against (same roundings of x, sums in another order).
 
@@ -43,7 +44,7 @@ from .activation import device_silu_mul
 from .launcher import jit
 
 # every format cuda/gemv_rows.cu has rows for, and the expert formats of its gate/up pair and down row functions
-BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "F32", "F16")
+BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_S", "F32", "F16")
 BUILT_EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")
 # the formats a GEMV or an expert product is sent through the C++ rows in: those whose GPU tests passed on the H200
 FORMATS = BUILT_FORMATS
@@ -52,7 +53,7 @@ X_GROUP, X_STRIDE = 32, 36
 # gemv's Q4_K activations: each 256-element super-block's 8 groups 4 floats further on than 8 groups, so that
 # the C++ loop's lanes of two super-blocks start on other banks (cuda/gemv_rows.cu's Q4K_SB_STRIDE)
 Q4_K_BLOCK, Q4_K_SB_STRIDE = 256, 8 * X_STRIDE + 4
-_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")  # rows of whole 256-element super-blocks
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_S")  # rows of whole 256-element super-blocks
 _WORD_SCALE_FORMATS = ("Q4_K", "Q5_K")  # d and dmin read as one word, the 12 scale bytes as three
 _WARP = 32
 _MAX_SHARED_BYTES = 48 * 1024
@@ -117,6 +118,8 @@ _HEAD_CONFIGS = MappingProxyType({
     "Q6_K": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
     "IQ4_XS": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
     "IQ3_XXS": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
+    "IQ3_S": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
+    "IQ2_S": NativeGemvConfig(warps=16, rows_per_warp=4, blocks_per_sm=1, x_rows=1),
     "F32": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4, x_rows=1),
     "F16": NativeGemvConfig(warps=8, rows_per_warp=2, blocks_per_sm=4, x_rows=1),
 })
@@ -265,6 +268,7 @@ _ROWS_SHAPES = MappingProxyType({
     "Q4_0": ("Q40", {1: 2, 2: 2, 4: 1}), "Q8_0": ("Q80", {1: 2, 2: 2, 4: 1}), "Q4_K": ("Q4K", {1: 2, 2: 2, 4: 1}),
     "Q5_K": ("Q5K", {1: 2, 2: 2, 4: 1}), "Q6_K": ("Q6K", {1: 2, 2: 2, 4: 1}),
     "IQ4_XS": ("IQ4XS", {1: 2, 2: 2, 4: 1}), "IQ3_XXS": ("IQ3XXS", {1: 2, 2: 2, 4: 1}),
+    "IQ3_S": ("IQ3S", {1: 2, 2: 2, 4: 1}), "IQ2_S": ("IQ2S", {1: 2, 2: 2, 4: 1}),
     "F32": ("F32", {1: 4, 2: 4, 4: 2}), "F16": ("F16", {1: 4, 2: 4, 4: 2}),
 })
 _LOOP_SHAPES = MappingProxyType({**_ROWS_SHAPES, "Q4_K": ("Q4KWide", {1: 1, 2: 1, 4: 1})})

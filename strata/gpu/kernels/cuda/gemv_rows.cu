@@ -28,6 +28,10 @@
 //         level (iquants.cuh), its scale d * (ls - 32) from the super-block's d and 6 scale bytes; K / 32 items
 //   IQ3_XXS  a 32-element sub-block per item: its 8 grid indices (8 bytes, each 4 elements' magnitudes) and its
 //         sign-and-scale word, its scale d * (0.5 + ls) * 0.5; K / 32 items
+//   IQ3_S  a 32-element sub-block per item: its 8 grid indices' low bytes, their ninth bits, its 32 sign bits, its
+//         scale d * (1 + 2 ls); K / 32 items
+//   IQ2_S  a 32-element sub-block per item: its 4 octets' grid indices (8 + 2 bits), 32 sign bits and two scales
+//         d * (0.5 + ls) * 0.25, one a 16 elements; K / 32 items
 //   F32 / F16  4 / 8 values per item (the routers); K / 4 or K / 8 items
 // Small integers become floats through the exponent trick (0x4B000000 | q is 2^23 + q), as in
 // quant_device.py.
@@ -520,6 +524,119 @@ struct IQ3XXS {
   }
 };
 
+// 4 magnitudes (a byte each, first element lowest) as floats, negated where bit i of `signs` is set
+__device__ __forceinline__ float4 signed_bytes(u32 magnitudes, u32 signs) {
+  const float4 m = bytes_as_float4(magnitudes, 8388608.f);
+  return make_float4(signs & 1u ? -m.x : m.x, signs & 2u ? -m.y : m.y, signs & 4u ? -m.z : m.z,
+                     signs & 8u ? -m.w : m.w);
+}
+
+// ---- IQ3_S: d * (1 + 2 ls) * magnitude, signed, a scale per 32-element sub-block ----
+// A super-block's quants are qs[64], qh[8], signs[32] (26 words); its 4 scale bytes are in the extra plane. Item i
+// (sub-block j = i % 8 of super-block i / 8) is qs words 2j, 2j + 1 (q.x, q.y: the low 8 bits of grid entries
+// 0 .. 3 and 4 .. 7, a byte each), signs word 18 + j (q.z: bit 4l + e for element e of entry l) and qh byte j
+// (q.w: bit l, entry l's ninth index bit); ls is nibble j % 2 of scale byte j / 2. Entry l is elements 4l .. 4l + 3.
+struct IQ3S {
+  __device__ static int items(int num_cols) { return num_cols / 32; }
+  __device__ static Item load(const RowPlanes& r, int i) {
+    Item it;
+    const int sb = i >> 3, j = i & 7;
+    const u32* block = r.quants + 26 * sb;
+    const uint2 qs = __ldg(reinterpret_cast<const uint2*>(block + 2 * j));
+    it.q.x = qs.x;
+    it.q.y = qs.y;
+    it.q.z = __ldg(block + 18 + j);
+    it.q.w = (__ldg(block + 16 + (j >> 2)) >> (8 * (j & 3))) & 0xFFu;
+    const u32 ls = (__ldg(r.extra + 4 * sb + (j >> 1)) >> (4 * (j & 1))) & 0xFu;
+    it.d = half_at(r.scales + sb) * static_cast<float>(1 + 2 * ls);  // as gguf-py's, exact
+    return it;
+  }
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
+    float s[NX][R];
+#pragma unroll
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[t][r] = 0.f;
+#pragma unroll
+    for (int l = 0; l < 8; ++l) {
+      float4 w[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const u32 index = (((l < 4 ? it[r].q.x : it[r].q.y) >> (8 * (l & 3))) & 0xFFu) | (((it[r].q.w >> l) & 1u) << 8);
+        w[r] = signed_bytes(kIq3SGrid[index], (it[r].q.z >> (4 * l)) & 0xFu);
+      }
+#pragma unroll
+      for (int t = 0; t < NX; ++t) {
+        const float4 v = load_x4(xs + 4 * (t * x_stride + i * XSTRIDE), 4 * l);
+#pragma unroll
+        for (int r = 0; r < R; ++r) s[t][r] += dot4(w[r], v);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[t][r] += it[r].d * s[t][r];
+  }
+};
+
+// ---- IQ2_S: d * (0.5 + ls) * 0.25 * magnitude, signed, a scale per 16 elements ----
+// A super-block's quants are qs[32], signs[32], qh[8] (18 words); its 8 scale bytes are in the extra plane. Item i
+// (sub-block j = i % 8 of super-block i / 8) is qs word j (q.x: the low 8 bits of the grid indices of its octets
+// k = 0 .. 3, a byte each), signs word 8 + j (q.y: byte k for octet k, bit e for its element e) and qh byte j (q.z:
+// bits 2k, 2k + 1, octet k's top index bits); octets 0 and 1 take the low nibble of scale byte j (dl), 2 and 3 the
+// high one (dh). Octet k is elements 8k .. 8k + 7; its grid entry is 8 magnitudes (two words).
+struct IQ2S {
+  __device__ static int items(int num_cols) { return num_cols / 32; }
+  __device__ static Item load(const RowPlanes& r, int i) {
+    Item it;
+    const int sb = i >> 3, j = i & 7;
+    const u32* block = r.quants + 18 * sb;
+    it.q.x = __ldg(block + j);
+    it.q.y = __ldg(block + 8 + j);
+    it.q.z = (__ldg(block + 16 + (j >> 2)) >> (8 * (j & 3))) & 0xFFu;
+    const u32 ls = __ldg(r.extra + 8 * sb + j);
+    const float d = half_at(r.scales + sb);
+    it.dl = d * (0.5f + static_cast<float>(ls & 0xFu)) * 0.25f;  // as gguf-py's, exact
+    it.dh = d * (0.5f + static_cast<float>(ls >> 4)) * 0.25f;
+    return it;
+  }
+  template <int R, int NX>
+  __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
+    float sl[NX][R], sh[NX][R];
+#pragma unroll
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) sl[t][r] = sh[t][r] = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float4 w0[R], w1[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const u32 index = ((it[r].q.x >> (8 * k)) & 0xFFu) | (((it[r].q.z >> (2 * k)) & 3u) << 8);
+        const u32 signs = (it[r].q.y >> (8 * k)) & 0xFFu;
+        w0[r] = signed_bytes(kIq2SGrid[2 * index], signs & 0xFu);
+        w1[r] = signed_bytes(kIq2SGrid[2 * index + 1], signs >> 4);
+      }
+#pragma unroll
+      for (int t = 0; t < NX; ++t) {
+        const u32 x = xs + 4 * (t * x_stride + i * XSTRIDE);
+        const float4 a = load_x4(x, 8 * k), b = load_x4(x, 8 * k + 4);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float product = dot4(w0[r], a) + dot4(w1[r], b);
+          if (k < 2) sl[t][r] += product;
+          else sh[t][r] += product;
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[t][r] += it[r].dl * sl[t][r] + it[r].dh * sh[t][r];
+  }
+};
+
 // Q4_K for the gemv loop: 32 quant bytes an item, whole sub-blocks 2c and 2c + 1 (low and high nibbles of bytes
 // 32c .. 32c + 31), so that the item's scales are read and decoded once for 64 elements; K / 64 items. Its
 // activations come in gemv_native's Q4_K layout: each super-block's 8 groups Q4K_SB_STRIDE floats after the
@@ -855,6 +972,12 @@ STRATA_GEMV_ROWS(strata_gemv_rows_iq4_xs_r4, IQ4XS, 4, 1)
 STRATA_GEMV_ROWS(strata_gemv_rows_iq3_xxs_r1, IQ3XXS, 1, 2)
 STRATA_GEMV_ROWS(strata_gemv_rows_iq3_xxs_r2, IQ3XXS, 2, 2)
 STRATA_GEMV_ROWS(strata_gemv_rows_iq3_xxs_r4, IQ3XXS, 4, 1)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq3_s_r1, IQ3S, 1, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq3_s_r2, IQ3S, 2, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq3_s_r4, IQ3S, 4, 1)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq2_s_r1, IQ2S, 1, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq2_s_r2, IQ2S, 2, 2)
+STRATA_GEMV_ROWS(strata_gemv_rows_iq2_s_r4, IQ2S, 4, 1)
 // float rows have 4-8x the items of a quantized row: more of them in flight per iteration
 STRATA_GEMV_ROWS(strata_gemv_rows_f32_r1, F32, 1, 4)
 STRATA_GEMV_ROWS(strata_gemv_rows_f32_r2, F32, 2, 4)
@@ -883,6 +1006,12 @@ STRATA_GEMV_LOOP(strata_gemv_loop_iq4_xs_r4, IQ4XS, 4, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_iq3_xxs_r1, IQ3XXS, 1, 2)
 STRATA_GEMV_LOOP(strata_gemv_loop_iq3_xxs_r2, IQ3XXS, 2, 2)
 STRATA_GEMV_LOOP(strata_gemv_loop_iq3_xxs_r4, IQ3XXS, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq3_s_r1, IQ3S, 1, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq3_s_r2, IQ3S, 2, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq3_s_r4, IQ3S, 4, 1)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq2_s_r1, IQ2S, 1, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq2_s_r2, IQ2S, 2, 2)
+STRATA_GEMV_LOOP(strata_gemv_loop_iq2_s_r4, IQ2S, 4, 1)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r1, F32, 1, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r2, F32, 2, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f32_r4, F32, 4, 2)
