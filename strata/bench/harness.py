@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, config: Config) -> int:
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
-    rival = read_rival(args.rival)  # before any run: a file that is not llama-bench's stops here
+    rival = read_rival(args.rival, config.model.path)  # before any run: a file not llama-bench's stops here
     arms = [(loan.strip(), spec.strip(), misses.strip()) for loan in args.arms.split(",")
             for spec in args.spec.split(",") for misses in args.decode_misses.split(",")]
     unknown = sorted({misses for *_, misses in arms} - set(DECODE_MISSES))

@@ -3,7 +3,8 @@ experts in host RAM (``-ot exps=CPU``) and with the whole model in VRAM.
 
 The promise is a ratio to llama.cpp measured on the same machine in the same run: ``bench --rival FILE``
 reads the table ``llama-bench`` printed there (``peer-llamacpp bench``'s output); without it the table
-divides by the figures of an earlier run on the reference H200 and says so.
+divides by the figures of an earlier run on the reference H200 and says so, for the model those figures are of
+(the synthetic Qwen3-30B-A3B Q4_0) only: another model's table has no rival figures.
 """
 
 from __future__ import annotations
@@ -28,9 +29,29 @@ class Rival:
     vram_decode: float | None
 
 
-# llama.cpp on the reference H200 and model shape, 2026-12-01 (docs/PERFORMANCE.md)
+# llama.cpp on the reference H200 and the synthetic Qwen3-30B-A3B Q4_0, 2026-12-01 (docs/PERFORMANCE.md)
 EARLIER_RUN = Rival("llama.cpp on the reference H200, 2026-12-01 (not this run)", {2048: 4394.0, 32768: 4739.0},
                     32.4, {2048: 12042.0, 32768: 8685.0}, 316.0)
+EARLIER_RUN_MODEL = "qwen3moe, 2048 hidden, 128 experts, MOSTLY_Q4_0"
+
+
+def model_identity(path: Path) -> str:
+    """The architecture, hidden size, expert count and file type of a GGUF: what the earlier run's figures must
+    match to divide by (its MTP block, which llama.cpp's file lacked, does not count)."""
+    from gguf import LlamaFileType
+
+    from strata.model.gguf_file import open_reader
+    from strata.model.metadata import field_value
+
+    reader = open_reader(path)
+
+    def value(key: str):
+        return field_value(reader, reader.fields[key]) if key in reader.fields else None
+
+    arch = value("general.architecture")
+    file_type = value("general.file_type")
+    kind = LlamaFileType(file_type).name if file_type in set(LlamaFileType) else f"file type {file_type}"
+    return f"{arch}, {value(f'{arch}.embedding_length')} hidden, {value(f'{arch}.expert_count') or 0} experts, {kind}"
 
 
 def parse_llama_bench(text: str, source: str) -> Rival:
@@ -71,9 +92,19 @@ def _cpu_moe_layers(header: list[str], cells: list[str]) -> int:
     return int(value) if value.isdigit() else 0
 
 
-def read_rival(path: Path | None) -> Rival:
+def read_rival(path: Path | None, model_path: Path | None = None) -> Rival:
+    """--rival's table; without one, the earlier run's figures where the model is theirs (model_path's
+    model_identity), else no figures, with a source line that says to pass --rival."""
     if path is None:
-        return EARLIER_RUN
+        try:
+            identity = model_identity(model_path) if model_path is not None else None
+        except Exception as exc:  # an unreadable model fails in the runs, with their own message
+            identity = f"unreadable: {exc}"
+        if identity == EARLIER_RUN_MODEL:
+            return EARLIER_RUN
+        return Rival(f"none: the earlier run's figures are of another model ({EARLIER_RUN_MODEL}; this one: "
+                     f"{identity}); pass --rival with llama-bench's table from this machine and run", {}, None, {},
+                     None)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

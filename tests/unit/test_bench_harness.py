@@ -244,3 +244,28 @@ def test_a_decode_miss_arm_sets_prefetching_as_its_default_has_it(tmp_path):
     path.write_text(path.read_text().replace("[runtime]\n", '[runtime]\ndecode_misses = "host"\n'))
     back = bench_config(str(path), False, "stage")
     assert back.runtime.decode_misses == "stage" and back.runtime.decode_prefetch
+
+
+def test_without_a_rival_table_only_the_earlier_runs_model_divides_by_its_figures(tmp_path):
+    # the built-in figures are llama.cpp's on the synthetic Qwen3-30B-A3B Q4_0: a Q4_K_M file of the same shape
+    # gets no ratios and a source line that says to pass --rival (header-only files: a 30B shape in a second)
+    from gguf import GGMLQuantizationType
+
+    from strata.bench.rival import EARLIER_RUN, EARLIER_RUN_MODEL, model_identity, read_rival
+    from strata.model.synth import PRESETS, write_synthetic_model
+
+    shape = PRESETS["qwen3-30b-a3b"]
+    q4_0 = write_synthetic_model(tmp_path / "q4_0.gguf", shape, GGMLQuantizationType.Q4_0, seed=0, with_mtp=True,
+                                 is_header_only=True)
+    q4_k_m = write_synthetic_model(tmp_path / "q4_k_m.gguf", shape, "Q4_K_M", seed=0, is_header_only=True)
+    assert model_identity(q4_0) == EARLIER_RUN_MODEL
+    assert read_rival(None, q4_0) is EARLIER_RUN
+    other = read_rival(None, q4_k_m)
+    assert (other.prefill, other.decode, other.vram_prefill, other.vram_decode) == ({}, None, {}, None)
+    assert "MOSTLY_Q4_K_M" in other.source and "pass --rival" in other.source
+    assert "pass --rival" in read_rival(None, tmp_path / "missing.gguf").source
+    run = {"loan": "on", "prefill_tokens_per_s": 8830.94, "decode_tokens_per_s": 75.02, "chunk_tokens": 2048,
+           "ring_slots": 128, "streamed_bytes": 2**30, "prefill_streamed_bytes": 2**30, "num_chunks": 1,
+           "cache_hit_rate": 0.5, "prefill_seconds": 1.0, "active_params": 3e9, "attention_width": 4096 * 48,
+           "generated_tokens": 128, "decode_seconds": 2.0, "prompt_tokens": 2048}
+    assert "×" not in format_table([run], other).splitlines()[2]
