@@ -325,10 +325,10 @@ class CudaOps(AttentionOps, MoeOps, HeadOps):
         with self._owning(ACTIVATIONS):
             return rms_norm(x, weight, eps, stream=self._stream)
 
-    def prefill_weight_scratch_bytes(self, model) -> int:
+    def prefill_weight_scratch_bytes(self, model, num_layers: int) -> int:
         from strata.gpu.kernels import tensor_core
 
-        return weight_scratch_bytes(model, has_tensor_cores=tensor_core.is_available())
+        return weight_scratch_bytes(model, num_layers, has_tensor_cores=tensor_core.is_available())
 
     def matmul(self, x, weight: QTensor):
         from strata.gpu.kernels.gemm import gemm
@@ -343,12 +343,14 @@ class CudaOps(AttentionOps, MoeOps, HeadOps):
         from strata.gpu.kernels.gemv_multi import gemv_multi_rows
 
         if x.shape[0] > DECODE_MAX_ROWS:
-            from strata.gpu.kernels.gemm import staged_input
-            from strata.gpu.kernels.gemm_config import default_config
+            from strata.gpu.kernels.gemm import launch_format, staged_input
+            from strata.gpu.kernels.gemm_config import default_config, is_fused
 
             h = self.rms_norm(x, norm, eps)
-            with self._owning(ACTIVATIONS):  # the float16 copy the three GEMMs would each make, made once
-                h = staged_input(h, default_config(wq.data.fmt), wq.data.fmt, wk.data.fmt, wv.data.fmt)
+            formats = [launch_format(w.data.fmt) for w in (wq, wk, wv)]  # what each GEMM's main loop reads
+            with self._owning(ACTIVATIONS):  # the float16 copy each fused GEMM would make, made once
+                if all(is_fused(default_config(fmt), fmt) for fmt in formats):
+                    h = staged_input(h, default_config(formats[0]), formats[0])
             return self.matmul(h, wq), self.matmul(h, wk), self.matmul(h, wv)
         with self._owning(ACTIVATIONS):  # decode rows: each row's norm and the three GEMVs in one launch
             return gemv_multi_rows((wq.data, wk.data, wv.data), x, norm_weight=norm, eps=eps, stream=self._stream)
@@ -416,16 +418,26 @@ def quiet_launch_warnings() -> None:
         warnings.simplefilter("ignore", category)
 
 
-def weight_scratch_bytes(model, *, has_tensor_cores: bool) -> int:
-    """The float16 copy of the largest dense layer matrix that ``gemm`` stages before its launch (a format its
-    fused loop does not read: ``is_staged_as_f16``); 0 without tensor cores, where nothing is staged. The routed
-    experts run their own kernels, and the embedding and the output head are not prefill products."""
+# a layer's matrices that prefill multiplies with gemm (the routed experts, the MTP block's embedding and head do not)
+_GEMM_TENSORS = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.", "ffn_down.",
+                 "ffn_gate_shexp.", "ffn_up_shexp.", "ffn_down_shexp.", "ffn_gate_inp.", "eh_proj.")
+
+
+def weight_scratch_bytes(model, num_layers: int, *, has_tensor_cores: bool) -> int:
+    """The float16 copy of the largest matrix of layers 0 .. num_layers - 1 that ``gemm`` stages before its
+    launch (a format its fused loop does not read: ``is_staged_as_f16``); 0 without tensor cores, where nothing
+    is staged."""
     from strata.gpu.kernels.gemm import f16_staging_bytes, is_staged_as_f16
 
     if not has_tensor_cores:
         return 0
     sizes = [f16_staging_bytes(ref.shape[0], ref.shape[1]) for name, ref in model.tensors.items()
-             if name.startswith("blk.") and len(ref.shape) == 2 and "_exps" not in name
-             and is_staged_as_f16(ref.qtype.name)]
+             if _layer_of(name) is not None and _layer_of(name) < num_layers and len(ref.shape) == 2
+             and any(part in name for part in _GEMM_TENSORS) and is_staged_as_f16(ref.qtype.name)]
     return max(sizes, default=0)
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else None
 

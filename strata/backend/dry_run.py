@@ -52,12 +52,12 @@ class DryRunOps(NumpyOps):
 
         return kv_scratch_bytes_per_cell(head_dim, kv_width, kv_type, has_tensor_cores=True)
 
-    def prefill_weight_scratch_bytes(self, model) -> int:
+    def prefill_weight_scratch_bytes(self, model, num_layers: int) -> int:
         if self.backend == "numpy":
             return 0
         from strata.backend.cuda_ops import weight_scratch_bytes
 
-        return weight_scratch_bytes(model, has_tensor_cores=True)
+        return weight_scratch_bytes(model, num_layers, has_tensor_cores=True)
 
     def expert_layout(self, model, is_mtp: bool = False) -> ExpertLayout:
         if self.backend == "numpy":

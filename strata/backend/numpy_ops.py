@@ -148,7 +148,7 @@ class NumpyOps:
     def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
         return 0
 
-    def prefill_weight_scratch_bytes(self, model) -> int:
+    def prefill_weight_scratch_bytes(self, model, num_layers: int) -> int:
         return 0
 
     def to_host(self, array) -> np.ndarray:

@@ -126,9 +126,10 @@ class Ops(Protocol):
     def prefill_kv_scratch_bytes_per_cell(self, head_dim: int, kv_width: int, kv_type: str) -> int:
         """VRAM per KV cell that prefill attention needs besides the cache (on the GPU: a quantized
         layer's F16 copy, K and V), reserved by the planner as fixed workspace."""
-    def prefill_weight_scratch_bytes(self, model: Any) -> int:
-        """VRAM prefill's dense products need besides the weights (on the GPU: the largest dense matrix of a
-        format the fused GEMM does not read, staged as float16), reserved by the planner as fixed workspace."""
+    def prefill_weight_scratch_bytes(self, model: Any, num_layers: int) -> int:
+        """VRAM prefill's dense products need besides the weights, over layers 0 .. num_layers - 1 (the MTP
+        block's too where it runs): on the GPU, the largest dense matrix of a format the fused GEMM does not
+        read, staged as float16. The planner reserves it as fixed workspace."""
     def free(self, array: Any) -> None: ...
     def to_host(self, array: Any) -> np.ndarray: ...
     def host_buffer(self, num_bytes: int) -> np.ndarray: ...

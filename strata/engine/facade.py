@@ -93,7 +93,8 @@ class Engine(EngineCore):
                                    ops.prefill_kv_scratch_bytes_per_cell(spec.head_dim, spec.kv_size,
                                                                          config.runtime.kv_type),
                                    is_kv_staged=ops.is_kv_staged, mtp_layout=mtp_layout,
-                                   weight_scratch_bytes=ops.prefill_weight_scratch_bytes(model))
+                                   weight_scratch_bytes=ops.prefill_weight_scratch_bytes(
+                                       model, spec.num_layers + (spec.num_nextn_layers if config.runtime.mtp else 0)))
         loading.check_host_kv_fits(config, placement)
         resources = loading.decode_resources(config, model, ops, placement, mtp_layout)
         admit(config, plugins, resources)

@@ -154,7 +154,7 @@ def test_fixed_chunk_and_ring_give_one_geometry_whatever_the_budget_or_the_cost_
 def test_the_largest_dense_matrix_prefill_stages_as_float16_is_reserved():
     # gemm stages a dense matrix of a format its fused loop does not read (the I-quants' attention projections of
     # an IQ3_XXS mix) as float16: the planner keeps room for the largest; fused formats, routers, the routed
-    # experts, the embedding and the head stage nothing
+    # experts, the embedding and the heads (the MTP block's too) stage nothing, nor an MTP block that does not run
     from types import SimpleNamespace
 
     from strata.backend.cuda_ops import weight_scratch_bytes
@@ -167,9 +167,15 @@ def test_the_largest_dense_matrix_prefill_stages_as_float16_is_reserved():
                "blk.0.attn_output.weight": ref(QType.Q4_K, 2048, 8192),
                "blk.0.ffn_gate_inp.weight": ref(QType.F32, 128, 8192),
                "blk.0.ffn_down_exps.weight": ref(QType.IQ3_XXS, 128, 2048, 768),
-               "token_embd.weight": ref(QType.IQ3_S, 151936, 2048), "output.weight": ref(QType.Q5_K, 151936, 2048)}
+               "token_embd.weight": ref(QType.IQ3_S, 151936, 2048), "output.weight": ref(QType.Q5_K, 151936, 2048),
+               "blk.2.nextn.embed_tokens.weight": ref(QType.IQ3_S, 151936, 2048),
+               "blk.2.nextn.shared_head_head.weight": ref(QType.Q5_K, 151936, 2048)}
     model = SimpleNamespace(tensors=tensors)
-    assert weight_scratch_bytes(model, has_tensor_cores=True) == 2 * 4096 * 2048
-    assert weight_scratch_bytes(model, has_tensor_cores=False) == 0
+    assert weight_scratch_bytes(model, 2, has_tensor_cores=True) == 2 * 4096 * 2048
+    assert weight_scratch_bytes(model, 2, has_tensor_cores=False) == 0
     tensors["blk.1.attn_output.weight"] = ref(QType.Q5_K, 2048, 8192)
-    assert weight_scratch_bytes(model, has_tensor_cores=True) == 2 * 2048 * 8192
+    assert weight_scratch_bytes(model, 2, has_tensor_cores=True) == 2 * 2048 * 8192
+    tensors["blk.2.nextn.eh_proj.weight"] = ref(QType.BF16, 2048, 8192)  # the MTP block's projection of [x; h]
+    assert weight_scratch_bytes(model, 2, has_tensor_cores=True) == 2 * 2048 * 8192
+    tensors["blk.2.nextn.eh_proj.weight"] = ref(QType.BF16, 4096, 8192)
+    assert weight_scratch_bytes(model, 3, has_tensor_cores=True) == 2 * 4096 * 8192

@@ -72,6 +72,12 @@ def is_staged_as_f16(fmt: str) -> bool:
     return fmt not in FUSED_FORMATS and fmt != "F32"
 
 
+def launch_format(fmt: str) -> str:
+    """The format gemm's main loop reads for a matrix of ``fmt``: F16 where it stages the matrix (on a GPU with
+    tensor cores), else ``fmt``."""
+    return "F16" if is_staged_as_f16(fmt) and tensor_core.is_available() else fmt
+
+
 def f16_staging_bytes(num_rows: int, num_cols: int) -> int:
     """The float16 copy gemm stages a [num_rows, num_cols] matrix in (is_staged_as_f16)."""
     return 2 * num_rows * num_cols
@@ -307,9 +313,8 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
     float16 (20 KiB).
     """
     check_packed("w", w)
-    if config is None and is_staged_as_f16(w.fmt) and is_device_array(w.quants) and tensor_core.is_available():
-        w = dequantize_f16(w)
-    config = (config or default_config(w.fmt)).validate()
+    is_staging = config is None and is_staged_as_f16(w.fmt) and is_device_array(w.quants) and tensor_core.is_available()
+    config = (config or default_config("F16" if is_staging else w.fmt)).validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens = x.shape[0]
     if x.shape[1] != w.num_cols:
@@ -323,6 +328,8 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
     check_array("y", y, dtypes=np.float32, shape=(num_tokens, w.num_rows))
     if num_tokens == 0 or w.num_rows == 0:
         return y
+    if is_staging:
+        w = dequantize_f16(w)
     grid = (ceil_div(w.num_rows, config.block_n), ceil_div(num_tokens, config.block_m))
     x = staged_input(x, config, w.fmt)
     launch(_gemm_kernel(w.fmt, config, accumulate), grid, config.threads, dynamic_bytes(config, 1),
