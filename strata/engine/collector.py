@@ -46,7 +46,8 @@ class CollectorWatch:
 
     def close(self) -> None:
         if self._is_listening:
-            gc.callbacks.remove(self._on_pass)
+            if self._on_pass in gc.callbacks:  # whoever owns the interpreter may have dropped it already
+                gc.callbacks.remove(self._on_pass)
             self._is_listening = False
 
     def _on_pass(self, phase: str, info: dict) -> None:

@@ -68,8 +68,9 @@ def test_a_completion_carries_its_timings(server):
 
 
 def test_a_stream_carries_its_timings_in_the_final_chunk(server):
+    no_end = {str(token): -100 for token in server.state.ready.engine.tokenizer.eog_ids}  # decode steps to time
     body = {"model": server.state.ready.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-            "stream": True}
+            "stream": True, "logit_bias": no_end}
     events = sse_events(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).text)
     final = events[-2]
     assert final["choices"][0]["finish_reason"] is not None and set(final["timings"]) == TIMINGS

@@ -72,3 +72,17 @@ def test_the_ledgers_last_resort_collects_a_cycle_among_frozen_objects():
         assert is_first_alive() is None and gc.get_freeze_count() > 0  # found, and the rest frozen again
     finally:
         thaw()
+
+
+def test_closing_a_watch_whose_callback_was_dropped_elsewhere_is_quiet():
+    # a server's engine closes at shutdown: an embedding program (or a test harness) that cleared the interpreter's
+    # collector callbacks before must not turn that into a failed shutdown
+    watch = CollectorWatch().listen()
+    gc.callbacks.remove(watch._on_pass)
+    watch.close()
+    assert watch._on_pass not in gc.callbacks
+    watch.listen()  # and it listens again after
+    try:
+        assert gc.callbacks.count(watch._on_pass) == 1
+    finally:
+        watch.close()
