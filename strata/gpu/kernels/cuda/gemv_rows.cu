@@ -475,11 +475,53 @@ struct IQ4XS {
   }
 };
 
-// ---- IQ3_XXS: d * (0.5 + ls) * 0.5 * magnitude, signed, a scale per 32-element sub-block ----
-// A super-block's quants are qs[64] then its 8 sign-and-scale words (24 words): item i (sub-block j = i % 8 of
-// super-block i / 8) is qs words 2j, 2j + 1 (q.x, q.y: grid entries 0 .. 3 and 4 .. 7, a byte each) and word 16 + j
-// (q.z: four 7-bit sign groups, ls in its top 4 bits); entry l is elements 4l .. 4l + 3.
+// ---- The grid I-quants (IQ3_XXS, IQ3_S, IQ2_S): an item is a 32-element sub-block of 8 quads, each 4 magnitudes a
+// grid entry gives and 4 sign bits. F::quad(it, l): quad l's weights (elements 4l .. 4l + 3) before the scale;
+// F::kTwoScales: quads 0 .. 3 take it.dl and 4 .. 7 it.dh (IQ2_S), else all take it.d. ----
+
+// 4 magnitudes (a byte each, first element lowest) as floats, negated where bit i of `signs` is set
+__device__ __forceinline__ float4 signed_bytes(u32 magnitudes, u32 signs) {
+  const float4 m = bytes_as_float4(magnitudes, 8388608.f);
+  return make_float4(signs & 1u ? -m.x : m.x, signs & 2u ? -m.y : m.y, signs & 4u ? -m.z : m.z,
+                     signs & 8u ? -m.w : m.w);
+}
+
+template <class F, int R, int NX>
+__device__ __forceinline__ void grid_quads_dot(const Item (&it)[R], u32 xs, int x_stride, int i,
+                                               float (&acc)[NX][R]) {
+  float s[2][NX][R];  // the quads' sums under each scale (one only without kTwoScales)
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int t = 0; t < NX; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[h][t][r] = 0.f;
+#pragma unroll
+  for (int l = 0; l < 8; ++l) {
+    const int h = F::kTwoScales ? l >> 2 : 0;
+    float4 w[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) w[r] = F::quad(it[r], l);
+#pragma unroll
+    for (int t = 0; t < NX; ++t) {
+      const float4 v = load_x4(xs + 4 * (t * x_stride + i * XSTRIDE), 4 * l);
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[h][t][r] += dot4(w[r], v);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NX; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      acc[t][r] += F::kTwoScales ? it[r].dl * s[0][t][r] + it[r].dh * s[1][t][r] : it[r].d * s[0][t][r];
+}
+
+// IQ3_XXS: d * (0.5 + ls) * 0.5 * magnitude, a scale per 32-element sub-block. A super-block's quants are qs[64]
+// then its 8 sign-and-scale words (24 words): item i (sub-block j = i % 8 of super-block i / 8) is qs words 2j,
+// 2j + 1 (q.x, q.y: grid entries 0 .. 3 and 4 .. 7, a byte each) and word 16 + j (q.z: four 7-bit sign groups, ls
+// in its top 4 bits).
 struct IQ3XXS {
+  static constexpr bool kTwoScales = false;
   __device__ static int items(int num_cols) { return num_cols / 32; }
   __device__ static Item load(const RowPlanes& r, int i) {
     Item it;
@@ -492,51 +534,23 @@ struct IQ3XXS {
     it.d = half_at(r.scales + sb) * (0.5f + static_cast<float>(it.q.z >> 28)) * 0.5f;  // as gguf-py's, exact
     return it;
   }
+  __device__ static float4 quad(const Item& it, int l) {
+    const u32 index = ((l < 4 ? it.q.x : it.q.y) >> (8 * (l & 3))) & 0xFFu;
+    return signed_bytes(kIq3XxsGrid[index], iq3_signs(it.q.z, l));
+  }
   template <int R, int NX>
   __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
-    float s[NX][R];
-#pragma unroll
-    for (int t = 0; t < NX; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r) s[t][r] = 0.f;
-#pragma unroll
-    for (int l = 0; l < 8; ++l) {
-      float4 w[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const u32 index = ((l < 4 ? it[r].q.x : it[r].q.y) >> (8 * (l & 3))) & 0xFFu;
-        const u32 signs = iq3_signs(it[r].q.z, l);
-        const float4 m = bytes_as_float4(kIq3XxsGrid[index], 8388608.f);
-        w[r] = make_float4(signs & 1u ? -m.x : m.x, signs & 2u ? -m.y : m.y, signs & 4u ? -m.z : m.z,
-                           signs & 8u ? -m.w : m.w);
-      }
-#pragma unroll
-      for (int t = 0; t < NX; ++t) {
-        const float4 v = load_x4(xs + 4 * (t * x_stride + i * XSTRIDE), 4 * l);
-#pragma unroll
-        for (int r = 0; r < R; ++r) s[t][r] += dot4(w[r], v);
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < NX; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[t][r] += it[r].d * s[t][r];
+    grid_quads_dot<IQ3XXS, R, NX>(it, xs, x_stride, i, acc);
   }
 };
 
-// 4 magnitudes (a byte each, first element lowest) as floats, negated where bit i of `signs` is set
-__device__ __forceinline__ float4 signed_bytes(u32 magnitudes, u32 signs) {
-  const float4 m = bytes_as_float4(magnitudes, 8388608.f);
-  return make_float4(signs & 1u ? -m.x : m.x, signs & 2u ? -m.y : m.y, signs & 4u ? -m.z : m.z,
-                     signs & 8u ? -m.w : m.w);
-}
-
-// ---- IQ3_S: d * (1 + 2 ls) * magnitude, signed, a scale per 32-element sub-block ----
-// A super-block's quants are qs[64], qh[8], signs[32] (26 words); its 4 scale bytes are in the extra plane. Item i
-// (sub-block j = i % 8 of super-block i / 8) is qs words 2j, 2j + 1 (q.x, q.y: the low 8 bits of grid entries
-// 0 .. 3 and 4 .. 7, a byte each), signs word 18 + j (q.z: bit 4l + e for element e of entry l) and qh byte j
-// (q.w: bit l, entry l's ninth index bit); ls is nibble j % 2 of scale byte j / 2. Entry l is elements 4l .. 4l + 3.
+// IQ3_S: d * (1 + 2 ls) * magnitude, a scale per 32-element sub-block. A super-block's quants are qs[64], qh[8],
+// signs[32] (26 words); its 4 scale bytes are in the extra plane. Item i (sub-block j = i % 8 of super-block i / 8)
+// is qs words 2j, 2j + 1 (q.x, q.y: the low 8 bits of grid entries 0 .. 3 and 4 .. 7, a byte each), signs word
+// 18 + j (q.z: bit 4l + e for element e of entry l) and qh byte j (q.w: bit l, entry l's ninth index bit); ls is
+// nibble j % 2 of scale byte j / 2.
 struct IQ3S {
+  static constexpr bool kTwoScales = false;
   __device__ static int items(int num_cols) { return num_cols / 32; }
   __device__ static Item load(const RowPlanes& r, int i) {
     Item it;
@@ -551,42 +565,24 @@ struct IQ3S {
     it.d = half_at(r.scales + sb) * static_cast<float>(1 + 2 * ls);  // as gguf-py's, exact
     return it;
   }
+  __device__ static float4 quad(const Item& it, int l) {
+    const u32 index = (((l < 4 ? it.q.x : it.q.y) >> (8 * (l & 3))) & 0xFFu) | (((it.q.w >> l) & 1u) << 8);
+    return signed_bytes(kIq3SGrid[index], (it.q.z >> (4 * l)) & 0xFu);
+  }
   template <int R, int NX>
   __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
-    float s[NX][R];
-#pragma unroll
-    for (int t = 0; t < NX; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r) s[t][r] = 0.f;
-#pragma unroll
-    for (int l = 0; l < 8; ++l) {
-      float4 w[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const u32 index = (((l < 4 ? it[r].q.x : it[r].q.y) >> (8 * (l & 3))) & 0xFFu) | (((it[r].q.w >> l) & 1u) << 8);
-        w[r] = signed_bytes(kIq3SGrid[index], (it[r].q.z >> (4 * l)) & 0xFu);
-      }
-#pragma unroll
-      for (int t = 0; t < NX; ++t) {
-        const float4 v = load_x4(xs + 4 * (t * x_stride + i * XSTRIDE), 4 * l);
-#pragma unroll
-        for (int r = 0; r < R; ++r) s[t][r] += dot4(w[r], v);
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < NX; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[t][r] += it[r].d * s[t][r];
+    grid_quads_dot<IQ3S, R, NX>(it, xs, x_stride, i, acc);
   }
 };
 
-// ---- IQ2_S: d * (0.5 + ls) * 0.25 * magnitude, signed, a scale per 16 elements ----
-// A super-block's quants are qs[32], signs[32], qh[8] (18 words); its 8 scale bytes are in the extra plane. Item i
-// (sub-block j = i % 8 of super-block i / 8) is qs word j (q.x: the low 8 bits of the grid indices of its octets
-// k = 0 .. 3, a byte each), signs word 8 + j (q.y: byte k for octet k, bit e for its element e) and qh byte j (q.z:
-// bits 2k, 2k + 1, octet k's top index bits); octets 0 and 1 take the low nibble of scale byte j (dl), 2 and 3 the
-// high one (dh). Octet k is elements 8k .. 8k + 7; its grid entry is 8 magnitudes (two words).
+// IQ2_S: d * (0.5 + ls) * 0.25 * magnitude, a scale per 16 elements. A super-block's quants are qs[32], signs[32],
+// qh[8] (18 words); its 8 scale bytes are in the extra plane. Item i (sub-block j = i % 8 of super-block i / 8) is
+// qs word j (q.x: the low 8 bits of the grid indices of its octets k = 0 .. 3, a byte each), signs word 8 + j (q.y:
+// byte k for octet k, bit e for its element e) and qh byte j (q.z: bits 2k, 2k + 1, octet k's top index bits);
+// octets 0 and 1 take the low nibble of scale byte j (dl), 2 and 3 the high one (dh). Octet k is quads 2k, 2k + 1:
+// its grid entry is 8 magnitudes, two words.
 struct IQ2S {
+  static constexpr bool kTwoScales = true;
   __device__ static int items(int num_cols) { return num_cols / 32; }
   __device__ static Item load(const RowPlanes& r, int i) {
     Item it;
@@ -601,39 +597,14 @@ struct IQ2S {
     it.dh = d * (0.5f + static_cast<float>(ls >> 4)) * 0.25f;
     return it;
   }
+  __device__ static float4 quad(const Item& it, int l) {
+    const int k = l >> 1;
+    const u32 index = ((it.q.x >> (8 * k)) & 0xFFu) | (((it.q.z >> (2 * k)) & 3u) << 8);
+    return signed_bytes(kIq2SGrid[2 * index + (l & 1)], (it.q.y >> (4 * l)) & 0xFu);
+  }
   template <int R, int NX>
   __device__ static void dot(const Item (&it)[R], u32 xs, int x_stride, int i, float (&acc)[NX][R]) {
-    float sl[NX][R], sh[NX][R];
-#pragma unroll
-    for (int t = 0; t < NX; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r) sl[t][r] = sh[t][r] = 0.f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float4 w0[R], w1[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const u32 index = ((it[r].q.x >> (8 * k)) & 0xFFu) | (((it[r].q.z >> (2 * k)) & 3u) << 8);
-        const u32 signs = (it[r].q.y >> (8 * k)) & 0xFFu;
-        w0[r] = signed_bytes(kIq2SGrid[2 * index], signs & 0xFu);
-        w1[r] = signed_bytes(kIq2SGrid[2 * index + 1], signs >> 4);
-      }
-#pragma unroll
-      for (int t = 0; t < NX; ++t) {
-        const u32 x = xs + 4 * (t * x_stride + i * XSTRIDE);
-        const float4 a = load_x4(x, 8 * k), b = load_x4(x, 8 * k + 4);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const float product = dot4(w0[r], a) + dot4(w1[r], b);
-          if (k < 2) sl[t][r] += product;
-          else sh[t][r] += product;
-        }
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < NX; ++t)
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[t][r] += it[r].dl * sl[t][r] + it[r].dh * sh[t][r];
+    grid_quads_dot<IQ2S, R, NX>(it, xs, x_stride, i, acc);
   }
 };
 
