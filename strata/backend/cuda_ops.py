@@ -428,16 +428,14 @@ def weight_scratch_bytes(model, num_layers: int, *, has_tensor_cores: bool) -> i
     launch (a format its fused loop does not read: ``is_staged_as_f16``); 0 without tensor cores, where nothing
     is staged."""
     from strata.gpu.kernels.gemm import f16_staging_bytes, is_staged_as_f16
+    from strata.model.gguf_file import layer_of
 
     if not has_tensor_cores:
         return 0
-    sizes = [f16_staging_bytes(ref.shape[0], ref.shape[1]) for name, ref in model.tensors.items()
-             if _layer_of(name) is not None and _layer_of(name) < num_layers and len(ref.shape) == 2
-             and any(part in name for part in _GEMM_TENSORS) and is_staged_as_f16(ref.qtype.name)]
-    return max(sizes, default=0)
-
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else None
-
+    largest = 0
+    for name, ref in model.tensors.items():
+        layer = layer_of(name)
+        if (layer is not None and layer < num_layers and len(ref.shape) == 2
+                and any(part in name for part in _GEMM_TENSORS) and is_staged_as_f16(ref.qtype.name)):
+            largest = max(largest, f16_staging_bytes(ref.shape[0], ref.shape[1]))
+    return largest

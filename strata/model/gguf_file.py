@@ -69,6 +69,12 @@ class GgufModel:
         return quants.dequantize(ref.data, ref.qtype, ref.shape)
 
 
+def layer_of(name: str) -> int | None:
+    """The layer a tensor belongs to (``blk.<layer>.``), None for the embedding, the head and the other globals."""
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else None
+
+
 def first_nonfinite_block(ref: TensorRef) -> int | None:
     """The index of the first block of ``ref`` (blocks numbered in file order) holding NaN or
     infinity, or None. Reads only the blocks' float fields (``_FLOAT_FIELDS``)."""

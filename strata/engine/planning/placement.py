@@ -20,7 +20,7 @@ from strata.config import Config
 from strata.engine.memory.verifier_arena import VerifierLayout
 from strata.engine.planning.planner import WorkspaceCosts
 from strata.errors import ConfigError
-from strata.model.gguf_file import GgufModel
+from strata.model.gguf_file import GgufModel, layer_of
 from strata.model.spec import ModelSpec
 
 _KV_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -64,7 +64,7 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
     mtp_layers = range(spec.num_layers, spec.num_layers + spec.num_nextn_layers) if rt.mtp else range(0)
     dense = mtp_head = mtp_experts = 0
     for name, ref in model.tensors.items():
-        layer = _layer_of(name)
+        layer = layer_of(name)
         if name == "output.weight" or (layer is not None and layer >= spec.num_layers and layer not in mtp_layers):
             continue
         if layer in mtp_layers:
@@ -137,9 +137,3 @@ def _bytes_per_token(spec: ModelSpec) -> int:
 
 def _staging_note(kv_staging_bytes: int) -> str:
     return f", and {kv_staging_bytes / 2**20:.0f} MiB of staging layers for the host tier" if kv_staging_bytes else ""
-
-
-def _layer_of(name: str) -> int | None:
-    if not name.startswith("blk."):
-        return None
-    return int(name.split(".")[1])
