@@ -313,7 +313,7 @@ def gemm(x, w: PackedMatrix, y=None, *, accumulate: bool = False, config=None):
     float16 (20 KiB).
     """
     check_packed("w", w)
-    is_staging = config is None and is_staged_as_f16(w.fmt) and is_device_array(w.quants) and tensor_core.is_available()
+    is_staging = config is None and launch_format(w.fmt) != w.fmt and is_device_array(w.quants)
     config = (config or default_config("F16" if is_staging else w.fmt)).validate()
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens = x.shape[0]
