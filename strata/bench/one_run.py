@@ -143,6 +143,7 @@ def main(argv=None) -> int:
         "spec_depth_max": engine.config.runtime.spec_depth,
         # with the oracle: the measured run's tokens are the plain run's (greedy output must not change)
         "is_output_equal": output == oracle.continuation if oracle is not None else None,
+        "output_ids": output,  # runs of one seed and prompt compare token for token (e.g. the KV host tier)
         "host_numa": host_numa(),  # where the pinned experts live: a process-to-process difference
         "tensor_cores_off": _tensor_cores_off(engine.backend),
         "host_cpu": cpu,  # stolen time, a busy machine or waits for a CPU slow every function alike
