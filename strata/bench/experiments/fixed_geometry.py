@@ -15,7 +15,7 @@ import argparse
 
 from strata.bench.experiments import two_arms
 from strata.bench.experiments.loans import require_loan
-from strata.bench.experiments.runs import Arm, change, percent, run_arm, run_interleaved, spread
+from strata.bench.experiments.runs import Arm, change, figures, percent, run_arm, run_interleaved, spread
 from strata.errors import ExperimentError
 
 NAME = "fixed-geometry"
@@ -60,12 +60,20 @@ def summarize(doc: dict) -> dict:
     pp = change(on["pp"]["median"], off["pp"]["median"])
     noise = max(spread(off["pp"]), spread(on["pp"]), NOISE_FLOOR)
     passed = is_forced and abs(pp) <= noise
+    # the main layers' device time alone: apart from the work the arms do differently (the MTP block's pass
+    # over the prompt runs only while the block is resident, i.e. without the loan; the experts restreamed)
+    forward = {name: figures(row["runs"], "prefill_forward_seconds") for name, row in rows.items()}
+    mtp = {name: figures(row["runs"], "prefill_mtp_seconds") for name, row in rows.items()}
+    forward_change = change(forward["on"]["median"], forward["off"]["median"])
     verdict = (f"Both arms forced to {forced} ({geometry['source']}): "
                + ("both ran it" if is_forced else f"they ran {', '.join(off['plans'])} and {', '.join(on['plans'])}")
                + f"; PP {percent(pp)} with the loan, noise {noise:.1%}: "
-               + ("within the noise, the loan is not a faster kernel." if passed else "not within the noise."))
+               + ("within the noise, the loan is not a faster kernel." if passed else "not within the noise.")
+               + f" The main layers' prefill on the device: {1e3 * forward['off']['median']:,.1f} ms off, "
+               + f"{1e3 * forward['on']['median']:,.1f} ms on ({percent(forward_change)}); the MTP block's pass over "
+               + f"the prompt: {1e3 * mtp['off']['median']:,.1f} ms off, {1e3 * mtp['on']['median']:,.1f} ms on.")
     return {"forced_plan": forced, "is_forced": is_forced, "pp_change": pp, "noise": noise, "passed": passed,
-            "verdict": verdict}
+            "forward_change": forward_change, "verdict": verdict}
 
 
 def table(doc: dict) -> str:
