@@ -31,9 +31,19 @@ class LayerGroups:
         return self.groups.block_m
 
 
+@dataclasses.dataclass
+class FixedSums:
+    """A prefill layer's MoE accumulator under ``runtime.deterministic``: the routed experts add into ``sums``
+    (int64 fixed point, gpu/kernels/fixed_sums.py: the same bits in any order and batching), the shared expert
+    into ``residual`` itself, and ``CudaOps.add(residual, this)`` adds the sums in once."""
+
+    residual: object  # x [T, D] float32
+    sums: object  # [T, D] int64, units of 2^-32
+
+
 class MoeOps:
-    """The MoE ops of ``CudaOps`` (its ``cuda``, ``_owning``, ``_stream``, ``matmul``, ``add`` and the
-    forced tile rows ``_forced_tile_rows``)."""
+    """The MoE ops of ``CudaOps`` (its ``cuda``, ``_owning``, ``_stream``, ``matmul``, ``add``, the forced tile
+    rows ``_forced_tile_rows`` and ``is_deterministic``)."""
 
     def route(self, x, router: QTensor, num_used: int, is_norm: bool):
         from strata.gpu.kernels.moe_route import moe_route
@@ -44,7 +54,14 @@ class MoeOps:
         return ids, weights  # [T, k] int32 on the device; to_host when the host must pick experts
 
     def moe_accumulator(self, x):
-        return x  # the MoE kernels add into the residual stream: no zeroed array, no extra add
+        """x itself (the kernels add into the residual stream), or with ``is_deterministic`` a prefill chunk's
+        ``FixedSums`` (decode's kernels add a token's experts in one order already)."""
+        if not self.is_deterministic or x.shape[0] <= DECODE_MAX_ROWS:
+            return x
+        from strata.gpu.kernels.fixed_sums import fixed_sums
+
+        with self._owning(ACTIVATIONS):
+            return FixedSums(x, fixed_sums(tuple(x.shape), x))
 
     def moe_groups(self, ids, weights, num_experts: int, layout: ExpertLayout | None = None, previous=None):
         """A prefill chunk's routed pairs grouped by expert id once per layer: every ring batch of the
@@ -102,6 +119,7 @@ class MoeOps:
 
         gate, up, down = storage.matrices(layout)  # in the types of the layer's experts
         num_slots = storage.num_slots_reserved
+        out, sums = (out.residual, out.sums) if isinstance(out, FixedSums) else (out, out)  # sums: prefill's target
         if slot_of_expert is None:
             with self._owning(ACTIVATIONS):
                 moe_experts_decode(x, ids, weights, gate, up, down, out, num_experts=num_slots, stream=self._stream)
@@ -122,8 +140,8 @@ class MoeOps:
                     reuse, groups.staged = groups.staged, None
                     groups.staged = stage_prefill(x, groups.groups, gate, up, down, num_experts=num_slots, reuse=reuse)
                     groups.staged_from = x
-                moe_experts_prefill(x, groups.groups, gate, up, down, out, num_experts=num_slots, slot_of_expert=table,
-                                    staged=groups.staged)
+                moe_experts_prefill(x, groups.groups, gate, up, down, sums, num_experts=num_slots,
+                                    slot_of_expert=table, staged=groups.staged)
                 return
             if x.shape[0] <= DECODE_MAX_ROWS:
                 moe_experts_decode(x, _map_ids(ids, table, to_slots=True, stream=self._stream), weights, gate, up,
@@ -136,7 +154,7 @@ class MoeOps:
             groups = moe_group(_map_ids(ids, table, to_slots=False), weights, table.shape[0], block_m)
             tiles = groups.tile_expert.shape[0]
             _tiles_to_slots_kernel()[(tiles + 127) // 128, 128](groups.tile_expert, table, groups.num_tiles)
-            moe_experts_prefill(x, groups, gate, up, down, out, num_experts=num_slots)
+            moe_experts_prefill(x, groups, gate, up, down, sums, num_experts=num_slots)
 
     def can_address_experts(self, storage, layout: ExpertLayout, top_k: int) -> bool:
         """Whether ``moe_addressed`` runs a layer of ``layout``'s experts (the C++ rows of their formats)."""
@@ -161,7 +179,7 @@ class MoeOps:
 
             raise EngineError("a gated shared expert (ffn_gate_inp_shexp) is not supported on the cuda backend yet; "
                               'use runtime.backend = "numpy"')
-        self.add(acc, shared)
+        self.add(acc.residual if isinstance(acc, FixedSums) else acc, shared)
 
 
 def _map_ids(ids, table, *, to_slots: bool, stream=0):

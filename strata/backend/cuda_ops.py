@@ -34,7 +34,7 @@ import numpy as np
 
 from strata.backend.cuda_attention_ops import AttentionOps
 from strata.backend.cuda_head_ops import HeadOps
-from strata.backend.cuda_moe_ops import MoeOps
+from strata.backend.cuda_moe_ops import FixedSums, MoeOps
 from strata.backend.layouts import packed_expert_layout
 from strata.backend.ops import DECODE_MAX_ROWS, ExpertLayout, QTensor
 from strata.gpu import driver_calls
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 class CudaOps(AttentionOps, MoeOps, HeadOps):
     is_activation_charged = True  # the kernels' allocations go through the ledger as they are made
     is_copy_overlapped = True  # RuntimeSettings.copy_overlap, set by the engine's RuntimeState
+    is_deterministic = False  # runtime.deterministic: prefill's routed experts add up in fixed point (FixedSums)
     is_kv_staged = True  # a host tier of KV cells is read through staging layers (``kv_cache``)
 
     def __init__(self, ledger: VramLedger, device: int = 0, is_simulator: bool = False):
@@ -376,7 +377,11 @@ class CudaOps(AttentionOps, MoeOps, HeadOps):
     def add(self, x, y) -> None:
         from strata.gpu.kernels.elementwise import add
 
-        if y is not x:  # x as its own accumulator already holds the sum
+        if isinstance(y, FixedSums):  # x's own accumulator, its routed experts' sums apart
+            from strata.gpu.kernels.fixed_sums import add_fixed_sums
+
+            add_fixed_sums(x, y.sums)
+        elif y is not x:  # x as its own accumulator already holds the sum
             add(x, y)
 
     def concat_columns(self, a, b):

@@ -109,6 +109,7 @@ class NumpyOps:
     name = "numpy"
     is_activation_charged = False  # reference ops make plain arrays: the prompt workspace charges them
     is_copy_overlapped = True  # copies are done on return: nothing to overlap or wait for
+    is_deterministic = False  # not consulted: the routed experts add up in float64, rounded once (moe_accumulator)
     is_kv_staged = False  # attention reads a host tier of KV cells where it lies
 
     def __init__(self, ledger: VramLedger):

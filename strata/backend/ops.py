@@ -112,6 +112,7 @@ class Ops(Protocol):
     ledger: VramLedger
     is_activation_charged: bool  # prefill activations are charged as allocated (else the workspace charges them)
     is_copy_overlapped: bool  # RuntimeSettings.copy_overlap: see stage_experts
+    is_deterministic: bool  # runtime.deterministic: a prefill's MoE sums come out the same in any order (moe_accumulator)
 
     # memory
     def alloc(self, owner: str, shape: tuple[int, ...], dtype: Any) -> Any: ...
@@ -231,7 +232,8 @@ class Ops(Protocol):
         ``groups`` from ``moe_groups`` over the same ids and weights, or None."""
     def moe_accumulator(self, x: Any) -> Any:
         """Where a layer's expert outputs add up: a zeroed array shaped like ``x`` [T, D], or ``x``
-        itself where the backend adds them straight into the residual stream; then ``add(x, acc)``."""
+        itself where the backend adds them straight into the residual stream, or (``is_deterministic``) a
+        backend's sums that come out the same in any order; then ``add(x, acc)``."""
     def ffn(self, x: Any, gate: QTensor, up: QTensor, down: QTensor) -> Any: ...
     def shared_expert_add(self, acc: Any, shared: Any, h: Any, gate_inp: Any | None) -> None: ...
     def add(self, x: Any, y: Any) -> None: ...  # x += y (nothing when y is x's accumulator itself)

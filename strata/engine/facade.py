@@ -85,6 +85,7 @@ class Engine(EngineCore):
         ledger = VramLedger(loading.budget_bytes(config, backend, model))
         ops = DryRunOps(ledger, backend, config.runtime.device) if is_dry_run \
             else make_ops(backend, ledger, config.runtime.device)
+        ops.is_deterministic = config.runtime.deterministic
         rates = loading.prefill_rates(config, ops, backend)  # before placement: the probe's buffers fit
         spec = model.spec
         layout = ops.expert_layout(model) if spec.is_moe else None

@@ -121,6 +121,37 @@ def test_greedy_output_equals_the_reference_at_every_chunk_size(tiny_path, max_c
         assert "cudasim backend, no GPU to probe" in rates.pcie.source and rates.num_chunks == stats.num_chunks
 
 
+def test_deterministic_sums_give_the_same_logits_whether_the_experts_were_cached_or_streamed(tiny_path, monkeypatch):
+    # runtime.deterministic: a prefill chunk's routed experts add up in fixed point, so the prompt's logits have the
+    # same bits with every expert cached (one launch a layer) and with every expert streamed in ring batches (an
+    # empty cache: other launches, another order of adds), and equal the reference's greedy token
+    from strata.gpu.kernels import fixed_sums
+
+    prompt = PROMPT if BACKEND == "cuda" else [int(t) for t in np.random.default_rng(8).integers(3, 250, size=12)]
+    folds = []
+    fold = fixed_sums.add_fixed_sums
+    monkeypatch.setattr(fixed_sums, "add_fixed_sums", lambda *args, **kwargs: folds.append(1) or fold(*args, **kwargs))
+    first_logits = []
+    for is_preloaded in (True, False):
+        runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "greedy_on_device": False,
+                   "deterministic": True, "expert_preload": is_preloaded}
+        engine = Engine.load(engine_config(tiny_path, runtime=runtime), show_progress=False)
+        logits, host_logits = [], engine.ops.logits
+
+        def recording_logits(*args, logits=logits, host_logits=host_logits):
+            logits.append(host_logits(*args))
+            return logits[-1]
+
+        monkeypatch.setattr(engine.ops, "logits", recording_logits)
+        tokens, stats = greedy(engine, prompt, 1)
+        assert tokens == reference_greedy(tiny_path, prompt, 1)
+        assert (stats.streamed_bytes > 0) != is_preloaded, stats.timing_line()
+        first_logits.append(logits[0])
+        engine.close()
+    assert len(folds) == 2 * TINY.num_layers  # every layer of both prompts' one chunk added its sums once
+    np.testing.assert_array_equal(first_logits[1], first_logits[0])
+
+
 @pytest.mark.skipif(not tensor_core.is_available(), reason="moe_rows' kernels need tensor cores")
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q8_0], ids=lambda q: q.name)
 def test_experts_of_64_multiples_prefill_on_the_rows_kernels_and_give_the_reference_output(tmp_path, monkeypatch,

@@ -74,6 +74,10 @@ static inline void cp_async_commit() {}
 static inline unsigned opaque_one024() { return 0x64006400u; }
 static inline __half __float2half_rn(float v) { return to_half(v); }
 static inline void atomicAdd(float* p, float v) { std::lock_guard<std::mutex> lock(atomic_lock); *p += v; }
+static inline void atomicAdd(unsigned long long* p, unsigned long long v) {
+  std::lock_guard<std::mutex> lock(atomic_lock); *p += v;
+}
+static inline long long __float2ll_rn(float v) { return llrintf(v); }
 static inline float half_at(unsigned word, int i) { return __half2float((uint16_t)(word >> (16 * i))); }
 // the warp's m16n8k16 (f16 A row-major 16 x 16, B 16 x 8, f32 C) from every lane's fragments, as the PTX ISA lays them
 static inline void mma_16816(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
@@ -125,13 +129,14 @@ static RowsPlanes planes_of(Planes& p, int row) {
 
 // gate/up then down of one expert tile of TOKENS tokens (X rows 0 ..), every block of both launches
 template <int F>
-static void run(FILE* f, int dim, int ffn, const char* hidden_path, const char* out_path) {
+static void run(FILE* f, int dim, int ffn, const char* hidden_path, const char* out_path, const char* sums_path) {
   constexpr int G = (TOKENS + 7) / 8;
   Planes gate = read_planes(f, ffn), up = read_planes(f, ffn), down = read_planes(f, dim);
   std::vector<uint16_t> x((size_t)TOKENS * dim), hidden((size_t)TOKENS * ffn, 0);
   if (fread(x.data(), 2, x.size(), f) != x.size()) exit(2);
   std::vector<int> pair_token(TOKENS);
   std::vector<float> pair_weight(TOKENS, 1.f), out((size_t)TOKENS * dim, 0.f);
+  std::vector<long long> sums((size_t)TOKENS * dim, 0);  // the same products as fixed-point sums (fixed_sums.py)
   for (int n = 0; n < TOKENS; ++n) pair_token[n] = n;
   for (int col0 = 0; col0 < ffn; col0 += 64)
     run_block([&] {
@@ -145,22 +150,29 @@ static void run(FILE* f, int dim, int ffn, const char* hidden_path, const char* 
                       planes_of(down, 0), planes_of(down, dim - col0 > 64 ? 64 : 0), down.qp, down.sp, down.ep, col0,
                       dim, out.data(), dim, col0, smem_bytes);
     });
+  for (int col0 = 0; col0 < dim; col0 += 128)
+    run_block([&] {
+      down_tile<F, G>((const __half*)hidden.data(), ffn, ffn / 32, pair_token.data(), pair_weight.data(), 0, TOKENS,
+                      planes_of(down, 0), planes_of(down, dim - col0 > 64 ? 64 : 0), down.qp, down.sp, down.ep, col0,
+                      dim, sums.data(), dim, col0, smem_bytes);
+    });
   FILE* o = fopen(hidden_path, "wb"); fwrite(hidden.data(), 2, hidden.size(), o); fclose(o);
   o = fopen(out_path, "wb"); fwrite(out.data(), 4, out.size(), o); fclose(o);
+  o = fopen(sums_path, "wb"); fwrite(sums.data(), 8, sums.size(), o); fclose(o);
 }
 
-// argv: format dim ffn inputs.bin hidden.out out.out
+// argv: format dim ffn inputs.bin hidden.out out.out sums.out
 int main(int argc, char** argv) {
   const int format = atoi(argv[1]), dim = atoi(argv[2]), ffn = atoi(argv[3]);
   FILE* f = fopen(argv[4], "rb");
   switch (format) {
-    case kRowsQ4_0: run<kRowsQ4_0>(f, dim, ffn, argv[5], argv[6]); break;
-    case kRowsQ8_0: run<kRowsQ8_0>(f, dim, ffn, argv[5], argv[6]); break;
-    case kRowsQ4_K: run<kRowsQ4_K>(f, dim, ffn, argv[5], argv[6]); break;
-    case kRowsQ5_K: run<kRowsQ5_K>(f, dim, ffn, argv[5], argv[6]); break;
-    case kRowsQ6_K: run<kRowsQ6_K>(f, dim, ffn, argv[5], argv[6]); break;
-    case kRowsIQ4_XS: run<kRowsIQ4_XS>(f, dim, ffn, argv[5], argv[6]); break;
-    case kRowsIQ3_XXS: run<kRowsIQ3_XXS>(f, dim, ffn, argv[5], argv[6]); break;
+    case kRowsQ4_0: run<kRowsQ4_0>(f, dim, ffn, argv[5], argv[6], argv[7]); break;
+    case kRowsQ8_0: run<kRowsQ8_0>(f, dim, ffn, argv[5], argv[6], argv[7]); break;
+    case kRowsQ4_K: run<kRowsQ4_K>(f, dim, ffn, argv[5], argv[6], argv[7]); break;
+    case kRowsQ5_K: run<kRowsQ5_K>(f, dim, ffn, argv[5], argv[6], argv[7]); break;
+    case kRowsQ6_K: run<kRowsQ6_K>(f, dim, ffn, argv[5], argv[6], argv[7]); break;
+    case kRowsIQ4_XS: run<kRowsIQ4_XS>(f, dim, ffn, argv[5], argv[6], argv[7]); break;
+    case kRowsIQ3_XXS: run<kRowsIQ3_XXS>(f, dim, ffn, argv[5], argv[6], argv[7]); break;
     default: return 3;
   }
   fclose(f);
@@ -224,7 +236,7 @@ def test_a_tile_of_gate_up_and_down_matches_w_times_x(tiles, fmt):
             _write_planes(f, raw, fmt)
         f.write(host(moe_rows.stage_x(dev(x))).tobytes())
     subprocess.run([str(tiles / "tiles"), str(_FORMAT_CODES[fmt]), str(dim), str(ffn), str(tiles / "inputs.bin"),
-                    str(tiles / "hidden.out"), str(tiles / "out.out")], check=True, timeout=120)
+                    str(tiles / "hidden.out"), str(tiles / "out.out"), str(tiles / "sums.out")], check=True, timeout=120)
     gate, up, down = (reference_dequant(raw, fmt).astype(np.float16).astype(np.float64) for raw in raws)
     x16 = x.astype(np.float16).astype(np.float64)
     g, u = x16 @ gate.T, x16 @ up.T  # [T, F]
@@ -233,3 +245,5 @@ def test_a_tile_of_gate_up_and_down_matches_w_times_x(tiles, fmt):
     assert_close_to_scale(hidden, g / (1 + np.exp(-g)) * u, 2e-3)
     out = np.fromfile(tiles / "out.out", np.float32).reshape(_NUM_TOKENS, dim)
     assert_close_to_scale(out, hidden.astype(np.float64) @ down.T, 1e-4)  # from the tile's own f16 hidden
+    sums = np.fromfile(tiles / "sums.out", np.int64).reshape(_NUM_TOKENS, dim)  # the fixed-point epilogue's
+    np.testing.assert_allclose(sums / 2.0**32, out, rtol=1e-6, atol=2e-9)

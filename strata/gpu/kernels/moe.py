@@ -11,7 +11,8 @@ Prefill (moe_experts_prefill), two launches over the tiles of moe_route.moe_grou
     down: per (tile, block_n columns of H): hidden rows x down rows; the epilogue scales by
         pair_weight and atomically adds into out[pair_token] (out is the residual stream), with
         tensor cores two adjacent columns per vector reduction. The k experts of a token land in
-        any order, so the float sum is not bitwise reproducible.
+        any order, so the float sum is not bitwise reproducible; into int64 fixed-point sums
+        (fixed_sums.py, runtime.deterministic) it is.
     With neither config nor down_config given, groups of moe_rows.TILE_ROWS pairs and experts that
     moe_rows serves (moe_rows.FORMATS on tensor cores) run moe_rows' two launches instead: the weight rows on
     the mma's M, the tile's tokens on its N. prefill_tile_rows picks a chunk's grouping accordingly.
@@ -41,6 +42,7 @@ from ._common import (
 )
 from .activation import device_silu_mul
 from .block_reduce import device_inv_rms
+from .fixed_sums import to_units
 from .gemm import (
     acc_coords_device,
     dual_mainloop_device,
@@ -108,14 +110,14 @@ def _gate_up_kernel(fmt_gate: str, fmt_up: str, config, is_mapped: bool):
 
 
 @functools.cache
-def _down_kernel(fmt_down: str, config, is_mapped: bool, is_hidden_f16: bool):
+def _down_kernel(fmt_down: str, config, is_mapped: bool, is_hidden_f16: bool, is_fixed: bool = False):
     """is_mapped as for tile_slot_device. is_hidden_f16: the hidden scratch is float16, so the down
-    product may run the fused loop (which reads float16 X only)."""
+    product may run the fused loop (which reads float16 X only). is_fixed: out is int64 fixed-point sums."""
     bm, bn, acc_size = config.block_m, config.block_n, config.acc_size
     tiles = tiles_device(config, 1)
     is_unfused = isinstance(config, MmaConfig) and not is_hidden_f16
     loop = mainloop_device(fmt_down, config._replace(fused=False) if is_unfused else config)
-    add_weighted = _add_weighted_device(config)
+    add_weighted = _add_weighted_device(config, is_fixed)
     tile_slot = tile_slot_device(is_mapped)
 
     @jit(**jit_options(config))
@@ -144,11 +146,12 @@ def _down_kernel(fmt_down: str, config, is_mapped: bool, is_hidden_f16: bool):
 
 
 @functools.cache
-def _add_weighted_device(config):
+def _add_weighted_device(config, is_fixed: bool = False):
     """device(out, acc, pair_token, pair_weight, start, rows, n0, tid): out[pair_token[start + m], n0 + n] +=
     pair_weight[start + m] * acc of every accumulator (m, n) of the thread inside the tile's rows and out's
     columns. With tensor cores (mma fragments: entries 2i and 2i + 1 are columns n, n + 1 of one row, n even)
-    one vector reduction adds each pair; otherwise one atomic add an entry."""
+    one call adds each pair; otherwise one atomic add an entry. is_fixed: out is int64 sums in units of 2^-32
+    (fixed_sums.py), whose adds give the same bits in any order."""
     coords, acc_size = acc_coords_device(config), config.acc_size
     if not (isinstance(config, MmaConfig) and config.is_native):
         @cuda.jit(device=True)
@@ -157,14 +160,19 @@ def _add_weighted_device(config):
                 m, n = coords(tid, idx)
                 n += n0
                 if m < rows and n < out.shape[1]:
-                    cuda.atomic.add(out, (pair_token[start + m], n), pair_weight[start + m] * acc[idx])
+                    product = pair_weight[start + m] * acc[idx]
+                    if is_fixed:
+                        cuda.atomic.add(out, (pair_token[start + m], n), to_units(product))
+                    else:
+                        cuda.atomic.add(out, (pair_token[start + m], n), product)
 
         return add_each
     from . import tensor_core
 
     ffi = tensor_core.ffi()
-    add2 = tensor_core.declare("strata_red_add2", (tensor_core.FLOAT_PTR, types.float32, types.float32),
-                               "reduce.cu")
+    add2 = tensor_core.declare("strata_fixed_add2", (types.CPointer(types.int64), types.float32, types.float32),
+                               "reduce.cu") if is_fixed else \
+        tensor_core.declare("strata_red_add2", (tensor_core.FLOAT_PTR, types.float32, types.float32), "reduce.cu")
 
     @cuda.jit(device=True)
     def add_pairs(out, acc, pair_token, pair_weight, start, rows, n0, tid):
@@ -241,7 +249,9 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     called; down reads the hidden scratch that gate_up writes. Benchmarks time them apart. On
     moe_rows' kernels X is staged (moe_rows.stage_x) when they are bound: they read x as it was then.
 
-    out [T, H] float32 += the routed experts of every token; x [T, H] float32/float16.
+    out [T, H] float32 += the routed experts of every token, or out [T, H] int64: their sums in 64-bit fixed
+    point (fixed_sums.py: the same bits whatever order the tiles add in; ``add_fixed_sums`` adds them into the
+    residual); x [T, H] float32/float16.
 
     groups must come from moe_group(..., block_m=config.block_m), or, where config is None, with one
     of gemm_config.DEFAULT_BLOCK_MS (gemm_config.moe_block_m picks it; the FFMA tiles' own without tensor cores).
@@ -283,7 +293,7 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens, dim = x.shape
     ffn = _check_experts(gate, up, down, num_experts, dim)
-    check_array("out", out, dtypes=np.float32, shape=(num_tokens, dim))
+    check_array("out", out, dtypes=(np.float32, np.int64), shape=(num_tokens, dim))
     if groups.block_m != config.block_m or down_config.block_m != config.block_m:
         raise ValueError(f"the groups' tiles are {groups.block_m} pairs, the GEMM tiles {config.block_m} (config) "
                          f"and {down_config.block_m} (down_config) rows: group with the configs' one block_m")
@@ -299,7 +309,7 @@ def moe_prefill_launches(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMat
     table = slot_of_expert if is_mapped else stand_in(groups.tile_expert, np.int32, 1)
     x = staged_input(x, config, gate.fmt, up.fmt) if staged is None else staged.x
     gate_up_kernel = _gate_up_kernel(gate.fmt, up.fmt, config, is_mapped)
-    down_kernel = _down_kernel(down.fmt, down_config, is_mapped, hidden.dtype == np.float16)
+    down_kernel = _down_kernel(down.fmt, down_config, is_mapped, hidden.dtype == np.float16, out.dtype == np.int64)
     tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
 
     def launch_gate_up():
@@ -339,7 +349,7 @@ def _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_
     check_array("x", x, dtypes=(np.float32, np.float16), ndim=2)
     num_tokens, dim = x.shape
     ffn = _check_experts(gate, up, down, num_experts, dim)
-    check_array("out", out, dtypes=np.float32, shape=(num_tokens, dim))
+    check_array("out", out, dtypes=(np.float32, np.int64), shape=(num_tokens, dim))
     num_pairs = groups.pair_token.shape[0]
     if hidden is None:
         hidden = empty((num_pairs, ffn), np.float16, x)
@@ -355,7 +365,8 @@ def _rows_launches(x, groups, gate, up, down, out, num_experts, hidden, slot_of_
 def moe_experts_prefill(x, groups: MoeGroups, gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, out, *,
                         num_experts: int, hidden=None, hidden_dtype=None, config=None, down_config=None,
                         slot_of_expert=None, staged: StagedPrefill | None = None):
-    """out [T, H] float32 += the routed experts of every token: ``moe_prefill_launches``' two launches."""
+    """out [T, H] float32 (or int64 fixed-point sums) += the routed experts of every token:
+    ``moe_prefill_launches``' two launches."""
     gate_up, down_launch = moe_prefill_launches(x, groups, gate, up, down, out, num_experts=num_experts, hidden=hidden,
                                                 hidden_dtype=hidden_dtype, config=config, down_config=down_config,
                                                 slot_of_expert=slot_of_expert, staged=staged)

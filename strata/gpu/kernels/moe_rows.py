@@ -142,12 +142,14 @@ def is_supported(groups: MoeGroups, gate, up, down) -> bool:
 
 
 def instance(launch: str, fmt: str) -> str:
-    """The text appended to cuda/moe_rows.cu that exports its ``launch`` ("gate_up" or "down") for ``fmt`` as
-    strata_moe_rows_<launch>_<fmt>: a kernel links that instantiation only, not every format's."""
+    """The text appended to cuda/moe_rows.cu that exports its ``launch`` ("gate_up", "down" or "down_fixed": into
+    fixed-point sums) for ``fmt`` as strata_moe_rows_<launch>_<fmt>: a kernel links that instantiation only, not
+    every format's."""
     return f"STRATA_MOE_ROWS_{launch.upper()}({fmt.lower()}, kRows{fmt})\n"
 
 
 _U32_PTR, _U8_PTR, _I32_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8), types.CPointer(types.int32)
+_I64_PTR = types.CPointer(types.int64)
 _I32, _HALF, _FLOAT = tensor_core.INT32, tensor_core.HALF_PTR, tensor_core.FLOAT_PTR
 
 
@@ -179,11 +181,13 @@ def _gate_up_kernel(fmt: str, is_mapped: bool):
 
 
 @functools.cache
-def _down_kernel(fmt: str, is_mapped: bool):
-    fn = tensor_core.declare(f"strata_moe_rows_down_{fmt.lower()}",
+def _down_kernel(fmt: str, is_mapped: bool, is_fixed: bool = False):
+    """is_fixed: out is int64 fixed-point sums (fixed_sums.py), not the float32 residual."""
+    launch = "down_fixed" if is_fixed else "down"
+    fn = tensor_core.declare(f"strata_moe_rows_{launch}_{fmt.lower()}",
                              (_HALF, _I32, _I32, _I32_PTR, _FLOAT, _I32, _I32, _U32_PTR, _HALF, _U8_PTR, _I32, _I32,
-                              _I32, _I32, _I32, _FLOAT, _I32, _I32, _U8_PTR), "moe_rows.cu",
-                             instance("down", fmt))
+                              _I32, _I32, _I32, _I64_PTR if is_fixed else _FLOAT, _I32, _I32, _U8_PTR), "moe_rows.cu",
+                             instance(launch, fmt))
     ffi, tile_slot, num_bytes = tensor_core.ffi(), tile_slot_device(is_mapped), shared_bytes(fmt)
 
     # at 129 registers (as built without a cap) an SM holds 3 of these blocks, at 128 four; only GPU builds
@@ -210,9 +214,11 @@ def _down_kernel(fmt: str, is_mapped: bool):
 def rows_launches(x, groups: MoeGroups, gate, up, down, out, hidden, table, is_mapped: bool):
     """The (gate_up, down) launches of moe.moe_prefill_launches on these kernels; the caller checked the
     arguments and is_supported(groups, gate, up, down). x [T, H] float16 from stage_x, hidden [P, F] float16
-    (its columns in stage_x's order); table: the slot of each expert (is_mapped), else a stand-in."""
+    (its columns in stage_x's order); table: the slot of each expert (is_mapped), else a stand-in; out [T, H]
+    float32, or int64 fixed-point sums (fixed_sums.py)."""
     ffn, dim = hidden.shape[1], out.shape[1]
-    gate_up_kernel, down_kernel = _gate_up_kernel(gate.fmt, is_mapped), _down_kernel(down.fmt, is_mapped)
+    gate_up_kernel = _gate_up_kernel(gate.fmt, is_mapped)
+    down_kernel = _down_kernel(down.fmt, is_mapped, out.dtype == np.int64)
     tiles = (groups.tile_expert, groups.tile_start, groups.tile_rows, groups.num_tiles, table)
 
     def launch_gate_up():

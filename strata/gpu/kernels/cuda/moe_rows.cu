@@ -749,11 +749,19 @@ __device__ __forceinline__ void gate_up_tile(const __half* x, int x_pitch, int n
     }
 }
 
-template <int F, int G>
+// The down epilogue's add of one product into its token's row: a float atomic (the order of a token's k products
+// varies from run to run, and so may the sum's last bit), or 64-bit fixed point in units of 2^-32 (fixed_sums.py:
+// integer adds give the same bits in any order). v * 2^32 is exact in float32; |sum| < 2^31.
+__device__ __forceinline__ void add_product(float* at, float v) { atomicAdd(at, v); }
+__device__ __forceinline__ void add_product(long long* at, float v) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(at), static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.0f)));
+}
+
+template <int F, int G, class Sum>
 __device__ __forceinline__ void down_tile(const __half* hidden, int hidden_pitch, int num_k32, const int* pair_token,
                                           const float* pair_weight, int start, int num_rows, RowsPlanes down,
                                           RowsPlanes down_second, int quant_pitch, int scale_pitch, int extra_pitch,
-                                          int w_row0, int w_row_end, float* out, int out_pitch, int col0,
+                                          int w_row0, int w_row_end, Sum* out, int out_pitch, int col0,
                                           unsigned char* smem) {
   float acc[NW][G][4] = {};
   rows_tile<F, G, false>(hidden, hidden_pitch, num_k32, pair_token, start, num_rows, down, down_second, quant_pitch,
@@ -767,8 +775,8 @@ __device__ __forceinline__ void down_tile(const __half* hidden, int hidden_pitch
       for (int r = 0; r < 4; ++r) {
         const int n = 8 * j + 2 * t + (r & 1), c = 64 * m + row + 8 * (r >> 1);
         if (n < num_rows && w_row0 + c < w_row_end)
-          atomicAdd(out + static_cast<size_t>(pair_token[start + n]) * out_pitch + col0 + c,
-                    pair_weight[start + n] * acc[m][j][r]);
+          add_product(out + static_cast<size_t>(pair_token[start + n]) * out_pitch + col0 + c,
+                      pair_weight[start + n] * acc[m][j][r]);
       }
 }
 
@@ -797,11 +805,11 @@ __device__ __forceinline__ void gate_up(const __half* x, int x_pitch, int num_k3
 // start + n) for the block's 128 output columns (weight rows from w_row0 = expert * dim + col0, up to w_row_end =
 // expert * dim + dim), as two 64-row weights (the second from row w_row0 + 64): every warp then has two A
 // fragments for each X fragment, as gate/up does.
-template <int F>
+template <int F, class Sum>
 __device__ __forceinline__ void down(const __half* hidden, int hidden_pitch, int num_k32, const int* pair_token,
                                      const float* pair_weight, int start, int num_rows, RowsPlanes w,
                                      int quant_pitch, int scale_pitch, int extra_pitch, int w_row0, int w_row_end,
-                                     float* out, int out_pitch, int col0, unsigned char* smem) {
+                                     Sum* out, int out_pitch, int col0, unsigned char* smem) {
   const bool has_second = w_row_end - w_row0 > 64;  // else every row of the second half reads as zeros
   const RowsPlanes second = has_second ? RowsPlanes{w.quants + static_cast<size_t>(64) * quant_pitch,
                                                     w.scales + static_cast<size_t>(64) * scale_pitch,
@@ -809,7 +817,7 @@ __device__ __forceinline__ void down(const __half* hidden, int hidden_pitch, int
                                        : w;
 #define STRATA_DOWN(G)                                                                                          \
   case G:                                                                                                       \
-    down_tile<F, G>(hidden, hidden_pitch, num_k32, pair_token, pair_weight, start, num_rows, w, second,        \
+    down_tile<F, G, Sum>(hidden, hidden_pitch, num_k32, pair_token, pair_weight, start, num_rows, w, second,   \
                     quant_pitch, scale_pitch, extra_pitch, w_row0, w_row_end, out, out_pitch, col0, smem);     \
     break;
   switch ((num_rows + 7) >> 3) {
@@ -834,12 +842,16 @@ __device__ __forceinline__ void down(const __half* hidden, int hidden_pitch, int
     gate_up<F>(x, x_pitch, num_k32, pair_token, start, num_rows, RowsPlanes{gq, gs, ge}, RowsPlanes{uq, us, ue}, \
                quant_pitch, scale_pitch, extra_pitch, w_row0, w_row_end, hidden, hidden_pitch, col0, smem);       \
   }
-#define STRATA_MOE_ROWS_DOWN(NAME, F)                                                                             \
-  extern "C" __device__ void strata_moe_rows_down_##NAME(                                                         \
+#define STRATA_MOE_ROWS_DOWN_INTO(NAME, F, SUM)                                                                   \
+  extern "C" __device__ void NAME(                                                                                \
       const __half* hidden, int hidden_pitch, int num_k32, const int* pair_token, const float* pair_weight,      \
       int start, int num_rows, const unsigned* dq, const __half* ds, const unsigned char* de, int quant_pitch,   \
-      int scale_pitch, int extra_pitch, int w_row0, int w_row_end, float* out, int out_pitch, int col0,          \
+      int scale_pitch, int extra_pitch, int w_row0, int w_row_end, SUM* out, int out_pitch, int col0,            \
       unsigned char* smem) {                                                                                      \
-    down<F>(hidden, hidden_pitch, num_k32, pair_token, pair_weight, start, num_rows, RowsPlanes{dq, ds, de},     \
-            quant_pitch, scale_pitch, extra_pitch, w_row0, w_row_end, out, out_pitch, col0, smem);                \
+    down<F, SUM>(hidden, hidden_pitch, num_k32, pair_token, pair_weight, start, num_rows,                        \
+                 RowsPlanes{dq, ds, de}, quant_pitch, scale_pitch, extra_pitch, w_row0, w_row_end, out, out_pitch, \
+                 col0, smem);                                                                                     \
   }
+// into the float32 residual (float atomics), or into fixed-point sums (int64 units of 2^-32)
+#define STRATA_MOE_ROWS_DOWN(NAME, F) STRATA_MOE_ROWS_DOWN_INTO(strata_moe_rows_down_##NAME, F, float)
+#define STRATA_MOE_ROWS_DOWN_FIXED(NAME, F) STRATA_MOE_ROWS_DOWN_INTO(strata_moe_rows_down_fixed_##NAME, F, long long)

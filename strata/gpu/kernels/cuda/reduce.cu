@@ -12,3 +12,11 @@ extern "C" __device__ void strata_red_add2(float* dst, float a, float b) {
   atomicAdd(dst + 1, b);
 #endif
 }
+
+// dst[0] += a, dst[1] += b as 64-bit fixed point in units of 2^-32 (fixed_sums.py): integer adds, so the
+// sums have the same bits in any order. a * 2^32 is exact in float32.
+extern "C" __device__ void strata_fixed_add2(long long* dst, float a, float b) {
+  unsigned long long* at = reinterpret_cast<unsigned long long*>(dst);
+  atomicAdd(at, static_cast<unsigned long long>(__float2ll_rn(a * 4294967296.0f)));
+  atomicAdd(at + 1, static_cast<unsigned long long>(__float2ll_rn(b * 4294967296.0f)));
+}
