@@ -12,12 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from strata.bench.experiments import crossover, default_off, fixed_geometry, lifecycle, loans
+from strata.bench.experiments import crossover, default_off, fixed_geometry, host_tier, lifecycle, loans
 from strata.bench.experiments.results import Results, draw, load_doc, new_doc, write_table
 from strata.bench.experiments.context import Setup, check_fits, parse_lengths
 from strata.errors import ExperimentError
 
-EXPERIMENTS = {module.NAME: module for module in (default_off, loans, fixed_geometry, lifecycle, crossover)}
+EXPERIMENTS = {module.NAME: module for module in (default_off, loans, fixed_geometry, lifecycle, crossover,
+                                                  host_tier)}
 DEFAULT_CONFIG = Path("configs/serve.toml")
 MULTI_LENGTH = (crossover.NAME,)  # the others run one prompt length
 

@@ -89,6 +89,32 @@ def test_fixed_geometry_forces_both_arms_to_one_plan(config, tmp_path):
     assert "| Loan flags on, same plan | 16 / 8 |" in table and "Both arms forced to 16 / 8 (options)" in table
 
 
+def test_host_tier_gives_the_tokens_of_every_cell_resident(config, tmp_path):
+    tiered = tmp_path / "tiered.toml"
+    tiered.write_text(config.read_text().replace("[runtime]", "[runtime]\ncontext_tokens = 256\nkv_resident_cells = 32")
+                      .replace('path = "small-moe-mtp.gguf"', f'path = "{config.parent / "small-moe-mtp.gguf"}"'))
+    out = tmp_path / "results"
+    doc, table = run_experiment("host-tier", tiered, out, "--prompt-tokens", "40", "--gen-tokens", "4", "--reps", "2")
+    assert [(r["arm"], r["rep"]) for r in doc["runs"]] == [("tier", 1), ("resident", 1), ("tier", 2), ("resident", 2)]
+    tier, resident = doc["runs"][:2]
+    assert tier["output_ids"] == resident["output_ids"] and len(tier["output_ids"]) == 4
+    assert doc["runs"][2]["output_ids"] != tier["output_ids"]  # another repetition, another seeded prompt
+    assert tier["kv_host_bytes"] > 0 and resident["kv_host_bytes"] == 0
+    arm_files = {name: tomllib.loads((out / "configs" / f"{name}.toml").read_text())["runtime"]
+                 for name in ("host-tier", "all-resident")}
+    assert arm_files["host-tier"]["deterministic"] and arm_files["all-resident"]["deterministic"]
+    assert (arm_files["host-tier"]["kv_resident_cells"], arm_files["all-resident"]["kv_resident_cells"]) == (32, 256)
+    summary = doc["summary"]
+    assert summary["passed"] and (summary["num_prompts"], summary["num_equal"]) == (2, 2)
+    assert "The same greedy tokens in 2 of 2 prompt(s)" in table and "| KV host tier moved |" in table
+
+
+def test_host_tier_refuses_a_configuration_without_one(config, tmp_path, capsys):
+    assert main(["experiment", "host-tier", "--config", str(config), "--out", str(tmp_path), "--prompt-tokens", "40",
+                 *TINY]) == 2
+    assert "nothing lives in the host tier; set kv_resident_cells below the context" in capsys.readouterr().err
+
+
 def test_crossover_runs_off_on_and_the_engines_choice_at_each_length(config, tmp_path):
     doc, table = run_experiment("crossover", config, tmp_path, "--prompt-tokens", "24,40", *TINY)
     assert [(r["prompt_tokens"], r["arm"]) for r in doc["runs"]] == [
