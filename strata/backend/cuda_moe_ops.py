@@ -53,10 +53,11 @@ class MoeOps:
             ids, weights = moe_route(logits, num_used, norm_weights=is_norm, stream=self._stream)
         return ids, weights  # [T, k] int32 on the device; to_host when the host must pick experts
 
-    def moe_accumulator(self, x):
+    def moe_accumulator(self, x, is_batched: bool = False):
         """x itself (the kernels add into the residual stream), or with ``is_deterministic`` a prefill chunk's
-        ``FixedSums`` (decode's kernels add a token's experts in one order already)."""
-        if not self.is_deterministic or x.shape[0] <= DECODE_MAX_ROWS:
+        ``FixedSums``: a chunk of many rows, or of few whose experts come in several launches (``is_batched``);
+        decode's kernels add each row's experts in one order within a launch, which one launch a layer keeps."""
+        if not self.is_deterministic or (x.shape[0] <= DECODE_MAX_ROWS and not is_batched):
             return x
         from strata.gpu.kernels.fixed_sums import fixed_sums
 
@@ -119,12 +120,16 @@ class MoeOps:
 
         gate, up, down = storage.matrices(layout)  # in the types of the layer's experts
         num_slots = storage.num_slots_reserved
-        out, sums = (out.residual, out.sums) if isinstance(out, FixedSums) else (out, out)  # sums: prefill's target
+        is_fixed = isinstance(out, FixedSums)  # then every launch groups its pairs and adds fixed-point units
+        out, sums = (out.residual, out.sums) if is_fixed else (out, out)  # sums: the grouped launches' target
         if slot_of_expert is None:
+            if is_fixed:
+                raise ValueError("fixed-point sums take expert ids and a slot table, not slot ids")
             with self._owning(ACTIVATIONS):
                 moe_experts_decode(x, ids, weights, gate, up, down, out, num_experts=num_slots, stream=self._stream)
             return
-        if isinstance(ids, np.ndarray) and isinstance(slot_of_expert, np.ndarray) and x.shape[0] <= DECODE_MAX_ROWS:
+        if (isinstance(ids, np.ndarray) and isinstance(slot_of_expert, np.ndarray) and x.shape[0] <= DECODE_MAX_ROWS
+                and not is_fixed):
             # decode with the routing on the host already: the slots are looked up here, no map launch
             slot_ids = np.where(ids >= 0, slot_of_expert[np.clip(ids, 0, len(slot_of_expert) - 1)], -1)  # [T, k]
             with self._owning(ACTIVATIONS):
@@ -143,7 +148,7 @@ class MoeOps:
                 moe_experts_prefill(x, groups.groups, gate, up, down, sums, num_experts=num_slots,
                                     slot_of_expert=table, staged=groups.staged)
                 return
-            if x.shape[0] <= DECODE_MAX_ROWS:
+            if x.shape[0] <= DECODE_MAX_ROWS and not is_fixed:
                 moe_experts_decode(x, _map_ids(ids, table, to_slots=True, stream=self._stream), weights, gate, up,
                                    down, out, num_experts=num_slots, stream=self._stream)
                 return

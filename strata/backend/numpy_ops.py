@@ -315,7 +315,7 @@ class NumpyOps:
                 y = ref.ffn(x[rows], gate, up, down)  # [t, D]
             out[rows] += y.astype(np.float64) * weights[rows, ranks, None]
 
-    def moe_accumulator(self, x) -> np.ndarray:
+    def moe_accumulator(self, x, is_batched: bool = False) -> np.ndarray:
         return np.zeros(x.shape, dtype=np.float64)  # the reference's float64 sum of the experts
 
     def ffn(self, x, gate: QTensor, up: QTensor, down: QTensor) -> np.ndarray:

@@ -112,7 +112,7 @@ class Ops(Protocol):
     ledger: VramLedger
     is_activation_charged: bool  # prefill activations are charged as allocated (else the workspace charges them)
     is_copy_overlapped: bool  # RuntimeSettings.copy_overlap: see stage_experts
-    is_deterministic: bool  # runtime.deterministic: a prefill's MoE sums come out the same in any order (moe_accumulator)
+    is_deterministic: bool  # runtime.deterministic: prefill's MoE sums the same in any order (moe_accumulator)
 
     # memory
     def alloc(self, owner: str, shape: tuple[int, ...], dtype: Any) -> Any: ...
@@ -230,13 +230,14 @@ class Ops(Protocol):
         """out += the routed experts that ``slot_of_expert`` ([N], host or from ``slot_tables``) places;
         ``layout`` is their layer's (``ExpertLayout.at_layer``: the types its experts' slots hold);
         ``groups`` from ``moe_groups`` over the same ids and weights, or None."""
-    def moe_accumulator(self, x: Any) -> Any:
+    def moe_accumulator(self, x: Any, is_batched: bool = False) -> Any:
         """Where a layer's expert outputs add up: a zeroed array shaped like ``x`` [T, D], or ``x``
         itself where the backend adds them straight into the residual stream, or (``is_deterministic``) a
-        backend's sums that come out the same in any order; then ``add(x, acc)``."""
+        backend's sums that come out the same in any order, where a layer's ``moe`` calls may add in several
+        launches (``is_batched``: prefill's ring batches) or many rows; then ``add(x, acc)``."""
     def ffn(self, x: Any, gate: QTensor, up: QTensor, down: QTensor) -> Any: ...
     def shared_expert_add(self, acc: Any, shared: Any, h: Any, gate_inp: Any | None) -> None: ...
-    def add(self, x: Any, y: Any) -> None: ...  # x += y (nothing when y is x's accumulator itself)
+    def add(self, x: Any, y: Any) -> None: ...  # x += y (nothing when y is x itself; a backend's sums folded in)
     def concat_columns(self, a: Any, b: Any) -> Any: ...  # [R, Da], [R, Db] -> [R, Da + Db]
     def logits(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray: ...  # last row -> [V] host
     def logits_rows(self, x: Any, norm: Any, head: QTensor, eps: float) -> np.ndarray:

@@ -140,6 +140,7 @@ class ModelRunner:
                 waits = marks.waits if marks is not None else None
                 acc, groups = self._moe(layer, x, h, ring, plans[layer] if plans else None, stats, waits, groups)
                 ops.add(x, acc)
+                acc = None  # before the next layer's accumulator: a [T, D] buffer (int64 sums) at a time
             if marks is not None:
                 timeline.end(marks)
         return x
@@ -246,7 +247,7 @@ class ModelRunner:
         spec, ops, cache = self.spec, self.ops, self.cache
         ids, weights = ops.route(h, self.matrix(layer, "ffn_gate_inp"), spec.num_experts_used,
                                  spec.is_expert_weights_normalized)  # [T, k] on the backend
-        acc = ops.moe_accumulator(x)  # [T, D]: zeroed, or x itself
+        acc = ops.moe_accumulator(x, is_batched=ring is not None)  # [T, D]: zeroed, x itself, or a backend's sums
         layout = cache.layout.at_layer(layer)  # the types of this layer's experts
         groups = None
         if plan is not None:  # every uncached expert streams; the routing stays on the backend

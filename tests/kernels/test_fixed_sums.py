@@ -4,9 +4,18 @@ order and batches the experts are added in (runtime.deterministic)."""
 import numpy as np
 import pytest
 from kernel_data import assert_close_to_scale, dev, host, random_matrix
+from numba import cuda
 
 from strata.gpu.kernels import moe, tensor_core
-from strata.gpu.kernels.fixed_sums import UNITS, add_fixed_sums, fixed_sums
+from strata.gpu.kernels.fixed_sums import (
+    MAX_PRODUCT,
+    POISON,
+    POISON_FLOOR,
+    UNITS,
+    add_fixed_sums,
+    fixed_sums,
+    to_units,
+)
 from strata.gpu.kernels.gemm_config import GemmConfig, default_config
 from strata.gpu.kernels.moe import moe_experts_prefill
 from strata.gpu.kernels.moe_route import moe_group
@@ -34,7 +43,42 @@ def test_fold_adds_the_units_and_zeroes_the_sums():
     add_fixed_sums(y, sums)
     expected = (residual.astype(np.float64) + units / UNITS).astype(np.float32)
     np.testing.assert_array_equal(host(y), expected)
-    assert not host(sums).any()  # ready for the next layer
+
+
+@cuda.jit
+def _units_kernel(values, units, total):  # units [n] = to_units(values [n]); total [1] += each
+    i = cuda.grid(1)
+    if i < values.shape[0]:
+        units[i] = to_units(values[i])
+        cuda.atomic.add(total, 0, units[i])
+
+
+def _units(values):
+    values = np.asarray(values, np.float32)
+    units, total = dev(np.zeros(len(values), np.int64)), dev(np.zeros(1, np.int64))
+    _units_kernel[1, 32](dev(values), units, total)
+    return host(units), total
+
+
+def test_products_become_units_rounded_half_to_even_and_poison_past_their_range():
+    tiny = 2.0**-32
+    units, _ = _units([1.5 * tiny, 2.5 * tiny, -1.5 * tiny, 1.0, -0.75, MAX_PRODUCT * 0.999, MAX_PRODUCT, np.inf,
+                       -np.inf, np.nan])
+    assert list(units[:5]) == [2, 2, -2, 2**32, -(3 << 30)]
+    assert units[5] == round(np.float32(MAX_PRODUCT * 0.999) * 2.0**32) < POISON_FLOOR // 32
+    assert list(units[6:]) == [POISON] * 4  # at the range's end, and every non-finite value
+
+
+def test_a_poisoned_sum_folds_to_nan_and_the_others_add_up():
+    for values, is_poisoned in (([0.25, -1.0, 3.0] * 10, False), ([0.25, np.nan, 3.0], True),
+                                ([MAX_PRODUCT * 0.99] * 32, False), ([-MAX_PRODUCT * 0.99] * 31 + [np.inf], True)):
+        _, total = _units(values)
+        y = dev(np.array([0.5], np.float32))
+        add_fixed_sums(y, total.reshape(1))
+        if is_poisoned:
+            assert np.isnan(host(y)[0])
+        else:
+            assert host(y)[0] == np.float32(0.5 + sum(float(np.float32(v)) for v in values))
 
 
 def test_fold_checks_its_arrays():
@@ -80,6 +124,9 @@ def test_fixed_sums_match_the_reference_and_do_not_depend_on_the_batches(use_ten
     np.testing.assert_array_equal(runs[1], runs[0])
     np.testing.assert_array_equal(runs[2], runs[0])
     floats, residual = _run(x, groups, experts, (first, second), num_tokens, dim, num_slots, False, config)
+    if not use_tensor_cores:  # the control: float sums of these batches in the other order differ (in 1 entry)
+        other_order, _ = _run(x, groups, experts, (second, first), num_tokens, dim, num_slots, False, config)
+        assert np.any(other_order != floats)
     slots = [5, 2, 0, 3]
     expected = residual + reference_ops.moe(x_host, ids, weights, *(v[slots] for v in values))
     tolerance = 5e-3 if use_tensor_cores else 2e-6  # tensor cores: float16 X and hidden

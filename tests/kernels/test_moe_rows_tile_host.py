@@ -235,8 +235,9 @@ def test_a_tile_of_gate_up_and_down_matches_w_times_x(tiles, fmt):
         for raw in raws:
             _write_planes(f, raw, fmt)
         f.write(host(moe_rows.stage_x(dev(x))).tobytes())
+    outputs = [str(tiles / name) for name in ("hidden.out", "out.out", "sums.out")]
     subprocess.run([str(tiles / "tiles"), str(_FORMAT_CODES[fmt]), str(dim), str(ffn), str(tiles / "inputs.bin"),
-                    str(tiles / "hidden.out"), str(tiles / "out.out"), str(tiles / "sums.out")], check=True, timeout=120)
+                    *outputs], check=True, timeout=120)
     gate, up, down = (reference_dequant(raw, fmt).astype(np.float16).astype(np.float64) for raw in raws)
     x16 = x.astype(np.float16).astype(np.float64)
     g, u = x16 @ gate.T, x16 @ up.T  # [T, F]

@@ -199,3 +199,8 @@ def test_a_rate_is_measured_by_default_fixed_when_set_and_a_tiny_one_is_refused(
         parse_config(config_dict(planner={key: 55}))
     with pytest.raises(ConfigError, match=rf"planner.{key} = -1"):
         parse_config(config_dict(planner={key: -1.0}))
+
+
+def test_deterministic_must_be_a_boolean():
+    with pytest.raises(ConfigError, match="runtime.deterministic"):
+        parse_config({"model": {"path": "model.gguf"}, "runtime": {"deterministic": "yes"}})

@@ -4,8 +4,10 @@ output: the same greedy tokens as with every cell resident.
 Two arms on the configuration as given, both with ``runtime.deterministic = true`` (prefill's routed-expert sums
 in fixed point: otherwise two runs of one arm may already differ in a near tie, docs/EXPERIMENTS.md): the
 configuration's ``kv_resident_cells`` (the host tier holds the rest of the context) and every cell resident
-(``kv_resident_cells`` = the context). Each repetition gives both arms one seeded prompt. Bar: every repetition's
-tokens equal, token for token; the tiered runs moved KV bytes over PCIe and the resident ones none.
+(``kv_resident_cells`` = the context). Each repetition gives both arms one seeded prompt. Bar: both arms ran one
+plan (the resident cells take VRAM the planner might give a chunk: set ``planner.chunk_tokens`` and
+``ring_slots`` where they differ), every repetition's tokens equal, token for token, and the tiered runs moved KV
+bytes over PCIe and the resident ones none.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from strata.bench.experiments import two_arms
-from strata.bench.experiments.runs import Arm, run_interleaved, select
+from strata.bench.experiments.runs import Arm, plans, run_interleaved, select
 from strata.errors import ExperimentError
 
 NAME = "host-tier"
@@ -32,7 +34,7 @@ def run(args: argparse.Namespace, setup, lengths: list[int]) -> None:
                               f"{runtime.kv_resident_cells}, context_tokens = {runtime.context_tokens}): nothing "
                               "lives in the host tier; set kv_resident_cells below the context (configs/serve.toml "
                               "keeps 24,576 of 65,536)")
-    if max(lengths) + args.gen_tokens <= runtime.kv_resident_cells:
+    if max(lengths) + args.gen_tokens - 1 <= runtime.kv_resident_cells:  # the last token's cell is not written
         raise ExperimentError(f"--prompt-tokens {max(lengths):,} plus --gen-tokens {args.gen_tokens} fit in the "
                               f"{runtime.kv_resident_cells:,} resident cells: the host tier would hold nothing; "
                               "give a longer prompt")
@@ -65,15 +67,20 @@ def summarize(doc: dict) -> dict:
     differences = [_first_difference(t["output_ids"], r["output_ids"]) for t, r in pairs]
     num_equal = sum(d is None for d in differences)
     is_tier_used = all(t["kv_host_bytes"] > 0 for t, _ in pairs) and not any(r["kv_host_bytes"] for _, r in pairs)
-    passed = bool(pairs) and num_equal == len(pairs) and is_tier_used
+    tier_plans, resident_plans = plans(t for t, _ in pairs), plans(r for _, r in pairs)
+    is_same_plan = tier_plans == resident_plans
+    passed = bool(pairs) and num_equal == len(pairs) and is_tier_used and is_same_plan
     verdict = (f"The same greedy tokens in {num_equal} of {len(pairs)} prompt(s)"
                + ("" if num_equal == len(pairs) else
                   " (first differences at generated token " + ", ".join(str(d) for d in differences if d is not None)
                   + ")")
                + f"; the host tier moved {_moved([t for t, _ in pairs])} a run"
-               + ("" if is_tier_used else ", but an arm did not use the tiers as configured") + ".")
-    return {"num_prompts": len(pairs), "num_equal": num_equal, "is_tier_used": is_tier_used, "passed": passed,
-            "verdict": verdict}
+               + ("" if is_tier_used else ", but an arm did not use the tiers as configured")
+               + ("" if is_same_plan else f"; the arms ran different plans ({', '.join(tier_plans)} against "
+                  f"{', '.join(resident_plans)}): set planner.chunk_tokens and ring_slots to compare one computation")
+               + ".")
+    return {"num_prompts": len(pairs), "num_equal": num_equal, "is_tier_used": is_tier_used,
+            "is_same_plan": is_same_plan, "passed": passed, "verdict": verdict}
 
 
 def _moved(runs: list[dict]) -> str:

@@ -116,23 +116,24 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
 def workspace_costs(spec: ModelSpec, layout: ExpertLayout | None, config: Config,
                     attention_scratch_bytes: int = 0) -> WorkspaceCosts:
     slot = layout.slot_bytes if layout else 0
-    return WorkspaceCosts(bytes_per_chunk_token=_bytes_per_token(spec, config.runtime.deterministic),
+    is_fixed_sums = config.runtime.deterministic and config.runtime.backend != "numpy"  # numpy sums in float64
+    return WorkspaceCosts(bytes_per_chunk_token=_bytes_per_token(spec, is_fixed_sums),
                           bytes_per_ring_slot=slot,
                           fixed_bytes=attention_scratch_bytes, target_ring_slots=spec.num_experts if layout else 0,
                           is_ring_in_cache=layout is not None,
                           segment_bytes=config.runtime.vmm_segment_bytes)
 
 
-def _bytes_per_token(spec: ModelSpec, is_deterministic: bool = False) -> int:
+def _bytes_per_token(spec: ModelSpec, is_fixed_sums: bool = False) -> int:
     """Activations of one prompt token through one layer at a time, float32.
 
     x and the normed h [D]; q, k, v and the attention output; the MoE accumulator [D] (int64 fixed-point
-    sums, two words an element, with ``runtime.deterministic``); router logits [N]; routing ids and weights
+    sums, two words an element, with ``is_fixed_sums``); router logits [N]; routing ids and weights
     [k]; the k experts' gate and up products [k, F] (or the dense FFN's [F]); plus the output of the shared
     expert.
     """
     ffn = spec.num_experts_used * spec.expert_ffn_size * 2 if spec.is_moe else spec.dense_ffn_size * 2
-    accumulator = spec.hidden_size * (2 if is_deterministic and spec.is_moe else 1)
+    accumulator = spec.hidden_size * (2 if is_fixed_sums and spec.is_moe else 1)
     values = (2 * spec.hidden_size + accumulator + 2 * spec.q_size + 2 * spec.kv_size + spec.num_experts
               + 2 * spec.num_experts_used + ffn + 2 * spec.shared_expert_ffn_size)
     return 4 * values

@@ -751,10 +751,12 @@ __device__ __forceinline__ void gate_up_tile(const __half* x, int x_pitch, int n
 
 // The down epilogue's add of one product into its token's row: a float atomic (the order of a token's k products
 // varies from run to run, and so may the sum's last bit), or 64-bit fixed point in units of 2^-32 (fixed_sums.py:
-// integer adds give the same bits in any order). v * 2^32 is exact in float32; |sum| < 2^31.
+// integer adds give the same bits in any order; v * 2^32 is exact in float32; a non-finite product or one of
+// 2^19 or more adds the poison 2^57, which the fold turns into NaN).
 __device__ __forceinline__ void add_product(float* at, float v) { atomicAdd(at, v); }
 __device__ __forceinline__ void add_product(long long* at, float v) {
-  atomicAdd(reinterpret_cast<unsigned long long*>(at), static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.0f)));
+  const long long units = fabsf(v) < 524288.0f ? __float2ll_rn(v * 4294967296.0f) : (1LL << 57);
+  atomicAdd(reinterpret_cast<unsigned long long*>(at), static_cast<unsigned long long>(units));
 }
 
 template <int F, int G, class Sum>

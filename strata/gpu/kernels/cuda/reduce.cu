@@ -13,10 +13,15 @@ extern "C" __device__ void strata_red_add2(float* dst, float a, float b) {
 #endif
 }
 
-// dst[0] += a, dst[1] += b as 64-bit fixed point in units of 2^-32 (fixed_sums.py): integer adds, so the
-// sums have the same bits in any order. a * 2^32 is exact in float32.
+// v as 64-bit fixed point in units of 2^-32 (fixed_sums.py; v * 2^32 is exact in float32), or the poison 2^57
+// where v is not finite or of 2^19 or more, which the fold turns into NaN.
+static __device__ __forceinline__ unsigned long long fixed_units(float v) {
+  return static_cast<unsigned long long>(fabsf(v) < 524288.0f ? __float2ll_rn(v * 4294967296.0f) : (1LL << 57));
+}
+
+// dst[0] += a, dst[1] += b in fixed point: integer adds, so the sums have the same bits in any order.
 extern "C" __device__ void strata_fixed_add2(long long* dst, float a, float b) {
   unsigned long long* at = reinterpret_cast<unsigned long long*>(dst);
-  atomicAdd(at, static_cast<unsigned long long>(__float2ll_rn(a * 4294967296.0f)));
-  atomicAdd(at + 1, static_cast<unsigned long long>(__float2ll_rn(b * 4294967296.0f)));
+  atomicAdd(at, fixed_units(a));
+  atomicAdd(at + 1, fixed_units(b));
 }
