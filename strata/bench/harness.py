@@ -41,7 +41,7 @@ from typing import Sequence
 from strata.bench.host_cpu import choice as host_cpu_choice
 from strata.bench.host_cpu import summary as host_cpu_summary
 from strata.bench.host_numa import summary as host_numa_summary
-from strata.bench.one_run import DECODE_MISSES
+from strata.bench.one_run import DECODE_MISSES, DETERMINISTIC
 from strata.bench.provenance import code_identity
 from strata.bench.rival import EARLIER_RUN, Rival, read_rival
 from strata.config import Config
@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-misses", default="config",
                         help="decode-miss arms, comma-separated: config (runtime.decode_misses as configured), "
                              "stage, host (each arm's rows say which it ran)")
+    parser.add_argument("--deterministic", default="config",
+                        help="arms of prefill's MoE sums, comma-separated: config (runtime.deterministic as "
+                             "configured), off (float atomics), on (fixed point; each arm's rows say which)")
     parser.add_argument("--draft-oracle", type=float, default=None, metavar="P",
                         help="measurement mode: each draft is the target's own greedy continuation with "
                              "probability P, else a wrong token (labelled in every row)")
@@ -86,11 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, config: Config) -> int:
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
     rival = read_rival(args.rival, config.model.path)  # before any run: a file not llama-bench's stops here
-    arms = [(loan.strip(), spec.strip(), misses.strip()) for loan in args.arms.split(",")
-            for spec in args.spec.split(",") for misses in args.decode_misses.split(",")]
-    unknown = sorted({misses for *_, misses in arms} - set(DECODE_MISSES))
-    if unknown:  # before any run, not in the middle of the bench
-        raise SystemExit(f"--decode-misses {', '.join(unknown)}: each arm must be one of {', '.join(DECODE_MISSES)}")
+    arms = [(loan.strip(), spec.strip(), misses.strip(), sums.strip()) for loan in args.arms.split(",")
+            for spec in args.spec.split(",") for misses in args.decode_misses.split(",")
+            for sums in args.deterministic.split(",")]
+    for option, allowed, index in (("--decode-misses", DECODE_MISSES, 2), ("--deterministic", DETERMINISTIC, 3)):
+        unknown = sorted({arm[index] for arm in arms} - set(allowed))
+        if unknown:  # before any run, not in the middle of the bench
+            raise SystemExit(f"{option} {', '.join(unknown)}: each arm must be one of {', '.join(allowed)}")
     code = code_identity()
     print(f"# {code}", file=sys.stderr, flush=True)
     runs = []
@@ -98,13 +103,14 @@ def run(args: argparse.Namespace, config: Config) -> int:
         # arms interleaved per repetition: the first process after the GPU has idled runs slower
         # (measured on the H200), and it must not always be the same arm's
         for rep in range(args.reps):
-            for arm, spec, misses in arms:
+            for arm, spec, misses, sums in arms:
                 profile = None
                 if args.profile_dir:
                     args.profile_dir.mkdir(parents=True, exist_ok=True)
                     misses_part = "" if misses == "config" else f"-{misses}"
-                    profile = args.profile_dir / f"{arm}-{spec}{misses_part}-{length}-{rep + 1}.prof"
-                extra = ["--spec", spec, "--decode-misses", misses] + (
+                    sums_part = "" if sums == "config" else f"-deterministic-{sums}"
+                    profile = args.profile_dir / f"{arm}-{spec}{misses_part}{sums_part}-{length}-{rep + 1}.prof"
+                extra = ["--spec", spec, "--decode-misses", misses, "--deterministic", sums] + (
                     [] if args.draft_oracle is None or spec == "off" else ["--draft-oracle", str(args.draft_oracle)])
                 extra += ["--host-cpu", args.host_cpu] + (["--layer-timeline"] if args.layer_timeline else [])
                 result = run_fresh(args.config, length, args.gen_tokens, arm, rep, args.timeout, profile, extra)
@@ -269,13 +275,16 @@ def _host_busy_cell(group: list[dict]) -> str:
 
 def _spec_label(run: dict) -> str:
     """The run's decode: plain, or speculation's policy; the draft oracle named (it is not the model's speed),
-    and where the run set runtime.decode_misses (``--decode-misses``), the value."""
+    and where the run set runtime.decode_misses (``--decode-misses``) or runtime.deterministic
+    (``--deterministic``), the value."""
     label = run.get("spec", "none")
     oracle = run.get("draft_oracle")
     if oracle is not None and label not in ("off", "none"):
         label = f"{label}, draft oracle {oracle:g}"
     if run.get("decode_misses_arm", "config") != "config":  # the arms of --decode-misses
         label = f"{label}, misses {run['decode_misses']}"
+    if run.get("deterministic_arm", "config") != "config":  # the arms of --deterministic
+        label = f"{label}, {'fixed-point' if run['deterministic'] else 'float'} sums"
     return label
 
 

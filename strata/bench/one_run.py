@@ -24,12 +24,14 @@ from strata.config import load_config, verify_config
 
 SPEC_MODES = ("config", "auto", "fixed", "off")
 DECODE_MISSES = ("config", "stage", "host")  # runtime.decode_misses as configured, or either value
+DETERMINISTIC = ("config", "off", "on")  # runtime.deterministic as configured, false or true
 
 
-def bench_config(path: str, is_loan: bool, decode_misses: str = "config"):
-    """The configuration at ``path`` for one arm: the loan off where ``is_loan`` is false, and
+def bench_config(path: str, is_loan: bool, decode_misses: str = "config", deterministic: str = "config"):
+    """The configuration at ``path`` for one arm: the loan off where ``is_loan`` is false,
     ``runtime.decode_misses`` set where ``decode_misses`` is not "config" (prefetching as that value's
-    default has it: on with captured decode where misses are staged, off where they are read in place)."""
+    default has it: on with captured decode where misses are staged, off where they are read in place), and
+    ``runtime.deterministic`` where ``deterministic`` is "off" or "on"."""
     config = load_config(path)
     if is_loan and not config.loan.enabled:
         raise SystemExit("the loan arm needs loan.enabled = true in the config")
@@ -42,6 +44,9 @@ def bench_config(path: str, is_loan: bool, decode_misses: str = "config"):
                                       decode_prefetch=runtime.decode_graphs and decode_misses == "stage")
         config = dataclasses.replace(config, runtime=runtime)
         verify_config(config)
+    if deterministic != "config":
+        config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime,
+                                                                          deterministic=deterministic == "on"))
     return config
 
 
@@ -73,6 +78,8 @@ def main(argv=None) -> int:
                         help="time every prefill layer on the device and the host's issuing of it")
     parser.add_argument("--decode-misses", choices=DECODE_MISSES, default="config",
                         help="runtime.decode_misses for this run: as configured (default), stage or host")
+    parser.add_argument("--deterministic", choices=DETERMINISTIC, default="config",
+                        help="runtime.deterministic for this run: as configured (default), off or on")
     args = parser.parse_args(argv)
 
     from strata.engine.facade import Engine
@@ -80,7 +87,8 @@ def main(argv=None) -> int:
     from strata.plugins import discover
 
     started = time.perf_counter()
-    engine = Engine.load(bench_config(args.config, args.loan == "on", args.decode_misses), show_progress=False)
+    engine = Engine.load(bench_config(args.config, args.loan == "on", args.decode_misses, args.deterministic),
+                         show_progress=False)
     load_seconds = time.perf_counter() - started
     _set_speculation(engine, args.spec)
     tokens = prompt_tokens(engine.tokenizer, args.prompt_tokens, args.seed)
@@ -138,6 +146,7 @@ def main(argv=None) -> int:
         "compute_source": engine.planner.rates.compute.source,
         "spec": args.spec if engine.mtp is not None or args.spec == "off" else "none",
         "decode_misses": engine.config.runtime.decode_misses, "decode_misses_arm": args.decode_misses,
+        "deterministic": engine.config.runtime.deterministic, "deterministic_arm": args.deterministic,
         "draft_oracle": args.draft_oracle, "spec_rounds": stats.spec_rounds, "spec_drafted": stats.spec_drafted,
         "spec_accepted": stats.spec_accepted, "spec_depth": stats.spec_depth,
         "spec_depth_max": engine.config.runtime.spec_depth,

@@ -222,6 +222,24 @@ def test_bench_decode_miss_arms_set_the_key_per_run_and_label_their_rows(tmp_pat
     assert "| 40 | off | config, misses stage |" in done.stdout and "| 40 | off | config, misses host |" in done.stdout
 
 
+def test_bench_deterministic_arms_set_the_key_per_run_and_label_their_rows(tmp_path):
+    model = write_small_moe(tmp_path / "small-moe-mtp.gguf", with_mtp=True)
+    out = tmp_path / "runs.json"
+    done = subprocess.run([sys.executable, "-m", "strata.cli", "--config", str(_config(tmp_path, model)), "bench",
+                           "--prompt-tokens", "40", "--gen-tokens", "3", "--reps", "1", "--arms", "off",
+                           "--deterministic", "off,on", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(out.read_text())
+    assert [(r["deterministic_arm"], r["deterministic"]) for r in runs] == [("off", False), ("on", True)]
+    assert "| 40 | off | config, float sums |" in done.stdout
+    assert "| 40 | off | config, fixed-point sums |" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "strata.cli", "--config", str(_config(tmp_path, model)), "bench",
+                          "--prompt-tokens", "40", "--reps", "1", "--deterministic", "on,maybe"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--deterministic maybe: each arm must be one of config, off, on" in bad.stderr
+
+
 def test_an_unknown_decode_miss_arm_stops_the_bench_before_any_run(tmp_path):
     model = write_small_moe(tmp_path / "small-moe-mtp.gguf", with_mtp=True)
     done = subprocess.run([sys.executable, "-m", "strata.cli", "--config", str(_config(tmp_path, model)), "bench",
