@@ -325,10 +325,10 @@ class Generation:
         return engine.backend != "cuda" or engine.config.runtime.warmup or engine.counters.num_requests > 0
 
     def _draft_cache(self, mtp, hidden, next_tokens: np.ndarray, start: int) -> None:
-        """The resident MTP block over a prefilled chunk's rows [T, D] whose next token is known, so that
+        """The resident MTP block's cache over a prefilled chunk's rows [T, D] whose next token is known, so that
         drafts attend over the prompt (the caller skips it while a loan holds the block)."""
         if len(next_tokens):
-            mtp.hidden(hidden[:len(next_tokens)], next_tokens, start)
+            mtp.cache_prompt(hidden[:len(next_tokens)], next_tokens, start)
 
     def _logits(self, hidden) -> np.ndarray:
         engine = self.engine

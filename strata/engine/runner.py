@@ -221,6 +221,16 @@ class ModelRunner:
         """x += the attention of ``x``'s tokens at ``positions`` (KV written at ``start``..);
         ``split_scratch``: a decode token's attention scratch (``ops.decode_attention_scratch``).
         Another block (the MTP block) passes its own one-layer ``kv`` and ``tensor(name)`` lookup."""
+        ops = self.ops
+        tensor = tensor or (lambda name: self.tensor(layer, name))
+        q = self.write_kv(layer, x, positions, start, kv, tensor)
+        kv, kv_layer = (self.kv, layer) if kv is None else (kv, 0)
+        out = ops.attention(q, kv, kv_layer, start, positions, split_scratch)  # [T, Hq * E]
+        ops.matmul_add(x, out, tensor("attn_output"))
+
+    def write_kv(self, layer: int, x, positions, start: int, kv=None, tensor=None):
+        """The first half of ``attention_block``: the queries [T, Hq, E] of ``x``'s tokens at ``positions``, their
+        keys and values normed, rotated and written into the cache at ``start``.. (the same arguments)."""
         spec, ops = self.spec, self.ops
         tensor = tensor or (lambda name: self.tensor(layer, name))
         kv, kv_layer = (self.kv, layer) if kv is None else (kv, 0)
@@ -233,8 +243,7 @@ class ModelRunner:
         ops.qk_norm_rope_kv_write(q, k, v, tensor("attn_q_norm"), tensor("attn_k_norm"), positions,
                                   spec.num_rope_dims, spec.rope_theta, spec.is_rope_neox, spec.rms_norm_eps, kv,
                                   kv_layer, start, self.w.rope_freqs_host)
-        out = ops.attention(q, kv, kv_layer, start, positions, split_scratch)  # [T, Hq * E]
-        ops.matmul_add(x, out, tensor("attn_output"))
+        return q
 
     def _ffn(self, layer: int, h):
         return self.ops.ffn(h, self.matrix(layer, "ffn_gate"), self.matrix(layer, "ffn_up"),

@@ -50,8 +50,8 @@ def warm_up(engine) -> float:
             for tile_rows in engine.ops.moe_tile_rows(layout):  # the MoE kernels of every tile a chunk may take
                 with engine.ops.forcing_moe_tile_rows(tile_rows):
                     hidden = engine.runner.forward(tokens, 0, engine.workspace if geometry else None, stats)
-                    if _is_mtp_resident(engine):  # the MTP block over a prefill chunk (its KV of the prompt)
-                        engine.mtp.hidden(hidden[:num_tokens - 1], tokens[1:], 0)
+                    if _is_mtp_resident(engine):  # the MTP block's cache over a prefill chunk (its KV of the prompt)
+                        engine.mtp.cache_prompt(hidden[:num_tokens - 1], tokens[1:], 0)
             _prefill_rows(engine, tokens, num_tokens, stats)
             if _is_mtp_resident(engine):
                 _mtp_rows(engine, hidden, tokens, num_tokens)

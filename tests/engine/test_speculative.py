@@ -119,6 +119,21 @@ def test_the_draft_block_matches_the_reference(mtp_path):
     assert int(np.argmax(engine.mtp.logits(got))) == int(np.argmax(logits))
 
 
+def test_the_prompts_draft_cache_holds_what_the_whole_block_writes(mtp_path):
+    # prefill writes the block's keys and values alone (cache_prompt), not its attention output and experts,
+    # whose rows no draft reads: the cache must hold what the whole block (hidden) writes there, bit for bit
+    engine = _speculative(mtp_path, 1)
+    rng = np.random.default_rng(5)
+    hidden = rng.standard_normal((11, engine.spec.hidden_size)).astype(np.float32)
+    tokens = np.array(PROMPT[1:12])
+    engine.mtp.hidden(hidden, tokens, 3)
+    whole = engine.mtp.kv.data.copy()
+    engine.mtp.kv.data[...] = 0
+    engine.mtp.cache_prompt(hidden, tokens, 3)
+    np.testing.assert_array_equal(engine.mtp.kv.data, whole)
+    assert np.any(whole != 0)
+
+
 def test_speculative_sampling_draws_from_the_target_distribution():
     """The first token a step emits follows the target's distribution p whatever the draft's q."""
     vocab = 6

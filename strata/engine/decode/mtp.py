@@ -9,7 +9,8 @@ x_{i+1} that follows, and predicts x_{i+2} (the NumPy reference's ``mtp_forward`
 
 A draft chain feeds each step's output x back as the next step's h (the verified rows of a step
 go through the block together first, so its cache holds the main model's states where it has them).
-Prefill runs the block over each chunk too, so drafts attend over the prompt, unless a loan holds
+Prefill writes the block's cache over each chunk too (``cache_prompt``: the keys and values its
+attention would write, nothing after them), so drafts attend over the prompt, unless a loan holds
 the block during prefill (``loan_mtp``): its cache then keeps what earlier requests left at the
 prompt's positions, which costs acceptance, never correctness.
 Its weights are two loan resources, ``mtp_draft_head`` (dense) and ``mtp_experts`` (every routed
@@ -54,18 +55,32 @@ class MtpDraft:
                               "only after the loan restores)")
         return self.weights.tensors.get(f"blk.{self.layer}.{name}.weight")
 
-    def hidden(self, hidden, next_tokens, start: int, positions=None) -> Any:
-        """The block's output [R, D] for main-model (or chained) states ``hidden`` [R, D] at positions
-        ``start``.. and the token after each, ``next_tokens`` [R]; writes its cache at those positions.
-        A captured step passes its device buffers: ``next_tokens`` int32 and ``positions`` [R]."""
-        ops, spec, eps = self.ops, self.spec, self.spec.rms_norm_eps
+    def cache_prompt(self, hidden, next_tokens, start: int) -> None:
+        """The block's cache at positions ``start``.. for main-model states ``hidden`` [R, D] and the token after
+        each, as ``hidden`` writes it, without the rest of the block (its attention's output, its experts): a
+        prompt's rows, whose block output no draft reads."""
+        positions = self.ops.positions(start, len(next_tokens))
+        self.runner.write_kv(self.layer, self._input(hidden, next_tokens), positions, start, kv=self.kv,
+                             tensor=self.tensor)
+
+    def _input(self, hidden, next_tokens):
+        """The block's input rows [R, D]: eh_proj of the normed embeddings of ``next_tokens`` beside the normed
+        ``hidden`` [R, D]."""
+        ops, eps = self.ops, self.spec.rms_norm_eps
         table = self.tensor("nextn.embed_tokens")
         if isinstance(next_tokens, (list, np.ndarray)):
             next_tokens = np.asarray(next_tokens, dtype=np.int64)
         embedded = ops.embed(self.runner.token_embedding if table is None else table, next_tokens)  # [R, D]
         joined = ops.concat_columns(ops.rms_norm(embedded, self.tensor("nextn.enorm"), eps),
                                     ops.rms_norm(hidden, self.tensor("nextn.hnorm"), eps))  # [R, 2D]
-        x = ops.matmul(joined, self.tensor("nextn.eh_proj"))  # [R, D]
+        return ops.matmul(joined, self.tensor("nextn.eh_proj"))
+
+    def hidden(self, hidden, next_tokens, start: int, positions=None) -> Any:
+        """The block's output [R, D] for main-model (or chained) states ``hidden`` [R, D] at positions
+        ``start``.. and the token after each, ``next_tokens`` [R]; writes its cache at those positions.
+        A captured step passes its device buffers: ``next_tokens`` int32 and ``positions`` [R]."""
+        ops, spec, eps = self.ops, self.spec, self.spec.rms_norm_eps
+        x = self._input(hidden, next_tokens)  # [R, D]
         positions = ops.positions(start, len(next_tokens)) if positions is None else positions
         self.runner.attention_block(self.layer, x, positions, start, kv=self.kv, tensor=self.tensor)
         h = ops.rms_norm(x, self.tensor("ffn_norm"), eps)  # [R, D]
