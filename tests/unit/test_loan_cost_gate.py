@@ -94,3 +94,15 @@ def test_min_gain_outside_its_range_is_refused_naming_the_key():
 
     with pytest.raises(ConfigError, match="min_gain"):
         started(tables={"cost_gate": {"min_gain": 0.9}})
+
+
+def test_the_mtp_blocks_prompt_pass_costs_its_input_and_qkv_projections_alone():
+    from strata.model.synth import PRESETS
+
+    spec = PRESETS["qwen3-30b-a3b"].spec(with_mtp=True)
+    model = PrefillCostModel.from_spec(spec, 1 << 20, pcie_bytes_per_s=55e9, compute_flops_per_s=1e14,
+                                      chunk_overhead_s=0.0)
+    d = spec.hidden_size
+    per_token = 2.0 * (2 * d * d + d * (spec.q_size + 2 * spec.kv_size))  # eh_proj [2D -> D] and Q, K, V
+    assert model.mtp_share(spec) == per_token / model.weight_flops_per_token
+    assert model.mtp_share(spec) < 0.5 / spec.num_layers  # a third of a layer with its experts here

@@ -80,10 +80,12 @@ class PrefillCostModel:
         return num_tokens * self.weight_flops_per_token + pairs * self.attention_flops_per_pair
 
     def mtp_share(self, spec: ModelSpec) -> float:
-        """The compute the MTP block adds to a prefill while it is resident (it runs over every
-        chunk so that drafts attend over the prompt), as a fraction of the main model's: one more
-        layer, and its projection of the joined [embedding; hidden] rows (2D x D)."""
-        return 1.0 / spec.num_layers + 2.0 * 2 * spec.hidden_size * spec.hidden_size / self.weight_flops_per_token
+        """The compute the MTP block adds to a prefill while it is resident (it writes its cache over
+        every chunk so that drafts attend over the prompt), as a fraction of the main model's: its
+        projection of the joined [embedding; hidden] rows (2D x D) and its attention's Q, K and V
+        projections (``MtpDraft.cache_prompt``: nothing after them)."""
+        projections = 2 * spec.hidden_size * spec.hidden_size + spec.hidden_size * (spec.q_size + 2 * spec.kv_size)
+        return 2.0 * projections / self.weight_flops_per_token
 
     def restage_seconds(self, num_slots: int) -> float:
         """Staging ``num_slots`` evicted experts back into the cache after the prefill."""
