@@ -104,6 +104,7 @@ class Engine(EngineCore):
                 if isinstance(resource, (TensorsResource, ExpertsResource)):
                     resource.encode_host_copies()
         weights = DeviceWeights(ops, model)
+        mtp_prompt = loading.mtp_prompt_weights(config, model, ops)
         kv = ops.kv_cache("kv_cache", spec.num_layers, placement.context_cells, spec.num_kv_heads, spec.head_dim,
                           config.runtime.kv_type, resident_cells=placement.kv_cells, staging_owner=KV_STAGING_OWNER)
         mtp_kv = ops.kv_cache(MTP_KV_OWNER, 1, placement.context_cells, spec.num_kv_heads, spec.head_dim,
@@ -130,7 +131,8 @@ class Engine(EngineCore):
                              residency=CacheResidency(cache, pack) if cache else None)
         mtp_share = cost_model.mtp_share(spec) if cost_model and mtp_kv is not None else 0.0
         loan = LoanTransaction(config=config, plugins=plugins, ledger=ledger, resources=resources, cache=cache,
-                               planner=planner, workspace=workspace, state=state, mtp_prefill_share=mtp_share)
+                               planner=planner, workspace=workspace, state=state, mtp_prefill_share=mtp_share,
+                               is_mtp_prompt_kept=mtp_prompt is not None)
         loan.start(loading.cache_after_load(config, cache, spec))
         expected = dict(ledger.snapshot().by_owner)
         for resource in resources.values():
@@ -148,7 +150,7 @@ class Engine(EngineCore):
         rt = config.runtime
         if mtp_kv is not None:
             engine.mtp = MtpDraft(runner, resources[MTP_DRAFT_HEAD], resources.get(MTP_EXPERTS), mtp_kv,
-                                  engine.output_head)
+                                  engine.output_head, mtp_prompt)
             engine.depth_policy = DepthPolicy(rt.spec_depth, is_fixed=rt.spec_policy == "fixed")
         if backend == "cuda" and not is_dry_run:
             engine.compiles.listen()

@@ -297,7 +297,7 @@ class Generation:
                               ops.timing_mark()))
                 stream.num_chunks += 1
                 mtp = self.engine.mtp
-                if mtp is not None and mtp.is_resident:  # timed only where the block runs
+                if mtp is not None and mtp.can_cache_prompt:  # timed only where the block runs
                     mtp_started = ops.timing_mark()
                     self._draft_cache(mtp, hidden, unread[first + 1:first + len(chunk) + 1], start + first)
                     mtp_marks.append((mtp_started, ops.timing_mark()))
@@ -326,7 +326,7 @@ class Generation:
 
     def _draft_cache(self, mtp, hidden, next_tokens: np.ndarray, start: int) -> None:
         """The resident MTP block's cache over a prefilled chunk's rows [T, D] whose next token is known, so that
-        drafts attend over the prompt (the caller skips it while a loan holds the block)."""
+        drafts attend over the prompt (the caller skips it while a loan holds what it reads)."""
         if len(next_tokens):
             mtp.cache_prompt(hidden[:len(next_tokens)], next_tokens, start)
 

@@ -132,11 +132,43 @@ def decode_resources(config: Config, model: GgufModel, ops: Ops, placement: Plac
         prefix = f"blk.{spec.num_layers}."
         block = {n: r for n, r in model.tensors.items() if n.startswith(prefix)}
         experts = {n: r for n, r in block.items() if "_exps." in n}
-        resources[MTP_DRAFT_HEAD] = TensorsResource(MTP_DRAFT_HEAD, ops,
-                                                    {n: r for n, r in block.items() if n not in experts}, is_loaned)
+        kept = mtp_prompt_sources(model)  # resident always: not the loan's
+        resources[MTP_DRAFT_HEAD] = TensorsResource(
+            MTP_DRAFT_HEAD, ops, {n: r for n, r in block.items() if n not in experts and n not in kept}, is_loaned)
         if experts and mtp_layout is not None:
             resources[MTP_EXPERTS] = ExpertsResource(MTP_EXPERTS, ops, model, spec.num_layers, mtp_layout)
     return resources
+
+
+# the MTP block's tensors its pass over a prompt reads (MtpDraft.cache_prompt: its input, keys and values)
+MTP_PROMPT_TENSORS = ("nextn.enorm", "nextn.hnorm", "nextn.eh_proj", "attn_norm", "attn_q", "attn_k", "attn_v",
+                      "attn_q_norm", "attn_k_norm")
+MTP_PROMPT_OWNER = "mtp_prompt_weights"
+
+
+def mtp_prompt_sources(model) -> dict:
+    """The first MTP block's tensors that writing its cache over a prompt reads (``MTP_PROMPT_TENSORS``), kept
+    resident outside the loan's ``mtp_draft_head`` (a few MiB: its input projection and Q, K, V) so that a
+    prompt prefilled under a loan still fills the block's cache and drafts attend over it; none where the block
+    has an embedding table of its own (a vocabulary's rows: that stays the loan's, and so does the prompt pass)."""
+    spec = model.spec
+    if not spec.num_nextn_layers:
+        return {}
+    prefix = f"blk.{spec.num_layers}."
+    if f"{prefix}nextn.embed_tokens.weight" in model.tensors:
+        return {}
+    names = (f"{prefix}{name}.weight" for name in MTP_PROMPT_TENSORS)
+    return {name: model.tensors[name] for name in names if name in model.tensors}
+
+
+def mtp_prompt_weights(config: Config, model, ops) -> TensorsResource | None:
+    """``mtp_prompt_sources`` uploaded (resident for the engine's life), or None without speculation or them."""
+    sources = mtp_prompt_sources(model) if config.runtime.mtp else {}
+    if not sources:
+        return None
+    weights = TensorsResource(MTP_PROMPT_OWNER, ops, sources)
+    weights.restore()
+    return weights
 
 
 def check_host_kv_fits(config: Config, placement: Placement) -> None:

@@ -50,7 +50,7 @@ def warm_up(engine) -> float:
             for tile_rows in engine.ops.moe_tile_rows(layout):  # the MoE kernels of every tile a chunk may take
                 with engine.ops.forcing_moe_tile_rows(tile_rows):
                     hidden = engine.runner.forward(tokens, 0, engine.workspace if geometry else None, stats)
-                    if _is_mtp_resident(engine):  # the MTP block's cache over a prefill chunk (its KV of the prompt)
+                    if engine.mtp is not None and engine.mtp.can_cache_prompt:  # the MTP block's KV of the prompt
                         engine.mtp.cache_prompt(hidden[:num_tokens - 1], tokens[1:], 0)
             _prefill_rows(engine, tokens, num_tokens, stats)
             if _is_mtp_resident(engine):
@@ -108,7 +108,7 @@ def _deferred_mtp_prefill(engine, hidden, tokens: np.ndarray, layout) -> None:
             return
         for tile_rows in engine.ops.moe_tile_rows(layout):
             with engine.ops.forcing_moe_tile_rows(tile_rows):
-                engine.mtp.hidden(hidden[:len(tokens) - 1], tokens[1:], 0)
+                engine.mtp.cache_prompt(hidden[:len(tokens) - 1], tokens[1:], 0)
         _mtp_rows(engine, hidden, tokens, len(tokens))
         engine.ops.synchronize()
 

@@ -105,6 +105,24 @@ def test_speculation_with_the_loan_equals_plain_greedy(mtp_path, plain_tokens):
     assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
 
 
+def test_a_loaned_prefill_fills_the_draft_cache_as_a_plain_one(mtp_path):
+    # the loan releases the MTP block's draft head and experts during prefill, but not the tensors its pass over
+    # the prompt reads: the block's cache holds the prompt after a loaned prefill as after a plain one
+    runtime = {**LOAN_RUNTIME, "spec_depth": 3, "spec_policy": "fixed"}
+    caches = []
+    for loan in ({"enabled": True, "plugins": WRITE_UP_PLUGINS}, {}):
+        engine = Engine.load(engine_config(mtp_path, runtime=runtime, loan=loan), show_progress=False)
+        prompt_weights = engine.mtp.prompt_weights
+        assert prompt_weights is not None and not set(prompt_weights.sources) & set(engine.mtp.weights.sources)
+        _, stats = greedy(engine, PROMPT, 1)
+        assert stats.loan.is_taken == bool(loan) and prompt_weights.is_resident
+        if loan:
+            assert "mtp_draft_head" in stats.loan.released and stats.prefill_mtp_seconds > 0
+        caches.append(engine.mtp.kv.data[:, :, :len(PROMPT) - 1].copy())
+    np.testing.assert_array_equal(caches[0], caches[1])
+    assert np.any(caches[0] != 0)
+
+
 def test_the_draft_block_matches_the_reference(mtp_path):
     engine = _speculative(mtp_path, 1)
     model = open_gguf(mtp_path)

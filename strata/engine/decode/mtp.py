@@ -10,11 +10,13 @@ x_{i+1} that follows, and predicts x_{i+2} (the NumPy reference's ``mtp_forward`
 A draft chain feeds each step's output x back as the next step's h (the verified rows of a step
 go through the block together first, so its cache holds the main model's states where it has them).
 Prefill writes the block's cache over each chunk too (``cache_prompt``: the keys and values its
-attention would write, nothing after them), so drafts attend over the prompt, unless a loan holds
-the block during prefill (``loan_mtp``): its cache then keeps what earlier requests left at the
-prompt's positions, which costs acceptance, never correctness.
-Its weights are two loan resources, ``mtp_draft_head`` (dense) and ``mtp_experts`` (every routed
-expert in a slot of their own arena); a request reads them only after the loan has put them back.
+attention would write, nothing after them), so drafts attend over the prompt. The tensors that pass
+reads (its input projection and norms, Q, K, V: ``loading.mtp_prompt_sources``) stay resident, so it
+runs under a loan as well; a block with an embedding table of its own keeps them in the loan's
+resource, and a loan that holds the block during prefill (``loan_mtp``) then leaves its cache with
+what earlier requests left at the prompt's positions, which costs acceptance, never correctness.
+Its other weights are two loan resources, ``mtp_draft_head`` (dense) and ``mtp_experts`` (every
+routed expert in a slot of their own arena); a request reads them only after the loan has put them back.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from strata.errors import EngineError
 
 class MtpDraft:
     def __init__(self, runner, weights: TensorsResource, experts: ExpertsResource | None, kv,
-                 output_head: Callable[[], tuple]):
+                 output_head: Callable[[], tuple], prompt_weights: TensorsResource | None = None):
         """runner: the ``ModelRunner`` (ops, spec, rope, the attention block); kv: the block's own
-        one-layer cache; output_head(): (norm, head, eps) of the main model, the fallback head."""
+        one-layer cache; output_head(): (norm, head, eps) of the main model, the fallback head;
+        prompt_weights: the tensors ``cache_prompt`` reads, resident outside the loan (or None: in ``weights``)."""
         self.runner = runner
         self.ops = runner.ops
         self.spec = runner.spec
@@ -42,18 +45,29 @@ class MtpDraft:
         self.experts = experts
         self.kv = kv
         self._output_head = output_head
+        self.prompt_weights = prompt_weights
 
     @property
     def is_resident(self) -> bool:
         """Whether the block's weights are on the device (a loan may hold them during prefill)."""
         return self.weights.is_resident and (self.experts is None or self.experts.is_resident)
 
+    @property
+    def can_cache_prompt(self) -> bool:
+        """Whether ``cache_prompt`` can run now: its tensors kept resident outside the loan, or the block resident."""
+        return self.prompt_weights is not None or self.is_resident
+
     def tensor(self, name: str) -> Any:
         """The block's weight by its short name (``attn_q``, ``nextn.eh_proj``); None when absent."""
+        full_name = f"blk.{self.layer}.{name}.weight"
+        if self.prompt_weights is not None and full_name in self.prompt_weights.sources:
+            return self.prompt_weights.tensors[full_name]
+        if full_name not in self.weights.sources:
+            return None
         if not self.is_resident:
             raise EngineError("the MTP block is not resident: a loan still holds it (the request must draft "
                               "only after the loan restores)")
-        return self.weights.tensors.get(f"blk.{self.layer}.{name}.weight")
+        return self.weights.tensors.get(full_name)
 
     def cache_prompt(self, hidden, next_tokens, start: int) -> None:
         """The block's cache at positions ``start``.. for main-model states ``hidden`` [R, D] and the token after

@@ -95,12 +95,16 @@ class LoanReport:
 class LoanTransaction:
     def __init__(self, *, config: Config, plugins: PluginHost, ledger: VramLedger,
                  resources: Mapping[str, Resource], cache: ElasticCache | None, planner: Planner,
-                 workspace: Workspace, state: RuntimeState, mtp_prefill_share: float = 0.0):
+                 workspace: Workspace, state: RuntimeState, mtp_prefill_share: float = 0.0,
+                 is_mtp_prompt_kept: bool = False):
         """mtp_prefill_share: the compute the MTP block adds to a prefill while resident, as a fraction
         of the main model's (``PrefillCostModel.mtp_share``; 0 without one): the predictions count it
-        where the block stays resident, and a loan that releases it saves it."""
+        where the block stays resident, and a loan that releases it saves it, unless is_mtp_prompt_kept:
+        what that pass reads stays resident outside the loan (``loading.mtp_prompt_sources``), so it runs
+        under the loan too."""
         self.config = config
         self.mtp_prefill_share = mtp_prefill_share
+        self.is_mtp_prompt_kept = is_mtp_prompt_kept
         self.plugins = plugins
         self.ledger = ledger
         self.resources = dict(resources)
@@ -236,7 +240,8 @@ class LoanTransaction:
         if not request.is_startup_loan and rates is not None:
             reload_seconds += sum(self.resources[n].num_bytes for n in names) / rates.pcie.value
         mtp_seconds = self._mtp_prefill_seconds(request.unread_tokens or self.planner.predicted_tokens(None))
-        on_seconds = on.predicted_seconds + (0.0 if MTP_DRAFT_HEAD in names else mtp_seconds)
+        is_mtp_pass_lent = MTP_DRAFT_HEAD in names and not self.is_mtp_prompt_kept
+        on_seconds = on.predicted_seconds + (0.0 if is_mtp_pass_lent else mtp_seconds)
         if off is None:  # only the loan's memory holds a plan
             return LoanPrediction(None, math.inf, on.geometry, on_seconds, reload_seconds)
         return LoanPrediction(off.geometry, off.predicted_seconds + mtp_seconds, on.geometry, on_seconds,
