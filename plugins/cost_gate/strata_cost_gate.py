@@ -2,10 +2,10 @@
 
 For each request the engine's cost model predicts the prefill time without the loan and with it
 (``LoanContext.predict``: the plan each budget allows, the experts it streams and evicts, the MTP
-block's pass over the prompt where it stays resident, the measured PCIe and compute rates), and what
-taking the loan adds (the transaction's own work, measured from the loans so far; for a repeat loan
-the upload of what it releases). Prefill only: decode after a loan that released the MTP block
-drafts without the prompt in its cache, which the prediction does not weigh. The loan runs
+block's pass over the prompt, the measured PCIe and compute rates), and what taking the loan adds
+(the transaction's own work, measured from the loans so far; for a repeat loan the upload of what
+it releases). Prefill only: decode is not weighed (the MTP block's cache holds the prompt after a
+loaned prefill too, unless the block has an embedding table of its own). The loan runs
 when it saves more than ``[loan.cost_gate] min_gain`` of the loan-off time, and is skipped
 otherwise, whatever the prompt's length: this is the engine's own choice per request, where
 ``repeat_loan`` applies a fixed threshold. A vote to skip wins over other plugins' votes to run.

@@ -29,6 +29,10 @@ from strata.model.spec import ModelSpec
 
 NUMPY_HEADROOM_BYTES = 1 << 30  # the numpy backend's default budget: the model file plus this
 log = logging.getLogger("strata.engine")
+# the MTP block's tensors its pass over a prompt reads (MtpDraft.cache_prompt: its input, keys and values)
+MTP_PROMPT_TENSORS = ("nextn.enorm", "nextn.hnorm", "nextn.eh_proj", "attn_norm", "attn_q", "attn_k", "attn_v",
+                      "attn_q_norm", "attn_k_norm")
+MTP_PROMPT_OWNER = "mtp_prompt_weights"
 
 
 def claim_loan_device(config: Config, backend: str) -> Path | None:
@@ -140,13 +144,7 @@ def decode_resources(config: Config, model: GgufModel, ops: Ops, placement: Plac
     return resources
 
 
-# the MTP block's tensors its pass over a prompt reads (MtpDraft.cache_prompt: its input, keys and values)
-MTP_PROMPT_TENSORS = ("nextn.enorm", "nextn.hnorm", "nextn.eh_proj", "attn_norm", "attn_q", "attn_k", "attn_v",
-                      "attn_q_norm", "attn_k_norm")
-MTP_PROMPT_OWNER = "mtp_prompt_weights"
-
-
-def mtp_prompt_sources(model) -> dict:
+def mtp_prompt_sources(model: GgufModel) -> dict:
     """The first MTP block's tensors that writing its cache over a prompt reads (``MTP_PROMPT_TENSORS``), kept
     resident outside the loan's ``mtp_draft_head`` (a few MiB: its input projection and Q, K, V) so that a
     prompt prefilled under a loan still fills the block's cache and drafts attend over it; none where the block
@@ -161,7 +159,7 @@ def mtp_prompt_sources(model) -> dict:
     return {name: model.tensors[name] for name in names if name in model.tensors}
 
 
-def mtp_prompt_weights(config: Config, model, ops) -> TensorsResource | None:
+def mtp_prompt_weights(config: Config, model: GgufModel, ops: Ops) -> TensorsResource | None:
     """``mtp_prompt_sources`` uploaded (resident for the engine's life), or None without speculation or them."""
     sources = mtp_prompt_sources(model) if config.runtime.mtp else {}
     if not sources:

@@ -50,8 +50,8 @@ def warm_up(engine) -> float:
             for tile_rows in engine.ops.moe_tile_rows(layout):  # the MoE kernels of every tile a chunk may take
                 with engine.ops.forcing_moe_tile_rows(tile_rows):
                     hidden = engine.runner.forward(tokens, 0, engine.workspace if geometry else None, stats)
-                    if engine.mtp is not None and engine.mtp.can_cache_prompt:  # the MTP block's KV of the prompt
-                        engine.mtp.cache_prompt(hidden[:num_tokens - 1], tokens[1:], 0)
+            if engine.mtp is not None and engine.mtp.can_cache_prompt:  # the MTP block's KV of the prompt (no MoE)
+                engine.mtp.cache_prompt(hidden[:num_tokens - 1], tokens[1:], 0)
             _prefill_rows(engine, tokens, num_tokens, stats)
             if _is_mtp_resident(engine):
                 _mtp_rows(engine, hidden, tokens, num_tokens)
@@ -59,7 +59,7 @@ def warm_up(engine) -> float:
             engine.ops.synchronize()  # no copy may still target the ring when the workspace goes
             engine.workspace.free()
         if engine.mtp is not None and not _is_mtp_resident(engine) and engine.backend == "cuda":
-            _deferred_mtp_prefill(engine, hidden, tokens, layout)  # only the GPU compiles
+            _deferred_mtp_prefill(engine, hidden, tokens)  # only the GPU compiles
         token = int(np.argmax(_logits(engine, hidden)))
         # decode attention's launch does not depend on the position (its splits are sized for
         # the whole cache), so one step compiles every decode kernel
@@ -98,17 +98,15 @@ def warm_up(engine) -> float:
     return seconds
 
 
-def _deferred_mtp_prefill(engine, hidden, tokens: np.ndarray, layout) -> None:
-    """The MTP block over a prefill chunk (and over short ones) while a startup loan holds it back:
-    its resources come back for the warm-up alone and go again. Otherwise the first request that
-    prefills with the block resident (the first without a loan) compiles the block's launches inside
-    its prefill."""
+def _deferred_mtp_prefill(engine, hidden, tokens: np.ndarray) -> None:
+    """The MTP block's pass over a prefill chunk (where a loan holds what it reads) and over a few rows while a
+    startup loan holds the block back: its resources come back for the warm-up alone and go again. Otherwise the
+    first request that runs them with the block resident (the first without a loan) compiles them inside it."""
     with deferred_restored(engine, (MTP_DRAFT_HEAD, MTP_EXPERTS), "the MTP block's prefill launches") as is_here:
         if not is_here:
             return
-        for tile_rows in engine.ops.moe_tile_rows(layout):
-            with engine.ops.forcing_moe_tile_rows(tile_rows):
-                engine.mtp.cache_prompt(hidden[:len(tokens) - 1], tokens[1:], 0)
+        if engine.mtp.prompt_weights is None:  # else the pass ran with the main layers' chunk above
+            engine.mtp.cache_prompt(hidden[:len(tokens) - 1], tokens[1:], 0)
         _mtp_rows(engine, hidden, tokens, len(tokens))
         engine.ops.synchronize()
 
@@ -122,8 +120,8 @@ def _prefill_rows(engine, tokens: np.ndarray, position: int, stats: StreamStats)
 
 
 def _mtp_rows(engine, hidden, tokens: np.ndarray, position: int) -> None:
-    """The MTP block over up to ``DECODE_MAX_ROWS`` rows of ``hidden`` at ``position`` (a prefill chunk
-    of R tokens runs it over R - 1 rows, or R when the next chunk's first token is known)."""
+    """The whole MTP block over 1 to ``DECODE_MAX_ROWS`` rows of ``hidden`` at ``position`` (a speculation step's
+    verified rows and drafts)."""
     for num_rows in _row_counts(engine, min(len(tokens) - 1, engine.context_tokens - 2 - position)):
         engine.mtp.hidden(hidden[:num_rows], tokens[1:num_rows + 1], position)
 

@@ -137,7 +137,7 @@ def test_deterministic_sums_give_the_same_logits_whether_the_experts_were_cached
     first_logits = []
     for is_preloaded in (True, False):
         runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "greedy_on_device": False,
-                   "deterministic": True, "expert_preload": is_preloaded}
+                   "deterministic": True, "expert_preload": is_preloaded, "mtp": True, "spec_depth": 1}
         engine = Engine.load(engine_config(tiny_path, runtime=runtime, planner={"max_chunk_tokens": max_chunk}),
                              show_progress=False)
         logits, host_logits = [], engine.ops.logits
@@ -151,8 +151,8 @@ def test_deterministic_sums_give_the_same_logits_whether_the_experts_were_cached
         tokens, stats = greedy(engine, prompt, 1)
         assert tokens == reference_greedy(tiny_path, prompt, 1)
         assert stats.num_chunks == 2 and (stats.streamed_bytes > 0) != is_preloaded, stats.timing_line()
-        # every main layer of both chunks added its sums once (the MTP block's pass over the prompt writes its
-        # cache alone: no experts)
+        # every main layer of both chunks added its sums once; the MTP block's pass over the prompt writes its
+        # cache alone, no experts
         assert len(folds) - num_folds == 2 * TINY.num_layers
         first_logits.append(logits[0])
         engine.close()
@@ -421,8 +421,8 @@ def test_loan_on_the_gpu_restores_everything_and_keeps_the_output(tiny_path, kv_
         b, _ = greedy(without, prompt, NUM_GENERATED)
         assert a == b
         assert _lasting(with_loan) == dict(with_loan.idle_ledger.by_owner)
-        # the warm-up compiled every launch, the MTP block's prefill included though the startup loan held
-        # it back then: the second request (no loan) is the first to prefill with the block resident
+        # the warm-up compiled every launch, the MTP block's draft rows included though the startup loan held
+        # the block back then: the second request (no loan) is the first to decode without a loan before it
         assert a_stats.num_compiles == 0, a_stats.timing_line()
     assert a_stats.loan.is_taken and all(r.is_resident for r in with_loan.resources.values())
 

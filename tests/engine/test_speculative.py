@@ -123,6 +123,23 @@ def test_a_loaned_prefill_fills_the_draft_cache_as_a_plain_one(mtp_path):
     assert np.any(caches[0] != 0)
 
 
+def test_a_block_with_its_own_embedding_keeps_its_prompt_pass_in_the_loan(mtp_path):
+    # a block with an embedding table of its own (a vocabulary's rows) lends every dense tensor, as before
+    import dataclasses
+
+    from strata.engine import loading
+
+    model = open_gguf(mtp_path)
+    kept = loading.mtp_prompt_sources(model)
+    prefix = f"blk.{model.spec.num_layers}."
+    assert sorted(kept) == sorted(f"{prefix}{name}.weight" for name in loading.MTP_PROMPT_TENSORS
+                                  if f"{prefix}{name}.weight" in model.tensors) and f"{prefix}nextn.eh_proj.weight" in kept
+    with_embedding = dataclasses.replace(model, tensors={**model.tensors,
+                                                         f"{prefix}nextn.embed_tokens.weight": model.tensors[
+                                                             "token_embd.weight"]})
+    assert loading.mtp_prompt_sources(with_embedding) == {}
+
+
 def test_the_draft_block_matches_the_reference(mtp_path):
     engine = _speculative(mtp_path, 1)
     model = open_gguf(mtp_path)

@@ -106,3 +106,18 @@ def test_the_mtp_blocks_prompt_pass_costs_its_input_and_qkv_projections_alone():
     per_token = 2.0 * (2 * d * d + d * (spec.q_size + 2 * spec.kv_size))  # eh_proj [2D -> D] and Q, K, V
     assert model.mtp_share(spec) == per_token / model.weight_flops_per_token
     assert model.mtp_share(spec) < 0.5 / spec.num_layers  # a third of a layer with its experts here
+
+
+def test_the_mtp_pass_is_saved_by_the_loan_only_where_the_loan_holds_what_it_reads():
+    engine = started()
+    engine.loan.mtp_prefill_share = 0.01
+    request = LoanRequest(0, 100_000, 100_000, is_startup_loan=True)
+    model = engine.loan.planner.cost_model  # at the rates' compute figure
+    mtp_seconds = 0.01 * 100_000 * model.weight_flops_per_token / model.compute_flops_per_s
+    engine.loan.is_mtp_prompt_kept = False  # a block with an embedding of its own: loan_mtp lends the pass
+    lent = engine.loan.predict(request)
+    engine.loan.is_mtp_prompt_kept = True  # its tensors resident outside the loan: the pass runs in both plans
+    kept = engine.loan.predict(request)
+    assert kept.off_seconds == pytest.approx(lent.off_seconds)
+    assert kept.on_seconds - lent.on_seconds == pytest.approx(mtp_seconds)
+    assert lent.gain_seconds - kept.gain_seconds == pytest.approx(mtp_seconds)

@@ -60,8 +60,8 @@ def summarize(doc: dict) -> dict:
     pp = change(on["pp"]["median"], off["pp"]["median"])
     noise = max(spread(off["pp"]), spread(on["pp"]), NOISE_FLOOR)
     passed = is_forced and abs(pp) <= noise
-    # the main layers' device time alone: apart from the work the arms do differently (the MTP block's pass
-    # over the prompt runs only while the block is resident, i.e. without the loan; the experts restreamed)
+    # the main layers' device time alone: apart from the work the arms may do differently (the MTP block's pass
+    # over the prompt, which a loan skips where it holds what the pass reads; the experts restreamed)
     forward = {name: figures(row["runs"], "prefill_forward_seconds") for name, row in rows.items()}
     mtp = {name: figures(row["runs"], "prefill_mtp_seconds") for name, row in rows.items()}
     forward_change = change(forward["on"]["median"], forward["off"]["median"])

@@ -93,6 +93,9 @@ class MtpDraft:
         """The block's output [R, D] for main-model (or chained) states ``hidden`` [R, D] at positions
         ``start``.. and the token after each, ``next_tokens`` [R]; writes its cache at those positions.
         A captured step passes its device buffers: ``next_tokens`` int32 and ``positions`` [R]."""
+        if not self.is_resident:  # before anything is written: part of the block stays resident outside the loan
+            raise EngineError("the MTP block is not resident: a loan still holds it (the request must draft "
+                              "only after the loan restores)")
         ops, spec, eps = self.ops, self.spec, self.spec.rms_norm_eps
         x = self._input(hidden, next_tokens)  # [R, D]
         positions = ops.positions(start, len(next_tokens)) if positions is None else positions

@@ -248,11 +248,12 @@ class LoanTransaction:
                               reload_seconds)
 
     def _mtp_prefill_seconds(self, unread_tokens: int) -> float:
-        """The MTP block's compute over a prompt while it is resident (``mtp_prefill_share``)."""
+        """The MTP block's pass over a prompt (``mtp_prefill_share`` of the main model's weight FLOPs a
+        token: its projections, no attention over the prompt)."""
         model = self.planner.cost_model
         if not self.mtp_prefill_share or model is None:
             return 0.0
-        return self.mtp_prefill_share * model.chunk_flops(unread_tokens, 0) / model.compute_flops_per_s
+        return self.mtp_prefill_share * unread_tokens * model.weight_flops_per_token / model.compute_flops_per_s
 
     def overhead_seconds(self) -> float:
         """The transaction's own work a taken loan adds: the median, over the last loans, of the

@@ -47,7 +47,7 @@ class TensorsResource:
         """Pack the host copies a reloaded resource restores from, now (at load), rather than inside
         the first request that restores it: a startup loan's first restore comes at the end of
         the first prefill, and packing the 30B model's head and MTP block took ~0.5 s there. The
-        copies are page-locked where the backend can: every restore (507.6 MiB for that model's
+        copies are page-locked where the backend can: every restore (about 500 MiB for that model's
         loan) then uploads at the pinned PCIe rate."""
         if self.is_reloaded and self._encoded is None:
             self._encoded = {key: self.ops.pinned(host) if isinstance(host, QTensor) else host

@@ -80,10 +80,10 @@ class PrefillCostModel:
         return num_tokens * self.weight_flops_per_token + pairs * self.attention_flops_per_pair
 
     def mtp_share(self, spec: ModelSpec) -> float:
-        """The compute the MTP block adds to a prefill while it is resident (it writes its cache over
-        every chunk so that drafts attend over the prompt), as a fraction of the main model's: its
+        """The compute the MTP block adds to a prefill (it writes its cache over every chunk so that
+        drafts attend over the prompt), as a fraction of the main model's weight FLOPs a token: its
         projection of the joined [embedding; hidden] rows (2D x D) and its attention's Q, K and V
-        projections (``MtpDraft.cache_prompt``: nothing after them)."""
+        projections (``MtpDraft.cache_prompt``: nothing after them, no attention over the prompt)."""
         projections = 2 * spec.hidden_size * spec.hidden_size + spec.hidden_size * (spec.q_size + 2 * spec.kv_size)
         return 2.0 * projections / self.weight_flops_per_token
 
