@@ -209,28 +209,25 @@ def test_a_runs_stderr_is_kept_in_its_figures_up_to_a_limit():
     assert stderr_lines("") == []
 
 
-def test_bench_decode_miss_arms_set_the_key_per_run_and_label_their_rows(tmp_path):
+def _bench_arms(tmp_path, *options):
+    """``strata bench`` of one 40-token prompt, loan off, with these arm options: (the process, its runs, model)."""
     model = write_small_moe(tmp_path / "small-moe-mtp.gguf", with_mtp=True)
     out = tmp_path / "runs.json"
     done = subprocess.run([sys.executable, "-m", "strata.cli", "--config", str(_config(tmp_path, model)), "bench",
-                           "--prompt-tokens", "40", "--gen-tokens", "3", "--reps", "1", "--arms", "off",
-                           "--decode-misses", "stage,host", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                           "--prompt-tokens", "40", "--gen-tokens", "3", "--reps", "1", "--arms", "off", *options,
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    runs = json.loads(out.read_text())
+    return done, json.loads(out.read_text()), model
+
+
+def test_bench_decode_miss_arms_set_the_key_per_run_and_label_their_rows(tmp_path):
+    done, runs, _ = _bench_arms(tmp_path, "--decode-misses", "stage,host")
     assert [(r["decode_misses_arm"], r["decode_misses"]) for r in runs] == [("stage", "stage"), ("host", "host")]
     assert "| 40 | off | config, misses stage |" in done.stdout and "| 40 | off | config, misses host |" in done.stdout
 
 
 def test_bench_deterministic_arms_set_the_key_per_run_and_label_their_rows(tmp_path):
-    model = write_small_moe(tmp_path / "small-moe-mtp.gguf", with_mtp=True)
-    out = tmp_path / "runs.json"
-    done = subprocess.run([sys.executable, "-m", "strata.cli", "--config", str(_config(tmp_path, model)), "bench",
-                           "--prompt-tokens", "40", "--gen-tokens", "3", "--reps", "1", "--arms", "off",
-                           "--deterministic", "off,on", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    runs = json.loads(out.read_text())
+    done, runs, model = _bench_arms(tmp_path, "--deterministic", "off,on")
     assert [(r["deterministic_arm"], r["deterministic"]) for r in runs] == [("off", False), ("on", True)]
     assert "| 40 | off | config, float sums |" in done.stdout
     assert "| 40 | off | config, fixed-point sums |" in done.stdout
