@@ -45,14 +45,6 @@ class Placement:
     cache_reserved_bytes: int
     costs: WorkspaceCosts
 
-    def by_owner(self) -> dict[str, int]:
-        owners = {"dense_weights": self.dense_bytes, "output_head": self.output_head_bytes,
-                  "kv_cache": self.kv_bytes, "kv_staging": self.kv_staging_bytes,
-                  "verifier": self.verifier_bytes, "mtp_draft_head": self.mtp_head_bytes,
-                  "mtp_experts": self.mtp_expert_bytes, "mtp_kv": self.mtp_kv_bytes,
-                  "expert_cache": self.cache_base_bytes}
-        return {k: v for k, v in owners.items() if v}
-
 
 def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None, budget_bytes: int,
                    kv_scratch_bytes_per_cell: int = 0, is_kv_staged: bool = False,
