@@ -19,7 +19,13 @@ from starlette.responses import JSONResponse
 
 from strata.config import Config
 from strata.serve.cors import ServeCors
-from strata.serve.errors import INVALID_REQUEST, SERVER_ERROR, ApiError, error_body
+from strata.serve.errors import (
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    ApiError,
+    error_body,
+    short_repr,
+)
 from strata.serve.middleware import ExchangeGuard
 from strata.serve.routes import router
 from strata.serve.state import ServeState
@@ -37,7 +43,9 @@ def create_app(engine_loader: Callable[[], Any], config: Config) -> FastAPI:
         finally:
             await run_in_threadpool(state.close)
 
-    app = FastAPI(title="Strata", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: a trailing slash is an unknown route (404), not a redirect built from the Host header
+    app = FastAPI(title="Strata", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     app.state.serve = state
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -55,17 +63,17 @@ async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}; see /v1/completions, /v1/chat/completions, " \
-                  "/v1/models, /health, /metrics"
+        message = f"no route {request.method} {short_repr(request.url.path)}; see /v1/completions, " \
+                  "/v1/chat/completions, /v1/models, /health, /metrics"
     else:
-        message = f"{request.method} {request.url.path}: {exc.detail}"
+        message = f"{request.method} {short_repr(request.url.path)}: {exc.detail}"
     error_type = SERVER_ERROR if exc.status_code >= 500 else INVALID_REQUEST
     return JSONResponse(error_body(message, error_type, None, _http_code(exc.status_code)),
                         status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
-    return ApiError(400, f"invalid request: {exc}", code="invalid_request").response()
+    return ApiError(400, f"invalid request: {exc}"[:300], code="invalid_request").response()
 
 
 def _http_code(status: int) -> str:

@@ -60,10 +60,12 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         value = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+        reason = exc.msg.removesuffix(" at")  # "Invalid control character at"
+        raise bad_request(f"the request body is not valid JSON: {reason} at line {exc.lineno} column {exc.colno}",
                           code="invalid_json") from None
     except (ValueError, RecursionError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        reason = "an integer of more than 4,300 digits" if "integer string conversion" in str(exc) else exc
+        raise bad_request(f"the request body is not valid JSON: {reason}", code="invalid_json") from None
     if not isinstance(value, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     check_text(raw, value)

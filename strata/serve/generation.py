@@ -22,11 +22,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from strata.errors import ConfigError, NonFiniteLogitsError, RequestError
 from strata.serve import sse
 from strata.serve.body import read_json_object, require_json_content_type
-from strata.serve.errors import ApiError, bad_request, busy
+from strata.serve.errors import ApiError, bad_request, busy, short_repr
 from strata.serve.middleware import RECEIVED_AT_KEY
 from strata.serve.responses import ResponseShapes
 from strata.serve.schemas import Kind, parse_request
 from strata.serve.worker import (
+    CLIENT_CLOSED,
     DONE,
     ERROR,
     TOKEN,
@@ -36,6 +37,7 @@ from strata.serve.worker import (
 )
 
 RETRY_AFTER_S = 1
+CLIENT_CLOSED_STATUS = 499  # the client went away before its answer: counted apart from the server's refusals
 MAX_HEADER_CHARS = 1024
 _ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-"}
 
@@ -47,7 +49,8 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
     body = await read_json_object(request, state.config.serve.max_body_bytes)
     parsed = parse_request(body, kind)
     if parsed.model != ready.model_name:
-        raise ApiError(404, f"the model '{parsed.model}' does not exist; this server serves '{ready.model_name}'",
+        raise ApiError(404, f"the model {short_repr(parsed.model)} does not exist; this server serves "
+                            f"'{ready.model_name}'",
                        param="model", code="model_not_found")
     prepared = await run_in_threadpool(ready.prompts.prepare, parsed)
 
@@ -95,10 +98,9 @@ def ignored_params_header(names: tuple[str, ...]) -> str:
     header value is Latin-1 without CR or LF, and a parameter name may be any JSON string."""
     kept, num_chars = [], 0
     for name in (urllib.parse.quote(name, safe="") for name in names):
-        num_chars += len(name) + 1
-        if num_chars > MAX_HEADER_CHARS:
-            break
-        kept.append(name)
+        if name and num_chars + len(name) + 1 <= MAX_HEADER_CHARS:  # a name too long is left out, not the rest
+            num_chars += len(name) + 1
+            kept.append(name)
     return ",".join(kept)
 
 
@@ -112,6 +114,8 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> ApiError:
 def _api_error(exc: BaseException, request_id: str | None) -> ApiError:
     if isinstance(exc, (ConfigError, RequestError)):
         return bad_request(str(exc))
+    if isinstance(exc, WorkerStoppedError) and exc.code == CLIENT_CLOSED:  # nginx's 499: nobody reads it
+        return ApiError(CLIENT_CLOSED_STATUS, str(exc), code=CLIENT_CLOSED)
     if isinstance(exc, WorkerStoppedError):
         return busy(str(exc), exc.code, RETRY_AFTER_S)
     if isinstance(exc, NonFiniteLogitsError):  # the model's fault, not the client's: no token is made up

@@ -20,7 +20,7 @@ from strata.errors import ConfigError, ModelFormatError
 from strata.model.chat import ChatTemplate
 from strata.model.tokenizer import Tokenizer
 from strata.serve.chat_content import render_literal_segments
-from strata.serve.errors import bad_request
+from strata.serve.errors import bad_request, short_repr
 from strata.serve.schemas import GenerationRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the rest of the context
@@ -68,7 +68,7 @@ class PromptBuilder:
         self._check_room(len(tokens), request)
         outside = [t for t in tokens if not 0 <= t < self._tokenizer.vocab_size]
         if outside:
-            raise bad_request(f"'prompt' holds token id {outside[0]}, outside the vocabulary "
+            raise bad_request(f"'prompt' holds token id {short_repr(outside[0])}, outside the vocabulary "
                               f"(ids 0..{self._tokenizer.vocab_size - 1})", param="prompt")
         return tokens
 

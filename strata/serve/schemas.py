@@ -22,6 +22,7 @@ MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 65_536
 MAX_SEED = 2**64 - 1
+MAX_TOKENS = 2**31 - 1  # past any context; a larger count is refused by its value, not quoted whole
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also takes "²" and "١"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -58,10 +59,10 @@ def parse_request(body: Mapping[str, Any], kind: Kind) -> GenerationRequest:
     if n != 1:
         raise bad_request(f"'n' must be 1: this server generates one choice per request, got {short_repr(n)}",
                           param="n")
-    max_tokens = _integer(fields, "max_tokens", 1, default=None)
+    max_tokens = _integer(fields, "max_tokens", 1, default=None, maximum=MAX_TOKENS)
     max_tokens_param = "max_tokens"
     if kind == "chat" and "max_completion_tokens" in fields:  # the newer name wins
-        max_tokens = _integer(fields, "max_completion_tokens", 1, default=None)
+        max_tokens = _integer(fields, "max_completion_tokens", 1, default=None, maximum=MAX_TOKENS)
         max_tokens_param = "max_completion_tokens"
     is_stream = _boolean(fields, "stream", default=False)
     return GenerationRequest(
@@ -79,7 +80,7 @@ def _sampling(fields: Mapping[str, Any]) -> dict[str, Any]:
     if "temperature" in fields:
         sampling["temperature"] = _number(fields, "temperature", 0.0, 2.0)
     if "top_p" in fields:
-        sampling["top_p"] = _number(fields, "top_p", 0.0, 1.0)
+        sampling["top_p"] = _number(fields, "top_p", 0.0, 1.0, is_low_open=True)
     if "top_k" in fields:
         sampling["top_k"] = _integer(fields, "top_k", 0, default=None)
     if "seed" in fields:
@@ -125,11 +126,15 @@ def _message(message: Any, where: str) -> dict[str, str]:
         raise invalid_type(where, "an object with 'role' and 'content'", message)
     role = message.get("role")
     if role not in ROLES:
-        raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+        raise bad_request(f"'{where}.role' must be one of {', '.join(ROLES)}, got {short_repr(role)}",
+                          param=f"{where}.role")
     content = _content(message.get("content"), role, f"{where}.content")
     result = {"role": "system" if role == "developer" else role, "content": content}
-    if isinstance(message.get("name"), str):
-        result["name"] = message["name"]
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise invalid_type(f"{where}.name", "a string", name)
+    if name is not None:
+        result["name"] = name
     return result
 
 
@@ -152,8 +157,8 @@ def _stop(stop: Any) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise invalid_type("stop", "a string or an array of strings", stop)
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise bad_request(f"'stop' takes 1 to {MAX_STOP_STRINGS} non-empty strings, got {stops!r}"[:300],
-                          param="stop")
+        raise bad_request(f"'stop' takes 1 to {MAX_STOP_STRINGS} non-empty strings, got {len(stops)}: "
+                          f"{short_repr(stops)}", param="stop")
     return tuple(stops)
 
 
@@ -208,12 +213,14 @@ def _integer(fields: Mapping[str, Any], name: str, minimum: int, default: int | 
     return value
 
 
-def _number(fields: Mapping[str, Any], name: str, low: float, high: float) -> float:
+def _number(fields: Mapping[str, Any], name: str, low: float, high: float, is_low_open: bool = False) -> float:
     value = fields[name]
     if not _is_number(value):
         raise invalid_type(name, "a number", value)
-    if not low <= value <= high:
-        raise bad_request(f"'{name}' must be a number in [{low:g}, {high:g}], got {short_repr(value)}", param=name)
+    if not (low < value if is_low_open else low <= value) or value > high:
+        bracket = "(" if is_low_open else "["
+        raise bad_request(f"'{name}' must be a number in {bracket}{low:g}, {high:g}], got {short_repr(value)}",
+                          param=name)
     return float(value)
 
 

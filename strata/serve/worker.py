@@ -28,8 +28,12 @@ class QueueFullError(Exception):
     pass
 
 
+CLIENT_CLOSED = "client_closed"  # a job its client cancelled: no one reads the answer, and no 503 is counted
+
+
 class WorkerStoppedError(Exception):
-    """The worker takes no more jobs; ``code`` says why (``shutting_down``, ``engine_stopped``)."""
+    """The worker takes no more jobs, or this job; ``code`` says why (``shutting_down``, ``engine_stopped``,
+    ``client_closed``)."""
 
     def __init__(self, message: str, code: str = "engine_stopped"):
         super().__init__(message)
@@ -125,7 +129,8 @@ class EngineWorker:
             try:
                 if job.is_cancelled():
                     log.info("%s %s cancelled while waiting in the queue", job.request_id, job.route)
-                    job.sink(ERROR, job.stop_error or WorkerStoppedError("cancelled before it started"))
+                    job.sink(ERROR, job.stop_error or WorkerStoppedError(
+                        "the client closed the connection before the request started", CLIENT_CLOSED))
                 else:
                     self._execute(job)
             finally:

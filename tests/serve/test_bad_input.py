@@ -70,6 +70,7 @@ def test_unreadable_bodies(post, raw, code):
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0]"),
 ])
@@ -94,8 +95,14 @@ def test_too_few_max_tokens(post, max_tokens):
 
 def test_absurd_max_tokens_names_the_context(post, server):
     context = server.state.ready.engine.context_tokens
-    error = error_of(post(COMPLETIONS, {"prompt": "hi", "max_tokens": 10 ** 12}), 400)
+    error = error_of(post(COMPLETIONS, {"prompt": "hi", "max_tokens": 10 ** 9}), 400)
     assert error["code"] == "context_length_exceeded" and f"{context:,}" in error["message"]
+
+
+@pytest.mark.parametrize("max_tokens", [2 ** 31, 10 ** 4000, 1e308], ids=["2^31", "4001-digits", "1e308"])
+def test_max_tokens_past_any_context_is_out_of_range(post, max_tokens):
+    error = error_of(post(COMPLETIONS, {"prompt": "hi", "max_tokens": max_tokens}), 400)
+    assert error["param"] == "max_tokens" and "2147483647" in error["message"] and len(error["message"]) < 200
 
 
 def test_chat_names_the_max_tokens_parameter_it_was_given(post):
@@ -148,6 +155,9 @@ def test_unknown_parameters_are_ignored_and_listed(post):
 def test_unknown_route_and_method(server):
     assert error_of(httpx.get(server.url + "/v1/engines"), 404)["code"] == "not_found"
     assert error_of(httpx.get(server.url + COMPLETIONS), 405)["code"] == "method_not_allowed"
+    # a trailing slash is another route, not a redirect built from the client's Host header
+    slashed = httpx.post(server.url + COMPLETIONS + "/", json={}, headers={"host": "elsewhere.example"})
+    assert error_of(slashed, 404)["code"] == "not_found" and "location" not in slashed.headers
 
 
 def test_the_server_survives_all_of_it(server, post):

@@ -37,6 +37,39 @@ def test_hostile_values_are_400s(send, extra, param, code):
     assert len(error["message"]) < 400
 
 
+@pytest.mark.parametrize("body, route, status", [
+    ('{"model": "tiny", "messages": [{"role": "' + "r" * 100_000 + '", "content": "hi"}]}', "/v1/chat/completions", 400),
+    ('{"model": "' + "m" * 100_000 + '", "prompt": "hi"}', COMPLETIONS, 404),
+    ('{"model": "tiny", "prompt": [' + "9" * 4000 + "]}", COMPLETIONS, 400),
+    ('{"model": "tiny", "prompt": "hi", "stop": [' + ",".join(['"' + "s" * 1000 + '"'] * 17) + "]}", COMPLETIONS,
+     400),
+])
+def test_a_clients_value_is_quoted_short(send, body, route, status):
+    assert len(error_of(send(body.encode(), route=route), status)["message"]) < 300
+
+
+def test_a_long_unknown_path_is_quoted_short(server):
+    assert len(error_of(httpx.post(server.url + "/" + "a" * 60_000, json={}), 404)["message"]) < 300
+
+
+def test_a_control_character_and_a_huge_integer_are_named_plainly(send):
+    control = error_of(send(b'{"model": "tiny", "prompt": "a\x01b"}'), 400)["message"]
+    assert "at at" not in control
+    huge = error_of(send((BASE + ', "seed": ' + "7" * 5000 + "}").encode()), 400)["message"]
+    assert "4,300 digits" in huge and "sys." not in huge
+
+
+def test_top_p_names_its_open_range(send):
+    assert "(0, 1]" in error_of(send((BASE + ', "top_p": 0}').encode()), 400)["message"]
+
+
+def test_an_unknown_name_too_long_for_the_header_leaves_the_others(send):
+    body = (BASE + ', "' + "a" * 2000 + '": 1, "zz": 1, "": 1, "user": "u"}').encode()
+    response = send(body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-strata-ignored-params"] == "user,zz"
+
+
 def test_a_lone_surrogate_in_the_prompt(send):
     error = error_of(send(b'{"model": "tiny", "prompt": "a\\ud800b"}'), 400)
     assert error["code"] == "invalid_encoding" and "surrogate" in error["message"]

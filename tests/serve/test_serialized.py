@@ -137,6 +137,9 @@ def test_disconnect_while_queued_drops_the_request(controlled, caplog):
     server, engine = controlled
     worker = server.state.ready.worker
     requests_before = server.state.ready.engine.counters.num_requests
+    closed_key = 'strata_http_requests_total{route="/v1/completions",status="499"}'
+    refused_key = 'strata_http_requests_total{route="/v1/completions",status="503"}'
+    before = metric_values(httpx.get(server.url + "/metrics").text)
     engine.gate.clear()
     engine.entered.clear()
     body = {"model": "tiny", "prompt": "Waiting", "max_tokens": 2}
@@ -151,6 +154,11 @@ def test_disconnect_while_queued_drops_the_request(controlled, caplog):
     wait_for(lambda: worker.num_waiting == 0 and not worker.is_busy)
     assert any("cancelled while waiting in the queue" in r.getMessage() for r in caplog.records)
     assert server.state.ready.engine.counters.num_requests == requests_before + 1
+    # the client that went away is counted as 499, not as a refusal of the server's
+    after = metric_values(httpx.get(server.url + "/metrics").text)
+    wait_for(lambda: metric_values(httpx.get(server.url + "/metrics").text).get(closed_key, 0)
+             == before.get(closed_key, 0) + 1)
+    assert after.get(refused_key, 0) == before.get(refused_key, 0)
 
 
 def test_failure_mid_stream_arrives_as_an_error_event(controlled):
