@@ -86,6 +86,11 @@ class RequestError(StrataError):
     """A request the engine cannot take as given (a prompt longer than the context, say)."""
 
 
+class PrefillCancelled(StrataError):
+    """Not a failure: the request was cancelled (its client went away, or the server is stopping) between two
+    prefill layers. The loan restores as after any exception, and the request ends with finish "cancelled"."""
+
+
 class ExperimentError(StrataError):
     """``strata experiment`` cannot run as asked: a missing model (naming the ``strata synth`` command
     that writes it), an option the configuration cannot serve, or a run that failed."""

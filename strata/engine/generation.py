@@ -28,7 +28,7 @@ from strata.engine.sampling import (
     sample,
 )
 from strata.engine.stream_stats import StreamStats
-from strata.errors import LoanRestoreError, RequestError
+from strata.errors import LoanRestoreError, PrefillCancelled, RequestError
 from strata.gpu.ledger import ACTIVATIONS_OWNER
 from strata.hooktypes import VERIFIER, Geometry
 
@@ -54,6 +54,7 @@ class Generation:
         self.stats: RequestStats | None = None
         self._prefill_device = (0.0, 0.0)  # the chunks' forward and the MTP block's passes, device seconds
         self._prefill_streamed_bytes = 0
+        self._prefilled_tokens = 0  # of the unread ones, in the chunks that ran
         self._restaged_bytes = 0
         self._compiled_before = None  # the engine's compile tally when the request starts (``_run``)
         self._collected_before = CollectorTally()  # and its collector's
@@ -82,6 +83,13 @@ class Generation:
                 hidden = self._prefill(unread, reuse, geometry, stream)
             report = engine.loan.last_report
             logits = self._logits(hidden)  # after the loan: the output head is back
+        except PrefillCancelled:  # the loan has restored; the cells past the reused prefix are not kept
+            # the tokens of the chunks that ran count as the unread ones, so that PP is theirs
+            self._prefill_streamed_bytes = stream.streamed_bytes
+            self._finish(engine.loan.last_report, self._prefilled_tokens, 0, "cancelled",
+                         time.perf_counter() - started, 0.0, stream)
+            self._release(is_failing=False)
+            return
         except BaseException as exc:
             engine.counters.record_failure(engine.loan.last_report, not isinstance(exc, LoanRestoreError))
             engine.current_generation = None
@@ -292,10 +300,11 @@ class Generation:
             for first in range(0, len(unread), geometry.chunk_tokens):
                 chunk = unread[first:first + geometry.chunk_tokens]
                 streamed, started = stream.streamed_bytes, ops.timing_mark()
-                hidden = runner.forward(chunk, start + first, self.engine.workspace, stream)
+                hidden = runner.forward(chunk, start + first, self.engine.workspace, stream, self.is_cancelled)
                 marks.append((len(chunk), start + first, stream.streamed_bytes - streamed, started,
                               ops.timing_mark()))
                 stream.num_chunks += 1
+                self._prefilled_tokens += len(chunk)
                 mtp = self.engine.mtp
                 if mtp is not None and mtp.can_cache_prompt:  # timed only where the block runs
                     mtp_started = ops.timing_mark()

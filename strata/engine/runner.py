@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from strata.engine.memory.expert_pack import ExpertPack
 from strata.engine.memory.staging_ring import RingBatch, StagingRing
 from strata.engine.memory.workspace import PromptWorkspace
 from strata.engine.stream_stats import StreamStats
-from strata.errors import EngineError
+from strata.errors import EngineError, PrefillCancelled
 from strata.model.gguf_file import GgufModel
 from strata.model.spec import ModelSpec
 
@@ -110,11 +111,13 @@ class ModelRunner:
         """Greedy decode on the device after ``token``; see ``DecodeStep.greedy_tokens``."""
         return self.decode_step.greedy_tokens(token, position, num_steps, head, bias, stats)
 
-    def forward(self, tokens: np.ndarray, start: int, workspace: PromptWorkspace | None, stats: StreamStats):
+    def forward(self, tokens: np.ndarray, start: int, workspace: PromptWorkspace | None, stats: StreamStats,
+                is_cancelled: Callable[[], bool] | None = None):
         """Hidden states [T, D] of ``tokens`` at positions ``start``.. (before the output norm); fills the KV cache.
 
         With a workspace (prefill) cache misses stream through its ring; without (decode) they are
-        streamed into the cache.
+        streamed into the cache. is_cancelled: asked before each layer of a prefill chunk (a long chunk
+        on a slow backend runs for minutes); true raises ``PrefillCancelled``.
         """
         spec, ops = self.spec, self.ops
         if workspace is None and len(tokens) <= DECODE_MAX_ROWS and self.decode_step is not None:
@@ -129,6 +132,8 @@ class ModelRunner:
         timeline = stats.timeline if workspace is not None else None  # prefill's layers only
         groups = None  # the previous layer's MoE groups: the next layer's grouping takes their buffers
         for layer in range(spec.num_layers):
+            if is_cancelled is not None and is_cancelled():
+                raise PrefillCancelled(f"cancelled before layer {layer} of a {len(tokens)}-token chunk")
             marks = timeline.begin(layer) if timeline is not None else None
             self.attention_block(layer, x, positions, start)
             if marks is not None:

@@ -2,7 +2,8 @@
 
 Requests wait in a bounded queue; a full queue refuses the newcomer at once (the route answers 503
 with Retry-After) instead of letting waits grow without bound. A job cancelled while it waits is
-dropped when its turn comes; a job cancelled while it runs stops at the engine's next token.
+dropped when its turn comes; a job cancelled while it runs stops at the engine's next token (in prefill,
+before its next layer).
 """
 
 from __future__ import annotations

@@ -159,6 +159,23 @@ def test_deterministic_sums_give_the_same_logits_whether_the_experts_were_cached
     np.testing.assert_array_equal(first_logits[1], first_logits[0])
 
 
+def test_a_prefill_cancelled_between_layers_while_experts_stream_leaves_the_next_request_exact(tiny_path):
+    # the cancel comes after a layer whose experts streamed through the ring into fixed-point sums: the ring's
+    # copies finish, the cache's borrowed segments come back, and the next request is the reference
+    runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "expert_preload": False}
+    engine = Engine.load(engine_config(tiny_path, runtime=runtime, planner={"max_chunk_tokens": 16}),
+                         show_progress=False)
+    prompt = [int(t) for t in np.random.default_rng(9).integers(3, 250, size=18)]
+    asked = []
+    generation = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2),
+                                 lambda: asked.append(0) or len(asked) > 1)
+    assert list(generation) == [] and generation.stats.finish_reason == "cancelled"
+    assert generation.stats.prefill_streamed_bytes > 0 and generation.stats.num_chunks == 0
+    assert _lasting(engine) == dict(engine.idle_ledger.by_owner)
+    assert greedy(engine, prompt, 2)[0] == reference_greedy(tiny_path, prompt, 2)
+    engine.close()
+
+
 @pytest.mark.skipif(not tensor_core.is_available(), reason="moe_rows' kernels need tensor cores")
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q8_0], ids=lambda q: q.name)
 def test_experts_of_64_multiples_prefill_on_the_rows_kernels_and_give_the_reference_output(tmp_path, monkeypatch,

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QType
 
 from strata.engine.facade import Engine
 from strata.engine.loan.runtime_state import RuntimeSettings
+from strata.engine.sampling import SamplingParams
 from strata.gpu.ledger import ACTIVATIONS_OWNER
 from strata.hooktypes import LoanRequest
 from strata.model.synth import write_synthetic_model
@@ -117,10 +118,10 @@ def test_runtime_state_is_put_back_before_the_first_decoded_token(streaming_path
     before_settings, before_residency = engine.state.settings, engine.cache.residency()
     seen = []  # (is prefill, copies overlapped, logit bias, cache residency) at every forward
 
-    def recording(tokens, start, workspace, stats):
+    def recording(tokens, start, workspace, stats, *rest):
         seen.append((workspace is not None, engine.ops.is_copy_overlapped, engine.state.settings.logit_bias,
                      engine.cache.residency()))
-        return real_forward(tokens, start, workspace, stats)
+        return real_forward(tokens, start, workspace, stats, *rest)
 
     real_forward = engine.runner.forward
     engine.runner.forward = recording
@@ -154,11 +155,11 @@ def test_a_failure_mid_prefill_restores_every_resource_and_the_next_request_is_s
     real_forward = engine.runner.forward
     calls = []
 
-    def failing(tokens, start, workspace, stats):
+    def failing(tokens, start, workspace, stats, *rest):
         calls.append(start)
         if len(calls) == 3:
             raise RuntimeError("injected kernel failure")
-        return real_forward(tokens, start, workspace, stats)
+        return real_forward(tokens, start, workspace, stats, *rest)
 
     engine.runner.forward = failing
     with pytest.raises(RuntimeError, match="injected"):
@@ -170,6 +171,45 @@ def test_a_failure_mid_prefill_restores_every_resource_and_the_next_request_is_s
     assert engine.counters.restored_bytes == engine.counters.released_bytes > 0
     tokens, stats = greedy(engine, PROMPTS[0], 4)
     assert tokens == expected and stats.unread_tokens == len(PROMPTS[0])
+
+
+def test_a_request_cancelled_mid_prefill_ends_at_the_next_layer_restored_and_the_next_request_is_served(mtp_path):
+    engine = loan_engine(mtp_path)
+    expected, _ = greedy(loan_engine(mtp_path), PROMPTS[0], 4)
+    asked = []
+
+    def is_cancelled():  # asked before every prefill layer (and after every decoded token)
+        asked.append(len(asked))
+        return len(asked) > 3  # before the fourth layer the prefill runs
+
+    generation = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4), is_cancelled)
+    assert list(generation) == []
+    stats = generation.stats
+    assert stats.finish_reason == "cancelled" and stats.generated_tokens == 0 and len(asked) == 4
+    assert stats.loan.is_taken and stats.num_chunks == 3 // engine.spec.num_layers < len(PROMPTS[0]) // 64
+    assert stats.unread_tokens == 64 * stats.num_chunks  # the tokens of the chunks that ran
+    assert all(r.is_resident for r in engine.resources.values())
+    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+    assert engine.state.settings == RuntimeSettings(copy_overlap=engine.config.runtime.copy_overlap)
+    assert engine.counters.num_failed_requests == 0 and engine.counters.num_requests == 1
+    assert engine.counters.restored_bytes == engine.counters.released_bytes > 0
+    tokens, stats = greedy(engine, PROMPTS[0], 4)
+    assert tokens == expected and stats.unread_tokens == len(PROMPTS[0])  # nothing of the cut prefill is reused
+
+
+def test_a_cancel_while_the_ring_streams_puts_the_cache_back(streaming_path):
+    # no loan: the chunk's ring borrows cache segments, and the cancel comes in the middle of a chunk's layers
+    engine = loan_engine(streaming_path, is_loan=False, **STREAMING)
+    expected, _ = greedy(loan_engine(streaming_path, is_loan=False, **STREAMING), PROMPTS[2], 4)
+    residency = engine.cache.residency()
+    asked = []
+    generation = engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=4),
+                                 lambda: asked.append(0) or len(asked) > engine.spec.num_layers + 2)
+    assert list(generation) == [] and generation.stats.finish_reason == "cancelled"
+    assert generation.stats.prefill_streamed_bytes > 0  # the ring had streamed
+    assert engine.cache.residency() == residency
+    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+    assert greedy(engine, PROMPTS[2], 4)[0] == expected
 
 
 def test_admission_fails_before_anything_is_loaded(mtp_path):
@@ -215,7 +255,7 @@ def test_a_prefill_failing_with_its_activations_alive_still_maps_the_cache_back(
     engine.ops.is_activation_charged = True  # as on the GPU: the workspace reserves nothing for them
     real_forward = engine.runner.forward
 
-    def failing(tokens, start, workspace, stats):
+    def failing(tokens, start, workspace, stats, *rest):
         assert workspace.unmapped_bytes > 0
         activations = ChargedWhileAlive(engine.ledger, engine.ledger.free_bytes)  # noqa: F841 (held by the frame)
         raise RuntimeError("a kernel failed")
