@@ -11,6 +11,7 @@ from strata.engine.request import RequestStats
 class EngineCounters:
     num_requests: int = 0
     num_failed_requests: int = 0
+    num_completed_prefills: int = 0  # requests whose prefill ran to its end (not failed, not cut by a cancel)
     num_prompt_tokens: int = 0
     num_unread_tokens: int = 0
     num_generated_tokens: int = 0
@@ -44,8 +45,10 @@ class EngineCounters:
         self.cache_misses += stats.cache_misses
         self.prefill_seconds += stats.prefill_seconds
         self.decode_seconds += stats.decode_seconds
-        self.last_prefill_tokens_per_s = stats.prefill_tokens_per_s
-        self.last_decode_tokens_per_s = stats.decode_tokens_per_s
+        if not stats.is_prefill_cut:
+            self.num_completed_prefills += 1
+            self.last_prefill_tokens_per_s = stats.prefill_tokens_per_s
+            self.last_decode_tokens_per_s = stats.decode_tokens_per_s
         self.spec_rounds += stats.spec_rounds
         self.spec_drafted += stats.spec_drafted
         self.spec_accepted += stats.spec_accepted

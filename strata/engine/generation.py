@@ -84,10 +84,10 @@ class Generation:
             report = engine.loan.last_report
             logits = self._logits(hidden)  # after the loan: the output head is back
         except PrefillCancelled:  # the loan has restored; the cells past the reused prefix are not kept
-            # the tokens of the chunks that ran count as the unread ones, so that PP is theirs
             self._prefill_streamed_bytes = stream.streamed_bytes
+            self._restaged_bytes = engine.state.restaged_bytes
             self._finish(engine.loan.last_report, self._prefilled_tokens, 0, "cancelled",
-                         time.perf_counter() - started, 0.0, stream)
+                         time.perf_counter() - started, 0.0, stream, is_prefill_cut=True)
             self._release(is_failing=False)
             return
         except BaseException as exc:
@@ -331,7 +331,8 @@ class Generation:
         """Whether this prefill's chunks ran compiled kernels only: on the GPU without the load's
         warm-up, the first request's chunks compile theirs and do not measure the compute rate."""
         engine = self.engine
-        return engine.backend != "cuda" or engine.config.runtime.warmup or engine.counters.num_requests > 0
+        return (engine.backend != "cuda" or engine.config.runtime.warmup
+                or engine.counters.num_completed_prefills > 0)
 
     def _draft_cache(self, mtp, hidden, next_tokens: np.ndarray, start: int) -> None:
         """The resident MTP block's cache over a prefilled chunk's rows [T, D] whose next token is known, so that
@@ -349,7 +350,8 @@ class Generation:
             logits[token] += np.float32(bias)  # in float32, as the device adds it
         return logits
 
-    def _finish(self, report, num_unread, generated, finish, prefill_seconds, decode_seconds, stream) -> None:
+    def _finish(self, report, num_unread, generated, finish, prefill_seconds, decode_seconds, stream,
+                is_prefill_cut: bool = False) -> None:
         compiled = self.engine.compiles.tally.since(self._compiled_before)
         collected = self.engine.collector.tally.since(self._collected_before)
         self.stats = RequestStats(
@@ -357,6 +359,7 @@ class Generation:
             geometry=report.geometry, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
             streamed_bytes=stream.streamed_bytes + self._restaged_bytes, num_chunks=stream.num_chunks,
             cache_hits=stream.hits, cache_misses=stream.misses, loan=report, finish_reason=finish,
+            is_prefill_cut=is_prefill_cut,
             prefill_streamed_bytes=self._prefill_streamed_bytes, restaged_bytes=self._restaged_bytes,
             kv_host_bytes=stream.kv_host_bytes, prefetched_experts=stream.prefetched,
             prefetched_used_experts=stream.prefetched_used, decode_wait_seconds=stream.decode_wait_seconds,

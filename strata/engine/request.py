@@ -36,6 +36,9 @@ class RequestStats:
     cache_misses: int
     loan: LoanReport | None
     finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled"
+    # cancelled between two prefill layers: no token; unread_tokens counts the chunks that ran, and the time
+    # includes the cut one, so its rates are not the engine's
+    is_prefill_cut: bool = False
     prefill_streamed_bytes: int = 0  # the part of streamed_bytes that prefill streamed
     restaged_bytes: int = 0  # the part staged after prefill to put back the experts its ring evicted
     kv_host_bytes: int = 0  # KV cells read from and written to the host tier (past runtime.kv_resident_cells)

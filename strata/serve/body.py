@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -64,7 +65,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"the request body is not valid JSON: {reason} at line {exc.lineno} column {exc.colno}",
                           code="invalid_json") from None
     except (ValueError, RecursionError) as exc:
-        reason = "an integer of more than 4,300 digits" if "integer string conversion" in str(exc) else exc
+        is_too_long = "integer string conversion" in str(exc)  # Python's limit (sys.get_int_max_str_digits)
+        reason = f"an integer of more than {sys.get_int_max_str_digits():,} digits" if is_too_long else exc
         raise bad_request(f"the request body is not valid JSON: {reason}", code="invalid_json") from None
     if not isinstance(value, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")

@@ -48,6 +48,11 @@ def invalid_type(param: str, expected: str, value: object) -> ApiError:
                        code="invalid_type")
 
 
+def model_not_found(asked: object, served: str) -> ApiError:
+    return ApiError(404, f"the model {short_repr(asked)} does not exist; this server serves '{served}'", param="model",
+                    code="model_not_found")
+
+
 def busy(message: str, code: str, retry_after_s: int) -> ApiError:
     return ApiError(503, message, code=code, headers={"Retry-After": str(retry_after_s)})
 

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from strata.errors import ConfigError, NonFiniteLogitsError, RequestError
 from strata.serve import sse
 from strata.serve.body import read_json_object, require_json_content_type
-from strata.serve.errors import ApiError, bad_request, busy, short_repr
+from strata.serve.errors import ApiError, bad_request, busy, model_not_found
 from strata.serve.middleware import RECEIVED_AT_KEY
 from strata.serve.responses import ResponseShapes
 from strata.serve.schemas import Kind, parse_request
@@ -49,9 +49,7 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
     body = await read_json_object(request, state.config.serve.max_body_bytes)
     parsed = parse_request(body, kind)
     if parsed.model != ready.model_name:
-        raise ApiError(404, f"the model {short_repr(parsed.model)} does not exist; this server serves "
-                            f"'{ready.model_name}'",
-                       param="model", code="model_not_found")
+        raise model_not_found(parsed.model, ready.model_name)
     prepared = await run_in_threadpool(ready.prompts.prepare, parsed)
 
     request_id = _ID_PREFIX[kind] + uuid.uuid4().hex[:24]
@@ -65,8 +63,9 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
         raise busy(str(exc), exc.code, RETRY_AFTER_S) from None
 
     headers = {"x-request-id": request_id}
-    if parsed.ignored_params:
-        headers["x-strata-ignored-params"] = ignored_params_header(parsed.ignored_params)
+    ignored = ignored_params_header(parsed.ignored_params)
+    if ignored:  # every name empty or too long: no header rather than an empty one
+        headers["x-strata-ignored-params"] = ignored
     shapes = ResponseShapes(kind, request_id, ready.model_name, parsed.is_usage_streamed)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
     telemetry = state.telemetry

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from strata.serve.errors import ApiError, short_repr
+from strata.serve.errors import ApiError, model_not_found
 from strata.serve.generation import handle_generation
 from strata.serve.metrics import CONTENT_TYPE, render_metrics
 from strata.serve.state import LOADING_RETRY_AFTER_S, READY
@@ -49,8 +49,7 @@ async def list_models(request: Request) -> JSONResponse:
 async def get_model(request: Request, model_id: str) -> JSONResponse:
     card = _model_card(request)
     if model_id != card["id"]:
-        raise ApiError(404, f"the model {short_repr(model_id)} does not exist; this server serves '{card['id']}'",
-                       param="model", code="model_not_found")
+        raise model_not_found(model_id, card["id"])
     return JSONResponse(card)
 
 

@@ -84,6 +84,8 @@ class ServeTelemetry:
         self.time_to_first_token.observe(seconds)
 
     def record_generation(self, stats: RequestStats) -> None:
+        if stats.is_prefill_cut:  # no token, and a rate over part of a prefill
+            return
         if stats.unread_tokens and stats.prefill_seconds > 0:
             self.prefill_rate.observe(stats.prefill_tokens_per_s)
         if stats.generated_tokens > 1 and stats.decode_seconds > 0:

@@ -22,14 +22,12 @@ log = logging.getLogger("strata.serve")
 
 # what a job's sink receives, from the engine thread
 TOKEN, DONE, ERROR = "token", "done", "error"
+CLIENT_CLOSED = "client_closed"  # a job its client cancelled: no one reads the answer, and no 503 is counted
 Sink = Callable[[str, Any], None]
 
 
 class QueueFullError(Exception):
     pass
-
-
-CLIENT_CLOSED = "client_closed"  # a job its client cancelled: no one reads the answer, and no 503 is counted
 
 
 class WorkerStoppedError(Exception):
@@ -168,5 +166,7 @@ class EngineWorker:
         log.info("%s %s %s", job.request_id, job.route, stats.timing_line())
         if job.stop_error is not None:  # stopped by the server: its client learns why, not a short finish
             job.sink(ERROR, job.stop_error)
+        elif stats.is_prefill_cut:  # its client went away during the prefill
+            job.sink(ERROR, WorkerStoppedError("the client closed the connection during the prefill", CLIENT_CLOSED))
         else:
             job.sink(DONE, stats)

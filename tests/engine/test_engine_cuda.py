@@ -105,11 +105,17 @@ def _launches(monkeypatch):
 CHUNK_SIZES = [16, 32, 64] if BACKEND == "cuda" else [16]
 
 
+# float atomics (runtime.deterministic = false) here; the default's fixed-point sums in the simulator below
+SUMS = [False, True] if BACKEND == "cuda" else [False]
+
+
 @pytest.mark.parametrize("max_chunk", CHUNK_SIZES)
-def test_greedy_output_equals_the_reference_at_every_chunk_size(tiny_path, max_chunk):
+@pytest.mark.parametrize("is_deterministic", SUMS, ids=lambda d: "fixed-point" if d else "float")
+def test_greedy_output_equals_the_reference_at_every_chunk_size(tiny_path, max_chunk, is_deterministic):
     prompt = PROMPT if BACKEND == "cuda" else [int(t) for t in np.random.default_rng(7).integers(3, 250, size=20)]
-    engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB", "warmup": False},
-                                       planner={"max_chunk_tokens": max_chunk}), show_progress=False)
+    runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "deterministic": is_deterministic}
+    engine = Engine.load(engine_config(tiny_path, runtime=runtime, planner={"max_chunk_tokens": max_chunk}),
+                         show_progress=False)
     tokens, stats = greedy(engine, prompt, NUM_GENERATED)
     assert stats.num_chunks == -(-len(prompt) // max_chunk) > 1
     assert tokens == reference_greedy(tiny_path, prompt, NUM_GENERATED)

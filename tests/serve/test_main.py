@@ -166,6 +166,8 @@ def no_gpu(monkeypatch):
     from numba import config as numba_config
 
     import strata.backend.select
+    import strata.gpu.kernels.launcher  # noqa: F401 (its launch path follows the simulator flag at import)
+    import strata.gpu.kernels.quant_device  # noqa: F401 (likewise)
 
     monkeypatch.setattr(numba_config, "ENABLE_CUDASIM", 0)
     monkeypatch.setattr(strata.backend.select, "visible_cuda_devices",

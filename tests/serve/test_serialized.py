@@ -155,10 +155,39 @@ def test_disconnect_while_queued_drops_the_request(controlled, caplog):
     assert any("cancelled while waiting in the queue" in r.getMessage() for r in caplog.records)
     assert server.state.ready.engine.counters.num_requests == requests_before + 1
     # the client that went away is counted as 499, not as a refusal of the server's
-    after = metric_values(httpx.get(server.url + "/metrics").text)
     wait_for(lambda: metric_values(httpx.get(server.url + "/metrics").text).get(closed_key, 0)
              == before.get(closed_key, 0) + 1)
+    after = metric_values(httpx.get(server.url + "/metrics").text)
     assert after.get(refused_key, 0) == before.get(refused_key, 0)
+
+
+def test_disconnect_during_prefill_stops_it_and_is_counted_as_499(controlled, monkeypatch, timing_lines):
+    server, engine = controlled
+    in_prefill, resume = threading.Event(), threading.Event()
+    forward = engine.runner.forward
+
+    def held_prefill(tokens, start, workspace, *rest):
+        if workspace is not None:  # a prefill chunk: held until its client has gone
+            in_prefill.set()
+            assert resume.wait(20)
+        return forward(tokens, start, workspace, *rest)
+
+    monkeypatch.setattr(engine.runner, "forward", held_prefill)
+    closed_key = 'strata_http_requests_total{route="/v1/completions",status="499"}'
+    before = metric_values(httpx.get(server.url + "/metrics").text).get(closed_key, 0)
+    body = {"model": "tiny", "prompt": "A prompt whose client leaves", "max_tokens": 4}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        leaving = pool.submit(httpx.post, server.url + COMPLETIONS, json=body, timeout=httpx.Timeout(30, read=0.5))
+        assert in_prefill.wait(20)
+        with pytest.raises(httpx.ReadTimeout):
+            leaving.result()
+        job = server.state.ready.worker._running
+        wait_for(lambda: job is not None and job.is_cancelled())
+        resume.set()
+    wait_for(lambda: metric_values(httpx.get(server.url + "/metrics").text).get(closed_key, 0) == before + 1)
+    assert any("generated 0 (cancelled)" in line for line in timing_lines())
+    monkeypatch.setattr(engine.runner, "forward", forward)
+    assert httpx.post(server.url + COMPLETIONS, json=body, timeout=30).status_code == 200
 
 
 def test_failure_mid_stream_arrives_as_an_error_event(controlled):
