@@ -166,7 +166,8 @@ class EngineWorker:
         log.info("%s %s %s", job.request_id, job.route, stats.timing_line())
         if job.stop_error is not None:  # stopped by the server: its client learns why, not a short finish
             job.sink(ERROR, job.stop_error)
-        elif stats.is_prefill_cut:  # its client went away during the prefill
-            job.sink(ERROR, WorkerStoppedError("the client closed the connection during the prefill", CLIENT_CLOSED))
+        elif stats.finish_reason == "cancelled" and job.is_cancelled():  # its client went away
+            phase = "prefill" if stats.is_prefill_cut else "generation"
+            job.sink(ERROR, WorkerStoppedError(f"the client closed the connection during the {phase}", CLIENT_CLOSED))
         else:
             job.sink(DONE, stats)

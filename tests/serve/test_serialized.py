@@ -132,6 +132,22 @@ def test_disconnect_mid_stream_releases_the_engine(controlled, timing_lines):
     assert after.status_code == 200
 
 
+def test_a_client_that_leaves_a_whole_response_during_decode_is_counted_as_499(controlled, timing_lines):
+    server, engine = controlled
+    closed_key = 'strata_http_requests_total{route="/v1/completions",status="499"}'
+    before = metric_values(httpx.get(server.url + "/metrics").text).get(closed_key, 0)
+    engine.pace_s = 0.01
+    body = {"model": "tiny", "prompt": "Tell me everything, slowly", "temperature": 0,
+            "max_tokens": server.state.ready.engine.context_tokens // 2}
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + COMPLETIONS, json=body, timeout=httpx.Timeout(30, read=0.5))
+        wait_for(lambda: metric_values(httpx.get(server.url + "/metrics").text).get(closed_key, 0) == before + 1)
+    finally:
+        engine.pace_s = 0.0
+    assert any("(cancelled)" in line for line in timing_lines())
+
+
 def test_disconnect_while_queued_drops_the_request(controlled, caplog):
     caplog.set_level(logging.INFO, logger="strata.serve")
     server, engine = controlled
