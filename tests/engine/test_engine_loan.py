@@ -149,6 +149,17 @@ def test_the_loan_grows_the_cache_and_output_equals_output_without_it(streaming_
     assert dict(with_loan.ledger.snapshot().by_owner) == dict(with_loan.idle_ledger.by_owner)
 
 
+def assert_restored_and_served(engine, expected: list[int]) -> None:
+    """Every loaned resource back, the ledger idle, decode's settings put back; then PROMPTS[0] prefilled whole
+    gives ``expected``."""
+    assert all(r.is_resident for r in engine.resources.values())
+    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
+    assert engine.state.settings == RuntimeSettings(copy_overlap=engine.config.runtime.copy_overlap)
+    assert engine.counters.restored_bytes == engine.counters.released_bytes > 0
+    tokens, stats = greedy(engine, PROMPTS[0], 4)
+    assert tokens == expected and stats.unread_tokens == len(PROMPTS[0])
+
+
 def test_a_failure_mid_prefill_restores_every_resource_and_the_next_request_is_served(mtp_path):
     engine = loan_engine(mtp_path)
     expected, _ = greedy(loan_engine(mtp_path), PROMPTS[0], 4)
@@ -164,13 +175,8 @@ def test_a_failure_mid_prefill_restores_every_resource_and_the_next_request_is_s
     engine.runner.forward = failing
     with pytest.raises(RuntimeError, match="injected"):
         greedy(engine, PROMPTS[0], 4)
-    assert all(r.is_resident for r in engine.resources.values())
-    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
-    assert engine.state.settings == RuntimeSettings(copy_overlap=engine.config.runtime.copy_overlap)
     assert engine.counters.num_failed_requests == 1 and engine.counters.num_loans_failed == 1
-    assert engine.counters.restored_bytes == engine.counters.released_bytes > 0
-    tokens, stats = greedy(engine, PROMPTS[0], 4)
-    assert tokens == expected and stats.unread_tokens == len(PROMPTS[0])
+    assert_restored_and_served(engine, expected)
 
 
 def test_a_request_cancelled_mid_prefill_ends_at_the_next_layer_restored_and_the_next_request_is_served(mtp_path):
@@ -189,13 +195,8 @@ def test_a_request_cancelled_mid_prefill_ends_at_the_next_layer_restored_and_the
     assert engine.spec.num_layers == 3  # so the first chunk ran whole, and the second stopped at its first layer
     assert stats.loan.is_taken and stats.num_chunks == 1 and stats.unread_tokens == 64 and stats.is_prefill_cut
     assert engine.counters.num_completed_prefills == 0 and engine.counters.last_prefill_tokens_per_s == 0
-    assert all(r.is_resident for r in engine.resources.values())
-    assert dict(engine.ledger.snapshot().by_owner) == dict(engine.idle_ledger.by_owner)
-    assert engine.state.settings == RuntimeSettings(copy_overlap=engine.config.runtime.copy_overlap)
     assert engine.counters.num_failed_requests == 0 and engine.counters.num_requests == 1
-    assert engine.counters.restored_bytes == engine.counters.released_bytes > 0
-    tokens, stats = greedy(engine, PROMPTS[0], 4)
-    assert tokens == expected and stats.unread_tokens == len(PROMPTS[0])  # nothing of the cut prefill is reused
+    assert_restored_and_served(engine, expected)  # nothing of the cut prefill is reused
 
 
 def test_a_cancel_while_the_ring_streams_puts_the_cache_back(streaming_path):
