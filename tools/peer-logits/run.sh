@@ -8,6 +8,10 @@
 # libllama is built once into OUT_DIR/build (CPU only, ~15 min on 2 cores). PYTHON (default python3) must
 # import strata. A synthetic model must be written without --mtp for llama.cpp to load it.
 set -euo pipefail
+if [ $# -lt 3 ]; then
+  echo "usage: $0 LLAMA_CPP_SOURCE OUT_DIR MODEL.gguf [MODEL.gguf ...]" >&2; exit 2
+fi
+[ -f "$1/include/llama.h" ] || { echo "$1 is not a llama.cpp source tree (no include/llama.h)" >&2; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 python=${PYTHON:-python3}
