@@ -254,13 +254,3 @@ def _device_meter(engine):
         return lambda: used_device_bytes(device)
     return lambda: sum(engine.ledger.snapshot().by_owner.values())
 
-
-def main(argv=None) -> int:
-    from strata.cli import main as cli_main
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return cli_main([*argv[:2], "soak", *argv[2:]] if argv[:1] == ["--config"] else ["soak", *argv])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

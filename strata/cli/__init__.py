@@ -15,7 +15,7 @@ COMMANDS = {
     "check": ("strata.cli.check", True, "print admission, placement by owner and the plan with and without the loan"),
     "plugins": ("strata.cli.plugins", True, "list installed plugins, where each came from and its hooks"),
     "generate": ("strata.cli.generate", True, "generate text from a prompt in this process"),
-    "synth": ("strata.model.synth", False, "write a synthetic qwen3moe GGUF with random weights"),
+    "synth": ("strata.model.synth", False, "write a synthetic MoE GGUF (qwen3moe or llama) with random weights"),
     "pack": ("strata.cli.pack", True, "write the expert pack beside the GGUF"),
     "bench": ("strata.bench.harness", True, "benchmark prefill and decode in fresh processes"),
     "experiment": ("strata.cli.experiment", False, "rerun one of the reference write-up's experiments: "

@@ -3,7 +3,7 @@
 This is the oracle every kernel and backend is checked against. One decoder layer is
     h = rms_norm(x);  q, k, v = attn_q h, attn_k h, attn_v h  (q, k RMS-normed per head for qwen3moe)
     x = x + attn_output(attention(rope(q), rope(k), v))       (causal, grouped-query, over the cache)
-    x = x + ffn(rms_norm(x))    dense SwiGLU (llama) or routed + shared experts (qwen3moe)
+    x = x + ffn(rms_norm(x))    dense SwiGLU (llama) or routed (+ shared) experts (qwen3moe, Mixtral-style llama)
 and the logits are output(rms_norm(x)), with `token_embd` as the head when `output` is absent.
 The multi-token-prediction block (llama.cpp's `nextn` layer) reads the main model's last hidden
 state h_t (before the output norm) and the embedding of token t+1:

@@ -28,7 +28,9 @@ class ModelSpec:
 
     qwen3moe routes with a softmax over all experts, keeps the top `num_experts_used` and
     renormalises their weights to sum to 1 (llama.cpp's `build_moe_ffn(..., norm_w=true, softmax)`);
-    RoPE uses NeoX ordering (rotate halves). llama is dense with normal (interleaved-pair) RoPE.
+    RoPE uses NeoX ordering (rotate halves). llama has normal (interleaved-pair) RoPE and no q/k norm;
+    it is dense, or, with `llama.expert_count` > 0 (Mixtral), routed as qwen3moe is, each expert
+    `llama.feed_forward_length` wide (llama.cpp's `n_ff`), without shared experts.
     """
 
     arch: str
@@ -91,11 +93,17 @@ def spec_from_metadata(metadata: Mapping[str, Any], tensor_names: Collection[str
             f"{source}: key {arch}.nextn_predict_layers is {num_nextn}, expected 0..{num_blocks - 1} "
             f"({arch}.block_count is {num_blocks})"
         )
-    is_moe = arch == "qwen3moe"
+    is_qwen3moe = arch == "qwen3moe"
     num_experts = key("expert_count", int, 0)
-    if is_moe != (num_experts > 0):
-        expected = "> 0" if is_moe else "absent or 0 (MoE llama is not supported)"
-        raise ModelFormatError(f"{source}: key {arch}.expert_count is {num_experts}, expected {expected}")
+    if is_qwen3moe and num_experts <= 0:
+        raise ModelFormatError(f"{source}: key {arch}.expert_count is {num_experts}, expected > 0")
+    is_moe = num_experts > 0
+    if is_moe and not is_qwen3moe and "blk.0.ffn_gate.0.weight" in tensor_names:
+        raise ModelFormatError(
+            f"{source}: the experts are stored one tensor per expert (blk.0.ffn_gate.0.weight, an early Mixtral "
+            "conversion), which llama.cpp no longer reads either; convert the model again with a current "
+            "llama.cpp convert_hf_to_gguf.py (it writes ffn_gate_exps, ffn_up_exps and ffn_down_exps stacked)"
+        )
     spec = ModelSpec(
         arch=arch,
         num_layers=num_blocks - num_nextn,
@@ -107,16 +115,17 @@ def spec_from_metadata(metadata: Mapping[str, Any], tensor_names: Collection[str
         vocab_size=_vocab_size(metadata, arch, source),
         context_length=key("context_length", int),
         rope_theta=key("rope.freq_base", float, 10000.0),
-        is_rope_neox=is_moe,
+        is_rope_neox=is_qwen3moe,
         rms_norm_eps=key("attention.layer_norm_rms_epsilon", float),
         dense_ffn_size=0 if is_moe else key("feed_forward_length", int),
         num_experts=num_experts,
         num_experts_used=key("expert_used_count", int) if is_moe else 0,
-        expert_ffn_size=key("expert_feed_forward_length", int) if is_moe else 0,
-        shared_expert_ffn_size=key("expert_shared_feed_forward_length", int, 0) if is_moe else 0,
-        has_shared_expert_gate="blk.0.ffn_gate_inp_shexp.weight" in tensor_names,
+        expert_ffn_size=(key("expert_feed_forward_length", int) if is_qwen3moe
+                         else key("feed_forward_length", int) if is_moe else 0),
+        shared_expert_ffn_size=key("expert_shared_feed_forward_length", int, 0) if is_qwen3moe else 0,
+        has_shared_expert_gate=is_qwen3moe and "blk.0.ffn_gate_inp_shexp.weight" in tensor_names,
         is_expert_weights_normalized=is_moe,
-        has_qk_norm=is_moe,
+        has_qk_norm=is_qwen3moe,
         is_output_tied="output.weight" not in tensor_names,
         num_nextn_layers=num_nextn,
     )
@@ -187,7 +196,9 @@ def _check_consistent(spec: ModelSpec, source: str) -> None:
          spec.num_rope_dims, f"even and at most the head size ({spec.head_dim})"),
         (not spec.is_moe or 0 < spec.num_experts_used <= spec.num_experts, "expert_used_count",
          spec.num_experts_used, f"1..expert_count ({spec.num_experts})"),
-        (not spec.is_moe or spec.expert_ffn_size > 0, "expert_feed_forward_length", spec.expert_ffn_size, "> 0"),
+        (not spec.is_moe or spec.expert_ffn_size > 0,
+         "expert_feed_forward_length" if spec.arch == "qwen3moe" else "feed_forward_length", spec.expert_ffn_size,
+         "> 0"),
         (spec.is_moe or spec.dense_ffn_size > 0, "feed_forward_length", spec.dense_ffn_size, "> 0"),
         (spec.rms_norm_eps > 0, "attention.layer_norm_rms_epsilon", spec.rms_norm_eps, "> 0"),
     ]

@@ -1,4 +1,5 @@
-"""Synthetic qwen3moe GGUF files: any shape, random weights, a small real BPE vocabulary.
+"""Synthetic MoE GGUF files (qwen3moe, or Mixtral-style llama): any shape, random weights, a small real BPE
+vocabulary.
 
 Tensors are streamed to disk in chunks of random quant blocks (see `synth_blocks`), so a
 30B-A3B-shape Q4_0 model (~17 GB) is written at disk speed without holding it in memory. The
@@ -8,7 +9,9 @@ quantized tensor (llama-quantize --pure). Like llama.cpp's quantizer, 1-D tensor
 (`ffn_gate_inp`) stay F32, and a 256-element format falls back to a 32-element one for rows that
 are not a multiple of 256. A model without MTP and without shared
 experts is a plain llama.cpp qwen3moe file; the MTP block and shared experts are extensions
-llama.cpp's qwen3moe loader does not read.
+llama.cpp's qwen3moe loader does not read. A llama one (``arch = "llama"``: normal RoPE, no q/k norm,
+each expert ``llama.feed_forward_length`` wide) is a plain llama.cpp Mixtral-style file; it has
+neither extension.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from strata.model.synth_mix import PRESETS as QUANT_PRESETS
 from strata.model.synth_mix import MixModel, preset_types
 from strata.model.synth_vocab import SynthVocab, build_vocab, train_tokenizer
 
-ARCH = "qwen3moe"
+ARCHS = ("qwen3moe", "llama")
 MAX_WORKERS = 16  # processes writing a large file's tensors (``--jobs``); past this the disk sets the pace
 PARALLEL_MIN_BYTES = 1 << 30  # smaller files are written by one process: spawning the others costs more
 ATTN_OUTPUT_SCALE = 0.25
@@ -70,8 +73,14 @@ class SynthShape:
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
     is_output_tied: bool = False
+    arch: str = "qwen3moe"
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"synthetic models are {' or '.join(ARCHS)}, not {self.arch!r}")
+        if self.arch == "llama" and self.shared_expert_ffn_size:
+            raise ValueError("a synthetic llama model has no shared experts (llama.cpp's llama graph reads none): "
+                             "set shared_expert_ffn_size to 0, or use arch qwen3moe")
         sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "int"}
         bad = [f"{name}={value}" for name, value in sizes.items() if value < (0 if name.startswith("shared") else 1)]
         if bad:
@@ -85,15 +94,16 @@ class SynthShape:
 
     def spec(self, with_mtp: bool = False) -> ModelSpec:
         """The spec the loader will build from the written file."""
+        is_qwen3moe = self.arch == "qwen3moe"
         return ModelSpec(
-            arch=ARCH, num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
+            arch=self.arch, num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, num_rope_dims=self.head_dim,
             vocab_size=self.vocab_size, context_length=self.context_length, rope_theta=float(self.rope_theta),
-            is_rope_neox=True, rms_norm_eps=float(np.float32(self.rms_norm_eps)), dense_ffn_size=0,
+            is_rope_neox=is_qwen3moe, rms_norm_eps=float(np.float32(self.rms_norm_eps)), dense_ffn_size=0,
             num_experts=self.num_experts, num_experts_used=self.num_experts_used,
             expert_ffn_size=self.expert_ffn_size, shared_expert_ffn_size=self.shared_expert_ffn_size,
             has_shared_expert_gate=self.shared_expert_ffn_size > 0, is_expert_weights_normalized=True,
-            has_qk_norm=True, is_output_tied=self.is_output_tied, num_nextn_layers=int(with_mtp),
+            has_qk_norm=is_qwen3moe, is_output_tied=self.is_output_tied, num_nextn_layers=int(with_mtp),
         )
 
 
@@ -102,6 +112,12 @@ PRESETS: dict[str, SynthShape] = {
                        num_experts_used=2, expert_ffn_size=32, vocab_size=512, context_length=4096),
     "qwen3-30b-a3b": SynthShape(num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=128,
                                 num_experts=128, num_experts_used=8, expert_ffn_size=768, vocab_size=151936),
+    "tiny-llama": SynthShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
+                             num_experts_used=2, expert_ffn_size=32, vocab_size=512, context_length=4096,
+                             arch="llama"),
+    "mixtral-8x7b": SynthShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                               num_experts=8, num_experts_used=2, expert_ffn_size=14336, vocab_size=32000,
+                               context_length=32768, rms_norm_eps=1e-5, arch="llama"),
 }
 
 
@@ -125,13 +141,15 @@ def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype
     if not isinstance(qtype, str) and QType(qtype) not in SUPPORTED_QTYPES:
         raise ValueError(f"synthetic models support {', '.join(t.name for t in SUPPORTED_QTYPES)}, not "
                          f"{QType(qtype).name}")
+    if with_mtp and shape.arch != "qwen3moe":
+        raise ValueError(f"the MTP (nextn) block is a qwen3moe extension; a synthetic {shape.arch} model has none")
     spec = shape.spec(with_mtp)
     plan = tensor_plan(spec, qtype)
     if num_workers is None:
         num_bytes = sum(_tensor_nbytes(tensor_shape, tensor_qtype) for tensor_shape, tensor_qtype in plan.values())
         num_workers = min(os.cpu_count() or 1, MAX_WORKERS) if num_bytes > PARALLEL_MIN_BYTES else 1
     tmp = path.with_name(path.name + ".partial")
-    writer = GGUFWriter(tmp, ARCH)
+    writer = GGUFWriter(tmp, spec.arch)
     _add_metadata(writer, shape, spec, _file_type(qtype), build_vocab(shape.vocab_size))
     for name, (tensor_shape, tensor_qtype) in plan.items():
         writer.add_tensor_info(name, tensor_shape, np.dtype(np.float32), _tensor_nbytes(tensor_shape, tensor_qtype),
@@ -279,13 +297,15 @@ def _layer_index(name: str) -> int:
 
 def _add_metadata(writer: GGUFWriter, shape: SynthShape, spec: ModelSpec, file_type: LlamaFileType,
                   vocab: SynthVocab) -> None:
-    writer.add_name(f"synthetic {ARCH} {spec.num_layers}x{spec.num_experts}x{spec.expert_ffn_size}")
+    writer.add_name(f"synthetic {spec.arch} {spec.num_layers}x{spec.num_experts}x{spec.expert_ffn_size}")
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(2)
     writer.add_block_count(spec.num_layers + spec.num_nextn_layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.hidden_size)
-    writer.add_feed_forward_length(spec.expert_ffn_size * spec.num_experts_used)
+    # llama.cpp's llama reads an expert's width from feed_forward_length; qwen3moe from its own key
+    is_qwen3moe = spec.arch == "qwen3moe"
+    writer.add_feed_forward_length(spec.expert_ffn_size * (spec.num_experts_used if is_qwen3moe else 1))
     writer.add_head_count(spec.num_heads)
     writer.add_head_count_kv(spec.num_kv_heads)
     writer.add_key_length(spec.head_dim)
@@ -294,7 +314,8 @@ def _add_metadata(writer: GGUFWriter, shape: SynthShape, spec: ModelSpec, file_t
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
     writer.add_expert_count(spec.num_experts)
     writer.add_expert_used_count(spec.num_experts_used)
-    writer.add_expert_feed_forward_length(spec.expert_ffn_size)
+    if is_qwen3moe:
+        writer.add_expert_feed_forward_length(spec.expert_ffn_size)
     if spec.shared_expert_ffn_size:
         writer.add_expert_shared_feed_forward_length(spec.shared_expert_ffn_size)
     if spec.num_nextn_layers:
@@ -330,6 +351,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", type=Path, metavar="OUT.gguf", help="file to write")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="base shape (default tiny); the size flags below override its fields")
+    parser.add_argument("--arch", choices=ARCHS, default=None,
+                        help="qwen3moe, or llama (Mixtral-style: normal RoPE, no q/k norm); default the preset's")
     for flag, field in _SHAPE_FLAGS.items():
         parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, metavar="N", help=field)
     parser.add_argument("--qtype", default="Q4_0",
@@ -350,7 +373,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        shape = with_overrides(PRESETS[args.preset], **{f: getattr(args, k) for k, f in _SHAPE_FLAGS.items()})
+        shape = with_overrides(PRESETS[args.preset], arch=args.arch,
+                               **{f: getattr(args, k) for k, f in _SHAPE_FLAGS.items()})
         qtype = weight_type(args.qtype, args.pure)
     except (ValueError, KeyError) as exc:
         print(f"strata synth: error: {exc}", file=sys.stderr)

@@ -328,3 +328,22 @@ def test_the_mixed_format_benchmark_configurations_check_with_a_loan_and_a_long_
                  "plan with the loan (chunk / ring): "):
         chunk = re.search(re.escape(plan) + r"([\d,]+) /", out)
         assert chunk and int(chunk[1].replace(",", "")) >= 4096, out
+
+
+def test_a_mixtral_shaped_model_plans_long_chunks_with_a_ring_of_what_fits(tmp_path, capsys):
+    # Mixtral 8x7B's shape as a llama MoE (experts 14,336 wide: a slot of ~109 MiB in Q4_K_M, whose Q6_K ffn_down
+    # layers set it) in 8 GiB without MTP or the loan: a ring of at most a layer's 8 experts, the chunk borrowing
+    # the cache
+    model = write_synthetic_model(tmp_path / "mixtral.gguf", PRESETS["mixtral-8x7b"], "Q4_K_M", seed=0,
+                                  is_header_only=True)
+    text = re.sub(r'(?m)^path = ".*"$', f'path = "{model}"', (REPO / "configs" / "bench-h200-no-mtp.toml").read_text())
+    text = re.sub(r'(?m)^expert_pack = ".*"$', "", text)
+    config = tmp_path / "mixtral.toml"
+    config.write_text(text)
+    out = run_check(config, capsys)
+    assert "model: mixtral.gguf (llama, 32 layers, 8 experts of which 2 per token)" in out
+    plan = re.search(r"plan without the loan for the longest prompt, 34,815 tokens \(chunk / ring\): ([\d,]+) / (\d+)",
+                     out)
+    assert plan and int(plan[1].replace(",", "")) >= 4096 and 1 <= int(plan[2]) <= 8, out
+    slot_mib = float(re.search(r"ring \d+ × ([\d.]+) MiB", out)[1])
+    assert 100 < slot_mib < 120

@@ -222,6 +222,26 @@ def test_unexpected_tensor(tiny_path, tmp_path):
     _raises(bad, "unexpected tensor blk.0.ffn_gate.weight")
 
 
+def test_experts_stored_one_tensor_per_expert_are_refused_naming_the_reconversion(tmp_path):
+    llama = write_synthetic_model(tmp_path / "llama.gguf", PRESETS["tiny-llama"], Q.Q4_0, seed=1)
+    split = {f"blk.{layer}.ffn_{kind}.{expert}.weight": (Q.Q4_0, (64, 32) if kind == "down" else (32, 64))
+             for layer in range(2) for kind in ("gate", "up", "down") for expert in range(8)}
+    stacked = {f"blk.{layer}.ffn_{kind}_exps.weight" for layer in range(2) for kind in ("gate", "up", "down")}
+    bad = _rewrite(llama, tmp_path / "split.gguf", drop_tensors=stacked, extra=split)
+    _raises(bad, "one tensor per expert (blk.0.ffn_gate.0.weight", "convert_hf_to_gguf.py", "ffn_gate_exps")
+
+
+def test_a_qwen3moe_file_still_needs_experts_and_a_llama_one_reads_its_width_from_feed_forward_length(tiny_path,
+                                                                                                     tmp_path):
+    bad = _rewrite(tiny_path, tmp_path / "experts.gguf", set_keys={"qwen3moe.expert_count": 0})
+    _raises(bad, "qwen3moe.expert_count is 0, expected > 0")
+    llama = write_synthetic_model(tmp_path / "llama.gguf", PRESETS["tiny-llama"], Q.Q4_0, seed=1)
+    bad = _rewrite(llama, tmp_path / "ffn.gguf", set_keys={"llama.feed_forward_length": 0})
+    _raises(bad, "key llama.feed_forward_length is 0, expected > 0")
+    bad = _rewrite(llama, tmp_path / "wide.gguf", set_keys={"llama.feed_forward_length": 48})
+    _raises(bad, "tensor blk.0.ffn_down_exps.weight has shape [8, 64, 32], expected [8, 64, 48]")
+
+
 def test_missing_metadata_key(tiny_path, tmp_path):
     bad = _rewrite(tiny_path, tmp_path / "key.gguf", drop_keys={"qwen3moe.embedding_length"})
     _raises(bad, "required metadata key qwen3moe.embedding_length is missing")

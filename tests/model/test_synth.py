@@ -57,6 +57,30 @@ def test_tiny_model_loads_with_the_preset_spec(tmp_path, with_mtp):
     assert ("blk.2.attn_q.weight" in model.tensors) == with_mtp
 
 
+def test_a_llama_preset_is_a_mixtral_style_file_as_llama_cpp_reads_it(tmp_path):
+    big = PRESETS["mixtral-8x7b"]
+    assert (big.arch, big.num_layers, big.hidden_size, big.num_heads, big.num_kv_heads) == ("llama", 32, 4096, 32, 8)
+    assert (big.num_experts, big.num_experts_used, big.expert_ffn_size, big.vocab_size) == (8, 2, 14336, 32000)
+    shape = PRESETS["tiny-llama"]
+    model = open_gguf(write_synthetic_model(tmp_path / "l.gguf", shape, Q.Q4_0, seed=0))
+    assert model.spec == shape.spec() and model.metadata["general.architecture"] == "llama"
+    # llama.cpp's llama graph takes an expert's width from feed_forward_length (its n_ff)
+    assert model.metadata["llama.feed_forward_length"] == 32 and "llama.expert_feed_forward_length" not in model.metadata
+    assert model.metadata["llama.expert_count"] == 8 and model.metadata["llama.expert_used_count"] == 2
+    assert "blk.0.attn_q_norm.weight" not in model.tensors
+    assert model.tensors["blk.1.ffn_down_exps.weight"].shape == (8, 64, 32)
+
+
+def test_a_llama_shape_refuses_what_llama_cpp_would_not_read(tmp_path):
+    with pytest.raises(ValueError, match="a synthetic llama model has no shared experts"):
+        dataclasses.replace(PRESETS["tiny-llama"], shared_expert_ffn_size=16)
+    with pytest.raises(ValueError, match="the MTP \\(nextn\\) block is a qwen3moe extension"):
+        write_synthetic_model(tmp_path / "m.gguf", PRESETS["tiny-llama"], Q.Q4_0, seed=0, with_mtp=True)
+    with pytest.raises(ValueError, match="synthetic models are qwen3moe or llama, not 'mamba'"):
+        dataclasses.replace(TINY, arch="mamba")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 @pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
 def test_every_qtype_writes_and_keeps_its_type_where_rows_fit(tmp_path, qtype):
     model = open_gguf(write_synthetic_model(tmp_path / "k.gguf", K_SHAPE, qtype, seed=0))
@@ -182,6 +206,18 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert run(parser.parse_args([str(tmp_path / "x.gguf"), "--jobs", "0"])) == 2
     assert "--jobs 0: give at least 1 process" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_cli_arch_flag_writes_a_llama_model(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "llama.gguf"
+    assert run(parser.parse_args([str(out), "--preset", "tiny", "--arch", "llama", "--check"])) == 0
+    assert "routing is spread" in capsys.readouterr().out
+    spec = open_gguf(out).spec
+    assert spec.arch == "llama" and spec.num_experts == 8 and not spec.is_rope_neox
+    assert run(parser.parse_args([str(tmp_path / "x.gguf"), "--arch", "llama", "--mtp"])) == 2
+    assert "the MTP (nextn) block is a qwen3moe extension" in capsys.readouterr().err
 
 
 def test_the_project_tokenizer_reads_the_written_vocabulary(tmp_path):

@@ -6,7 +6,9 @@
 #
 # LLAMA_CPP_SOURCE: a llama.cpp source tree (e.g. the one vendored in the llama-cpp-python sdist); its
 # libllama is built once into OUT_DIR/build (CPU only, ~15 min on 2 cores). PYTHON (default python3) must
-# import strata. A synthetic model must be written without --mtp for llama.cpp to load it.
+# import strata. A synthetic model must be written without --mtp for llama.cpp to load it. DUMP_ARGS: more
+# options of dump.cpp, e.g. DUMP_ARGS=--no-repack where llama.cpp's repacked CPU kernels (AMX) crash on a
+# small synthetic shape.
 set -euo pipefail
 if [ $# -lt 3 ]; then
   echo "usage: $0 LLAMA_CPP_SOURCE OUT_DIR MODEL.gguf [MODEL.gguf ...]" >&2; exit 2
@@ -28,7 +30,7 @@ for model in "$@"; do
   name=$(basename "$model" .gguf)
   for prompt in "$here"/prompts/*.txt; do
     base="$out/$name.$(basename "$prompt" .txt)"
-    "$out/dump" "$model" "$prompt" $steps "$base.llama.logits.f32" --prompt-file > "$base.llama.json"
+    "$out/dump" "$model" "$prompt" $steps "$base.llama.logits.f32" --prompt-file ${DUMP_ARGS:-} > "$base.llama.json"
     "$python" "$here/strata_dump.py" "$model" "$prompt" $steps "$base.strata"
   done
 done
