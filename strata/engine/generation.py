@@ -3,8 +3,9 @@ prefill the unread tokens in it → the loan restores → decode token by token.
 
 from __future__ import annotations
 
-import logging
+import collections
 import itertools
+import logging
 import sys
 import time
 import traceback
@@ -26,6 +27,7 @@ from strata.engine.sampling import (
     check_finite_logits,
     make_rng,
     sample,
+    token_logprobs,
 )
 from strata.engine.stream_stats import StreamStats
 from strata.errors import LoanRestoreError, PrefillCancelled, RequestError
@@ -59,6 +61,8 @@ class Generation:
         self._compiled_before = None  # the engine's compile tally when the request starts (``_run``)
         self._collected_before = CollectorTally()  # and its collector's
         self._prefill_collected = CollectorTally()
+        # each picked token's log-probabilities, in the order the tokens are picked (None: not asked for)
+        self._picked = collections.deque() if params.num_logprobs is not None else None
         self._events = self._run()
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -99,8 +103,9 @@ class Generation:
         prefill_seconds = time.perf_counter() - started
         self._prefill_collected = engine.collector.tally.since(self._collected_before)
         self._prefill_streamed_bytes = stream.streamed_bytes
+        # log-probabilities need each token's logits on the host
         is_on_device = params.is_greedy and engine.config.runtime.greedy_on_device and \
-            engine.runner.can_pick_greedy_on_device
+            engine.runner.can_pick_greedy_on_device and self._picked is None
         if self.draft_oracle is not None and self.draft_oracle.continuation is None:
             try:
                 self._record_continuation(logits, hidden, is_on_device)
@@ -116,12 +121,13 @@ class Generation:
         logits = hidden = None  # hidden: the last token's [1, D] host row
         try:
             for token in tokens:
+                logprobs = self._picked.popleft() if self._picked is not None else None
                 if engine.tokenizer.is_eog(token):
                     finish = "stop"
                     break
                 generated += 1
                 text, is_stop_string = stop.feed(decoder.feed(token))
-                yield TokenEvent(token, text)
+                yield TokenEvent(token, text, logprobs)
                 if is_stop_string:
                     finish = "stop"
                     break
@@ -178,6 +184,7 @@ class Generation:
         engine = self.engine
         while True:
             token = sample(logits, self.params, rng)
+            self._note_pick(logits, token)
             yield token
             hidden = engine.runner.forward(np.array([token]), len(engine.kv_tokens), None, stream)
             engine.kv_tokens.append(token)
@@ -205,7 +212,14 @@ class Generation:
         that the request and the context allow)."""
         position = len(self.engine.kv_tokens)
         num_steps = min(self.params.max_tokens - 1, self.engine.context_tokens - position)
-        return sample(logits, self.params, rng), position, num_steps
+        token = sample(logits, self.params, rng)
+        self._note_pick(logits, token)
+        return token, position, num_steps
+
+    def _note_pick(self, logits: np.ndarray, token: int) -> None:
+        """Keep the log-probabilities of ``token``, picked from ``logits`` [V], where the request asked for them."""
+        if self._picked is not None:
+            self._picked.append(token_logprobs(logits, token, self.params.num_logprobs))
 
     def _record_continuation(self, logits: np.ndarray, hidden: np.ndarray, is_on_device: bool) -> None:
         """The bench's draft oracle: plain greedy decode of this request, from its own prefill (a
@@ -219,6 +233,8 @@ class Generation:
         self.draft_oracle.continuation = continuation
         self.draft_oracle.first_position = len(self.prompt)
         engine.kv_tokens = list(self.prompt)
+        if self._picked is not None:  # the timed decode picks these tokens again
+            self._picked.clear()
 
     def _speculative_tokens(self, logits: np.ndarray, hidden: np.ndarray, rng: np.random.Generator,
                             stream: StreamStats, is_on_device: bool, policy=None,
@@ -242,7 +258,7 @@ class Generation:
                                             engine.resources[VERIFIER]),
                           engine.output_head(), tuple(bias), host_bias)
             speculation = Speculation(engine.runner, engine.mtp, policy or engine.depth_policy, self._row_logits,
-                                      params, rng, stream, oracle, device)
+                                      params, rng, stream, oracle, device, self._note_pick)
             steps = speculation.tokens(token, owned[0], position, num_steps, engine.kv_tokens)
             try:
                 yield from steps

@@ -8,6 +8,7 @@ from typing import Callable
 from strata.engine.collector import CollectorTally
 from strata.engine.loan.transaction import LoanReport
 from strata.engine.prefill_timeline import format_summary
+from strata.engine.sampling import TokenLogprobs
 from strata.hooktypes import Geometry
 
 
@@ -18,6 +19,7 @@ class TokenEvent:
 
     token_id: int
     text: str
+    logprobs: TokenLogprobs | None = None  # where the request asked for them (``SamplingParams.num_logprobs``)
 
 
 @dataclasses.dataclass(frozen=True)

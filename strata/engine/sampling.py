@@ -2,7 +2,9 @@
 
 The sampled chain follows llama.cpp's default order: logit bias, top-k, top-p (on the
 untempered distribution), temperature, then one draw from a seeded generator. Temperature 0 is
-greedy. Every function is pure apart from the draw consuming the generator.
+greedy. Every function is pure apart from the draw consuming the generator. ``token_logprobs`` is
+what a request that asks for log-probabilities gets for each token: the model's distribution at
+temperature 1, before the request's logit bias, top-k and top-p.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from strata.errors import ConfigError, NonFiniteLogitsError
 
 _MAX_SEED = 2**64 - 1
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (the OpenAI API's limit)
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,8 @@ class SamplingParams:
     temperature: >= 0; 0 means greedy. top_k: >= 0; 0 keeps every token. top_p: in (0, 1]; 1
     keeps every token. seed: None draws fresh entropy. max_tokens: >= 1. stop: strings that end
     the generated text (not included in it). logit_bias: token id -> added logit (-inf bans).
+    num_logprobs: None, or each token's log-probability with that many most likely alternatives
+    (0..MAX_TOP_LOGPROBS): such a request is decoded on the host, where the logits are.
     """
 
     temperature: float = 1.0
@@ -34,6 +39,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    num_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
@@ -43,6 +49,8 @@ class SamplingParams:
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= _MAX_SEED),
                "seed", f"null or an integer in [0, {_MAX_SEED}]", self.seed)
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        _check(self.num_logprobs is None or (_is_int(self.num_logprobs) and 0 <= self.num_logprobs <= MAX_TOP_LOGPROBS),
+               "num_logprobs", f"null or an integer in [0, {MAX_TOP_LOGPROBS}]", self.num_logprobs)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop), "stop", "a list of non-empty strings", self.stop)
         object.__setattr__(self, "stop", stop)
@@ -87,6 +95,30 @@ def check_finite_logits(logits: np.ndarray, num_prompt_tokens: int, position: in
             f"the logits of the token at position {position} (a request of {num_prompt_tokens} prompt tokens) are "
             "NaN or infinite: the model's weights or activations are not finite; check the model file "
             "(strata refuses weights that are not finite at load) or its numeric range")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A picked token's log-probability and the most likely tokens' (id, log-probability), most likely
+    first (ties: the lower id first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: np.ndarray, token: int, num_top: int) -> TokenLogprobs:
+    """log softmax(logits) [V] at ``token`` and its ``num_top`` largest entries, in float64."""
+    x = logits.astype(np.float64)
+    shifted = x - np.max(x)
+    logprobs = shifted - np.log(np.sum(np.exp(shifted)))
+    if num_top == 0:
+        return TokenLogprobs(float(logprobs[token]))
+    num_top = min(num_top, len(x))
+    cut = -np.partition(-logprobs, num_top - 1)[num_top - 1]  # the num_top-th largest value
+    above = np.flatnonzero(logprobs > cut)
+    candidates = np.concatenate([above, np.flatnonzero(logprobs == cut)[:num_top - len(above)]])
+    order = candidates[np.lexsort((candidates, -logprobs[candidates]))]
+    return TokenLogprobs(float(logprobs[token]), tuple((int(i), float(logprobs[i])) for i in order))
 
 
 def make_rng(seed: int | None) -> np.random.Generator:

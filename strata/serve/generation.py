@@ -66,7 +66,9 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
     ignored = ignored_params_header(parsed.ignored_params)
     if ignored:  # every name empty or too long: no header rather than an empty one
         headers["x-strata-ignored-params"] = ignored
-    shapes = ResponseShapes(kind, request_id, ready.model_name, parsed.is_usage_streamed)
+    is_logprobs = prepared.params.num_logprobs is not None
+    shapes = ResponseShapes(kind, request_id, ready.model_name, parsed.is_usage_streamed,
+                            ready.prompts.token_text if is_logprobs else None, len(prepared.echo_text))
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
     telemetry = state.telemetry
     try:
@@ -78,11 +80,11 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
         if parsed.is_stream:
             stream = sse.event_stream(channel, first, job, shapes, functools.partial(to_api_error,
                                                                                      request_id=request_id),
-                                      telemetry)
+                                      telemetry, prepared.echo_text)
             return StreamingResponse(stream, media_type="text/event-stream", headers={**headers, **sse.HEADERS})
-        text, stats = await _collect(channel, first, request_id)
+        text, stats, picks = await _collect(channel, first, request_id)
         telemetry.record_generation(stats)
-        return JSONResponse(shapes.complete(text, stats), headers=headers)
+        return JSONResponse(shapes.complete(prepared.echo_text + text, stats, picks), headers=headers)
     except BaseException:
         job.cancel()
         raise
@@ -124,15 +126,18 @@ def _api_error(exc: BaseException, request_id: str | None) -> ApiError:
                          "were restored and the next request is served", code="engine_error")
 
 
-async def _collect(channel: sse.JobChannel, first: tuple[str, Any], request_id: str) -> tuple[str, Any]:
-    parts = []
+async def _collect(channel: sse.JobChannel, first: tuple[str, Any], request_id: str) -> tuple[str, Any, list]:
+    """(the text, the stats, each token's (id, log-probabilities) where the request asked for them)."""
+    parts, picks = [], []
     kind, payload = first
     while kind == TOKEN:
         parts.append(payload.text)
+        if payload.logprobs is not None:
+            picks.append((payload.token_id, payload.logprobs))
         kind, payload = await channel.get()
     if kind != DONE:
         raise to_api_error(payload, request_id)
-    return "".join(parts), payload
+    return "".join(parts), payload, picks
 
 
 async def _cancel_on_disconnect(request: Request, job: Job) -> None:

@@ -31,6 +31,7 @@ _PARAM_IN_MESSAGE = re.compile(r"sampling parameter (\w+)")
 class PreparedPrompt:
     tokens: tuple[int, ...]
     params: SamplingParams
+    echo_text: str = ""  # a completion's ``echo``: the prompt's text, sent before the completion's
 
 
 class PromptBuilder:
@@ -58,7 +59,19 @@ class PromptBuilder:
         except ConfigError as exc:
             match = _PARAM_IN_MESSAGE.search(str(exc))
             raise bad_request(str(exc), param=match.group(1) if match else None) from None
-        return PreparedPrompt(tuple(tokens), params)
+        echo_text = ""
+        if request.is_echo:
+            echo_text = request.prompt if isinstance(request.prompt, str) else self._tokenizer.decode(tokens)
+        return PreparedPrompt(tuple(tokens), params, echo_text)
+
+    def token_text(self, token_id: int) -> tuple[str, bytes]:
+        """(text, bytes) of one generated token for its log-probability entry: the text its bytes spell, or
+        ``bytes:\\xNN...`` where they are part of a UTF-8 sequence (as the OpenAI API names such a token)."""
+        piece = self._tokenizer.token_piece(token_id)
+        try:
+            return piece.decode("utf-8"), piece
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in piece), piece
 
     def _completion_tokens(self, request: GenerationRequest) -> list[int]:
         if isinstance(request.prompt, str):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from strata.serve.schemas import Kind
+
+LOWEST_LOGPROB = -9999.0  # a token of probability 0 (a banned one): JSON has no -Infinity
 
 # the engine's "cancelled" only ever reaches a client that has gone; report it as a cut-off
 _FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "length"}
@@ -51,21 +54,29 @@ def finish_reason(stats: Any) -> str:
 
 
 class ResponseShapes:
-    """The bodies of one request: same id, model and creation time in every chunk."""
+    """The bodies of one request: same id, model and creation time in every chunk.
 
-    def __init__(self, kind: Kind, request_id: str, model: str, is_usage_streamed: bool = False):
+    token_text(id) -> (text, bytes) names a token in log-probability entries; None where the request did
+    not ask for them (every ``logprobs`` is then null). A pick is (token id, ``TokenLogprobs``). A completion's
+    ``text_offset`` counts the tokens' texts from ``text_offset`` (the echoed prompt's length) on."""
+
+    def __init__(self, kind: Kind, request_id: str, model: str, is_usage_streamed: bool = False,
+                 token_text: Callable[[int], tuple[str, bytes]] | None = None, text_offset: int = 0):
         self.kind = kind
         self.is_usage_streamed = is_usage_streamed
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
+        self._token_text = token_text
+        self._text_offset = text_offset
 
-    def complete(self, text: str, stats: Any) -> dict[str, Any]:
+    def complete(self, text: str, stats: Any, picks: Sequence[tuple[int, Any]] = ()) -> dict[str, Any]:
+        logprobs = self._logprobs(picks)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish_reason(stats)}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(stats)}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(stats)}
         return {**self._head("chat.completion" if self.kind == "chat" else "text_completion"),
                 "choices": [choice], "usage": usage(stats), "timings": timings(stats), "strata": engine_report(stats)}
 
@@ -75,18 +86,22 @@ class ResponseShapes:
             return None
         return self._chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
+    def text_chunk(self, text: str, picks: Sequence[tuple[int, Any]] = ()) -> dict[str, Any]:
+        """A streamed piece of text, with the log-probabilities of the tokens picked since the last chunk."""
+        logprobs = self._logprobs(picks)
         if self.kind == "chat":
-            return self._chunk({"delta": {"content": text}, "finish_reason": None})
-        return self._chunk({"text": text, "finish_reason": None})
+            return self._chunk({"delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
+        return self._chunk({"text": text, "logprobs": logprobs, "finish_reason": None})
 
-    def final_chunk(self, stats: Any) -> dict[str, Any]:
-        """The chunk with the finish reason, the request's timings as llama-server sends them, and the
+    def final_chunk(self, stats: Any, picks: Sequence[tuple[int, Any]] = ()) -> dict[str, Any]:
+        """The chunk with the finish reason, the log-probabilities of tokens no text chunk carried (their text
+        held back, then cut by a stop string), the request's timings as llama-server sends them, and the
         engine's report."""
+        logprobs = self._logprobs(picks) if picks else None
         if self.kind == "chat":
-            chunk = self._chunk({"delta": {}, "finish_reason": finish_reason(stats)})
+            chunk = self._chunk({"delta": {}, "logprobs": logprobs, "finish_reason": finish_reason(stats)})
         else:
-            chunk = self._chunk({"text": "", "finish_reason": finish_reason(stats)})
+            chunk = self._chunk({"text": "", "logprobs": logprobs, "finish_reason": finish_reason(stats)})
         return {**chunk, "timings": timings(stats), "strata": engine_report(stats)}
 
     def usage_chunk(self, stats: Any) -> dict[str, Any]:
@@ -95,6 +110,29 @@ class ResponseShapes:
     @property
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def _logprobs(self, picks: Sequence[tuple[int, Any]]) -> dict[str, Any] | None:
+        """The OpenAI shape of the picks' log-probabilities: chat's ``content`` entries, or the legacy
+        completion lists (``top_logprobs`` maps each alternative's text to its log-probability)."""
+        if self._token_text is None:
+            return None
+        if self.kind == "chat":
+            return {"content": [{**self._entry(token, logprobs.logprob),
+                                 "top_logprobs": [self._entry(i, value) for i, value in logprobs.top]}
+                                for token, logprobs in picks], "refusal": None}
+        texts = [self._token_text(token)[0] for token, _ in picks]
+        offsets = []
+        for text in texts:
+            offsets.append(self._text_offset)
+            self._text_offset += len(text)
+        return {"tokens": texts, "token_logprobs": [_finite(logprobs.logprob) for _, logprobs in picks],
+                "top_logprobs": [{self._token_text(i)[0]: _finite(value) for i, value in logprobs.top}
+                                 for _, logprobs in picks],
+                "text_offset": offsets}
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text, piece = self._token_text(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(piece)}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._head(self._chunk_object), "choices": [{"index": 0, "logprobs": None, **choice}]}
@@ -105,3 +143,7 @@ class ResponseShapes:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOWEST_LOGPROB)

@@ -1,7 +1,7 @@
 """The request bodies of /v1/completions and /v1/chat/completions, checked field by field.
 
 Parameters this server does not implement are ignored, whatever their value, as the OpenAI API
-ignores many (``user``, ``presence_penalty``, ``logprobs``, ``tools`` ...); their names come back in
+ignores many (``user``, ``presence_penalty``, ``tools`` ...); their names come back in
 the ``x-strata-ignored-params`` response header so a client can see what had no effect. Known
 parameters are checked strictly: a wrong type or value is a 400 naming the parameter. ``null``
 means "not given" for every optional parameter.
@@ -23,13 +23,14 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 65_536
 MAX_SEED = 2**64 - 1
 MAX_TOKENS = 2**31 - 1  # past any context; a larger count is refused by its value, not quoted whole
+MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # the OpenAI API's limits: top_logprobs, and the legacy logprobs
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also takes "²" and "١"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "logit_bias", "n")
 KNOWN_PARAMS: Mapping[Kind, frozenset[str]] = {
-    "completion": frozenset((*_COMMON, "prompt")),
-    "chat": frozenset((*_COMMON, "messages", "max_completion_tokens")),
+    "completion": frozenset((*_COMMON, "prompt", "logprobs", "echo")),
+    "chat": frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs")),
 }
 
 
@@ -43,6 +44,7 @@ class GenerationRequest:
     max_tokens_param: str  # the parameter that gave it, for error messages
     sampling: Mapping[str, Any]  # SamplingParams keywords other than max_tokens
     is_stream: bool
+    is_echo: bool  # completions: the prompt's text comes back before the completion's
     is_usage_streamed: bool
     ignored_params: tuple[str, ...]
 
@@ -65,11 +67,20 @@ def parse_request(body: Mapping[str, Any], kind: Kind) -> GenerationRequest:
         max_tokens = _integer(fields, "max_completion_tokens", 1, default=None, maximum=MAX_TOKENS)
         max_tokens_param = "max_completion_tokens"
     is_stream = _boolean(fields, "stream", default=False)
+    sampling = _sampling(fields)
+    num_logprobs = _num_logprobs(fields, kind)
+    if num_logprobs is not None:
+        sampling["num_logprobs"] = num_logprobs
+    is_echo = kind == "completion" and _boolean(fields, "echo", default=False)
+    if is_echo and num_logprobs is not None:
+        raise bad_request("'echo' with 'logprobs' asks for the prompt's log-probabilities, which this server does "
+                          "not compute; send one of the two", param="echo")
     return GenerationRequest(
         kind=kind, model=model,
         prompt=_prompt(fields) if kind == "completion" else None,
         messages=_messages(fields) if kind == "chat" else None,
-        max_tokens=max_tokens, max_tokens_param=max_tokens_param, sampling=_sampling(fields), is_stream=is_stream,
+        max_tokens=max_tokens, max_tokens_param=max_tokens_param, sampling=sampling, is_stream=is_stream,
+        is_echo=is_echo,
         is_usage_streamed=is_stream and _include_usage(fields),
         ignored_params=tuple(sorted(k for k in body if k not in KNOWN_PARAMS[kind])),
     )
@@ -90,6 +101,20 @@ def _sampling(fields: Mapping[str, Any]) -> dict[str, Any]:
     if "logit_bias" in fields:
         sampling["logit_bias"] = _logit_bias(fields["logit_bias"])
     return sampling
+
+
+def _num_logprobs(fields: Mapping[str, Any], kind: Kind) -> int | None:
+    """How many alternatives each token's log-probability comes with; None: no log-probabilities. Chat asks
+    with ``logprobs: true`` and ``top_logprobs``, completions with the legacy ``logprobs: N``."""
+    limit = MAX_TOP_LOGPROBS[kind]
+    if kind == "completion":
+        return _integer(fields, "logprobs", 0, default=None, maximum=limit)
+    is_asked = _boolean(fields, "logprobs", default=False)
+    num_top = _integer(fields, "top_logprobs", 0, default=None, maximum=limit)
+    if num_top is not None and not is_asked:
+        raise bad_request("'top_logprobs' needs 'logprobs': true; set it, or leave out top_logprobs",
+                          param="top_logprobs")
+    return (num_top or 0) if is_asked else None
 
 
 def _prompt(fields: Mapping[str, Any]) -> str | tuple[int, ...]:

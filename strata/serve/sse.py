@@ -44,17 +44,25 @@ class JobChannel:
 
 
 async def event_stream(channel: JobChannel, first: tuple[str, Any], job: Job, shapes: ResponseShapes,
-                       to_api_error, telemetry: ServeTelemetry) -> AsyncIterator[bytes]:
-    """The frames of one stream, starting from the job's first event (already received)."""
+                       to_api_error, telemetry: ServeTelemetry, echo_text: str = "") -> AsyncIterator[bytes]:
+    """The frames of one stream, starting from the job's first event (already received); a completion's
+    echoed prompt first. A token whose text is held back (an open UTF-8 sequence, a possible stop string)
+    has its log-probabilities sent with the next text."""
     is_finished = False
     try:
         opening = shapes.opening_chunk()
         if opening is not None:
             yield frame(opening)
+        if echo_text:
+            yield frame(shapes.text_chunk(echo_text))
         kind, payload = first
+        picks = []
         while kind == TOKEN:
+            if payload.logprobs is not None:
+                picks.append((payload.token_id, payload.logprobs))
             if payload.text:
-                yield frame(shapes.text_chunk(payload.text))
+                yield frame(shapes.text_chunk(payload.text, picks))
+                picks = []
             kind, payload = await channel.get()
         is_finished = True
         if kind == ERROR:
@@ -65,7 +73,7 @@ async def event_stream(channel: JobChannel, first: tuple[str, Any], job: Job, sh
             yield frame(error.body())
         else:
             telemetry.record_generation(payload)
-            yield frame(shapes.final_chunk(payload))
+            yield frame(shapes.final_chunk(payload, picks))
             if shapes.is_usage_streamed:
                 yield frame(shapes.usage_chunk(payload))
         yield DONE_FRAME

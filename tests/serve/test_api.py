@@ -119,6 +119,59 @@ def test_follow_up_turn_reads_only_new_tokens(client, model, timing_lines):
     assert unread < second.usage.prompt_tokens - first.usage.prompt_tokens + 8, line
 
 
+def test_chat_log_probabilities_with_the_openai_client(client, model):
+    kwargs = dict(model=model, messages=MESSAGES, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**kwargs)
+    reply = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3)
+    message, entries = reply.choices[0].message, reply.choices[0].logprobs.content
+    assert message.content == plain.choices[0].message.content  # decoded on the host: the same greedy tokens
+    assert len(entries) == reply.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in entries).decode(errors="replace").startswith(message.content)
+    for entry in entries:
+        top = entry.top_logprobs
+        assert len(top) == 3 and top[0].token == entry.token and top[0].logprob == entry.logprob  # greedy
+        assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True) and top[0].logprob <= 0
+        assert _token_bytes(entry.token) == bytes(entry.bytes)
+    # streamed, the same entries arrive with the text they belong to
+    chunks = list(client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_log_probabilities_in_the_legacy_shape(client, model):
+    kwargs = dict(model=model, prompt="A small river runs through", max_tokens=8, temperature=0)
+    reply = client.completions.create(**kwargs, logprobs=2)
+    choice = reply.choices[0]
+    logprobs = choice.logprobs
+    num_tokens = reply.usage.completion_tokens
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == num_tokens
+    assert b"".join(map(_token_bytes, logprobs.tokens)).decode(errors="replace").startswith(choice.text)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(num_tokens)]
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) <= 2 and top[token] == value == max(top.values())
+    # the same prompt again reuses its KV prefix, computed another way: equal to the last bits or nearly
+    zero = client.completions.create(**kwargs, logprobs=0).choices[0].logprobs
+    assert zero.token_logprobs == pytest.approx(logprobs.token_logprobs, rel=1e-5)
+    assert zero.top_logprobs == [{}] * num_tokens
+
+
+def _token_bytes(token: str) -> bytes:
+    """A log-probability entry's token text back to its bytes (``bytes:\\xNN...`` names a partial UTF-8 one)."""
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token.removeprefix("bytes:").split("\\x")[1:])
+    return token.encode()
+
+
+def test_echo_sends_the_prompt_before_the_completion(client, model):
+    kwargs = dict(model=model, prompt="The morning train left the station", max_tokens=6, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs, echo=True).choices[0].text == kwargs["prompt"] + plain
+    chunks = list(client.completions.create(**kwargs, echo=True, stream=True))
+    assert chunks[0].choices[0].text == kwargs["prompt"]
+    assert "".join(c.choices[0].text for c in chunks) == kwargs["prompt"] + plain
+
+
 def test_models(client, server, model):
     assert [m.id for m in client.models.list().data] == [model]
     assert client.models.retrieve(model).id == model

@@ -73,6 +73,13 @@ def test_unreadable_bodies(post, raw, code):
     (CHAT, {"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages[0].name"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0]"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 6}, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": True}, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "echo": "yes"}, "echo"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
 ])
 def test_wrong_fields_name_the_parameter(post, route, fields, param):
     assert error_of(post(route, fields), 400)["param"] == param

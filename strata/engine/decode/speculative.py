@@ -68,11 +68,14 @@ class Speculation:
 
     def __init__(self, runner, draft: MtpDraft, policy: DepthPolicy, logits_of: Callable[[Any], np.ndarray],
                  params: SamplingParams, rng: np.random.Generator, stats: StreamStats,
-                 oracle: DraftOracle | None = None, device: tuple | None = None):
+                 oracle: DraftOracle | None = None, device: tuple | None = None,
+                 on_pick: Callable[[np.ndarray, int], None] | None = None):
         """logits_of(hidden [R, D]) -> host [R, V] logits with the engine's bias added. device: for a
         greedy request on captured decode, (``DeviceSpeculation``, head, the bias on the device, the
         bias on the host): drafts and picks stay on the device (``device_speculation.py``), and a run
-        of plain steps is captured greedy decode's, each step queued ahead of the host."""
+        of plain steps is captured greedy decode's, each step queued ahead of the host. on_pick(logits
+        [V], token): told of every emitted token of a host step and the target logits it was taken
+        under, in order (a step may emit more than the request takes)."""
         self.runner = runner
         self.draft = draft
         self.policy = policy
@@ -82,6 +85,7 @@ class Speculation:
         self.stats = stats
         self.oracle = oracle
         self.device = device
+        self.on_pick = on_pick
 
     def tokens(self, token: int, hidden_row, position: int, num_steps: int, kv_tokens: list[int]) -> Iterator[int]:
         """Up to ``num_steps`` tokens after ``token`` (at ``position``; ``hidden_row`` [1, D] on the
@@ -157,12 +161,18 @@ class Speculation:
         """(rows [n + 1, D] verified or not, tokens to emit, drafts taken), logits read on the host."""
         if depth == 0:
             rows = self.runner.forward(np.array([token]), position, None, self.stats)  # [1, D]
-            return rows, [self._pick(self.logits_of(rows)[0])], 0
-        q_probs: list[np.ndarray] = []
-        drafts = self.draft.draft(rows, np.array(next_tokens), start, depth,
-                                  lambda j, logits: self._propose(j, logits, position, q_probs), self.stats)
-        rows = self.runner.forward(np.array([token, *drafts]), position, None, self.stats)  # [d + 1, D]
-        emitted, num_accepted = self._verify(drafts, self.logits_of(rows), q_probs)
+            logits = self.logits_of(rows)  # [1, V]
+            emitted, num_accepted = [self._pick(logits[0])], 0
+        else:
+            q_probs: list[np.ndarray] = []
+            drafts = self.draft.draft(rows, np.array(next_tokens), start, depth,
+                                      lambda j, logits: self._propose(j, logits, position, q_probs), self.stats)
+            rows = self.runner.forward(np.array([token, *drafts]), position, None, self.stats)  # [d + 1, D]
+            logits = self.logits_of(rows)  # [d + 1, V]
+            emitted, num_accepted = self._verify(drafts, logits, q_probs)
+        if self.on_pick is not None:  # emitted[i] was taken under the target's logits after row i
+            for row_logits, picked in zip(logits, emitted):
+                self.on_pick(row_logits, picked)
         return rows, emitted, num_accepted
 
     def _device_step(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int):
