@@ -68,7 +68,7 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
         headers["x-strata-ignored-params"] = ignored
     is_logprobs = prepared.params.num_logprobs is not None
     shapes = ResponseShapes(kind, request_id, ready.model_name, parsed.is_usage_streamed,
-                            ready.prompts.token_text if is_logprobs else None, len(prepared.echo_text))
+                            ready.prompts.token_text if is_logprobs else None)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
     telemetry = state.telemetry
     try:
@@ -82,7 +82,7 @@ async def handle_generation(request: Request, kind: Kind) -> Response:
                                                                                      request_id=request_id),
                                       telemetry, prepared.echo_text)
             return StreamingResponse(stream, media_type="text/event-stream", headers={**headers, **sse.HEADERS})
-        text, stats, picks = await _collect(channel, first, request_id)
+        text, stats, picks = await _collect(channel, first, request_id, len(prepared.echo_text))
         telemetry.record_generation(stats)
         return JSONResponse(shapes.complete(prepared.echo_text + text, stats, picks), headers=headers)
     except BaseException:
@@ -126,14 +126,17 @@ def _api_error(exc: BaseException, request_id: str | None) -> ApiError:
                          "were restored and the next request is served", code="engine_error")
 
 
-async def _collect(channel: sse.JobChannel, first: tuple[str, Any], request_id: str) -> tuple[str, Any, list]:
-    """(the text, the stats, each token's (id, log-probabilities) where the request asked for them)."""
+async def _collect(channel: sse.JobChannel, first: tuple[str, Any], request_id: str,
+                   text_offset: int = 0) -> tuple[str, Any, list]:
+    """(the text, the stats, each token's (id, log-probabilities, offset of its text) where the request asked
+    for them); text_offset: the length of the text before the completion's (an echoed prompt)."""
     parts, picks = [], []
     kind, payload = first
     while kind == TOKEN:
-        parts.append(payload.text)
         if payload.logprobs is not None:
-            picks.append((payload.token_id, payload.logprobs))
+            picks.append((payload.token_id, payload.logprobs, text_offset))
+        parts.append(payload.text)
+        text_offset += len(payload.text)
         kind, payload = await channel.get()
     if kind != DONE:
         raise to_api_error(payload, request_id)

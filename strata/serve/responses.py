@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,20 +58,20 @@ class ResponseShapes:
     """The bodies of one request: same id, model and creation time in every chunk.
 
     token_text(id) -> (text, bytes) names a token in log-probability entries; None where the request did
-    not ask for them (every ``logprobs`` is then null). A pick is (token id, ``TokenLogprobs``). A completion's
-    ``text_offset`` counts the tokens' texts from ``text_offset`` (the echoed prompt's length) on."""
+    not ask for them (every ``logprobs`` is then null). A pick is (token id, ``TokenLogprobs``, text offset):
+    where the token's text starts in the choice's text, which is the length of the text sent before its
+    event (a token whose bytes end inside a character is counted where that character will appear)."""
 
     def __init__(self, kind: Kind, request_id: str, model: str, is_usage_streamed: bool = False,
-                 token_text: Callable[[int], tuple[str, bytes]] | None = None, text_offset: int = 0):
+                 token_text: Callable[[int], tuple[str, bytes]] | None = None):
         self.kind = kind
         self.is_usage_streamed = is_usage_streamed
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self._token_text = token_text
-        self._text_offset = text_offset
 
-    def complete(self, text: str, stats: Any, picks: Sequence[tuple[int, Any]] = ()) -> dict[str, Any]:
+    def complete(self, text: str, stats: Any, picks: Sequence[tuple[int, Any, int]] = ()) -> dict[str, Any]:
         logprobs = self._logprobs(picks)
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
@@ -86,14 +87,14 @@ class ResponseShapes:
             return None
         return self._chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
 
-    def text_chunk(self, text: str, picks: Sequence[tuple[int, Any]] = ()) -> dict[str, Any]:
+    def text_chunk(self, text: str, picks: Sequence[tuple[int, Any, int]] = ()) -> dict[str, Any]:
         """A streamed piece of text, with the log-probabilities of the tokens picked since the last chunk."""
         logprobs = self._logprobs(picks)
         if self.kind == "chat":
             return self._chunk({"delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
         return self._chunk({"text": text, "logprobs": logprobs, "finish_reason": None})
 
-    def final_chunk(self, stats: Any, picks: Sequence[tuple[int, Any]] = ()) -> dict[str, Any]:
+    def final_chunk(self, stats: Any, picks: Sequence[tuple[int, Any, int]] = ()) -> dict[str, Any]:
         """The chunk with the finish reason, the log-probabilities of tokens no text chunk carried (their text
         held back, then cut by a stop string), the request's timings as llama-server sends them, and the
         engine's report."""
@@ -111,24 +112,27 @@ class ResponseShapes:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
-    def _logprobs(self, picks: Sequence[tuple[int, Any]]) -> dict[str, Any] | None:
+    def _logprobs(self, picks: Sequence[tuple[int, Any, int]]) -> dict[str, Any] | None:
         """The OpenAI shape of the picks' log-probabilities: chat's ``content`` entries, or the legacy
-        completion lists (``top_logprobs`` maps each alternative's text to its log-probability)."""
+        completion lists (``top_logprobs`` maps each alternative's text to its log-probability, the picked
+        token's included, as the legacy API does; of two tokens with one text, the likelier is kept)."""
         if self._token_text is None:
             return None
         if self.kind == "chat":
             return {"content": [{**self._entry(token, logprobs.logprob),
                                  "top_logprobs": [self._entry(i, value) for i, value in logprobs.top]}
-                                for token, logprobs in picks], "refusal": None}
-        texts = [self._token_text(token)[0] for token, _ in picks]
-        offsets = []
-        for text in texts:
-            offsets.append(self._text_offset)
-            self._text_offset += len(text)
-        return {"tokens": texts, "token_logprobs": [_finite(logprobs.logprob) for _, logprobs in picks],
-                "top_logprobs": [{self._token_text(i)[0]: _finite(value) for i, value in logprobs.top}
-                                 for _, logprobs in picks],
-                "text_offset": offsets}
+                                for token, logprobs, _ in picks], "refusal": None}
+        tops = []
+        for token, logprobs, _ in picks:
+            top: dict[str, float] = {}
+            for i, value in logprobs.top:  # most likely first
+                top.setdefault(self._token_text(i)[0], _finite(value))
+            if logprobs.top:
+                top.setdefault(self._token_text(token)[0], _finite(logprobs.logprob))
+            tops.append(top)
+        return {"tokens": [self._token_text(token)[0] for token, _, _ in picks],
+                "token_logprobs": [_finite(logprobs.logprob) for _, logprobs, _ in picks],
+                "top_logprobs": tops, "text_offset": [offset for _, _, offset in picks]}
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         text, piece = self._token_text(token)
@@ -146,4 +150,6 @@ class ResponseShapes:
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, LOWEST_LOGPROB)
+    """A log-probability JSON can carry: LOWEST_LOGPROB for probability 0 (and for NaN, which only logits
+    made infinite by an engine-wide bias could give)."""
+    return max(logprob, LOWEST_LOGPROB) if math.isfinite(logprob) else LOWEST_LOGPROB

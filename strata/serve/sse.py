@@ -56,10 +56,11 @@ async def event_stream(channel: JobChannel, first: tuple[str, Any], job: Job, sh
         if echo_text:
             yield frame(shapes.text_chunk(echo_text))
         kind, payload = first
-        picks = []
+        picks, text_offset = [], len(echo_text)
         while kind == TOKEN:
             if payload.logprobs is not None:
-                picks.append((payload.token_id, payload.logprobs))
+                picks.append((payload.token_id, payload.logprobs, text_offset))
+            text_offset += len(payload.text)
             if payload.text:
                 yield frame(shapes.text_chunk(payload.text, picks))
                 picks = []

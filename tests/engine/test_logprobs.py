@@ -79,6 +79,20 @@ def test_asking_for_logprobs_changes_no_sampled_token(mtp_path):
     assert all(e.logprobs.top == () and e.logprobs.logprob <= 0 for e in with_logprobs)
 
 
+def test_sampled_speculation_records_each_emitted_tokens_own_logprobs(mtp_path):
+    # accepted drafts and the residual's draw alike: a token among its top 20 reads its own entry there
+    runtime = {"mtp": True, "spec_depth": 3, "spec_policy": "fixed"}
+    engine = Engine.load(engine_config(mtp_path, runtime=runtime), show_progress=False)
+    params = dict(temperature=0.3, seed=5, max_tokens=24)
+    generation = engine.generate(PROMPT, SamplingParams(**params, num_logprobs=20))
+    picked = [e for e in generation if e.token_id >= 0]
+    assert len(picked) == 24 and generation.stats.spec_accepted > 0, generation.stats
+    assert [e.token_id for e in picked] == [e.token_id for e in events(engine, PROMPT, SamplingParams(**params))]
+    in_top = [e for e in picked if e.token_id in dict(e.logprobs.top)]
+    assert len(in_top) >= 16
+    assert all(dict(e.logprobs.top)[e.token_id] == e.logprobs.logprob for e in in_top)
+
+
 GPU_BACKEND = "cuda" if has_cuda_device() else "cudasim"
 
 

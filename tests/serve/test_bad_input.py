@@ -75,6 +75,7 @@ def test_unreadable_bodies(post, raw, code):
      "messages[0].content[0]"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": False, "top_logprobs": 0}, "top_logprobs"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 6}, "logprobs"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": True}, "logprobs"),
