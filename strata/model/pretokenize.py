@@ -69,20 +69,132 @@ _DEEPSEEK_LLM = PreTokenizer(
     )
 )
 
+# compared with llama.cpp on a real vocabulary under each of their names: tools/peer-tokens
+_BAILINGMOE = PreTokenizer(
+    (
+        "'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}|"
+        ' ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+',
+    )
+)
+_BLOOM = PreTokenizer((' ?[^(\\s|.,!?…。，、।۔،)]+',))
+_CHAMELEON = PreTokenizer(
+    (
+        '<sentinel:[0-9]+>',
+        '(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z',
+        '([\\t\\n]|    |  )',
+        '\\p{N}',
+        '[\\p{P}!-/:-@\\[-`{-~]',
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+    ), is_add_bos=True
+)
+_DEEPSEEK_V3 = PreTokenizer(
+    (
+        '\\p{N}{1,3}',
+        '[一-龥\u3040-ゟ゠-ヿ]+',
+        '[!"#$%&\'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|'
+        '[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|'
+        '\\s+(?!\\S)|\\s+',
+    )
+)
+_EXAONE_MOE = PreTokenizer(
+    (
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+        '[^\\r\\n\\p{L}\\p{N}]?(?:\\p{L}\\p{M}*(?: \\p{L}\\p{M}*)*)+|\\p{N}|'
+        ' ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]?|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+',
+    )
+)
+_GPT_4O = PreTokenizer(
+    (
+        "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|"
+        "'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+        "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|"
+        "'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|"
+        '\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+',
+    )
+)
+_GRANITE_EMBED_MULTI_97M = PreTokenizer(
+    (
+        "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}\\p{M}])([^a-z]))*((?=[\\p{L}\\p{M}])([^A-Z]))+(?:'[sS]|"
+        "'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+        "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}\\p{M}])([^a-z]))+((?=[\\p{L}\\p{M}])([^A-Z]))*(?:'[sS]|"
+        "'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}|"
+        ' ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+',
+    ), is_ignore_merges=True
+)
+_JAIS_2 = PreTokenizer(
+    (
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+        '\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s{512}(?!\\S)|\\s{256}(?!\\S)|'
+        '\\s{128}(?!\\S)|\\s{64}(?!\\S)|\\s{32}(?!\\S)|\\s{16}(?!\\S)|\\s{8}(?!\\S)|\\s{4}(?!\\S)|'
+        '\\s{1,2}(?!\\S)|\\s{1}',
+    )
+)
+_MINICPM5 = PreTokenizer(
+    (
+        '\\p{N}{1,3}',
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+        '\\p{N}+| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+',
+    ), is_ignore_merges=True
+)
+_SEED_CODER = PreTokenizer(
+    (
+        "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+        '\\p{N}{1}| ?[^\\s\\p{L}\\p{N}\\r\\n]+|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+',
+    )
+)
+_SPARK2_5 = PreTokenizer(
+    (
+        '\\p{N}{1,3}',
+        '[一-龥\u3040-ゟ゠-ヿ]+',
+        '[!"#$%&\'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|'
+        '[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+|[\r\n]|\\s+(?!\\S)|\\s+',
+        '\\p{N}',
+    )
+)
+_SUPERBPE = PreTokenizer(('\\p{N}+', '(?=(\\d{3})+(?!\\d))'))
+_TEKKEN = PreTokenizer(
+    (
+        '[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+|'
+        '[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*|\\p{N}|'
+        ' ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+',
+    ), is_ignore_merges=True, is_add_bos=True
+)
+_UFAKZEKA = PreTokenizer(
+    (
+        '[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|'
+        '\\s+(?!\\S)|\\s+',
+    )
+)
+_VIKING = PreTokenizer((' ?[^(\\s|.,!?…。，、।۔،)]+', '\\p{N}'))
+
 _FAMILIES: dict[PreTokenizer, tuple[str, ...]] = {
     _LLAMA3: ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
     _LLAMA3_SPLIT_ONLY: ("dbrx", "smaug-bpe"),
-    _QWEN2: ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"),
+    _QWEN2: ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open", "grok-2"),
     _QWEN35: ("qwen35",),
     _STARCODER: ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
     _GPT2: (
         "gpt-2", "phi-2", "gigachat", "a.x-4.0", "mellum", "exaone4", "mpt", "olmo", "jais", "trillion",
-        "granite-docling",
-    ),
+        "granite-docling", "jina-de", "jina-es", "jina-v2-de", "jina-v2-es", "modern-bert"),
     _FALCON: ("falcon",),
     _DEFAULT: ("default",),
     _DEEPSEEK_CODER: ("deepseek-coder",),
     _DEEPSEEK_LLM: ("deepseek-llm",),
+    _BAILINGMOE: ("bailingmoe", "bailingmoe2", "llada-moe"),
+    _BLOOM: ("bloom", "gpt3-finnish", "poro-chat"),
+    _CHAMELEON: ("chameleon",),
+    _DEEPSEEK_V3: ("deepseek-v3", "hunyuan-dense", "hy_v4", "joyai-llm"),
+    _EXAONE_MOE: ("exaone-moe",),
+    _GPT_4O: ("gpt-4o", "kanana2", "llama4", "minimax-m2", "talkie"),
+    _GRANITE_EMBED_MULTI_97M: ("granite-embed-multi-97m",),
+    _JAIS_2: ("jais-2",),
+    _MINICPM5: ("minicpm5",),
+    _SEED_CODER: ("seed-coder",),
+    _SPARK2_5: ("spark2_5",),
+    _SUPERBPE: ("superbpe",),
+    _TEKKEN: ("tekken",),
+    _UFAKZEKA: ("ufakzeka",),
+    _VIKING: ("viking",),
 }
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {name: pre for pre, names in _FAMILIES.items() for name in names}
 

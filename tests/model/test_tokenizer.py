@@ -212,6 +212,22 @@ def test_pieces_of_unusual_tokens():
     assert pieces == [b"a[UNK_BYTE_0x0aa\nb]b", b"A", b"", f"[EMPTY_{base + 3}]".encode()]
 
 
+def test_a_pre_tokenizer_name_picks_its_own_splits():
+    # tekken (Mistral's) splits a word where lower case turns upper; qwen2 keeps "helloHello" one piece, so a
+    # merge across that boundary applies only there. tools/peer-tokens compares every name with llama.cpp.
+    metadata = _tiny_metadata()
+    metadata["tokenizer.ggml.tokens"] = [*metadata["tokenizer.ggml.tokens"], "oH"]
+    metadata["tokenizer.ggml.token_type"] = [*metadata["tokenizer.ggml.token_type"], 1]
+    metadata["tokenizer.ggml.merges"] = ["o H", *metadata["tokenizer.ggml.merges"]]
+    o_h = len(metadata["tokenizer.ggml.tokens"]) - 1
+    qwen2 = Tokenizer.from_metadata(metadata)
+    tekken = Tokenizer.from_metadata(metadata | {"tokenizer.ggml.pre": "tekken"})
+    assert o_h in qwen2.encode("helloHello")
+    assert tekken.encode("helloHello", add_bos=False) == tekken.encode("hello", add_bos=False) + \
+        tekken.encode("Hello", add_bos=False)
+    assert tekken.encode("hello")[0] == tekken.bos_id and qwen2.encode("hello")[0] != qwen2.bos_id  # BOS rules
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -1,6 +1,6 @@
 """Strata's tokenizer against llama.cpp's on one real vocabulary under each pre-tokenizer name.
 
-usage: python compare.py TOKENIZE_BIN VOCAB.gguf INPUTS_DIR OUT_DIR [PRE_NAME ...]
+usage: python compare.py TOKENIZE_BIN VOCAB.gguf INPUTS_DIR OUT_DIR [PRE_NAME ...]   (run.sh builds TOKENIZE_BIN)
 
 VOCAB.gguf (a byte-level BPE vocabulary, e.g. llama.cpp's models/ggml-vocab-llama-bpe.gguf) is copied once
 per pre-tokenizer name with ``tokenizer.ggml.pre`` set to it; every input of INPUTS_DIR's ``*.inp`` files
@@ -10,12 +10,13 @@ Names without arguments: every name Strata knows. Prints a Markdown table: input
 differs.
 """
 
+import subprocess
 import sys
 from pathlib import Path
 
 import gguf
-import subprocess
 
+from strata.errors import ModelFormatError
 from strata.model.metadata import read_metadata
 from strata.model.tokenizer import Tokenizer
 
@@ -64,7 +65,11 @@ def main(argv: list[str]) -> int:
         lines = subprocess.run([str(binary), str(path), str(joined)], check=True, capture_output=True,
                                text=True).stdout.split("\n")
         theirs = [[int(t) for t in line.split()] for line in lines[:len(texts)]]
-        tokenizer = Tokenizer.from_metadata(read_metadata(gguf.GGUFReader(path)))
+        try:
+            tokenizer = Tokenizer.from_metadata(read_metadata(gguf.GGUFReader(path)))
+        except ModelFormatError:
+            print(f"| {name} | refused by Strata | |")
+            continue
         ours = [tokenizer.encode(text, add_bos=False) for text in texts]
         differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
         first = repr(texts[differ[0]][:40]) if differ else ""
