@@ -18,7 +18,7 @@ from typing import Any
 
 from strata.errors import ModelFormatError
 
-SUPPORTED_ARCHS = ("qwen3moe", "llama")
+SUPPORTED_ARCHS = ("qwen3moe", "qwen3", "llama")
 Shape = tuple[int, ...]
 
 
@@ -28,7 +28,8 @@ class ModelSpec:
 
     qwen3moe routes with a softmax over all experts, keeps the top `num_experts_used` and
     renormalises their weights to sum to 1 (llama.cpp's `build_moe_ffn(..., norm_w=true, softmax)`);
-    RoPE uses NeoX ordering (rotate halves). llama has normal (interleaved-pair) RoPE and no q/k norm;
+    RoPE uses NeoX ordering (rotate halves). qwen3 is its dense sibling (q/k norm, NeoX RoPE, SwiGLU
+    `feed_forward_length` wide). llama has normal (interleaved-pair) RoPE and no q/k norm;
     it is dense, or, with `llama.expert_count` > 0 (Mixtral), routed as qwen3moe is, each expert
     `llama.feed_forward_length` wide (llama.cpp's `n_ff`), without shared experts.
     """
@@ -93,10 +94,13 @@ def spec_from_metadata(metadata: Mapping[str, Any], tensor_names: Collection[str
             f"{source}: key {arch}.nextn_predict_layers is {num_nextn}, expected 0..{num_blocks - 1} "
             f"({arch}.block_count is {num_blocks})"
         )
-    is_qwen3moe = arch == "qwen3moe"
+    is_qwen3moe, is_qwen3 = arch == "qwen3moe", arch in ("qwen3moe", "qwen3")
     num_experts = key("expert_count", int, 0)
     if is_qwen3moe and num_experts <= 0:
         raise ModelFormatError(f"{source}: key {arch}.expert_count is {num_experts}, expected > 0")
+    if arch == "qwen3" and num_experts:
+        raise ModelFormatError(f"{source}: key {arch}.expert_count is {num_experts}, expected absent or 0 (a Qwen3 "
+                               "model with experts is a qwen3moe file)")
     is_moe = num_experts > 0
     if is_moe and not is_qwen3moe and "blk.0.ffn_gate.0.weight" in tensor_names:
         raise ModelFormatError(
@@ -115,7 +119,7 @@ def spec_from_metadata(metadata: Mapping[str, Any], tensor_names: Collection[str
         vocab_size=_vocab_size(metadata, arch, source),
         context_length=key("context_length", int),
         rope_theta=key("rope.freq_base", float, 10000.0),
-        is_rope_neox=is_qwen3moe,
+        is_rope_neox=is_qwen3,
         rms_norm_eps=key("attention.layer_norm_rms_epsilon", float),
         dense_ffn_size=0 if is_moe else key("feed_forward_length", int),
         num_experts=num_experts,
@@ -125,7 +129,7 @@ def spec_from_metadata(metadata: Mapping[str, Any], tensor_names: Collection[str
         shared_expert_ffn_size=key("expert_shared_feed_forward_length", int, 0) if is_qwen3moe else 0,
         has_shared_expert_gate=is_qwen3moe and "blk.0.ffn_gate_inp_shexp.weight" in tensor_names,
         is_expert_weights_normalized=is_moe,
-        has_qk_norm=is_qwen3moe,
+        has_qk_norm=is_qwen3,
         is_output_tied="output.weight" not in tensor_names,
         num_nextn_layers=num_nextn,
     )

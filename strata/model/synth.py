@@ -1,5 +1,5 @@
-"""Synthetic MoE GGUF files (qwen3moe, or Mixtral-style llama): any shape, random weights, a small real BPE
-vocabulary.
+"""Synthetic GGUF files (qwen3moe, Mixtral-style llama MoE, and the dense qwen3 and llama): any shape, random
+weights, a small real BPE vocabulary.
 
 Tensors are streamed to disk in chunks of random quant blocks (see `synth_blocks`), so a
 30B-A3B-shape Q4_0 model (~17 GB) is written at disk speed without holding it in memory. The
@@ -11,7 +11,8 @@ are not a multiple of 256. A model without MTP and without shared
 experts is a plain llama.cpp qwen3moe file; the MTP block and shared experts are extensions
 llama.cpp's qwen3moe loader does not read. A llama one (``arch = "llama"``: normal RoPE, no q/k norm,
 each expert ``llama.feed_forward_length`` wide) is a plain llama.cpp Mixtral-style file; it has
-neither extension.
+neither extension. ``num_experts = 0`` writes a dense model (``arch`` llama or qwen3) whose SwiGLU is
+``dense_ffn_size`` wide.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from strata.model.synth_mix import PRESETS as QUANT_PRESETS
 from strata.model.synth_mix import MixModel, preset_types
 from strata.model.synth_vocab import SynthVocab, build_vocab, train_tokenizer
 
-ARCHS = ("qwen3moe", "llama")
+ARCHS = ("qwen3moe", "qwen3", "llama")
 MAX_WORKERS = 16  # processes writing a large file's tensors (``--jobs``); past this the disk sets the pace
 PARALLEL_MIN_BYTES = 1 << 30  # smaller files are written by one process: spawning the others costs more
 ATTN_OUTPUT_SCALE = 0.25
@@ -74,36 +75,52 @@ class SynthShape:
     rms_norm_eps: float = 1e-6
     is_output_tied: bool = False
     arch: str = "qwen3moe"
+    dense_ffn_size: int = 0  # the SwiGLU's width where num_experts is 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
-            raise ValueError(f"synthetic models are {' or '.join(ARCHS)}, not {self.arch!r}")
-        if self.arch == "llama" and self.shared_expert_ffn_size:
-            raise ValueError("a synthetic llama model has no shared experts (llama.cpp's llama graph reads none): "
-                             "set shared_expert_ffn_size to 0, or use arch qwen3moe")
+            raise ValueError(f"synthetic models are {', '.join(ARCHS)}, not {self.arch!r}")
+        if self.arch != "qwen3moe" and self.shared_expert_ffn_size:
+            raise ValueError(f"a synthetic {self.arch} model has no shared experts (llama.cpp's {self.arch} graph "
+                             "reads none): set shared_expert_ffn_size to 0, or use arch qwen3moe")
+        is_dense_shape = self.num_experts == 0 and self.is_dense
+        is_llama_either = self.is_dense != bool(self.num_experts)
+        if (self.arch == "qwen3moe" and (self.is_dense or self.num_experts < 1)) or \
+                (self.arch == "qwen3" and not is_dense_shape) or (self.arch == "llama" and not is_llama_either):
+            raise ValueError(f"a synthetic {self.arch} model with {self.num_experts} experts and dense_ffn_size "
+                             f"{self.dense_ffn_size}: qwen3moe has experts, qwen3 is dense (0 experts and a "
+                             "dense_ffn_size), llama either")
         sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "int"}
-        bad = [f"{name}={value}" for name, value in sizes.items() if value < (0 if name.startswith("shared") else 1)]
+        may_be_zero = ("shared_expert_ffn_size", "dense_ffn_size", *(
+            ("num_experts", "num_experts_used", "expert_ffn_size") if self.is_dense else ()))
+        bad = [f"{name}={value}" for name, value in sizes.items() if value < (0 if name in may_be_zero else 1)]
         if bad:
             raise ValueError(f"synthetic shape needs positive sizes, got {', '.join(bad)}")
-        if self.num_heads % self.num_kv_heads or self.num_experts_used > self.num_experts or self.head_dim % 2:
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2 or (
+                not self.is_dense and self.num_experts_used > self.num_experts):
             raise ValueError(
                 f"synthetic shape: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads}), num_experts_used ({self.num_experts_used}) at most num_experts "
                 f"({self.num_experts}), head_dim ({self.head_dim}) even"
             )
 
+    @property
+    def is_dense(self) -> bool:
+        return self.dense_ffn_size > 0
+
     def spec(self, with_mtp: bool = False) -> ModelSpec:
         """The spec the loader will build from the written file."""
-        is_qwen3moe = self.arch == "qwen3moe"
+        is_qwen3, is_dense = self.arch != "llama", self.is_dense
         return ModelSpec(
             arch=self.arch, num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, num_rope_dims=self.head_dim,
             vocab_size=self.vocab_size, context_length=self.context_length, rope_theta=float(self.rope_theta),
-            is_rope_neox=is_qwen3moe, rms_norm_eps=float(np.float32(self.rms_norm_eps)), dense_ffn_size=0,
-            num_experts=self.num_experts, num_experts_used=self.num_experts_used,
-            expert_ffn_size=self.expert_ffn_size, shared_expert_ffn_size=self.shared_expert_ffn_size,
-            has_shared_expert_gate=self.shared_expert_ffn_size > 0, is_expert_weights_normalized=True,
-            has_qk_norm=is_qwen3moe, is_output_tied=self.is_output_tied, num_nextn_layers=int(with_mtp),
+            is_rope_neox=is_qwen3, rms_norm_eps=float(np.float32(self.rms_norm_eps)),
+            dense_ffn_size=self.dense_ffn_size, num_experts=0 if is_dense else self.num_experts,
+            num_experts_used=0 if is_dense else self.num_experts_used,
+            expert_ffn_size=0 if is_dense else self.expert_ffn_size, shared_expert_ffn_size=self.shared_expert_ffn_size,
+            has_shared_expert_gate=self.shared_expert_ffn_size > 0, is_expert_weights_normalized=not is_dense,
+            has_qk_norm=is_qwen3, is_output_tied=self.is_output_tied, num_nextn_layers=int(with_mtp),
         )
 
 
@@ -115,6 +132,9 @@ PRESETS: dict[str, SynthShape] = {
     "tiny-llama": SynthShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
                              num_experts_used=2, expert_ffn_size=32, vocab_size=512, context_length=4096,
                              arch="llama"),
+    "tiny-qwen3": SynthShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=0,
+                             num_experts_used=0, expert_ffn_size=0, vocab_size=512, context_length=4096,
+                             arch="qwen3", dense_ffn_size=96),
     "mixtral-8x7b": SynthShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                                num_experts=8, num_experts_used=2, expert_ffn_size=14336, vocab_size=32000,
                                context_length=32768, rms_norm_eps=1e-5, arch="llama"),
@@ -297,7 +317,8 @@ def _layer_index(name: str) -> int:
 
 def _add_metadata(writer: GGUFWriter, shape: SynthShape, spec: ModelSpec, file_type: LlamaFileType,
                   vocab: SynthVocab) -> None:
-    writer.add_name(f"synthetic {spec.arch} {spec.num_layers}x{spec.num_experts}x{spec.expert_ffn_size}")
+    size = f"{spec.num_experts}x{spec.expert_ffn_size}" if spec.is_moe else f"{spec.dense_ffn_size}"
+    writer.add_name(f"synthetic {spec.arch} {spec.num_layers}x{size}")
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(2)
     writer.add_block_count(spec.num_layers + spec.num_nextn_layers)
@@ -305,15 +326,17 @@ def _add_metadata(writer: GGUFWriter, shape: SynthShape, spec: ModelSpec, file_t
     writer.add_embedding_length(spec.hidden_size)
     # llama.cpp's llama reads an expert's width from feed_forward_length; qwen3moe from its own key
     is_qwen3moe = spec.arch == "qwen3moe"
-    writer.add_feed_forward_length(spec.expert_ffn_size * (spec.num_experts_used if is_qwen3moe else 1))
+    writer.add_feed_forward_length(spec.dense_ffn_size or
+                                   spec.expert_ffn_size * (spec.num_experts_used if is_qwen3moe else 1))
     writer.add_head_count(spec.num_heads)
     writer.add_head_count_kv(spec.num_kv_heads)
     writer.add_key_length(spec.head_dim)
     writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
-    writer.add_expert_count(spec.num_experts)
-    writer.add_expert_used_count(spec.num_experts_used)
+    if spec.is_moe:
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.num_experts_used)
     if is_qwen3moe:
         writer.add_expert_feed_forward_length(spec.expert_ffn_size)
     if spec.shared_expert_ffn_size:
@@ -343,7 +366,7 @@ _SHAPE_FLAGS = {  # flag -> SynthShape field
     "layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
     "head_dim": "head_dim", "experts": "num_experts", "experts_used": "num_experts_used",
     "expert_ffn": "expert_ffn_size", "shared_expert_ffn": "shared_expert_ffn_size", "vocab": "vocab_size",
-    "context": "context_length",
+    "context": "context_length", "dense_ffn": "dense_ffn_size",
 }
 
 
@@ -394,6 +417,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {path}: {size} in {seconds:.1f} s ({num_bytes / 1e6 / seconds:.0f} MB/s), "
           f"{shape.num_layers} layers{' + MTP' if args.mtp else ''}, {type_name}, seed {args.seed}")
     if not args.check:
+        return 0
+    if shape.is_dense:
+        print("--check: a dense model has no routing to check")
         return 0
     model = open_gguf(path)
     counts = routing_histogram(model, sample_prompt_tokens(shape.vocab_size))

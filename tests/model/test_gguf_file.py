@@ -199,7 +199,7 @@ def test_truncated_header(tiny_path, tmp_path):
 
 def test_unsupported_architecture(tiny_path, tmp_path):
     bad = _rewrite(tiny_path, tmp_path / "arch.gguf", arch="mamba")
-    _raises(bad, "general.architecture", "'mamba'", "supported: qwen3moe, llama")
+    _raises(bad, "general.architecture", "'mamba'", "supported: qwen3moe, qwen3, llama")
 
 
 def test_unsupported_quant_type_names_the_tensor(tiny_path, tmp_path):
@@ -240,6 +240,19 @@ def test_a_qwen3moe_file_still_needs_experts_and_a_llama_one_reads_its_width_fro
     _raises(bad, "key llama.feed_forward_length is 0, expected > 0")
     bad = _rewrite(llama, tmp_path / "wide.gguf", set_keys={"llama.feed_forward_length": 48})
     _raises(bad, "tensor blk.0.ffn_down_exps.weight has shape [8, 64, 32], expected [8, 64, 48]")
+
+
+def test_a_qwen3_file_is_dense_with_the_qwen3moe_attention(tmp_path):
+    path = write_synthetic_model(tmp_path / "qwen3.gguf", PRESETS["tiny-qwen3"], Q.Q4_0, seed=1)
+    spec = open_gguf(path).spec
+    assert (spec.arch, spec.num_experts, spec.dense_ffn_size) == ("qwen3", 0, 96)
+    assert spec.is_rope_neox and spec.has_qk_norm
+    required, optional = tensor_shapes(spec)
+    assert not (set(required) | set(optional)) - _llama_cpp_names(spec.num_layers)
+    # a qwen3moe file relabelled qwen3: its experts name the architecture it should say
+    moe = write_synthetic_model(tmp_path / "moe.gguf", TINY, Q.Q4_0, seed=1)
+    _raises(_rewrite(moe, tmp_path / "qwen3-moe.gguf", arch="qwen3"),
+            "key qwen3.expert_count is 8, expected absent or 0", "qwen3moe file")
 
 
 def test_missing_metadata_key(tiny_path, tmp_path):

@@ -71,12 +71,30 @@ def test_a_llama_preset_is_a_mixtral_style_file_as_llama_cpp_reads_it(tmp_path):
     assert model.tensors["blk.1.ffn_down_exps.weight"].shape == (8, 64, 32)
 
 
+def test_dense_shapes_write_qwen3_and_llama_files(tmp_path, capsys):
+    model = open_gguf(write_synthetic_model(tmp_path / "q.gguf", PRESETS["tiny-qwen3"], Q.Q4_0, seed=0))
+    assert model.spec == PRESETS["tiny-qwen3"].spec() and model.metadata["qwen3.feed_forward_length"] == 96
+    assert "qwen3.expert_count" not in model.metadata and model.tensors["blk.1.ffn_down.weight"].shape == (64, 96)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "llama.gguf"
+    assert run(parser.parse_args([str(out), "--arch", "llama", "--experts", "0", "--dense-ffn", "64", "--check"])) == 0
+    assert "a dense model has no routing to check" in capsys.readouterr().out
+    spec = open_gguf(out).spec
+    assert (spec.arch, spec.is_moe, spec.dense_ffn_size, spec.has_qk_norm) == ("llama", False, 64, False)
+    for arch, experts, dense in (("qwen3", 8, 0), ("qwen3", 0, 0), ("qwen3moe", 8, 96), ("llama", 0, 0),
+                                 ("llama", 8, 96)):
+        with pytest.raises(ValueError, match=f"a synthetic {arch} model with {experts} experts and dense_ffn_size "
+                                             f"{dense}: qwen3moe has experts, qwen3 is dense"):
+            dataclasses.replace(TINY, arch=arch, num_experts=experts, dense_ffn_size=dense)
+
+
 def test_a_llama_shape_refuses_what_llama_cpp_would_not_read(tmp_path):
     with pytest.raises(ValueError, match="a synthetic llama model has no shared experts"):
         dataclasses.replace(PRESETS["tiny-llama"], shared_expert_ffn_size=16)
     with pytest.raises(ValueError, match="the MTP \\(nextn\\) block is a qwen3moe extension"):
         write_synthetic_model(tmp_path / "m.gguf", PRESETS["tiny-llama"], Q.Q4_0, seed=0, with_mtp=True)
-    with pytest.raises(ValueError, match="synthetic models are qwen3moe or llama, not 'mamba'"):
+    with pytest.raises(ValueError, match="synthetic models are qwen3moe, qwen3, llama, not 'mamba'"):
         dataclasses.replace(TINY, arch="mamba")
     assert not (tmp_path / "m.gguf").exists()
 

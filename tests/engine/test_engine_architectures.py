@@ -1,6 +1,6 @@
-"""A Mixtral-style llama MoE model (normal RoPE, no q/k norm, top-2 of 8 experts) through the whole engine:
-on numpy while prefill streams and decode evicts, from its expert pack, and on the Numba
-kernels (the simulator in CI, the GPU where there is one)."""
+"""The architectures beside qwen3moe through the whole engine: a Mixtral-style llama MoE model (normal RoPE,
+no q/k norm, top-2 of 8 experts) on numpy while prefill streams and decode evicts and from its expert pack,
+and a dense qwen3 one; both on the Numba kernels (the simulator in CI, the GPU where there is one)."""
 
 import dataclasses
 
@@ -13,7 +13,7 @@ from numba import config as numba_config
 from strata.backend.select import has_cuda_device
 from strata.engine.facade import Engine
 from strata.model.gguf_file import open_gguf
-from strata.model.synth import write_synthetic_model
+from strata.model.synth import PRESETS, write_synthetic_model
 
 # 32 experts of 442 KiB (14 MiB) in 4 layers
 SMALL_LLAMA_MOE = dataclasses.replace(SMALL_MOE, num_layers=4, hidden_size=256, num_experts=8, num_experts_used=2,
@@ -64,12 +64,30 @@ def test_the_expert_pack_keeps_the_output(llama_path, expected, tmp_path):
     assert greedy(engine, PROMPT, 12)[0] == expected
 
 
+def test_a_dense_qwen3_model_gives_the_reference_output(tmp_path):
+    path = write_synthetic_model(tmp_path / "qwen3.gguf", dataclasses.replace(PRESETS["tiny-qwen3"], num_layers=3),
+                                 QType.Q4_K, seed=8)
+    spec = open_gguf(path).spec
+    assert (spec.arch, spec.is_moe, spec.is_rope_neox, spec.has_qk_norm) == ("qwen3", False, True, True)
+    prompt = [t % 500 for t in PROMPT]
+    engine = Engine.load(engine_config(path, planner={"max_chunk_tokens": 32}), show_progress=False)
+    tokens, stats = greedy(engine, prompt, 12)
+    assert tokens == reference_greedy(path, prompt, 12) and stats.num_chunks == 3
+    assert engine.cache is None or engine.cache.num_slots == 0
+
+
 @pytest.mark.skipif(GPU_BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,
                     reason="no GPU, and the CUDA simulator is off (NUMBA_ENABLE_CUDASIM=1)")
-def test_greedy_output_on_the_kernels_equals_the_reference_in_two_chunks(tmp_path):
+@pytest.mark.parametrize("arch", ["llama-moe", "qwen3-dense"])
+def test_greedy_output_on_the_kernels_equals_the_reference_in_two_chunks(tmp_path, arch):
     # the simulator runs each thread in Python: its tiny model, a 20-token prompt and 2 tokens
-    shape = dataclasses.replace(SIMULATOR_TINY, arch="llama") if GPU_BACKEND == "cudasim" else SMALL_LLAMA_MOE
-    path = write_synthetic_model(tmp_path / "llama-moe.gguf", shape, QType.Q4_0, seed=6)
+    if arch == "llama-moe":
+        shape = dataclasses.replace(SIMULATOR_TINY, arch="llama") if GPU_BACKEND == "cudasim" else SMALL_LLAMA_MOE
+    else:
+        shape = PRESETS["tiny-qwen3"]
+        if GPU_BACKEND == "cudasim":
+            shape = dataclasses.replace(shape, vocab_size=SIMULATOR_TINY.vocab_size)
+    path = write_synthetic_model(tmp_path / f"{arch}.gguf", shape, QType.Q4_0, seed=6)
     prompt, num_generated = ([t % 250 for t in PROMPT[:20]], 2) if GPU_BACKEND == "cudasim" else (PROMPT, 12)
     runtime = {"backend": GPU_BACKEND, "vram_budget": "64MiB", "warmup": False}
     engine = Engine.load(engine_config(path, runtime=runtime, planner={"max_chunk_tokens": 16}), show_progress=False)
