@@ -20,7 +20,7 @@ from strata.engine.facade import Engine
 from strata.engine.memory.expert_pack import HEADER_BYTES
 from strata.engine.planning.planner import CacheState
 from strata.errors import ModelFormatError, StaleExpertPackError
-from strata.model.synth import PRESETS, write_synthetic_model
+from strata.model.synth import PRESETS, with_overrides, write_synthetic_model
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_PLUGINS = ["loan_mtp", "loan_head", "retain_startup_chunk", "repeat_loan"]
@@ -347,3 +347,17 @@ def test_a_mixtral_shaped_model_plans_long_chunks_with_a_ring_of_what_fits(tmp_p
     assert plan and int(plan[1].replace(",", "")) >= 4096 and 1 <= int(plan[2]) <= 8, out
     slot_mib = float(re.search(r"ring \d+ × ([\d.]+) MiB", out)[1])
     assert 100 < slot_mib < 120
+
+
+def test_a_dense_model_past_the_budget_is_refused_naming_its_weights(tmp_path, capsys):
+    # a Qwen3-32B-shaped dense file: no experts stream, so its 18 GiB of weights must fit the budget
+    shape = with_overrides(PRESETS["tiny-qwen3"], num_layers=64, hidden_size=5120, num_heads=64, num_kv_heads=8,
+                           head_dim=128, dense_ffn_size=25600, vocab_size=151936, context_length=40960)
+    model = write_synthetic_model(tmp_path / "qwen3-32b.gguf", shape, "Q4_K_M", seed=0, is_header_only=True)
+    text = re.sub(r'(?m)^path = ".*"$', f'path = "{model}"', (REPO / "configs" / "bench-h200-no-mtp.toml").read_text())
+    config = tmp_path / "dense.toml"
+    config.write_text(re.sub(r'(?m)^expert_pack = ".*"$', "", text))
+    assert main(["--config", str(config), "check"]) == 2
+    error = capsys.readouterr().err
+    assert "runtime.vram_budget = 8.00 GiB cannot hold this model: dense weights 18232 MiB" in error
+    assert "cache segment" not in error and "raise runtime.vram_budget" in error

@@ -93,7 +93,8 @@ def plan_placement(config: Config, model: GgufModel, layout: ExpertLayout | None
             f"{dense / 2**20:.0f} MiB, output head {head / 2**20:.0f} MiB, KV cache {kv_bytes / 2**20:.0f} MiB "
             f"({kv_cells} cells of {rt.kv_type}{_staging_note(kv_staging)}), "
             f"MTP {(mtp_head + mtp_experts + mtp_kv) / 2**20:.0f} MiB, smallest prefill "
-            f"workspace {smallest / 2**20:.0f} MiB, one {rt.vmm_segment_bytes >> 20} MiB cache segment; raise "
+            f"workspace {smallest / 2**20:.0f} MiB"
+            f"{f', one {rt.vmm_segment_bytes >> 20} MiB cache segment' if layout else ''}; raise "
             "runtime.vram_budget, lower runtime.kv_resident_cells or use a smaller runtime.kv_type"
         )
     cache_base = cache_base // rt.vmm_segment_bytes * rt.vmm_segment_bytes if layout else 0
