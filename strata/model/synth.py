@@ -375,7 +375,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="base shape (default tiny); the size flags below override its fields")
     parser.add_argument("--arch", choices=ARCHS, default=None,
-                        help="qwen3moe, or llama (Mixtral-style: normal RoPE, no q/k norm); default the preset's")
+                        help="qwen3moe; qwen3 (dense: --experts 0 --dense-ffn N); or llama (normal RoPE, no q/k norm: "
+                             "Mixtral-style MoE, or dense with --experts 0 --dense-ffn N); default the preset's")
     for flag, field in _SHAPE_FLAGS.items():
         parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, metavar="N", help=field)
     parser.add_argument("--qtype", default="Q4_0",
@@ -391,7 +392,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"over {PARALLEL_MIN_BYTES >> 30} GiB; else 1); the bytes do not depend on it")
     parser.add_argument("--check", action="store_true",
                         help="load the file back and print the routing histogram of a sample prompt; "
-                             "exit 1 if routing collapses onto a few experts")
+                             "exit 1 if routing collapses onto a few experts (a dense model: load it back only)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -418,10 +419,10 @@ def run(args: argparse.Namespace) -> int:
           f"{shape.num_layers} layers{' + MTP' if args.mtp else ''}, {type_name}, seed {args.seed}")
     if not args.check:
         return 0
-    if shape.is_dense:
-        print("--check: a dense model has no routing to check")
-        return 0
     model = open_gguf(path)
+    if shape.is_dense:
+        print(f"--check: {path} loads back as a dense {model.spec.arch} model; it has no routing to check")
+        return 0
     counts = routing_histogram(model, sample_prompt_tokens(shape.vocab_size))
     print(format_histogram(counts, shape.num_experts_used))
     return 0 if is_spread(counts, shape.num_experts_used) else 1

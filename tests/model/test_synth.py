@@ -79,7 +79,7 @@ def test_dense_shapes_write_qwen3_and_llama_files(tmp_path, capsys):
     add_arguments(parser)
     out = tmp_path / "llama.gguf"
     assert run(parser.parse_args([str(out), "--arch", "llama", "--experts", "0", "--dense-ffn", "64", "--check"])) == 0
-    assert "a dense model has no routing to check" in capsys.readouterr().out
+    assert "loads back as a dense llama model; it has no routing to check" in capsys.readouterr().out
     spec = open_gguf(out).spec
     assert (spec.arch, spec.is_moe, spec.dense_ffn_size, spec.has_qk_norm) == ("llama", False, 64, False)
     for arch, experts, dense in (("qwen3", 8, 0), ("qwen3", 0, 0), ("qwen3moe", 8, 96), ("llama", 0, 0),

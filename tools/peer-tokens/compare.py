@@ -26,8 +26,8 @@ SEPARATOR = "\n__ggml_vocab_test__\n"
 def inputs_of(directory: Path) -> list[str]:
     texts = []
     for path in sorted(directory.glob("*.inp")):
-        texts += path.read_text(encoding="utf-8").split(SEPARATOR)
-    texts += [path.read_text(encoding="utf-8") for path in sorted(directory.glob("*.txt"))]
+        texts += path.read_bytes().decode("utf-8").split(SEPARATOR)  # as bytes: a \r stays a \r
+    texts += [path.read_bytes().decode("utf-8") for path in sorted(directory.glob("*.txt"))]
     return list(dict.fromkeys(t for t in texts if t))
 
 
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     texts = inputs_of(inputs_dir)
     joined = out_dir / "inputs.txt"
-    joined.write_text(SEPARATOR.join(texts), encoding="utf-8")
+    joined.write_bytes(SEPARATOR.join(texts).encode("utf-8"))
     from strata.model.pretokenize import PRE_TOKENIZERS
 
     names = argv[4:] or sorted(PRE_TOKENIZERS)
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
         except ModelFormatError:
             print(f"| {name} | refused by Strata | |")
             continue
-        ours = [tokenizer.encode(text, add_bos=False) for text in texts]
+        ours = [tokenizer.encode(text, add_bos=False, add_eos=False) for text in texts]
         differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
         first = repr(texts[differ[0]][:40]) if differ else ""
         print(f"| {name} | {len(texts) - len(differ)}/{len(texts)} | {first} |")

@@ -20,13 +20,14 @@ python=${PYTHON:-python3}
 if [ ! -f "$out/build/bin/libllama.so" ]; then
   cmake -S "$src" -B "$out/build" -DGGML_CUDA=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF \
-    -DLLAMA_BUILD_COMMON=OFF > "$out/cmake.log"
-  cmake --build "$out/build" -j "$(nproc)" --target llama > "$out/build.log"
+    -DLLAMA_BUILD_COMMON=OFF > "$out/cmake.log" 2>&1
+  cmake --build "$out/build" -j "$(nproc)" --target llama > "$out/build.log" 2>&1
 fi
 g++ -std=c++17 -O2 -I "$src/include" -I "$src/ggml/include" "$here/tokenize.cpp" -o "$out/tokenize" \
   -L "$out/build/bin" -lllama -lggml -lggml-base -Wl,-rpath,"$out/build/bin"
-mkdir -p "$inputs"
-cp "$3"/*.inp "$3"/*.txt "$inputs"/ 2>/dev/null || true
+[ -d "$3" ] || { echo "$3 is not a folder of .inp / .txt inputs" >&2; exit 2; }
+rm -rf "$inputs" && mkdir -p "$inputs"
+for file in "$3"/*.inp "$3"/*.txt; do [ -f "$file" ] && cp "$file" "$inputs"/; done
 cp "$here/inputs.inp" "$inputs"/
 shift 4
 "$python" "$here/compare.py" "$out/tokenize" "$vocab" "$inputs" "$out" "$@"
