@@ -65,7 +65,8 @@ def test_a_llama_preset_is_a_mixtral_style_file_as_llama_cpp_reads_it(tmp_path):
     model = open_gguf(write_synthetic_model(tmp_path / "l.gguf", shape, Q.Q4_0, seed=0))
     assert model.spec == shape.spec() and model.metadata["general.architecture"] == "llama"
     # llama.cpp's llama graph takes an expert's width from feed_forward_length (its n_ff)
-    assert model.metadata["llama.feed_forward_length"] == 32 and "llama.expert_feed_forward_length" not in model.metadata
+    assert model.metadata["llama.feed_forward_length"] == 32
+    assert "llama.expert_feed_forward_length" not in model.metadata
     assert model.metadata["llama.expert_count"] == 8 and model.metadata["llama.expert_used_count"] == 2
     assert "blk.0.attn_q_norm.weight" not in model.tensors
     assert model.tensors["blk.1.ffn_down_exps.weight"].shape == (8, 64, 32)
