@@ -14,6 +14,7 @@ import math
 import re
 from typing import Any, Literal, Mapping
 
+from strata.engine import sampling
 from strata.serve.errors import bad_request, invalid_type, short_repr
 
 Kind = Literal["completion", "chat"]
@@ -23,7 +24,8 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 65_536
 MAX_SEED = 2**64 - 1
 MAX_TOKENS = 2**31 - 1  # past any context; a larger count is refused by its value, not quoted whole
-MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # the OpenAI API's limits: top_logprobs, and the legacy logprobs
+# the OpenAI API's limits: chat's top_logprobs (the engine's own), and the legacy completions' logprobs
+MAX_TOP_LOGPROBS = {"chat": sampling.MAX_TOP_LOGPROBS, "completion": 5}
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also takes "²" and "١"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",

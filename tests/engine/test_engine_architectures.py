@@ -73,7 +73,7 @@ def test_a_dense_qwen3_model_gives_the_reference_output(tmp_path):
     engine = Engine.load(engine_config(path, planner={"max_chunk_tokens": 32}), show_progress=False)
     tokens, stats = greedy(engine, prompt, 12)
     assert tokens == reference_greedy(path, prompt, 12) and stats.num_chunks == 3
-    assert engine.cache is None or engine.cache.num_slots == 0
+    assert engine.cache is None  # no experts: nothing to cache or stream
 
 
 @pytest.mark.skipif(GPU_BACKEND == "cudasim" and not numba_config.ENABLE_CUDASIM,

@@ -9,7 +9,7 @@ from numba import config as numba_config
 
 from strata.backend.select import has_cuda_device
 from strata.engine.facade import Engine
-from strata.engine.sampling import SamplingParams, token_logprobs
+from strata.engine.sampling import SamplingParams, TokenLogprobs, token_logprobs
 from strata.errors import ConfigError
 from strata.model.gguf_file import open_gguf
 from strata.model.reference import KVCache, ReferenceModel
@@ -47,7 +47,7 @@ def test_token_logprobs_are_the_log_softmax_with_the_most_likely_first_lower_ids
     assert picked.logprob == pytest.approx(-log_z)
     assert [i for i, _ in picked.top] == [1, 3] and picked.top[0][1] == pytest.approx(3.0 - log_z)
     assert [i for i, _ in token_logprobs(logits, 0, 9).top] == [1, 3, 4, 0, 2, 5]  # all of them, -inf last
-    assert token_logprobs(logits, 5, 0) == token_logprobs(logits, 5, 0) and token_logprobs(logits, 5, 0).top == ()
+    assert token_logprobs(logits, 5, 0) == TokenLogprobs(-np.inf)  # a banned token; no alternatives asked for
     with pytest.raises(ConfigError, match=r"num_logprobs must be null or an integer in \[0, 20\], got 21"):
         SamplingParams(num_logprobs=21)
 
