@@ -24,7 +24,7 @@ from strata.serve import sse
 from strata.serve.body import read_json_object, require_json_content_type
 from strata.serve.errors import ApiError, bad_request, busy, model_not_found
 from strata.serve.middleware import RECEIVED_AT_KEY
-from strata.serve.responses import ResponseShapes
+from strata.serve.responses import PickLog, ResponseShapes
 from strata.serve.schemas import Kind, parse_request
 from strata.serve.worker import (
     CLIENT_CLOSED,
@@ -130,17 +130,15 @@ async def _collect(channel: sse.JobChannel, first: tuple[str, Any], request_id: 
                    text_offset: int = 0) -> tuple[str, Any, list]:
     """(the text, the stats, each token's (id, log-probabilities, offset of its text) where the request asked
     for them); text_offset: the length of the text before the completion's (an echoed prompt)."""
-    parts, picks = [], []
+    parts, picks = [], PickLog(text_offset)
     kind, payload = first
     while kind == TOKEN:
-        if payload.logprobs is not None:
-            picks.append((payload.token_id, payload.logprobs, text_offset))
+        picks.add(payload)
         parts.append(payload.text)
-        text_offset += len(payload.text)
         kind, payload = await channel.get()
     if kind != DONE:
         raise to_api_error(payload, request_id)
-    return "".join(parts), payload, picks
+    return "".join(parts), payload, picks.take()
 
 
 async def _cancel_on_disconnect(request: Request, job: Job) -> None:

@@ -149,6 +149,24 @@ class ResponseShapes:
                 "system_fingerprint": None}
 
 
+class PickLog:
+    """The picks of a stream of token events, each with where its text starts in the choice's text (which
+    begins ``text_offset`` characters in: an echoed prompt); ``take`` hands over those gathered so far."""
+
+    def __init__(self, text_offset: int = 0):
+        self._picks: list[tuple[int, Any, int]] = []
+        self._text_offset = text_offset
+
+    def add(self, event: Any) -> None:
+        if event.logprobs is not None:
+            self._picks.append((event.token_id, event.logprobs, self._text_offset))
+        self._text_offset += len(event.text)
+
+    def take(self) -> list[tuple[int, Any, int]]:
+        picks, self._picks = self._picks, []
+        return picks
+
+
 def _finite(logprob: float) -> float:
     """A log-probability JSON can carry: LOWEST_LOGPROB for probability 0 (and for NaN, which only logits
     made infinite by an engine-wide bias could give)."""

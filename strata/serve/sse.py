@@ -13,7 +13,7 @@ import json
 from typing import Any, AsyncIterator
 
 from strata.serve.errors import ApiError
-from strata.serve.responses import ResponseShapes
+from strata.serve.responses import PickLog, ResponseShapes
 from strata.serve.telemetry import ServeTelemetry
 from strata.serve.worker import ERROR, TOKEN, Job
 
@@ -56,14 +56,11 @@ async def event_stream(channel: JobChannel, first: tuple[str, Any], job: Job, sh
         if echo_text:
             yield frame(shapes.text_chunk(echo_text))
         kind, payload = first
-        picks, text_offset = [], len(echo_text)
+        picks = PickLog(len(echo_text))
         while kind == TOKEN:
-            if payload.logprobs is not None:
-                picks.append((payload.token_id, payload.logprobs, text_offset))
-            text_offset += len(payload.text)
+            picks.add(payload)
             if payload.text:
-                yield frame(shapes.text_chunk(payload.text, picks))
-                picks = []
+                yield frame(shapes.text_chunk(payload.text, picks.take()))
             kind, payload = await channel.get()
         is_finished = True
         if kind == ERROR:
@@ -74,7 +71,7 @@ async def event_stream(channel: JobChannel, first: tuple[str, Any], job: Job, sh
             yield frame(error.body())
         else:
             telemetry.record_generation(payload)
-            yield frame(shapes.final_chunk(payload, picks))
+            yield frame(shapes.final_chunk(payload, picks.take()))
             if shapes.is_usage_streamed:
                 yield frame(shapes.usage_chunk(payload))
         yield DONE_FRAME
