@@ -1,4 +1,4 @@
-"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe|attention|decode|gemv]``.
+"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe|attention|decode|gemv|experts]``.
 
 The sweeps behind the defaults of ``gemm_config.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/performance-log.md): every MmaConfig main-loop variant on the MoE prefill
@@ -8,7 +8,8 @@ routed tokens (behind ``gemm_config.default_config()`` and ``default_down_config
 choice for the experts ``moe_rows`` serves, its kernels on 64-pair groups; every
 MmaAttentionConfig on causal prefill at 4k and 32k per KV format; the direct decode attention's
 launch shapes at positions 2k and 32k per KV format; and the native decode GEMVs' block shapes behind
-``gemv_native.LAYER_CONFIG`` / ``head_config``. Each line also reports the
+``gemv_native.LAYER_CONFIG`` / ``head_config``, and the decode expert kernels' launch shapes behind
+``gemv_native.EXPERTS_CONFIG`` (one token, and a verify step's five). Each line also reports the
 largest difference from a reference output (the GEMM, attention and GEMV sweeps) or from the first
 variant's output (the MoE sweep), so a fast but wrong variant shows. Needs a GPU with tensor cores.
 """
@@ -231,13 +232,14 @@ GEMV_SHAPES = (("Q4_0", 151936, 2048, "head"), ("Q8_0", 151936, 2048, "head"), (
 GEMV_BLOCKS = ((4, 1, 0), (4, 2, 0), (8, 1, 0), (8, 2, 0), (8, 4, 0), (16, 1, 0), (16, 2, 0), (8, 2, 2), (8, 2, 3),
                (8, 2, 4), (8, 2, 5), (8, 2, 6), (4, 2, 8), (8, 1, 8), (8, 4, 2), (16, 4, 1), (16, 2, 2), (8, 1, 4),
                (8, 4, 3), (8, 4, 4), (4, 4, 8), (16, 4, 2), (4, 4, 6), (16, 2, 1))
-EXPERT_BLOCKS = ((4, 8), (8, 8), (8, 16), (16, 16), (4, 32))  # (gate/up warps, down warps)
+# (gate/up warps, down warps, most blocks per SM or 0 for a warp a row)
+EXPERT_BLOCKS = ((16, 16, 0), (16, 16, 1), (16, 16, 2), (8, 8, 2), (8, 8, 3), (8, 8, 4), (8, 16, 2), (16, 8, 1),
+                 (4, 4, 4), (4, 4, 8))
 
 
 def gemv_sweep(timing) -> None:
-    """The native decode GEMVs' block shapes (gemv_native.NativeGemvConfig) at decode shapes, and the
-    expert kernels' block sizes on one token's top-8 of 128 Q4_0 experts; microseconds per launch
-    replayed in a CUDA graph, each line with its largest difference from the Numba kernel's output."""
+    """The native decode GEMVs' block shapes (gemv_native.NativeGemvConfig) at decode shapes; microseconds
+    per launch replayed in a CUDA graph, each line with its largest difference from the Numba kernel's output."""
     from numba import cuda
 
     from strata.bench import kernels as b
@@ -263,18 +265,47 @@ def gemv_sweep(timing) -> None:
 
             cap = f", at most {blocks_per_sm} blocks per SM" if blocks_per_sm else ""
             print(f"{label} {warps} warps x {rows_per_warp} rows{cap}: {_attempt(line)}", flush=True)
-    experts = b.make_experts(s, "Q4_0", rng)
-    x = b.device_randn((1, s.hidden), rng)
-    ids = cuda.to_device(rng.choice(s.num_experts, s.top_k, replace=False).astype(np.int32).reshape(1, -1))
-    weights = cuda.to_device(np.full((1, s.top_k), 1.0 / s.top_k, np.float32))
-    out, hidden = cuda.device_array((1, s.hidden), np.float32), cuda.device_array((s.top_k, s.ffn), np.float32)
-    for gate_up_warps, down_warps in EXPERT_BLOCKS:
-        def run(stream, gate_up_warps=gate_up_warps, down_warps=down_warps):
-            return gemv_native.moe_experts_native(x, ids, weights, *experts, out, hidden, warps=gate_up_warps,
-                                                  down_warps=down_warps, stream=stream)
 
-        print(f"experts Q4_0 top-{s.top_k}, {gate_up_warps} / {down_warps} warps: "
-              f"{_attempt(lambda run=run: f'{b.graph_ms(run, timing) * 1e3:7.1f} us')}", flush=True)
+
+def experts_sweep(timing) -> None:
+    """The decode expert kernels' launch shapes (gemv_native.ExpertsConfig) on top-8 of 128 Q4_0 experts, for
+    one token and for a verify step's five; microseconds per launch replayed in a CUDA graph, each line saying
+    whether its output has the first shape's bits."""
+    from numba import cuda
+
+    from strata.bench import kernels as b
+    from strata.gpu.kernels import gemv_native
+
+    s = b.QWEN3_30B
+    rng = np.random.default_rng(3)
+    experts = b.make_experts(s, "Q4_0", rng)
+    for num_tokens in (1, 5):  # a decode token; a verify step at depth 4
+        x = b.device_randn((num_tokens, s.hidden), rng)
+        ids = cuda.to_device(np.stack([rng.choice(s.num_experts, s.top_k, replace=False)
+                                       for _ in range(num_tokens)]).astype(np.int32))
+        weights = cuda.to_device(np.full((num_tokens, s.top_k), 1.0 / s.top_k, np.float32))
+        out = cuda.device_array((num_tokens, s.hidden), np.float32)
+        hidden = cuda.device_array((num_tokens * s.top_k, s.ffn), np.float32)
+        expected = None
+        for warps, down_warps, blocks_per_sm in EXPERT_BLOCKS:
+            config = gemv_native.ExpertsConfig(warps, down_warps, blocks_per_sm)
+
+            def run(stream, config=config):  # adds into out
+                return gemv_native.moe_experts_native(x, ids, weights, *experts, out, hidden, config=config,
+                                                      stream=stream)
+
+            def line(run=run):
+                nonlocal expected
+                ms = b.graph_ms(run, timing)
+                out.copy_to_device(np.zeros(out.shape, np.float32))
+                run(0)
+                got = out.copy_to_host()
+                expected = got if expected is None else expected
+                return f"{ms * 1e3:7.1f} us, equal to the first shape's: {np.array_equal(got, expected)}"
+
+            cap = f", at most {blocks_per_sm} blocks per SM" if blocks_per_sm else ", a warp a row"
+            print(f"experts Q4_0 top-{s.top_k}, {num_tokens} token(s), {warps} / {down_warps} warps{cap}: "
+                  f"{_attempt(line)}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -282,7 +313,8 @@ def main(argv=None) -> int:
     from strata.gpu.kernels import tensor_core
 
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("gemm", "moe", "attention", "decode", "gemv"), help="run one sweep")
+    parser.add_argument("--only", choices=("gemm", "moe", "attention", "decode", "gemv", "experts"),
+                        help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--match", default="", help="only the GEMM and MoE variants whose name contains this text")
     parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
@@ -297,7 +329,7 @@ def main(argv=None) -> int:
     timing = (2, args.repeats)
     print(f"# {code_identity()}", flush=True)
     sweeps = {"gemm": gemm_sweep, "moe": moe_sweep, "attention": attention_sweep, "decode": decode_sweep,
-              "gemv": gemv_sweep}
+              "gemv": gemv_sweep, "experts": experts_sweep}
     for name, sweep in sweeps.items():
         if args.only in (None, name):
             if name in ("gemm", "moe"):

@@ -179,6 +179,44 @@ def test_native_experts_match_the_reference_and_skip_missing_slots(fmts, ffn, to
     assert_close_to_scale(outs[0], outs[1], 2e-6)
 
 
+@needs_gpu
+@pytest.mark.parametrize("fmts", [("Q4_0", "Q4_0", "Q4_0"), ("Q4_K", "Q4_K", "Q6_K"), ("IQ3_XXS", "IQ3_XXS", "IQ4_XS")])
+def test_every_experts_launch_shape_gives_the_same_bits(fmts):
+    """A warp a row, one wave of looping blocks, and single-warp blocks that each loop over ~100 rows: a row's
+    sums are the same chain in every shape, for one token and for a verify step's five."""
+    num_slots, dim, ffn, top_k = 12, 512, 768, 8
+    (gate, up, down), _ = random_experts(fmts, num_slots, dim, ffn, seed=470)
+    rng = np.random.default_rng(471)
+    for num_tokens in (1, 5):
+        x = rng.standard_normal((num_tokens, dim)).astype(np.float32)
+        ids = np.stack([rng.choice(num_slots, top_k, replace=False) for _ in range(num_tokens)]).astype(np.int32)
+        ids[0, 3] = -1  # no such slot: nothing added
+        weights = rng.uniform(0.1, 1.0, (num_tokens, top_k)).astype(np.float32)
+        norm_weight = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+        outs = []
+        for config in (gemv_native.ExpertsConfig(blocks_per_sm=0), gemv_native.EXPERTS_CONFIG,
+                       gemv_native.ExpertsConfig(warps=1, down_warps=1, blocks_per_sm=1),
+                       gemv_native.ExpertsConfig(warps=4, down_warps=8, blocks_per_sm=3)):
+            out = dev(np.zeros((num_tokens, dim), np.float32))
+            hidden = dev(np.zeros((num_tokens * top_k, ffn), np.float32))
+            gemv_native.moe_experts_native(dev(x), dev(ids), dev(weights), gate, up, down, out, hidden,
+                                           norm_weight=dev(norm_weight), config=config)
+            outs.append(host(out))
+        for out in outs[1:]:
+            assert np.array_equal(out, outs[0])
+        one = dev(np.zeros((1, dim), np.float32))  # the first token alone: its bits in a five-token launch
+        gemv_native.moe_experts_native(dev(x[:1]), dev(ids[:1]), dev(weights[:1]), gate, up, down, one,
+                                       dev(np.zeros((top_k, ffn), np.float32)), norm_weight=dev(norm_weight))
+        assert np.array_equal(host(one)[0], outs[0][0])
+
+
+def test_experts_launch_shapes_are_checked():
+    with pytest.raises(ValueError, match="warps must be one of"):
+        gemv_native.ExpertsConfig(warps=3).validate()
+    with pytest.raises(ValueError, match="blocks_per_sm must be 0"):
+        gemv_native.ExpertsConfig(blocks_per_sm=-1).validate()
+
+
 def test_asking_for_the_native_path_where_it_cannot_run_names_the_fallback():
     w, values = random_matrix("Q4_1", 4, 256, seed=440)
     x = _x(256, 441)

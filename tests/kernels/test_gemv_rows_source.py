@@ -1,5 +1,5 @@
 """The C++ rows compile for every built format: cuda/gemv_rows.cu's own exports (one row of x, the experts'
-pair and down row, stacked and addressed) and what gemv_native appends to it for a launch of several rows
+gate/up pair and down loops, stacked and addressed) and what gemv_native appends to it for a launch of several rows
 of x (the simulator cannot link C++, so without a GPU nvcc checks the source, where it is installed)."""
 
 import shutil
@@ -44,9 +44,9 @@ def test_every_format_and_rows_shape_instantiates_for_several_rows_of_x(tmp_path
             assert f".func strata_gemv_loop_{suffix}_r{rows_per_warp}(" in ptx
             assert f".func strata_gemv_rows_{suffix}_r{rows_per_warp}(" in ptx
     for fmt in gemv_native.BUILT_EXPERT_FORMATS:
-        assert f".func strata_gemv_pair_{fmt.lower()}(" in ptx
-        assert f".func strata_down_row_{fmt.lower()}(" in ptx
-        assert f".func strata_gemv_pair_at_{fmt.lower()}(" in ptx  # the same over an address table (moe_addressed)
-        assert f".func strata_down_row_at_{fmt.lower()}(" in ptx
+        assert f".func strata_pair_loop_{fmt.lower()}(" in ptx
+        assert f".func strata_down_loop_{fmt.lower()}(" in ptx
+        assert f".func strata_pair_loop_at_{fmt.lower()}(" in ptx  # the same over an address table (moe_addressed)
+        assert f".func strata_down_loop_at_{fmt.lower()}(" in ptx
     assert set(gemv_native.FORMATS) <= set(gemv_native.BUILT_FORMATS)
     assert set(gemv_native.EXPERT_FORMATS) <= set(gemv_native.BUILT_EXPERT_FORMATS) <= set(gemv_native.BUILT_FORMATS)

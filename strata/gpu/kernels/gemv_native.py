@@ -22,10 +22,10 @@ kernels remain the path for the other formats, the simulator, and the reference 
 against (same roundings of x, sums in another order).
 
 Launch config: blocks of `warps` warps; gemv: grid ceil(N / (warps * rows_per_warp)), at most
-`blocks_per_sm` per SM when set (each block then loops over row groups); experts:
-gate/up grid (ceil(F / warps), T * k), a warp per (pair, output row) computing its gate and up rows;
-down grid (ceil(H / down_warps), T), a warp per output row over all k experts' chunks (a larger block,
-since each stages all k rows of the hidden activations).
+`blocks_per_sm` per SM when set (each block then loops over row groups); experts (ExpertsConfig):
+gate/up grid (blocks, T), each warp taking row pairs (one expert's gate and up rows) of its block's token
+in turn; down grid (blocks, T), each warp taking output rows over all k experts' chunks (a block stages
+all k rows of its token's hidden activations); blocks per token as the config caps them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from numba import cuda, types
 
 from . import tensor_core
 from ._common import ceil_div, is_c_contiguous, is_device_array, stand_in
-from .activation import device_silu_mul
 from .launcher import jit
 
 # every format cuda/gemv_rows.cu has rows for, and the expert formats of its gate/up pair and down row functions
@@ -504,26 +503,58 @@ def gemv_multi_native(ws: tuple, x, ys: tuple, *, norm_weight=None, eps: float =
     return ys[:num_outputs]
 
 
-def _declare_pair(fmt: str):
+def _declare_pair_loop(fmt: str):
     return tensor_core.declare(
-        f"strata_gemv_pair_{_suffix(fmt)}",
-        (tensor_core.FLOAT_PTR, *_PLANES, *_PLANES, _I64, *_STRIDES, tensor_core.FLOAT_PTR, tensor_core.INT32),
+        f"strata_pair_loop_{_suffix(fmt)}",
+        (tensor_core.FLOAT_PTR, *_PLANES, *_PLANES, tensor_core.INT32, *_STRIDES, _I32_PTR, tensor_core.INT32,
+         tensor_core.INT32, tensor_core.INT32, tensor_core.INT32, tensor_core.FLOAT_PTR, tensor_core.INT32),
         "gemv_rows.cu")
 
 
-def _declare_down(fmt: str):
+def _declare_down_loop(fmt: str):
     return tensor_core.declare(
-        f"strata_down_row_{_suffix(fmt)}",
-        (tensor_core.FLOAT_PTR, *_PLANES, _I32_PTR, tensor_core.FLOAT_PTR, tensor_core.INT32, tensor_core.INT32, _I64,
-         tensor_core.INT32, *_STRIDES, tensor_core.FLOAT_PTR, tensor_core.INT32, tensor_core.INT32),
+        f"strata_down_loop_{_suffix(fmt)}",
+        (tensor_core.FLOAT_PTR, *_PLANES, tensor_core.INT32, *_STRIDES, _I32_PTR, tensor_core.FLOAT_PTR,
+         tensor_core.INT32, tensor_core.INT32, tensor_core.INT32, tensor_core.INT32, tensor_core.FLOAT_PTR,
+         tensor_core.INT32, tensor_core.INT32),
         "gemv_rows.cu")
+
+
+class ExpertsConfig(NamedTuple):
+    """Launch shape of a decode step's routed experts: gate/up blocks of `warps` warps, down blocks of
+    `down_warps`, each block one token's. blocks_per_sm 0: a warp a row (gate/up: a row pair of one expert;
+    down: an output row over all k experts); else at most blocks_per_sm * SMs blocks for all tokens together,
+    each warp going on to further rows, loading the next row's quants while it multiplies the last (so that a
+    block stages and norms its activations once for many rows, and one wave of blocks covers the launch)."""
+    warps: int = 16
+    down_warps: int = 16
+    blocks_per_sm: int = 1
+
+    def validate(self) -> "ExpertsConfig":
+        for name, value in (("warps", self.warps), ("down_warps", self.down_warps)):
+            if value not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"{name} must be one of 1, 2, 4, 8, 16, 32, got {value}")
+        if self.blocks_per_sm < 0:
+            raise ValueError(f"blocks_per_sm must be 0 (a warp a row) or positive, got {self.blocks_per_sm}")
+        return self
+
+    def blocks_per_token(self, num_rows: int, warps: int, num_tokens: int) -> int:
+        """Blocks of one token's num_rows rows."""
+        blocks = ceil_div(num_rows, warps)
+        if self.blocks_per_sm:
+            blocks = min(blocks, max(1, ceil_div(self.blocks_per_sm * _num_sms(), num_tokens)))
+        return blocks
+
+
+# Measured on the H200: see docs/PERFORMANCE.md, "a token's routed experts" (graph-timed, one token's top-8 of 128).
+EXPERTS_CONFIG = ExpertsConfig()
 
 
 @functools.cache
 def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, warps: int, down_warps: int,
                     has_norm: bool):
     threads, down_threads = warps * _WARP, down_warps * _WARP
-    pair_fn, down_fn = _declare_pair(fmt_gate_up), _declare_down(fmt_down)
+    pair_fn, down_fn = _declare_pair_loop(fmt_gate_up), _declare_down_loop(fmt_down)
     stage_x = _stage_device(dim, threads, has_norm)
     stage_hidden = _stage_device(ffn, down_threads, False)
     ffi = tensor_core.ffi()
@@ -532,25 +563,16 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
 
     @jit
     def gate_up_kernel(x, norm_w, eps, ids, gq, gs, ge, uq, us, ue, words, halves, extra_bytes, num_slots, hidden):
-        tid = cuda.threadIdx.x
+        tid = cuda.threadIdx.x  # grid (B, T): warp w of block (b, t), token t's rows b * warps + w + i * B * warps
         red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
-        pair = cuda.blockIdx.y
-        token = pair // top_k
+        token = cuda.blockIdx.y
         stage_x(x, token, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
-        n = cuda.blockIdx.x * warps + tid // _WARP
-        slot = ids[token, pair % top_k]
-        if n < ffn:
-            if 0 <= slot < num_slots:
-                out = cuda.local.array(2, np.float32)
-                pair_fn(ffi.from_buffer(out), ffi.from_buffer(gq), ffi.from_buffer(gs), ffi.from_buffer(ge),
-                        ffi.from_buffer(uq), ffi.from_buffer(us), ffi.from_buffer(ue), slot * ffn + n, words, halves,
-                        extra_bytes, ffi.from_buffer(xs), dim)
-                if tid % _WARP == 0:
-                    hidden[pair, n] = device_silu_mul(out[0], out[1])
-            elif tid % _WARP == 0:  # no such expert (NaN logits): it contributes nothing
-                hidden[pair, n] = np.float32(0.0)
+        pair_fn(ffi.from_buffer(hidden[token * top_k]), ffi.from_buffer(gq), ffi.from_buffer(gs), ffi.from_buffer(ge),
+                ffi.from_buffer(uq), ffi.from_buffer(us), ffi.from_buffer(ue), num_slots, words, halves, extra_bytes,
+                ffi.from_buffer(ids[token]), top_k, ffn, cuda.blockIdx.x * warps + tid // _WARP,
+                cuda.gridDim.x * warps, ffi.from_buffer(xs), dim)
 
     @jit
     def down_kernel(hidden, ids, weights, dq, ds, de, words, halves, extra_bytes, num_slots, out):  # out [T, H] +=
@@ -560,14 +582,10 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
         for j in range(top_k):
             stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(0.0), xs, xs, j * hidden_stride, tid)
         cuda.syncthreads()
-        n = cuda.blockIdx.x * down_warps + tid // _WARP
-        if n < dim:
-            total = cuda.local.array(1, np.float32)
-            down_fn(ffi.from_buffer(total), ffi.from_buffer(dq), ffi.from_buffer(ds), ffi.from_buffer(de),
-                    ffi.from_buffer(ids[token]), ffi.from_buffer(weights[token]), top_k, num_slots, n, dim, words,
-                    halves, extra_bytes, ffi.from_buffer(xs), hidden_stride, ffn)
-            if tid % _WARP == 0:
-                out[token, n] += total[0]
+        down_fn(ffi.from_buffer(out[token]), ffi.from_buffer(dq), ffi.from_buffer(ds), ffi.from_buffer(de), num_slots,
+                words, halves, extra_bytes, ffi.from_buffer(ids[token]), ffi.from_buffer(weights[token]), top_k,
+                cuda.blockIdx.x * down_warps + tid // _WARP, cuda.gridDim.x * down_warps, dim, ffi.from_buffer(xs),
+                hidden_stride, ffn)
 
     return gate_up_kernel, down_kernel
 
@@ -580,21 +598,23 @@ def experts_supported(gate, up, down, top_k: int) -> bool:
 
 
 def moe_experts_native(x, ids, weights, gate, up, down, out, hidden, *, norm_weight=None, eps: float = 1e-6,
-                       warps: int = 16, down_warps: int = 16, stream=0):
+                       config: ExpertsConfig = EXPERTS_CONFIG, stream=0):
     """moe.moe_experts_decode's products through the linked C++ rows; the caller validated the inputs
-    and experts_supported(gate, up, down, top_k). The default block sizes were the fastest measured
-    on the H200 for one token's top-8 of 128 Q4_0 experts (19.9 us, against 21.6 with 8 warps)."""
+    and experts_supported(gate, up, down, top_k). A row's sums are the same whatever the config."""
+    config = config.validate()
     num_tokens, dim = x.shape
     top_k = ids.shape[1]
     ffn = hidden.shape[1]
     has_norm = norm_weight is not None
-    gate_up_kernel, down_kernel = _expert_kernels(gate.fmt, down.fmt, dim, ffn, top_k, warps, down_warps, has_norm)
+    gate_up_kernel, down_kernel = _expert_kernels(gate.fmt, down.fmt, dim, ffn, top_k, config.warps,
+                                                  config.down_warps, has_norm)
     num_slots = np.int32(gate.num_rows // ffn)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    threads = warps * _WARP
-    gate_up_kernel[(ceil_div(ffn, warps), num_tokens * top_k), threads, stream](
+    gate_up_blocks = config.blocks_per_token(top_k * ffn, config.warps, num_tokens)
+    gate_up_kernel[(gate_up_blocks, num_tokens), config.warps * _WARP, stream](
         x, norm_w, np.float32(eps), ids, gate.quants, gate.scales, gate.extra, up.quants, up.scales, up.extra,
         *_row_strides(gate), num_slots, hidden)
-    down_kernel[(ceil_div(dim, down_warps), num_tokens), down_warps * _WARP, stream](
+    down_blocks = config.blocks_per_token(dim, config.down_warps, num_tokens)
+    down_kernel[(down_blocks, num_tokens), config.down_warps * _WARP, stream](
         hidden, ids, weights, down.quants, down.scales, down.extra, *_row_strides(down), num_slots, out)
     return out

@@ -22,8 +22,7 @@ import numpy as np
 from numba import cuda, types
 
 from . import gemv_native, tensor_core
-from ._common import ceil_div, check_array, empty, stand_in, zeros
-from .activation import device_silu_mul
+from ._common import check_array, empty, stand_in, zeros
 from .launcher import jit
 from .packing import PackedMatrix
 
@@ -32,7 +31,7 @@ HOST_FLAG = PLANES_PER_EXPERT  # the column that says the planes are in host mem
 TABLE_COLUMNS = PLANES_PER_EXPERT + 1
 _WARP = 32
 _U64_PTR = types.CPointer(types.uint64)
-_I32, _I64 = tensor_core.INT32, types.int64
+_I32, _I32_PTR = tensor_core.INT32, types.CPointer(types.int32)
 _STRIDES = (_I32,) * 3
 
 
@@ -43,7 +42,7 @@ def can_address(gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, top_k:
 
 def moe_experts_addressed(x, ids, weights, table, gate: PackedMatrix, down: PackedMatrix, out, *,
                           norm_weight=None, eps: float = 1e-6, hidden=None, host_reads=None,
-                          warps: int = 16, down_warps: int = 16, stream=0):
+                          config: gemv_native.ExpertsConfig = gemv_native.EXPERTS_CONFIG, stream=0):
     """out [T, H] += the routed experts ``ids`` [T, k] (expert ids; one outside [0, N) adds nothing) weighted
     by ``weights`` [T, k], each expert's planes at ``table`` [N, TABLE_COLUMNS] uint64; x [T, H] float32
     (RMSNorm-ed here when norm_weight [H] is given). gate and down: stacks in the experts' formats and row
@@ -74,63 +73,60 @@ def moe_experts_addressed(x, ids, weights, table, gate: PackedMatrix, down: Pack
     if has_norm:
         check_array("norm_weight", norm_weight, dtypes=np.float32, shape=(dim,))
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    gate_up_kernel, down_kernel = _kernels(gate.fmt, down.fmt, dim, ffn, top_k, warps, down_warps, has_norm)
+    config = config.validate()
+    gate_up_kernel, down_kernel = _kernels(gate.fmt, down.fmt, dim, ffn, top_k, config.warps, config.down_warps,
+                                           has_norm)
     num_experts = np.int32(table.shape[0])
-    gate_up_kernel[(ceil_div(ffn, warps), num_tokens * top_k), warps * _WARP, stream](
+    gate_up_blocks = config.blocks_per_token(top_k * ffn, config.warps, num_tokens)
+    gate_up_kernel[(gate_up_blocks, num_tokens), config.warps * _WARP, stream](
         x, norm_w, np.float32(eps), ids, table, num_experts, *gemv_native._row_strides(gate), hidden, host_reads)
-    down_kernel[(ceil_div(dim, down_warps), num_tokens), down_warps * _WARP, stream](
+    down_blocks = config.blocks_per_token(dim, config.down_warps, num_tokens)
+    down_kernel[(down_blocks, num_tokens), config.down_warps * _WARP, stream](
         hidden, ids, weights, table, num_experts, *gemv_native._row_strides(down), out)
     return out
 
 
-def _declare_pair(fmt: str):
+def _declare_pair_loop(fmt: str):
     return tensor_core.declare(
-        f"strata_gemv_pair_at_{fmt.lower()}",
-        (tensor_core.FLOAT_PTR, _U64_PTR, _I64, *_STRIDES, tensor_core.FLOAT_PTR, _I32), "gemv_rows.cu")
+        f"strata_pair_loop_at_{fmt.lower()}",
+        (tensor_core.FLOAT_PTR, _U64_PTR, _I32, _I32, *_STRIDES, _I32_PTR, _I32, _I32, _I32, _I32,
+         tensor_core.FLOAT_PTR, _I32), "gemv_rows.cu")
 
 
-def _declare_down(fmt: str):
+def _declare_down_loop(fmt: str):
     return tensor_core.declare(
-        f"strata_down_row_at_{fmt.lower()}",
-        (tensor_core.FLOAT_PTR, _U64_PTR, _I32, _I32, types.CPointer(types.int32), tensor_core.FLOAT_PTR, _I32,
-         _I32, _I64, *_STRIDES, tensor_core.FLOAT_PTR, _I32, _I32), "gemv_rows.cu")
+        f"strata_down_loop_at_{fmt.lower()}",
+        (tensor_core.FLOAT_PTR, _U64_PTR, _I32, _I32, *_STRIDES, _I32_PTR, tensor_core.FLOAT_PTR, _I32, _I32, _I32,
+         _I32, tensor_core.FLOAT_PTR, _I32, _I32), "gemv_rows.cu")
 
 
 @functools.cache
 def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, warps: int, down_warps: int,
              has_norm: bool):
     threads, down_threads = warps * _WARP, down_warps * _WARP
-    pair_fn, down_fn = _declare_pair(fmt_gate_up), _declare_down(fmt_down)
+    pair_fn, down_fn = _declare_pair_loop(fmt_gate_up), _declare_down_loop(fmt_down)
     stage_x = gemv_native._stage_device(dim, threads, has_norm)
     stage_hidden = gemv_native._stage_device(ffn, down_threads, False)
     ffi = tensor_core.ffi()
     num_x, hidden_stride = gemv_native.x_floats(dim), gemv_native.x_floats(ffn)
     num_hidden_x = top_k * hidden_stride
-    columns, down_first = np.int32(TABLE_COLUMNS), np.int32(6)
+    columns = np.int32(TABLE_COLUMNS)
 
     @jit
     def gate_up_kernel(x, norm_w, eps, ids, table, num_experts, words, halves, extra_bytes, hidden, host_reads):
-        tid = cuda.threadIdx.x
+        tid = cuda.threadIdx.x  # grid (blocks, T), as gemv_native's experts
         red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
-        pair = cuda.blockIdx.y
-        token = pair // top_k
+        token = cuda.blockIdx.y
+        if cuda.blockIdx.x == 0 and tid < top_k:  # one count a routed pair
+            expert = ids[token, tid]
+            if 0 <= expert < num_experts and table[expert, HOST_FLAG] != 0:
+                cuda.atomic.add(host_reads, 0, 1)
         stage_x(x, token, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
-        n = cuda.blockIdx.x * warps + tid // _WARP
-        expert = ids[token, pair % top_k]
-        is_expert = 0 <= expert < num_experts
-        if is_expert and cuda.blockIdx.x == 0 and tid == 0 and table[expert, HOST_FLAG] != 0:
-            cuda.atomic.add(host_reads, 0, 1)
-        if n < ffn:
-            if is_expert:
-                out = cuda.local.array(2, np.float32)
-                pair_fn(ffi.from_buffer(out), ffi.from_buffer(table[expert]), n, words, halves, extra_bytes,
-                        ffi.from_buffer(xs), dim)
-                if tid % _WARP == 0:
-                    hidden[pair, n] = device_silu_mul(out[0], out[1])
-            elif tid % _WARP == 0:  # no such expert (NaN logits): it contributes nothing
-                hidden[pair, n] = np.float32(0.0)
+        pair_fn(ffi.from_buffer(hidden[token * top_k]), ffi.from_buffer(table), columns, num_experts, words, halves,
+                extra_bytes, ffi.from_buffer(ids[token]), top_k, ffn, cuda.blockIdx.x * warps + tid // _WARP,
+                cuda.gridDim.x * warps, ffi.from_buffer(xs), dim)
 
     @jit
     def down_kernel(hidden, ids, weights, table, num_experts, words, halves, extra_bytes, out):  # out [T, H] +=
@@ -140,13 +136,9 @@ def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, wa
         for j in range(top_k):
             stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(0.0), xs, xs, j * hidden_stride, tid)
         cuda.syncthreads()
-        n = cuda.blockIdx.x * down_warps + tid // _WARP
-        if n < dim:
-            total = cuda.local.array(1, np.float32)
-            down_fn(ffi.from_buffer(total), ffi.from_buffer(table), columns, down_first, ffi.from_buffer(ids[token]),
-                    ffi.from_buffer(weights[token]), top_k, num_experts, n, words, halves, extra_bytes,
-                    ffi.from_buffer(xs), hidden_stride, ffn)
-            if tid % _WARP == 0:
-                out[token, n] += total[0]
+        down_fn(ffi.from_buffer(out[token]), ffi.from_buffer(table), columns, num_experts, words, halves, extra_bytes,
+                ffi.from_buffer(ids[token]), ffi.from_buffer(weights[token]), top_k,
+                cuda.blockIdx.x * down_warps + tid // _WARP, cuda.gridDim.x * down_warps, dim, ffi.from_buffer(xs),
+                hidden_stride, ffn)
 
     return gate_up_kernel, down_kernel

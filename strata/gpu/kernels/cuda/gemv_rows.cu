@@ -804,38 +804,132 @@ struct AddressPlanes {
   }
 };
 
-// Output row n of the routed experts' down projection: sum_e weight[e] * W_{ids[e]}[n] . x_e, the items of
-// all experts dealt to the lanes in turn. x_e = xs + e * x_stride. An id outside [0, num_experts) adds nothing.
+// silu(g) * u in float32, the operations of activation.device_silu_mul (exp of -|g| never overflows)
+__device__ __forceinline__ float silu_mul(float g, float u) {
+  const float e = expf(-fabsf(g));
+  const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+  return g * sigmoid * u;
+}
+
+// A token's routed experts' gate and up rows, and silu(gate . x) * (up . x) of each into hidden: rows j = j_begin,
+// j_begin + j_step, ... of the token's top_k * ffn (expert e = j / ffn, its row n = j % ffn; hidden[j]), x at xs.
+// Each step (a row pair, 32 * UNROLL of its items) loads the next step's items before it multiplies its own, as
+// rows_loop does, so that a warp that owns several rows keeps its loads in flight across them: a warp a pair with a
+// block a few pairs was one round trip of HBM latency per block wave. A pair's sums are rows_dot<F, 2, UNROLL, 1>'s
+// (each lane adds its items in increasing order). An id outside [0, num_experts) gives 0 (expert 0's rows are read).
 template <class F, int UNROLL, class Planes>
-__device__ __forceinline__ float down_row(const Planes& planes, const int* ids, const float* weights, int top_k,
-                                          long long n, const float* xs, int x_stride, int num_cols) {
+__device__ __forceinline__ void pair_loop(float* hidden, const Planes& gate, const Planes& up, const int* ids,
+                                          int top_k, int ffn, int j_begin, int j_step, const float* xs,
+                                          int num_cols) {
+  constexpr int CHUNK = 32 * UNROLL;
+  const int lane = threadIdx.x & 31;
+  const int num_items = F::items(num_cols), num_rows = top_k * ffn;
+  const u32 xs_shared = shared_address(xs);
+  auto expert_of = [&](int j) {
+    const int id = ids[j / ffn];
+    return id >= 0 && id < gate.num_experts ? id : -1;
+  };
+  auto load_step = [&](Item (&it)[UNROLL][2], int j, int i0) {
+    const int e = j / ffn, id = expert_of(j);
+    const RowPlanes rows[2] = {gate.row(id < 0 ? 0 : id, j - e * ffn), up.row(id < 0 ? 0 : id, j - e * ffn)};
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+        if (i0 + lane + 32 * u < num_items) it[u][r] = F::load(rows[r], i0 + lane + 32 * u);
+  };
+  int j = j_begin, i0 = 0;
+  if (j >= num_rows) return;
+  Item cur[UNROLL][2];
+  load_step(cur, j, 0);
+  float acc[1][2] = {{0.f, 0.f}};
+  for (;;) {
+    int next_j = j, next_i0 = i0 + CHUNK;
+    if (next_i0 >= num_items) {
+      next_i0 = 0;
+      next_j += j_step;
+    }
+    const bool has_next = next_j < num_rows;
+    Item next[UNROLL][2];
+    if (has_next) load_step(next, next_j, next_i0);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+      if (i0 + lane + 32 * u < num_items) F::template dot<2, 1>(cur[u], xs_shared, 0, i0 + lane + 32 * u, acc);
+    if (next_i0 == 0) {  // the pair's last step
+      const float g = warp_sum(acc[0][0]), u = warp_sum(acc[0][1]);
+      if (lane == 0) hidden[j] = expert_of(j) < 0 ? 0.f : silu_mul(g, u);
+      acc[0][0] = acc[0][1] = 0.f;
+    }
+    if (!has_next) break;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) cur[u][r] = next[u][r];
+    j = next_j;
+    i0 = next_i0;
+  }
+}
+
+// Output rows n = n_begin, n_begin + n_step, ... < num_rows of a token's routed experts' down projection, added to
+// out[n]: sum_e weight[e] * W_{ids[e]}[n] . x_e (x_e = xs + e * x_stride floats), a row's items of all experts dealt
+// to the lanes in turn as down_row deals them, each step loading the next step's items (the next row's, at a row's
+// end) before it multiplies its own. An id outside [0, num_experts) adds nothing.
+template <class F, int UNROLL, class Planes>
+__device__ __forceinline__ void down_loop(float* out, const Planes& planes, const int* ids, const float* weights,
+                                          int top_k, int n_begin, int n_step, int num_rows, const float* xs,
+                                          int x_stride, int num_cols) {
+  constexpr int CHUNK = 32 * UNROLL;
   const int lane = threadIdx.x & 31;
   const int per_row = F::items(num_cols), num_items = top_k * per_row;
   const u32 xs_shared = shared_address(xs);
-  float acc = 0.f;
-  int e = lane / per_row, i = lane % per_row;  // the item lane + 32 u of the flattened list
-  for (int i0 = lane; i0 < num_items; i0 += 32 * UNROLL) {
-    Item it[UNROLL][1];
-    int ee[UNROLL], ii[UNROLL];
-    bool ok[UNROLL];
+  // step (n, i0): lane's items i0 + lane + 32 u of row n's flattened list, expert e = item / per_row
+  auto load_step = [&](Item (&it)[UNROLL][1], bool (&ok)[UNROLL], int n, int i0) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      ee[u] = e;
-      ii[u] = i;
-      const int id = e < top_k ? ids[e] : -1;
-      ok[u] = i0 + 32 * u < num_items && id >= 0 && id < planes.num_experts;
-      if (ok[u]) it[u][0] = F::load(planes.row(id, n), i);
-      for (i += 32; i >= per_row; i -= per_row) ++e;
+      const int item = i0 + lane + 32 * u, e = item / per_row;
+      const int id = item < num_items ? ids[e] : -1;
+      ok[u] = id >= 0 && id < planes.num_experts;
+      if (ok[u]) it[u][0] = F::load(planes.row(id, n), item - e * per_row);
     }
+  };
+  int n = n_begin, i0 = 0;
+  if (n >= num_rows) return;
+  Item cur[UNROLL][1];
+  bool cur_ok[UNROLL];
+  load_step(cur, cur_ok, n, 0);
+  float acc = 0.f;
+  for (;;) {
+    int next_n = n, next_i0 = i0 + CHUNK;
+    if (next_i0 >= num_items) {
+      next_i0 = 0;
+      next_n += n_step;
+    }
+    const bool has_next = next_n < num_rows;
+    Item next[UNROLL][1];
+    bool next_ok[UNROLL];
+    if (has_next) load_step(next, next_ok, next_n, next_i0);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
-      if (ok[u]) {
+      if (cur_ok[u]) {
+        const int item = i0 + lane + 32 * u, e = item / per_row;
         float product[1][1] = {{0.f}};
-        F::template dot<1, 1>(it[u], xs_shared + 4 * ee[u] * x_stride, 0, ii[u], product);
-        acc += weights[ee[u]] * product[0][0];
+        F::template dot<1, 1>(cur[u], xs_shared + 4 * e * x_stride, 0, item - e * per_row, product);
+        acc += weights[e] * product[0][0];
       }
+    if (next_i0 == 0) {  // the row's last step
+      const float total = warp_sum(acc);
+      if (lane == 0) out[n] += total;
+      acc = 0.f;
+    }
+    if (!has_next) break;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      cur[u][0] = next[u][0];
+      cur_ok[u] = next_ok[u];
+    }
+    n = next_n;
+    i0 = next_i0;
   }
-  return warp_sum(acc);
 }
 
 }  // namespace
@@ -882,44 +976,43 @@ __device__ __forceinline__ float down_row(const Planes& planes, const int* ids, 
                                 halves_per_row, extra_per_row, xs, x_stride, num_cols, accumulate != 0);             \
   }
 
-#define STRATA_GEMV_PAIR(NAME, F)                                                                                    \
-  extern "C" __device__ void NAME(float* out, const u32* qa, const __half* sa, const u8* ea,                         \
-                                  const u32* qb, const __half* sb, const u8* eb, long long row,                      \
-                                  int words_per_row, int halves_per_row, int extra_per_row, const float* xs,         \
-                                  int num_cols) {                                                                    \
-    const RowPlanes rows[2] = {row_planes(qa, sa, ea, row, words_per_row, halves_per_row, extra_per_row),            \
-                               row_planes(qb, sb, eb, row, words_per_row, halves_per_row, extra_per_row)};           \
-    rows_dot<F, 2, 2, 1>(out, rows, xs, 0, num_cols);                                                             \
+// A token's experts as loops over rows (pair_loop, down_loop): stacked slots (SlotPlanes) or an address table
+// (AddressPlanes: the gate planes of an expert from column 0, up from 3, down from 6 of `stride`).
+#define STRATA_PAIR_LOOP(NAME, F)                                                                                    \
+  extern "C" __device__ void NAME(float* hidden, const u32* gq, const __half* gs, const u8* ge, const u32* uq,      \
+                                  const __half* us, const u8* ue, int num_slots, int words_per_row,                  \
+                                  int halves_per_row, int extra_per_row, const int* ids, int top_k, int ffn,         \
+                                  int j_begin, int j_step, const float* xs, int num_cols) {                          \
+    const SlotPlanes gate{gq, gs, ge, num_slots, ffn, words_per_row, halves_per_row, extra_per_row};                 \
+    const SlotPlanes up{uq, us, ue, num_slots, ffn, words_per_row, halves_per_row, extra_per_row};                   \
+    pair_loop<F, 2>(hidden, gate, up, ids, top_k, ffn, j_begin, j_step, xs, num_cols);                               \
   }
 
-#define STRATA_DOWN_ROW(NAME, F)                                                                                     \
+#define STRATA_DOWN_LOOP(NAME, F)                                                                                    \
   extern "C" __device__ void NAME(float* out, const u32* quants, const __half* scales, const u8* extra,              \
-                                  const int* slots, const float* weights, int top_k, int num_slots, long long n,     \
-                                  int dim, int words_per_row, int halves_per_row, int extra_per_row,                 \
+                                  int num_slots, int words_per_row, int halves_per_row, int extra_per_row,           \
+                                  const int* ids, const float* weights, int top_k, int n_begin, int n_step, int dim, \
                                   const float* xs, int x_stride, int num_cols) {                                     \
     const SlotPlanes planes{quants, scales, extra, num_slots, dim, words_per_row, halves_per_row, extra_per_row};   \
-    out[0] = down_row<F, 4>(planes, slots, weights, top_k, n, xs, x_stride, num_cols);                              \
+    down_loop<F, 4>(out, planes, ids, weights, top_k, n_begin, n_step, dim, xs, x_stride, num_cols);                 \
   }
 
-// The experts' products over an address table (AddressPlanes): `planes` is one expert's row of the table, its
-// gate planes first and its up planes next; the down row's table has `stride` addresses an expert, the
-// down planes from `first`.
-#define STRATA_GEMV_PAIR_AT(NAME, F)                                                                                 \
-  extern "C" __device__ void NAME(float* out, const unsigned long long* planes, long long row, int words_per_row,    \
-                                  int halves_per_row, int extra_per_row, const float* xs, int num_cols) {            \
-    const AddressPlanes gate{planes, 1, 0, 0, words_per_row, halves_per_row, extra_per_row};                         \
-    const AddressPlanes up{planes, 1, 0, 3, words_per_row, halves_per_row, extra_per_row};                           \
-    const RowPlanes rows[2] = {gate.row(0, row), up.row(0, row)};                                                    \
-    rows_dot<F, 2, 2, 1>(out, rows, xs, 0, num_cols);                                                             \
+#define STRATA_PAIR_LOOP_AT(NAME, F)                                                                                 \
+  extern "C" __device__ void NAME(float* hidden, const unsigned long long* table, int stride, int num_experts,      \
+                                  int words_per_row, int halves_per_row, int extra_per_row, const int* ids,          \
+                                  int top_k, int ffn, int j_begin, int j_step, const float* xs, int num_cols) {      \
+    const AddressPlanes gate{table, num_experts, stride, 0, words_per_row, halves_per_row, extra_per_row};           \
+    const AddressPlanes up{table, num_experts, stride, 3, words_per_row, halves_per_row, extra_per_row};             \
+    pair_loop<F, 2>(hidden, gate, up, ids, top_k, ffn, j_begin, j_step, xs, num_cols);                               \
   }
 
-#define STRATA_DOWN_ROW_AT(NAME, F)                                                                                  \
-  extern "C" __device__ void NAME(float* out, const unsigned long long* table, int stride, int first,               \
-                                  const int* ids, const float* weights, int top_k, int num_experts, long long n,     \
-                                  int words_per_row, int halves_per_row, int extra_per_row, const float* xs,         \
-                                  int x_stride, int num_cols) {                                                      \
-    const AddressPlanes planes{table, num_experts, stride, first, words_per_row, halves_per_row, extra_per_row};    \
-    out[0] = down_row<F, 4>(planes, ids, weights, top_k, n, xs, x_stride, num_cols);                                \
+#define STRATA_DOWN_LOOP_AT(NAME, F)                                                                                 \
+  extern "C" __device__ void NAME(float* out, const unsigned long long* table, int stride, int num_experts,         \
+                                  int words_per_row, int halves_per_row, int extra_per_row, const int* ids,          \
+                                  const float* weights, int top_k, int n_begin, int n_step, int dim,                 \
+                                  const float* xs, int x_stride, int num_cols) {                                     \
+    const AddressPlanes planes{table, num_experts, stride, 6, words_per_row, halves_per_row, extra_per_row};         \
+    down_loop<F, 4>(out, planes, ids, weights, top_k, n_begin, n_step, dim, xs, x_stride, num_cols);                 \
   }
 
 STRATA_GEMV_ROWS(strata_gemv_rows_q4_0_r1, Q40, 1, 2)
@@ -989,31 +1082,31 @@ STRATA_GEMV_LOOP(strata_gemv_loop_f32_r4, F32, 4, 2)
 STRATA_GEMV_LOOP(strata_gemv_loop_f16_r1, F16, 1, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f16_r2, F16, 2, 4)
 STRATA_GEMV_LOOP(strata_gemv_loop_f16_r4, F16, 4, 2)
-STRATA_GEMV_PAIR(strata_gemv_pair_q4_0, Q40)
-STRATA_GEMV_PAIR(strata_gemv_pair_q8_0, Q80)
-STRATA_GEMV_PAIR(strata_gemv_pair_q4_k, Q4K)
-STRATA_GEMV_PAIR(strata_gemv_pair_q5_k, Q5K)
-STRATA_GEMV_PAIR(strata_gemv_pair_q6_k, Q6K)
-STRATA_GEMV_PAIR(strata_gemv_pair_iq4_xs, IQ4XS)
-STRATA_GEMV_PAIR(strata_gemv_pair_iq3_xxs, IQ3XXS)
-STRATA_DOWN_ROW(strata_down_row_q4_0, Q40)
-STRATA_DOWN_ROW(strata_down_row_q8_0, Q80)
-STRATA_DOWN_ROW(strata_down_row_q4_k, Q4K)
-STRATA_DOWN_ROW(strata_down_row_q5_k, Q5K)
-STRATA_DOWN_ROW(strata_down_row_q6_k, Q6K)
-STRATA_DOWN_ROW(strata_down_row_iq4_xs, IQ4XS)
-STRATA_DOWN_ROW(strata_down_row_iq3_xxs, IQ3XXS)
-STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_q4_0, Q40)
-STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_q8_0, Q80)
-STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_q4_k, Q4K)
-STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_q5_k, Q5K)
-STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_q6_k, Q6K)
-STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_iq4_xs, IQ4XS)
-STRATA_GEMV_PAIR_AT(strata_gemv_pair_at_iq3_xxs, IQ3XXS)
-STRATA_DOWN_ROW_AT(strata_down_row_at_q4_0, Q40)
-STRATA_DOWN_ROW_AT(strata_down_row_at_q8_0, Q80)
-STRATA_DOWN_ROW_AT(strata_down_row_at_q4_k, Q4K)
-STRATA_DOWN_ROW_AT(strata_down_row_at_q5_k, Q5K)
-STRATA_DOWN_ROW_AT(strata_down_row_at_q6_k, Q6K)
-STRATA_DOWN_ROW_AT(strata_down_row_at_iq4_xs, IQ4XS)
-STRATA_DOWN_ROW_AT(strata_down_row_at_iq3_xxs, IQ3XXS)
+STRATA_PAIR_LOOP(strata_pair_loop_q4_0, Q40)
+STRATA_PAIR_LOOP(strata_pair_loop_q8_0, Q80)
+STRATA_PAIR_LOOP(strata_pair_loop_q4_k, Q4K)
+STRATA_PAIR_LOOP(strata_pair_loop_q5_k, Q5K)
+STRATA_PAIR_LOOP(strata_pair_loop_q6_k, Q6K)
+STRATA_PAIR_LOOP(strata_pair_loop_iq4_xs, IQ4XS)
+STRATA_PAIR_LOOP(strata_pair_loop_iq3_xxs, IQ3XXS)
+STRATA_DOWN_LOOP(strata_down_loop_q4_0, Q40)
+STRATA_DOWN_LOOP(strata_down_loop_q8_0, Q80)
+STRATA_DOWN_LOOP(strata_down_loop_q4_k, Q4K)
+STRATA_DOWN_LOOP(strata_down_loop_q5_k, Q5K)
+STRATA_DOWN_LOOP(strata_down_loop_q6_k, Q6K)
+STRATA_DOWN_LOOP(strata_down_loop_iq4_xs, IQ4XS)
+STRATA_DOWN_LOOP(strata_down_loop_iq3_xxs, IQ3XXS)
+STRATA_PAIR_LOOP_AT(strata_pair_loop_at_q4_0, Q40)
+STRATA_PAIR_LOOP_AT(strata_pair_loop_at_q8_0, Q80)
+STRATA_PAIR_LOOP_AT(strata_pair_loop_at_q4_k, Q4K)
+STRATA_PAIR_LOOP_AT(strata_pair_loop_at_q5_k, Q5K)
+STRATA_PAIR_LOOP_AT(strata_pair_loop_at_q6_k, Q6K)
+STRATA_PAIR_LOOP_AT(strata_pair_loop_at_iq4_xs, IQ4XS)
+STRATA_PAIR_LOOP_AT(strata_pair_loop_at_iq3_xxs, IQ3XXS)
+STRATA_DOWN_LOOP_AT(strata_down_loop_at_q4_0, Q40)
+STRATA_DOWN_LOOP_AT(strata_down_loop_at_q8_0, Q80)
+STRATA_DOWN_LOOP_AT(strata_down_loop_at_q4_k, Q4K)
+STRATA_DOWN_LOOP_AT(strata_down_loop_at_q5_k, Q5K)
+STRATA_DOWN_LOOP_AT(strata_down_loop_at_q6_k, Q6K)
+STRATA_DOWN_LOOP_AT(strata_down_loop_at_iq4_xs, IQ4XS)
+STRATA_DOWN_LOOP_AT(strata_down_loop_at_iq3_xxs, IQ3XXS)
