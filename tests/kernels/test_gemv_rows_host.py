@@ -13,36 +13,11 @@ import subprocess
 
 import numpy as np
 import pytest
-from host_cpp import BYTE_PERM_SHIM, HALF_SHIMS, between, build
+from host_cpp import build, gemv_rows_items
 from kernel_data import assert_dot_close, random_gguf_bytes, reference_dequant
 
-from strata.gpu.kernels import gemv_native, tensor_core
+from strata.gpu.kernels import gemv_native
 from strata.gpu.kernels.packing import FORMATS, pack
-
-_SHIMS = HALF_SHIMS + BYTE_PERM_SHIM + r"""
-typedef unsigned int u32;
-typedef unsigned char u8;
-struct uint2 { unsigned x, y; };
-struct uint4 { unsigned x, y, z, w; };
-static inline int __popc(unsigned v) { return __builtin_popcount(v); }
-struct float4 { float x, y, z, w; };
-struct float2 { float x, y; };
-static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-static inline float2 __half22float2(__half2 a) { return {__half2float(a.x), __half2float(a.y)}; }
-static inline __half __ushort_as_half(unsigned short v) { return v; }
-static inline float __int_as_float(int v) { float f; memcpy(&f, &v, 4); return f; }
-static inline float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, 4); return f; }
-template <class T> static inline T __ldg(const T* p) { return *p; }
-static inline uint4 load_stream(const u32* p) { return {p[0], p[1], p[2], p[3]}; }
-// the shared activations: a "shared address" is a byte offset from the staged rows' start
-static const float* g_xs;
-static inline u32 shared_address(const float* xs) { return (u32)(4 * (xs - g_xs)); }
-static inline float4 load_x4(u32 xs, int index) {
-  const float* p = g_xs + xs / 4 + index;
-  return {p[0], p[1], p[2], p[3]};
-}
-static inline float load_x1(u32 xs, int index) { return g_xs[xs / 4 + index]; }
-"""
 
 _MAIN = r"""
 // The sums of rows `rows` of R with NX rows of x (x_stride floats apart) as a warp's lanes take the row's items
@@ -133,15 +108,7 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def items(tmp_path_factory):
-    source = tensor_core.source_text("gemv_rows.cu")
-    parts = ["#include <string>\n", _SHIMS,
-             between(source, "constexpr int XSTRIDE", "__device__ __forceinline__ uint4 load_stream"),
-             between(source, "__device__ __forceinline__ float byte_as_float", "__device__ __forceinline__ u32 "
-                                                                              "shared_address"),
-             between(source, "// IQ4_XS: byte i of the result", "}  // namespace"),  # iquants.cuh's lookups
-             between(source, "__device__ __forceinline__ float half_at", "__device__ __forceinline__ float warp_sum"),
-             between(source, "__device__ __forceinline__ u32 word_of", "// Q4_K for the gemv loop"),
-             _MAIN]
+    parts = ["#include <string>\n", *gemv_rows_items(), _MAIN]
     folder = tmp_path_factory.mktemp("gemv_rows_host")
     build(folder, "items", "\n".join(parts))
     return folder
