@@ -197,7 +197,8 @@ def test_native_rows_stage_what_shared_memory_holds_and_launch_again_for_the_res
         def __init__(self, fmt, num_cols):
             self.fmt, self.num_cols = fmt, num_cols
 
-    assert gemv_native.max_x_rows(Matrix("Q4_0", 2048)) == 4  # 9 KiB a staged row of 44 KiB
+    assert gemv_native.max_x_rows(Matrix("Q4_0", 2048)) == 5  # 9 KiB a staged row of 47: a depth-4 verify step
+    assert gemv_native.max_x_rows(Matrix("Q4_K", 2048)) == 5  # 9.1 KiB in gemv's Q4_K layout
     assert gemv_native.max_x_rows(Matrix("Q4_0", 4096)) == 2
     assert gemv_native.max_x_rows(Matrix("Q4_0", 256)) >= DECODE_MAX_ROWS
     assert gemv_native._x_row_chunks(9, 4) == [(0, 4), (4, 4), (8, 1)]

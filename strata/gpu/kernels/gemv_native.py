@@ -56,7 +56,9 @@ _K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_S")  # r
 _WORD_SCALE_FORMATS = ("Q4_K", "Q5_K")  # d and dmin read as one word, the 12 scale bytes as three
 _WARP = 32
 _MAX_SHARED_BYTES = 48 * 1024
-_RESERVED_SHARED_BYTES = 4096  # headroom for the kernels' other shared arrays (the norm's per-warp sums)
+# headroom for the kernels' other shared arrays (the norm's per-warp sums: 64 bytes at 16 warps), small enough
+# that a verify step's five rows of 2,048 columns (9-9.1 KiB each staged) fit one launch
+_RESERVED_SHARED_BYTES = 1024
 _ALIGN_BYTES = 16
 _U32_PTR, _U8_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8)
 _I32_PTR, _I64 = types.CPointer(types.int32), types.int64
