@@ -245,7 +245,7 @@ def gemv_sweep(timing) -> None:
     from strata.gpu.kernels import gemv_native
     from strata.gpu.kernels.gemv import gemv
 
-    s, rng = b.QWEN3_30B, np.random.default_rng(0)
+    rng = np.random.default_rng(0)
     for fmt, num_rows, num_cols, name in GEMV_SHAPES:
         w, x = b.random_packed(fmt, num_rows, num_cols, rng), b.device_randn(num_cols, rng)
         y = cuda.device_array(num_rows, np.float32)

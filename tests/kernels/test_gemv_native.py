@@ -182,8 +182,8 @@ def test_native_experts_match_the_reference_and_skip_missing_slots(fmts, ffn, to
 @needs_gpu
 @pytest.mark.parametrize("fmts", [("Q4_0", "Q4_0", "Q4_0"), ("Q4_K", "Q4_K", "Q6_K"), ("IQ3_XXS", "IQ3_XXS", "IQ4_XS")])
 def test_every_experts_launch_shape_gives_the_same_bits(fmts):
-    """A warp a row, one wave of looping blocks, and single-warp blocks that each loop over ~100 rows: a row's
-    sums are the same chain in every shape, for one token and for a verify step's five."""
+    """A warp a row, one wave of looping blocks, and single-warp blocks that each loop over tens to hundreds of
+    rows: a row's sums are the same chain in every shape, for one token and for a verify step's five."""
     num_slots, dim, ffn, top_k = 12, 512, 768, 8
     (gate, up, down), _ = random_experts(fmts, num_slots, dim, ffn, seed=470)
     rng = np.random.default_rng(471)

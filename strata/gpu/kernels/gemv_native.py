@@ -548,7 +548,6 @@ class ExpertsConfig(NamedTuple):
         return blocks
 
 
-# Measured on the H200: see docs/PERFORMANCE.md, "a token's routed experts" (graph-timed, one token's top-8 of 128).
 EXPERTS_CONFIG = ExpertsConfig()
 
 

@@ -118,10 +118,11 @@ def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, wa
         red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         token = cuda.blockIdx.y
-        if cuda.blockIdx.x == 0 and tid < top_k:  # one count a routed pair
-            expert = ids[token, tid]
-            if 0 <= expert < num_experts and table[expert, HOST_FLAG] != 0:
-                cuda.atomic.add(host_reads, 0, 1)
+        if cuda.blockIdx.x == 0:  # one count a routed pair
+            for j in range(tid, top_k, threads):
+                expert = ids[token, j]
+                if 0 <= expert < num_experts and table[expert, HOST_FLAG] != 0:
+                    cuda.atomic.add(host_reads, 0, 1)
         stage_x(x, token, norm_w, eps, red, xs, 0, tid)
         cuda.syncthreads()
         pair_fn(ffi.from_buffer(hidden[token * top_k]), ffi.from_buffer(table), columns, num_experts, words, halves,

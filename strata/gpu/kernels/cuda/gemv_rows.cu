@@ -816,7 +816,7 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
 // Each step (a row pair, 32 * UNROLL of its items) loads the next step's items before it multiplies its own, as
 // rows_loop does, so that a warp that owns several rows keeps its loads in flight across them: a warp a pair with a
 // block a few pairs was one round trip of HBM latency per block wave. A pair's sums are rows_dot<F, 2, UNROLL, 1>'s
-// (each lane adds its items in increasing order). An id outside [0, num_experts) gives 0 (expert 0's rows are read).
+// (each lane adds its items in increasing order). An id outside [0, num_experts) gives 0 (and reads nothing).
 template <class F, int UNROLL, class Planes>
 __device__ __forceinline__ void pair_loop(float* hidden, const Planes& gate, const Planes& up, const int* ids,
                                           int top_k, int ffn, int j_begin, int j_step, const float* xs,
@@ -831,7 +831,12 @@ __device__ __forceinline__ void pair_loop(float* hidden, const Planes& gate, con
   };
   auto load_step = [&](Item (&it)[UNROLL][2], int j, int i0) {
     const int e = j / ffn, id = expert_of(j);
-    const RowPlanes rows[2] = {gate.row(id < 0 ? 0 : id, j - e * ffn), up.row(id < 0 ? 0 : id, j - e * ffn)};
+    if (id < 0) {  // nothing to read (an addressed expert's planes may not exist): zeros, and the row writes 0
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) it[u][0] = it[u][1] = Item{};
+      return;
+    }
+    const RowPlanes rows[2] = {gate.row(id, j - e * ffn), up.row(id, j - e * ffn)};
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
