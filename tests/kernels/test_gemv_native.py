@@ -195,6 +195,7 @@ def test_every_experts_launch_shape_gives_the_same_bits(fmts):
         norm_weight = rng.uniform(0.5, 1.5, dim).astype(np.float32)
         outs = []
         for config in (gemv_native.ExpertsConfig(blocks_per_sm=0), gemv_native.EXPERTS_CONFIG,
+                       gemv_native.ExpertsConfig(warps=8, down_warps=4, blocks_per_sm=1),
                        gemv_native.ExpertsConfig(warps=1, down_warps=1, blocks_per_sm=1),
                        gemv_native.ExpertsConfig(warps=4, down_warps=8, blocks_per_sm=3)):
             out = dev(np.zeros((num_tokens, dim), np.float32))
@@ -213,6 +214,8 @@ def test_every_experts_launch_shape_gives_the_same_bits(fmts):
 def test_experts_launch_shapes_are_checked():
     with pytest.raises(ValueError, match="warps must be one of"):
         gemv_native.ExpertsConfig(warps=3).validate()
+    with pytest.raises(ValueError, match="down_warps must be one of"):
+        gemv_native.ExpertsConfig(down_warps=16).validate()
     with pytest.raises(ValueError, match="blocks_per_sm must be 0"):
         gemv_native.ExpertsConfig(blocks_per_sm=-1).validate()
 

@@ -528,14 +528,16 @@ class ExpertsConfig(NamedTuple):
     down: an output row over all k experts); else at most blocks_per_sm * SMs blocks for all tokens together,
     each warp going on to further rows, loading the next row's quants while it multiplies the last (so that a
     block stages and norms its activations once for many rows, and one wave of blocks covers the launch)."""
-    warps: int = 16
-    down_warps: int = 16
-    blocks_per_sm: int = 1
+    warps: int = 8
+    down_warps: int = 8
+    blocks_per_sm: int = 4
 
     def validate(self) -> "ExpertsConfig":
+        # at most 8 warps: a loop holds two steps' items in registers, and a K-quant's (Q6_K) need more than
+        # 512 threads may have (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES on the H200 with 16 warps)
         for name, value in (("warps", self.warps), ("down_warps", self.down_warps)):
-            if value not in (1, 2, 4, 8, 16, 32):
-                raise ValueError(f"{name} must be one of 1, 2, 4, 8, 16, 32, got {value}")
+            if value not in (1, 2, 4, 8):
+                raise ValueError(f"{name} must be one of 1, 2, 4, 8, got {value}")
         if self.blocks_per_sm < 0:
             raise ValueError(f"blocks_per_sm must be 0 (a warp a row) or positive, got {self.blocks_per_sm}")
         return self
