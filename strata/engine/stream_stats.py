@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 
@@ -19,7 +20,7 @@ class StreamStats:
     prefetched: int = 0  # experts decode staged ahead of their layer (in streamed_bytes, not in misses)
     prefetched_used: int = 0  # of those, the ones their layer routed the token to (the rest were bytes spent early)
     kv_host_bytes: int = 0  # KV cells read from and written to the host tier (``ops.host_tier_bytes``)
-    decode_wait_seconds: float = 0.0  # captured decode: the host blocked on the device's routing and token ids
+    decode_wait_seconds: float = 0.0  # captured decode: the host blocked on the device (``waited``)
     spec_rounds: int = 0  # speculation: verify steps
     spec_draft_steps: int = 0  # MTP block steps that drafted a token
     spec_drafted: int = 0  # draft tokens verified
@@ -29,6 +30,13 @@ class StreamStats:
     spec_drafted_by_position: list[int] = dataclasses.field(default_factory=list)
     spec_accepted_by_position: list[int] = dataclasses.field(default_factory=list)
     timeline: Any = None  # a PrefillTimeline the runner marks each prefill layer in (the bench's --layer-timeline)
+
+    def waited(self, read, *args):
+        """read(*args), a readback that blocks on the device; its time is added to decode_wait_seconds."""
+        started = time.perf_counter()
+        result = read(*args)
+        self.decode_wait_seconds += time.perf_counter() - started
+        return result
 
     def record_round(self, num_drafted: int, num_accepted: int) -> None:
         """One verify step: ``num_drafted`` drafts checked, the first ``num_accepted`` of them taken."""

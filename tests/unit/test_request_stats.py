@@ -31,3 +31,11 @@ def test_the_timing_line_splits_decode_into_the_hosts_waits_and_its_own_work():
 def test_the_timing_line_names_compilations_inside_the_request_only_when_there_were_some():
     assert "compiled" not in _stats().timing_line()
     assert "| compiled 3 time(s) in 5.80 s | loan off" in _stats(num_compiles=3, compile_seconds=5.8).timing_line()
+def test_a_readback_the_host_waits_on_counts_as_waiting():
+    import time
+
+    from strata.engine.stream_stats import StreamStats
+
+    stats = StreamStats()
+    assert stats.waited(lambda a, b: (time.sleep(0.01), a + b)[1], 2, 3) == 5
+    assert stats.decode_wait_seconds >= 0.01

@@ -103,7 +103,8 @@ class DeviceSpeculation:
         step = self.runner.step_of(depth + 1)
         rows = step.forward([token] + [0] * depth, position, stats, buffers.drafts[:depth] if depth else None)
         self.ops.greedy_rows(rows, *head, bias, buffers.targets[:depth + 1], logits=buffers.logits[:depth + 1])
-        drafts, targets = self._readback.now(buffers.drafts[:depth] if depth else None, buffers.targets[:depth + 1])
+        drafts, targets = stats.waited(self._readback.now, buffers.drafts[:depth] if depth else None,
+                                       buffers.targets[:depth + 1])
         vocab_size = self.runner.spec.vocab_size
         if np.any(targets < 0) or np.any(targets >= vocab_size):  # the argmax found no finite logit
             raise NonFiniteLogitsError(f"the device picked token id {int(targets.max())} outside the vocabulary: "

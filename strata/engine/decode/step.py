@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -166,13 +165,13 @@ class DecodeStep:
                     ahead = _launch(layers, tail.segment, readback, self._token_id) if step + 1 < num_steps else None
                     num_launched += ahead is not None
                     stats.kv_host_bytes += host_tier_bytes(self.model.kv, position + step, position + step + 1)
-                    yield self._checked(_waited(stats, readback.read, pending))
+                    yield self._checked(stats.waited(readback.read, pending))
                 return
             for step in range(num_steps):
                 self._layers(stats)
                 stats.kv_host_bytes += host_tier_bytes(self.model.kv, position + step, position + step + 1)
                 ticket = _launch(None, tail.segment, readback, self._token_id)
-                yield self._checked(_waited(stats, readback.read, ticket))
+                yield self._checked(stats.waited(readback.read, ticket))
         except Exception as exc:
             error = exc
             raise
@@ -246,7 +245,7 @@ class DecodeStep:
         """Hits and misses of ``num_steps`` whole-token steps, once they have run (``TokenTables.count``)."""
         spec = self.model.spec
         num_pairs = num_steps * self.num_rows * spec.num_layers * spec.num_experts_used
-        self._tables.count(self.kind, stats, num_pairs, lambda array: _waited(stats, self._readback.now, array))
+        self._tables.count(self.kind, stats, num_pairs, lambda array: stats.waited(self._readback.now, array))
 
     @property
     def _owner(self) -> str:
@@ -294,7 +293,7 @@ class DecodeStep:
             _, ids, _, predicted = self._segment(layer).outputs
             # [R, k] each, read at once after the segment and before anything queued makes the
             # default stream wait for copies
-            host_ids, host_predicted = _waited(stats, self._readback.now, ids, predicted)
+            host_ids, host_predicted = stats.waited(self._readback.now, ids, predicted)
             slot_of = model.decode_slots(layer, host_ids, stats, is_after_compute=False)  # [N]
             if self._prefetched is not None:  # this layer's experts staged ahead, maybe still in flight
                 ticket, experts = self._prefetched
@@ -423,14 +422,6 @@ class DecodeStep:
             h, ids, weights = self._route(layer)
             self._tables.moe(self.kind, layer, self._x, h, ids, weights)
         return ()
-
-
-def _waited(stats: StreamStats, read, *args):
-    """read(*args), a readback that blocks on the device; its time is added to decode_wait_seconds."""
-    started = time.perf_counter()
-    result = read(*args)
-    stats.decode_wait_seconds += time.perf_counter() - started
-    return result
 
 
 def _launch(layers, tail, readback, token) -> int:
