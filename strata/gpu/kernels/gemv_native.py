@@ -42,7 +42,7 @@ from . import tensor_core
 from ._common import ceil_div, is_c_contiguous, is_device_array, stand_in
 from .launcher import jit
 
-# every format cuda/gemv_rows.cu has rows for, and the expert formats of its gate/up pair and down row functions
+# every format cuda/gemv_rows.cu has rows for, and the expert formats of its gate/up pair and down loops
 BUILT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_S", "F32", "F16")
 BUILT_EXPERT_FORMATS = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")
 # the formats a GEMV or an expert product is sent through the C++ rows in: those whose GPU tests passed on the H200
