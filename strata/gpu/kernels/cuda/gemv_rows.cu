@@ -811,6 +811,14 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
   return g * sigmoid * u;
 }
 
+// The step after (row, i0) of a warp's loop over rows row_step apart, chunk items of a row at a time
+struct LoopStep {
+  int row, i0;
+};
+__device__ __forceinline__ LoopStep next_step(int row, int i0, int chunk, int num_items, int row_step) {
+  return i0 + chunk < num_items ? LoopStep{row, i0 + chunk} : LoopStep{row + row_step, 0};
+}
+
 // A token's routed experts' gate and up rows, and silu(gate . x) * (up . x) of each into hidden: rows j = j_begin,
 // j_begin + j_step, ... of the token's top_k * ffn (expert e = j / ffn, its row n = j % ffn; hidden[j]), x at xs.
 // Each step (a row pair, 32 * UNROLL of its items) loads the next step's items before it multiplies its own, as
@@ -850,18 +858,14 @@ __device__ __forceinline__ void pair_loop(float* hidden, const Planes& gate, con
   load_step(cur, j, 0);
   float acc[1][2] = {{0.f, 0.f}};
   for (;;) {
-    int next_j = j, next_i0 = i0 + CHUNK;
-    if (next_i0 >= num_items) {
-      next_i0 = 0;
-      next_j += j_step;
-    }
-    const bool has_next = next_j < num_rows;
+    const LoopStep next_at = next_step(j, i0, CHUNK, num_items, j_step);
+    const bool has_next = next_at.row < num_rows;
     Item next[UNROLL][2];
-    if (has_next) load_step(next, next_j, next_i0);
+    if (has_next) load_step(next, next_at.row, next_at.i0);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
       if (i0 + lane + 32 * u < num_items) F::template dot<2, 1>(cur[u], xs_shared, 0, i0 + lane + 32 * u, acc);
-    if (next_i0 == 0) {  // the pair's last step
+    if (next_at.i0 == 0) {  // the pair's last step
       const float g = warp_sum(acc[0][0]), u = warp_sum(acc[0][1]);
       if (lane == 0) hidden[j] = expert_of(j) < 0 ? 0.f : silu_mul(g, u);
       acc[0][0] = acc[0][1] = 0.f;
@@ -871,8 +875,8 @@ __device__ __forceinline__ void pair_loop(float* hidden, const Planes& gate, con
     for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
       for (int r = 0; r < 2; ++r) cur[u][r] = next[u][r];
-    j = next_j;
-    i0 = next_i0;
+    j = next_at.row;
+    i0 = next_at.i0;
   }
 }
 
@@ -905,15 +909,11 @@ __device__ __forceinline__ void down_loop(float* out, const Planes& planes, cons
   load_step(cur, cur_ok, n, 0);
   float acc = 0.f;
   for (;;) {
-    int next_n = n, next_i0 = i0 + CHUNK;
-    if (next_i0 >= num_items) {
-      next_i0 = 0;
-      next_n += n_step;
-    }
-    const bool has_next = next_n < num_rows;
+    const LoopStep next_at = next_step(n, i0, CHUNK, num_items, n_step);
+    const bool has_next = next_at.row < num_rows;
     Item next[UNROLL][1];
     bool next_ok[UNROLL];
-    if (has_next) load_step(next, next_ok, next_n, next_i0);
+    if (has_next) load_step(next, next_ok, next_at.row, next_at.i0);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
       if (cur_ok[u]) {
@@ -922,7 +922,7 @@ __device__ __forceinline__ void down_loop(float* out, const Planes& planes, cons
         F::template dot<1, 1>(cur[u], xs_shared + 4 * e * x_stride, 0, item - e * per_row, product);
         acc += weights[e] * product[0][0];
       }
-    if (next_i0 == 0) {  // the row's last step
+    if (next_at.i0 == 0) {  // the row's last step
       const float total = warp_sum(acc);
       if (lane == 0) out[n] += total;
       acc = 0.f;
@@ -933,8 +933,8 @@ __device__ __forceinline__ void down_loop(float* out, const Planes& planes, cons
       cur[u][0] = next[u][0];
       cur_ok[u] = next_ok[u];
     }
-    n = next_n;
-    i0 = next_i0;
+    n = next_at.row;
+    i0 = next_at.i0;
   }
 }
 
