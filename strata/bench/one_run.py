@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     engine = Engine.load(bench_config(args.config, args.loan == "on", args.decode_misses, args.deterministic),
                          show_progress=False)
     load_seconds = time.perf_counter() - started
-    _set_speculation(engine, args.spec)
+    set_speculation(engine, args.spec)
     tokens = prompt_tokens(engine.tokenizer, args.prompt_tokens, args.seed)
     banned = {t: float("-inf") for t in engine.tokenizer.eog_ids}
     # seeded: no request reuses another's KV prefix, so each prefills the whole prompt
@@ -171,7 +171,7 @@ def _tensor_cores_off(backend: str) -> str | None:
     return tensor_core.unavailable_reason()
 
 
-def _set_speculation(engine, mode: str) -> None:
+def set_speculation(engine, mode: str) -> None:
     """--spec: the configured policy, another one, or none (plain decode; the memory stays as loaded)."""
     from strata.engine.decode.depth_policy import DepthPolicy
 

@@ -1,0 +1,198 @@
+"""``python -m strata.bench.device_trace``: what the device does during decode, kernel by kernel.
+
+The bench times a token; this says where its time goes. One process loads the engine, and for
+each arm (plain decode, or speculation's fixed or auto policy, with the bench's draft oracle)
+runs a request untraced (so captures and compilations are done) and then the same request with
+its decode traced by PyTorch's profiler, which reads every kernel the process runs from CUPTI,
+the kernels of replayed CUDA graphs included. Per arm it writes the trace (Chrome's JSON,
+gzipped) and prints, per decoded token: each kernel's count and device time, the span, how much
+of it some kernel ran (``busy``), the idle gaps and the kernels around them, and the host's
+driver calls. A profile, not a benchmark: one process, the profiler's own overhead on the host.
+
+Needs PyTorch (the reference GPU's image has it; it is no dependency of Strata's) and a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import re
+import time
+from pathlib import Path
+
+GAP_FLOOR_US = 5.0  # idle stretches shorter than this are a graph's launch latency, not a stall
+_IDENTIFIER = re.compile(r"(\d+)")
+_LOCALS = "_3clocals_3e"  # "<locals>", as Numba mangles it
+_NUMBA_SUFFIX = re.compile(r"(_24\d+|_2[0-9a-fA-F]{2})+$")  # "$241" and other escapes Numba mangles as _24...
+
+
+def short_name(mangled: str) -> str:
+    """A kernel's readable name from an Itanium-mangled one (Numba's ``_ZN6cudapy<module path>
+    <function>...E``, or C++'s): its module and function (a factory's kernel: the factory's module
+    and the kernel), Numba's ``$N`` suffixes dropped; other names as they are."""
+    if not mangled.startswith("_ZN"):
+        return mangled
+    names, index = [], 3
+    while index < len(mangled) and mangled[index].isdigit():
+        length = _IDENTIFIER.match(mangled, index)
+        size = int(length.group(1))
+        start = length.end()
+        names.append(mangled[start:start + size])
+        index = start + size
+    names = [name for name in names if name != "cudapy"]
+    if not names:
+        return mangled
+    if _LOCALS in names:  # a kernel made by a factory: its module, then the kernel
+        names = [names[names.index(_LOCALS) - 2], names[-1]] if names.index(_LOCALS) >= 2 else names[-1:]
+    return ".".join(_NUMBA_SUFFIX.sub("", name) for name in names[-2:])
+
+
+@dataclasses.dataclass
+class KernelTime:
+    name: str
+    count: int = 0
+    total_us: float = 0.0
+
+
+@dataclasses.dataclass
+class TraceSummary:
+    num_kernels: int
+    span_us: float  # first kernel's start to last kernel's end
+    busy_us: float  # the union of the kernels' intervals
+    kernels: list[KernelTime]  # by total time, longest first
+    gaps: list[tuple[int, float, str, str]]  # (count, total µs, kernel before, kernel after), idle ≥ GAP_FLOOR_US
+    host_calls: list[KernelTime]  # the host's runtime and driver calls by total time
+
+
+def summarize(events: list[dict]) -> TraceSummary:
+    """The summary of a Chrome trace's events (``traceEvents``): kernels are the events of category
+    ``kernel``, host calls those of ``cuda_runtime`` and ``cuda_driver``; times in µs."""
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        raise ValueError("the trace holds no kernel: was the profiler's CUDA activity on, and did the GPU run?")
+    by_name: dict[str, KernelTime] = {}
+    gaps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    busy_us, end_us = 0.0, kernels[0]["ts"]
+    previous = None
+    for event in kernels:
+        name = short_name(event["name"])
+        entry = by_name.setdefault(name, KernelTime(name))
+        entry.count += 1
+        entry.total_us += event["dur"]
+        start, finish = event["ts"], event["ts"] + event["dur"]
+        if previous is not None and start - end_us >= GAP_FLOOR_US:
+            gaps[(previous, name)].append(start - end_us)
+        if finish > end_us:
+            busy_us += finish - max(start, end_us)
+            end_us = finish
+        previous = name
+    host: dict[str, KernelTime] = {}
+    for event in events:
+        if event.get("cat") in ("cuda_runtime", "cuda_driver"):
+            entry = host.setdefault(event["name"], KernelTime(event["name"]))
+            entry.count += 1
+            entry.total_us += event.get("dur", 0.0)
+    gap_rows = sorted(((len(v), sum(v), before, after) for (before, after), v in gaps.items()), key=lambda g: -g[1])
+    return TraceSummary(len(kernels), end_us - kernels[0]["ts"], busy_us,
+                        sorted(by_name.values(), key=lambda k: -k.total_us), gap_rows,
+                        sorted(host.values(), key=lambda k: -k.total_us))
+
+
+def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int = 25) -> str:
+    """The summary as text, times per decoded token (``num_tokens``)."""
+    per = max(num_tokens, 1)
+    idle = summary.span_us - summary.busy_us
+    lines = [f"## {title}: {num_tokens} tokens, {summary.num_kernels / per:.1f} kernels a token, span "
+             f"{summary.span_us / per:.1f} µs a token, busy {summary.busy_us / per:.1f} "
+             f"({summary.busy_us / max(summary.span_us, 1e-9):.0%}), idle {idle / per:.1f}",
+             "| kernel | a token | µs a token | µs each | share of busy |", "| --- | ---: | ---: | ---: | ---: |"]
+    for kernel in summary.kernels[:top]:
+        lines.append(f"| {kernel.name} | {kernel.count / per:.1f} | {kernel.total_us / per:.1f} | "
+                     f"{kernel.total_us / kernel.count:.1f} | {kernel.total_us / max(summary.busy_us, 1e-9):.1%} |")
+    lines += ["", f"idle stretches ≥ {GAP_FLOOR_US:.0f} µs, by the kernels around them:",
+              "| a token | µs a token | before | after |", "| ---: | ---: | --- | --- |"]
+    for count, total, before, after in summary.gaps[:10]:
+        lines.append(f"| {count / per:.1f} | {total / per:.1f} | {before} | {after} |")
+    lines += ["", "host calls:", "| call | a token | µs a token |", "| --- | ---: | ---: |"]
+    for call in summary.host_calls[:10]:
+        lines.append(f"| {call.name} | {call.count / per:.1f} | {call.total_us / per:.1f} |")
+    return "\n".join(lines)
+
+
+def _traced_decode(engine, tokens: list[int], params, oracle, path: Path) -> tuple[list[dict], int]:
+    """Run the request; trace from its first token (prefill untraced) to its end; write the trace to ``path``
+    (gzipped) and return its events and the tokens decoded while traced."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    events = iter(engine.generate(tokens, params, draft_oracle=oracle))
+    next(event for event in events if event.token_id >= 0)  # the prefill's token
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        num_tokens = sum(1 for event in events if event.token_id >= 0)
+        torch.cuda.synchronize()
+    raw = path.with_suffix("")  # the profiler writes plain JSON
+    profiler.export_chrome_trace(str(raw))
+    trace = json.loads(raw.read_text())
+    with gzip.open(path, "wt") as out:
+        json.dump(trace, out)
+    raw.unlink()
+    return trace["traceEvents"], num_tokens
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m strata.bench.device_trace", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--spec", default="off", help="comma-separated arms: off, fixed, auto (default off)")
+    parser.add_argument("--draft-oracle", type=float, default=None, metavar="P",
+                        help="the bench's draft oracle for the speculative arms (strata bench --draft-oracle)")
+    parser.add_argument("--loan", choices=("on", "off"), default="off")
+    parser.add_argument("--out", type=Path, required=True, help="folder for each arm's trace (ARM.json.gz)")
+    args = parser.parse_args(argv)
+    arms = [arm.strip() for arm in args.spec.split(",") if arm.strip()]
+    for arm in arms:
+        if arm not in ("off", "fixed", "auto"):
+            parser.error(f"--spec takes off, fixed and auto, got {arm!r}")
+    try:
+        import torch
+    except ImportError:
+        parser.error("the trace is read through PyTorch's profiler: install torch (no dependency of Strata's)")
+    from strata.bench.draft_oracle import DraftOracle
+    from strata.bench.one_run import bench_config, prompt_tokens, set_speculation
+    from strata.engine.facade import Engine
+    from strata.engine.sampling import SamplingParams
+
+    torch.cuda.init()  # the same primary context Numba uses
+    engine = Engine.load(bench_config(args.config, args.loan == "on"), show_progress=False)
+    tokens = prompt_tokens(engine.tokenizer, args.prompt_tokens, seed=0)
+    banned = {t: float("-inf") for t in engine.tokenizer.eog_ids}
+    params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, logit_bias=banned, seed=0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    mtp, reports = engine.mtp, []
+    for arm in arms:
+        engine.mtp = mtp
+        set_speculation(engine, arm)
+        oracle = None
+        if args.draft_oracle is not None and arm != "off":
+            oracle = DraftOracle(None, len(tokens), args.draft_oracle, engine.spec.vocab_size, seed=0)
+        for _ in engine.generate(tokens, params, draft_oracle=oracle):  # captures and compilations, untraced
+            pass
+        if oracle is not None:
+            oracle = DraftOracle(None, len(tokens), args.draft_oracle, engine.spec.vocab_size, seed=0)
+        started = time.perf_counter()
+        events, num_tokens = _traced_decode(engine, tokens, params, oracle, args.out / f"{arm}.json.gz")
+        title = f"{arm}{'' if oracle is None else f', draft oracle {args.draft_oracle}'} (traced decode "
+        reports.append(format_summary(f"{title}{time.perf_counter() - started:.2f} s)", summarize(events),
+                                      num_tokens))
+    engine.close()
+    print("\n\n".join(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+import pytest
+
+from strata.bench import device_trace
+from strata.bench.device_trace import GAP_FLOOR_US, format_summary, short_name, summarize
+
+# as numba-cuda names a kernel made inside a factory function, and a module-level one
+FACTORY_KERNEL = ("_ZN6cudapy6strata3gpu7kernels10gemv_multi13_gemv3_kernel12_3clocals_3e18gemv3_kernel_24241B2v7B2v1"
+                  "E5ArrayIfLi2E1A7mutable7alignedEi")
+MODULE_KERNEL = "_ZN6cudapy6strata3gpu7kernels4norm15rms_norm_kernelB2v3E5ArrayIfLi2E1C7mutable7alignedE"
+
+
+def test_short_names_are_module_and_kernel():
+    assert short_name(FACTORY_KERNEL) == "gemv_multi.gemv3_kernel"
+    assert short_name(MODULE_KERNEL) == "norm.rms_norm_kernel"
+    assert short_name("_ZN4cute6kernelEv") == "cute.kernel"
+    assert short_name("void attention_direct<128>(float*)") == "void attention_direct<128>(float*)"
+
+
+def _kernel(name, ts, dur):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_summary_counts_busy_time_once_and_names_the_gaps():
+    events = [
+        _kernel(MODULE_KERNEL, 0.0, 10.0),
+        _kernel(FACTORY_KERNEL, 5.0, 10.0),  # overlaps the first: busy counts 0..15 once
+        _kernel(MODULE_KERNEL, 15.0 + GAP_FLOOR_US + 1, 4.0),  # after an idle stretch
+        _kernel(FACTORY_KERNEL, 15.0 + GAP_FLOOR_US + 5.5, 2.0),  # a launch's latency: no gap
+        {"cat": "cuda_driver", "name": "cuGraphLaunch", "ts": 0.0, "dur": 3.0},
+        {"cat": "cpu_op", "name": "aten::empty", "ts": 0.0, "dur": 99.0},
+    ]
+    summary = summarize(events)
+    assert summary.num_kernels == 4
+    assert summary.span_us == pytest.approx(15.0 + GAP_FLOOR_US + 7.5)
+    assert summary.busy_us == pytest.approx(15.0 + 4.0 + 2.0)
+    assert [(k.name, k.count, k.total_us) for k in summary.kernels] == [
+        ("norm.rms_norm_kernel", 2, 14.0), ("gemv_multi.gemv3_kernel", 2, 12.0)]
+    assert summary.gaps == [(1, pytest.approx(GAP_FLOOR_US + 1), "gemv_multi.gemv3_kernel", "norm.rms_norm_kernel")]
+    assert [(c.name, c.count) for c in summary.host_calls] == [("cuGraphLaunch", 1)]
+    text = format_summary("off", summary, num_tokens=2)
+    assert "2 tokens, 2.0 kernels a token" in text
+    assert "| norm.rms_norm_kernel | 1.0 | 7.0 | 7.0 | 66.7% |" in text
+    assert "| cuGraphLaunch | 0.5 | 1.5 |" in text
+
+
+def test_a_trace_without_kernels_is_refused():
+    with pytest.raises(ValueError, match="no kernel"):
+        summarize([{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}])
+
+
+def test_arms_are_checked_before_anything_loads(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        device_trace.main(["--config", "x.toml", "--spec", "off,greedy", "--out", str(tmp_path)])
+    assert "--spec takes off, fixed and auto, got 'greedy'" in capsys.readouterr().err
+
+
+def test_without_torch_the_tool_says_what_it_needs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # import torch fails
+    with pytest.raises(SystemExit):
+        device_trace.main(["--config", "x.toml", "--out", str(tmp_path)])
+    assert "install torch" in capsys.readouterr().err
