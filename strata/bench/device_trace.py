@@ -15,14 +15,18 @@ Needs PyTorch (the reference GPU's image has it; it is no dependency of Strata's
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
+import contextlib
 import dataclasses
+import functools
 import gzip
 import json
 import re
 import time
 from pathlib import Path
 
+PHASE_PREFIX = "strata:"  # the marks of decode's phases in the trace (user annotations)
 GAP_FLOOR_US = 5.0  # idle stretches shorter than this are a graph's launch latency, not a stall
 _IDENTIFIER = re.compile(r"(\d+)")
 _LOCALS = "_3clocals_3e"  # "<locals>", as Numba mangles it
@@ -65,6 +69,7 @@ class TraceSummary:
     kernels: list[KernelTime]  # by total time, longest first
     gaps: list[tuple[int, float, str, str]]  # (count, total µs, kernel before, kernel after), idle ≥ GAP_FLOOR_US
     host_calls: list[KernelTime]  # the host's runtime and driver calls by total time
+    phases: list[tuple[str, int, float, int, float]]  # (phase, times marked, host µs, kernels, device µs)
 
 
 def summarize(events: list[dict]) -> TraceSummary:
@@ -98,7 +103,37 @@ def summarize(events: list[dict]) -> TraceSummary:
     gap_rows = sorted(((len(v), sum(v), before, after) for (before, after), v in gaps.items()), key=lambda g: -g[1])
     return TraceSummary(len(kernels), end_us - kernels[0]["ts"], busy_us,
                         sorted(by_name.values(), key=lambda k: -k.total_us), gap_rows,
-                        sorted(host.values(), key=lambda k: -k.total_us))
+                        sorted(host.values(), key=lambda k: -k.total_us), _phases(events, kernels))
+
+
+def _phases(events: list[dict], kernels: list[dict]) -> list[tuple[str, int, float, int, float]]:
+    """Each phase mark (a user annotation named ``PHASE_PREFIX``...): how often it was marked, its host time,
+    and the kernels launched inside it (their launch call's correlation id, its time inside the mark)."""
+    marks = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX)),
+                   key=lambda e: e["ts"])
+    if not marks:
+        return []
+    launched_at = {e["args"]["correlation"]: e["ts"] for e in events
+                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    starts = [mark["ts"] for mark in marks]
+    rows: dict[str, list] = {}
+    for mark in marks:
+        row = rows.setdefault(mark["name"][len(PHASE_PREFIX):], [0, 0.0, 0, 0.0])
+        row[0] += 1
+        row[1] += mark["dur"]
+    outside = [0, 0.0, 0, 0.0]
+    for kernel in kernels:
+        at = launched_at.get(kernel.get("args", {}).get("correlation"))
+        index = bisect.bisect_right(starts, at) - 1 if at is not None else -1
+        # marks do not nest: the last one begun before the launch holds it if it had not ended
+        row = outside
+        if index >= 0 and at <= marks[index]["ts"] + marks[index]["dur"]:
+            row = rows[marks[index]["name"][len(PHASE_PREFIX):]]
+        row[2] += 1
+        row[3] += kernel["dur"]
+    if outside[2]:
+        rows["(outside the marks)"] = outside
+    return [(name, *row) for name, row in rows.items()]
 
 
 def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int = 25) -> str:
@@ -116,10 +151,43 @@ def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int 
               "| a token | µs a token | before | after |", "| ---: | ---: | --- | --- |"]
     for count, total, before, after in summary.gaps[:10]:
         lines.append(f"| {count / per:.1f} | {total / per:.1f} | {before} | {after} |")
+    if summary.phases:
+        lines += ["", "phases (a kernel in the phase whose mark holds its launch call):",
+                  "| phase | times | host µs each | kernels each | device µs each |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for name, count, host_us, num_kernels, device_us in summary.phases:
+            each = max(count, 1)
+            lines.append(f"| {name} | {count} | {host_us / each:.1f} | {num_kernels / each:.1f} | "
+                         f"{device_us / each:.1f} |")
     lines += ["", "host calls:", "| call | a token | µs a token |", "| --- | ---: | ---: |"]
     for call in summary.host_calls[:10]:
         lines.append(f"| {call.name} | {call.count / per:.1f} | {call.total_us / per:.1f} |")
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def marked_phases():
+    """While open, decode's phases are marked in a PyTorch trace: each plain greedy step's launch, each draft
+    and each verify step of device speculation (``PHASE_PREFIX`` + plain, draft, verify)."""
+    from torch.profiler import record_function
+
+    from strata.engine.decode import device_speculation, step
+
+    def marked(fn, phase):
+        @functools.wraps(fn)
+        def in_mark(*args, **kwargs):
+            with record_function(PHASE_PREFIX + phase):
+                return fn(*args, **kwargs)
+        return in_mark
+
+    speculation = device_speculation.DeviceSpeculation
+    originals = (step._launch, speculation.draft, speculation.verify)
+    step._launch = marked(step._launch, "plain")
+    speculation.draft, speculation.verify = marked(speculation.draft, "draft"), marked(speculation.verify, "verify")
+    try:
+        yield
+    finally:
+        step._launch, speculation.draft, speculation.verify = originals
 
 
 def _traced_decode(engine, tokens: list[int], params, oracle, path: Path) -> tuple[list[dict], int]:
@@ -131,7 +199,7 @@ def _traced_decode(engine, tokens: list[int], params, oracle, path: Path) -> tup
     events = iter(engine.generate(tokens, params, draft_oracle=oracle))
     next(event for event in events if event.token_id >= 0)  # the prefill's token
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+    with marked_phases(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         num_tokens = sum(1 for event in events if event.token_id >= 0)
         torch.cuda.synchronize()
     raw = path.with_suffix("")  # the profiler writes plain JSON

@@ -43,6 +43,35 @@ def test_summary_counts_busy_time_once_and_names_the_gaps():
     assert "| cuGraphLaunch | 0.5 | 1.5 |" in text
 
 
+def _mark(phase, ts, dur):
+    return {"cat": "user_annotation", "name": device_trace.PHASE_PREFIX + phase, "ts": ts, "dur": dur}
+
+
+def _launch_call(correlation, ts):
+    return {"cat": "cuda_driver", "name": "cuGraphLaunch", "ts": ts, "dur": 1.0, "args": {"correlation": correlation}}
+
+
+def test_kernels_go_to_the_phase_whose_mark_holds_their_launch_call():
+    # a draft launches two kernels, its verify one, and one launch falls between the marks; the kernels run
+    # later on the device than their launch calls (the phase is the launch's, not the kernel's time)
+    kernel = _kernel
+    events = [
+        _mark("draft", 0.0, 10.0), _launch_call(1, 2.0), _launch_call(2, 5.0),
+        _mark("verify", 10.0, 40.0), _launch_call(3, 12.0),
+        _launch_call(4, 60.0),
+        {**kernel(MODULE_KERNEL, 20.0, 4.0), "args": {"correlation": 1}},
+        {**kernel(MODULE_KERNEL, 24.0, 6.0), "args": {"correlation": 2}},
+        {**kernel(FACTORY_KERNEL, 30.0, 15.0), "args": {"correlation": 3}},
+        {**kernel(FACTORY_KERNEL, 61.0, 3.0), "args": {"correlation": 4}},
+        _mark("draft", 70.0, 5.0),  # a second draft, no kernel launched inside it
+    ]
+    summary = summarize(events)
+    assert summary.phases == [("draft", 2, 15.0, 2, 10.0), ("verify", 1, 40.0, 1, 15.0),
+                              ("(outside the marks)", 0, 0.0, 1, 3.0)]
+    text = format_summary("fixed", summary, num_tokens=3)
+    assert "| draft | 2 | 7.5 | 1.0 | 5.0 |" in text and "| verify | 1 | 40.0 | 1.0 | 15.0 |" in text
+
+
 def test_a_trace_without_kernels_is_refused():
     with pytest.raises(ValueError, match="no kernel"):
         summarize([{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}])
@@ -59,3 +88,27 @@ def test_without_torch_the_tool_says_what_it_needs(tmp_path, capsys, monkeypatch
     with pytest.raises(SystemExit):
         device_trace.main(["--config", "x.toml", "--out", str(tmp_path)])
     assert "install torch" in capsys.readouterr().err
+
+
+def test_phases_are_marked_while_open_and_the_functions_restored_after(monkeypatch):
+    import contextlib
+    import sys
+    import types
+
+    from strata.engine.decode import device_speculation, step
+
+    marked = []
+    profiler = types.ModuleType("torch.profiler")
+    profiler.record_function = lambda name: contextlib.nullcontext(marked.append(name))
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    monkeypatch.setitem(sys.modules, "torch.profiler", profiler)
+    speculation = device_speculation.DeviceSpeculation
+    originals = (step._launch, speculation.draft, speculation.verify)
+    monkeypatch.setattr(speculation, "draft", lambda self, *args: "drafted")
+    with device_trace.marked_phases():
+        assert speculation.draft(None, 1, 2) == "drafted"
+        with pytest.raises(AttributeError):  # the real launch, marked first
+            step._launch(None, None, None, None)
+    assert marked == ["strata:draft", "strata:plain"]
+    monkeypatch.undo()
+    assert (step._launch, speculation.draft, speculation.verify) == originals
