@@ -53,6 +53,26 @@ class MoeOps:
             ids, weights = moe_route(logits, num_used, norm_weights=is_norm, stream=self._stream)
         return ids, weights  # [T, k] int32 on the device; to_host when the host must pick experts
 
+    def decode_route(self, x, norm, eps: float, router: QTensor, num_used: int, is_norm: bool, counters,
+                     slot_table=None):
+        """A decode step's (h, ids, weights, slots): h = rms_norm(x) [R, D], ``route(h, ...)``'s ids and weights,
+        and each id's slot in ``slot_table`` [N] (device; -1: none), or None without a table. One launch where
+        the router is F32/F16 (``decode_route.py``; ``counters`` [>= R] int32 on the device, zero: its per-token
+        counts, zero again after), else the norm, the router's product, the routing and the map apart."""
+        from strata.gpu.kernels import decode_route as fused
+
+        if x.dtype == np.float32 and x.shape[0] <= DECODE_MAX_ROWS and fused.is_supported(router.data, x.shape[0],
+                                                                                           num_used):
+            with self._owning(ACTIVATIONS):
+                return fused.decode_route(x, norm, eps, router.data, num_used, counters, norm_weights=is_norm,
+                                          slot_table=slot_table, stream=self._stream)
+        h = self.rms_norm(x, norm, eps)
+        ids, weights = self.route(h, router, num_used, is_norm)
+        if slot_table is None:
+            return h, ids, weights, None
+        with self._owning(ACTIVATIONS):
+            return h, ids, weights, _map_ids(ids, slot_table, to_slots=True, stream=self._stream)
+
     def moe_accumulator(self, x, is_batched: bool = False):
         """x itself (the kernels add into the residual stream), or with ``is_deterministic`` a prefill chunk's
         ``FixedSums``: a chunk of many rows, or of few whose experts come in several launches (``is_batched``);

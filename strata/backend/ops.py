@@ -169,7 +169,8 @@ class Ops(Protocol):
         where there is no device to copy to."""
     # Backends that capture launch sequences (``can_capture``) also have ``capture(fn)`` (a segment
     # whose ``replay()`` runs what ``fn`` launched and whose ``outputs`` are what it returned),
-    # ``copy_in(array, host)`` and ``embed(..., out=)``: the decode step replays per-layer segments.
+    # ``copy_in(array, host)``, ``embed(..., out=)`` and ``decode_route`` (a decode step's norm and routing,
+    # its ids mapped to slots on the device): the decode step replays per-layer segments.
     def trim_memory(self) -> None:
         """Give device memory kept only for reuse (freed temporaries) back, so the ledger shows what
         is resident. Called between requests."""

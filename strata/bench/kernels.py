@@ -42,6 +42,7 @@ from strata.gpu.kernels.attention import (
     default_num_splits,
     is_direct_decode,
 )
+from strata.gpu.kernels.decode_route import decode_route
 from strata.gpu.kernels.gemm import staged_input
 from strata.gpu.kernels.gemm_config import GemmConfig, MmaConfig, default_config
 from strata.gpu.kernels.gemv import GemvConfig, gemv
@@ -66,7 +67,8 @@ TARGET_ATTENTION_FLOPS = 100e12
 # decode attention's bars (of the cache bytes read): from LONG_DECODE_CONTEXT on per format, below it one ratio
 TARGET_DECODE_ATTENTION_RATIOS = {"F16": 0.70, "Q8_0": 0.60, "Q4_0": 0.60}
 LONG_DECODE_CONTEXT, SHORT_DECODE_RATIO = 32768, 0.30
-DECODE_LAUNCHES_PER_LAYER = 9  # qkv GEMV; norm + rope + KV write; attention + combine; o; router; route; 2 expert
+# qkv GEMV; q/k norm + rope + KV write; attention + combine; o; norm + router + route (decode_route); 2 expert
+DECODE_LAUNCHES_PER_LAYER = 8
 DECODE_LAUNCHES_OUTSIDE = 4  # embedding, final norm + head GEMV (fused), 2 sampling launches
 
 
@@ -349,8 +351,8 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
 
 
 def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_cfg: AttentionConfig, timing) -> list:
-    """One resident qwen3moe layer at decode, as its 9 plain launches; the token sits at the first
-    decode context (2k)."""
+    """One resident qwen3moe layer at decode, as its DECODE_LAUNCHES_PER_LAYER plain launches; the token sits
+    at the first decode context (2k)."""
     rng = np.random.default_rng(5)
     d, hq, hk = s.head_dim, s.num_q_heads, s.num_kv_heads
     wq, wk, wv = (random_packed(fmt, n * d, s.hidden, rng) for n in (hq, hk, hk))
@@ -362,8 +364,9 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
     ones = cuda.to_device(np.ones(s.hidden, np.float32))
     head_ones = cuda.to_device(np.ones(d, np.float32))
     q, k, v = (cuda.device_array((1, n * d), np.float32) for n in (hq, hk, hk))
-    attn_out, logits = cuda.device_array((1, hq * d), np.float32), cuda.device_array((1, s.num_experts), np.float32)
+    attn_out = cuda.device_array((1, hq * d), np.float32)
     h = cuda.device_array((1, s.hidden), np.float32)  # the residual after attention; rewritten every run
+    counters = cuda.to_device(np.zeros(1, np.int32))  # decode_route's, zero between launches
     positions = cuda.to_device(np.array([context], np.int32))
     splits = decode_num_splits(context + 1, hk, d, hq // hk, s.num_sms)
 
@@ -379,9 +382,8 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
         attention(q, k_cache, v_cache, positions, attn_out, num_q_heads=hq, num_kv_heads=hk, head_dim=d,
                   kv_len=context + 1, num_splits=splits, config=attn_cfg)
         gemv(wo, attn_out.reshape(hq * d), h.reshape(s.hidden), config=gemv_cfg)  # the engine accumulates
-        gemv(router, h.reshape(s.hidden), logits.reshape(s.num_experts), norm_weight=ones, config=gemv_cfg)
-        ids, weights = moe_route(logits, s.top_k, **_aux(s))
-        moe_experts_decode(h, ids, weights, *experts, h, num_experts=s.num_experts, norm_weight=ones, config=gemv_cfg)
+        normed, ids, weights, _ = decode_route(h, ones, 1e-6, router, s.top_k, counters)
+        moe_experts_decode(normed, ids, weights, *experts, h, num_experts=s.num_experts, config=gemv_cfg)
 
     head = random_packed(fmt, s.vocab, s.hidden, rng)
     vocab_logits, token = cuda.device_array(s.vocab, np.float32), cuda.device_array(1, np.int32)

@@ -1,4 +1,4 @@
-"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only gemm|moe|attention|decode|gemv|experts]``.
+"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only NAME]`` (gemm, moe, attention, ..., route).
 
 The sweeps behind the defaults of ``gemm_config.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/performance-log.md): every MmaConfig main-loop variant on the MoE prefill
@@ -9,7 +9,8 @@ choice for the experts ``moe_rows`` serves, its kernels on 64-pair groups; every
 MmaAttentionConfig on causal prefill at 4k and 32k per KV format; the direct decode attention's
 launch shapes at positions 2k and 32k per KV format; and the native decode GEMVs' block shapes behind
 ``gemv_native.LAYER_CONFIG`` / ``head_config``, and the decode expert kernels' launch shapes behind
-``gemv_native.EXPERTS_CONFIG`` (one token, and a verify step's five). Each line also reports the
+``gemv_native.EXPERTS_CONFIG`` (one token, and a verify step's five), and a decode layer's routing in four
+launches against ``decode_route``'s one. Each line also reports the
 largest difference from a reference output (the GEMM, attention and GEMV sweeps) or from the first
 variant's output (the MoE sweep), so a fast but wrong variant shows. Needs a GPU with tensor cores.
 """
@@ -307,12 +308,58 @@ def experts_sweep(timing) -> None:
                   f"{_attempt(line)}", flush=True)
 
 
+def route_sweep(timing) -> None:
+    """A decode layer's norm and routing (F32 router, 128 experts, top-8, ids mapped to cache slots): the four
+    launches apart (rms_norm, the router's GEMV, moe_route, the slot map) against decode_route's one, for one
+    token and a verify step's five; microseconds a call replayed in a CUDA graph, and whether the one launch
+    gives the same h and picks."""
+    from numba import cuda
+
+    from strata.backend.cuda_moe_ops import _map_ids
+    from strata.bench import kernels as b
+    from strata.gpu.kernels import packing
+    from strata.gpu.kernels.decode_route import decode_route
+    from strata.gpu.kernels.gemv import gemv_rows
+    from strata.gpu.kernels.moe_route import moe_route
+    from strata.gpu.kernels.norm import rms_norm
+
+    s, rng = b.QWEN3_30B, np.random.default_rng(4)
+    router = packing.to_device(packing.pack((rng.standard_normal((s.num_experts, s.hidden)) * 0.05)
+                                            .astype(np.float32), "F32", s.hidden))
+    norm_w = cuda.to_device(rng.uniform(0.5, 1.5, s.hidden).astype(np.float32))
+    table = cuda.to_device(rng.permutation(s.num_experts).astype(np.int32))
+    counters = cuda.to_device(np.zeros(8, np.int32))
+    for num_tokens in (1, 5):
+        x = b.device_randn((num_tokens, s.hidden), rng)
+
+        def apart(stream):
+            h = rms_norm(x, norm_w, 1e-6, stream=stream)
+            ids, weights = moe_route(gemv_rows(router, h, stream=stream), s.top_k, stream=stream)
+            return h, ids, weights, _map_ids(ids, table, to_slots=True, stream=stream)
+
+        def fused(stream):
+            return decode_route(x, norm_w, 1e-6, router, s.top_k, counters, slot_table=table, stream=stream)
+
+        results = {}
+        for name, run in (("apart (4 launches)", apart), ("decode_route (1 launch)", fused)):
+            def line(run=run, name=name):
+                ms = b.graph_ms(run, timing)
+                results[name] = [a.copy_to_host() for a in run(0)]
+                return f"{ms * 1e3:7.1f} us"
+            print(f"route F32 {s.num_experts} experts top-{s.top_k}, {num_tokens} token(s), {name}: {_attempt(line)}",
+                  flush=True)
+        if len(results) == 2:
+            (h_a, ids_a, _, slots_a), (h_f, ids_f, _, slots_f) = results.values()
+            print(f"  same h: {np.array_equal(h_a, h_f)}, same picks: {np.array_equal(ids_a, ids_f)}, same slots: "
+                  f"{np.array_equal(slots_a, slots_f)}", flush=True)
+
+
 def main(argv=None) -> int:
     from strata.bench.provenance import code_identity
     from strata.gpu.kernels import tensor_core
 
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("gemm", "moe", "attention", "decode", "gemv", "experts"),
+    parser.add_argument("--only", choices=("gemm", "moe", "attention", "decode", "gemv", "experts", "route"),
                         help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--match", default="", help="only the GEMM and MoE variants whose name contains this text")
@@ -328,7 +375,7 @@ def main(argv=None) -> int:
     timing = (2, args.repeats)
     print(f"# {code_identity()}", flush=True)
     sweeps = {"gemm": gemm_sweep, "moe": moe_sweep, "attention": attention_sweep, "decode": decode_sweep,
-              "gemv": gemv_sweep, "experts": experts_sweep}
+              "gemv": gemv_sweep, "experts": experts_sweep, "route": route_sweep}
     for name, sweep in sweeps.items():
         if args.only in (None, name):
             if name in ("gemm", "moe"):

@@ -94,6 +94,7 @@ class DecodeStep:
         self._positions = None  # [R] int32
         self._step_row = None  # [2R] int32 in pinned host memory: the tokens and positions, queued copies
         self._slot_ids = None  # [R, k] int32
+        self._route_counters = None  # [R] int32, zero between launches (``ops.decode_route``'s)
         self._attention_scratch: tuple | None = None  # every layer's (ops.decode_attention_scratch)
         self._slot_rows = None  # [L, R * k] int32 in pinned host memory: each layer's slot ids, queued copies
         self._segments: list = []  # [L + 1]: A_0, then B_l A_{l+1} (``_segment``)
@@ -352,10 +353,12 @@ class DecodeStep:
         self._close_layers()
         self._tails.close()
         self._tables.free()
-        for array in (self._x, self._token_id, self._positions, self._slot_ids, *(self._attention_scratch or ())):
+        for array in (self._x, self._token_id, self._positions, self._slot_ids, self._route_counters,
+                      *(self._attention_scratch or ())):
             if array is not None:
                 self.model.ops.free(array)
-        self._x = self._token_id = self._positions = self._slot_ids = self._attention_scratch = None
+        self._x = self._token_id = self._positions = self._slot_ids = self._route_counters = None
+        self._attention_scratch = None
         self.kind = self._prefetched = None
         self._num_uncounted_steps = 0
         self.is_kept = False
@@ -383,6 +386,7 @@ class DecodeStep:
         self._token_id = ops.alloc(owner, (num_rows,), np.int32)
         self._positions = ops.alloc(owner, (num_rows,), np.int32)
         self._slot_ids = ops.alloc(owner, (num_rows, spec.num_experts_used), np.int32)
+        self._route_counters = ops.upload(owner, np.zeros(num_rows, np.int32))
         self._attention_scratch = ops.decode_attention_scratch(owner, self.model.kv, spec.num_heads, num_rows)
         if self._slot_rows is None:  # kept across requests: a queued copy may still read them at a reset
             num_values = spec.num_layers * num_rows * spec.num_experts_used
@@ -396,18 +400,19 @@ class DecodeStep:
         model, spec = self.model, self.model.spec
         # the position is read on the device
         model.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
-        h, ids, weights = self._route(layer)
+        h, ids, weights, _ = self._route(layer)
         predicted = None
         if self.is_prefetching and layer + 1 < spec.num_layers:
-            _, predicted, _ = self._route(layer + 1)
+            _, predicted, _, _ = self._route(layer + 1)
         return h, ids, weights, predicted
 
-    def _route(self, layer: int):
-        model, ops, spec = self.model, self.model.ops, self.model.spec
-        h = ops.rms_norm(self._x, model.vector(layer, "ffn_norm"), spec.rms_norm_eps)  # [R, D]
-        ids, weights = ops.route(h, model.matrix(layer, "ffn_gate_inp"), spec.num_experts_used,
-                                 spec.is_expert_weights_normalized)  # [R, k]
-        return h, ids, weights
+    def _route(self, layer: int, slot_table=None):
+        """(h [R, D], ids [R, k], weights [R, k], slots [R, k] or None): ``layer``'s norm and routing of the
+        residual stream, the picks mapped through ``slot_table`` [N] when given (``ops.decode_route``)."""
+        model, spec = self.model, self.model.spec
+        return model.ops.decode_route(self._x, model.vector(layer, "ffn_norm"), spec.rms_norm_eps,
+                                      model.matrix(layer, "ffn_gate_inp"), spec.num_experts_used,
+                                      spec.is_expert_weights_normalized, self._route_counters, slot_table)
 
     def _experts_of(self, layer: int):
         model = self.model
@@ -419,8 +424,8 @@ class DecodeStep:
         model = self.model
         for layer in range(model.spec.num_layers):
             model.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
-            h, ids, weights = self._route(layer)
-            self._tables.moe(self.kind, layer, self._x, h, ids, weights)
+            h, ids, weights, slots = self._route(layer, self._tables.slot_table(self.kind, layer))
+            self._tables.moe(self.kind, layer, self._x, h, ids, weights, slots)
         return ()
 
 

@@ -1,7 +1,7 @@
 """What a whole-token decode step (one graph a token) reads its routed experts through.
 
 ``RESIDENT``: every expert is cached; [L, N] int32 slot tables map each layer's routed ids to slots on
-the device. ``ADDRESSED``: misses are read in place (``expert_addresses.py``); [L, N, C] uint64 tables
+the device (in the routing's launch, ``ops.decode_route``). ``ADDRESSED``: misses are read in place (``expert_addresses.py``); [L, N, C] uint64 tables
 give every expert's plane addresses, a cache slot's or the pinned pack's, and a [1] int32 counter adds
 the routed pairs read from host memory. Either is written at a request's first step, into buffers made
 once and kept with the step's segments (the graph reads them by address), and stays true to the
@@ -40,14 +40,21 @@ class TokenTables:
         """[L, N] slot of every expert (-1: none), as ``RESIDENT`` reads them."""
         self._slots = self._written(self._slots, slots, owner)
 
-    def moe(self, kind: str, layer: int, x, h, ids, weights) -> None:
-        """Inside the token's graph: x += layer ``layer``'s routed experts ``ids`` [R, k] (expert ids on the device)."""
+    def slot_table(self, kind: str, layer: int):
+        """[N] the slot of each of ``layer``'s experts on the device (``RESIDENT``), which routing maps its picks
+        through (``ops.decode_route``); None for the other kinds."""
+        return self._slots[layer] if kind == RESIDENT else None
+
+    def moe(self, kind: str, layer: int, x, h, ids, weights, slots) -> None:
+        """Inside the token's graph: x += layer ``layer``'s routed experts ``ids`` [R, k] (expert ids on the
+        device), read where they lie (``ADDRESSED``) or from their cache ``slots`` [R, k] (``RESIDENT``: the
+        routing mapped them through ``slot_table``)."""
         ops, cache = self.model.ops, self.model.cache
         layout = cache.layout.at_layer(layer)
-        if kind == ADDRESSED:  # the routed ids read their experts' planes where they lie
+        if kind == ADDRESSED:
             ops.moe_addressed(x, h, ids, weights, self._addresses[layer], cache.storage, layout, self._host_reads)
-        else:  # the routed ids go through the layer's table to slots on the device
-            ops.moe(x, h, ids, weights, cache.storage, self._slots[layer], layout)
+        else:
+            ops.moe(x, h, slots, weights, cache.storage, None, layout)
 
     def count(self, kind: str, stats: StreamStats, num_pairs: int, read_now) -> None:
         """Hits and misses of ``num_pairs`` routed pairs once their steps have run: all hits, but the pairs

@@ -82,21 +82,15 @@ def _route_kernel(top_k: int, is_norm: bool):
 
 
 @functools.cache
-def _route_block_kernel(top_k: int, is_norm: bool, threads: int):
-    @jit
-    def route_block_kernel(logits, ids, weights):  # logits [T, E] -> ids, weights [T, k]; one block a token
-        t = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        num_experts = logits.shape[1]
-        row = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
-        exps = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
-        ranks = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.int32)
-        top_s = cuda.shared.array(1, np.float32)
-        total_s = cuda.shared.array(1, np.float32)
-        for e in range(tid, num_experts, threads):
-            row[e] = logits[t, e]
+def block_route_device(top_k: int, is_norm: bool, threads: int):
+    """device(row, exps, ranks, scalars, ids, weights, t, tid): token t's routing by one block of ``threads``
+    threads from its logits ``row`` (shared [>= E] float32, filled and synchronized by the caller; E =
+    ids' expert count ``num_experts`` passed in), into ids[t] and weights[t]. exps [>= E] float32, ranks
+    [>= E] int32 and scalars [2] float32 are the caller's shared scratch."""
+    @cuda.jit(device=True)
+    def block_route(row, num_experts, exps, ranks, scalars, ids, weights, t, tid):
         if tid == 0:
-            top_s[0] = NEG_INF
+            scalars[0] = NEG_INF
         cuda.syncthreads()
         # an expert's place in the order (logit down, id up) is its count of experts ahead of it:
         # the first k places are the picks, the first is the max; no barrier per pick
@@ -109,9 +103,9 @@ def _route_block_kernel(top_k: int, is_norm: bool, threads: int):
                     rank += 1
             ranks[e] = rank
             if rank == 0 and v == v:
-                top_s[0] = v
+                scalars[0] = v
         cuda.syncthreads()
-        top = top_s[0]
+        top = scalars[0]
         for e in range(tid, num_experts, threads):
             exps[e] = np.float32(math.exp(row[e] - top))
         cuda.syncthreads()
@@ -119,12 +113,12 @@ def _route_block_kernel(top_k: int, is_norm: bool, threads: int):
             total = np.float32(0.0)
             for e in range(num_experts):
                 total += exps[e]
-            total_s[0] = total
+            scalars[1] = total
             for j in range(top_k):  # a place no expert takes (NaN logits): no expert
                 ids[t, j] = -1
                 weights[t, j] = np.float32(math.exp(NEG_INF - top)) / total
         cuda.syncthreads()
-        total = total_s[0]
+        total = scalars[1]
         for e in range(tid, num_experts, threads):
             if ranks[e] < top_k and row[e] == row[e]:  # a NaN logit is never picked
                 ids[t, ranks[e]] = e
@@ -138,6 +132,27 @@ def _route_block_kernel(top_k: int, is_norm: bool, threads: int):
                 denom = max(picked_sum, WEIGHT_SUM_FLOOR)
                 for j in range(top_k):
                     weights[t, j] = weights[t, j] / denom
+
+    return block_route
+
+
+@functools.cache
+def _route_block_kernel(top_k: int, is_norm: bool, threads: int):
+    block_route = block_route_device(top_k, is_norm, threads)
+
+    @jit
+    def route_block_kernel(logits, ids, weights):  # logits [T, E] -> ids, weights [T, k]; one block a token
+        t = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        num_experts = logits.shape[1]
+        row = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
+        exps = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
+        ranks = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.int32)
+        scalars = cuda.shared.array(2, np.float32)  # the top logit, the softmax's sum
+        for e in range(tid, num_experts, threads):
+            row[e] = logits[t, e]
+        cuda.syncthreads()
+        block_route(row, num_experts, exps, ranks, scalars, ids, weights, t, tid)
 
     return route_block_kernel
 

@@ -17,7 +17,7 @@ from .block_reduce import device_inv_rms
 from .launcher import jit
 from .rope import head_norm_rope
 
-_DEFAULT_THREADS = 32 if IS_SIMULATOR else 256  # the simulator runs a Python thread per GPU thread
+DEFAULT_THREADS = 32 if IS_SIMULATOR else 256  # the simulator runs a Python thread per GPU thread
 
 
 @functools.cache
@@ -35,7 +35,7 @@ def _rms_norm_kernel(threads: int):
     return rms_norm_kernel
 
 
-def rms_norm(x, weight, eps: float = 1e-6, out=None, *, threads: int = _DEFAULT_THREADS, stream=0):
+def rms_norm(x, weight, eps: float = 1e-6, out=None, *, threads: int = DEFAULT_THREADS, stream=0):
     """RMSNorm of each row: x [T, H] float32/float16, weight [H] float32 -> out [T, H] float32.
 
     out may be x itself (float32) for an in-place norm.
