@@ -24,6 +24,7 @@ Prefill products (matrix-matrix):
 
 Mixture of experts:
     moe_route      softmax top-k routing, grouping of routed pairs by expert into row tiles
+    decode_route   a decode step's norm, router logits, top-k and slot map in one launch (F32 / F16 routers)
     moe            expert products, prefill (tiled, gathered, on gemm/gemm_mma's main loops) and decode
                    (GEMV-shaped); sends the prefill tiles of moe_rows.FORMATS to moe_rows where it applies
     moe_rows       prefill expert products for chunks of few routed rows an expert: the weight rows on the
