@@ -55,10 +55,11 @@ class MoeOps:
 
     def decode_route(self, x, norm, eps: float, router: QTensor, num_used: int, is_norm: bool, counters,
                      slot_table=None):
-        """A decode step's (h, ids, weights, slots): h = rms_norm(x) [R, D], ``route(h, ...)``'s ids and weights,
-        and each id's slot in ``slot_table`` [N] (device; -1: none), or None without a table. One launch where
-        the router is F32/F16 (``decode_route.py``; ``counters`` [>= R] int32 on the device, zero: its per-token
-        counts, zero again after), else the norm, the router's product, the routing and the map apart."""
+        """A decode step's (h, ids, weights, slots): h = rms_norm(x) [R, D], the top-k ids and weights of h's
+        router logits, and each id's slot in ``slot_table`` [N] (device; -1: none), or None without a table.
+        One launch where the router is F32/F16 (``decode_route.py``, whose logits are its own sums, so a near
+        tie may pick otherwise than ``route``; ``counters`` [>= R] int32 on the device, zero: its per-token
+        counts, zero again after), else the norm, ``route`` and the map apart."""
         from strata.gpu.kernels import decode_route as fused
 
         if x.dtype == np.float32 and x.shape[0] <= DECODE_MAX_ROWS and fused.is_supported(router.data, x.shape[0],

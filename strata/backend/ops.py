@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as QType
 from strata.gpu.ledger import VramLedger
 
 
-DECODE_MAX_ROWS = 9  # the rows a forward computes as decode does, each bit-identical to one row alone
+DECODE_MAX_ROWS = 9  # the rows a forward computes with decode's row kernels, each bit-identical to one row alone
 KV_STAGING_LAYERS = 2  # a tiered KV cache's staging layers on a GPU: layer l is attended in staging[l % 2]
 
 

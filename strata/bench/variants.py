@@ -312,7 +312,7 @@ def route_sweep(timing) -> None:
     """A decode layer's norm and routing (F32 router, 128 experts, top-8, ids mapped to cache slots): the four
     launches apart (rms_norm, the router's GEMV, moe_route, the slot map) against decode_route's one, for one
     token and a verify step's five; microseconds a call replayed in a CUDA graph, and whether the one launch
-    gives the same h and picks."""
+    gives the same h (bit for bit) and picks (its logits are its own sums: a near tie may pick otherwise)."""
     from numba import cuda
 
     from strata.backend.cuda_moe_ops import _map_ids

@@ -113,8 +113,9 @@ def _deferred_mtp_prefill(engine, hidden, tokens: np.ndarray) -> None:
 
 def _prefill_rows(engine, tokens: np.ndarray, position: int, stats: StreamStats) -> None:
     """Prefill chunks of up to ``DECODE_MAX_ROWS`` tokens at ``position`` (a prompt's last few tokens,
-    or the unread end of a cached prefix). Such a chunk runs decode's row kernels, compiled for each
-    row count, with the staging ring's slot table: neither the full chunk nor a decode step reaches them."""
+    or the unread end of a cached prefix). Such a chunk runs decode's row kernels (its routing apart: the
+    norm, router GEMV and top-k of an uncaptured forward), compiled for each row count, with the staging
+    ring's slot table: neither the full chunk nor a decode step reaches them."""
     for num_rows in _row_counts(engine, engine.context_tokens - 2 - position):
         engine.runner.forward(tokens[:num_rows], position, engine.workspace, stats)
 

@@ -3,9 +3,11 @@ every expert is cached), recorded once and replayed for every token. A step of `
 at once (the rows of a speculative verify step, up to ``DECODE_MAX_ROWS``) is the same segments
 over [R, ...] buffers: the backend computes each row as it computes a one-token step.
 
-Per layer l (the same sums as ``ModelRunner.forward`` with one token):
+Per layer l (the operations of ``ModelRunner.forward`` with one token, but for the routing, one launch
+here, ``ops.decode_route``, whose router logits are its own sums: where two experts' logits nearly tie,
+a step may pick another expert than an uncaptured forward of the same row):
 
-    A_l:   x += attention block;  h = rms_norm(x);  ids, w = route(h)
+    A_l:   x += attention block;  h, ids, w = decode_route(x)   (norm, router, top-k)
     host:  ids → slots: hits looked up, misses inserted and staged (copy stream, events)
     B_l:   x += sum_k w * expert_slot_k(h)
 
@@ -238,6 +240,8 @@ class DecodeStep:
         self._is_pool_trimmed = False
         if self._x is None:
             self._allocate()
+        else:  # a launch that died between a count and its reset would name the wrong block last ever after
+            self.model.ops.copy_in(self._route_counters, np.zeros(self.num_rows, np.int32))
         self.kind = kind
         self._tables.write(kind, self._owner)
         self._is_request_start = False

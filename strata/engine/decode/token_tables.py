@@ -1,12 +1,12 @@
 """What a whole-token decode step (one graph a token) reads its routed experts through.
 
 ``RESIDENT``: every expert is cached; [L, N] int32 slot tables map each layer's routed ids to slots on
-the device (in the routing's launch, ``ops.decode_route``). ``ADDRESSED``: misses are read in place (``expert_addresses.py``); [L, N, C] uint64 tables
-give every expert's plane addresses, a cache slot's or the pinned pack's, and a [1] int32 counter adds
-the routed pairs read from host memory. Either is written at a request's first step, into buffers made
-once and kept with the step's segments (the graph reads them by address), and stays true to the
-request's end: nothing is staged while such a step decodes. ``LAYERS`` (a graph a layer, the host
-staging misses between) reads no table.
+the device (in the routing's launch, ``ops.decode_route``). ``ADDRESSED``: misses are read in place
+(``expert_addresses.py``); [L, N, C] uint64 tables give every expert's plane addresses, a cache slot's or
+the pinned pack's, and a [1] int32 counter adds the routed pairs read from host memory. Either is written
+at a request's first step, into buffers made once and kept with the step's segments (the graph reads them
+by address), and stays true to the request's end: nothing is staged while such a step decodes. ``LAYERS``
+(a graph a layer, the host staging misses between) reads no table.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ each is a few microseconds of latency, not of bandwidth, 48 times a token. Here,
                      bits), maps each pick through a slot table when given, and zeroes the counter
 
 h has the bits of ``norm.rms_norm`` at its default block (the same sum of squares and products), so
-the experts read what they read before; the logits come from this kernel's own sums (the router is
-F32 or F16: llama.cpp's quantizer never quantizes it). A row's results do not depend on T or on the
+the experts read what they read before; the logits come from this kernel's own sums (an uncaptured
+forward's router GEMV sums in another order, so where two logits nearly tie it may pick another expert).
+The router is F32 or F16 (llama.cpp's quantizer never quantizes it; a BF16 one takes the separate launches). A row's results do not depend on T or on the
 other rows, so a verify step's rows equal one-token steps'. The counters are the caller's: zeroed
 once, they return to zero at the end of every launch (a graph replays them as they are).
 """
@@ -135,13 +136,14 @@ def _decode_route_kernel(top_k: int, is_norm: bool):
 
 
 def decode_route(x, norm_weight, eps: float, router, top_k: int, counters, *, norm_weights: bool = True,
-                 slot_table=None, stream=0):
+                 slot_table=None, logits=None, stream=0):
     """(h, ids, weights, slots): h = rms_norm(x) * norm_weight [T, D] float32, and the top-k experts of h's
     router logits, ids [T, k] int32 and weights [T, k] float32 as ``moe_route`` gives them; slots [T, k] int32:
     ``slot_table`` [N] (-1: none) at each id, -1 where it has none (None without a table).
 
     x [T, D] float32; norm_weight [D] float32; router: PackedMatrix [E, D] in FORMATS (``is_supported``);
-    counters [>= T] int32 on the device, zero, the caller's (zero again after the launch).
+    counters [>= T] int32 on the device, zero, the caller's (zero again after the launch); logits: [T, E] float32
+    for the router's logits (scratch of the launch's own when None).
     Launch config: grid (E, T), block 256 threads (32 in the simulator), dynamic
     shared memory 4 D bytes.
     """
@@ -159,7 +161,9 @@ def decode_route(x, norm_weight, eps: float, router, top_k: int, counters, *, no
         raise ValueError(f"counters holds {counters.shape[0]} tokens' counts, the launch has {num_tokens}")
     num_experts = router.num_rows
     h = empty((num_tokens, num_cols), np.float32, x)
-    logits = empty((num_tokens, num_experts), np.float32, x)
+    if logits is None:
+        logits = empty((num_tokens, num_experts), np.float32, x)
+    check_array("logits", logits, dtypes=np.float32, shape=(num_tokens, num_experts))
     ids = empty((num_tokens, top_k), np.int32, x)
     weights = empty((num_tokens, top_k), np.float32, x)
     is_mapped = slot_table is not None

@@ -83,10 +83,11 @@ def _route_kernel(top_k: int, is_norm: bool):
 
 @functools.cache
 def block_route_device(top_k: int, is_norm: bool, threads: int):
-    """device(row, exps, ranks, scalars, ids, weights, t, tid): token t's routing by one block of ``threads``
-    threads from its logits ``row`` (shared [>= E] float32, filled and synchronized by the caller; E =
-    ids' expert count ``num_experts`` passed in), into ids[t] and weights[t]. exps [>= E] float32, ranks
-    [>= E] int32 and scalars [2] float32 are the caller's shared scratch."""
+    """device(row, num_experts, exps, ranks, scalars, ids, weights, t, tid): token t's routing from its
+    ``num_experts`` logits ``row`` (shared [>= E] float32, filled and synchronized by the caller) into ids[t]
+    and weights[t], by every one of the block's ``threads`` threads (it synchronizes them; the caller does
+    again before it reads ids or weights). exps [>= E] float32, ranks [>= E] int32 and scalars [2] float32 are
+    the caller's shared scratch."""
     @cuda.jit(device=True)
     def block_route(row, num_experts, exps, ranks, scalars, ids, weights, t, tid):
         if tid == 0:
