@@ -15,9 +15,10 @@ each is a few microseconds of latency, not of bandwidth, 48 times a token. Here,
 h has the bits of ``norm.rms_norm`` at its default block (the same sum of squares and products), so
 the experts read what they read before; the logits come from this kernel's own sums (an uncaptured
 forward's router GEMV sums in another order, so where two logits nearly tie it may pick another expert).
-The router is F32 or F16 (llama.cpp's quantizer never quantizes it; a BF16 one takes the separate launches). A row's results do not depend on T or on the
-other rows, so a verify step's rows equal one-token steps'. The counters are the caller's: zeroed
-once, they return to zero at the end of every launch (a graph replays them as they are).
+The router is F32 or F16 (llama.cpp's quantizer never quantizes it; a BF16 one takes the separate
+launches). A row's results do not depend on T or on the other rows, so a verify step's rows equal
+one-token steps'. The counters are the caller's: zeroed once, they return to zero at the end of every
+launch (a graph replays them as they are).
 """
 
 from __future__ import annotations
