@@ -22,7 +22,7 @@ def _case(seed, num_tokens, num_cols, num_experts, fmt="F32"):
 
 @pytest.mark.parametrize(("num_tokens", "num_cols", "num_experts", "top_k", "fmt"), [
     (1, 64, 8, 2, "F32"),  # fewer columns than a row's threads unrolled: the tail loop alone
-    (2, 288, 12, 4, "F32"),  # columns past the unrolled steps (8 loads of 32 threads): both loops
+    (2, 300, 12, 4, "F32"),  # columns past the unrolled steps (8 loads of a row's threads): both loops
     (5, 96, 33, 8, "F16"),  # an expert count that is no multiple of the rows a block takes
 ])
 def test_route_in_one_launch_equals_norm_router_and_routing(num_tokens, num_cols, num_experts, top_k, fmt):

@@ -36,7 +36,9 @@ from .norm import DEFAULT_THREADS as NORM_THREADS
 
 FORMATS = ("F32", "F16")  # router storage the kernel reads (``PackedMatrix.quants`` [E, D] as is)
 _THREADS = NORM_THREADS  # h's bits are rms_norm's at its default block
-_ROWS_PER_BLOCK = 1  # router rows a block computes: a row's 2,048 columns are 8 loads a thread at 256 threads
+# router rows a block: on the GPU one (a row's 2,048 columns are 8 loads a thread); the simulator, which runs
+# a Python thread per GPU thread and pays for every barrier, takes 8 a block (4 threads a row)
+_ROWS_PER_BLOCK = 8 if IS_SIMULATOR else 1
 _UNROLL = 8  # loads a thread issues before it adds them: in flight together
 # the simulator sizes dynamic shared memory by a dtype instance
 _XS_DTYPE = np.dtype(np.float32) if IS_SIMULATOR else np.float32
@@ -145,7 +147,7 @@ def decode_route(x, norm_weight, eps: float, router, top_k: int, counters, *, no
     x [T, D] float32; norm_weight [D] float32; router: PackedMatrix [E, D] in FORMATS (``is_supported``);
     counters [>= T] int32 on the device, zero, the caller's (zero again after the launch); logits: [T, E] float32
     for the router's logits (scratch of the launch's own when None).
-    Launch config: grid (E, T), block 256 threads (32 in the simulator), dynamic
+    Launch config: grid (E, T) (ceil(E / 8), T in the simulator), block 256 threads (32 in the simulator), dynamic
     shared memory 4 D bytes.
     """
     check_array("x", x, dtypes=np.float32, ndim=2)
