@@ -1,9 +1,8 @@
 """What a decode token launches, counted in the simulator: at one token each launch is latency, not bandwidth."""
-import collections
-
 import pytest
 from engine_setup import SIMULATOR_TINY, engine_config
 from gguf import GGMLQuantizationType as QType
+from launch_recorder import recording_launches
 from numba import config as numba_config
 
 from strata.engine.facade import Engine
@@ -13,23 +12,12 @@ pytestmark = pytest.mark.skipif(not numba_config.ENABLE_CUDASIM, reason="counts 
 
 
 def test_a_resident_token_routes_each_layer_in_one_launch(tmp_path, monkeypatch):
-    from numba.cuda.simulator import kernel as simulated
-
     path = write_synthetic_model(tmp_path / "tiny.gguf", SIMULATOR_TINY, QType.Q4_0, seed=3)
     engine = Engine.load(engine_config(path, runtime={"backend": "cudasim", "vram_budget": "64MiB",
                                                       "warmup": False}), show_progress=False)
-    counts = collections.Counter()
-    call = simulated.FakeCUDAKernel.__call__
-
-    def counting_call(kernel, *args):
-        if not kernel._device and not simulated._kernel_context:
-            counts[kernel.fn.__name__] += 1
-        return call(kernel, *args)
-
-    monkeypatch.setattr(simulated.FakeCUDAKernel, "__call__", counting_call)
-    engine.runner.decode_step.compile_resident(5, 3)  # a whole resident token's launches, uncaptured
-    monkeypatch.undo()
-    num_layers = engine.spec.num_layers
+    with recording_launches(monkeypatch) as recorder:
+        engine.runner.decode_step.compile_resident(5, 3)  # a whole resident token's launches, uncaptured
+    counts, num_layers = recorder.counts, engine.spec.num_layers
     # the norm, the router's product, the routing and the slot map are one launch a layer
     assert counts["decode_route_kernel"] == num_layers
     assert not {"rms_norm_kernel", "route_block_kernel", "map_ids_kernel"} & set(counts), counts

@@ -7,6 +7,7 @@ request one the warm-up made?"""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import numpy as np
 @dataclass
 class LaunchRecorder:
     launches: set = field(default_factory=set)  # (kernel's function, argument types)
+    counts: collections.Counter = field(default_factory=collections.Counter)  # launches by kernel name
 
     def names(self, launches=None) -> list[str]:
         """Each launch as the kernel's name, the constants its factory closed over (a row count, a format)
@@ -37,6 +39,7 @@ def recording_launches(monkeypatch):
     def recording_call(kernel, *args):
         if not kernel._device and not simulated._kernel_context:
             recorder.launches.add((kernel.fn, tuple(_numba_type(a) for a in args)))
+            recorder.counts[kernel.fn.__name__] += 1
         return call(kernel, *args)
 
     monkeypatch.setattr(simulated.FakeCUDAKernel, "__call__", recording_call)
