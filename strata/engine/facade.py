@@ -40,7 +40,7 @@ from strata.engine.runner import DeviceWeights, ModelRunner
 from strata.engine.sampling import SamplingParams
 from strata.errors import AllocationError
 from strata.gpu.ledger import DECODE_GRAPHS_OWNER, LedgerSnapshot, VramLedger
-from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD
+from strata.hooktypes import MTP_DRAFT_HEAD, MTP_EXPERTS, OUTPUT_HEAD, VERIFIER
 from strata.model.gguf_file import open_gguf
 from strata.model.locate import resolve_model_path
 from strata.model.tokenizer import Tokenizer
@@ -152,6 +152,8 @@ class Engine(EngineCore):
             engine.mtp = MtpDraft(runner, resources[MTP_DRAFT_HEAD], resources.get(MTP_EXPERTS), mtp_kv,
                                   engine.output_head, mtp_prompt)
             engine.depth_policy = DepthPolicy(rt.spec_depth, is_fixed=rt.spec_policy == "fixed")
+            if rt.greedy_on_device and VERIFIER in resources:
+                runner.attach_speculation(engine.mtp, rt.spec_depth, resources[VERIFIER])
         if backend == "cuda" and not is_dry_run:
             engine.compiles.listen()
         if not is_dry_run:

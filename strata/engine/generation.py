@@ -15,7 +15,6 @@ import numpy as np
 
 from strata.engine.collector import CollectorTally
 from strata.engine.core import EngineCore
-from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.decode.speculative import PLAIN_DECODE, DraftOracle, Speculation
 from strata.engine.planning.rates import ChunkTiming
 from strata.engine.prefill_timeline import PrefillTimeline
@@ -32,7 +31,7 @@ from strata.engine.sampling import (
 from strata.engine.stream_stats import StreamStats
 from strata.errors import LoanRestoreError, PrefillCancelled, RequestError
 from strata.gpu.ledger import ACTIVATIONS_OWNER
-from strata.hooktypes import VERIFIER, Geometry
+from strata.hooktypes import Geometry
 
 log = logging.getLogger("strata.engine")
 FLUSH_TOKEN_ID = -1  # a TokenEvent with this id carries text released at the end of the stream
@@ -250,13 +249,11 @@ class Generation:
         hidden = None
         device = None
         try:
-            if is_on_device:
+            if is_on_device and engine.runner.speculation is not None:
                 host_bias = self._host_bias()
                 bias = [engine.ops.upload(ACTIVATIONS_OWNER, array) for array in host_bias]
                 owned += bias
-                device = (DeviceSpeculation(engine.runner, engine.mtp, engine.config.runtime.spec_depth,
-                                            engine.resources[VERIFIER]),
-                          engine.output_head(), tuple(bias), host_bias)
+                device = (engine.runner.speculation, engine.output_head(), tuple(bias), host_bias)
             speculation = Speculation(engine.runner, engine.mtp, policy or engine.depth_policy, self._row_logits,
                                       params, rng, stream, oracle, device, self._note_pick)
             steps = speculation.tokens(token, owned[0], position, num_steps, engine.kv_tokens)
@@ -266,7 +263,7 @@ class Generation:
                 steps.close()
         finally:
             if device is not None:
-                device[0].close()
+                device[0].end_request()
             for array in owned:
                 engine.ops.free(array)
 

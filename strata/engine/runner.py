@@ -26,7 +26,9 @@ from collections.abc import Callable
 import numpy as np
 
 from strata.backend.ops import DECODE_MAX_ROWS, Ops, QTensor, host_tier_bytes
+from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.decode.expert_addresses import can_read_in_place
+from strata.engine.decode.mtp import MtpDraft
 from strata.engine.decode.step import DecodeStep, can_use_segments
 from strata.engine.memory.decode_resources import upload_tensor
 from strata.engine.memory.expert_cache import ExpertCache
@@ -96,6 +98,15 @@ class ModelRunner:
         self.decode_step = DecodeStep(self, is_decode_prefetching, is_reading_in_place=is_decode_reading_in_place) \
             if is_captured else None
         self._row_steps: dict[int, DecodeStep] = {}  # [R] captured steps of R tokens (speculation's verify)
+        # greedy speculation's draft and verify on the device (``attach_speculation``): its segments are
+        # kept while decode's are
+        self.speculation: DeviceSpeculation | None = None
+
+    def attach_speculation(self, mtp: MtpDraft, max_depth: int, arena) -> None:
+        """Speculate on the device with ``mtp``, drafting up to ``max_depth`` tokens, in the ``verifier``
+        ``arena`` (captured decode only)."""
+        if self.decode_step is not None:
+            self.speculation = DeviceSpeculation(self, mtp, max_depth, arena)
 
     @property
     def token_embedding(self) -> QTensor:
@@ -171,20 +182,32 @@ class ModelRunner:
         """A request's decode is over: its segments are dropped, unless they are kept (``prepare_decode``)."""
         for step in self._steps():
             step.end_request()
+        if self.speculation is not None:
+            # the idle engine keeps speculation's segments only beside decode's (a request may have dropped those)
+            self.speculation.is_kept = self.speculation.is_kept and self.decode_step.is_kept
+            self.speculation.end_request()
 
     def prepare_decode(self, head: tuple | None, max_rows: int = 1) -> None:
         """Capture decode's segments now and keep them across requests (``DecodeStep.prepare``):
-        the one-token step's, and the steps of 2..``max_rows`` tokens (speculation's verify)."""
+        the one-token step's, and the steps of 2..``max_rows`` tokens (speculation's verify); with a
+        head (greedy decode on the device), speculation's drafts where the MTP block and its arena are
+        resident (``DeviceSpeculation.prepare``)."""
         if self.decode_step is None:
             return
         self.decode_step.prepare(head)
         for num_rows in range(2, max_rows + 1):
             self.step_of(num_rows).prepare(None)
+        speculation = self.speculation
+        if head is not None and speculation is not None and speculation.mtp.is_resident \
+                and speculation.arena.is_resident:
+            speculation.prepare()
 
     def reset_decode(self) -> None:
         """Drop decode's segments and buffers, kept or not."""
         for step in self._steps():
             step.reset()
+        if self.speculation is not None:
+            self.speculation.reset()
 
     def _ring(self, workspace: PromptWorkspace | None) -> StagingRing | None:
         if workspace is None or workspace.geometry is None or not workspace.geometry.ring_slots or not self.spec.is_moe:

@@ -20,7 +20,6 @@ import time
 import numpy as np
 
 from strata.backend.ops import DECODE_MAX_ROWS
-from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.stream_stats import StreamStats
 from strata.errors import AllocationError
 from strata.gpu import live_allocations
@@ -171,9 +170,8 @@ def _speculation(engine, hidden, token: int, position: int, stats: StreamStats) 
         if is_head_here:
             engine.mtp.logits(drafted)
     engine.runner.forward(np.array([token, token]), position + 1, None, stats)
-    verifier = engine.resources.get(VERIFIER)
-    if engine.mtp is None or verifier is None or engine.runner.decode_step is None \
-            or not engine.config.runtime.greedy_on_device or engine.ops.is_simulator:  # the simulator compiles nothing
+    device = engine.runner.speculation
+    if engine.mtp is None or device is None or engine.ops.is_simulator:  # the simulator compiles nothing
         return
     # a startup loan defers some of them (loan_head, loan_mtp): they come back for the warm-up alone,
     # before the expert cache fills, and go again after it
@@ -181,14 +179,12 @@ def _speculation(engine, hidden, token: int, position: int, stats: StreamStats) 
                            "speculation's steps") as is_here:
         if not is_here:
             return
-        max_depth = engine.config.runtime.spec_depth
-        device = DeviceSpeculation(engine.runner, engine.mtp, max_depth, verifier)
         try:
-            for depth in range(1, max_depth + 1):
+            for depth in range(1, engine.config.runtime.spec_depth + 1):
                 device.draft(hidden, [token], position, depth)
                 device.verify(token, position + 1, depth, engine.output_head(), None, stats)
         finally:
-            device.close()
+            device.reset()
 
 
 def _is_mtp_resident(engine) -> bool:

@@ -12,7 +12,8 @@ from strata.backend.select import has_cuda_device
 from strata.bench.draft_oracle import DraftOracle
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
-from strata.gpu.ledger import TRANSIENT_OWNERS
+from strata.gpu.ledger import ACTIVATIONS_OWNER, TRANSIENT_OWNERS
+from strata.hooktypes import MTP_DRAFT_HEAD, VERIFIER
 from strata.model.synth import PRESETS, write_synthetic_model
 
 BACKEND = "cuda" if has_cuda_device() else "cudasim"
@@ -51,6 +52,11 @@ def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth):
     engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=depth, spec_policy="fixed")),
                          show_progress=False)
     assert engine.runner.can_pick_greedy_on_device
+    if BACKEND == "cudasim":  # the load's warm-up (off in the simulator) keeps the segments
+        engine.prepare_decode()
+    speculation = engine.runner.speculation
+    kept = speculation.segments
+    assert speculation.is_kept and len(kept) == depth + 2  # first(R) for R = 1..depth + 1, the chain
     if BACKEND == "cuda":  # the model's own drafts (the simulator runs only the oracle's: minutes a request)
         tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
         assert tokens == plain_tokens and stats.spec_rounds > 0
@@ -62,6 +68,7 @@ def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth):
     assert [event.token_id for event in generation if event.token_id >= 0] == plain_tokens
     assert oracle.continuation == plain_tokens
     assert generation.stats.spec_accepted == generation.stats.spec_drafted > 0
+    assert speculation.is_kept and speculation.segments == kept  # the load's, not captured again
     idle = dict(engine.idle_ledger.by_owner)
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
 
@@ -87,3 +94,26 @@ def test_device_speculation_with_the_loan_equals_plain_greedy(tiny_path, plain_t
         generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=NUM_GENERATED, seed=0))
         assert [event.token_id for event in generation if event.token_id >= 0] == plain_tokens
         assert generation.stats.spec_rounds and engine.mtp.is_resident
+
+
+def test_kept_draft_segments_are_captured_again_over_what_a_loan_uploads_again(tiny_path):
+    """A loan frees the verifier arena and the MTP block and uploads them again: the kept drafts read
+    the old addresses, so the next draft captures them again, still kept, at the same size."""
+    engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=1, spec_policy="fixed")),
+                         show_progress=False)
+    if BACKEND == "cudasim":  # the load's warm-up (off in the simulator) keeps the segments
+        engine.prepare_decode()
+    speculation, owners = engine.runner.speculation, dict(engine.ledger.snapshot().by_owner)
+    kept = speculation.segments
+    for name in (VERIFIER, MTP_DRAFT_HEAD):
+        engine.resources[name].release()
+        engine.resources[name].restore()
+    hidden = engine.ops.upload(ACTIVATIONS_OWNER, np.zeros((1, engine.spec.hidden_size), np.float32))
+    speculation.draft(hidden, [5], 3, 1)
+    engine.ops.synchronize()
+    engine.ops.free(hidden)
+    assert speculation.is_kept and len(speculation.segments) == 1
+    assert all(new is not old for new, old in zip(speculation.segments, kept))
+    speculation.end_request()
+    speculation.prepare()  # the chain too
+    assert len(speculation.segments) == 3 and dict(engine.ledger.snapshot().by_owner) == owners

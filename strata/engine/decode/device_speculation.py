@@ -12,20 +12,26 @@ A greedy speculation step never brings logits to the host:
              ``targets``; the host reads drafts and targets (4 bytes each) in one wait.
 
 The host compares them: the longest agreeing prefix is taken, and the target after it is the next
-token. With the bench's draft oracle, the host draws each place's replacement before the chain runs
-(``overrides``, -1 where the draft stays), and segments captured with it write the replacement over
-each draft on the device, so the oracle adds no host wait to a step. Drafts are picked without the
-request's logit bias (they only propose); targets with it.
-The segments read the MTP block's weights and the head where they were when captured, and a loan
-uploads those again for every request, so they are captured per request (one first(R) for each
-R the request meets, and one chain) and dropped at its end (``close``). Their buffers and the verify
-step's logits are views of the ``verifier`` arena (``verifier_arena.py``), a loan resource that is
-resident whenever a request decodes.
+token. Each draft ends with the bench's draft oracle: the host writes each place's replacement before
+the chain runs (``overrides``, -1 where the draft stays: every place, outside the bench), and a
+one-thread launch writes it over the draft on the device, so the oracle adds no host wait to a step
+and one capture serves both. Drafts are picked without the request's logit bias (they only propose);
+targets with it.
+
+Capturing a first(R) or the chain takes ~7 ms of the host, so the engine captures one first(R) for
+every R and the chain at load (``prepare``) and keeps them across requests, charged to
+``decode_graphs`` as decode's kept segments are, and dropped with them. They read the MTP block's
+weights, the head and their buffers where these were when captured: views of the ``verifier``
+arena (``verifier_arena.py``), a loan resource that is resident whenever a request decodes. A loan
+frees and uploads those again, so a request's first draft checks them (weak references) and
+captures again over the new ones, at the same size. Without ``prepare`` each request captures what
+it replays, charged to its ``activations``, and ``end_request`` drops it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -33,7 +39,7 @@ from strata.engine.decode.mtp import MtpDraft
 from strata.engine.memory.verifier_arena import VerifierLayout
 from strata.engine.stream_stats import StreamStats
 from strata.errors import EngineError, NonFiniteLogitsError
-from strata.gpu.ledger import ACTIVATIONS_OWNER
+from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 
 
 @dataclasses.dataclass
@@ -59,12 +65,32 @@ class DeviceSpeculation:
         self.mtp = mtp
         self.ops = runner.ops
         self.max_rows = max_depth + 1
+        self.is_kept = False  # segments kept across requests (``prepare``)
         self._buffers: _Buffers | None = None
-        self._first: dict[tuple[int, bool], object] = {}  # [(R, is_oracle)] the first draft step over R rows
-        self._chain: dict[bool, object] = {}  # [is_oracle]
+        self._carved_from = None  # weakref to the arena buffer ``_buffers`` are views of
+        self._first: dict[int, object] = {}  # [R] the first draft step over R rows
+        self._chain = None
+        self._captured_over: list[weakref.ref] = []  # what the segments read that a loan uploads again
+        self._is_checked = False  # this request's first draft checked the segments (``_check_segments``)
         # [3 R_max + 2] int32 pinned: next tokens, positions, the chain's position, overrides, their first place
         self._host = None
         self._readback = None
+
+    @property
+    def segments(self) -> tuple:
+        """The captured segments: each first(R) by R, then the chain."""
+        chain = () if self._chain is None else (self._chain,)
+        return (*(self._first[rows] for rows in sorted(self._first)), *chain)
+
+    def prepare(self) -> None:
+        """Capture every first(R) and the chain now (the engine's load) and keep them across requests.
+        Captures only: nothing runs, the block's KV cache is untouched."""
+        self.is_kept = True
+        self._check_segments()
+        for num_rows in range(1, self.max_rows + 1):
+            self._first_segment(num_rows)
+        self._chain_segment()
+        self._is_checked = False  # the first request checks what its loan changed
 
     def draft(self, rows, next_tokens: list[int], start: int, depth: int, oracle=None) -> None:
         """``depth`` drafts into ``drafts`` after ``rows`` [R, D] (device) at positions ``start``..
@@ -72,6 +98,8 @@ class DeviceSpeculation:
         in place order and written over the draft on the device (the chain continues from it)."""
         ops, num_rows = self.ops, len(next_tokens)
         buffers = self._allocated()
+        if not self._is_checked:
+            self._check_segments()
         ops.copy_array(buffers.h_in[:num_rows], rows)
         host, max_rows = self._host, self.max_rows
         # rewritten only after the previous step's readback: its queued copies have landed
@@ -81,19 +109,17 @@ class DeviceSpeculation:
         ops.copy_in(buffers.tok_in[:num_rows], host[:num_rows], is_queued=True)
         ops.copy_in(buffers.pos_in[:num_rows], host[max_rows:max_rows + num_rows], is_queued=True)
         ops.copy_in(buffers.pos_c, host[2 * max_rows:2 * max_rows + 1], is_queued=True)
-        is_oracle = oracle is not None
-        if is_oracle:
-            overrides = host[2 * max_rows + 1:3 * max_rows + 2]  # [R_max] and the place, 0
-            # the draft at ``place`` is verified at the position after the newest token's; -1: keep the draft
+        overrides = host[2 * max_rows + 1:3 * max_rows + 2]  # [R_max] and the place, 0
+        overrides[:] = -1
+        if oracle is not None:  # the draft at ``place`` is verified at the position after the newest token's
             overrides[:depth] = [oracle.replace(start + num_rows + place + 1, -1) for place in range(depth)]
-            overrides[depth:] = -1
-            overrides[max_rows] = 0
-            ops.copy_in(buffers.overrides, overrides[:max_rows], is_queued=True)
-            ops.copy_in(buffers.place_c, overrides[max_rows:], is_queued=True)
-        self._first_segment(num_rows, is_oracle).replay()
+        overrides[max_rows] = 0
+        ops.copy_in(buffers.overrides, overrides[:max_rows], is_queued=True)
+        ops.copy_in(buffers.place_c, overrides[max_rows:], is_queued=True)
+        self._first_segment(num_rows).replay()
         for place in range(depth):
             if place:
-                self._chain_segment(is_oracle).replay()
+                self._chain_segment().replay()
             ops.copy_array(buffers.drafts[place:place + 1], buffers.tok_c)
 
     def verify(self, token: int, position: int, depth: int, head: tuple, bias, stats: StreamStats):
@@ -112,53 +138,83 @@ class DeviceSpeculation:
                                        "runtime.greedy_on_device = false")
         return rows, ([] if drafts is None else drafts.tolist()), targets.tolist()
 
-    def close(self) -> None:
-        """Drop the segments (the end of a request); the arena stays the resource's."""
-        for segment in [*self._first.values(), *self._chain.values()]:
+    def end_request(self) -> None:
+        """A request's speculation is over: kept segments wait for the next one, others are dropped."""
+        self._is_checked = False
+        if not self.is_kept:
+            self.reset()
+
+    def reset(self) -> None:
+        """Drop the segments, kept or not (a later request captures again); the arena stays the resource's."""
+        self._close_segments()
+        self._buffers = self._carved_from = None
+        self.is_kept = False
+        self._is_checked = False
+
+    def _close_segments(self) -> None:
+        for segment in self.segments:
             segment.close()
-        self._first, self._chain = {}, {}
-        self._buffers = None
+        self._first, self._chain = {}, None
+        self._captured_over = []
+
+    def _reads(self) -> list:
+        """What the segments read that a loan frees and uploads again: the arena (the buffers), the block's
+        weights and the head its drafts come from."""
+        return [self.arena.buffer, *self.mtp.weights.tensors.values(), *self.mtp.head()[:2]]
+
+    def _check_segments(self) -> None:
+        """Drop segments captured over weights or buffers that are no longer the ones resident."""
+        reads = self._reads()
+        if len(reads) != len(self._captured_over) or any(ref() is not read
+                                                          for ref, read in zip(self._captured_over, reads)):
+            self._close_segments()
+            self._captured_over = [weakref.ref(read) for read in reads]
+        self._is_checked = True
+
+    @property
+    def _owner(self) -> str:
+        return DECODE_GRAPHS_OWNER if self.is_kept else ACTIVATIONS_OWNER
 
     def _allocated(self) -> _Buffers:
-        if self._buffers is None:
-            if not self.arena.is_resident:
-                raise EngineError("the verifier arena is not resident: a loan still holds it (speculation runs "
-                                  "only after the loan restores)")
+        if not self.arena.is_resident:
+            raise EngineError("the verifier arena is not resident: a loan still holds it (speculation runs "
+                              "only after the loan restores)")
+        if self._buffers is None or self._carved_from() is not self.arena.buffer:
             ops, rows, spec = self.ops, self.max_rows, self.runner.spec
             layout = VerifierLayout(spec.hidden_size, spec.vocab_size, rows)
             self._buffers = _Buffers(**layout.carve(self.arena.buffer))
+            self._carved_from = weakref.ref(self.arena.buffer)
             if self._host is None:
                 self._host = ops.host_buffer(4 * (3 * rows + 2)).view(np.int32)
                 self._readback = ops.readback()
         return self._buffers
 
-    def _first_segment(self, num_rows: int, is_oracle: bool):
-        key = (num_rows, is_oracle)
-        if key not in self._first:
-            self._first[key] = self.ops.capture(lambda: self._first_step(num_rows, is_oracle), ACTIVATIONS_OWNER)
-        return self._first[key]
+    def _first_segment(self, num_rows: int):
+        if num_rows not in self._first:
+            self._allocated()
+            self._first[num_rows] = self.ops.capture(lambda: self._first_step(num_rows), self._owner)
+        return self._first[num_rows]
 
-    def _chain_segment(self, is_oracle: bool):
-        if is_oracle not in self._chain:
-            self._chain[is_oracle] = self.ops.capture(lambda: self._chain_step(is_oracle), ACTIVATIONS_OWNER)
-        return self._chain[is_oracle]
+    def _chain_segment(self):
+        if self._chain is None:
+            self._allocated()
+            self._chain = self.ops.capture(self._chain_step, self._owner)
+        return self._chain
 
-    def _first_step(self, num_rows: int, is_oracle: bool):
+    def _first_step(self, num_rows: int):
         buffers, ops = self._buffers, self.ops
         x = self.mtp.hidden(buffers.h_in[:num_rows], buffers.tok_in[:num_rows], 0,
                             positions=buffers.pos_in[:num_rows])  # [R, D]
         ops.copy_array(buffers.x_c, x[num_rows - 1:])
         ops.greedy_token(buffers.x_c, *self.mtp.head(), None, buffers.tok_c)
-        if is_oracle:
-            ops.override_token(buffers.tok_c, buffers.overrides, buffers.place_c)
+        ops.override_token(buffers.tok_c, buffers.overrides, buffers.place_c)
         return ()
 
-    def _chain_step(self, is_oracle: bool):
+    def _chain_step(self):
         buffers, ops = self._buffers, self.ops
         x = self.mtp.hidden(buffers.x_c, buffers.tok_c, 0, positions=buffers.pos_c)  # [1, D]
         ops.copy_array(buffers.x_c, x)
         ops.increment(buffers.pos_c)
         ops.greedy_token(buffers.x_c, *self.mtp.head(), None, buffers.tok_c)
-        if is_oracle:
-            ops.override_token(buffers.tok_c, buffers.overrides, buffers.place_c)
+        ops.override_token(buffers.tok_c, buffers.overrides, buffers.place_c)
         return ()
