@@ -1,6 +1,6 @@
 """The cuda backend's output head (``CudaOps`` takes it from ``HeadOps``): logits of the last row or of
 a verify step's rows, greedy picks on the device with the logit bias, and the small device-side steps of
-device decode (increment, the draft oracle's override, the pinned readback)."""
+device decode (increment, a draft chain's step, the pinned readback)."""
 
 from __future__ import annotations
 
@@ -77,11 +77,12 @@ class HeadOps:
 
         increment(values, stream=self._stream)
 
-    def override_token(self, token, overrides, place) -> None:
-        """token [1] = overrides[place] where that is >= 0; place += 1 (the bench's draft oracle, on the device)."""
-        from strata.gpu.kernels.elementwise import override_token
+    def take_draft(self, token, overrides, place, drafts) -> None:
+        """token [1] = overrides[place] where that is >= 0 (the bench's draft oracle), drafts[place] = token,
+        place += 1: a draft chain's step, on the device."""
+        from strata.gpu.kernels.elementwise import take_draft
 
-        override_token(token, overrides, place, stream=self._stream)
+        take_draft(token, overrides, place, drafts, stream=self._stream)
 
     def readback(self):
         """A ``Readback`` (``strata/gpu/readback.py``): token ids and small arrays back through pinned memory."""

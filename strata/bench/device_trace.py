@@ -30,13 +30,18 @@ PHASE_PREFIX = "strata:"  # the marks of decode's phases in the trace (user anno
 GAP_FLOOR_US = 5.0  # idle stretches shorter than this are a graph's launch latency, not a stall
 _IDENTIFIER = re.compile(r"(\d+)")
 _LOCALS = "_3clocals_3e"  # "<locals>", as Numba mangles it
+_DEMANGLED = re.compile(r"^((?:\w+::)+\w+)(?:\[abi:\w+\])*(?:\(|$)")  # a::b::kernel[abi:..](args)
 _NUMBA_SUFFIX = re.compile(r"(_24\d+|_2[0-9a-fA-F]{2})+$")  # "$241" and other escapes Numba mangles as _24...
 
 
 def short_name(mangled: str) -> str:
     """A kernel's readable name from an Itanium-mangled one (Numba's ``_ZN6cudapy<module path>
-    <function>...E``, or C++'s): its module and function (a factory's kernel: the factory's module
-    and the kernel), Numba's ``$N`` suffixes dropped; other names as they are."""
+    <function>...E``, or C++'s) or from one the profiler demangled (``strata::gpu::...::kernel[abi:..](..)``):
+    its module and function (a factory's kernel: the factory's module and the kernel), Numba's ``$N``
+    suffixes dropped; other names as they are."""
+    if _DEMANGLED.match(mangled):
+        names = _DEMANGLED.match(mangled).group(1).split("::")
+        return _module_and_function([name for name in names if name != "cudapy"]) or mangled
     if not mangled.startswith("_ZN"):
         return mangled
     names, index = [], 3
@@ -46,10 +51,14 @@ def short_name(mangled: str) -> str:
         start = length.end()
         names.append(mangled[start:start + size])
         index = start + size
-    names = [name for name in names if name != "cudapy"]
+    return _module_and_function([name for name in names if name != "cudapy"]) or mangled
+
+
+def _module_and_function(names: list[str]) -> str:
+    """'module.function' from a kernel's nested names (a factory's kernel: the factory's module and the kernel)."""
     if not names:
-        return mangled
-    if _LOCALS in names:  # a kernel made by a factory: its module, then the kernel
+        return ""
+    if _LOCALS in names:
         names = [names[names.index(_LOCALS) - 2], names[-1]] if names.index(_LOCALS) >= 2 else names[-1:]
     return ".".join(_NUMBA_SUFFIX.sub("", name) for name in names[-2:])
 

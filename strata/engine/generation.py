@@ -245,18 +245,15 @@ class Generation:
         token, position, num_steps = self._first_token(logits, rng)
         logits = None
         yield token
-        owned = [engine.ops.upload(ACTIVATIONS_OWNER, np.ascontiguousarray(hidden, dtype=np.float32))]  # [1, D]
+        row = engine.ops.upload(ACTIVATIONS_OWNER, np.ascontiguousarray(hidden, dtype=np.float32))  # [1, D]
         hidden = None
         device = None
         try:
             if is_on_device and engine.runner.speculation is not None:
-                host_bias = self._host_bias()
-                bias = [engine.ops.upload(ACTIVATIONS_OWNER, array) for array in host_bias]
-                owned += bias
-                device = (engine.runner.speculation, engine.output_head(), tuple(bias), host_bias)
+                device = (engine.runner.speculation, engine.output_head(), self._host_bias())
             speculation = Speculation(engine.runner, engine.mtp, policy or engine.depth_policy, self._row_logits,
                                       params, rng, stream, oracle, device, self._note_pick)
-            steps = speculation.tokens(token, owned[0], position, num_steps, engine.kv_tokens)
+            steps = speculation.tokens(token, row, position, num_steps, engine.kv_tokens)
             try:
                 yield from steps
             finally:
@@ -264,8 +261,7 @@ class Generation:
         finally:
             if device is not None:
                 device[0].end_request()
-            for array in owned:
-                engine.ops.free(array)
+            engine.ops.free(row)
 
     def _host_bias(self) -> tuple[np.ndarray, np.ndarray]:
         """The engine's and the request's logit bias, in order: (ids [n] int32, values [n] float32)."""

@@ -200,7 +200,7 @@ class ModelRunner:
         speculation = self.speculation
         if head is not None and speculation is not None and speculation.mtp.is_resident \
                 and speculation.arena.is_resident:
-            speculation.prepare()
+            speculation.prepare(head)
 
     def reset_decode(self) -> None:
         """Drop decode's segments and buffers, kept or not."""

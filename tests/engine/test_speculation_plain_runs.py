@@ -63,7 +63,7 @@ class _NeverDrafts:
 
 def _speculation(policy, runner, device):
     return Speculation(runner, None, policy, None, SamplingParams(temperature=0.0), None, StreamStats(),
-                       device=(device, None, None, None))
+                       device=(device, None, None))
 
 
 def _expected(token: int, num_tokens: int) -> list[int]:

@@ -12,7 +12,7 @@ from strata.backend.select import has_cuda_device
 from strata.bench.draft_oracle import DraftOracle
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
-from strata.gpu.ledger import ACTIVATIONS_OWNER, TRANSIENT_OWNERS
+from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, TRANSIENT_OWNERS
 from strata.hooktypes import MTP_DRAFT_HEAD, VERIFIER
 from strata.model.synth import PRESETS, write_synthetic_model
 
@@ -103,7 +103,7 @@ def test_kept_draft_segments_are_captured_again_over_what_a_loan_uploads_again(t
                          show_progress=False)
     if BACKEND == "cudasim":  # the load's warm-up (off in the simulator) keeps the segments
         engine.prepare_decode()
-    speculation, owners = engine.runner.speculation, dict(engine.ledger.snapshot().by_owner)
+    speculation, kept_bytes = engine.runner.speculation, engine.ledger.snapshot().by_owner[DECODE_GRAPHS_OWNER]
     kept = speculation.segments
     for name in (VERIFIER, MTP_DRAFT_HEAD):
         engine.resources[name].release()
@@ -115,5 +115,6 @@ def test_kept_draft_segments_are_captured_again_over_what_a_loan_uploads_again(t
     assert speculation.is_kept and len(speculation.segments) == 1
     assert all(new is not old for new, old in zip(speculation.segments, kept))
     speculation.end_request()
-    speculation.prepare()  # the chain too
-    assert len(speculation.segments) == 3 and dict(engine.ledger.snapshot().by_owner) == owners
+    speculation.prepare(engine.output_head())  # the chain and the picks too
+    assert len(speculation.segments) == 3
+    assert engine.ledger.snapshot().by_owner[DECODE_GRAPHS_OWNER] == kept_bytes

@@ -9,7 +9,7 @@ from numba import config as numba_config
 
 from strata.backend.select import has_cuda_device, make_ops
 from strata.engine import sampling
-from strata.gpu.kernels.elementwise import increment, override_token
+from strata.gpu.kernels.elementwise import increment, take_draft
 from strata.gpu.kernels.sample import add_logit_bias
 from strata.gpu.ledger import VramLedger
 
@@ -38,14 +38,15 @@ def test_increment_steps_every_element():
     assert host(increment(dev(np.array([0, 41, -1], np.int32)), threads=2)).tolist() == [1, 42, 0]
 
 
-def test_override_token_replaces_where_asked_and_steps_its_place():
+def test_take_draft_replaces_where_asked_records_and_steps_its_place():
     token, place = dev(np.array([7], np.int32)), dev(np.zeros(1, np.int32))
-    overrides = dev(np.array([-1, 12, 0], np.int32))
+    overrides, drafts = dev(np.array([-1, 12, 0, -1], np.int32)), dev(np.full(4, -5, np.int32))
     seen = []
     for _ in range(3):
-        override_token(token, overrides, place)
+        take_draft(token, overrides, place, drafts)
         seen.append(int(host(token)[0]))
     assert seen == [7, 12, 0] and int(host(place)[0]) == 3  # -1 keeps the draft; 0 is a token id
+    assert host(drafts).tolist() == [7, 12, 0, -5]
 
 
 def test_greedy_token_is_the_hosts_pick_from_the_same_biased_logits():

@@ -14,6 +14,12 @@ def test_short_names_are_module_and_kernel():
     assert short_name(MODULE_KERNEL) == "norm.rms_norm_kernel"
     assert short_name("_ZN4cute6kernelEv") == "cute.kernel"
     assert short_name("void attention_direct<128>(float*)") == "void attention_direct<128>(float*)"
+    # as the profiler names them, demangled
+    assert short_name("strata::gpu::kernels::decode_route::_decode_route_kernel::_3clocals_3e::decode_route_kernel"
+                      "[abi:v18][abi:cw51cXTLSUwv1sD_3d_3d](Array<float, 2, C, mutable, aligned>, float)") \
+        == "decode_route.decode_route_kernel"
+    assert short_name("strata::gpu::kernels::sample::_bias_kernel[abi:v119](Array<int, 1, C, mutable, aligned>)") \
+        == "sample._bias_kernel"
 
 
 def _kernel(name, ts, dur):

@@ -35,6 +35,7 @@ import weakref
 
 import numpy as np
 
+from strata.engine.decode.greedy_tail import GreedyTails
 from strata.engine.decode.mtp import MtpDraft
 from strata.engine.memory.verifier_arena import VerifierLayout
 from strata.engine.stream_stats import StreamStats
@@ -70,6 +71,8 @@ class DeviceSpeculation:
         self._carved_from = None  # weakref to the arena buffer ``_buffers`` are views of
         self._first: dict[int, object] = {}  # [R] the first draft step over R rows
         self._chain = None
+        self._tails: dict[int, tuple] = {}  # [R] (weakref to the step's rows, GreedyTails): the verify's picks
+        self._biased: dict[int, object] = {}  # [R] the tail this request's bias was written into
         self._captured_over: list[weakref.ref] = []  # what the segments read that a loan uploads again
         self._is_checked = False  # this request's first draft checked the segments (``_check_segments``)
         # [3 R_max + 2] int32 pinned: next tokens, positions, the chain's position, overrides, their first place
@@ -78,19 +81,24 @@ class DeviceSpeculation:
 
     @property
     def segments(self) -> tuple:
-        """The captured segments: each first(R) by R, then the chain."""
+        """The captured draft segments: each first(R) by R, then the chain (the verify steps' picks aside)."""
         chain = () if self._chain is None else (self._chain,)
         return (*(self._first[rows] for rows in sorted(self._first)), *chain)
 
-    def prepare(self) -> None:
-        """Capture every first(R) and the chain now (the engine's load) and keep them across requests.
+    def prepare(self, head: tuple) -> None:
+        """Capture every first(R), the chain and the picks after a verify step of each R over ``head``
+        now (the engine's load, after the verify steps' ``prepare``) and keep them across requests.
         Captures only: nothing runs, the block's KV cache is untouched."""
         self.is_kept = True
         self._check_segments()
         for num_rows in range(1, self.max_rows + 1):
             self._first_segment(num_rows)
+            rows = self.runner.step_of(num_rows).rows
+            if rows is not None:
+                self._picks(rows, head, None)
         self._chain_segment()
         self._is_checked = False  # the first request checks what its loan changed
+        self._biased = {}
 
     def draft(self, rows, next_tokens: list[int], start: int, depth: int, oracle=None) -> None:
         """``depth`` drafts into ``drafts`` after ``rows`` [R, D] (device) at positions ``start``..
@@ -117,18 +125,19 @@ class DeviceSpeculation:
         ops.copy_in(buffers.overrides, overrides[:max_rows], is_queued=True)
         ops.copy_in(buffers.place_c, overrides[max_rows:], is_queued=True)
         self._first_segment(num_rows).replay()
-        for place in range(depth):
-            if place:
-                self._chain_segment().replay()
-            ops.copy_array(buffers.drafts[place:place + 1], buffers.tok_c)
+        for _ in range(depth - 1):
+            self._chain_segment().replay()
 
     def verify(self, token: int, position: int, depth: int, head: tuple, bias, stats: StreamStats):
         """The rows [d + 1, D] of ``token`` and the ``depth`` drafts at ``position``.., and the host's
-        copies of the drafts [d] and of the model's greedy pick after each row [d + 1]."""
+        copies of the drafts [d] and of the model's greedy pick after each row [d + 1]. bias: the
+        request's logit bias on the host (ids [n] int32, values [n] float32), or None."""
         buffers = self._allocated()
+        if not self._is_checked:
+            self._check_segments()
         step = self.runner.step_of(depth + 1)
         rows = step.forward([token] + [0] * depth, position, stats, buffers.drafts[:depth] if depth else None)
-        self.ops.greedy_rows(rows, *head, bias, buffers.targets[:depth + 1], logits=buffers.logits[:depth + 1])
+        self._picks(rows, head, bias).segment.replay()
         drafts, targets = stats.waited(self._readback.now, buffers.drafts[:depth] if depth else None,
                                        buffers.targets[:depth + 1])
         vocab_size = self.runner.spec.vocab_size
@@ -141,6 +150,9 @@ class DeviceSpeculation:
     def end_request(self) -> None:
         """A request's speculation is over: kept segments wait for the next one, others are dropped."""
         self._is_checked = False
+        self._biased = {}
+        for _, tails in self._tails.values():
+            tails.end_request()
         if not self.is_kept:
             self.reset()
 
@@ -154,8 +166,34 @@ class DeviceSpeculation:
     def _close_segments(self) -> None:
         for segment in self.segments:
             segment.close()
-        self._first, self._chain = {}, None
+        for _, tails in self._tails.values():
+            tails.close()
+        self._first, self._chain, self._tails, self._biased = {}, None, {}, {}
         self._captured_over = []
+
+    def _picks(self, rows, head: tuple, bias):
+        """The captured greedy picks after the verify step's ``rows`` [R, D] (a ``greedy_tail.Tail``): the
+        head, the request's bias and each row's argmax into ``targets``, and the logits into the arena's.
+        Captured again where the step's rows buffer is another (a step that was not kept)."""
+        num_rows = rows.shape[0]
+        rows_ref, tails = self._tails.get(num_rows, (None, None))
+        if tails is None or rows_ref() is not rows:
+            if tails is not None:
+                tails.close()
+            rows_ref = weakref.ref(rows)
+            tails = GreedyTails(self.ops, lambda head, bias: self._pick_rows(rows_ref(), head, bias), self.ops.capture)
+            tails.is_kept = self.is_kept
+            self._tails[num_rows] = (rows_ref, tails)
+        tail = tails.for_request(head, 0 if bias is None else len(bias[0]))
+        if self._biased.get(num_rows) is not tail:  # once a request, and again in a tail captured since
+            tail.write_bias(self.ops, bias)
+            self._biased[num_rows] = tail
+        return tail
+
+    def _pick_rows(self, rows, head: tuple, bias) -> tuple:
+        num_rows, buffers = rows.shape[0], self._buffers
+        self.ops.greedy_rows(rows, *head, bias, buffers.targets[:num_rows], logits=buffers.logits[:num_rows])
+        return ()
 
     def _reads(self) -> list:
         """What the segments read that a loan frees and uploads again: the arena (the buffers), the block's
@@ -207,7 +245,7 @@ class DeviceSpeculation:
                             positions=buffers.pos_in[:num_rows])  # [R, D]
         ops.copy_array(buffers.x_c, x[num_rows - 1:])
         ops.greedy_token(buffers.x_c, *self.mtp.head(), None, buffers.tok_c)
-        ops.override_token(buffers.tok_c, buffers.overrides, buffers.place_c)
+        ops.take_draft(buffers.tok_c, buffers.overrides, buffers.place_c, buffers.drafts)
         return ()
 
     def _chain_step(self):
@@ -216,5 +254,5 @@ class DeviceSpeculation:
         ops.copy_array(buffers.x_c, x)
         ops.increment(buffers.pos_c)
         ops.greedy_token(buffers.x_c, *self.mtp.head(), None, buffers.tok_c)
-        ops.override_token(buffers.tok_c, buffers.overrides, buffers.place_c)
+        ops.take_draft(buffers.tok_c, buffers.overrides, buffers.place_c, buffers.drafts)
         return ()

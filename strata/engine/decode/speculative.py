@@ -71,8 +71,8 @@ class Speculation:
                  oracle: DraftOracle | None = None, device: tuple | None = None,
                  on_pick: Callable[[np.ndarray, int], None] | None = None):
         """logits_of(hidden [R, D]) -> host [R, V] logits with the engine's bias added. device: for a
-        greedy request on captured decode, (``DeviceSpeculation``, head, the bias on the device, the
-        bias on the host): drafts and picks stay on the device (``device_speculation.py``), and a run
+        greedy request on captured decode, (``DeviceSpeculation``, head, the logit bias on the host:
+        ids [n] int32 and values [n] float32): drafts and picks stay on the device (``device_speculation.py``), and a run
         of plain steps is captured greedy decode's, each step queued ahead of the host. on_pick(logits
         [V], token): told of every emitted token of a host step and the target logits it was taken
         under, in order (a step may emit more than the request takes)."""
@@ -128,10 +128,10 @@ class Speculation:
         request ends with these tokens and every step is queued ahead; the last token). Appends each token
         whose KV cell a step wrote to ``kv_tokens``, and records the steps taken in the policy, also where
         the caller closes the run: the host's time in them, not the caller's between tokens."""
-        device, head, bias, host_bias = self.device
+        device, head, bias = self.device
         self.stats.spec_depth = 0
         num_queued = num_tokens if is_last else num_tokens - 1
-        steps = self.runner.greedy_tokens(token, position, num_queued, head, host_bias, self.stats) \
+        steps = self.runner.greedy_tokens(token, position, num_queued, head, bias, self.stats) \
             if num_queued else None
         seconds, num_done = 0.0, 0
         try:
@@ -177,7 +177,7 @@ class Speculation:
 
     def _device_step(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int):
         """As ``_host_step``, greedy, with drafts and picks on the device and 4 bytes a token read back."""
-        device, head, bias, _ = self.device
+        device, head, bias = self.device
         if depth:
             device.draft(rows, next_tokens, start, depth, self.oracle)
             self.stats.spec_draft_steps += depth

@@ -109,6 +109,11 @@ class DecodeStep:
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
 
     @property
+    def rows(self):
+        """The residual stream [R, D] that ``forward`` returns (None until a request or ``prepare`` allocates it)."""
+        return self._x
+
+    @property
     def is_resident(self) -> bool | None:
         """Whether every expert is cached (None until a request's first token decides)."""
         return None if self.kind is None else self.kind == RESIDENT

@@ -114,24 +114,28 @@ def increment(values, *, threads: int = _DEFAULT_ADD_THREADS, stream=0):
 
 
 @jit
-def _override_token_kernel(token, overrides, place):  # one thread
+def _take_draft_kernel(token, overrides, place, drafts):  # one thread
     if cuda.grid(1) == 0:
-        value = overrides[place[0]]
+        at = place[0]
+        value = overrides[at]
         if value >= 0:
             token[0] = value
-        place[0] += 1
+        drafts[at] = token[0]
+        place[0] = at + 1
 
 
-def override_token(token, overrides, place, *, stream=0):
-    """token[0] = overrides[place[0]] where that is >= 0 (else kept), then place[0] += 1: token and place [1],
-    overrides [n] int32 on the device, place[0] < n (a captured draft chain's replaced tokens, one a step).
+def take_draft(token, overrides, place, drafts, *, stream=0):
+    """The draft at place p = place[0] of a captured draft chain: token[0] = overrides[p] where that is >= 0
+    (the bench's draft oracle; else kept), drafts[p] = token[0], then place[0] = p + 1. token and place [1],
+    overrides and drafts [n] int32 on the device, p < n.
 
     Launch config: one block of one thread.
     """
     check_array("token", token, dtypes=np.int32, shape=(1,))
     check_array("overrides", overrides, dtypes=np.int32, ndim=1)
     check_array("place", place, dtypes=np.int32, shape=(1,))
-    _override_token_kernel[1, 1, stream](token, overrides, place)
+    check_array("drafts", drafts, dtypes=np.int32, shape=tuple(overrides.shape))
+    _take_draft_kernel[1, 1, stream](token, overrides, place, drafts)
     return token
 
 
