@@ -594,8 +594,15 @@ class ExpertsConfig(NamedTuple):
 
 
 # Measured on the H200 (graph-timed, top-8 of 128 Q4_0 experts; docs/PERFORMANCE.md, 2026-12-05): one token 20.2 us
-# in every shape within ~1.5 us (latency, not waves), a verify step's five 70.8 us against 87.4 for a warp a row
+# in every shape within ~1.5 us (latency, not waves), a verify step's five 70.8 us against 87.4 for a warp a row, and
+# 65.7 at most 6 blocks an SM (21.2 for one token): several tokens take that shape
 EXPERTS_CONFIG = ExpertsConfig()
+EXPERTS_ROWS_CONFIG = ExpertsConfig(blocks_per_sm=6)
+
+
+def experts_config(num_tokens: int) -> ExpertsConfig:
+    """The launch shape of num_tokens tokens' routed experts (the grid only: one compiled kernel for both)."""
+    return EXPERTS_CONFIG if num_tokens == 1 else EXPERTS_ROWS_CONFIG
 
 
 @functools.cache
@@ -646,11 +653,12 @@ def experts_supported(gate, up, down, top_k: int) -> bool:
 
 
 def moe_experts_native(x, ids, weights, gate, up, down, out, hidden, *, norm_weight=None, eps: float = 1e-6,
-                       config: ExpertsConfig = EXPERTS_CONFIG, stream=0):
+                       config: ExpertsConfig | None = None, stream=0):
     """moe.moe_experts_decode's products through the linked C++ rows; the caller validated the inputs
-    and experts_supported(gate, up, down, top_k). A row's sums are the same whatever the config."""
-    config = config.validate()
+    and experts_supported(gate, up, down, top_k). A row's sums are the same whatever the config (default:
+    ``experts_config``)."""
     num_tokens, dim = x.shape
+    config = (experts_config(num_tokens) if config is None else config).validate()
     top_k = ids.shape[1]
     ffn = hidden.shape[1]
     has_norm = norm_weight is not None

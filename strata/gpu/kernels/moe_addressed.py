@@ -42,7 +42,7 @@ def can_address(gate: PackedMatrix, up: PackedMatrix, down: PackedMatrix, top_k:
 
 def moe_experts_addressed(x, ids, weights, table, gate: PackedMatrix, down: PackedMatrix, out, *,
                           norm_weight=None, eps: float = 1e-6, hidden=None, host_reads=None,
-                          config: gemv_native.ExpertsConfig = gemv_native.EXPERTS_CONFIG, stream=0):
+                          config: gemv_native.ExpertsConfig | None = None, stream=0):
     """out [T, H] += the routed experts ``ids`` [T, k] (expert ids; one outside [0, N) adds nothing) weighted
     by ``weights`` [T, k], each expert's planes at ``table`` [N, TABLE_COLUMNS] uint64; x [T, H] float32
     (RMSNorm-ed here when norm_weight [H] is given). gate and down: stacks in the experts' formats and row
@@ -73,7 +73,7 @@ def moe_experts_addressed(x, ids, weights, table, gate: PackedMatrix, down: Pack
     if has_norm:
         check_array("norm_weight", norm_weight, dtypes=np.float32, shape=(dim,))
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    config = config.validate()
+    config = (gemv_native.experts_config(num_tokens) if config is None else config).validate()
     gate_up_kernel, down_kernel = _kernels(gate.fmt, down.fmt, dim, ffn, top_k, config.warps, config.down_warps,
                                            has_norm)
     num_experts = np.int32(table.shape[0])
