@@ -410,7 +410,7 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
     is_q4_k = fmt == "Q4_K"  # its loop reads the Q4_K layout, with the half sums staged in the padding
     num_x = x_floats(num_cols, is_q4_k)
     stage_rows = _stage_rows_device(num_cols, threads, has_norm, num_x_rows, num_x, is_q4_k)
-    xs_size, red_size = num_x * num_x_rows, warps * num_x_rows
+    xs_size = num_x * num_x_rows
     loop_call = _loop_call(loop_fn, num_cols, num_x, num_x_rows, is_accumulate)
 
     # no launch bounds or register cap: with either (512 threads, 128 registers) the heads measured 4-10%
@@ -418,7 +418,7 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
     @jit
     def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [R, K], y [R * N]
         tid = cuda.threadIdx.x
-        red = cuda.shared.array(red_size, np.float32)
+        red = cuda.shared.array(warps * num_x_rows, np.float32)
         xs = cuda.shared.array(xs_size, np.float32, alignment=16)  # [R, num_x]: read as float4 by the C++
         stage_rows(x, norm_w, eps, red, xs, tid)
         cuda.syncthreads()
@@ -485,7 +485,7 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
     rows_a, rows_b, rows_c = (_declare_rows(f, rows_per_warp, num_x_rows, instances) for f in fmts)
     num_x = x_floats(num_cols)
     stage_rows = _stage_rows_device(num_cols, threads, has_norm, num_x_rows, num_x)
-    xs_size, out_size, red_size = num_x * num_x_rows, rows_per_warp * num_x_rows, warps * num_x_rows
+    xs_size, out_size = num_x * num_x_rows, rows_per_warp * num_x_rows
     rows_a_call, rows_b_call, rows_c_call = (_rows_call(fn, num_cols, num_x, num_x_rows)
                                              for fn in (rows_a, rows_b, rows_c))
 
@@ -493,7 +493,7 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
     def gemv3_kernel(qa, sa, ea, wa, ha, xa, qb, sb, eb, wb, hb, xb, qc, sc, ec, wc, hc, xc, x, norm_w, eps, blocks_a,
                      blocks_b, ya, yb, yc):  # w*, h*, x*: words, halves and extra bytes per row of each matrix
         tid = cuda.threadIdx.x  # x [R, K], y* [R, N*]
-        red = cuda.shared.array(red_size, np.float32)
+        red = cuda.shared.array(warps * num_x_rows, np.float32)
         xs = cuda.shared.array(xs_size, np.float32, alignment=16)  # [R, num_x]: read as float4 by the C++
         stage_rows(x, norm_w, eps, red, xs, tid)
         cuda.syncthreads()
