@@ -71,9 +71,9 @@ class Speculation:
                  oracle: DraftOracle | None = None, device: tuple | None = None,
                  on_pick: Callable[[np.ndarray, int], None] | None = None):
         """logits_of(hidden [R, D]) -> host [R, V] logits with the engine's bias added. device: for a
-        greedy request on captured decode, (``DeviceSpeculation``, head, the logit bias on the host:
-        ids [n] int32 and values [n] float32): drafts and picks stay on the device (``device_speculation.py``), and a run
-        of plain steps is captured greedy decode's, each step queued ahead of the host. on_pick(logits
+        greedy request on captured decode, (``DeviceSpeculation``, head, the logit bias on the host: ids
+        [n] int32 and values [n] float32): drafts and picks stay on the device (``device_speculation.py``),
+        and a run of plain steps is captured greedy decode's, each step queued ahead of the host. on_pick(logits
         [V], token): told of every emitted token of a host step and the target logits it was taken
         under, in order (a step may emit more than the request takes)."""
         self.runner = runner
