@@ -5,27 +5,28 @@ A greedy speculation step never brings logits to the host:
     draft:   the verified rows [R, D] and their next tokens go to fixed buffers; segment first(R)
              runs the MTP block over them and writes the argmax of its last row (draft 1) into
              ``tok_c`` and that row into ``x_c``; segment chain runs the block on (x_c, tok_c) at
-             ``pos_c`` and writes draft j + 1 over them, d - 1 times. A kernel copies each draft
-             into ``drafts``.
+             ``pos_c`` and writes draft j + 1 over them, d - 1 times. Each ends with ``take_draft``,
+             which records its draft in ``drafts``.
     verify:  the step of d + 1 rows (``DecodeStep``) embeds the token and the drafts from
-             ``drafts``; ``greedy_rows`` writes the model's own pick after each row into
-             ``targets``; the host reads drafts and targets (4 bytes each) in one wait.
+             ``drafts``; a segment of picks (``greedy_rows``: the head, the request's bias, an argmax
+             a row) writes the model's own pick after each row into ``targets``; the host reads
+             drafts and targets (4 bytes each) in one wait.
 
 The host compares them: the longest agreeing prefix is taken, and the target after it is the next
-token. Each draft ends with the bench's draft oracle: the host writes each place's replacement before
-the chain runs (``overrides``, -1 where the draft stays: every place, outside the bench), and a
-one-thread launch writes it over the draft on the device, so the oracle adds no host wait to a step
-and one capture serves both. Drafts are picked without the request's logit bias (they only propose);
-targets with it.
+token. ``take_draft`` also applies the bench's draft oracle: the host writes each place's replacement
+before the chain runs (``overrides``, -1 where the draft stays: every place, outside the bench), and
+the launch writes it over the draft on the device, so the oracle adds no host wait to a step and one
+capture serves both. Drafts are picked without the request's logit bias (they only propose); targets
+with it, from the padded bias buffers of the picks' segment (``greedy_tail.GreedyTails``, one per R).
 
-Capturing a first(R) or the chain takes ~7 ms of the host, so the engine captures one first(R) for
-every R and the chain at load (``prepare``) and keeps them across requests, charged to
+Capturing a first(R) or the chain takes ~7 ms of the host, so the engine captures one first(R) and
+the picks for every R and the chain at load (``prepare``) and keeps them across requests, charged to
 ``decode_graphs`` as decode's kept segments are, and dropped with them. They read the MTP block's
 weights, the head and their buffers where these were when captured: views of the ``verifier``
 arena (``verifier_arena.py``), a loan resource that is resident whenever a request decodes. A loan
-frees and uploads those again, so a request's first draft checks them (weak references) and
-captures again over the new ones, at the same size. Without ``prepare`` each request captures what
-it replays, charged to its ``activations``, and ``end_request`` drops it.
+frees and uploads those again, so a request's first draft or verify checks them (weak references)
+and they are captured again over the new ones, at the same size. Without ``prepare`` each request
+captures what it replays, charged to its ``activations``, and ``end_request`` drops it.
 """
 
 from __future__ import annotations
