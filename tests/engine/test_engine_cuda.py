@@ -171,7 +171,9 @@ def test_a_prefill_cancelled_between_layers_while_experts_stream_leaves_the_next
     runtime = {"backend": BACKEND, "vram_budget": "64MiB", "warmup": False, "expert_preload": False}
     engine = Engine.load(engine_config(tiny_path, runtime=runtime, planner={"max_chunk_tokens": 16}),
                          show_progress=False)
-    prompt = [int(t) for t in np.random.default_rng(9).integers(3, 250, size=18)]
+    # seed 10: neither tiny shape's greedy continuation starts with an end-of-generation id (seed 9's did on the
+    # GPU's, token 509, so the request rightly returned nothing and the comparison with the reference failed)
+    prompt = [int(t) for t in np.random.default_rng(10).integers(3, 250, size=18)]
     asked = []
     generation = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2),
                                  lambda: asked.append(0) or len(asked) > 1)
