@@ -6,8 +6,10 @@ runs a request untraced (so captures and compilations are done) and then the sam
 its decode traced by PyTorch's profiler, which reads every kernel the process runs from CUPTI,
 the kernels of replayed CUDA graphs included. Per arm it writes the trace (Chrome's JSON,
 gzipped) and prints, per decoded token: each kernel's count and device time, the span, how much
-of it some kernel ran (``busy``), the idle gaps and the kernels around them, and the host's
-driver calls. A profile, not a benchmark: one process, the profiler's own overhead on the host.
+of it some kernel ran (``busy``), the idle gaps and the kernels around them, the host's driver
+calls, and the device time of each phase (a plain step, a draft, a verify step: each phase starts
+with a one-thread marker kernel, and a kernel belongs to the phase whose marker ran last before
+it). A profile, not a benchmark: one process, the profiler's own overhead on the host.
 
 Needs PyTorch (the reference GPU's image has it; it is no dependency of Strata's) and a GPU.
 """
@@ -26,7 +28,12 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
+
 PHASE_PREFIX = "strata:"  # the marks of decode's phases in the trace (user annotations)
+# a one-thread kernel launched at the start of each mark: the device runs a replayed graph's kernels, which the
+# profiler does not tie to the host call that launched them, after the marker of the phase that launched it
+PHASE_MARKER = "phase_marker_kernel"
 GAP_FLOOR_US = 5.0  # idle stretches shorter than this are a graph's launch latency, not a stall
 _IDENTIFIER = re.compile(r"(\d+)")
 _LOCALS = "_3clocals_3e"  # "<locals>", as Numba mangles it
@@ -84,7 +91,8 @@ class TraceSummary:
 def summarize(events: list[dict]) -> TraceSummary:
     """The summary of a Chrome trace's events (``traceEvents``): kernels are the events of category
     ``kernel``, host calls those of ``cuda_runtime`` and ``cuda_driver``; times in µs."""
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    launched = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    kernels = [e for e in launched if not _is_marker(e)]
     if not kernels:
         raise ValueError("the trace holds no kernel: was the profiler's CUDA activity on, and did the GPU run?")
     by_name: dict[str, KernelTime] = {}
@@ -112,12 +120,18 @@ def summarize(events: list[dict]) -> TraceSummary:
     gap_rows = sorted(((len(v), sum(v), before, after) for (before, after), v in gaps.items()), key=lambda g: -g[1])
     return TraceSummary(len(kernels), end_us - kernels[0]["ts"], busy_us,
                         sorted(by_name.values(), key=lambda k: -k.total_us), gap_rows,
-                        sorted(host.values(), key=lambda k: -k.total_us), _phases(events, kernels))
+                        sorted(host.values(), key=lambda k: -k.total_us), _phases(events, launched))
+
+
+def _is_marker(kernel: dict) -> bool:
+    return short_name(kernel["name"]).endswith(PHASE_MARKER)
 
 
 def _phases(events: list[dict], kernels: list[dict]) -> list[tuple[str, int, float, int, float]]:
     """Each phase mark (a user annotation named ``PHASE_PREFIX``...): how often it was marked, its host time,
-    and the kernels launched inside it (their launch call's correlation id, its time inside the mark)."""
+    and its kernels: those the device ran after the phase's marker kernel and before the next marker (graphs'
+    kernels included), or, in a trace without markers, those whose launch call lies inside the mark (their
+    correlation id). ``kernels``: every kernel, by start time, markers included."""
     marks = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX)),
                    key=lambda e: e["ts"])
     if not marks:
@@ -130,18 +144,28 @@ def _phases(events: list[dict], kernels: list[dict]) -> list[tuple[str, int, flo
         row = rows.setdefault(mark["name"][len(PHASE_PREFIX):], [0, 0.0, 0, 0.0])
         row[0] += 1
         row[1] += mark["dur"]
-    outside = [0, 0.0, 0, 0.0]
-    for kernel in kernels:
+
+    def holding(kernel: dict) -> list | None:
+        """The row of the mark that holds the kernel's launch call (marks do not nest: the last one begun
+        before the launch, if it had not ended)."""
         at = launched_at.get(kernel.get("args", {}).get("correlation"))
         index = bisect.bisect_right(starts, at) - 1 if at is not None else -1
-        # marks do not nest: the last one begun before the launch holds it if it had not ended
-        row = outside
         if index >= 0 and at <= marks[index]["ts"] + marks[index]["dur"]:
-            row = rows[marks[index]["name"][len(PHASE_PREFIX):]]
+            return rows[marks[index]["name"][len(PHASE_PREFIX):]]
+        return None
+
+    outside = [0, 0.0, 0, 0.0]
+    is_device_order = any(_is_marker(kernel) for kernel in kernels)
+    current = outside
+    for kernel in kernels:
+        if is_device_order and _is_marker(kernel):
+            current = holding(kernel) or outside
+            continue
+        row = current if is_device_order else (holding(kernel) or outside)
         row[2] += 1
         row[3] += kernel["dur"]
     if outside[2]:
-        rows["(outside the marks)"] = outside
+        rows["(before the first marker)" if is_device_order else "(outside the marks)"] = outside
     return [(name, *row) for name, row in rows.items()]
 
 
@@ -161,7 +185,7 @@ def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int 
     for count, total, before, after in summary.gaps[:10]:
         lines.append(f"| {count / per:.1f} | {total / per:.1f} | {before} | {after} |")
     if summary.phases:
-        lines += ["", "phases (a kernel in the phase whose mark holds its launch call):",
+        lines += ["", "phases (a kernel in the phase whose marker kernel the device ran last before it):",
                   "| phase | times | host µs each | kernels each | device µs each |",
                   "| --- | ---: | ---: | ---: | ---: |"]
         for name, count, host_us, num_kernels, device_us in summary.phases:
@@ -175,9 +199,10 @@ def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int 
 
 
 @contextlib.contextmanager
-def marked_phases():
+def marked_phases(launch_marker=lambda: None):
     """While open, decode's phases are marked in a PyTorch trace: each plain greedy step's launch, each draft
-    and each verify step of device speculation (``PHASE_PREFIX`` + plain, draft, verify)."""
+    and each verify step of device speculation (``PHASE_PREFIX`` + plain, draft, verify), each mark's first
+    call ``launch_marker()`` (``device_marker``: the phase's start on the device)."""
     from torch.profiler import record_function
 
     from strata.engine.decode import device_speculation, step
@@ -186,6 +211,7 @@ def marked_phases():
         @functools.wraps(fn)
         def in_mark(*args, **kwargs):
             with record_function(PHASE_PREFIX + phase):
+                launch_marker()
                 return fn(*args, **kwargs)
         return in_mark
 
@@ -199,6 +225,22 @@ def marked_phases():
         step._launch, speculation.draft, speculation.verify = originals
 
 
+def device_marker():
+    """A launcher of the phases' marker kernel (one thread, no work) on the legacy default stream, which
+    orders it with the engine's kernels and graph replays."""
+    from numba import cuda
+
+    @cuda.jit
+    def phase_marker_kernel(flag):
+        if cuda.grid(1) == 0:
+            flag[0] += 1
+
+    flag = cuda.to_device(np.zeros(1, np.int32))
+    phase_marker_kernel[1, 1](flag)  # compiled here, outside the trace
+    cuda.synchronize()
+    return lambda: phase_marker_kernel[1, 1](flag)
+
+
 def _traced_decode(engine, tokens: list[int], params, oracle, path: Path) -> tuple[list[dict], int]:
     """Run the request; trace from its first token (prefill untraced) to its end; write the trace to ``path``
     (gzipped) and return its events and the tokens decoded while traced."""
@@ -207,8 +249,9 @@ def _traced_decode(engine, tokens: list[int], params, oracle, path: Path) -> tup
 
     events = iter(engine.generate(tokens, params, draft_oracle=oracle))
     next(event for event in events if event.token_id >= 0)  # the prefill's token
+    marker = device_marker()
     torch.cuda.synchronize()
-    with marked_phases(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+    with marked_phases(marker), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         num_tokens = sum(1 for event in events if event.token_id >= 0)
         torch.cuda.synchronize()
     raw = path.with_suffix("")  # the profiler writes plain JSON
