@@ -8,8 +8,8 @@ the kernels of replayed CUDA graphs included. Per arm it writes the trace (Chrom
 gzipped) and prints, per decoded token: each kernel's count and device time, the span, how much
 of it some kernel ran (``busy``), the idle gaps and the kernels around them, the host's driver
 calls, and the device time of each phase (a plain step, a draft, a verify step: each phase starts
-with a one-thread marker kernel, and a kernel belongs to the phase whose marker ran last before
-it). A profile, not a benchmark: one process, the profiler's own overhead on the host.
+and ends with a one-thread marker kernel, and a kernel belongs to the phase whose markers the
+device ran it between). A profile, not a benchmark: one process, the profiler's own overhead on the host.
 
 Needs PyTorch (the reference GPU's image has it; it is no dependency of Strata's) and a GPU.
 """
@@ -31,9 +31,10 @@ from pathlib import Path
 import numpy as np
 
 PHASE_PREFIX = "strata:"  # the marks of decode's phases in the trace (user annotations)
-# a one-thread kernel launched at the start of each mark: the device runs a replayed graph's kernels, which the
-# profiler does not tie to the host call that launched them, after the marker of the phase that launched it
-PHASE_MARKER = "phase_marker_kernel"
+# one-thread kernels launched at the start and at the end of each mark: the device runs a replayed graph's
+# kernels, which the profiler does not tie to the host call that launched them, between the markers of the
+# phase that launched it
+PHASE_MARKER, PHASE_END_MARKER = "phase_marker_kernel", "phase_end_kernel"
 GAP_FLOOR_US = 5.0  # idle stretches shorter than this are a graph's launch latency, not a stall
 _IDENTIFIER = re.compile(r"(\d+)")
 _LOCALS = "_3clocals_3e"  # "<locals>", as Numba mangles it
@@ -124,14 +125,14 @@ def summarize(events: list[dict]) -> TraceSummary:
 
 
 def _is_marker(kernel: dict) -> bool:
-    return short_name(kernel["name"]).endswith(PHASE_MARKER)
+    return short_name(kernel["name"]).endswith((PHASE_MARKER, PHASE_END_MARKER))
 
 
 def _phases(events: list[dict], kernels: list[dict]) -> list[tuple[str, int, float, int, float]]:
     """Each phase mark (a user annotation named ``PHASE_PREFIX``...): how often it was marked, its host time,
-    and its kernels: those the device ran after the phase's marker kernel and before the next marker (graphs'
-    kernels included), or, in a trace without markers, those whose launch call lies inside the mark (their
-    correlation id). ``kernels``: every kernel, by start time, markers included."""
+    and its kernels: those the device ran between the phase's start and end marker kernels (graphs' kernels
+    included), or, in a trace without markers, those whose launch call lies inside the mark (their correlation
+    id). ``kernels``: every kernel, by start time, markers included."""
     marks = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX)),
                    key=lambda e: e["ts"])
     if not marks:
@@ -159,13 +160,14 @@ def _phases(events: list[dict], kernels: list[dict]) -> list[tuple[str, int, flo
     current = outside
     for kernel in kernels:
         if is_device_order and _is_marker(kernel):
-            current = holding(kernel) or outside
+            is_start = short_name(kernel["name"]).endswith(PHASE_MARKER)
+            current = (holding(kernel) or outside) if is_start else outside
             continue
         row = current if is_device_order else (holding(kernel) or outside)
         row[2] += 1
         row[3] += kernel["dur"]
     if outside[2]:
-        rows["(before the first marker)" if is_device_order else "(outside the marks)"] = outside
+        rows["(outside the marks)"] = outside
     return [(name, *row) for name, row in rows.items()]
 
 
@@ -199,10 +201,10 @@ def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int 
 
 
 @contextlib.contextmanager
-def marked_phases(launch_marker=lambda: None):
+def marked_phases(launch_markers=(lambda: None, lambda: None)):
     """While open, decode's phases are marked in a PyTorch trace: each plain greedy step's launch, each draft
-    and each verify step of device speculation (``PHASE_PREFIX`` + plain, draft, verify), each mark's first
-    call ``launch_marker()`` (``device_marker``: the phase's start on the device)."""
+    and each verify step of device speculation (``PHASE_PREFIX`` + plain, draft, verify); each mark calls
+    ``launch_markers[0]()`` first and ``[1]()`` last (``device_markers``: the phase's start and end on the device)."""
     from torch.profiler import record_function
 
     from strata.engine.decode import device_speculation, step
@@ -211,8 +213,11 @@ def marked_phases(launch_marker=lambda: None):
         @functools.wraps(fn)
         def in_mark(*args, **kwargs):
             with record_function(PHASE_PREFIX + phase):
-                launch_marker()
-                return fn(*args, **kwargs)
+                launch_markers[0]()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    launch_markers[1]()
         return in_mark
 
     speculation = device_speculation.DeviceSpeculation
@@ -225,9 +230,9 @@ def marked_phases(launch_marker=lambda: None):
         step._launch, speculation.draft, speculation.verify = originals
 
 
-def device_marker():
-    """A launcher of the phases' marker kernel (one thread, no work) on the legacy default stream, which
-    orders it with the engine's kernels and graph replays."""
+def device_markers():
+    """Launchers of the phases' start and end marker kernels (one thread, no work) on the legacy default
+    stream, which orders them with the engine's kernels and graph replays."""
     from numba import cuda
 
     @cuda.jit
@@ -235,10 +240,16 @@ def device_marker():
         if cuda.grid(1) == 0:
             flag[0] += 1
 
+    @cuda.jit
+    def phase_end_kernel(flag):
+        if cuda.grid(1) == 0:
+            flag[0] -= 1
+
     flag = cuda.to_device(np.zeros(1, np.int32))
-    phase_marker_kernel[1, 1](flag)  # compiled here, outside the trace
+    for kernel in (phase_marker_kernel, phase_end_kernel):
+        kernel[1, 1](flag)  # compiled here, outside the trace
     cuda.synchronize()
-    return lambda: phase_marker_kernel[1, 1](flag)
+    return lambda: phase_marker_kernel[1, 1](flag), lambda: phase_end_kernel[1, 1](flag)
 
 
 def _traced_decode(engine, tokens: list[int], params, oracle, path: Path) -> tuple[list[dict], int]:
@@ -249,9 +260,9 @@ def _traced_decode(engine, tokens: list[int], params, oracle, path: Path) -> tup
 
     events = iter(engine.generate(tokens, params, draft_oracle=oracle))
     next(event for event in events if event.token_id >= 0)  # the prefill's token
-    marker = device_marker()
+    markers = device_markers()
     torch.cuda.synchronize()
-    with marked_phases(marker), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+    with marked_phases(markers), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         num_tokens = sum(1 for event in events if event.token_id >= 0)
         torch.cuda.synchronize()
     raw = path.with_suffix("")  # the profiler writes plain JSON

@@ -251,6 +251,7 @@ class Generation:
         try:
             if is_on_device and engine.runner.speculation is not None:
                 device = (engine.runner.speculation, engine.output_head(), self._host_bias())
+                device[0].begin_request(device[1])
             speculation = Speculation(engine.runner, engine.mtp, policy or engine.depth_policy, self._row_logits,
                                       params, rng, stream, oracle, device, self._note_pick)
             steps = speculation.tokens(token, row, position, num_steps, engine.kv_tokens)

@@ -179,20 +179,27 @@ def _speculation(engine, hidden, token: int, position: int, stats: StreamStats) 
                            "speculation's steps") as is_here:
         if not is_here:
             return
-        max_rows = engine.config.runtime.spec_depth + 1
-        rows = engine.ops.upload(ACTIVATIONS_OWNER, np.zeros((max_rows, engine.spec.hidden_size), np.float32))
-        picks = engine.ops.alloc(ACTIVATIONS_OWNER, (max_rows,), np.int32)
+        max_rows, ops = engine.config.runtime.spec_depth + 1, engine.ops
+        owned = []
         try:
-            for num_rows in range(1, max_rows + 1):  # the picks' launches, compiled before a verify captures them
-                engine.ops.greedy_rows(rows[:num_rows], *engine.output_head(), None, picks[:num_rows])
+            # the picks' launches (with a bias, into the logits' buffer), compiled before a verify captures them
+            owned += [ops.upload(ACTIVATIONS_OWNER, np.zeros((max_rows, engine.spec.hidden_size), np.float32)),
+                      ops.alloc(ACTIVATIONS_OWNER, (max_rows,), np.int32),
+                      ops.alloc(ACTIVATIONS_OWNER, (max_rows, engine.spec.vocab_size), np.float32),
+                      ops.upload(ACTIVATIONS_OWNER, np.zeros(1, np.int32)),
+                      ops.upload(ACTIVATIONS_OWNER, np.zeros(1, np.float32))]
+            rows, picks, logits, *bias = owned
+            for num_rows in range(1, max_rows + 1):
+                ops.greedy_rows(rows[:num_rows], *engine.output_head(), tuple(bias), picks[:num_rows],
+                                logits=logits[:num_rows])
             for depth in range(1, max_rows):
                 device.draft(hidden, [token], position, depth)
                 device.verify(token, position + 1, depth, engine.output_head(), None, stats)
         finally:
             device.reset()
-            engine.ops.synchronize()
-            for array in (rows, picks):
-                engine.ops.free(array)
+            ops.synchronize()
+            for array in owned:
+                ops.free(array)
 
 
 def _is_mtp_resident(engine) -> bool:

@@ -56,7 +56,7 @@ def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth):
         engine.prepare_decode()
     speculation = engine.runner.speculation
     kept = speculation.segments
-    assert speculation.is_kept and len(kept) == depth + 2  # first(R) for R = 1..depth + 1, the chain
+    assert speculation.is_kept and len(kept) == depth + 1 + (depth > 1)  # first(R) for R = 1..depth + 1, the chain
     if BACKEND == "cuda":  # the model's own drafts (the simulator runs only the oracle's: minutes a request)
         tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
         assert tokens == plain_tokens and stats.spec_rounds > 0
@@ -97,24 +97,26 @@ def test_device_speculation_with_the_loan_equals_plain_greedy(tiny_path, plain_t
 
 
 def test_kept_draft_segments_are_captured_again_over_what_a_loan_uploads_again(tiny_path):
-    """A loan frees the verifier arena and the MTP block and uploads them again: the kept drafts read
-    the old addresses, so the next draft captures them again, still kept, at the same size."""
-    engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=1, spec_policy="fixed")),
+    """A loan frees the verifier arena and the MTP block and uploads them again: the kept segments read the
+    old addresses, so the next request's start captures the whole kept set again, kept, at the same size."""
+    engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=2, spec_policy="fixed")),
                          show_progress=False)
     if BACKEND == "cudasim":  # the load's warm-up (off in the simulator) keeps the segments
         engine.prepare_decode()
     speculation, kept_bytes = engine.runner.speculation, engine.ledger.snapshot().by_owner[DECODE_GRAPHS_OWNER]
     kept = speculation.segments
+    speculation.begin_request(engine.output_head())  # nothing uploaded again: the same segments
+    assert speculation.segments == kept
     for name in (VERIFIER, MTP_DRAFT_HEAD):
         engine.resources[name].release()
         engine.resources[name].restore()
+    speculation.begin_request(engine.output_head())
+    again = speculation.segments
+    assert speculation.is_kept and len(again) == len(kept) == 4 and all(a is not b for a, b in zip(again, kept))
+    assert engine.ledger.snapshot().by_owner[DECODE_GRAPHS_OWNER] == kept_bytes
     hidden = engine.ops.upload(ACTIVATIONS_OWNER, np.zeros((1, engine.spec.hidden_size), np.float32))
-    speculation.draft(hidden, [5], 3, 1)
+    speculation.draft(hidden, [5], 3, 2)  # replays what the request's start captured
     engine.ops.synchronize()
     engine.ops.free(hidden)
-    assert speculation.is_kept and len(speculation.segments) == 1
-    assert all(new is not old for new, old in zip(speculation.segments, kept))
     speculation.end_request()
-    speculation.prepare(engine.output_head())  # the chain and the picks too
-    assert len(speculation.segments) == 3
-    assert engine.ledger.snapshot().by_owner[DECODE_GRAPHS_OWNER] == kept_bytes
+    assert speculation.segments == again

@@ -78,8 +78,9 @@ def test_kernels_go_to_the_phase_whose_mark_holds_their_launch_call():
     assert "| draft | 2 | 7.5 | 1.0 | 5.0 |" in text and "| verify | 1 | 40.0 | 1.0 | 15.0 |" in text
 
 
-MARKER = ("_ZN6cudapy6strata5bench12device_trace13device_marker12_3clocals_3e19phase_marker_kernelB2v1"
+MARKER = ("_ZN6cudapy6strata5bench12device_trace14device_markers12_3clocals_3e19phase_marker_kernelB2v1"
           "E5ArrayIiLi1E1C7mutable7alignedE")
+END_MARKER = "strata::bench::device_trace::device_markers::_3clocals_3e::phase_end_kernel[abi:v2](Array<int>)"
 
 
 def test_with_marker_kernels_a_phase_holds_what_the_device_ran_after_its_marker():
@@ -94,11 +95,14 @@ def test_with_marker_kernels_a_phase_holds_what_the_device_ran_after_its_marker(
         kernel(FACTORY_KERNEL, 22.0, 6.0), kernel(FACTORY_KERNEL, 28.0, 4.0),  # the draft's graph
         {**kernel(MARKER, 33.0, 1.0), "args": {"correlation": 2}},
         kernel(MODULE_KERNEL, 35.0, 20.0),  # the verify step's graph
+        kernel(END_MARKER, 56.0, 1.0),
+        kernel(MODULE_KERNEL, 58.0, 3.0),  # launched between the marks (a step's layers before its mark)
     ]
     summary = summarize(events)
-    assert summary.num_kernels == 4 and "phase_marker_kernel" not in {k.name.split(".")[-1] for k in summary.kernels}
+    assert summary.num_kernels == 5 and not {"phase_marker_kernel", "phase_end_kernel"} & {
+        k.name.split(".")[-1] for k in summary.kernels}
     assert summary.phases == [("draft", 1, 10.0, 2, 10.0), ("verify", 1, 40.0, 1, 20.0),
-                              ("(before the first marker)", 0, 0.0, 1, 2.0)]
+                              ("(outside the marks)", 0, 0.0, 2, 5.0)]
 
 
 def test_a_trace_without_kernels_is_refused():
@@ -134,10 +138,10 @@ def test_phases_are_marked_while_open_and_the_functions_restored_after(monkeypat
     speculation = device_speculation.DeviceSpeculation
     originals = (step._launch, speculation.draft, speculation.verify)
     monkeypatch.setattr(speculation, "draft", lambda self, *args: "drafted")
-    with device_trace.marked_phases(lambda: marked.append("marker")):
+    with device_trace.marked_phases((lambda: marked.append("start"), lambda: marked.append("end"))):
         assert speculation.draft(None, 1, 2) == "drafted"
         with pytest.raises(AttributeError):  # the real launch, marked first
             step._launch(None, None, None, None)
-    assert marked == ["strata:draft", "marker", "strata:plain", "marker"]
+    assert marked == ["strata:draft", "start", "end", "strata:plain", "start", "end"]
     monkeypatch.undo()
     assert (step._launch, speculation.draft, speculation.verify) == originals

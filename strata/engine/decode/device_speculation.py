@@ -24,8 +24,8 @@ the picks for every R and the chain at load (``prepare``) and keeps them across 
 ``decode_graphs`` as decode's kept segments are, and dropped with them. They read the MTP block's
 weights, the head and their buffers where these were when captured: views of the ``verifier``
 arena (``verifier_arena.py``), a loan resource that is resident whenever a request decodes. A loan
-frees and uploads those again, so a request's first draft or verify checks them (weak references)
-and they are captured again over the new ones, at the same size. Without ``prepare`` each request
+frees and uploads those again, so a request's start (``begin_request``) checks them (weak references)
+and captures the whole kept set again over the new ones, at the same size. Without ``prepare`` each request
 captures what it replays, charged to its ``activations``, and ``end_request`` drops it.
 """
 
@@ -76,6 +76,7 @@ class DeviceSpeculation:
         self._biased: dict[int, object] = {}  # [R] the tail this request's bias was written into
         self._captured_over: list[weakref.ref] = []  # what the segments read that a loan uploads again
         self._is_checked = False  # this request's first draft checked the segments (``_check_segments``)
+        self._is_pool_trimmed = False  # this request's (or the load's) first capture trimmed the allocator cache
         # [3 R_max + 2] int32 pinned: next tokens, positions, the chain's position, overrides, their first place
         self._host = None
         self._readback = None
@@ -97,9 +98,19 @@ class DeviceSpeculation:
             rows = self.runner.step_of(num_rows).rows
             if rows is not None:
                 self._picks(rows, head, None)
-        self._chain_segment()
+        if self.max_rows > 2:  # a chain follows the first draft only from depth 2
+            self._chain_segment()
         self._is_checked = False  # the first request checks what its loan changed
         self._biased = {}
+
+    def begin_request(self, head: tuple) -> None:
+        """A request's decode starts (the loan has restored): where a loan uploaded again what kept segments
+        read, capture the whole kept set again now, over ``head`` (the model's), so that the idle engine holds
+        what the load kept; segments not kept are captured when first replayed."""
+        self._allocated()
+        self._is_pool_trimmed = False
+        if self.is_kept and not self._is_current():
+            self.prepare(head)
 
     def draft(self, rows, next_tokens: list[int], start: int, depth: int, oracle=None) -> None:
         """``depth`` drafts into ``drafts`` after ``rows`` [R, D] (device) at positions ``start``..
@@ -150,7 +161,7 @@ class DeviceSpeculation:
 
     def end_request(self) -> None:
         """A request's speculation is over: kept segments wait for the next one, others are dropped."""
-        self._is_checked = False
+        self._is_checked = self._is_pool_trimmed = False
         self._biased = {}
         for _, tails in self._tails.values():
             tails.end_request()
@@ -162,7 +173,7 @@ class DeviceSpeculation:
         self._close_segments()
         self._buffers = self._carved_from = None
         self.is_kept = False
-        self._is_checked = False
+        self._is_checked = self._is_pool_trimmed = False
 
     def _close_segments(self) -> None:
         for segment in self.segments:
@@ -182,7 +193,7 @@ class DeviceSpeculation:
             if tails is not None:
                 tails.close()
             rows_ref = weakref.ref(rows)
-            tails = GreedyTails(self.ops, lambda head, bias: self._pick_rows(rows_ref(), head, bias), self.ops.capture)
+            tails = GreedyTails(self.ops, lambda head, bias: self._pick_rows(rows_ref(), head, bias), self._capture)
             tails.is_kept = self.is_kept
             self._tails[num_rows] = (rows_ref, tails)
         tail = tails.for_request(head, 0 if bias is None else len(bias[0]))
@@ -201,14 +212,26 @@ class DeviceSpeculation:
         weights and the head its drafts come from."""
         return [self.arena.buffer, *self.mtp.weights.tensors.values(), *self.mtp.head()[:2]]
 
+    def _is_current(self) -> bool:
+        """Whether the segments were captured over the weights and buffers resident now."""
+        reads = self._reads()
+        return len(reads) == len(self._captured_over) and all(ref() is read
+                                                               for ref, read in zip(self._captured_over, reads))
+
     def _check_segments(self) -> None:
         """Drop segments captured over weights or buffers that are no longer the ones resident."""
-        reads = self._reads()
-        if len(reads) != len(self._captured_over) or any(ref() is not read
-                                                          for ref, read in zip(self._captured_over, reads)):
+        if not self._is_current():
             self._close_segments()
-            self._captured_over = [weakref.ref(read) for read in reads]
+            self._captured_over = [weakref.ref(read) for read in self._reads()]
         self._is_checked = True
+
+    def _capture(self, fn, owner: str):
+        """ops.capture, after trimming the allocator cache once in the request: nothing pooled may be freed
+        while capturing (as ``DecodeStep._capture``)."""
+        if not self._is_pool_trimmed:
+            self.ops.trim_memory()
+            self._is_pool_trimmed = True
+        return self.ops.capture(fn, owner)
 
     @property
     def _owner(self) -> str:
@@ -231,13 +254,13 @@ class DeviceSpeculation:
     def _first_segment(self, num_rows: int):
         if num_rows not in self._first:
             self._allocated()
-            self._first[num_rows] = self.ops.capture(lambda: self._first_step(num_rows), self._owner)
+            self._first[num_rows] = self._capture(lambda: self._first_step(num_rows), self._owner)
         return self._first[num_rows]
 
     def _chain_segment(self):
         if self._chain is None:
             self._allocated()
-            self._chain = self.ops.capture(self._chain_step, self._owner)
+            self._chain = self._capture(self._chain_step, self._owner)
         return self._chain
 
     def _first_step(self, num_rows: int):

@@ -66,8 +66,9 @@ class GreedyTails:
     def for_request(self, head: tuple, num_bias: int) -> Tail:
         """A tail over ``head`` with room for ``num_bias`` biased ids, captured if none fits."""
         if num_bias > BIAS_CAPACITY:  # the request's own, closed at its end
-            self._close_wide()
-            self._wide = self._capture(head, num_bias, ACTIVATIONS_OWNER)
+            if self._wide is None or not self._wide.fits(head, num_bias):
+                self._close_wide()
+                self._wide = self._capture(head, num_bias, ACTIVATIONS_OWNER)
             return self._wide
         if self._kept is not None and not self._kept.fits(head, num_bias):
             self._kept.close(self.ops)
