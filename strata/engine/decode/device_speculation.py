@@ -75,7 +75,6 @@ class DeviceSpeculation:
         self._tails: dict[int, tuple] = {}  # [R] (weakref to the step's rows, GreedyTails): the verify's picks
         self._biased: dict[int, object] = {}  # [R] the tail this request's bias was written into
         self._captured_over: list[weakref.ref] = []  # what the segments read that a loan uploads again
-        self._is_checked = False  # this request's first draft checked the segments (``_check_segments``)
         self._is_pool_trimmed = False  # this request's (or the load's) first capture trimmed the allocator cache
         # [3 R_max + 2] int32 pinned: next tokens, positions, the chain's position, overrides, their first place
         self._host = None
@@ -100,7 +99,6 @@ class DeviceSpeculation:
                 self._picks(rows, head, None)
         if self.max_rows > 2:  # a chain follows the first draft only from depth 2
             self._chain_segment()
-        self._is_checked = False  # the first request checks what its loan changed
         self._biased = {}
 
     def begin_request(self, head: tuple) -> None:
@@ -109,8 +107,10 @@ class DeviceSpeculation:
         what the load kept; segments not kept are captured when first replayed."""
         self._allocated()
         self._is_pool_trimmed = False
-        if self.is_kept and not self._is_current():
-            self.prepare(head)
+        if not self._is_current():
+            self._check_segments()
+            if self.is_kept:
+                self.prepare(head)
 
     def draft(self, rows, next_tokens: list[int], start: int, depth: int, oracle=None) -> None:
         """``depth`` drafts into ``drafts`` after ``rows`` [R, D] (device) at positions ``start``..
@@ -118,8 +118,6 @@ class DeviceSpeculation:
         in place order and written over the draft on the device (the chain continues from it)."""
         ops, num_rows = self.ops, len(next_tokens)
         buffers = self._allocated()
-        if not self._is_checked:
-            self._check_segments()
         ops.copy_array(buffers.h_in[:num_rows], rows)
         host, max_rows = self._host, self.max_rows
         # rewritten only after the previous step's readback: its queued copies have landed
@@ -145,8 +143,6 @@ class DeviceSpeculation:
         copies of the drafts [d] and of the model's greedy pick after each row [d + 1]. bias: the
         request's logit bias on the host (ids [n] int32, values [n] float32), or None."""
         buffers = self._allocated()
-        if not self._is_checked:
-            self._check_segments()
         step = self.runner.step_of(depth + 1)
         rows = step.forward([token] + [0] * depth, position, stats, buffers.drafts[:depth] if depth else None)
         self._picks(rows, head, bias).segment.replay()
@@ -161,7 +157,7 @@ class DeviceSpeculation:
 
     def end_request(self) -> None:
         """A request's speculation is over: kept segments wait for the next one, others are dropped."""
-        self._is_checked = self._is_pool_trimmed = False
+        self._is_pool_trimmed = False
         self._biased = {}
         for _, tails in self._tails.values():
             tails.end_request()
@@ -172,8 +168,7 @@ class DeviceSpeculation:
         """Drop the segments, kept or not (a later request captures again); the arena stays the resource's."""
         self._close_segments()
         self._buffers = self._carved_from = None
-        self.is_kept = False
-        self._is_checked = self._is_pool_trimmed = False
+        self.is_kept = self._is_pool_trimmed = False
 
     def _close_segments(self) -> None:
         for segment in self.segments:
@@ -223,7 +218,6 @@ class DeviceSpeculation:
         if not self._is_current():
             self._close_segments()
             self._captured_over = [weakref.ref(read) for read in self._reads()]
-        self._is_checked = True
 
     def _capture(self, fn, owner: str):
         """ops.capture, after trimming the allocator cache once in the request: nothing pooled may be freed
