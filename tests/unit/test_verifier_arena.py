@@ -14,14 +14,24 @@ def test_parts_are_aligned_disjoint_views_of_the_buffer():
     assert views["h_in"].shape == (5, 40) and views["h_in"].dtype == np.float32
     assert views["logits"].shape == (5, 101) and views["logits"].dtype == np.float32
     assert views["tok_c"].shape == (1,) and views["targets"].dtype == np.int32
-    for value, view in enumerate(views.values(), start=1):  # each part writes only its own bytes
+    parts = [views[name] for name in layout.parts()]
+    for value, view in enumerate(parts, start=1):  # each part writes only its own bytes
         assert np.shares_memory(view, buffer)
         assert (view.ctypes.data - buffer.ctypes.data) % 256 == 0
         view[...] = value
-    for value, view in enumerate(views.values(), start=1):
+    for value, view in enumerate(parts, start=1):
         assert np.all(view == value)
     assert layout.num_bytes % 256 == 0
-    assert layout.num_bytes < sum(256 + view.nbytes for view in views.values())
+    assert layout.num_bytes < sum(256 + view.nbytes for view in parts)
+
+
+def test_a_drafts_inputs_are_one_block_in_the_hosts_order():
+    layout = VerifierLayout(hidden_size=40, vocab_size=101, max_rows=5)
+    views = layout.carve(np.zeros(layout.num_bytes, np.uint8))
+    views["inputs"][:] = np.arange(17)  # one copy writes them all: 3 R + 2 ids
+    assert views["tok_in"].tolist() == [0, 1, 2, 3, 4] and views["pos_in"].tolist() == [5, 6, 7, 8, 9]
+    assert views["pos_c"].tolist() == [10] and views["overrides"].tolist() == [11, 12, 13, 14, 15]
+    assert views["place_c"].tolist() == [16]
 
 
 def test_the_logits_rows_dominate_a_real_models_arena():

@@ -2,7 +2,8 @@
 
 A greedy speculation step never brings logits to the host:
 
-    draft:   the verified rows [R, D] and their next tokens go to fixed buffers; segment first(R)
+    draft:   the verified rows [R, D] (copied by the last verify's picks) and their next tokens and
+             positions (one queued copy of ``inputs``) are in fixed buffers; segment first(R)
              runs the MTP block over them and writes the argmax of its last row (draft 1) into
              ``tok_c`` and that row into ``x_c``; segment chain runs the block on (x_c, tok_c) at
              ``pos_c`` and writes draft j + 1 over them, d - 1 times. Each ends with ``take_draft``,
@@ -57,6 +58,7 @@ class _Buffers:
     logits: object  # [R_max, V] float32: the verify step's
     overrides: object  # [R_max] int32: the draft oracle's token at each place, -1 to keep the draft
     place_c: object  # [1] int32: the chain's place in overrides
+    inputs: object  # [3 R_max + 2] int32: tok_in, pos_in, pos_c, overrides and place_c, one block (one copy)
 
 
 class DeviceSpeculation:
@@ -76,7 +78,8 @@ class DeviceSpeculation:
         self._biased: dict[int, object] = {}  # [R] the tail this request's bias was written into
         self._captured_over: list[weakref.ref] = []  # what the segments read that a loan uploads again
         self._is_pool_trimmed = False  # this request's (or the load's) first capture trimmed the allocator cache
-        # [3 R_max + 2] int32 pinned: next tokens, positions, the chain's position, overrides, their first place
+        self._num_verified_rows = 0  # rows of the last verify that its picks copied into h_in, until a draft
+        # [3 R_max + 2] int32 pinned, as ``inputs``: next tokens, positions, the chain's position, overrides, the place
         self._host = None
         self._readback = None
 
@@ -94,9 +97,11 @@ class DeviceSpeculation:
         self._check_segments()
         for num_rows in range(1, self.max_rows + 1):
             self._first_segment(num_rows)
-            rows = self.runner.step_of(num_rows).rows
-            if rows is not None:
-                self._picks(rows, head, None)
+            step = self.runner.step_of(num_rows)
+            if step.rows is not None:
+                self._picks(step.rows, head, None)
+                if num_rows > 1:
+                    step.prepare_drafts(self._buffers.drafts)
         if self.max_rows > 2:  # a chain follows the first draft only from depth 2
             self._chain_segment()
         self._biased = {}
@@ -106,7 +111,7 @@ class DeviceSpeculation:
         read, capture the whole kept set again now, over ``head`` (the model's), so that the idle engine holds
         what the load kept; segments not kept are captured when first replayed."""
         self._allocated()
-        self._is_pool_trimmed = False
+        self._is_pool_trimmed, self._num_verified_rows = False, 0
         if not self._is_current():
             self._check_segments()
             if self.is_kept:
@@ -114,26 +119,26 @@ class DeviceSpeculation:
 
     def draft(self, rows, next_tokens: list[int], start: int, depth: int, oracle=None) -> None:
         """``depth`` drafts into ``drafts`` after ``rows`` [R, D] (device) at positions ``start``..
-        followed by ``next_tokens`` [R]. oracle: the bench's replacement of each draft, drawn on the host
-        in place order and written over the draft on the device (the chain continues from it)."""
+        followed by ``next_tokens`` [R]. rows: a request's first rows, or the first R of the rows the last
+        ``verify`` returned, which its picks' segment has copied where the draft reads them. oracle: the
+        bench's replacement of each draft, drawn on the host in place order and written over the draft on
+        the device (the chain continues from it)."""
         ops, num_rows = self.ops, len(next_tokens)
         buffers = self._allocated()
-        ops.copy_array(buffers.h_in[:num_rows], rows)
+        if num_rows > self._num_verified_rows:  # else the last verify's picks copied them into h_in
+            ops.copy_array(buffers.h_in[:num_rows], rows)
+        self._num_verified_rows = 0
         host, max_rows = self._host, self.max_rows
-        # rewritten only after the previous step's readback: its queued copies have landed
+        # in the layout of ``inputs``; rewritten only after the previous step's readback: its queued copy has landed
         host[:num_rows] = next_tokens
         host[max_rows:max_rows + num_rows] = np.arange(start, start + num_rows)
         host[2 * max_rows] = start + num_rows
-        ops.copy_in(buffers.tok_in[:num_rows], host[:num_rows], is_queued=True)
-        ops.copy_in(buffers.pos_in[:num_rows], host[max_rows:max_rows + num_rows], is_queued=True)
-        ops.copy_in(buffers.pos_c, host[2 * max_rows:2 * max_rows + 1], is_queued=True)
         overrides = host[2 * max_rows + 1:3 * max_rows + 2]  # [R_max] and the place, 0
         overrides[:] = -1
         if oracle is not None:  # the draft at ``place`` is verified at the position after the newest token's
             overrides[:depth] = [oracle.replace(start + num_rows + place + 1, -1) for place in range(depth)]
         overrides[max_rows] = 0
-        ops.copy_in(buffers.overrides, overrides[:max_rows], is_queued=True)
-        ops.copy_in(buffers.place_c, overrides[max_rows:], is_queued=True)
+        ops.copy_in(buffers.inputs, host, is_queued=True)
         self._first_segment(num_rows).replay()
         for _ in range(depth - 1):
             self._chain_segment().replay()
@@ -144,8 +149,9 @@ class DeviceSpeculation:
         request's logit bias on the host (ids [n] int32, values [n] float32), or None."""
         buffers = self._allocated()
         step = self.runner.step_of(depth + 1)
-        rows = step.forward([token] + [0] * depth, position, stats, buffers.drafts[:depth] if depth else None)
+        rows = step.forward([token] + [0] * depth, position, stats, buffers.drafts if depth else None)
         self._picks(rows, head, bias).segment.replay()
+        self._num_verified_rows = depth + 1
         drafts, targets = stats.waited(self._readback.now, buffers.drafts[:depth] if depth else None,
                                        buffers.targets[:depth + 1])
         vocab_size = self.runner.spec.vocab_size
@@ -157,7 +163,7 @@ class DeviceSpeculation:
 
     def end_request(self) -> None:
         """A request's speculation is over: kept segments wait for the next one, others are dropped."""
-        self._is_pool_trimmed = False
+        self._is_pool_trimmed, self._num_verified_rows = False, 0
         self._biased = {}
         for _, tails in self._tails.values():
             tails.end_request()
@@ -169,6 +175,7 @@ class DeviceSpeculation:
         self._close_segments()
         self._buffers = self._carved_from = None
         self.is_kept = self._is_pool_trimmed = False
+        self._num_verified_rows = 0
 
     def _close_segments(self) -> None:
         for segment in self.segments:
@@ -200,6 +207,7 @@ class DeviceSpeculation:
     def _pick_rows(self, rows, head: tuple, bias) -> tuple:
         num_rows, buffers = rows.shape[0], self._buffers
         self.ops.greedy_rows(rows, *head, bias, buffers.targets[:num_rows], logits=buffers.logits[:num_rows])
+        self.ops.copy_array(buffers.h_in[:num_rows], rows)  # what the next draft reads (of them, the verified)
         return ()
 
     def _reads(self) -> list:

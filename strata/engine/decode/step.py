@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -92,8 +93,10 @@ class DecodeStep:
         self._is_request_start = True
         self._is_pool_trimmed = False  # this request's first capture trimmed the allocator cache
         self._x = None  # [R, D] the residual stream
-        self._token_id = None  # [R] int32
-        self._positions = None  # [R] int32
+        self._inputs = None  # [2R] int32: the tokens, then their positions (one queued copy)
+        self._token_id = None  # [R] int32, a view of _inputs
+        self._positions = None  # [R] int32, a view of _inputs
+        self._drafts_in = None  # (weakref to drafts, segment): the drafts copied in and the tokens embedded
         self._step_row = None  # [2R] int32 in pinned host memory: the tokens and positions, queued copies
         self._slot_ids = None  # [R, k] int32
         self._route_counters = None  # [R] int32, zero between launches (``ops.decode_route``'s)
@@ -134,9 +137,15 @@ class DecodeStep:
             self._tails.for_request(head, 0)
         self._is_request_start = True  # the first request still checks what its prefill changed
 
+    def prepare_drafts(self, drafts) -> None:
+        """Capture now the segment that takes the tokens after the first from ``drafts`` (``forward``'s),
+        kept as the step's other segments are."""
+        self._drafts_segment(drafts)
+
     def forward(self, tokens, position: int, stats: StreamStats, drafts=None):
         """Hidden states [R, D] of ``tokens`` [R] at ``position``.. (before the output norm); appends their KV.
-        drafts: [R - 1] int32 on the device, the tokens after the first (the host's are then ignored)."""
+        drafts: int32 on the device whose first R - 1 are the tokens after the first (the host's are then
+        ignored); one buffer for every step, so that copying them in and embedding is one captured segment."""
         self._begin(tokens, position, drafts)
         stats.kv_host_bytes += host_tier_bytes(self.model.kv, position, position + self.num_rows)
         if self.kind != LAYERS:
@@ -223,11 +232,11 @@ class DecodeStep:
         # row is rewritten only at the next step, after the caller has read this step's result
         self._step_row[:num_rows] = tokens
         self._step_row[num_rows:] = np.arange(position, position + num_rows)
-        ops.copy_in(self._token_id, self._step_row[:num_rows], is_queued=True)
-        ops.copy_in(self._positions, self._step_row[num_rows:], is_queued=True)
-        if drafts is not None:  # ids an argmax wrote on the device: inside the vocabulary
-            ops.copy_array(self._token_id[1:], drafts)
-        ops.embed(model.token_embedding, self._token_id, out=self._x)
+        ops.copy_in(self._inputs, self._step_row, is_queued=True)
+        if drafts is None:
+            ops.embed(model.token_embedding, self._token_id, out=self._x)
+        else:  # ids an argmax wrote on the device: inside the vocabulary
+            self._drafts_segment(drafts).replay()
 
     def _start_request(self) -> None:
         """Allocate the buffers (once), decide how experts are read (``kind``), and drop the segments
@@ -270,6 +279,24 @@ class DecodeStep:
             self.model.ops.trim_memory()
             self._is_pool_trimmed = True
         return self.model.ops.capture(fn, owner)
+
+    def _drafts_segment(self, drafts):
+        """The tokens after the first from ``drafts`` into the token buffer, and the step's tokens embedded
+        (two launches as one segment: as two, the host's launch cost was the device's idle time between a
+        draft and its verify step). Captured again for another ``drafts`` buffer."""
+        drafts_ref, segment = self._drafts_in or (None, None)
+        if segment is None or drafts_ref() is not drafts:
+            if segment is not None:
+                segment.close()
+            num_rows, ops, table = self.num_rows, self.model.ops, self.model.token_embedding
+
+            def record():
+                ops.copy_array(self._token_id[1:], drafts[:num_rows - 1])
+                ops.embed(table, self._token_id, out=self._x)
+                return ()
+            segment = self._capture(record, self._owner)
+            self._drafts_in = (weakref.ref(drafts), segment)
+        return segment
 
     def _token_segment(self):
         """A whole token's layers as one segment (resident or addressed), captured at its first use."""
@@ -362,11 +389,10 @@ class DecodeStep:
         self._close_layers()
         self._tails.close()
         self._tables.free()
-        for array in (self._x, self._token_id, self._positions, self._slot_ids, self._route_counters,
-                      *(self._attention_scratch or ())):
+        for array in (self._x, self._inputs, self._slot_ids, self._route_counters, *(self._attention_scratch or ())):
             if array is not None:
                 self.model.ops.free(array)
-        self._x = self._token_id = self._positions = self._slot_ids = self._route_counters = None
+        self._x = self._inputs = self._token_id = self._positions = self._slot_ids = self._route_counters = None
         self._attention_scratch = None
         self.kind = self._prefetched = None
         self._num_uncounted_steps = 0
@@ -374,9 +400,10 @@ class DecodeStep:
         self._is_request_start = True
 
     def _close_layers(self) -> None:
-        for segment in self._segments + ([self._token] if self._token else []):
+        drafts_in = [self._drafts_in[1]] if self._drafts_in else []
+        for segment in self._segments + ([self._token] if self._token else []) + drafts_in:
             segment.close()
-        self._segments, self._token = [], None
+        self._segments, self._token, self._drafts_in = [], None, None
 
     def _greedy_tail(self, head: tuple, bias) -> tuple:
         """After a step's layers: pick the next token into the token buffer, step the position, and
@@ -392,8 +419,8 @@ class DecodeStep:
         ops, spec = self.model.ops, self.model.spec
         owner, num_rows = self._owner, self.num_rows
         self._x = ops.alloc(owner, (num_rows, spec.hidden_size), np.float32)
-        self._token_id = ops.alloc(owner, (num_rows,), np.int32)
-        self._positions = ops.alloc(owner, (num_rows,), np.int32)
+        self._inputs = ops.alloc(owner, (2 * num_rows,), np.int32)
+        self._token_id, self._positions = self._inputs[:num_rows], self._inputs[num_rows:]
         self._slot_ids = ops.alloc(owner, (num_rows, spec.num_experts_used), np.int32)
         self._route_counters = ops.upload(owner, np.zeros(num_rows, np.int32))
         self._attention_scratch = ops.decode_attention_scratch(owner, self.model.kv, spec.num_heads, num_rows)

@@ -6,7 +6,9 @@ prefill, allocated again before decode. A request's ``DeviceSpeculation`` carves
     h_in [R, D] float32    the verified rows the first draft step reads
     x_c [1, D] float32     the draft chain's state
     logits [R, V] float32  the verify step's logits, one row per verified position
-    tok_in, pos_in, drafts, targets, overrides [R] int32;  tok_c, pos_c, place_c [1] int32
+    drafts, targets [R] int32;  tok_c [1] int32
+    inputs [3R + 2] int32  what the host writes before a draft, in one copy: tok_in [R], pos_in [R],
+                           pos_c [1], overrides [R], place_c [1] (views of it)
 
 R = 1 + spec_depth rows. Each part starts on a 256-byte boundary (the device allocator's, so that
 the kernels' 16-byte loads stay aligned).
@@ -36,17 +38,16 @@ class VerifierLayout(NamedTuple):
         """Each part's (shape, dtype), in the arena's order."""
         rows, width = self.max_rows, self.hidden_size
         return {"h_in": ((rows, width), np.float32), "x_c": ((1, width), np.float32),
-                "logits": ((rows, self.vocab_size), np.float32), "tok_in": ((rows,), np.int32),
-                "pos_in": ((rows,), np.int32), "drafts": ((rows,), np.int32), "targets": ((rows,), np.int32),
-                "overrides": ((rows,), np.int32), "tok_c": ((1,), np.int32), "pos_c": ((1,), np.int32),
-                "place_c": ((1,), np.int32)}
+                "logits": ((rows, self.vocab_size), np.float32), "drafts": ((rows,), np.int32),
+                "targets": ((rows,), np.int32), "tok_c": ((1,), np.int32), "inputs": ((3 * rows + 2,), np.int32)}
 
     @property
     def num_bytes(self) -> int:
         return sum(_aligned(int(np.prod(shape)) * np.dtype(dtype).itemsize) for shape, dtype in self.parts().values())
 
     def carve(self, buffer) -> dict[str, Any]:
-        """Views of ``buffer`` (a uint8 device or host array of at least ``num_bytes``) by part name."""
+        """Views of ``buffer`` (a uint8 device or host array of at least ``num_bytes``) by part name, and
+        of ``inputs`` by the names of its parts."""
         if buffer.shape[0] < self.num_bytes:
             raise EngineError(f"the verifier arena holds {buffer.shape[0]} bytes, its parts need {self.num_bytes}")
         views, offset = {}, 0
@@ -54,4 +55,7 @@ class VerifierLayout(NamedTuple):
             size = int(np.prod(shape)) * np.dtype(dtype).itemsize
             views[name] = buffer[offset:offset + size].view(dtype).reshape(shape)
             offset += _aligned(size)
+        rows, inputs = self.max_rows, views["inputs"]
+        views.update(tok_in=inputs[:rows], pos_in=inputs[rows:2 * rows], pos_c=inputs[2 * rows:2 * rows + 1],
+                     overrides=inputs[2 * rows + 1:3 * rows + 1], place_c=inputs[3 * rows + 1:])
         return views
