@@ -182,7 +182,7 @@ DECODE_VARIANTS = ((8, 1, 256, 0), (8, 2, 256, 0), (4, 2, 256, 0), (4, 4, 128, 0
                    (4, 4, 32, 1))
 
 
-def decode_sweep(timing) -> None:
+def decode_sweep(timing, kv_formats: tuple = ("F16", "Q8_0", "Q4_0")) -> None:
     """The direct decode attention's launch shapes on one token at positions 2,048 and 32,768 of the bench's
     34,816-cell cache, per KV format: microseconds per launch replayed in a CUDA graph, GB/s of the cache
     read, and each line's largest difference from the default shape's output."""
@@ -192,7 +192,7 @@ def decode_sweep(timing) -> None:
     from strata.gpu.kernels import attention_decode_direct as direct
 
     s = b.QWEN3_30B
-    for fmt in ("F16", "Q8_0", "Q4_0"):
+    for fmt in kv_formats:
         rng = np.random.default_rng(4)
         k_cache, v_cache = b._filled_cache(s, fmt, s.decode_cells, rng)
         q = b.device_randn((1, s.num_q_heads * s.head_dim), rng)
@@ -365,6 +365,8 @@ def main(argv=None) -> int:
     parser.add_argument("--match", default="", help="only the GEMM and MoE variants whose name contains this text")
     parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
                         help="the GEMM and MoE sweeps' weights (default Q4_0)")
+    parser.add_argument("--kv-format", choices=("F16", "Q8_0", "Q4_0"), action="append",
+                        help="the decode sweep's cache formats (repeatable; default all three)")
     args = parser.parse_args(argv)
     named = {"gemm": GEMM_VARIANTS, "moe": MOE_VARIANTS}.get(args.only, {**GEMM_VARIANTS, **MOE_VARIANTS})
     if not any(args.match in name for name in named):
@@ -380,6 +382,8 @@ def main(argv=None) -> int:
         if args.only in (None, name):
             if name in ("gemm", "moe"):
                 sweep(timing, args.match, args.weight_format)
+            elif name == "decode" and args.kv_format:
+                sweep(timing, tuple(args.kv_format))
             else:
                 sweep(timing)
     return 0
