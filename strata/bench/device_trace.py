@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--gen-tokens", type=int, default=64)
-    parser.add_argument("--spec", default="off", help="comma-separated arms: off, fixed, auto (default off)")
+    parser.add_argument("--spec", default="off", help="comma-separated arms: off, fixed, fixed-N, auto (default off)")
     parser.add_argument("--draft-oracle", type=float, default=None, metavar="P",
                         help="the bench's draft oracle for the speculative arms (strata bench --draft-oracle)")
     parser.add_argument("--loan", choices=("on", "off"), default="off")
@@ -287,8 +287,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     arms = [arm.strip() for arm in args.spec.split(",") if arm.strip()]
     for arm in arms:
-        if arm not in ("off", "fixed", "auto"):
-            parser.error(f"--spec takes off, fixed and auto, got {arm!r}")
+        if arm not in ("off", "auto") and not arm.startswith("fixed"):
+            parser.error(f"--spec takes off, fixed, fixed-N and auto, got {arm!r}")
     try:
         import torch
     except ImportError:

@@ -22,7 +22,7 @@ from strata.bench.host_numa import host_numa
 from strata.bench.provenance import code_identity, device_name
 from strata.config import load_config, verify_config
 
-SPEC_MODES = ("config", "auto", "fixed", "off")
+SPEC_MODES = ("config", "auto", "fixed", "off")  # and fixed-N: always N drafts (1 <= N <= runtime.spec_depth)
 DECODE_MISSES = ("config", "stage", "host")  # runtime.decode_misses as configured, or either value
 DETERMINISTIC = ("config", "off", "on")  # runtime.deterministic as configured, false or true
 
@@ -65,9 +65,9 @@ def main(argv=None) -> int:
     parser.add_argument("--loan", choices=("on", "off"), required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", help="write the request's host-side profile (cProfile stats) to this file")
-    parser.add_argument("--spec", choices=SPEC_MODES, default="config",
-                        help="speculative decode: as configured, the auto or fixed depth policy, or off (plain "
-                             "decode with the same memory)")
+    parser.add_argument("--spec", type=spec_mode, default="config",
+                        help="speculative decode: as configured, the auto or fixed depth policy (fixed-N: N drafts "
+                             "a step, at most runtime.spec_depth), or off (plain decode with the same memory)")
     parser.add_argument("--draft-oracle", type=float, default=None, metavar="P",
                         help="replace each draft by the greedy continuation with probability P (a plain run of "
                              "the same prompt first records it)")
@@ -171,6 +171,16 @@ def _tensor_cores_off(backend: str) -> str | None:
     return tensor_core.unavailable_reason()
 
 
+def spec_mode(text: str) -> str:
+    """--spec's value: one of SPEC_MODES, or fixed-N with N >= 1."""
+    if text in SPEC_MODES:
+        return text
+    depth = text.removeprefix("fixed-")
+    if depth != text and depth.isdigit() and int(depth) >= 1:
+        return text
+    raise argparse.ArgumentTypeError(f"--spec takes {', '.join(SPEC_MODES)} or fixed-N (N >= 1), got {text!r}")
+
+
 def set_speculation(engine, mode: str) -> None:
     """--spec: the configured policy, another one, or none (plain decode; the memory stays as loaded)."""
     from strata.engine.decode.depth_policy import DepthPolicy
@@ -180,7 +190,12 @@ def set_speculation(engine, mode: str) -> None:
     if mode == "off":
         engine.mtp = engine.depth_policy = None
         return
-    engine.depth_policy = DepthPolicy(engine.config.runtime.spec_depth, is_fixed=mode == "fixed")
+    max_depth = engine.config.runtime.spec_depth
+    depth = int(mode.removeprefix("fixed-")) if mode.startswith("fixed-") else max_depth
+    if depth > max_depth:
+        raise SystemExit(f"--spec {mode}: at most runtime.spec_depth = {max_depth} drafts a step (the verifier "
+                         "arena and the kept segments are sized for it); raise runtime.spec_depth")
+    engine.depth_policy = DepthPolicy(depth, is_fixed=mode != "auto")
 
 
 def decode_read_bytes(model, placement) -> dict:

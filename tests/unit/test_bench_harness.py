@@ -1,5 +1,6 @@
 """`strata bench` end to end on the numpy backend: fresh processes, both arms, the table, profiles."""
 
+import argparse
 import json
 import pstats
 import subprocess
@@ -284,3 +285,24 @@ def test_without_a_rival_table_only_the_earlier_runs_model_divides_by_its_figure
            "cache_hit_rate": 0.5, "prefill_seconds": 1.0, "active_params": 3e9, "attention_width": 4096 * 48,
            "generated_tokens": 128, "decode_seconds": 2.0, "prompt_tokens": 2048}
     assert "×" not in format_table([run], other).splitlines()[2]
+
+
+def test_spec_arms_take_a_fixed_depth_up_to_the_configured_one():
+    from types import SimpleNamespace
+
+    from strata.bench.one_run import set_speculation, spec_mode
+
+    assert [spec_mode(m) for m in ("config", "auto", "fixed", "off", "fixed-2")] == \
+        ["config", "auto", "fixed", "off", "fixed-2"]
+    for bad in ("fixed-0", "fixed-", "fixed-x", "fast"):
+        with pytest.raises(argparse.ArgumentTypeError, match="fixed-N"):
+            spec_mode(bad)
+    engine = SimpleNamespace(mtp=object(), depth_policy=None,
+                             config=SimpleNamespace(runtime=SimpleNamespace(spec_depth=4)))
+    set_speculation(engine, "fixed-2")
+    assert engine.depth_policy.max_depth == 2 and engine.depth_policy.is_fixed
+    assert engine.depth_policy.depth(10) == 2
+    set_speculation(engine, "auto")
+    assert engine.depth_policy.max_depth == 4 and not engine.depth_policy.is_fixed
+    with pytest.raises(SystemExit, match="at most runtime.spec_depth = 4"):
+        set_speculation(engine, "fixed-5")
