@@ -139,3 +139,65 @@ def test_plain_steps_counts_down_to_the_next_probe_only_where_plain_decode_is_be
     fast.record(1, 0.006, num_accepted=1)  # drafting pays: depth 0 is only ever a probe
     assert fast.plain_steps() == 0
     assert DepthPolicy(4, is_fixed=True).plain_steps() == 0
+
+
+class _DraftingDevice:
+    """Draft and verify steps whose drafts are all taken (each the true successor); records the order of
+    the host's calls in ``events``, which the test's consumer also writes to."""
+
+    def __init__(self, events: list):
+        self.events, self._launched = events, None
+
+    def draft(self, rows, next_tokens, start, depth, oracle):
+        self.events.append(("draft", start, depth))
+
+    def launch_verify(self, token, position, depth, head, bias, stats):
+        self.events.append(("launch", token, position))
+        self._launched = (token, depth)
+        return np.zeros((depth + 1, 4), np.float32)
+
+    def read_verify(self, depth, stats):
+        token, launched_depth = self._launched
+        assert depth == launched_depth
+        self.events.append(("read", token))
+        targets = _expected(token, depth + 1)
+        return targets[:depth], targets
+
+
+class _Ops:
+    def __init__(self):
+        self.num_synchronized = 0
+
+    def synchronize(self):
+        self.num_synchronized += 1
+
+
+def _drafting(events: list):
+    runner = type("Runner", (), {"ops": _Ops()})()
+    policy = DepthPolicy(2, is_fixed=True)
+    return runner, Speculation(runner, None, policy, None, SamplingParams(temperature=0.0), None, StreamStats(),
+                               device=(_DraftingDevice(events), None, None))
+
+
+def test_the_next_step_is_launched_before_a_steps_tokens_are_yielded():
+    events, kv_tokens = [], []
+    runner, speculation = _drafting(events)
+    tokens = []
+    for token in speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 12, kv_tokens):
+        events.append(("yield", token))
+        tokens.append(token)
+    assert tokens == _expected(5, 12) and kv_tokens == [5, *tokens[:-1]]
+    kinds = [event[0] for event in events]
+    # four steps of three tokens; each step's read is followed by the next step's launches, then its tokens
+    step = ["draft", "launch", "read"]
+    assert kinds == step[:2] + [*step[2:], *step[:2], *["yield"] * 3] * 3 + ["read", *["yield"] * 3]
+    assert [event[1:] for event in events if event[0] == "launch"] == [(5, 40), (tokens[2], 43), (tokens[5], 46),
+                                                                       (tokens[8], 49)]
+    assert runner.ops.num_synchronized == 0
+
+
+def test_a_caller_that_stops_waits_for_the_step_launched_ahead():
+    events = []
+    runner, speculation = _drafting(events)
+    assert _taken(speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 12, []), 4) == _expected(5, 4)
+    assert [event[0] for event in events].count("launch") == 3 and runner.ops.num_synchronized == 1

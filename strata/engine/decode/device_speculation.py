@@ -147,11 +147,23 @@ class DeviceSpeculation:
         """The rows [d + 1, D] of ``token`` and the ``depth`` drafts at ``position``.., and the host's
         copies of the drafts [d] and of the model's greedy pick after each row [d + 1]. bias: the
         request's logit bias on the host (ids [n] int32, values [n] float32), or None."""
+        rows = self.launch_verify(token, position, depth, head, bias, stats)
+        return (rows, *self.read_verify(depth, stats))
+
+    def launch_verify(self, token: int, position: int, depth: int, head: tuple, bias, stats: StreamStats):
+        """``verify``'s launches, the host not waiting: the rows [d + 1, D]. ``read_verify`` reads the
+        step's drafts and picks, with nothing launched in between."""
         buffers = self._allocated()
         step = self.runner.step_of(depth + 1)
         rows = step.forward([token] + [0] * depth, position, stats, buffers.drafts if depth else None)
         self._picks(rows, head, bias).segment.replay()
         self._num_verified_rows = depth + 1
+        return rows
+
+    def read_verify(self, depth: int, stats: StreamStats) -> tuple[list[int], list[int]]:
+        """The drafts [d] and the model's picks [d + 1] of the step ``launch_verify`` launched last, once it
+        has run."""
+        buffers = self._buffers
         drafts, targets = stats.waited(self._readback.now, buffers.drafts[:depth] if depth else None,
                                        buffers.targets[:depth + 1])
         vocab_size = self.runner.spec.vocab_size
@@ -159,7 +171,7 @@ class DeviceSpeculation:
             raise NonFiniteLogitsError(f"the device picked token id {int(targets.max())} outside the vocabulary: "
                                        "the logits were not finite (NaN); check the model file, or decode with "
                                        "runtime.greedy_on_device = false")
-        return rows, ([] if drafts is None else drafts.tolist()), targets.tolist()
+        return ([] if drafts is None else drafts.tolist()), targets.tolist()
 
     def end_request(self) -> None:
         """A request's speculation is over: kept segments wait for the next one, others are dropped."""

@@ -21,6 +21,7 @@ Depth 0 (the policy found drafting slower than it saves) is a plain one-token st
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -86,40 +87,59 @@ class Speculation:
         self.oracle = oracle
         self.device = device
         self.on_pick = on_pick
+        self._launched_rows = None  # the rows [d + 1, D] of the device step launched last
 
     def tokens(self, token: int, hidden_row, position: int, num_steps: int, kv_tokens: list[int]) -> Iterator[int]:
         """Up to ``num_steps`` tokens after ``token`` (at ``position``; ``hidden_row`` [1, D] on the
-        backend: the main model's state at position - 1). Appends each verified token to ``kv_tokens``."""
+        backend: the main model's state at position - 1). Appends each verified token to ``kv_tokens``.
+
+        On the device, a step's draft and verify are launched before the step ahead of it yields its
+        tokens: the host's work for those (the caller's, between tokens) is then not the device's idle
+        time. A caller that stops early leaves that step's KV cells written past the tokens it keeps,
+        as a greedy step running ahead does (``DecodeStep.greedy_tokens``)."""
         rows, next_tokens, start = hidden_row, [token], position - 1  # what the MTP block reads next
-        num_left = num_steps
-        while num_left > 0:
-            depth = self.policy.depth(num_left - 1)
-            if depth == 0 and self.device is not None:
-                # until the policy would look again; to the request's end, where it would not before it
-                num_tokens = min(num_left, max(PLAIN_RUN_TOKENS, self.policy.plain_steps()))
-                is_last = num_tokens == num_left
-                rows, token = yield from self._device_plain_run(token, position, num_tokens, is_last, kv_tokens)
-                if is_last:  # nothing drafts after it
-                    return
-                position, num_left = position + num_tokens, num_left - num_tokens
-                next_tokens, start = [token], position - 1
-                continue
-            started = time.perf_counter()
-            step = self._device_step if self.device is not None else self._host_step
-            rows, emitted, num_accepted = step(token, position, depth, rows, next_tokens, start)
-            rows = rows[:num_accepted + 1]  # [n + 1, D] the verified rows
-            self.policy.record(depth, time.perf_counter() - started, num_accepted)
-            if depth:
-                self.stats.record_round(depth, num_accepted)
-            self.stats.spec_depth = depth
-            verified = [token, *emitted[:-1]]  # positions position..position + len - 1
-            kv_tokens.extend(verified)
-            # the rows end at the newest verified position; each is followed by the next emitted token
-            next_tokens, start = emitted[-rows.shape[0]:], position + len(verified) - rows.shape[0]
-            position += len(verified)
-            token = emitted[-1]
-            yield from emitted[:num_left]
-            num_left -= len(emitted)
+        num_left, depth = num_steps, None
+        launched = None  # (depth, when): a device step launched ahead, its results not read yet
+        try:
+            while num_left > 0:
+                depth = self.policy.depth(num_left - 1) if depth is None else depth
+                if depth == 0 and self.device is not None:
+                    # until the policy would look again; to the request's end, where it would not before it
+                    num_tokens = min(num_left, max(PLAIN_RUN_TOKENS, self.policy.plain_steps()))
+                    is_last = num_tokens == num_left
+                    rows, token = yield from self._device_plain_run(token, position, num_tokens, is_last, kv_tokens)
+                    if is_last:  # nothing drafts after it
+                        return
+                    position, num_left, depth = position + num_tokens, num_left - num_tokens, None
+                    next_tokens, start = [token], position - 1
+                    continue
+                if self.device is None:
+                    started = time.perf_counter()
+                    rows, emitted, num_accepted = self._host_step(token, position, depth, rows, next_tokens, start)
+                else:
+                    depth, started = launched or self._launch(token, position, depth, rows, next_tokens, start)
+                    launched = None
+                    rows, emitted, num_accepted = self._read(depth)
+                rows = rows[:num_accepted + 1]  # [n + 1, D] the verified rows
+                self.policy.record(depth, time.perf_counter() - started, num_accepted)
+                if depth:
+                    self.stats.record_round(depth, num_accepted)
+                self.stats.spec_depth = depth
+                verified = [token, *emitted[:-1]]  # positions position..position + len - 1
+                kv_tokens.extend(verified)
+                # the rows end at the newest verified position; each is followed by the next emitted token
+                next_tokens, start = emitted[-rows.shape[0]:], position + len(verified) - rows.shape[0]
+                position += len(verified)
+                token = emitted[-1]
+                num_taken, num_left = min(len(emitted), num_left), num_left - len(emitted)
+                depth = self.policy.depth(num_left - 1) if num_left > 0 else None
+                if depth and self.device is not None:  # the next step runs while the host yields these tokens
+                    launched = self._launch(token, position, depth, rows, next_tokens, start)
+                yield from emitted[:num_taken]
+        finally:
+            if launched is not None:  # the step launched ahead finishes before the request's buffers go
+                with contextlib.suppress(Exception):
+                    self.runner.ops.synchronize()
 
     def _device_plain_run(self, token: int, position: int, num_tokens: int, is_last: bool, kv_tokens: list[int]):
         """Yields ``num_tokens`` plain greedy tokens after ``token`` picked on the device, each step queued
@@ -175,13 +195,21 @@ class Speculation:
                 self.on_pick(row_logits, picked)
         return rows, emitted, num_accepted
 
-    def _device_step(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int):
-        """As ``_host_step``, greedy, with drafts and picks on the device and 4 bytes a token read back."""
+    def _launch(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int) -> tuple:
+        """A device step's draft and verify launched, the host not waiting: (depth, when); ``_read`` reads it."""
         device, head, bias = self.device
+        started = time.perf_counter()
         if depth:
             device.draft(rows, next_tokens, start, depth, self.oracle)
             self.stats.spec_draft_steps += depth
-        rows, drafts, targets = device.verify(token, position, depth, head, bias, self.stats)
+        self._launched_rows = device.launch_verify(token, position, depth, head, bias, self.stats)
+        return depth, started
+
+    def _read(self, depth: int):
+        """As ``_host_step``, greedy, for the step ``_launch`` launched last: drafts and picks on the device,
+        4 bytes a token read back."""
+        drafts, targets = self.device[0].read_verify(depth, self.stats)
+        rows, self._launched_rows = self._launched_rows, None
         num_accepted = 0
         while num_accepted < depth and drafts[num_accepted] == targets[num_accepted]:
             num_accepted += 1
