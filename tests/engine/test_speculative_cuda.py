@@ -12,6 +12,7 @@ from strata.backend.select import has_cuda_device
 from strata.bench.draft_oracle import DraftOracle
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
+from strata.errors import EngineError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER, TRANSIENT_OWNERS
 from strata.hooktypes import MTP_DRAFT_HEAD, VERIFIER
 from strata.model.synth import PRESETS, write_synthetic_model
@@ -114,6 +115,8 @@ def test_kept_draft_segments_are_captured_again_over_what_a_loan_uploads_again(t
     again = speculation.segments
     assert speculation.is_kept and len(again) == len(kept) == 4 and all(a is not b for a, b in zip(again, kept))
     assert engine.ledger.snapshot().by_owner[DECODE_GRAPHS_OWNER] == kept_bytes
+    with pytest.raises(EngineError, match="pass the rows"):  # no verify step has left its rows for a draft
+        speculation.draft(None, [5], 3, 2)
     hidden = engine.ops.upload(ACTIVATIONS_OWNER, np.zeros((1, engine.spec.hidden_size), np.float32))
     speculation.draft(hidden, [5], 3, 2)  # replays what the request's start captured
     engine.ops.synchronize()

@@ -119,14 +119,16 @@ class DeviceSpeculation:
 
     def draft(self, rows, next_tokens: list[int], start: int, depth: int, oracle=None) -> None:
         """``depth`` drafts into ``drafts`` after ``rows`` [R, D] (device) at positions ``start``..
-        followed by ``next_tokens`` [R]. rows: a request's first rows, or the first R of the rows the last
-        ``verify`` returned, which its picks' segment has copied where the draft reads them. oracle: the
-        bench's replacement of each draft, drawn on the host in place order and written over the draft on
-        the device (the chain continues from it)."""
+        followed by ``next_tokens`` [R]. rows None: the first R rows of the last ``verify``, which its picks'
+        segment copied where the draft reads them. oracle: the bench's replacement of each draft, drawn on
+        the host in place order and written over the draft on the device (the chain continues from it)."""
         ops, num_rows = self.ops, len(next_tokens)
         buffers = self._allocated()
-        if num_rows > self._num_verified_rows:  # else the last verify's picks copied them into h_in
+        if rows is not None:
             ops.copy_array(buffers.h_in[:num_rows], rows)
+        elif num_rows > self._num_verified_rows:
+            raise EngineError(f"a draft from the last verify step's {num_rows} rows follows a verify of "
+                              f"{self._num_verified_rows}: pass the rows")
         self._num_verified_rows = 0
         host, max_rows = self._host, self.max_rows
         # in the layout of ``inputs``; rewritten only after the previous step's readback: its queued copy has landed

@@ -87,7 +87,6 @@ class Speculation:
         self.oracle = oracle
         self.device = device
         self.on_pick = on_pick
-        self._launched_rows = None  # the rows [d + 1, D] of the device step launched last
 
     def tokens(self, token: int, hidden_row, position: int, num_steps: int, kv_tokens: list[int]) -> Iterator[int]:
         """Up to ``num_steps`` tokens after ``token`` (at ``position``; ``hidden_row`` [1, D] on the
@@ -107,9 +106,10 @@ class Speculation:
                     # until the policy would look again; to the request's end, where it would not before it
                     num_tokens = min(num_left, max(PLAIN_RUN_TOKENS, self.policy.plain_steps()))
                     is_last = num_tokens == num_left
-                    rows, token = yield from self._device_plain_run(token, position, num_tokens, is_last, kv_tokens)
+                    _, token = yield from self._device_plain_run(token, position, num_tokens, is_last, kv_tokens)
                     if is_last:  # nothing drafts after it
                         return
+                    rows = None  # the run's last verify step's: where the next draft reads them
                     position, num_left, depth = position + num_tokens, num_left - num_tokens, None
                     next_tokens, start = [token], position - 1
                     continue
@@ -120,7 +120,8 @@ class Speculation:
                     depth, started = launched or self._launch(token, position, depth, rows, next_tokens, start)
                     launched = None
                     rows, emitted, num_accepted = self._read(depth)
-                rows = rows[:num_accepted + 1]  # [n + 1, D] the verified rows
+                # [n + 1, D] the verified rows; on the device None: they are where the next draft reads them
+                rows = None if self.device is not None else rows[:num_accepted + 1]
                 self.policy.record(depth, time.perf_counter() - started, num_accepted)
                 if depth:
                     self.stats.record_round(depth, num_accepted)
@@ -128,7 +129,7 @@ class Speculation:
                 verified = [token, *emitted[:-1]]  # positions position..position + len - 1
                 kv_tokens.extend(verified)
                 # the rows end at the newest verified position; each is followed by the next emitted token
-                next_tokens, start = emitted[-rows.shape[0]:], position + len(verified) - rows.shape[0]
+                next_tokens, start = emitted[-(num_accepted + 1):], position + len(verified) - num_accepted - 1
                 position += len(verified)
                 token = emitted[-1]
                 num_taken, num_left = min(len(emitted), num_left), num_left - len(emitted)
@@ -196,24 +197,24 @@ class Speculation:
         return rows, emitted, num_accepted
 
     def _launch(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int) -> tuple:
-        """A device step's draft and verify launched, the host not waiting: (depth, when); ``_read`` reads it."""
+        """A device step's draft and verify launched, the host not waiting: (depth, when); ``_read`` reads it.
+        rows: as ``DeviceSpeculation.draft`` takes them (None: the last verify step's)."""
         device, head, bias = self.device
         started = time.perf_counter()
         if depth:
             device.draft(rows, next_tokens, start, depth, self.oracle)
             self.stats.spec_draft_steps += depth
-        self._launched_rows = device.launch_verify(token, position, depth, head, bias, self.stats)
+        device.launch_verify(token, position, depth, head, bias, self.stats)
         return depth, started
 
     def _read(self, depth: int):
         """As ``_host_step``, greedy, for the step ``_launch`` launched last: drafts and picks on the device,
         4 bytes a token read back."""
         drafts, targets = self.device[0].read_verify(depth, self.stats)
-        rows, self._launched_rows = self._launched_rows, None
         num_accepted = 0
         while num_accepted < depth and drafts[num_accepted] == targets[num_accepted]:
             num_accepted += 1
-        return rows, [*drafts[:num_accepted], targets[num_accepted]], num_accepted
+        return None, [*drafts[:num_accepted], targets[num_accepted]], num_accepted
 
     def _pick(self, logits: np.ndarray) -> int:
         return sample(logits, self.params, self.rng)
