@@ -1,4 +1,4 @@
-"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only NAME]`` (gemm, moe, attention, ..., route).
+"""Kernel variants on the GPU: ``python -m strata.bench.variants [--only NAME]`` (gemm, moe, attention, ..., rows).
 
 The sweeps behind the defaults of ``gemm_config.default_config()`` and ``attention.py``'s
 ``SERVING_CONFIG`` (docs/performance-log.md): every MmaConfig main-loop variant on the MoE prefill
@@ -354,12 +354,41 @@ def route_sweep(timing) -> None:
                   f"{np.array_equal(slots_a, slots_f)}", flush=True)
 
 
+def rows_sweep(timing) -> None:
+    """A decode layer's projections at R rows of activations (a verify step's R = d + 1): q/k/v in one launch with
+    the norm fused, and the output projection added into the residual; microseconds a launch replayed in a CUDA
+    graph. A row's bits do not depend on R (tests/kernels/test_gemv_rows.py), so only the time is shown."""
+    from strata.bench import kernels as b
+    from strata.gpu.kernels.gemv import gemv_rows
+    from strata.gpu.kernels.gemv_multi import gemv_multi_rows
+
+    s, rng = b.QWEN3_30B, np.random.default_rng(5)
+    q_rows, kv_rows = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    wq, wk, wv = (b.random_packed("Q4_0", n, s.hidden, rng) for n in (q_rows, kv_rows, kv_rows))
+    wo = b.random_packed("Q4_0", s.hidden, q_rows, rng)
+    norm_w = b.device_randn(s.hidden, rng)
+    for num_rows in (1, 2, 3, 5):
+        x, attended = b.device_randn((num_rows, s.hidden), rng), b.device_randn((num_rows, q_rows), rng)
+        residual = b.device_randn((num_rows, s.hidden), rng)
+
+        def qkv(stream, x=x):
+            return gemv_multi_rows((wq, wk, wv), x, norm_weight=norm_w, eps=1e-6, stream=stream)
+
+        def o_proj(stream, attended=attended, residual=residual):
+            return gemv_rows(wo, attended, residual, accumulate=True, stream=stream)
+
+        for name, run in (("q/k/v", qkv), ("o", o_proj)):
+            def line(run=run):
+                return f"{b.graph_ms(run, timing) * 1e3:7.1f} us"
+            print(f"rows {num_rows} Q4_0 {name}: {_attempt(line)}", flush=True)
+
+
 def main(argv=None) -> int:
     from strata.bench.provenance import code_identity
     from strata.gpu.kernels import tensor_core
 
     parser = argparse.ArgumentParser(prog="python -m strata.bench.variants", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("gemm", "moe", "attention", "decode", "gemv", "experts", "route"),
+    parser.add_argument("--only", choices=("gemm", "moe", "attention", "decode", "gemv", "experts", "route", "rows"),
                         help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--match", default="", help="only the GEMM and MoE variants whose name contains this text")
@@ -377,7 +406,7 @@ def main(argv=None) -> int:
     timing = (2, args.repeats)
     print(f"# {code_identity()}", flush=True)
     sweeps = {"gemm": gemm_sweep, "moe": moe_sweep, "attention": attention_sweep, "decode": decode_sweep,
-              "gemv": gemv_sweep, "experts": experts_sweep, "route": route_sweep}
+              "gemv": gemv_sweep, "experts": experts_sweep, "route": route_sweep, "rows": rows_sweep}
     for name, sweep in sweeps.items():
         if args.only in (None, name):
             if name in ("gemm", "moe"):
