@@ -221,13 +221,14 @@ def marked_phases(launch_markers=(lambda: None, lambda: None)):
         return in_mark
 
     speculation = device_speculation.DeviceSpeculation
-    originals = (step._launch, speculation.draft, speculation.verify)
+    originals = (step._launch, speculation.draft, speculation.launch_verify)
     step._launch = marked(step._launch, "plain")
-    speculation.draft, speculation.verify = marked(speculation.draft, "draft"), marked(speculation.verify, "verify")
+    speculation.draft = marked(speculation.draft, "draft")
+    speculation.launch_verify = marked(speculation.launch_verify, "verify")  # ``verify`` launches through it
     try:
         yield
     finally:
-        step._launch, speculation.draft, speculation.verify = originals
+        step._launch, speculation.draft, speculation.launch_verify = originals
 
 
 def device_markers():
@@ -286,9 +287,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for each arm's trace (ARM.json.gz)")
     args = parser.parse_args(argv)
     arms = [arm.strip() for arm in args.spec.split(",") if arm.strip()]
+    from strata.bench.one_run import spec_mode
+
     for arm in arms:
-        if arm not in ("off", "auto") and not arm.startswith("fixed"):
-            parser.error(f"--spec takes off, fixed, fixed-N and auto, got {arm!r}")
+        try:
+            spec_mode(arm)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
+        if arm == "config":
+            parser.error("--spec takes off, fixed, fixed-N and auto here (config: name the configured policy)")
     try:
         import torch
     except ImportError:

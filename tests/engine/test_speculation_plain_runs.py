@@ -3,6 +3,7 @@ recording fakes for the runner and the device steps: how long a run goes between
 depth policy, what a run ends with, and that its tokens stream one at a time."""
 
 import itertools
+import time
 
 import numpy as np
 
@@ -145,11 +146,16 @@ class _DraftingDevice:
     """Draft and verify steps whose drafts are all taken (each the true successor); records the order of
     the host's calls in ``events``, which the test's consumer also writes to."""
 
-    def __init__(self, events: list):
-        self.events, self._launched = events, None
+    def __init__(self, events: list, is_launched_ahead: bool = True):
+        self.events, self._launched, self.is_launched_ahead = events, None, is_launched_ahead
+        self.drafted_from = []  # (rows given or None, next tokens)
+
+    def launch_ahead(self, depth):
+        return self.is_launched_ahead
 
     def draft(self, rows, next_tokens, start, depth, oracle):
         self.events.append(("draft", start, depth))
+        self.drafted_from.append((rows is not None, list(next_tokens)))
 
     def launch_verify(self, token, position, depth, head, bias, stats):
         self.events.append(("launch", token, position))
@@ -172,11 +178,22 @@ class _Ops:
         self.num_synchronized += 1
 
 
-def _drafting(events: list):
+class _TimedPolicy(DepthPolicy):
+    def __init__(self):
+        super().__init__(2, is_fixed=True)
+        self.times = []
+
+    def record(self, depth, seconds, num_accepted):
+        self.times.append(seconds)
+        super().record(depth, seconds, num_accepted)
+
+
+def _drafting(events: list, is_launched_ahead: bool = True):
     runner = type("Runner", (), {"ops": _Ops()})()
-    policy = DepthPolicy(2, is_fixed=True)
-    return runner, Speculation(runner, None, policy, None, SamplingParams(temperature=0.0), None, StreamStats(),
-                               device=(_DraftingDevice(events), None, None))
+    device = _DraftingDevice(events, is_launched_ahead)
+    speculation = Speculation(runner, None, _TimedPolicy(), None, SamplingParams(temperature=0.0), None,
+                              StreamStats(), device=(device, None, None))
+    return runner, speculation
 
 
 def test_the_next_step_is_launched_before_a_steps_tokens_are_yielded():
@@ -193,7 +210,29 @@ def test_the_next_step_is_launched_before_a_steps_tokens_are_yielded():
     assert kinds == step[:2] + [*step[2:], *step[:2], *["yield"] * 3] * 3 + ["read", *["yield"] * 3]
     assert [event[1:] for event in events if event[0] == "launch"] == [(5, 40), (tokens[2], 43), (tokens[5], 46),
                                                                        (tokens[8], 49)]
+    # the first draft reads the prefill's row (at 39); each later one the last verify step's rows where they
+    # are (None), at their positions (the first at the step's), each followed by the token the step emitted after it
+    assert [event[1] for event in events if event[0] == "draft"] == [39, 40, 43, 46]
+    device = speculation.device[0]
+    assert device.drafted_from == [(True, [5]), (False, tokens[0:3]), (False, tokens[3:6]), (False, tokens[6:9])]
     assert runner.ops.num_synchronized == 0
+
+
+def test_a_step_launched_ahead_is_timed_without_the_callers_time():
+    events = []
+    _, speculation = _drafting(events)
+    for _ in speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 9, []):
+        time.sleep(0.02)  # a slow caller: 60 ms a step of three tokens
+    assert len(speculation.policy.times) == 3 and max(speculation.policy.times) < 0.02
+
+
+def test_a_step_that_needs_the_host_between_its_layers_is_not_launched_ahead():
+    events = []
+    _, speculation = _drafting(events, is_launched_ahead=False)
+    for token in speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 6, []):
+        events.append(("yield", token))
+    assert [event[0] for event in events] == ["draft", "launch", "read", *["yield"] * 3, "draft", "launch", "read",
+                                              *["yield"] * 3]
 
 
 def test_a_caller_that_stops_waits_for_the_step_launched_ahead():

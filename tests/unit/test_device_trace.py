@@ -113,7 +113,10 @@ def test_a_trace_without_kernels_is_refused():
 def test_arms_are_checked_before_anything_loads(tmp_path, capsys):
     with pytest.raises(SystemExit):
         device_trace.main(["--config", "x.toml", "--spec", "off,greedy", "--out", str(tmp_path)])
-    assert "--spec takes off, fixed and auto, got 'greedy'" in capsys.readouterr().err
+    assert "fixed-N (N >= 1), got 'greedy'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        device_trace.main(["--config", "x.toml", "--spec", "fixed-0", "--out", str(tmp_path)])
+    assert "got 'fixed-0'" in capsys.readouterr().err
 
 
 def test_without_torch_the_tool_says_what_it_needs(tmp_path, capsys, monkeypatch):
@@ -136,12 +139,16 @@ def test_phases_are_marked_while_open_and_the_functions_restored_after(monkeypat
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
     monkeypatch.setitem(sys.modules, "torch.profiler", profiler)
     speculation = device_speculation.DeviceSpeculation
-    originals = (step._launch, speculation.draft, speculation.verify)
+    originals = (step._launch, speculation.draft, speculation.launch_verify)
     monkeypatch.setattr(speculation, "draft", lambda self, *args: "drafted")
+    monkeypatch.setattr(speculation, "launch_verify", lambda self, *args: "launched")
+    monkeypatch.setattr(speculation, "read_verify", lambda self, *args: ([], [7]))
     with device_trace.marked_phases((lambda: marked.append("start"), lambda: marked.append("end"))):
         assert speculation.draft(None, 1, 2) == "drafted"
+        device = object.__new__(speculation)
+        assert device.verify(1, 2, 0, None, None, None) == ("launched", [], [7])  # marked once, by its launch
         with pytest.raises(AttributeError):  # the real launch, marked first
             step._launch(None, None, None, None)
-    assert marked == ["strata:draft", "start", "end", "strata:plain", "start", "end"]
+    assert marked == ["strata:draft", "start", "end", "strata:verify", "start", "end", "strata:plain", "start", "end"]
     monkeypatch.undo()
-    assert (step._launch, speculation.draft, speculation.verify) == originals
+    assert (step._launch, speculation.draft, speculation.launch_verify) == originals

@@ -152,6 +152,11 @@ class DeviceSpeculation:
         rows = self.launch_verify(token, position, depth, head, bias, stats)
         return (rows, *self.read_verify(depth, stats))
 
+    def launch_ahead(self, depth: int) -> bool:
+        """Whether a verify step of ``depth`` drafts runs without the host between its layers (every expert
+        cached, or misses read in place): only such a step launched ahead lets the host go on meanwhile."""
+        return self.runner.step_of(depth + 1).is_host_free
+
     def launch_verify(self, token: int, position: int, depth: int, head: tuple, bias, stats: StreamStats):
         """``verify``'s launches, the host not waiting: the rows [d + 1, D]. ``read_verify`` reads the
         step's drafts and picks, with nothing launched in between."""

@@ -92,13 +92,16 @@ class Speculation:
         """Up to ``num_steps`` tokens after ``token`` (at ``position``; ``hidden_row`` [1, D] on the
         backend: the main model's state at position - 1). Appends each verified token to ``kv_tokens``.
 
-        On the device, a step's draft and verify are launched before the step ahead of it yields its
-        tokens: the host's work for those (the caller's, between tokens) is then not the device's idle
-        time. A caller that stops early leaves that step's KV cells written past the tokens it keeps,
-        as a greedy step running ahead does (``DecodeStep.greedy_tokens``)."""
+        On the device, where a verify step needs the host only at its start (``launch_ahead``), the next
+        step's draft and verify are launched before a step yields its tokens: the caller's work between
+        tokens is then not the device's idle time, and the policy times a step without it. A caller that
+        stops early leaves that step's KV cells written past the tokens it keeps, as a greedy step
+        running ahead does (``DecodeStep.greedy_tokens``)."""
         rows, next_tokens, start = hidden_row, [token], position - 1  # what the MTP block reads next
         num_left, depth = num_steps, None
         launched = None  # (depth, when): a device step launched ahead, its results not read yet
+        caller_seconds = 0.0  # the caller's time between the launch of the step ``launched`` and its read
+        is_in_flight, error = False, None  # launches queued that nothing has read yet; the error raised here
         try:
             while num_left > 0:
                 depth = self.policy.depth(num_left - 1) if depth is None else depth
@@ -117,9 +120,11 @@ class Speculation:
                     started = time.perf_counter()
                     rows, emitted, num_accepted = self._host_step(token, position, depth, rows, next_tokens, start)
                 else:
+                    is_in_flight = True
                     depth, started = launched or self._launch(token, position, depth, rows, next_tokens, start)
-                    launched = None
+                    started, launched = started + caller_seconds, None
                     rows, emitted, num_accepted = self._read(depth)
+                    is_in_flight, caller_seconds = False, 0.0
                 # [n + 1, D] the verified rows; on the device None: they are where the next draft reads them
                 rows = None if self.device is not None else rows[:num_accepted + 1]
                 self.policy.record(depth, time.perf_counter() - started, num_accepted)
@@ -132,15 +137,25 @@ class Speculation:
                 next_tokens, start = emitted[-(num_accepted + 1):], position + len(verified) - num_accepted - 1
                 position += len(verified)
                 token = emitted[-1]
-                num_taken, num_left = min(len(emitted), num_left), num_left - len(emitted)
-                depth = self.policy.depth(num_left - 1) if num_left > 0 else None
-                if depth and self.device is not None:  # the next step runs while the host yields these tokens
-                    launched = self._launch(token, position, depth, rows, next_tokens, start)
+                num_taken, num_left, depth = min(len(emitted), num_left), num_left - len(emitted), None
+                if self.device is not None and num_left > 0:
+                    depth = self.policy.depth(num_left - 1)
+                    if depth and self.device[0].launch_ahead(depth):  # runs while the caller takes these tokens
+                        is_in_flight = True
+                        launched = self._launch(token, position, depth, rows, next_tokens, start)
+                yielded = time.perf_counter()
                 yield from emitted[:num_taken]
+                caller_seconds = time.perf_counter() - yielded if launched is not None else 0.0
+        except Exception as exc:
+            error = exc
+            raise
         finally:
-            if launched is not None:  # the step launched ahead finishes before the request's buffers go
-                with contextlib.suppress(Exception):
+            if is_in_flight:  # what was launched finishes before the request's buffers go
+                if error is None:  # the caller stopped early: a device error is this request's
                     self.runner.ops.synchronize()
+                else:  # the error raised here is the one to see
+                    with contextlib.suppress(Exception):
+                        self.runner.ops.synchronize()
 
     def _device_plain_run(self, token: int, position: int, num_tokens: int, is_last: bool, kv_tokens: list[int]):
         """Yields ``num_tokens`` plain greedy tokens after ``token`` picked on the device, each step queued

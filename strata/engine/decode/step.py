@@ -117,6 +117,13 @@ class DecodeStep:
         return self._x
 
     @property
+    def is_host_free(self) -> bool:
+        """Whether a step runs its layers as one segment, the host not between them (``kind`` RESIDENT or
+        ADDRESSED), as the request's first step decides it (or would, from the cache as it is now)."""
+        kind = self._kind_now() if self._is_request_start or self.kind is None else self.kind
+        return kind != LAYERS
+
+    @property
     def is_resident(self) -> bool | None:
         """Whether every expert is cached (None until a request's first token decides)."""
         return None if self.kind is None else self.kind == RESIDENT
@@ -241,11 +248,7 @@ class DecodeStep:
     def _start_request(self) -> None:
         """Allocate the buffers (once), decide how experts are read (``kind``), and drop the segments
         of another kind; a whole token's tables are written again (the prefill may have moved experts)."""
-        model, spec = self.model, self.model.spec
-        if model.cache.num_cached == spec.num_layers * spec.num_experts:
-            kind = RESIDENT
-        else:
-            kind = ADDRESSED if self.is_reading_in_place else LAYERS
+        kind = self._kind_now()
         # only kept segments outlive a request (end_request resets the others)
         if self.is_kept and self.kind is not None and kind != self.kind:
             log.info("decode reads experts as %s, no longer as %s: its segments are captured per request from now on",
@@ -259,6 +262,13 @@ class DecodeStep:
         self.kind = kind
         self._tables.write(kind, self._owner)
         self._is_request_start = False
+
+    def _kind_now(self) -> str:
+        """How a step would read its experts with the cache as it is: all cached, read in place, or layer by layer."""
+        spec = self.model.spec
+        if self.model.cache.num_cached == spec.num_layers * spec.num_experts:
+            return RESIDENT
+        return ADDRESSED if self.is_reading_in_place else LAYERS
 
     def _count_token_reads(self, stats: StreamStats, num_steps: int) -> None:
         """Hits and misses of ``num_steps`` whole-token steps, once they have run (``TokenTables.count``)."""

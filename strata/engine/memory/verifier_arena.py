@@ -11,7 +11,7 @@ prefill, allocated again before decode. A request's ``DeviceSpeculation`` carves
                            pos_c [1], overrides [R], place_c [1] (views of it)
 
 R = 1 + spec_depth rows. Each part starts on a 256-byte boundary (the device allocator's, so that
-the kernels' 16-byte loads stay aligned).
+the kernels' 16-byte loads stay aligned); the views of ``inputs`` are int32 slices of it, read one id at a time.
 """
 
 from __future__ import annotations
