@@ -205,7 +205,8 @@ def marked_phases(launch_markers=(lambda: None, lambda: None)):
     """While open, decode's phases are marked in a PyTorch trace: each plain greedy step's launch, each draft
     and each verify step's launch of device speculation (``PHASE_PREFIX`` + plain, draft, verify: a verify mark's
     host time leaves out the wait for its picks, read after the next step is launched where it runs ahead); each
-    mark calls ``launch_markers[0]()`` first and ``[1]()`` last (``device_markers``: the phase's start and end on the device)."""
+    mark calls ``launch_markers[0]()`` first and ``[1]()`` last (``device_markers``: the phase's start and end on
+    the device)."""
     from torch.profiler import record_function
 
     from strata.engine.decode import device_speculation, step
