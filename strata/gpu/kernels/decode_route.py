@@ -31,7 +31,7 @@ from numba import cuda
 from ._common import IS_SIMULATOR, check_array, empty, is_finite_number
 from .block_reduce import device_inv_rms
 from .launcher import jit
-from .moe_route import MAX_BLOCK_ROUTE_EXPERTS, block_route_device
+from .moe_route import BLOCK_ROUTE_RANKS, MAX_BLOCK_ROUTE_EXPERTS, block_route_device
 from .norm import DEFAULT_THREADS as NORM_THREADS
 
 FORMATS = ("F32", "F16")  # router storage the kernel reads (``PackedMatrix.quants`` [E, D] as is)
@@ -66,7 +66,7 @@ def _decode_route_kernel(top_k: int, is_norm: bool):
         red = cuda.shared.array(threads, np.float32)
         row_s = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
         exps = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
-        ranks = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.int32)
+        ranks = cuda.shared.array(BLOCK_ROUTE_RANKS, np.int32)
         scalars = cuda.shared.array(2, np.float32)
         is_last = cuda.shared.array(1, np.int32)
         inv_rms = device_inv_rms(x, t, eps, red, tid, threads)

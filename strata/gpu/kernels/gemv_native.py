@@ -56,9 +56,11 @@ _K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_S")  # r
 _WORD_SCALE_FORMATS = ("Q4_K", "Q5_K")  # d and dmin read as one word, the 12 scale bytes as three
 _WARP = 32
 _MAX_SHARED_BYTES = 48 * 1024
-# headroom for the kernels' other shared arrays (the norm's per-warp sums: 64 bytes at 16 warps), small enough
-# that a verify step's five rows of 2,048 columns (9-9.1 KiB each staged) fit one launch
+# headroom for the kernels' other shared arrays (the norm's per-warp sums of each staged row: 320 bytes for five
+# rows at 16 warps), small enough that a verify step's five rows of 2,048 columns (9-9.1 KiB each staged) fit one
+# launch; it bounds the rows a launch stages (_MAX_X_ROWS)
 _RESERVED_SHARED_BYTES = 1024
+_MAX_X_ROWS = _RESERVED_SHARED_BYTES // (4 * 16)
 _ALIGN_BYTES = 16
 _U32_PTR, _U8_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8)
 _I32_PTR, _I64 = types.CPointer(types.int32), types.int64
@@ -217,6 +219,53 @@ def device_inv_rms_shuffled(x, x_row, eps, red, tid, num_threads):
 
 
 @functools.cache
+def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: int, num_x: int,
+                       is_q4_k_layout: bool = False):
+    """device_stage_rows(x, norm_w, eps, red, xs, tid): every row of x [num_x_rows, num_cols] as
+    _stage_device stages it (the same bits), row t from xs[t * num_x], in one pass: each thread loads its
+    elements of every row before it needs any (the rows' loads in flight together), keeps them raw in xs
+    and sums their squares; one reduction for all rows (red: warps * num_x_rows floats); then each thread
+    scales the elements it wrote. One row after another was a load, a reduction and a second load each,
+    which a verify step's five rows paid five times over before any weight arrived. The caller syncs
+    before reading xs."""
+    num_warps = threads // _WARP
+
+    @cuda.jit(device=True)
+    def device_stage_rows(x, norm_w, eps, red, xs, tid):
+        sums = cuda.local.array(num_x_rows, np.float32)
+        for t in range(num_x_rows):
+            sums[t] = np.float32(0.0)
+        for k in range(tid, num_cols, threads):
+            at = device_group_start(k // X_GROUP, is_q4_k_layout) + k % X_GROUP
+            for t in range(num_x_rows):
+                v = np.float32(x[t, k])
+                xs[t * num_x + at] = v
+                if has_norm:
+                    sums[t] += v * v
+        if has_norm:
+            for t in range(num_x_rows):
+                sum_sq = sums[t]
+                offset = _WARP // 2
+                while offset > 0:
+                    sum_sq += cuda.shfl_xor_sync(0xFFFFFFFF, sum_sq, offset)
+                    offset //= 2
+                if tid % _WARP == 0:
+                    red[t * num_warps + tid // _WARP] = sum_sq
+            cuda.syncthreads()
+            for t in range(num_x_rows):
+                total = np.float32(0.0)
+                for w in range(num_warps):
+                    total += red[t * num_warps + w]
+                sums[t] = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))  # inv rms
+            for k in range(tid, num_cols, threads):
+                at = device_group_start(k // X_GROUP, is_q4_k_layout) + k % X_GROUP
+                for t in range(num_x_rows):
+                    xs[t * num_x + at] *= sums[t] * norm_w[k]
+
+    return device_stage_rows
+
+
+@functools.cache
 def _stage_device(num_cols: int, threads: int, has_norm: bool, is_q4_k_layout: bool = False):
     """device_stage(x, x_row, norm_w, eps, red, xs, xs_off, tid): x[x_row], RMSNorm-ed with norm_w when
     has_norm (red: a float per warp), into padded xs from xs_off (in gemv's Q4_K layout when asked). The
@@ -324,7 +373,7 @@ def _declare_loop(fmt: str, rows_per_warp: int, num_x_rows: int = 1):
 def max_x_rows(w) -> int:
     """Rows of activations one launch of the C++ rows stages for w (the rest go to further launches)."""
     num_x = x_floats(w.num_cols, w.fmt == "Q4_K")
-    return max(1, (_MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES) // (4 * num_x))
+    return max(1, min(_MAX_X_ROWS, (_MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES) // (4 * num_x)))
 
 
 def _x_row_chunks(num_x_rows: int, per_launch: int):
@@ -359,9 +408,9 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
     warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
     loop_fn = _declare_loop(fmt, rows_per_warp, num_x_rows)
     is_q4_k = fmt == "Q4_K"  # its loop reads the Q4_K layout, with the half sums staged in the padding
-    stage = _stage_device(num_cols, threads, has_norm, is_q4_k)
     num_x = x_floats(num_cols, is_q4_k)
-    xs_size = num_x * num_x_rows
+    stage_rows = _stage_rows_device(num_cols, threads, has_norm, num_x_rows, num_x, is_q4_k)
+    xs_size, red_size = num_x * num_x_rows, warps * num_x_rows  # sized here: Numba takes a constant shape
     loop_call = _loop_call(loop_fn, num_cols, num_x, num_x_rows, is_accumulate)
 
     # no launch bounds or register cap: with either (512 threads, 128 registers) the heads measured 4-10%
@@ -369,12 +418,9 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
     @jit
     def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [R, K], y [R * N]
         tid = cuda.threadIdx.x
-        red = cuda.shared.array(warps, np.float32)
+        red = cuda.shared.array(red_size, np.float32)
         xs = cuda.shared.array(xs_size, np.float32, alignment=16)  # [R, num_x]: read as float4 by the C++
-        for t in range(num_x_rows):
-            if t > 0:
-                cuda.syncthreads()  # every warp has read the last row's norm sums out of red
-            stage(x, t, norm_w, eps, red, xs, t * num_x, tid)
+        stage_rows(x, norm_w, eps, red, xs, tid)
         cuda.syncthreads()
         if is_q4_k:
             for t in range(num_x_rows):
@@ -437,9 +483,10 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
     warps, rows_per_warp, threads = config.warps, config.rows_per_warp, config.threads
     instances = _rows_instances(fmts, rows_per_warp, num_x_rows)  # one linked object for the three
     rows_a, rows_b, rows_c = (_declare_rows(f, rows_per_warp, num_x_rows, instances) for f in fmts)
-    stage = _stage_device(num_cols, threads, has_norm)
     num_x = x_floats(num_cols)
+    stage_rows = _stage_rows_device(num_cols, threads, has_norm, num_x_rows, num_x)
     xs_size, out_size = num_x * num_x_rows, rows_per_warp * num_x_rows
+    red_size = warps * num_x_rows  # sized here: Numba takes a constant shape
     rows_a_call, rows_b_call, rows_c_call = (_rows_call(fn, num_cols, num_x, num_x_rows)
                                              for fn in (rows_a, rows_b, rows_c))
 
@@ -447,12 +494,9 @@ def _gemv3_kernel(fmts: tuple, num_cols: int, config: NativeGemvConfig, has_norm
     def gemv3_kernel(qa, sa, ea, wa, ha, xa, qb, sb, eb, wb, hb, xb, qc, sc, ec, wc, hc, xc, x, norm_w, eps, blocks_a,
                      blocks_b, ya, yb, yc):  # w*, h*, x*: words, halves and extra bytes per row of each matrix
         tid = cuda.threadIdx.x  # x [R, K], y* [R, N*]
-        red = cuda.shared.array(warps, np.float32)
+        red = cuda.shared.array(red_size, np.float32)
         xs = cuda.shared.array(xs_size, np.float32, alignment=16)  # [R, num_x]: read as float4 by the C++
-        for t in range(num_x_rows):
-            if t > 0:
-                cuda.syncthreads()  # every warp has read the last row's norm sums out of red
-            stage(x, t, norm_w, eps, red, xs, t * num_x, tid)
+        stage_rows(x, norm_w, eps, red, xs, tid)
         cuda.syncthreads()
         lane = tid % _WARP
         block = cuda.blockIdx.x

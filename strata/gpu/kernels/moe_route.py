@@ -42,6 +42,7 @@ _POS_INF = np.float32(np.inf)
 _PAIRS_PER_THREAD = 4
 BLOCK_ROUTE_MAX_TOKENS = 16  # up to this many tokens a block routes each token
 MAX_BLOCK_ROUTE_EXPERTS = 512  # the block kernel stages a token's logits in shared memory
+BLOCK_ROUTE_RANKS = 2 * MAX_BLOCK_ROUTE_EXPERTS  # block_route's rank scratch (a constant: Numba's shapes are)
 _BLOCK_ROUTE_THREADS = 32 if IS_SIMULATOR else 128  # the simulator runs a Python thread per GPU thread
 
 
@@ -86,25 +87,32 @@ def block_route_device(top_k: int, is_norm: bool, threads: int):
     """device(row, num_experts, exps, ranks, scalars, ids, weights, t, tid): token t's routing from its
     ``num_experts`` logits ``row`` (shared [>= E] float32, filled and synchronized by the caller) into ids[t]
     and weights[t], by every one of the block's ``threads`` threads (it synchronizes them; the caller does
-    again before it reads ids or weights). exps [>= E] float32, ranks [>= E] int32 and scalars [2] float32 are
-    the caller's shared scratch."""
+    again before it reads ids or weights). exps [>= E] float32, ranks [>= 2E] int32 and scalars [2] float32
+    are the caller's shared scratch."""
     @cuda.jit(device=True)
     def block_route(row, num_experts, exps, ranks, scalars, ids, weights, t, tid):
         if tid == 0:
             scalars[0] = NEG_INF
-        cuda.syncthreads()
         # an expert's place in the order (logit down, id up) is its count of experts ahead of it:
-        # the first k places are the picks, the first is the max; no barrier per pick
-        for e in range(tid, num_experts, threads):
+        # the first k places are the picks, the first is the max; no barrier per pick. With a thread for
+        # each expert to spare, two count it, each over half the experts: half the serial loop
+        num_parts = 2 if threads >= 2 * num_experts else 1
+        half = (num_experts + 1) // 2
+        for i in range(tid, num_parts * num_experts, threads):
+            e, part = i % num_experts, i // num_experts
             v = row[e]
             rank = 0
-            for j in range(num_experts):
+            for j in range(part * half, num_experts if part == num_parts - 1 else half):
                 w = row[j]
                 if w > v or (w == v and j < e):
                     rank += 1
+            ranks[i] = rank
+        cuda.syncthreads()
+        for e in range(tid, num_experts, threads):
+            rank = ranks[e] + (ranks[num_experts + e] if num_parts == 2 else 0)
             ranks[e] = rank
-            if rank == 0 and v == v:
-                scalars[0] = v
+            if rank == 0 and row[e] == row[e]:
+                scalars[0] = row[e]
         cuda.syncthreads()
         top = scalars[0]
         for e in range(tid, num_experts, threads):
@@ -148,7 +156,7 @@ def _route_block_kernel(top_k: int, is_norm: bool, threads: int):
         num_experts = logits.shape[1]
         row = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
         exps = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
-        ranks = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.int32)
+        ranks = cuda.shared.array(BLOCK_ROUTE_RANKS, np.int32)
         scalars = cuda.shared.array(2, np.float32)  # the top logit, the softmax's sum
         for e in range(tid, num_experts, threads):
             row[e] = logits[t, e]
