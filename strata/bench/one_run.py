@@ -150,6 +150,7 @@ def main(argv=None) -> int:
         "draft_oracle": args.draft_oracle, "spec_rounds": stats.spec_rounds, "spec_drafted": stats.spec_drafted,
         "spec_accepted": stats.spec_accepted, "spec_depth": stats.spec_depth,
         "spec_depth_max": engine.config.runtime.spec_depth,
+        "depth_policy": engine.depth_policy.summary() if engine.depth_policy is not None else "",
         # with the oracle: the measured run's tokens are the plain run's (greedy output must not change)
         "is_output_equal": output == oracle.continuation if oracle is not None else None,
         "output_ids": output,  # runs of one seed and prompt compare token for token (e.g. the KV host tier)

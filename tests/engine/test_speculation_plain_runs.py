@@ -130,13 +130,18 @@ def test_plain_steps_counts_down_to_the_next_probe_only_where_plain_decode_is_be
     assert policy.plain_steps() == 0  # depth 0 not timed yet
     assert policy.depth(10) == 0
     policy.record(0, 0.010, 0)
+    assert policy.plain_steps() == 0 and policy.depth(10) == 0  # timed from its second step
+    policy.record(0, 0.010, 0)
     assert policy.depth(10) == 1  # an untried depth that could win
     policy.record(1, 0.030, num_accepted=0)  # drafting costs and nothing is taken
     assert policy.depth(10) == 0
     policy.record(0, 0.010, 0)
-    assert policy.plain_steps() == 32 - 3  # the steps before the next probe
+    assert policy.plain_steps() == 32 - 4  # the steps before the next probe
     fast = DepthPolicy(4, probe_every=32)
     fast.record(0, 0.010, 0)
+    fast.record(0, 0.010, 0)
+    fast.record(1, 0.006, num_accepted=1)  # one step: depth 1 could still win, so it is tried again
+    assert fast.plain_steps() == 0 and fast.depth(10) == 1
     fast.record(1, 0.006, num_accepted=1)  # drafting pays: depth 0 is only ever a probe
     assert fast.plain_steps() == 0
     assert DepthPolicy(4, is_fixed=True).plain_steps() == 0

@@ -206,7 +206,7 @@ def test_the_policy_backs_off_when_drafts_never_pay():
         depth = policy.depth(10)
         depths.append(depth)
         policy.record(depth, 0.010 + 0.004 * depth, num_accepted=0)  # drafts cost, none taken
-    assert depths[0] == 0 and depths[1] == 1  # plain first, then one probe
+    assert depths[:3] == [0, 0, 1]  # plain first (timed from its second step), then one probe
     assert 2 not in depths and depths[-10:].count(0) >= 9
 
 
@@ -217,7 +217,7 @@ def test_probes_grow_rarer_while_the_best_depth_stays_the_same():
         cost = 0.010 + 0.004 * (depth := policy.depth(10))
         depths.append(depth)
         policy.record(depth, cost, num_accepted=0)
-    probes = [step for step, depth in enumerate(depths) if depth and step > 1]
+    probes = [step for step, depth in enumerate(depths) if depth and step > 2]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] >= 512  # each probe that changes nothing doubles the interval
     assert len(probes) <= 8
@@ -232,6 +232,23 @@ def test_the_policy_drafts_deep_when_drafts_are_taken():
         policy.record(depth, 0.010 + 0.001 * depth, num_accepted=depth)  # cheap verify, every draft taken
     assert policy.depth(10) == 4 and policy.expected_tokens(4) > 4.5
     assert policy.depth(2) == 2  # never past what the request still wants
+
+
+def test_one_slow_first_step_does_not_keep_a_depth_out():
+    policy = DepthPolicy(2)
+    policy.record(0, 0.010, 0)
+    policy.record(0, 0.010, 0)
+    assert policy.depth(10) == 1
+    policy.record(1, 0.200, num_accepted=1)  # a first step that paid once-only work
+    assert policy.depth(10) == 1  # tried again: one step is not a time
+    policy.record(1, 0.012, num_accepted=1)
+    assert policy.seconds[1] == 0.012  # the second step's time replaces the first's
+    depths = []
+    for _ in range(20):
+        depths.append(depth := policy.depth(10))
+        policy.record(depth, 0.010 + 0.002 * depth, num_accepted=depth)
+    assert depths[-5:] == [2] * 5
+    assert "1: " in policy.summary() and "acceptance by place 1.00 1.00" in policy.summary()
 
 
 def test_bad_speculation_settings_name_the_key(mtp_path, tmp_path):

@@ -3,16 +3,18 @@
 A verify step over ``d + 1`` tokens reads the union of their experts, so on an MoE model a deep
 draft can cost more than the tokens it saves. The policy keeps, while the engine runs:
 
-- the seconds a step takes at each depth (depth 0: one plain decode step), a moving average;
+- the seconds a step takes at each depth (depth 0: one plain decode step), a moving average that
+  starts at a depth's second step: its first may pay once-only work (a first launch of a kernel, a
+  graph captured for a request's bias), and one slow step must not keep a depth out for good;
 - the acceptance at each place of a draft run: a_j, the share of drafts at place j taken when the
   ones before it were (counts that decay, so the estimate follows the text);
 
 and picks the depth d (0..``max_depth``) with the most expected tokens per second,
-``(1 + a_1 + a_1 a_2 + ... + a_1...a_d) / seconds[d]``. A depth not yet timed is tried only if it
-could still win: its tokens bounded by the acceptance measured so far (later places accepting no
-more often than the last one measured), its time by the slowest depth below it. Every
-``probe_every`` steps the depth next to the chosen one is timed again, so a change in the text or
-the cache is seen; a probe that finds the same depth best as the one before doubles the interval
+``(1 + a_1 + a_1 a_2 + ... + a_1...a_d) / seconds[d]``. A depth not yet timed (fewer than two
+steps) is tried only if it could still win: its tokens bounded by the acceptance measured so far
+(later places accepting no more often than the last one measured), its time by the slowest timed
+depth below it. Every ``probe_every`` steps the depth next to the chosen one is timed again, so a
+change in the text or the cache is seen; a probe that finds the same depth best as the one before doubles the interval
 (up to ``_MAX_PROBE_EVERY``), since each costs a step at a worse depth: on the H200 a plain run with
 a probe every 32 tokens decoded at 0.92x plain decode. Between probes, where plain decode is best,
 ``plain_steps`` says how long a caller may run plain steps without asking. ``is_fixed`` always
@@ -34,6 +36,7 @@ class DepthPolicy:
         self.is_fixed = is_fixed
         self.probe_every = probe_every
         self.seconds: list[float | None] = [None] * (max_depth + 1)  # [d] seconds of a step at depth d
+        self.num_steps_at = [0] * (max_depth + 1)  # [d] steps recorded at depth d
         self._drafted = [0.0] * max_depth  # [place] decayed counts
         self._accepted = [0.0] * max_depth
         self._num_steps = 0
@@ -47,12 +50,11 @@ class DepthPolicy:
         limit = max(0, min(limit, self.max_depth))
         if self.is_fixed or limit == 0:
             return limit
-        if self.seconds[0] is None:
+        if not self._is_timed(0):
             return 0
         best = self._best(limit)
-        best_rate = self._rate(best)
-        untried = next((d for d in range(1, limit + 1) if self.seconds[d] is None), None)
-        if untried is not None and self._bound(untried) > best_rate:
+        untried = self._untried_winner(limit, best)
+        if untried is not None:
             return untried
         if self._num_steps - self._last_probe >= self._probe_every:  # time a neighbour again
             is_settled = best == self._best_at_probe
@@ -65,7 +67,8 @@ class DepthPolicy:
         """Steps in a row that ``depth`` answers 0 from now on, as the records stand: where plain decode is
         the best depth, the steps until the next probe; else 0 (depth 0 is timed for the first time, or
         probed as the neighbour of a better depth). A caller may run that many plain steps without asking."""
-        if self.is_fixed or self.seconds[0] is None or self._best(self.max_depth) != 0:
+        if self.is_fixed or not self._is_timed(0) or self._best(self.max_depth) != 0 \
+                or self._untried_winner(self.max_depth, 0) is not None:
             return 0
         return max(0, self._probe_every - (self._num_steps - self._last_probe))
 
@@ -73,8 +76,9 @@ class DepthPolicy:
         """A step at ``depth`` took ``seconds`` and its first ``num_accepted`` drafts were taken."""
         self._num_steps += 1
         self.last_depth = depth
+        self.num_steps_at[depth] += 1
         old = self.seconds[depth]
-        self.seconds[depth] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        self.seconds[depth] = seconds if self.num_steps_at[depth] <= 2 else (1 - _EMA) * old + _EMA * seconds
         for place in range(min(depth, num_accepted + 1)):  # places past the first refusal were not judged
             self._drafted[place] = _DECAY * self._drafted[place] + 1
             self._accepted[place] = _DECAY * self._accepted[place] + (place < num_accepted)
@@ -100,13 +104,28 @@ class DepthPolicy:
             last = rate
         return total
 
+    def summary(self) -> str:
+        """Each depth's steps and time, each place's acceptance: what the policy chose from."""
+        times = ", ".join(f"{d}: {self.num_steps_at[d]} x {self.seconds[d] * 1e3:.2f} ms"
+                          for d in range(self.max_depth + 1) if self.seconds[d] is not None)
+        rates = " ".join("-" if (a := self.acceptance(place)) is None else f"{a:.2f}" for place in range(self.max_depth))
+        return f"steps by depth {{{times}}}, acceptance by place {rates}, last depth {self.last_depth}"
+
+    def _untried_winner(self, limit: int, best: int) -> int | None:
+        """The shallowest depth up to ``limit`` not yet timed, if it could beat ``best``."""
+        untried = next((d for d in range(1, limit + 1) if not self._is_timed(d)), None)
+        return untried if untried is not None and self._bound(untried) > self._rate(best) else None
+
+    def _is_timed(self, depth: int) -> bool:
+        return self.num_steps_at[depth] >= 2
+
     def _best(self, limit: int) -> int:
         """The timed depth up to ``limit`` with the most expected tokens per second."""
-        return max(range(limit + 1), key=lambda d: self._rate(d) if self.seconds[d] is not None else -1.0)
+        return max(range(limit + 1), key=lambda d: self._rate(d) if self._is_timed(d) else -1.0)
 
     def _rate(self, depth: int) -> float:
         return self.expected_tokens(depth) / max(self.seconds[depth], 1e-9)
 
     def _bound(self, depth: int) -> float:
-        slowest = max(s for s in self.seconds[:depth] if s is not None)
+        slowest = max(self.seconds[d] for d in range(depth) if self._is_timed(d))
         return self.expected_tokens(depth, is_bound=True) / max(slowest, 1e-9)
