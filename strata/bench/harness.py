@@ -120,6 +120,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
                     print(f"[{arm} {length} #{rep + 1}] rates: PCIe {result['pcie_bytes_per_s'] / 1e9:.1f} GB/s "
                           f"({result['pcie_source']}); compute {result['compute_flops_per_s'] / 1e12:.1f} TFLOP/s "
                           f"({result['compute_source']})", file=sys.stderr, flush=True)
+                if result.get("is_output_equal") is False:  # speculation must not change greedy output
+                    print(f"[{arm} {length} #{rep + 1}] OUTPUT DIFFERS from the plain run's from token "
+                          f"{result.get('first_difference')}", file=sys.stderr, flush=True)
                 if result.get("depth_policy") and spec != "off":
                     print(f"[{arm} {length} #{rep + 1}] depth policy: {result['depth_policy']}", file=sys.stderr,
                           flush=True)

@@ -153,6 +153,7 @@ def main(argv=None) -> int:
         "depth_policy": engine.depth_policy.summary() if engine.depth_policy is not None else "",
         # with the oracle: the measured run's tokens are the plain run's (greedy output must not change)
         "is_output_equal": output == oracle.continuation if oracle is not None else None,
+        "first_difference": _first_difference(output, oracle.continuation) if oracle is not None else None,
         "output_ids": output,  # runs of one seed and prompt compare token for token (e.g. the KV host tier)
         "host_numa": host_numa(),  # where the pinned experts live: a process-to-process difference
         "tensor_cores_off": _tensor_cores_off(engine.backend),
@@ -161,6 +162,13 @@ def main(argv=None) -> int:
     print("STRATA-BENCH " + json.dumps(result), flush=True)
     engine.close()
     return 0
+
+
+def _first_difference(output: list[int], expected: list[int]) -> int | None:
+    """The first place where ``output`` leaves ``expected`` (or ends before it); None where equal."""
+    if output == expected:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(output, expected)) if a != b), min(len(output), len(expected)))
 
 
 def _tensor_cores_off(backend: str) -> str | None:

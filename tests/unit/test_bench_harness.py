@@ -70,6 +70,8 @@ def test_bench_draft_oracle_labels_its_rows_and_plain_decode_arm_and_times_layer
     # every draft is the greedy continuation: each verify step takes all of its drafts
     assert fixed["spec_rounds"] and fixed["spec_accepted"] == fixed["spec_drafted"] > 0
     assert plain["spec_rounds"] == 0
+    assert fixed["is_output_equal"] and fixed["first_difference"] is None  # the plain run's tokens
+    assert "acceptance by place 1.00 1.00, last depth" in done.stderr and "OUTPUT DIFFERS" not in done.stderr
     # --layer-timeline: every prefill layer timed, in the JSON and the timing line
     assert all(r["prefill_layers"]["layers"] > 0 and r["prefill_forward_seconds"] > 0 for r in (fixed, plain))
     # loan off: the MTP block passes over the prompt where it drafts; --spec off runs no block
@@ -306,3 +308,11 @@ def test_spec_arms_take_a_fixed_depth_up_to_the_configured_one():
     assert engine.depth_policy.max_depth == 4 and not engine.depth_policy.is_fixed
     with pytest.raises(SystemExit, match="at most runtime.spec_depth = 4"):
         set_speculation(engine, "fixed-5")
+
+
+def test_a_runs_output_is_compared_with_the_plain_runs_to_the_first_difference():
+    from strata.bench.one_run import _first_difference
+
+    assert _first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert _first_difference([1, 5, 3], [1, 2, 3]) == 1
+    assert _first_difference([1, 2], [1, 2, 3]) == 2  # ended early
