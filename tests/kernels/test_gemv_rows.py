@@ -200,6 +200,10 @@ def test_native_rows_stage_what_shared_memory_holds_and_launch_again_for_the_res
     assert gemv_native.max_x_rows(Matrix("Q4_0", 2048)) == 5  # 9 KiB a staged row of 47: a depth-4 verify step
     assert gemv_native.max_x_rows(Matrix("Q4_K", 2048)) == 5  # 9.1 KiB in gemv's Q4_K layout
     assert gemv_native.max_x_rows(Matrix("Q4_0", 4096)) == 2
+    # a GEMV's launch takes dynamic shared memory past the static arrays' 48 KiB: a verify step's five rows of the
+    # output projection (4,096 columns, 18 KiB each staged) in one launch that reads the weights once
+    assert gemv_native.max_x_rows(Matrix("Q4_0", 4096), is_dynamic=True) >= DECODE_MAX_ROWS
+    assert gemv_native._dynamic_stage_bytes(2 * 4608) == 0 and gemv_native._dynamic_stage_bytes(5 * 4608) == 5 * 18432
     assert gemv_native.max_x_rows(Matrix("Q4_0", 256)) >= DECODE_MAX_ROWS
     assert gemv_native._x_row_chunks(9, 4) == [(0, 4), (4, 4), (8, 1)]
     assert gemv_native._x_row_chunks(3, 4) == [(0, 3)]

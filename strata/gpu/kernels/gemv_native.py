@@ -370,10 +370,17 @@ def _declare_loop(fmt: str, rows_per_warp: int, num_x_rows: int = 1):
         "gemv_rows.cu", instance)
 
 
-def max_x_rows(w) -> int:
-    """Rows of activations one launch of the C++ rows stages for w (the rest go to further launches)."""
+def max_x_rows(w, is_dynamic: bool = False) -> int:
+    """Rows of activations one launch of the C++ rows stages for w (the rest go to further launches): in static
+    shared memory, or is_dynamic, in as much dynamic shared memory as a block may have (gemv_native_rows)."""
     num_x = x_floats(w.num_cols, w.fmt == "Q4_K")
-    return max(1, min(_MAX_X_ROWS, (_MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES) // (4 * num_x)))
+    limit = tensor_core.max_shared_bytes() if is_dynamic else _MAX_SHARED_BYTES
+    return max(1, min(_MAX_X_ROWS, (limit - _RESERVED_SHARED_BYTES) // (4 * num_x)))
+
+
+def _dynamic_stage_bytes(num_floats: int) -> int:
+    """The dynamic shared memory a launch staging num_floats of activations passes: 0 where they are static."""
+    return 4 * num_floats if 4 * num_floats > _MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES else 0
 
 
 def _x_row_chunks(num_x_rows: int, per_launch: int):
@@ -402,6 +409,29 @@ def _loop_call(loop_fn, num_cols: int, num_x: int, num_x_rows: int, is_accumulat
     return device_loop_call
 
 
+def _staged_device(red_size: int, xs_size: int):
+    """device_staged() -> (red float32 [red_size], xs float32 [xs_size] 16-byte aligned): static shared arrays,
+    or where xs is more than static arrays may hold (several rows of a long row of x: a verify step's output
+    projection), xs in the dynamic block the launch passes (_dynamic_stage_bytes), so that one launch reads the
+    weights for every row. (Numba takes a tuple of arrays a device function made, not one array.)"""
+    if not _dynamic_stage_bytes(xs_size):
+        @cuda.jit(device=True)
+        def device_staged():
+            red = cuda.shared.array(red_size, np.float32)
+            xs = cuda.shared.array(xs_size, np.float32, alignment=16)
+            return red, xs
+
+        return device_staged
+
+    @cuda.jit(device=True)
+    def device_dynamic_staged():
+        red = cuda.shared.array(red_size, np.float32)
+        xs = cuda.shared.array(0, np.float32, alignment=16)
+        return red, xs[:xs_size]
+
+    return device_dynamic_staged
+
+
 @functools.cache
 def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bool, is_accumulate: bool,
                  num_x_rows: int = 1):
@@ -412,14 +442,14 @@ def _gemv_kernel(fmt: str, num_cols: int, config: NativeGemvConfig, has_norm: bo
     stage_rows = _stage_rows_device(num_cols, threads, has_norm, num_x_rows, num_x, is_q4_k)
     xs_size, red_size = num_x * num_x_rows, warps * num_x_rows  # sized here: Numba takes a constant shape
     loop_call = _loop_call(loop_fn, num_cols, num_x, num_x_rows, is_accumulate)
+    staged = _staged_device(red_size, xs_size)
 
     # no launch bounds or register cap: with either (512 threads, 128 registers) the heads measured 4-10%
     # slower on the H200; the loops' registers fit a 512-thread block without (they launch at 16 warps)
     @jit
     def gemv_kernel(quants, scales, extra, words, halves, extra_bytes, x, norm_w, eps, y):  # x [R, K], y [R * N]
         tid = cuda.threadIdx.x
-        red = cuda.shared.array(red_size, np.float32)
-        xs = cuda.shared.array(xs_size, np.float32, alignment=16)  # [R, num_x]: read as float4 by the C++
+        red, xs = staged()  # xs [R, num_x]: read as float4 by the C++
         stage_rows(x, norm_w, eps, red, xs, tid)
         cuda.syncthreads()
         if is_q4_k:
@@ -444,17 +474,18 @@ def gemv_native(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate: boo
 def gemv_native_rows(w, x, y, *, norm_weight=None, eps: float = 1e-6, accumulate: bool = False,
                      config: NativeGemvConfig = LAYER_CONFIG, stream=0):
     """gemv.gemv_rows's product through the linked C++ rows: x [R, K], y [R, N]; the caller validated the
-    inputs and is_supported(w). Each launch stages max_x_rows(w) rows of x (or the rest) and reads W once
-    for them; row t's sums are the C++ loop's for x[t] alone."""
+    inputs and is_supported(w). Each launch stages max_x_rows(w, is_dynamic=True) rows of x (or the rest) and
+    reads W once for them; row t's sums are the C++ loop's for x[t] alone."""
     config = config.validate()
     has_norm = norm_weight is not None
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
-    chunks = _x_row_chunks(x.shape[0], min(config.x_rows or x.shape[0], max_x_rows(w)))
+    chunks = _x_row_chunks(x.shape[0], min(config.x_rows or x.shape[0], max_x_rows(w, is_dynamic=True)))
+    num_x = x_floats(w.num_cols, w.fmt == "Q4_K")
     for t0, count in chunks:
         # the kernel is the same whatever the grid: one compile for every blocks_per_sm
         kernel = _gemv_kernel(w.fmt, w.num_cols, config._replace(blocks_per_sm=0), has_norm, accumulate, count)
         x_part, y_part = (x, y) if len(chunks) == 1 else (x[t0:t0 + count], y[t0:t0 + count])
-        kernel[config.grid(w.num_rows), config.threads, stream](
+        kernel[config.grid(w.num_rows), config.threads, stream, _dynamic_stage_bytes(num_x * count)](
             w.quants, w.scales, w.extra, *_row_strides(w), x_part, norm_w, np.float32(eps),
             y_part.reshape(count * w.num_rows))
     return y
