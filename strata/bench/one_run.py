@@ -165,7 +165,7 @@ def main(argv=None) -> int:
 
 
 def _first_difference(output: list[int], expected: list[int]) -> int | None:
-    """The first place where ``output`` leaves ``expected`` (or ends before it); None where equal."""
+    """The first place where ``output`` leaves ``expected`` (or one ends before the other); None where equal."""
     if output == expected:
         return None
     return next((i for i, (a, b) in enumerate(zip(output, expected)) if a != b), min(len(output), len(expected)))

@@ -133,7 +133,8 @@ def test_a_block_with_its_own_embedding_keeps_its_prompt_pass_in_the_loan(mtp_pa
     kept = loading.mtp_prompt_sources(model)
     prefix = f"blk.{model.spec.num_layers}."
     assert sorted(kept) == sorted(f"{prefix}{name}.weight" for name in loading.MTP_PROMPT_TENSORS
-                                  if f"{prefix}{name}.weight" in model.tensors) and f"{prefix}nextn.eh_proj.weight" in kept
+                                  if f"{prefix}{name}.weight" in model.tensors)
+    assert f"{prefix}nextn.eh_proj.weight" in kept
     with_embedding = dataclasses.replace(model, tensors={**model.tensors,
                                                          f"{prefix}nextn.embed_tokens.weight": model.tensors[
                                                              "token_embd.weight"]})

@@ -202,7 +202,7 @@ def test_native_rows_stage_what_shared_memory_holds_and_launch_again_for_the_res
     assert gemv_native.max_x_rows(Matrix("Q4_0", 4096)) == 2
     # a GEMV's launch takes dynamic shared memory past the static arrays' 48 KiB: a verify step's five rows of the
     # output projection (4,096 columns, 18 KiB each staged) in one launch that reads the weights once
-    assert gemv_native.max_x_rows(Matrix("Q4_0", 4096), is_dynamic=True) >= DECODE_MAX_ROWS
+    assert gemv_native.max_x_rows(Matrix("Q4_0", 4096), is_dynamic=True) >= 5  # 99 KiB a block on sm_86/89
     assert gemv_native._dynamic_stage_bytes(2 * 4608) == 0 and gemv_native._dynamic_stage_bytes(5 * 4608) == 5 * 18432
     assert gemv_native.max_x_rows(Matrix("Q4_0", 256)) >= DECODE_MAX_ROWS
     assert gemv_native._x_row_chunks(9, 4) == [(0, 4), (4, 4), (8, 1)]

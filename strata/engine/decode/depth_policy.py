@@ -5,7 +5,9 @@ draft can cost more than the tokens it saves. The policy keeps, while the engine
 
 - the seconds a step takes at each depth (depth 0: one plain decode step), a moving average that
   starts at a depth's second step: its first may pay once-only work (a first launch of a kernel, a
-  graph captured for a request's bias), and one slow step must not keep a depth out for good;
+  graph captured for a request's bias), and one slow step must not keep a depth out for good (a
+  device's plain steps come in runs, each step recorded at its run's average: there the once-only
+  cost is spread over the run);
 - the acceptance at each place of a draft run: a_j, the share of drafts at place j taken when the
   ones before it were (counts that decay, so the estimate follows the text);
 
@@ -65,8 +67,9 @@ class DepthPolicy:
 
     def plain_steps(self) -> int:
         """Steps in a row that ``depth`` answers 0 from now on, as the records stand: where plain decode is
-        the best depth, the steps until the next probe; else 0 (depth 0 is timed for the first time, or
-        probed as the neighbour of a better depth). A caller may run that many plain steps without asking."""
+        the best depth, the steps until the next probe; else 0 (depth 0 is not yet timed, an untimed depth
+        could still beat it, or it is probed as the neighbour of a better depth). A caller may run that many
+        plain steps without asking."""
         if self.is_fixed or not self._is_timed(0) or self._best(self.max_depth) != 0 \
                 or self._untried_winner(self.max_depth, 0) is not None:
             return 0
@@ -108,7 +111,8 @@ class DepthPolicy:
         """Each depth's steps and time, each place's acceptance: what the policy chose from."""
         times = ", ".join(f"{d}: {self.num_steps_at[d]} x {self.seconds[d] * 1e3:.2f} ms"
                           for d in range(self.max_depth + 1) if self.seconds[d] is not None)
-        rates = " ".join("-" if (a := self.acceptance(place)) is None else f"{a:.2f}" for place in range(self.max_depth))
+        rates = " ".join("-" if (a := self.acceptance(place)) is None else f"{a:.2f}"
+                         for place in range(self.max_depth))
         return f"steps by depth {{{times}}}, acceptance by place {rates}, last depth {self.last_depth}"
 
     def _untried_winner(self, limit: int, best: int) -> int | None:

@@ -60,7 +60,8 @@ _MAX_SHARED_BYTES = 48 * 1024
 # rows at 16 warps), small enough that a verify step's five rows of 2,048 columns (9-9.1 KiB each staged) fit one
 # launch; it bounds the rows a launch stages (_MAX_X_ROWS)
 _RESERVED_SHARED_BYTES = 1024
-_MAX_X_ROWS = _RESERVED_SHARED_BYTES // (4 * 16)
+_MAX_WARPS = 16  # a GEMV block's warps at most (NativeGemvConfig.warps)
+_MAX_X_ROWS = _RESERVED_SHARED_BYTES // (4 * _MAX_WARPS)
 _ALIGN_BYTES = 16
 _U32_PTR, _U8_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8)
 _I32_PTR, _I64 = types.CPointer(types.int32), types.int64
@@ -78,8 +79,8 @@ class NativeGemvConfig(NamedTuple):
     x_rows: int = 0  # rows of activations a launch stages: 0, as many as shared memory holds
 
     def validate(self) -> "NativeGemvConfig":
-        if self.warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"warps must be one of 1, 2, 4, 8, 16, got {self.warps}")
+        if self.warps not in (1, 2, 4, 8, _MAX_WARPS):
+            raise ValueError(f"warps must be one of 1, 2, 4, 8, {_MAX_WARPS}, got {self.warps}")
         if self.rows_per_warp not in (1, 2, 4):
             raise ValueError(f"rows_per_warp must be 1, 2 or 4, got {self.rows_per_warp}")
         if self.blocks_per_sm < 0:
