@@ -134,9 +134,11 @@ def test_plain_steps_counts_down_to_the_next_probe_only_where_plain_decode_is_be
     policy.record(0, 0.010, 0)
     assert policy.depth(10) == 1  # an untried depth that could win
     policy.record(1, 0.030, num_accepted=0)  # drafting costs and nothing is taken
+    assert policy.depth(10) == 1  # a first step's time is not yet the depth's
+    policy.record(1, 0.030, num_accepted=0)
     assert policy.depth(10) == 0
     policy.record(0, 0.010, 0)
-    assert policy.plain_steps() == 32 - 4  # the steps before the next probe
+    assert policy.plain_steps() == 32 - 5  # the steps before the next probe
     fast = DepthPolicy(4, probe_every=32)
     fast.record(0, 0.010, 0)
     fast.record(0, 0.010, 0)
