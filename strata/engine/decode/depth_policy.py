@@ -60,9 +60,9 @@ class DepthPolicy:
         if not self._is_timed(0):
             return 0
         best = self._best(limit)
-        untried = self._untried_winner(limit, best)
-        if untried is not None:
-            return untried
+        to_try = self._depth_to_try(limit, best)
+        if to_try is not None:
+            return to_try
         if self._num_steps - self._last_probe >= self._probe_every:  # time a neighbour again
             is_settled = best == self._best_at_probe
             self._probe_every = min(2 * self._probe_every, _MAX_PROBE_EVERY) if is_settled else self.probe_every
@@ -72,11 +72,11 @@ class DepthPolicy:
 
     def plain_steps(self) -> int:
         """Steps in a row that ``depth`` answers 0 from now on, as the records stand: where plain decode is
-        the best depth, the steps until the next probe; else 0 (depth 0 is not yet timed, an untimed depth
-        could still beat it, or it is probed as the neighbour of a better depth). A caller may run that many
+        the best depth, the steps until the next probe; else 0 (depth 0 is not yet timed, a depth of few
+        steps could still beat it, or it is probed as the neighbour of a better depth). A caller may run that many
         plain steps without asking."""
         if self.is_fixed or not self._is_timed(0) or self._best(self.max_depth) != 0 \
-                or self._untried_winner(self.max_depth, 0) is not None:
+                or self._depth_to_try(self.max_depth, 0) is not None:
             return 0
         return max(0, self._probe_every - (self._num_steps - self._last_probe))
 
@@ -123,7 +123,7 @@ class DepthPolicy:
                          for place in range(self.max_depth))
         return f"steps by depth {{{times}}}, acceptance by place {rates}, last depth {self.last_depth}"
 
-    def _untried_winner(self, limit: int, best: int) -> int | None:
+    def _depth_to_try(self, limit: int, best: int) -> int | None:
         """The shallowest depth up to ``limit`` with fewer than _MIN_STEPS steps that could beat ``best``."""
         best_rate = self._rate(best)
         return next((d for d in range(1, limit + 1)
