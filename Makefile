@@ -35,10 +35,13 @@ $(GPU_EXTRA): $(BIN)/strata
 	$(BIN)/python -m pip install -q -e '.[test,plot,gpu]'
 	touch $(GPU_EXTRA)
 
-# GPU_TESTS runs a part, e.g. GPU_TESTS=tests/engine/test_engine_cuda.py (the whole set compiles every kernel cold)
+# GPU_TESTS runs a part, e.g. GPU_TESTS=tests/engine/test_engine_cuda.py (the whole set compiles every kernel cold);
+# GPU_JOBS=8 deals the tests to 8 processes side by side (compiling takes one core a process)
 GPU_TESTS ?= tests/kernels tests/engine/test_engine_cuda.py tests/gpu
+GPU_JOBS ?= 1
 gpu-test: setup $(GPU_EXTRA)
-	$(BIN)/python -m pytest -q $(GPU_TESTS) $(PYTEST_ARGS)
+	$(if $(filter 1,$(GPU_JOBS)),$(BIN)/python -m pytest -q,$(BIN)/python tools/pytest_parallel.py --jobs $(GPU_JOBS)) \
+		$(GPU_TESTS) $(PYTEST_ARGS)
 
 BENCH_PACK := $(BENCH_MODEL:.gguf=.strpack)
 
