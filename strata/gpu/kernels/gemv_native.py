@@ -196,6 +196,16 @@ def _row_strides(w) -> tuple:
 
 
 @cuda.jit(device=True)
+def device_warp_sum(value):
+    """The sum of a warp's values, every lane the same bits (a butterfly: each lane adds the same pairs)."""
+    offset = _WARP // 2
+    while offset > 0:
+        value += cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
+        offset //= 2
+    return value
+
+
+@cuda.jit(device=True)
 def device_inv_rms_shuffled(x, x_row, eps, red, tid, num_threads):
     """1 / sqrt(mean(x[x_row]^2) + eps) for the whole block: warp shuffles, then one float per warp
     in `red` (block_reduce's version reads every thread's value back, which at 256-512 threads per
@@ -206,10 +216,7 @@ def device_inv_rms_shuffled(x, x_row, eps, red, tid, num_threads):
     for k in range(tid, num_cols, num_threads):
         v = np.float32(x[x_row, k])
         sum_sq += v * v
-    offset = _WARP // 2
-    while offset > 0:
-        sum_sq += cuda.shfl_xor_sync(0xFFFFFFFF, sum_sq, offset)
-        offset //= 2
+    sum_sq = device_warp_sum(sum_sq)
     if tid % _WARP == 0:
         red[tid // _WARP] = sum_sq
     cuda.syncthreads()
@@ -245,11 +252,7 @@ def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: 
                     sums[t] += v * v
         if has_norm:
             for t in range(num_x_rows):
-                sum_sq = sums[t]
-                offset = _WARP // 2
-                while offset > 0:
-                    sum_sq += cuda.shfl_xor_sync(0xFFFFFFFF, sum_sq, offset)
-                    offset //= 2
+                sum_sq = device_warp_sum(sums[t])
                 if tid % _WARP == 0:
                     red[t * num_warps + tid // _WARP] = sum_sq
             cuda.syncthreads()
