@@ -138,8 +138,9 @@ def test_multi_gemv_rows_have_the_bits_of_one_row_launches():
 @pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
 def test_native_gemv_rows_have_the_bits_of_one_row_launches(fmt, rows_per_warp):
     elems = block_elems(fmt)
-    # columns: a few items, and a row so long that a launch stages fewer than 9 rows of x (several launches)
-    for num_cols in (elems * 3, elems * 40 if elems == 256 else elems * 320):
+    # columns: a few items, a row so long that a launch stages fewer than 9 rows of x (several launches), and
+    # one longer than the static arrays hold alone (12,288: a dense down projection; the dynamic block)
+    for num_cols in (elems * 3, elems * 40 if elems == 256 else elems * 320, 12288):
         w, values = random_matrix(fmt, 37, num_cols, seed=660 + num_cols)
         x = _x(DECODE_MAX_ROWS, num_cols, seed=661)
         norm_weight = np.random.default_rng(662).uniform(0.5, 1.5, num_cols).astype(np.float32)

@@ -245,7 +245,7 @@ def gemv_rows(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6
     check_array("y", y, dtypes=np.float32, shape=(num_x_rows, w.num_rows))
     if w.num_rows == 0 or num_x_rows == 0:
         return y
-    if use_native(native, w):
+    if use_native(native, w, is_dynamic=True):  # one row of x past 48 KiB staged: the dynamic block
         return gemv_native_rows(w, x, y, norm_weight=norm_weight, eps=eps, accumulate=accumulate,
                                 config=native_config, stream=stream)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
@@ -255,9 +255,10 @@ def gemv_rows(w: PackedMatrix, x, y=None, *, norm_weight=None, eps: float = 1e-6
     return y
 
 
-def use_native(native: bool | None, w, num_x_rows: int = 1) -> bool:
-    """Whether a decode GEMV of w runs gemv_native's C++: `native` as asked, None meaning where it can."""
-    is_supported = is_native_supported(w, num_x_rows)
+def use_native(native: bool | None, w, num_x_rows: int = 1, is_dynamic: bool = False) -> bool:
+    """Whether a decode GEMV of w runs gemv_native's C++: `native` as asked, None meaning where it can
+    (is_dynamic: gemv_native_rows, whose rows of x may be staged in dynamic shared memory)."""
+    is_supported = is_native_supported(w, num_x_rows, is_dynamic)
     if native and not is_supported:
         raise ValueError(f"native GEMV needs a GPU with linked CUDA C++, a {w.fmt} matrix in one of "
                          f"{', '.join(NATIVE_FORMATS)} with aligned device planes and fitting activations; "

@@ -161,14 +161,16 @@ def device_group_start(group, is_q4_k_layout):
     return group * X_STRIDE
 
 
-def is_supported(w, num_x_rows: int = 1) -> bool:
+def is_supported(w, num_x_rows: int = 1, is_dynamic: bool = False) -> bool:
     """True when the linked C++ can run this packed matrix: a real GPU, a format it knows, planes
-    C-contiguous and 16-byte aligned, and num_x_rows staged rows of activations fitting in shared memory."""
+    C-contiguous and 16-byte aligned, and num_x_rows staged rows of activations fitting in shared memory
+    (is_dynamic: in the dynamic block gemv_native_rows takes past the static arrays' 48 KiB)."""
     if not tensor_core.is_available() or w.fmt not in FORMATS or not is_device_array(w.quants):
         return False
     block_elems = Q4_K_BLOCK if w.fmt in _K_QUANTS else X_GROUP
     num_x = x_floats(w.num_cols, w.fmt == "Q4_K")  # the larger of the two layouts
-    if w.num_cols % block_elems or 4 * num_x * num_x_rows > _MAX_SHARED_BYTES - _RESERVED_SHARED_BYTES:
+    limit = tensor_core.max_shared_bytes() if is_dynamic else _MAX_SHARED_BYTES
+    if w.num_cols % block_elems or 4 * num_x * num_x_rows > limit - _RESERVED_SHARED_BYTES:
         return False
     return (all(is_c_contiguous(p) for p in (w.quants, w.scales, w.extra))
             and w.quants.device_ctypes_pointer.value % _ALIGN_BYTES == 0
