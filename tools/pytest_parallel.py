@@ -4,12 +4,15 @@ The GPU tests spend most of their time compiling kernels on the host, one proces
 that runs them has many. This collects the selection's tests, deals them to N processes in turn (so each
 compiles about 1/N of the kernels) and runs them side by side, each writing its log next to the others. It
 exits with the first failing process's status, and with pytest's 5 when the selection holds no test: an
-empty run never passes.
+empty run never passes. Each job has a runtime directory of its own (``XDG_RUNTIME_DIR``, where the engine keeps
+its one-loan-taker-per-GPU lock): the tests' loans lend budgets of a few MiB, which two jobs on one GPU cannot
+take from each other, and a test of the lock starts its second process inside its own job.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -49,11 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     runs = []
     for j, group in enumerate(deal(node_ids, args.jobs)):
-        log = logs / f"job-{j}.log"
+        log, runtime_dir = logs / f"job-{j}.log", logs / f"job-{j}-runtime"
+        runtime_dir.mkdir(mode=0o700, exist_ok=True)
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)}
         with open(log, "w") as out:
             # the selection's arguments (paths, -k, -m) chose the ids; a job runs its ids alone
             command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *group]
-            runs.append((log, len(group), subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)))
+            runs.append((log, len(group), subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)))
     status = 0
     for log, num_tests, run in runs:
         code = run.wait()

@@ -14,11 +14,14 @@ def _run(folder: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_every_test_runs_once_in_one_of_the_jobs_and_a_failure_fails_the_run(tmp_path):
-    (tmp_path / "test_a.py").write_text("import pytest\n\n@pytest.mark.parametrize('i', range(5))\n"
-                                        "def test_ok(i):\n    open(f'ran-{i}', 'w').close()\n")
+    (tmp_path / "test_a.py").write_text("import os\nimport pytest\n\n@pytest.mark.parametrize('i', range(5))\n"
+                                        "def test_ok(i):\n    open(f'ran-{i}', 'w').write(os.environ['XDG_RUNTIME_DIR'])\n")
     done = _run(tmp_path, "test_a.py")
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in tmp_path.glob("ran-*")) == [f"ran-{i}" for i in range(5)]
+    # each job its own runtime directory (the loan-taker lock's): ids i and i + 3 share the job
+    runtime_dirs = [(tmp_path / f"ran-{i}").read_text() for i in range(5)]
+    assert len(set(runtime_dirs)) == 3 and runtime_dirs[0] == runtime_dirs[3] and Path(runtime_dirs[0]).is_dir()
     assert done.stdout.count("passed") == 3  # the five dealt to three jobs
     (tmp_path / "test_b.py").write_text("def test_bad():\n    assert False\n")
     done = _run(tmp_path, "test_a.py", "test_b.py")
