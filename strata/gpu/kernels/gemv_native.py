@@ -40,6 +40,7 @@ from numba import cuda, types
 
 from . import tensor_core
 from ._common import ceil_div, is_c_contiguous, is_device_array, stand_in
+from .block_reduce import device_warp_sum
 from .launcher import jit
 
 # every format cuda/gemv_rows.cu has rows for, and the expert formats of its gate/up pair and down loops
@@ -197,47 +198,17 @@ def _row_strides(w) -> tuple:
                  for p, n in ((w.quants, words), (w.scales, w.scales.shape[1]), (w.extra, w.extra.shape[1])))
 
 
-@cuda.jit(device=True)
-def device_warp_sum(value):
-    """The sum of a warp's values, every lane the same bits (a butterfly: each lane adds the same pairs)."""
-    offset = _WARP // 2
-    while offset > 0:
-        value += cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
-        offset //= 2
-    return value
-
-
-@cuda.jit(device=True)
-def device_inv_rms_shuffled(x, x_row, eps, red, tid, num_threads):
-    """1 / sqrt(mean(x[x_row]^2) + eps) for the whole block: warp shuffles, then one float per warp
-    in `red` (block_reduce's version reads every thread's value back, which at 256-512 threads per
-    block cost more than these kernels' products). Every thread gets the same bits: a butterfly's
-    lanes add the same pairs, and the warps' sums are added in one order."""
-    num_cols = x.shape[1]
-    sum_sq = np.float32(0.0)
-    for k in range(tid, num_cols, num_threads):
-        v = np.float32(x[x_row, k])
-        sum_sq += v * v
-    sum_sq = device_warp_sum(sum_sq)
-    if tid % _WARP == 0:
-        red[tid // _WARP] = sum_sq
-    cuda.syncthreads()
-    total = np.float32(0.0)
-    for w in range(num_threads // _WARP):
-        total += red[w]
-    return np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))
-
-
 @functools.cache
 def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: int, num_x: int,
                        is_q4_k_layout: bool = False):
-    """device_stage_rows(x, norm_w, eps, red, xs, tid): every row of x [num_x_rows, num_cols] as
-    _stage_device stages it (the same bits), row t from xs[t * num_x], in one pass: each thread loads its
-    elements of every row before it needs any (the rows' loads in flight together), keeps them raw in xs
-    and sums their squares; one reduction for all rows (red: warps * num_x_rows floats); then each thread
-    scales the elements it wrote. One row after another was a load, a reduction and a second load each,
-    which a verify step's five rows paid five times over before any weight arrived. The caller syncs
-    before reading xs."""
+    """device_stage_rows(x, norm_w, eps, red, xs, tid): every row of x [num_x_rows, num_cols] into padded xs,
+    row t from xs[t * num_x] (in gemv's Q4_K layout when asked), RMSNorm-ed with norm_w when has_norm: a row's
+    sum of squares meets in each warp's shuffles, then the warps' sums in warp order (red: warps * num_x_rows
+    floats), x * (inv_rms * w) each. In one pass: each thread loads its elements of every row before it needs
+    any (the rows' loads in flight together), keeps them raw in xs and sums their squares; one reduction for
+    all rows; then each thread scales the elements it wrote. One row after another was a load, a reduction
+    and a second load each, which a verify step's five rows (and the experts' down projection its k rows of
+    hidden activations) paid row by row before any weight arrived. The caller syncs before reading xs."""
     num_warps = threads // _WARP
 
     @cuda.jit(device=True)
@@ -269,26 +240,6 @@ def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: 
                     xs[t * num_x + at] *= sums[t] * norm_w[k]
 
     return device_stage_rows
-
-
-@functools.cache
-def _stage_device(num_cols: int, threads: int, has_norm: bool, is_q4_k_layout: bool = False):
-    """device_stage(x, x_row, norm_w, eps, red, xs, xs_off, tid): x[x_row], RMSNorm-ed with norm_w when
-    has_norm (red: a float per warp), into padded xs from xs_off (in gemv's Q4_K layout when asked). The
-    caller syncs before reading xs."""
-
-    @cuda.jit(device=True)
-    def device_stage(x, x_row, norm_w, eps, red, xs, xs_off, tid):
-        inv_rms = np.float32(1.0)
-        if has_norm:
-            inv_rms = device_inv_rms_shuffled(x, x_row, eps, red, tid, threads)
-        for k in range(tid, num_cols, threads):
-            v = np.float32(x[x_row, k])
-            if has_norm:
-                v *= inv_rms * norm_w[k]
-            xs[xs_off + device_group_start(k // X_GROUP, is_q4_k_layout) + k % X_GROUP] = v
-
-    return device_stage
 
 
 @cuda.jit(device=True)
@@ -648,10 +599,10 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
                     has_norm: bool):
     threads, down_threads = warps * _WARP, down_warps * _WARP
     pair_fn, down_fn = _declare_pair_loop(fmt_gate_up), _declare_down_loop(fmt_down)
-    stage_x = _stage_device(dim, threads, has_norm)
-    stage_hidden = _stage_device(ffn, down_threads, False)
     ffi = tensor_core.ffi()
     num_x, hidden_stride = x_floats(dim), x_floats(ffn)
+    stage_x = _stage_rows_device(dim, threads, has_norm, 1, num_x)
+    stage_hidden = _stage_rows_device(ffn, down_threads, False, top_k, hidden_stride)  # the token's k rows at once
     num_hidden_x = top_k * hidden_stride
 
     @jit
@@ -660,7 +611,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
         red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         token = cuda.blockIdx.y
-        stage_x(x, token, norm_w, eps, red, xs, 0, tid)
+        stage_x(x[token:token + 1], norm_w, eps, red, xs, tid)
         cuda.syncthreads()
         pair_fn(ffi.from_buffer(hidden[token * top_k]), ffi.from_buffer(gq), ffi.from_buffer(gs), ffi.from_buffer(ge),
                 ffi.from_buffer(uq), ffi.from_buffer(us), ffi.from_buffer(ue), num_slots, words, halves, extra_bytes,
@@ -672,8 +623,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
         tid = cuda.threadIdx.x
         xs = cuda.shared.array(num_hidden_x, np.float32, alignment=16)
         token = cuda.blockIdx.y
-        for j in range(top_k):
-            stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(0.0), xs, xs, j * hidden_stride, tid)
+        stage_hidden(hidden[token * top_k:(token + 1) * top_k], hidden[0], np.float32(0.0), xs, xs, tid)
         cuda.syncthreads()
         down_fn(ffi.from_buffer(out[token]), ffi.from_buffer(dq), ffi.from_buffer(ds), ffi.from_buffer(de), num_slots,
                 words, halves, extra_bytes, ffi.from_buffer(ids[token]), ffi.from_buffer(weights[token]), top_k,
