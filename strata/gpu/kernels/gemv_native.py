@@ -64,6 +64,7 @@ _RESERVED_SHARED_BYTES = 1024
 _MAX_WARPS = 16  # a GEMV block's warps at most (NativeGemvConfig.warps)
 _MAX_X_ROWS = _RESERVED_SHARED_BYTES // (4 * _MAX_WARPS)
 _ALIGN_BYTES = 16
+_MAX_STAGE_REGISTERS = 64  # a thread's staged activations held in registers at most (past it they would spill)
 _U32_PTR, _U8_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8)
 _I32_PTR, _I64 = types.CPointer(types.int32), types.int64
 _PLANES = (_U32_PTR, tensor_core.HALF_PTR, _U8_PTR)
@@ -204,15 +205,65 @@ def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: 
     """device_stage_rows(x, norm_w, eps, red, xs, tid): every row of x [num_x_rows, num_cols] into padded xs,
     row t from xs[t * num_x] (in gemv's Q4_K layout when asked), RMSNorm-ed with norm_w when has_norm: a row's
     sum of squares meets in each warp's shuffles, then the warps' sums in warp order (red: warps * num_x_rows
-    floats), x * (inv_rms * w) each. In one pass: each thread loads its elements of every row before it needs
-    any (the rows' loads in flight together), keeps them raw in xs and sums their squares; one reduction for
-    all rows; then each thread scales the elements it wrote. One row after another was a load, a reduction
-    and a second load each, which a verify step's five rows (and the experts' down projection its k rows of
-    hidden activations) paid row by row before any weight arrived. The caller syncs before reading xs."""
+    floats), x * (inv_rms * w) each. The loads come first, all in flight together: where a thread's elements of
+    every row fit in registers (_MAX_STAGE_REGISTERS), it loads them and its norm weights, sums the squares,
+    reduces once for all rows and stores each element once, normed; else it keeps them raw in xs as it loads
+    and scales them there after the reduction. One row after another was a load, a reduction and a second load
+    each, which a verify step's five rows (and the experts' down projection its k rows of hidden activations)
+    paid row by row before any weight arrived; a store between loads kept the next load waiting for the last
+    (the gate/up kernel's one row). The caller syncs before reading xs."""
     num_warps = threads // _WARP
+    num_own = -(-num_cols // threads)  # a row's elements a thread stages
+    num_held = num_own * num_x_rows
+    is_held = num_held <= _MAX_STAGE_REGISTERS
 
     @cuda.jit(device=True)
-    def device_stage_rows(x, norm_w, eps, red, xs, tid):
+    def device_inv_rms_rows(sums, eps, red, tid):
+        """sums[t], a thread's sum of squares of row t -> the row's 1 / rms, the same bits in every thread."""
+        for t in range(num_x_rows):
+            sum_sq = device_warp_sum(sums[t])
+            if tid % _WARP == 0:
+                red[t * num_warps + tid // _WARP] = sum_sq
+        cuda.syncthreads()
+        for t in range(num_x_rows):
+            total = np.float32(0.0)
+            for w in range(num_warps):
+                total += red[t * num_warps + w]
+            sums[t] = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))
+
+    @cuda.jit(device=True)
+    def device_stage_held(x, norm_w, eps, red, xs, tid):
+        values = cuda.local.array(num_held, np.float32)  # [own, R]
+        weights = cuda.local.array(num_own, np.float32)
+        sums = cuda.local.array(num_x_rows, np.float32)
+        for i in range(num_own):
+            k = tid + i * threads
+            if k < num_cols:
+                for t in range(num_x_rows):
+                    values[i * num_x_rows + t] = np.float32(x[t, k])
+                if has_norm:
+                    weights[i] = norm_w[k]
+        if has_norm:
+            for t in range(num_x_rows):
+                sums[t] = np.float32(0.0)
+            for i in range(num_own):
+                if tid + i * threads < num_cols:
+                    for t in range(num_x_rows):
+                        v = values[i * num_x_rows + t]
+                        sums[t] += v * v
+            device_inv_rms_rows(sums, eps, red, tid)
+        for i in range(num_own):
+            k = tid + i * threads
+            if k < num_cols:
+                at = device_group_start(k // X_GROUP, is_q4_k_layout) + k % X_GROUP
+                for t in range(num_x_rows):
+                    v = values[i * num_x_rows + t]
+                    if has_norm:
+                        v *= sums[t] * weights[i]
+                    xs[t * num_x + at] = v
+
+    @cuda.jit(device=True)
+    def device_stage_streamed(x, norm_w, eps, red, xs, tid):
         sums = cuda.local.array(num_x_rows, np.float32)
         for t in range(num_x_rows):
             sums[t] = np.float32(0.0)
@@ -224,22 +275,13 @@ def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: 
                 if has_norm:
                     sums[t] += v * v
         if has_norm:
-            for t in range(num_x_rows):
-                sum_sq = device_warp_sum(sums[t])
-                if tid % _WARP == 0:
-                    red[t * num_warps + tid // _WARP] = sum_sq
-            cuda.syncthreads()
-            for t in range(num_x_rows):
-                total = np.float32(0.0)
-                for w in range(num_warps):
-                    total += red[t * num_warps + w]
-                sums[t] = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))  # inv rms
+            device_inv_rms_rows(sums, eps, red, tid)
             for k in range(tid, num_cols, threads):
                 at = device_group_start(k // X_GROUP, is_q4_k_layout) + k % X_GROUP
                 for t in range(num_x_rows):
                     xs[t * num_x + at] *= sums[t] * norm_w[k]
 
-    return device_stage_rows
+    return device_stage_held if is_held else device_stage_streamed
 
 
 @cuda.jit(device=True)
