@@ -236,12 +236,12 @@ def test_asking_for_the_native_path_where_it_cannot_run_names_the_fallback():
 
 @functools.cache
 def _q4_k_staging_kernel(num_cols: int):
-    stage = gemv_native._stage_device(num_cols, 32, False, True)
+    stage = gemv_native._stage_rows_device(num_cols, 32, False, 1, gemv_native.x_floats(num_cols, True), True)
 
     @cuda.jit
     def stage_q4_k(x, xs):
         tid = cuda.threadIdx.x
-        stage(x, 0, x[0], np.float32(0.0), xs, xs, 0, tid)
+        stage(x, x[0], np.float32(0.0), xs, xs, tid)
         cuda.syncthreads()
         gemv_native.device_stage_half_sums(xs, num_cols // 32, tid, cuda.blockDim.x)
 

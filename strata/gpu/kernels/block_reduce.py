@@ -8,7 +8,8 @@ other way: at 256 threads its serial chain of shared-memory loads made a one-row
 11 us on the H200, but in the simulator, which runs a Python thread per GPU thread, a barrier
 costs more than the reads (an engine test ran 50% longer with the tree), so the simulator sums
 that way. Both give every thread the bit-identical total; the tests run both. GEMV, attention
-and sampling reduce over their own thread groups, inline.
+and sampling reduce over their own thread groups, inline; GPU-only paths sum a warp with
+`device_warp_sum`'s shuffles.
 
 `red` is a float32 shared array of at least `num_threads` elements owned by the caller; the
 leading barrier makes it safe to call it back to back with the same `red`.
@@ -54,6 +55,17 @@ def device_block_sum_serial(value, red, tid, num_threads):
 
 # the simulator runs a Python thread per GPU thread, and there a barrier costs more than the reads
 device_block_sum = device_block_sum_serial if IS_SIMULATOR else device_block_sum_tree
+
+
+@cuda.jit(device=True)
+def device_warp_sum(value):
+    """The sum of a warp's values, every lane the same bits (a butterfly: each lane adds the same pairs).
+    GPU only: the simulator has no shuffles."""
+    offset = 16
+    while offset > 0:
+        value += cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
+        offset //= 2
+    return value
 
 
 @cuda.jit(device=True)

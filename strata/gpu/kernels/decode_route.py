@@ -5,9 +5,12 @@ router's GEMV, the routing), and a resident token four (its ids mapped to cache 
 each is a few microseconds of latency, not of bandwidth, 48 times a token. Here, per token t (grid
 (blocks, T)):
 
-    every block:     h_t = rms_norm(x_t) * w into shared memory (block 0 also writes it out: the
-                     experts read it); its router row's logit, the row's columns spread over the
-                     block's threads (8 loads a thread in flight at once) and summed in a fixed tree
+    every block:     h_t = rms_norm(x_t) * w (block 0 also writes it out: the experts read it) and
+                     its router row's logit. On the GPU a block is one row and a thread's columns of
+                     x are its columns of the row: it loads them all (the row's, x's and the norm's:
+                     one latency, not a load's after the norm's reduction), keeps h in registers, and
+                     the row's sum meets in warp shuffles and one barrier. The simulator stages h in
+                     shared memory for 8 rows a block and sums each in a fixed tree
     the last block:  (a counter per token, bumped after a fence, names it) routes the token from the
                      logits as ``moe_route``'s block kernel does (``block_route_device``, the same
                      bits), maps each pick through a slot table when given, and zeroes the counter
@@ -24,12 +27,13 @@ launch (a graph replays them as they are).
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 from numba import cuda
 
 from ._common import IS_SIMULATOR, check_array, empty, is_finite_number
-from .block_reduce import device_inv_rms
+from .block_reduce import device_block_sum, device_inv_rms, device_warp_sum
 from .launcher import jit
 from .moe_route import BLOCK_ROUTE_RANKS, MAX_BLOCK_ROUTE_EXPERTS, block_route_device
 from .norm import DEFAULT_THREADS as NORM_THREADS
@@ -39,7 +43,7 @@ _THREADS = NORM_THREADS  # h's bits are rms_norm's at its default block
 # router rows a block: on the GPU one (a row's 2,048 columns are 8 loads a thread); the simulator, which runs
 # a Python thread per GPU thread and pays for every barrier, takes 8 a block (4 threads a row)
 _ROWS_PER_BLOCK = 8 if IS_SIMULATOR else 1
-_UNROLL = 8  # loads a thread issues before it adds them: in flight together
+_WARP = 32
 # the simulator sizes dynamic shared memory by a dtype instance
 _XS_DTYPE = np.dtype(np.float32) if IS_SIMULATOR else np.float32
 
@@ -51,9 +55,12 @@ def is_supported(router, num_rows: int, top_k: int) -> bool:
 
 
 @functools.cache
-def _decode_route_kernel(top_k: int, is_norm: bool):
+def _decode_route_kernel(top_k: int, is_norm: bool, num_cols: int):
     threads, rows_per_block = _THREADS, _ROWS_PER_BLOCK
     lanes = threads // rows_per_block  # threads a router row, a power of two
+    is_row_a_block = lanes == threads  # the GPU's shape: a thread's columns of x are its columns of the row
+    num_own = -(-num_cols // threads)  # columns a thread normalizes
+    num_warps = threads // _WARP
     block_route = block_route_device(top_k, is_norm, threads)
 
     @jit
@@ -61,57 +68,76 @@ def _decode_route_kernel(top_k: int, is_norm: bool):
         # x, h [T, D]; router [E, D]; logits [T, E]; ids, weights, slots [T, k]; counters [>= T] int32; is_mapped:
         # an argument, not a specialization, so that one compiled kernel serves every kind of decode step
         t, block, tid = cuda.blockIdx.y, cuda.blockIdx.x, cuda.threadIdx.x
-        num_cols, num_experts = x.shape[1], router.shape[0]
-        xs = cuda.shared.array(0, _XS_DTYPE)  # [D] the normed row
+        num_experts = router.shape[0]
+        xs = cuda.shared.array(0, _XS_DTYPE)  # [D] the normed row (the simulator's shape)
         red = cuda.shared.array(threads, np.float32)
+        partials = cuda.shared.array(num_warps, np.float32)
         row_s = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
         exps = cuda.shared.array(MAX_BLOCK_ROUTE_EXPERTS, np.float32)
         ranks = cuda.shared.array(BLOCK_ROUTE_RANKS, np.int32)
         scalars = cuda.shared.array(2, np.float32)
         is_last = cuda.shared.array(1, np.int32)
-        inv_rms = device_inv_rms(x, t, eps, red, tid, threads)
-        for c in range(tid, num_cols, threads):
-            v = np.float32(x[t, c]) * inv_rms * norm_w[c]  # norm.rms_norm's product, in its order
-            xs[c] = v
-            if block == 0:
-                h[t, c] = v
-        cuda.syncthreads()
-        lane, expert = tid % lanes, block * rows_per_block + tid // lanes
-        total = np.float32(0.0)
-        if expert < num_experts:
-            step = lanes * _UNROLL
-            c = lane
-            while c + (_UNROLL - 1) * lanes < num_cols:  # _UNROLL loads, then their products in column order
-                w0 = np.float32(router[expert, c])
-                w1 = np.float32(router[expert, c + lanes])
-                w2 = np.float32(router[expert, c + 2 * lanes])
-                w3 = np.float32(router[expert, c + 3 * lanes])
-                w4 = np.float32(router[expert, c + 4 * lanes])
-                w5 = np.float32(router[expert, c + 5 * lanes])
-                w6 = np.float32(router[expert, c + 6 * lanes])
-                w7 = np.float32(router[expert, c + 7 * lanes])
-                total += w0 * xs[c]
-                total += w1 * xs[c + lanes]
-                total += w2 * xs[c + 2 * lanes]
-                total += w3 * xs[c + 3 * lanes]
-                total += w4 * xs[c + 4 * lanes]
-                total += w5 * xs[c + 5 * lanes]
-                total += w6 * xs[c + 6 * lanes]
-                total += w7 * xs[c + 7 * lanes]
-                c += step
-            while c < num_cols:
-                total += np.float32(router[expert, c]) * xs[c]
-                c += lanes
-        red[tid] = total
-        cuda.syncthreads()
-        half = lanes // 2
-        while half > 0:  # each row's lanes in a fixed tree
-            if lane < half:
-                red[tid] += red[tid + half]
+        if is_row_a_block:
+            # every load first (the router row's, x's, the norm's), in flight together; then device_inv_rms's sum
+            # of squares in its order, the products in rms_norm's, the row's in column order
+            w_own = cuda.local.array(num_own, np.float32)
+            x_own = cuda.local.array(num_own, np.float32)
+            n_own = cuda.local.array(num_own, np.float32)
+            for i in range(num_own):
+                c = tid + i * threads
+                if c < num_cols and block < num_experts:
+                    w_own[i] = np.float32(router[block, c])
+            for i in range(num_own):
+                c = tid + i * threads
+                if c < num_cols:
+                    x_own[i] = np.float32(x[t, c])
+                    n_own[i] = norm_w[c]
+            sum_sq = np.float32(0.0)
+            for i in range(num_own):
+                if tid + i * threads < num_cols:
+                    sum_sq += x_own[i] * x_own[i]
+            total = device_block_sum(sum_sq, red, tid, threads)
+            inv_rms = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))
+            total = np.float32(0.0)
+            for i in range(num_own):
+                c = tid + i * threads
+                if c < num_cols:
+                    v = x_own[i] * inv_rms * n_own[i]
+                    if block == 0:
+                        h[t, c] = v
+                    total += w_own[i] * v
+            total = device_warp_sum(total)
+            if tid % _WARP == 0:
+                partials[tid // _WARP] = total
             cuda.syncthreads()
-            half //= 2
-        if lane == 0 and expert < num_experts:
-            logits[t, expert] = red[tid]
+            if tid == 0 and block < num_experts:
+                logit = np.float32(0.0)
+                for w in range(num_warps):
+                    logit += partials[w]
+                logits[t, block] = logit
+        else:
+            inv_rms = device_inv_rms(x, t, eps, red, tid, threads)
+            for c in range(tid, num_cols, threads):
+                v = np.float32(x[t, c]) * inv_rms * norm_w[c]  # norm.rms_norm's product, in its order
+                xs[c] = v
+                if block == 0:
+                    h[t, c] = v
+            cuda.syncthreads()
+            lane, expert = tid % lanes, block * rows_per_block + tid // lanes
+            total = np.float32(0.0)
+            if expert < num_experts:
+                for c in range(lane, num_cols, lanes):
+                    total += np.float32(router[expert, c]) * xs[c]
+            red[tid] = total
+            cuda.syncthreads()
+            half = lanes // 2
+            while half > 0:  # each row's lanes in a fixed tree
+                if lane < half:
+                    red[tid] += red[tid + half]
+                cuda.syncthreads()
+                half //= 2
+            if lane == 0 and expert < num_experts:
+                logits[t, expert] = red[tid]
         cuda.threadfence()  # the logits are seen by whichever block routes
         cuda.syncthreads()
         if tid == 0:
@@ -175,8 +201,9 @@ def decode_route(x, norm_weight, eps: float, router, top_k: int, counters, *, no
     slots = empty((num_tokens, top_k), np.int32, x) if is_mapped else ids
     table = slot_table if is_mapped else counters  # not read unmapped
     num_blocks = -(-num_experts // _ROWS_PER_BLOCK)
-    kernel = _decode_route_kernel(top_k, bool(norm_weights))
-    kernel[(num_blocks, num_tokens), _THREADS, stream, 4 * num_cols](
+    kernel = _decode_route_kernel(top_k, bool(norm_weights), num_cols)
+    shared_bytes = 0 if _ROWS_PER_BLOCK == 1 else 4 * num_cols  # the simulator's shape stages the normed row
+    kernel[(num_blocks, num_tokens), _THREADS, stream, shared_bytes](
         x, norm_weight, np.float32(eps), router.quants, h, logits, ids, weights, np.int32(is_mapped), table, slots,
         counters)
     return h, ids, weights, (slots if is_mapped else None)

@@ -40,6 +40,7 @@ from numba import cuda, types
 
 from . import tensor_core
 from ._common import ceil_div, is_c_contiguous, is_device_array, stand_in
+from .block_reduce import device_warp_sum
 from .launcher import jit
 
 # every format cuda/gemv_rows.cu has rows for, and the expert formats of its gate/up pair and down loops
@@ -63,6 +64,7 @@ _RESERVED_SHARED_BYTES = 1024
 _MAX_WARPS = 16  # a GEMV block's warps at most (NativeGemvConfig.warps)
 _MAX_X_ROWS = _RESERVED_SHARED_BYTES // (4 * _MAX_WARPS)
 _ALIGN_BYTES = 16
+_MAX_STAGE_REGISTERS = 64  # a thread's staged activations held in registers at most (past it they would spill)
 _U32_PTR, _U8_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8)
 _I32_PTR, _I64 = types.CPointer(types.int32), types.int64
 _PLANES = (_U32_PTR, tensor_core.HALF_PTR, _U8_PTR)
@@ -197,51 +199,73 @@ def _row_strides(w) -> tuple:
                  for p, n in ((w.quants, words), (w.scales, w.scales.shape[1]), (w.extra, w.extra.shape[1])))
 
 
-@cuda.jit(device=True)
-def device_warp_sum(value):
-    """The sum of a warp's values, every lane the same bits (a butterfly: each lane adds the same pairs)."""
-    offset = _WARP // 2
-    while offset > 0:
-        value += cuda.shfl_xor_sync(0xFFFFFFFF, value, offset)
-        offset //= 2
-    return value
-
-
-@cuda.jit(device=True)
-def device_inv_rms_shuffled(x, x_row, eps, red, tid, num_threads):
-    """1 / sqrt(mean(x[x_row]^2) + eps) for the whole block: warp shuffles, then one float per warp
-    in `red` (block_reduce's version reads every thread's value back, which at 256-512 threads per
-    block cost more than these kernels' products). Every thread gets the same bits: a butterfly's
-    lanes add the same pairs, and the warps' sums are added in one order."""
-    num_cols = x.shape[1]
-    sum_sq = np.float32(0.0)
-    for k in range(tid, num_cols, num_threads):
-        v = np.float32(x[x_row, k])
-        sum_sq += v * v
-    sum_sq = device_warp_sum(sum_sq)
-    if tid % _WARP == 0:
-        red[tid // _WARP] = sum_sq
-    cuda.syncthreads()
-    total = np.float32(0.0)
-    for w in range(num_threads // _WARP):
-        total += red[w]
-    return np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))
-
-
 @functools.cache
 def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: int, num_x: int,
                        is_q4_k_layout: bool = False):
-    """device_stage_rows(x, norm_w, eps, red, xs, tid): every row of x [num_x_rows, num_cols] as
-    _stage_device stages it (the same bits), row t from xs[t * num_x], in one pass: each thread loads its
-    elements of every row before it needs any (the rows' loads in flight together), keeps them raw in xs
-    and sums their squares; one reduction for all rows (red: warps * num_x_rows floats); then each thread
-    scales the elements it wrote. One row after another was a load, a reduction and a second load each,
-    which a verify step's five rows paid five times over before any weight arrived. The caller syncs
-    before reading xs."""
+    """device_stage_rows(x, norm_w, eps, red, xs, tid): every row of x [num_x_rows, num_cols] into padded xs,
+    row t from xs[t * num_x] (in gemv's Q4_K layout when asked), RMSNorm-ed with norm_w when has_norm: a row's
+    sum of squares meets in each warp's shuffles, then the warps' sums in warp order (red: warps * num_x_rows
+    floats), x * (inv_rms * w) each. The loads come first, all in flight together: normed, where a thread's
+    elements of every row fit in registers (_MAX_STAGE_REGISTERS), it loads them and its norm weights, sums the
+    squares, reduces once for all rows and stores each element once; else it keeps them raw in xs as it loads
+    (and scales them there after the reduction). One row after another was a load, a reduction and a second load
+    each, which a verify step's five rows (and the experts' down projection its k rows of hidden activations)
+    paid row by row before any weight arrived. Held in registers on the H100, graph-traced in a decode token:
+    q/k/v (normed, one row) 9.3 -> 7.0 us, the experts' gate/up 11.6 -> 9.9; not normed, the output projection
+    with the head went 7.7 -> 9.6 us a launch and the down projection stayed (8.9, 8.7): those stream. The
+    caller syncs before reading xs."""
     num_warps = threads // _WARP
+    num_own = -(-num_cols // threads)  # a row's elements a thread stages
+    num_held = num_own * num_x_rows
+    is_held = has_norm and num_held <= _MAX_STAGE_REGISTERS
 
     @cuda.jit(device=True)
-    def device_stage_rows(x, norm_w, eps, red, xs, tid):
+    def device_inv_rms_rows(sums, eps, red, tid):
+        """sums[t], a thread's sum of squares of row t -> the row's 1 / rms, the same bits in every thread."""
+        for t in range(num_x_rows):
+            sum_sq = device_warp_sum(sums[t])
+            if tid % _WARP == 0:
+                red[t * num_warps + tid // _WARP] = sum_sq
+        cuda.syncthreads()
+        for t in range(num_x_rows):
+            total = np.float32(0.0)
+            for w in range(num_warps):
+                total += red[t * num_warps + w]
+            sums[t] = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))
+
+    @cuda.jit(device=True)
+    def device_stage_held(x, norm_w, eps, red, xs, tid):
+        values = cuda.local.array(num_held, np.float32)  # [own, R]
+        weights = cuda.local.array(num_own, np.float32)
+        sums = cuda.local.array(num_x_rows, np.float32)
+        for i in range(num_own):
+            k = tid + i * threads
+            if k < num_cols:
+                for t in range(num_x_rows):
+                    values[i * num_x_rows + t] = np.float32(x[t, k])
+                if has_norm:
+                    weights[i] = norm_w[k]
+        if has_norm:
+            for t in range(num_x_rows):
+                sums[t] = np.float32(0.0)
+            for i in range(num_own):
+                if tid + i * threads < num_cols:
+                    for t in range(num_x_rows):
+                        v = values[i * num_x_rows + t]
+                        sums[t] += v * v
+            device_inv_rms_rows(sums, eps, red, tid)
+        for i in range(num_own):
+            k = tid + i * threads
+            if k < num_cols:
+                at = device_group_start(k // X_GROUP, is_q4_k_layout) + k % X_GROUP
+                for t in range(num_x_rows):
+                    v = values[i * num_x_rows + t]
+                    if has_norm:
+                        v *= sums[t] * weights[i]
+                    xs[t * num_x + at] = v
+
+    @cuda.jit(device=True)
+    def device_stage_streamed(x, norm_w, eps, red, xs, tid):
         sums = cuda.local.array(num_x_rows, np.float32)
         for t in range(num_x_rows):
             sums[t] = np.float32(0.0)
@@ -253,42 +277,13 @@ def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: 
                 if has_norm:
                     sums[t] += v * v
         if has_norm:
-            for t in range(num_x_rows):
-                sum_sq = device_warp_sum(sums[t])
-                if tid % _WARP == 0:
-                    red[t * num_warps + tid // _WARP] = sum_sq
-            cuda.syncthreads()
-            for t in range(num_x_rows):
-                total = np.float32(0.0)
-                for w in range(num_warps):
-                    total += red[t * num_warps + w]
-                sums[t] = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))  # inv rms
+            device_inv_rms_rows(sums, eps, red, tid)
             for k in range(tid, num_cols, threads):
                 at = device_group_start(k // X_GROUP, is_q4_k_layout) + k % X_GROUP
                 for t in range(num_x_rows):
                     xs[t * num_x + at] *= sums[t] * norm_w[k]
 
-    return device_stage_rows
-
-
-@functools.cache
-def _stage_device(num_cols: int, threads: int, has_norm: bool, is_q4_k_layout: bool = False):
-    """device_stage(x, x_row, norm_w, eps, red, xs, xs_off, tid): x[x_row], RMSNorm-ed with norm_w when
-    has_norm (red: a float per warp), into padded xs from xs_off (in gemv's Q4_K layout when asked). The
-    caller syncs before reading xs."""
-
-    @cuda.jit(device=True)
-    def device_stage(x, x_row, norm_w, eps, red, xs, xs_off, tid):
-        inv_rms = np.float32(1.0)
-        if has_norm:
-            inv_rms = device_inv_rms_shuffled(x, x_row, eps, red, tid, threads)
-        for k in range(tid, num_cols, threads):
-            v = np.float32(x[x_row, k])
-            if has_norm:
-                v *= inv_rms * norm_w[k]
-            xs[xs_off + device_group_start(k // X_GROUP, is_q4_k_layout) + k % X_GROUP] = v
-
-    return device_stage
+    return device_stage_held if is_held else device_stage_streamed
 
 
 @cuda.jit(device=True)
@@ -648,10 +643,10 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
                     has_norm: bool):
     threads, down_threads = warps * _WARP, down_warps * _WARP
     pair_fn, down_fn = _declare_pair_loop(fmt_gate_up), _declare_down_loop(fmt_down)
-    stage_x = _stage_device(dim, threads, has_norm)
-    stage_hidden = _stage_device(ffn, down_threads, False)
     ffi = tensor_core.ffi()
     num_x, hidden_stride = x_floats(dim), x_floats(ffn)
+    stage_x = _stage_rows_device(dim, threads, has_norm, 1, num_x)
+    stage_hidden = _stage_rows_device(ffn, down_threads, False, top_k, hidden_stride)  # the token's k rows at once
     num_hidden_x = top_k * hidden_stride
 
     @jit
@@ -660,7 +655,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
         red = cuda.shared.array(warps, np.float32)
         xs = cuda.shared.array(num_x, np.float32, alignment=16)  # read as float4 by the C++
         token = cuda.blockIdx.y
-        stage_x(x, token, norm_w, eps, red, xs, 0, tid)
+        stage_x(x[token:token + 1], norm_w, eps, red, xs, tid)
         cuda.syncthreads()
         pair_fn(ffi.from_buffer(hidden[token * top_k]), ffi.from_buffer(gq), ffi.from_buffer(gs), ffi.from_buffer(ge),
                 ffi.from_buffer(uq), ffi.from_buffer(us), ffi.from_buffer(ue), num_slots, words, halves, extra_bytes,
@@ -672,8 +667,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
         tid = cuda.threadIdx.x
         xs = cuda.shared.array(num_hidden_x, np.float32, alignment=16)
         token = cuda.blockIdx.y
-        for j in range(top_k):
-            stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(0.0), xs, xs, j * hidden_stride, tid)
+        stage_hidden(hidden[token * top_k:(token + 1) * top_k], hidden[0], np.float32(0.0), xs, xs, tid)
         cuda.syncthreads()
         down_fn(ffi.from_buffer(out[token]), ffi.from_buffer(dq), ffi.from_buffer(ds), ffi.from_buffer(de), num_slots,
                 words, halves, extra_bytes, ffi.from_buffer(ids[token]), ffi.from_buffer(weights[token]), top_k,

@@ -105,10 +105,10 @@ def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, wa
              has_norm: bool):
     threads, down_threads = warps * _WARP, down_warps * _WARP
     pair_fn, down_fn = _declare_pair_loop(fmt_gate_up), _declare_down_loop(fmt_down)
-    stage_x = gemv_native._stage_device(dim, threads, has_norm)
-    stage_hidden = gemv_native._stage_device(ffn, down_threads, False)
     ffi = tensor_core.ffi()
     num_x, hidden_stride = gemv_native.x_floats(dim), gemv_native.x_floats(ffn)
+    stage_x = gemv_native._stage_rows_device(dim, threads, has_norm, 1, num_x)
+    stage_hidden = gemv_native._stage_rows_device(ffn, down_threads, False, top_k, hidden_stride)
     num_hidden_x = top_k * hidden_stride
     columns = np.int32(TABLE_COLUMNS)
 
@@ -123,7 +123,7 @@ def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, wa
                 expert = ids[token, j]
                 if 0 <= expert < num_experts and table[expert, HOST_FLAG] != 0:
                     cuda.atomic.add(host_reads, 0, 1)
-        stage_x(x, token, norm_w, eps, red, xs, 0, tid)
+        stage_x(x[token:token + 1], norm_w, eps, red, xs, tid)
         cuda.syncthreads()
         pair_fn(ffi.from_buffer(hidden[token * top_k]), ffi.from_buffer(table), columns, num_experts, words, halves,
                 extra_bytes, ffi.from_buffer(ids[token]), top_k, ffn, cuda.blockIdx.x * warps + tid // _WARP,
@@ -134,8 +134,7 @@ def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, wa
         tid = cuda.threadIdx.x
         xs = cuda.shared.array(num_hidden_x, np.float32, alignment=16)
         token = cuda.blockIdx.y
-        for j in range(top_k):
-            stage_hidden(hidden, token * top_k + j, hidden[0], np.float32(0.0), xs, xs, j * hidden_stride, tid)
+        stage_hidden(hidden[token * top_k:(token + 1) * top_k], hidden[0], np.float32(0.0), xs, xs, tid)
         cuda.syncthreads()
         down_fn(ffi.from_buffer(out[token]), ffi.from_buffer(table), columns, num_experts, words, halves, extra_bytes,
                 ffi.from_buffer(ids[token]), ffi.from_buffer(weights[token]), top_k,

@@ -40,6 +40,7 @@ from .launcher import jit
 WEIGHT_SUM_FLOOR = np.float32(6.103515625e-5)  # llama.cpp clamps the top-k sum to the smallest f16 normal
 _POS_INF = np.float32(np.inf)
 _PAIRS_PER_THREAD = 4
+_SUM_CHUNK = 8  # block_route's serial sum: shared loads issued before their adds (a load's latency a chunk, not an add)
 BLOCK_ROUTE_MAX_TOKENS = 16  # up to this many tokens a block routes each token
 MAX_BLOCK_ROUTE_EXPERTS = 512  # the block kernel stages a token's logits in shared memory
 BLOCK_ROUTE_RANKS = 2 * MAX_BLOCK_ROUTE_EXPERTS  # block_route's rank scratch (a constant: Numba's shapes are)
@@ -91,6 +92,7 @@ def block_route_device(top_k: int, is_norm: bool, threads: int):
     are the caller's shared scratch."""
     @cuda.jit(device=True)
     def block_route(row, num_experts, exps, ranks, scalars, ids, weights, t, tid):
+        picked = cuda.shared.array(top_k, np.float32)  # the weights in pick order
         if tid == 0:
             scalars[0] = NEG_INF
         # an expert's place in the order (logit down, id up) is its count of experts ahead of it:
@@ -118,29 +120,39 @@ def block_route_device(top_k: int, is_norm: bool, threads: int):
         for e in range(tid, num_experts, threads):
             exps[e] = np.float32(math.exp(row[e] - top))
         cuda.syncthreads()
-        if tid == 0:  # in expert order, as the one-thread kernel sums
+        if tid == 0:  # in expert order, as the one-thread kernel sums; a chunk's loads issued before its adds
             total = np.float32(0.0)
-            for e in range(num_experts):
+            chunk = cuda.local.array(_SUM_CHUNK, np.float32)
+            e = 0
+            while e + _SUM_CHUNK <= num_experts:
+                for i in range(_SUM_CHUNK):
+                    chunk[i] = exps[e + i]
+                for i in range(_SUM_CHUNK):
+                    total += chunk[i]
+                e += _SUM_CHUNK
+            while e < num_experts:
                 total += exps[e]
+                e += 1
             scalars[1] = total
             for j in range(top_k):  # a place no expert takes (NaN logits): no expert
                 ids[t, j] = -1
-                weights[t, j] = np.float32(math.exp(NEG_INF - top)) / total
+                picked[j] = np.float32(math.exp(NEG_INF - top)) / total
         cuda.syncthreads()
         total = scalars[1]
         for e in range(tid, num_experts, threads):
             if ranks[e] < top_k and row[e] == row[e]:  # a NaN logit is never picked
                 ids[t, ranks[e]] = e
-                weights[t, ranks[e]] = exps[e] / total
-        if is_norm:
-            cuda.syncthreads()
-            if tid == 0:
+                picked[ranks[e]] = exps[e] / total
+        cuda.syncthreads()
+        if tid == 0:  # the weights from shared memory, not read back from global after their stores
+            denom = np.float32(1.0)
+            if is_norm:
                 picked_sum = np.float32(0.0)
                 for j in range(top_k):  # in pick order, as the one-thread kernel sums
-                    picked_sum += weights[t, j]
+                    picked_sum += picked[j]
                 denom = max(picked_sum, WEIGHT_SUM_FLOOR)
-                for j in range(top_k):
-                    weights[t, j] = weights[t, j] / denom
+            for j in range(top_k):
+                weights[t, j] = picked[j] / denom if is_norm else picked[j]
 
     return block_route
 
