@@ -217,7 +217,7 @@ def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: 
     num_warps = threads // _WARP
     num_own = -(-num_cols // threads)  # a row's elements a thread stages
     num_held = num_own * num_x_rows
-    is_held = has_norm and num_held <= _MAX_STAGE_REGISTERS
+    is_held = has_norm and num_held + num_own <= _MAX_STAGE_REGISTERS  # the values and the norm's weights
 
     @cuda.jit(device=True)
     def device_inv_rms_rows(sums, eps, red, tid):
