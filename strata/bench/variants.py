@@ -269,8 +269,8 @@ def gemv_sweep(timing) -> None:
 
 def experts_sweep(timing) -> None:
     """The decode expert kernels' launch shapes (gemv_native.ExpertsConfig) on top-8 of 128 Q4_0 experts, for
-    one token and for a verify step's five; microseconds per launch replayed in a CUDA graph, each line saying
-    whether its output has the first shape's bits."""
+    one token and for a verify step's three and five (depths 2 and 4); microseconds per launch replayed in a CUDA
+    graph, each line saying whether its output has the first shape's bits."""
     from numba import cuda
 
     from strata.bench import kernels as b
@@ -279,7 +279,7 @@ def experts_sweep(timing) -> None:
     s = b.QWEN3_30B
     rng = np.random.default_rng(3)
     experts = b.make_experts(s, "Q4_0", rng)
-    for num_tokens in (1, 5):  # a decode token; a verify step at depth 4
+    for num_tokens in (1, 3, 5):  # a decode token; verify steps at depths 2 and 4
         x = b.device_randn((num_tokens, s.hidden), rng)
         ids = cuda.to_device(np.stack([rng.choice(s.num_experts, s.top_k, replace=False)
                                        for _ in range(num_tokens)]).astype(np.int32))
@@ -311,7 +311,7 @@ def experts_sweep(timing) -> None:
 def route_sweep(timing) -> None:
     """A decode layer's norm and routing (F32 router, 128 experts, top-8, ids mapped to cache slots): the four
     launches apart (rms_norm, the router's GEMV, moe_route, the slot map) against decode_route's one, for one
-    token and a verify step's five; microseconds a call replayed in a CUDA graph, and whether the one launch
+    token and verify steps' three and five; microseconds a call replayed in a CUDA graph, and whether the one launch
     gives the same h (bit for bit) and picks (its logits are its own sums: a near tie may pick otherwise)."""
     from numba import cuda
 
@@ -329,7 +329,7 @@ def route_sweep(timing) -> None:
     norm_w = cuda.to_device(rng.uniform(0.5, 1.5, s.hidden).astype(np.float32))
     table = cuda.to_device(rng.permutation(s.num_experts).astype(np.int32))
     counters = cuda.to_device(np.zeros(8, np.int32))
-    for num_tokens in (1, 5):
+    for num_tokens in (1, 3, 5):  # a decode token; verify steps at depths 2 and 4
         x = b.device_randn((num_tokens, s.hidden), rng)
 
         def apart(stream):
