@@ -15,7 +15,8 @@ def _run(folder: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_every_test_runs_once_in_one_of_the_jobs_and_a_failure_fails_the_run(tmp_path):
     (tmp_path / "test_a.py").write_text("import os\nimport pytest\n\n@pytest.mark.parametrize('i', range(5))\n"
-                                        "def test_ok(i):\n    open(f'ran-{i}', 'w').write(os.environ['XDG_RUNTIME_DIR'])\n")
+                                        "def test_ok(i):\n"
+                                        "    open(f'ran-{i}', 'w').write(os.environ['XDG_RUNTIME_DIR'])\n")
     done = _run(tmp_path, "test_a.py")
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in tmp_path.glob("ran-*")) == [f"ran-{i}" for i in range(5)]
