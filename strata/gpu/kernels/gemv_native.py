@@ -234,7 +234,7 @@ def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: 
             sums[t] = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))
 
     @cuda.jit(device=True)
-    def device_stage_held(x, norm_w, eps, red, xs, tid):
+    def device_stage_held(x, norm_w, eps, red, xs, tid):  # normed: is_held
         values = cuda.local.array(num_held, np.float32)  # [own, R]
         weights = cuda.local.array(num_own, np.float32)
         sums = cuda.local.array(num_x_rows, np.float32)
@@ -243,26 +243,21 @@ def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: 
             if k < num_cols:
                 for t in range(num_x_rows):
                     values[i * num_x_rows + t] = np.float32(x[t, k])
-                if has_norm:
-                    weights[i] = norm_w[k]
-        if has_norm:
-            for t in range(num_x_rows):
-                sums[t] = np.float32(0.0)
-            for i in range(num_own):
-                if tid + i * threads < num_cols:
-                    for t in range(num_x_rows):
-                        v = values[i * num_x_rows + t]
-                        sums[t] += v * v
-            device_inv_rms_rows(sums, eps, red, tid)
+                weights[i] = norm_w[k]
+        for t in range(num_x_rows):
+            sums[t] = np.float32(0.0)
+        for i in range(num_own):
+            if tid + i * threads < num_cols:
+                for t in range(num_x_rows):
+                    v = values[i * num_x_rows + t]
+                    sums[t] += v * v
+        device_inv_rms_rows(sums, eps, red, tid)
         for i in range(num_own):
             k = tid + i * threads
             if k < num_cols:
                 at = device_group_start(k // X_GROUP, is_q4_k_layout) + k % X_GROUP
                 for t in range(num_x_rows):
-                    v = values[i * num_x_rows + t]
-                    if has_norm:
-                        v *= sums[t] * weights[i]
-                    xs[t * num_x + at] = v
+                    xs[t * num_x + at] = values[i * num_x_rows + t] * (sums[t] * weights[i])
 
     @cuda.jit(device=True)
     def device_stage_streamed(x, norm_w, eps, red, xs, tid):

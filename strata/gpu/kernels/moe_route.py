@@ -144,15 +144,16 @@ def block_route_device(top_k: int, is_norm: bool, threads: int):
                 ids[t, ranks[e]] = e
                 picked[ranks[e]] = exps[e] / total
         cuda.syncthreads()
-        if tid == 0:  # the weights from shared memory, not read back from global after their stores
-            denom = np.float32(1.0)
-            if is_norm:
-                picked_sum = np.float32(0.0)
-                for j in range(top_k):  # in pick order, as the one-thread kernel sums
-                    picked_sum += picked[j]
-                denom = max(picked_sum, WEIGHT_SUM_FLOOR)
+        if tid == 0 and is_norm:  # the weights from shared memory, not read back from global after their stores
+            picked_sum = np.float32(0.0)
+            for j in range(top_k):  # in pick order, as the one-thread kernel sums
+                picked_sum += picked[j]
+            denom = max(picked_sum, WEIGHT_SUM_FLOOR)
             for j in range(top_k):
-                weights[t, j] = picked[j] / denom if is_norm else picked[j]
+                weights[t, j] = picked[j] / denom
+        elif tid == 0:
+            for j in range(top_k):
+                weights[t, j] = picked[j]
 
     return block_route
 
