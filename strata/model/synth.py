@@ -407,9 +407,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs {args.jobs}: give at least 1 process")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         path = write_synthetic_model(args.out, shape, qtype, args.seed, with_mtp=args.mtp, num_workers=args.jobs)
     except ValueError as exc:
         print(f"strata synth: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"strata synth: error: cannot write {args.out}: {exc.strerror or exc}; choose a folder you can write",
+              file=sys.stderr)
         return 2
     seconds = time.perf_counter() - started
     num_bytes = path.stat().st_size

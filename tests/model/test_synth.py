@@ -227,6 +227,17 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_cli_makes_the_output_folder_and_names_one_it_cannot_write(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "models" / "new" / "tiny.gguf"
+    assert run(parser.parse_args([str(out), "--preset", "tiny", "--layers", "1"])) == 0
+    assert open_gguf(out).spec.num_layers == 1
+    (tmp_path / "a-file").write_text("")
+    assert run(parser.parse_args([str(tmp_path / "a-file" / "x.gguf"), "--preset", "tiny"])) == 2
+    assert f"cannot write {tmp_path / 'a-file' / 'x.gguf'}" in capsys.readouterr().err
+
+
 def test_cli_arch_flag_writes_a_llama_model(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
