@@ -126,6 +126,31 @@ def test_attention_serves_the_shapes_it_takes_and_asks_the_matching_workspace():
     assert decode_num_splits(34816, 4, 128, 8, 132, is_direct=False) == 66
 
 
+class _Plane:
+    """A device plane as is_supported sees it: an address, and the device array's copy_to_host."""
+
+    def __init__(self, address):
+        self.device_ctypes_pointer = type("Pointer", (), {"value": address})()
+
+    def copy_to_host(self):
+        raise AssertionError("not read")
+
+
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0"])
+def test_on_a_gpu_only_the_quants_plane_must_be_16_byte_aligned(monkeypatch, fmt):
+    # the quants are read 16 bytes at a time, the scales 2 (an F16 cache's placeholder scales never): a 2-byte
+    # allocation that the allocator placed off a 16-byte boundary must not send decode to the tile kernels
+    monkeypatch.setattr(direct, "IS_SIMULATOR", False)
+    monkeypatch.setattr(direct.tensor_core, "is_available", lambda: True)
+
+    def cache(quants_address, scales_address):
+        planes = pack(np.zeros((16, 512), np.float16), "F16")
+        return planes._replace(fmt=fmt, quants=_Plane(quants_address), scales=_Plane(scales_address))
+
+    assert direct.is_supported(128, 8, cache(0x1000, 0x2002))
+    assert not direct.is_supported(128, 8, cache(0x1004, 0x2000))
+
+
 def test_config_errors_name_the_field():
     for field, value in (("warps", 16), ("min_split_keys", 24), ("tiles_per_step", 3), ("blocks_per_sm", 0)):
         with pytest.raises(ValueError, match=field):

@@ -88,8 +88,9 @@ def shared_floats(head_dim: int, group: int, warps: int) -> int:
 
 def is_supported(head_dim: int, group: int, k_cache: PackedMatrix | None = None,
                  config: DirectDecodeConfig = DEFAULT_CONFIG) -> bool:
-    """Whether this kernel serves a decode call: the shapes above, and on a GPU tensor cores and
-    16-byte aligned cache planes (the loads are 16 bytes wide)."""
+    """Whether this kernel serves a decode call: the shapes above, and on a GPU tensor cores and a
+    16-byte aligned quants plane (its loads are 16 bytes wide; the scales are read 2 bytes at a time,
+    and an F16 cache's placeholder scales not at all)."""
     if head_dim not in HEAD_DIMS or not 1 <= group <= MAX_GROUP:
         return False
     if 4 * shared_floats(head_dim, group, config.warps) > MAX_STATIC_SHARED_BYTES:
@@ -98,8 +99,8 @@ def is_supported(head_dim: int, group: int, k_cache: PackedMatrix | None = None,
         return True
     if not tensor_core.is_available():
         return False
-    return k_cache is None or all(not is_device_array(p) or p.device_ctypes_pointer.value % 16 == 0
-                                  for p in (k_cache.quants, k_cache.scales))
+    quants = None if k_cache is None else k_cache.quants
+    return not is_device_array(quants) or quants.device_ctypes_pointer.value % 16 == 0
 
 
 def default_num_splits(kv_len: int, num_kv_heads: int, num_sms: int,
