@@ -1,0 +1,32 @@
+"""tools/attention_stamps.py: the direct decode attention's phases stamped in a copy of its source (the harness
+itself runs on a GPU with nvcc; here, that the kernel as it stands still has every anchor the tool stamps at)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "attention_stamps.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("attention_stamps", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_phase_of_the_kernel_as_it_stands_is_stamped():
+    tool = _tool()
+    source = (tool.KERNELS / "attention_decode.cu").read_text()
+    stamped = tool.instrument(source)
+    for phase in (0, 1, 2, 3, 4, 5, 6, 7, 14, 15):
+        assert f"STAMP({phase});" in stamped
+    assert stamped.count("#define STAMP(i)") == 1 and "STAMP(" not in source
+
+
+def test_a_kernel_without_an_anchor_names_the_tool_to_update():
+    tool = _tool()
+    source = (tool.KERNELS / "attention_decode.cu").read_text().replace("  if (!last) return;\n", "")
+    with pytest.raises(ValueError, match="update tools/attention_stamps.py"):
+        tool.instrument(source)
