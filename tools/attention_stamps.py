@@ -50,7 +50,8 @@ def instrument(source: str) -> str:
     for anchors, stamped in ANCHORS:
         found = [a for a in anchors if source.count(a) == 1]
         if not found:
-            raise ValueError(f"attention_decode.cu no longer holds one of {anchors!r}: update tools/attention_stamps.py")
+            raise ValueError(f"attention_decode.cu no longer holds one of {anchors!r}: "
+                             "update tools/attention_stamps.py")
         anchor = found[0]
         # {0}: the anchor itself; {1}: what follows the anchor's first line
         source = source.replace(anchor, stamped.replace("{0}", anchor).replace("{1}", anchor.partition("\n")[2]))
