@@ -6,8 +6,10 @@ block: the position read, Q's fragments built, the KV loop, the warps met, the s
 block that combines: the counter, the splits' (m, l) read, the output written), builds a CUDA C++ harness around it
 (attention_stamps.cu: Qwen3-30B-A3B's heads, a 34,816-cell cache, the engine's grid of 33 splits) and runs it. Per
 format, launch shape and position it prints the µs of a launch replayed back to back in a CUDA graph, after an L2
-flush, and with hot code but cold data, then the stamps in µs from the block's start. A diagnostic, not a bench:
-the stamps' stores cost a little; compare sources in one run.
+flush, and with hot code but cold data, then the stamps in µs from the block's start (at the rated clock) and a
+hash of the output (equal hashes: equal bits). A diagnostic, not a bench: the stamps' stores cost a little; compare
+sources in one run, e.g. ``git show HEAD:strata/gpu/kernels/cuda/attention_decode.cu > /tmp/old.cu`` and
+``python tools/attention_stamps.py /tmp/old.cu strata/gpu/kernels/cuda/attention_decode.cu``.
 """
 
 from __future__ import annotations

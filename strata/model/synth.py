@@ -169,6 +169,7 @@ def write_synthetic_model(path: str | os.PathLike[str], shape: SynthShape, qtype
         num_bytes = sum(_tensor_nbytes(tensor_shape, tensor_qtype) for tensor_shape, tensor_qtype in plan.values())
         num_workers = min(os.cpu_count() or 1, MAX_WORKERS) if num_bytes > PARALLEL_MIN_BYTES else 1
     tmp = path.with_name(path.name + ".partial")
+    path.parent.mkdir(parents=True, exist_ok=True)
     writer = GGUFWriter(tmp, spec.arch)
     _add_metadata(writer, shape, spec, _file_type(qtype), build_vocab(shape.vocab_size))
     for name, (tensor_shape, tensor_qtype) in plan.items():
@@ -407,14 +408,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs {args.jobs}: give at least 1 process")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         path = write_synthetic_model(args.out, shape, qtype, args.seed, with_mtp=args.mtp, num_workers=args.jobs)
     except ValueError as exc:
         print(f"strata synth: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"strata synth: error: cannot write {args.out}: {exc.strerror or exc}; choose a folder you can write",
-              file=sys.stderr)
+        hint = "; choose a folder you can write" if isinstance(exc, (PermissionError, NotADirectoryError,
+                                                                    FileExistsError)) else ""
+        print(f"strata synth: error: cannot write {args.out}: {exc.filename or args.out}: {exc.strerror or exc}"
+              f"{hint}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - started
     num_bytes = path.stat().st_size

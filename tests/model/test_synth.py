@@ -235,7 +235,11 @@ def test_cli_makes_the_output_folder_and_names_one_it_cannot_write(tmp_path, cap
     assert open_gguf(out).spec.num_layers == 1
     (tmp_path / "a-file").write_text("")
     assert run(parser.parse_args([str(tmp_path / "a-file" / "x.gguf"), "--preset", "tiny"])) == 2
-    assert f"cannot write {tmp_path / 'a-file' / 'x.gguf'}" in capsys.readouterr().err
+    printed = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'a-file' / 'x.gguf'}: {tmp_path / 'a-file'}: " in printed
+    assert "choose a folder you can write" in printed
+    assert run(parser.parse_args([str(tmp_path / "b" / "x.gguf"), "--preset", "tiny", "--heads", "3"])) == 2
+    assert not (tmp_path / "b").exists()  # refused input leaves no folder behind
 
 
 def test_cli_arch_flag_writes_a_llama_model(tmp_path, capsys):

@@ -21,7 +21,7 @@ launches. The simulator runs a Numba twin of the same splits, warps' tiles and c
 a warp and head: products in another order).
 
 Serves head dims 64 and 128 and groups of up to 8 query heads (the A rows g of one warp); F16, Q8_0
-and Q4_0 caches whose planes are 16-byte aligned; a GPU with tensor cores (and cffi) or the
+and Q4_0 caches whose quants planes are 16-byte aligned; a GPU with tensor cores (and cffi) or the
 simulator. attention() sends other decode calls to attention_decode_mma.py or attention_decode.py,
 and these too when asked (use_direct_decode=False).
 
