@@ -238,7 +238,9 @@ def test_cli_makes_the_output_folder_and_names_one_it_cannot_write(tmp_path, cap
     printed = capsys.readouterr().err
     assert f"cannot write {tmp_path / 'a-file' / 'x.gguf'}: {tmp_path / 'a-file'}: " in printed
     assert "choose a folder you can write" in printed
-    assert run(parser.parse_args([str(tmp_path / "b" / "x.gguf"), "--preset", "tiny", "--heads", "3"])) == 2
+    assert run(parser.parse_args([str(tmp_path / "b" / "x.gguf"), "--preset", "tiny", "--arch", "llama",
+                                  "--mtp"])) == 2  # refused by the writer itself
+    assert "qwen3moe extension" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()  # refused input leaves no folder behind
 
 
