@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,9 +23,11 @@ NO_TESTS = 5  # pytest's exit status when it collected nothing
 
 
 def collect(pytest_args: list[str]) -> list[str]:
-    """The node ids the selection holds, in pytest's order."""
+    """The node ids the selection holds, in pytest's order. The run's verbosity flags stay out: a second -q
+    lists files, not node ids."""
+    selection = [a for a in pytest_args if not re.fullmatch(r"-[qv]+|--quiet|--verbose", a)]
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *pytest_args], capture_output=True, text=True)
+                           *selection], capture_output=True, text=True)
     if done.returncode not in (0, NO_TESTS):
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
         raise SystemExit(done.returncode)

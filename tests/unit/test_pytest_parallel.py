@@ -24,6 +24,8 @@ def test_every_test_runs_once_in_one_of_the_jobs_and_a_failure_fails_the_run(tmp
     runtime_dirs = [(tmp_path / f"ran-{i}").read_text() for i in range(5)]
     assert len(set(runtime_dirs)) == 3 and runtime_dirs[0] == runtime_dirs[3] and Path(runtime_dirs[0]).is_dir()
     assert done.stdout.count("passed") == 3  # the five dealt to three jobs
+    done = _run(tmp_path, "-q", "test_a.py")  # the run's own -q does not hide the node ids from the dealing
+    assert done.returncode == 0 and done.stdout.count("passed") == 3, done.stdout + done.stderr
     (tmp_path / "test_b.py").write_text("def test_bad():\n    assert False\n")
     done = _run(tmp_path, "test_a.py", "test_b.py")
     assert done.returncode == 1 and "1 failed" in done.stdout
