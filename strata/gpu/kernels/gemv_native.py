@@ -234,7 +234,7 @@ def _stage_rows_device(num_cols: int, threads: int, has_norm: bool, num_x_rows: 
             sums[t] = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(num_cols) + eps))
 
     @cuda.jit(device=True)
-    def device_stage_held(x, norm_w, eps, red, xs, tid):  # normed: is_held
+    def device_stage_held(x, norm_w, eps, red, xs, tid):  # built only where is_held, so always normed
         values = cuda.local.array(num_held, np.float32)  # [own, R]
         weights = cuda.local.array(num_own, np.float32)
         sums = cuda.local.array(num_x_rows, np.float32)
