@@ -76,6 +76,9 @@ def main(argv=None) -> int:
     parser.add_argument("sources", nargs="*", type=Path, default=[KERNELS / "attention_decode.cu"])
     parser.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
     args = parser.parse_args(argv)
+    if shutil.which(args.nvcc) is None:
+        print(f"attention_stamps: no nvcc at {args.nvcc!r}; install the CUDA toolkit or pass --nvcc", file=sys.stderr)
+        return 2
     for source in args.sources:
         print(f"# {source}", flush=True)
         with tempfile.TemporaryDirectory() as folder:

@@ -30,3 +30,8 @@ def test_a_kernel_without_an_anchor_names_the_tool_to_update():
     source = (tool.KERNELS / "attention_decode.cu").read_text().replace("  if (!last) return;\n", "")
     with pytest.raises(ValueError, match="update tools/attention_stamps.py"):
         tool.instrument(source)
+
+
+def test_without_nvcc_it_says_so(capsys):
+    assert _tool().main(["--nvcc", "/nonexistent/nvcc"]) == 2
+    assert "no nvcc at '/nonexistent/nvcc'" in capsys.readouterr().err
