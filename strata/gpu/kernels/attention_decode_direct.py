@@ -26,8 +26,8 @@ simulator. attention() sends other decode calls to attention_decode_mma.py or at
 and these too when asked (use_direct_decode=False).
 
 Launch config: grid (T, num_kv_heads, num_splits), 32 * warps threads; static shared memory
-4 * max(warps * group * (head_dim + 2), 2 * MAX_SPLITS * group + group) bytes (33,280 at 8 warps,
-group 8, head dim 128).
+4 * max(warps * group * (head_dim + 2) + group * (head_dim + 8) / 2, 2 * MAX_SPLITS * group + group) bytes
+(35,456 at 8 warps, group 8, head dim 128).
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ DEFAULT_CONFIG = DirectDecodeConfig()
 
 
 def shared_floats(head_dim: int, group: int, warps: int) -> int:
-    """The warps' states [warps, group, head_dim + 2], reused by the last block for every split's weights."""
-    return max(warps * group * (head_dim + 2), 2 * MAX_SPLITS * group + group)
+    """The warps' states [warps, group, head_dim + 2] and the group's Q as f16 [group, head_dim + 8], reused by
+    the last block for every split's weights."""
+    return max(warps * group * (head_dim + 2) + group * (head_dim + 8) // 2, 2 * MAX_SPLITS * group + group)
 
 
 def is_supported(head_dim: int, group: int, k_cache: PackedMatrix | None = None,

@@ -1,9 +1,10 @@
 // Decode attention read at HBM speed (attention_decode_direct.py): a block per (query row, KV head, KV split), its
 // W warps taking the split's 16-key tiles in turn (U tiles a step, loaded before any is used), K and V read from
-// the cache straight into mma.m16n8k16 fragments with 16-byte loads and dequantized in registers: nothing is
-// staged in shared memory, no pass dequantizes the cache first. Each warp keeps its own online softmax; the
-// warps meet in shared memory; with one split the block writes the output, else its partial (O, m, l), and the
-// last of a row's splits to finish combines them all, in split order (the same bits whichever finishes last).
+// the cache straight into mma.m16n8k16 fragments with 16-byte loads and dequantized in registers: K and V are not
+// staged in shared memory (only Q, once a block), no pass dequantizes the cache first. Each warp keeps its own
+// online softmax; the warps meet in shared memory; with one split the block writes the output, else its partial
+// (O, m, l), and the last of a row's splits to finish combines them all, in split order (the same bits whichever
+// finishes last).
 //
 // Fragment roles (g = lane / 4, t = lane % 4). The group's G <= 8 query heads are A rows g (rows g + 8 zero):
 //   S = Q K^T over a tile's keys in two n-tiles of 8. Lane (g, t) holds key 8j + g over dims [C t, C t + C),
@@ -204,10 +205,11 @@ template <OctetFormat F, int D>
 __device__ __forceinline__ void tile_update(const unsigned (&qa)[D / 16][2], const TileWords<F, D>& tw, int key0,
                                             int end, int t, WarpState<D>& st) {
   float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // [n-tile j][e]: keys key0 + 8j + 2t + e
+  // k-steps outside, n-tiles inside: the two accumulator chains interleave (mma waits on its accumulator)
 #pragma unroll
-  for (int j = 0; j < 2; ++j)
+  for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int j = 0; j < 2; ++j) {
       unsigned b0, b1;
       k_pairs<F, D>(tw.k[j], tw.kd[j], t, kk, b0, b1);
       mma_rows_g(s[j][0], s[j][1], qa[kk][0], qa[kk][1], b0, b1);
@@ -294,7 +296,8 @@ __device__ __forceinline__ float weight_of(float m, float m_max) { return m == n
 
 // The block: q [T, Hq * D] f32, the cache's planes, q_positions [T], out [T, Hq * D]; o_part [S, T, Hq, D],
 // ml_part [S, T, Hkv, 32] (m of head h at h, l at 16 + h), counters [T, Hkv] (zero between launches: the last
-// block resets its own). smem: max(W * G * (D + 2), 2 * S * G + G) floats. grid (T, Hkv, S), W * 32 threads.
+// block resets its own). smem: max(W * G * (D + 2) + G * (D + 8) / 2, 2 * S * G + G) floats (the warps' states,
+// then the staged Q; the last block's weights reuse it). grid (T, Hkv, S), W * 32 threads.
 template <OctetFormat F, int D, int G, int W, int U>
 __device__ __forceinline__ void decode_block(const float* q, const void* k_quants, const __half* k_scales,
                                              const void* v_quants, const __half* v_scales, int word_pitch,
@@ -308,24 +311,44 @@ __device__ __forceinline__ void decode_block(const float* q, const void* k_quant
   const int num_q_heads = num_kv_heads * G;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
+  // The group's Q rows go through shared memory: read from global memory, a warp's fragment loads span 8 heads x 4
+  // dim quarters, 32 cache lines an instruction. The block's threads read them in order (before the position).
+  constexpr int Q_QUADS = G * D / 4, Q_PER_THREAD = (Q_QUADS + THREADS - 1) / THREADS;
+  constexpr int Q_PITCH = D + 8;  // halves a staged row: the padding spreads the rows over the banks
+  const float* q_group = q + static_cast<size_t>(row) * num_q_heads * D + static_cast<size_t>(kvh) * G * D;
+  float q_own[Q_PER_THREAD][4];
+#pragma unroll
+  for (int i = 0; i < Q_PER_THREAD; ++i) {
+    const int quad = tid + i * THREADS;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) q_own[i][e] = quad < Q_QUADS ? q_group[4 * quad + e] : 0.f;
+  }
+
   const int span = max(0, min(kv_len, q_positions[row] + 1));
   const int keys = split_keys(span, num_splits, min_keys);
   const int active = active_splits(span, keys);
   if (split >= active) return;
   const int begin = min(split * keys, span), end = min(begin + keys, span);
 
-  unsigned qa[D / 16][2];  // rows g of Q's A fragments: dims C t + 4 kk + (0, 1) and (2, 3)
-  {
-    const float* qh = q + static_cast<size_t>(row) * num_q_heads * D + static_cast<size_t>(kvh * G + g) * D + D / 4 * t;
+  __half* q_s = reinterpret_cast<__half*>(smem + W * G * (D + 2));  // [G][Q_PITCH], past the warps' states
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) qa[kk][0] = qa[kk][1] = 0u;
-    if (g < G) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        qa[kk][0] = pack_half2(qh[4 * kk] * q_scale, qh[4 * kk + 1] * q_scale);
-        qa[kk][1] = pack_half2(qh[4 * kk + 2] * q_scale, qh[4 * kk + 3] * q_scale);
-      }
+  for (int i = 0; i < Q_PER_THREAD; ++i) {
+    const int quad = tid + i * THREADS;
+    if (quad < Q_QUADS) {
+      const int h = 4 * quad / D, d = 4 * quad % D;
+      *reinterpret_cast<uint2*>(q_s + h * Q_PITCH + d) =
+          make_uint2(pack_half2(q_own[i][0] * q_scale, q_own[i][1] * q_scale),
+                     pack_half2(q_own[i][2] * q_scale, q_own[i][3] * q_scale));
     }
+  }
+  __syncthreads();
+  unsigned qa[D / 16][2];  // rows g of Q's A fragments: dims C t + 4 kk + (0, 1) and (2, 3)
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint2 pair = g < G ? *reinterpret_cast<const uint2*>(q_s + g * Q_PITCH + D / 4 * t + 4 * kk)
+                             : make_uint2(0u, 0u);
+    qa[kk][0] = pair.x;
+    qa[kk][1] = pair.y;
   }
   const int col0 = kvh * D;  // the head's first element of a cache row
   const int word0 = F == kF16 ? col0 / 2 : F == kQ8_0 ? col0 / 4 : col0 / 8;
@@ -350,29 +373,42 @@ __device__ __forceinline__ void decode_block(const float* q, const void* k_quant
     }
   }
   __syncthreads();
+  // a thread a head: the warps' weights, the block's max and sum (the staged Q is read: its room is free)
+  static_assert(W + 1 <= (D + 8) / 2, "the warps' weights and the sums fit in the staged Q's room");
+  float* weight_s = reinterpret_cast<float*>(q_s);  // [W][G]
+  float* l_block_s = weight_s + W * G;               // [G]
   const size_t part_row = static_cast<size_t>(split) * num_rows + row;
-  for (int idx = tid; idx < G * D; idx += THREADS) {
-    const int h = idx / D, d = idx % D;
+  if (tid < G) {
+    const int h = tid;
     float m_max = neg_inf();
 #pragma unroll
     for (int w = 0; w < W; ++w) m_max = fmaxf(m_max, m_s[w * G + h]);
-    float l_sum = 0.f, o_sum = 0.f;
+    float l_sum = 0.f;
 #pragma unroll
     for (int w = 0; w < W; ++w) {
       const float weight = weight_of(m_s[w * G + h], m_max);
+      weight_s[w * G + h] = weight;
       l_sum += l_s[w * G + h] * weight;
-      o_sum += o_s[(w * G + h) * D + d] * weight;
     }
+    l_block_s[h] = l_sum;
+    if (active > 1) {
+      ml_part[(part_row * num_kv_heads + kvh) * 32 + h] = m_max;
+      ml_part[(part_row * num_kv_heads + kvh) * 32 + 16 + h] = l_sum;
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * D; idx += THREADS) {
+    const int h = idx / D, d = idx % D;
+    float o_sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) o_sum += o_s[(w * G + h) * D + d] * weight_s[w * G + h];
     const int head = kvh * G + h;
     if (active == 1) {
+      const float l_sum = l_block_s[h];
       out[static_cast<size_t>(row) * num_q_heads * D + static_cast<size_t>(head) * D + d] =
           l_sum > 0.f ? o_sum / l_sum : 0.f;
     } else {
       o_part[(part_row * num_q_heads + head) * D + d] = o_sum;
-      if (d == 0) {
-        ml_part[(part_row * num_kv_heads + kvh) * 32 + h] = m_max;
-        ml_part[(part_row * num_kv_heads + kvh) * 32 + 16 + h] = l_sum;
-      }
     }
   }
   if (active == 1) return;
