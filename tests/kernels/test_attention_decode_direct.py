@@ -14,7 +14,13 @@ from numba import cuda
 
 from strata.gpu.kernels import attention_decode_direct as direct
 from strata.gpu.kernels import tensor_core
-from strata.gpu.kernels.attention import attention, decode_num_splits, decode_workspace_specs, is_direct_decode
+from strata.gpu.kernels.attention import (
+    attention,
+    decode_config,
+    decode_num_splits,
+    decode_workspace_specs,
+    is_direct_decode,
+)
 from strata.gpu.kernels.packing import pack, to_device
 from strata.model import reference_ops
 
@@ -172,7 +178,7 @@ def test_cpp_kernel_at_the_served_shape(fmt):
     num_sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
     num_splits = decode_num_splits(num_cells, num_kv_heads, head_dim, 8, num_sms)
     args = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=num_cells,
-                is_len_from_positions=True, is_decode_rows=True)
+                is_len_from_positions=True, is_decode_rows=True, config=decode_config(head_dim, 8))
 
     def run(rows, is_direct=True):
         splits = num_splits if is_direct else decode_num_splits(num_cells, num_kv_heads, head_dim, 8, num_sms, False)
@@ -205,7 +211,7 @@ def test_a_cache_whose_planes_the_direct_kernel_cannot_load_gets_the_tile_kernel
     out = attention(dev(q), k_cache, v_cache, dev(np.asarray(positions, np.int32)), num_q_heads=num_q_heads,
                     num_kv_heads=num_kv_heads, head_dim=head_dim, kv_len=num_cells, num_splits=splits,
                     workspace=tuple(dev(np.zeros(shape, dtype)) for shape, dtype in specs),
-                    is_len_from_positions=True, is_decode_rows=True)
+                    is_len_from_positions=True, is_decode_rows=True, config=decode_config(head_dim, 8))
     _check_rows(host(out), q, values, positions, num_q_heads, head_dim)
 
 
