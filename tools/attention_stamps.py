@@ -9,12 +9,16 @@ format, launch shape and position it prints the µs of a launch replayed back to
 flush, and with hot code but cold data, then the stamps in µs from the block's start (at the rated clock) and a
 hash of the output (equal hashes: equal bits). A diagnostic, not a bench: the stamps' stores cost a little; compare
 sources in one run, e.g. ``git show HEAD:strata/gpu/kernels/cuda/attention_decode.cu > /tmp/old.cu`` and
-``python tools/attention_stamps.py /tmp/old.cu strata/gpu/kernels/cuda/attention_decode.cu``.
+``python tools/attention_stamps.py /tmp/old.cu strata/gpu/kernels/cuda/attention_decode.cu``. ``--wrap`` runs the
+harness under another command, a profiler's for where the stamps cannot see (a warp's stall reasons), e.g.
+``--wrap "ncu --section WarpStateStats --section SchedulerStats -k q4_0_w8_u2 --launch-count 4"`` (the harness's
+kernels: q4_0_w8_u2, q4_0_w4_u2, f16_w8_u1, q8_0_w8_u1).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import subprocess
 import sys
@@ -75,6 +79,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="*", type=Path, default=[KERNELS / "attention_decode.cu"])
     parser.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
+    parser.add_argument("--wrap", default="", help="a command the harness runs under (a profiler's)")
     args = parser.parse_args(argv)
     if shutil.which(args.nvcc) is None:
         print(f"attention_stamps: no nvcc at {args.nvcc!r}; install the CUDA toolkit or pass --nvcc", file=sys.stderr)
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
     for source in args.sources:
         print(f"# {source}", flush=True)
         with tempfile.TemporaryDirectory() as folder:
-            done = subprocess.run([str(build(source, Path(folder), args.nvcc))])
+            done = subprocess.run([*shlex.split(args.wrap), str(build(source, Path(folder), args.nvcc))])
         if done.returncode:
             return done.returncode
     return 0

@@ -35,3 +35,16 @@ def test_a_kernel_without_an_anchor_names_the_tool_to_update():
 def test_without_nvcc_it_says_so(capsys):
     assert _tool().main(["--nvcc", "/nonexistent/nvcc"]) == 2
     assert "no nvcc at '/nonexistent/nvcc'" in capsys.readouterr().err
+
+
+def test_the_harness_runs_under_the_wrapping_command(tmp_path, monkeypatch, capfd):
+    # the profiler's command line comes first, the built harness last (here a script standing in for both)
+    tool = _tool()
+    harness = tmp_path / "harness"
+    harness.write_text("#!/bin/sh\necho harness ran\n")
+    harness.chmod(0o755)
+    monkeypatch.setattr(tool, "build", lambda source, folder, nvcc: harness)
+    monkeypatch.setattr(tool.shutil, "which", lambda name: name)
+    assert tool.main(["--nvcc", "nvcc", "--wrap", "sh -c 'echo wrapped \"$0\"; exec \"$0\"'"]) == 0
+    out = capfd.readouterr().out
+    assert f"wrapped {harness}\nharness ran\n" in out
