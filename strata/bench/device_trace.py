@@ -7,7 +7,7 @@ its decode traced by PyTorch's profiler, which reads every kernel the process ru
 the kernels of replayed CUDA graphs included. Per arm it writes the trace (Chrome's JSON,
 gzipped) and prints, per decoded token: each kernel's count and device time, the span, how much
 of it some kernel ran (``busy``), the idle gaps and the kernels around them, the host's driver
-calls, and the device time of each phase (a plain step, a draft, a verify step: each phase starts
+calls and its marked work (graph replays, readbacks, a step's inputs), and the device time of each phase (a plain step, a draft, a verify step: each phase starts
 and ends with a one-thread marker kernel, and a kernel belongs to the phase whose markers the
 device ran it between). A profile, not a benchmark: one process, the profiler's own overhead on the host.
 
@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 PHASE_PREFIX = "strata:"  # the marks of decode's phases in the trace (user annotations)
+HOST_PREFIX = "strata-host:"  # the marks of the host's work inside them: graph replays, readbacks, a step's inputs
 # one-thread kernels launched at the start and at the end of each mark: the device runs a replayed graph's
 # kernels, which the profiler does not tie to the host call that launched them, between the markers of the
 # phase that launched it
@@ -87,6 +88,7 @@ class TraceSummary:
     gaps: list[tuple[int, float, str, str]]  # (count, total µs, kernel before, kernel after), idle ≥ GAP_FLOOR_US
     host_calls: list[KernelTime]  # the host's runtime and driver calls by total time
     phases: list[tuple[str, int, float, int, float]]  # (phase, times marked, host µs, kernels, device µs)
+    host_work: list[KernelTime] = dataclasses.field(default_factory=list)  # HOST_PREFIX marks by total time
 
 
 def summarize(events: list[dict]) -> TraceSummary:
@@ -113,15 +115,20 @@ def summarize(events: list[dict]) -> TraceSummary:
             end_us = finish
         previous = name
     host: dict[str, KernelTime] = {}
+    host_work: dict[str, KernelTime] = {}
     for event in events:
-        if event.get("cat") in ("cuda_runtime", "cuda_driver"):
-            entry = host.setdefault(event["name"], KernelTime(event["name"]))
+        is_call = event.get("cat") in ("cuda_runtime", "cuda_driver")
+        is_work = event.get("cat") == "user_annotation" and event["name"].startswith(HOST_PREFIX)
+        if is_call or is_work:
+            name = event["name"][len(HOST_PREFIX):] if is_work else event["name"]
+            entry = (host_work if is_work else host).setdefault(name, KernelTime(name))
             entry.count += 1
             entry.total_us += event.get("dur", 0.0)
     gap_rows = sorted(((len(v), sum(v), before, after) for (before, after), v in gaps.items()), key=lambda g: -g[1])
     return TraceSummary(len(kernels), end_us - kernels[0]["ts"], busy_us,
                         sorted(by_name.values(), key=lambda k: -k.total_us), gap_rows,
-                        sorted(host.values(), key=lambda k: -k.total_us), _phases(events, launched))
+                        sorted(host.values(), key=lambda k: -k.total_us), _phases(events, launched),
+                        sorted(host_work.values(), key=lambda k: -k.total_us))
 
 
 def _is_marker(kernel: dict) -> bool:
@@ -194,6 +201,12 @@ def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int 
             each = max(count, 1)
             lines.append(f"| {name} | {count} | {host_us / each:.1f} | {num_kernels / each:.1f} | "
                          f"{device_us / each:.1f} |")
+    if summary.host_work:
+        lines += ["", "the host's work in the phases (marked):", "| what | a token | µs a token | µs each |",
+                  "| --- | ---: | ---: | ---: |"]
+        for work in summary.host_work:
+            lines.append(f"| {work.name} | {work.count / per:.1f} | {work.total_us / per:.1f} | "
+                         f"{work.total_us / max(work.count, 1):.1f} |")
     lines += ["", "host calls:", "| call | a token | µs a token |", "| --- | ---: | ---: |"]
     for call in summary.host_calls[:10]:
         lines.append(f"| {call.name} | {call.count / per:.1f} | {call.total_us / per:.1f} |")
@@ -206,10 +219,12 @@ def marked_phases(launch_markers=(lambda: None, lambda: None)):
     and each verify step's launch of device speculation (``PHASE_PREFIX`` + plain, draft, verify: a verify mark's
     host time leaves out the wait for its picks, read after the next step is launched where it runs ahead); each
     mark calls ``launch_markers[0]()`` first and ``[1]()`` last (``device_markers``: the phase's start and end on
-    the device)."""
+    the device). Inside and between them, the host's work is marked too (``HOST_PREFIX`` + graph replay, readback,
+    step inputs, speculation's read), so a phase's host time splits into its parts."""
     from torch.profiler import record_function
 
-    from strata.engine.decode import device_speculation, step
+    from strata.engine.decode import device_speculation, speculative, step
+    from strata.gpu import graphs, readback
 
     def marked(fn, phase):
         @functools.wraps(fn)
@@ -222,15 +237,32 @@ def marked_phases(launch_markers=(lambda: None, lambda: None)):
                     launch_markers[1]()
         return in_mark
 
+    def host_marked(owner, name, what):
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def in_mark(*args, **kwargs):
+            with record_function(HOST_PREFIX + what):
+                return fn(*args, **kwargs)
+        setattr(owner, name, in_mark)
+        return owner, name, fn
+
     speculation = device_speculation.DeviceSpeculation
     originals = (step._launch, speculation.draft, speculation.launch_verify)
     step._launch = marked(step._launch, "plain")
     speculation.draft = marked(speculation.draft, "draft")
     speculation.launch_verify = marked(speculation.launch_verify, "verify")  # ``verify`` launches through it
+    host_originals = [host_marked(graphs.GraphSegment, "replay", "graph replay"),
+                      host_marked(readback.Readback, "now", "readback (now)"),
+                      host_marked(readback.Readback, "read", "readback (ticket)"),
+                      host_marked(step.DecodeStep, "_begin", "step inputs"),
+                      host_marked(speculative.Speculation, "_read", "speculation's read and compare")]
     try:
         yield
     finally:
         step._launch, speculation.draft, speculation.launch_verify = originals
+        for owner, name, fn in host_originals:
+            setattr(owner, name, fn)
 
 
 def device_markers():

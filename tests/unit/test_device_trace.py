@@ -57,6 +57,22 @@ def _launch_call(correlation, ts):
     return {"cat": "cuda_driver", "name": "cuGraphLaunch", "ts": ts, "dur": 1.0, "args": {"correlation": correlation}}
 
 
+def test_the_hosts_marked_work_is_summed_by_what():
+    host = device_trace.HOST_PREFIX
+    events = [_kernel(MODULE_KERNEL, 0.0, 10.0),
+              {"cat": "user_annotation", "name": host + "graph replay", "ts": 0.0, "dur": 300.0},
+              {"cat": "user_annotation", "name": host + "graph replay", "ts": 400.0, "dur": 100.0},
+              {"cat": "user_annotation", "name": host + "readback (now)", "ts": 600.0, "dur": 20.0},
+              _mark("verify", 0.0, 500.0)]
+    summary = summarize(events)
+    assert [(w.name, w.count, w.total_us) for w in summary.host_work] == [
+        ("graph replay", 2, 400.0), ("readback (now)", 1, 20.0)]
+    assert "verify" in [phase[0] for phase in summary.phases]
+    assert not {"graph replay", "readback (now)"} & {phase[0] for phase in summary.phases}  # no phases
+    text = format_summary("fixed-2", summary, num_tokens=2)
+    assert "| graph replay | 1.0 | 200.0 | 200.0 |" in text
+
+
 def test_kernels_go_to_the_phase_whose_mark_holds_their_launch_call():
     # a draft launches two kernels, its verify one, and one launch falls between the marks; the kernels run
     # later on the device than their launch calls (the phase is the launch's, not the kernel's time)
@@ -132,6 +148,7 @@ def test_phases_are_marked_while_open_and_the_functions_restored_after(monkeypat
     import types
 
     from strata.engine.decode import device_speculation, step
+    from strata.gpu import graphs
 
     marked = []
     profiler = types.ModuleType("torch.profiler")
@@ -143,12 +160,17 @@ def test_phases_are_marked_while_open_and_the_functions_restored_after(monkeypat
     monkeypatch.setattr(speculation, "draft", lambda self, *args: "drafted")
     monkeypatch.setattr(speculation, "launch_verify", lambda self, *args: "launched")
     monkeypatch.setattr(speculation, "read_verify", lambda self, *args: ([], [7]))
+    monkeypatch.setattr(graphs.GraphSegment, "replay", lambda self: "replayed")
+    replay = graphs.GraphSegment.replay
     with device_trace.marked_phases((lambda: marked.append("start"), lambda: marked.append("end"))):
+        assert object.__new__(graphs.GraphSegment).replay() == "replayed"
+        assert marked.pop() == "strata-host:graph replay"
         assert speculation.draft(None, 1, 2) == "drafted"
         device = object.__new__(speculation)
         assert device.verify(1, 2, 0, None, None, None) == ("launched", [], [7])  # marked once, by its launch
         with pytest.raises(AttributeError):  # the real launch, marked first
             step._launch(None, None, None, None)
     assert marked == ["strata:draft", "start", "end", "strata:verify", "start", "end", "strata:plain", "start", "end"]
+    assert graphs.GraphSegment.replay is replay
     monkeypatch.undo()
     assert (step._launch, speculation.draft, speculation.launch_verify) == originals
