@@ -7,9 +7,10 @@ its decode traced by PyTorch's profiler, which reads every kernel the process ru
 the kernels of replayed CUDA graphs included. Per arm it writes the trace (Chrome's JSON,
 gzipped) and prints, per decoded token: each kernel's count and device time, the span, how much
 of it some kernel ran (``busy``), the idle gaps and the kernels around them, the host's driver
-calls and its marked work (graph replays, readbacks, a step's inputs), and the device time of each phase (a plain step, a draft, a verify step: each phase starts
-and ends with a one-thread marker kernel, and a kernel belongs to the phase whose markers the
-device ran it between). A profile, not a benchmark: one process, the profiler's own overhead on the host.
+calls and its marked work (graph replays, readbacks, a step's inputs), and the device time of
+each phase (a plain step, a draft, a verify step: each phase starts and ends with a one-thread
+marker kernel, and a kernel belongs to the phase whose markers the device ran it between). A
+profile, not a benchmark: one process, the profiler's own overhead on the host.
 
 Needs PyTorch (the reference GPU's image has it; it is no dependency of Strata's) and a GPU.
 """
