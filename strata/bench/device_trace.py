@@ -117,11 +117,12 @@ def summarize(events: list[dict]) -> TraceSummary:
         previous = name
     host: dict[str, KernelTime] = {}
     host_work: dict[str, KernelTime] = {}
+    phase_of = _enclosing_phase(events)
     for event in events:
         is_call = event.get("cat") in ("cuda_runtime", "cuda_driver")
         is_work = event.get("cat") == "user_annotation" and event["name"].startswith(HOST_PREFIX)
         if is_call or is_work:
-            name = event["name"][len(HOST_PREFIX):] if is_work else event["name"]
+            name = f"{event['name'][len(HOST_PREFIX):]} ({phase_of(event)})" if is_work else event["name"]
             entry = (host_work if is_work else host).setdefault(name, KernelTime(name))
             entry.count += 1
             entry.total_us += event.get("dur", 0.0)
@@ -130,6 +131,20 @@ def summarize(events: list[dict]) -> TraceSummary:
                         sorted(by_name.values(), key=lambda k: -k.total_us), gap_rows,
                         sorted(host.values(), key=lambda k: -k.total_us), _phases(events, launched),
                         sorted(host_work.values(), key=lambda k: -k.total_us))
+
+
+def _enclosing_phase(events: list[dict]):
+    """name(event): the phase whose mark holds the event's start ("in verify"), or "between phases"."""
+    marks = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX)),
+                   key=lambda e: e["ts"])
+    starts = [mark["ts"] for mark in marks]
+
+    def name(event: dict) -> str:
+        index = bisect.bisect_right(starts, event["ts"]) - 1
+        if index >= 0 and event["ts"] <= marks[index]["ts"] + marks[index]["dur"]:
+            return f"in {marks[index]['name'][len(PHASE_PREFIX):]}"
+        return "between phases"
+    return name
 
 
 def _is_marker(kernel: dict) -> bool:

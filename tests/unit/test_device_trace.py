@@ -65,12 +65,12 @@ def test_the_hosts_marked_work_is_summed_by_what():
               {"cat": "user_annotation", "name": host + "readback (now)", "ts": 600.0, "dur": 20.0},
               _mark("verify", 0.0, 500.0)]
     summary = summarize(events)
-    assert [(w.name, w.count, w.total_us) for w in summary.host_work] == [
-        ("graph replay", 2, 400.0), ("readback (now)", 1, 20.0)]
+    assert [(w.name, w.count, w.total_us) for w in summary.host_work] == [  # by the phase whose mark holds them
+        ("graph replay (in verify)", 2, 400.0), ("readback (now) (between phases)", 1, 20.0)]
     assert "verify" in [phase[0] for phase in summary.phases]
     assert not {"graph replay", "readback (now)"} & {phase[0] for phase in summary.phases}  # no phases
     text = format_summary("fixed-2", summary, num_tokens=2)
-    assert "| graph replay | 1.0 | 200.0 | 200.0 |" in text
+    assert "| graph replay (in verify) | 1.0 | 200.0 | 200.0 |" in text
 
 
 def test_kernels_go_to_the_phase_whose_mark_holds_their_launch_call():
