@@ -218,7 +218,7 @@ def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int 
             lines.append(f"| {name} | {count} | {host_us / each:.1f} | {num_kernels / each:.1f} | "
                          f"{device_us / each:.1f} |")
     if summary.host_work:
-        lines += ["", "the host's work in the phases (marked):", "| what | a token | µs a token | µs each |",
+        lines += ["", "the host's marked work, by the phase that holds it:", "| what | a token | µs a token | µs each |",
                   "| --- | ---: | ---: | ---: |"]
         for work in summary.host_work:
             lines.append(f"| {work.name} | {work.count / per:.1f} | {work.total_us / per:.1f} | "
