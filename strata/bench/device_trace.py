@@ -117,12 +117,14 @@ def summarize(events: list[dict]) -> TraceSummary:
         previous = name
     host: dict[str, KernelTime] = {}
     host_work: dict[str, KernelTime] = {}
-    phase_of = _enclosing_phase(events)
+    mark_at = _mark_at(_phase_marks(events))
     for event in events:
         is_call = event.get("cat") in ("cuda_runtime", "cuda_driver")
         is_work = event.get("cat") == "user_annotation" and event["name"].startswith(HOST_PREFIX)
         if is_call or is_work:
-            name = f"{event['name'][len(HOST_PREFIX):]} ({phase_of(event)})" if is_work else event["name"]
+            mark = mark_at(event["ts"]) if is_work else None
+            phase = "between phases" if mark is None else f"in {mark['name'][len(PHASE_PREFIX):]}"
+            name = f"{event['name'][len(HOST_PREFIX):]} ({phase})" if is_work else event["name"]
             entry = (host_work if is_work else host).setdefault(name, KernelTime(name))
             entry.count += 1
             entry.total_us += event.get("dur", 0.0)
@@ -133,18 +135,21 @@ def summarize(events: list[dict]) -> TraceSummary:
                         sorted(host_work.values(), key=lambda k: -k.total_us))
 
 
-def _enclosing_phase(events: list[dict]):
-    """name(event): the phase whose mark holds the event's start ("in verify"), or "between phases"."""
-    marks = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX)),
-                   key=lambda e: e["ts"])
+def _phase_marks(events: list[dict]) -> list[dict]:
+    """The phase marks (user annotations named ``PHASE_PREFIX``...), by start time."""
+    return sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX)),
+                  key=lambda e: e["ts"])
+
+
+def _mark_at(marks: list[dict]):
+    """at(ts): the mark of ``marks`` (by start time) that holds the time ts, or None (marks do not nest: the last
+    one begun before ts, if it had not ended)."""
     starts = [mark["ts"] for mark in marks]
 
-    def name(event: dict) -> str:
-        index = bisect.bisect_right(starts, event["ts"]) - 1
-        if index >= 0 and event["ts"] <= marks[index]["ts"] + marks[index]["dur"]:
-            return f"in {marks[index]['name'][len(PHASE_PREFIX):]}"
-        return "between phases"
-    return name
+    def at(ts: float) -> dict | None:
+        index = bisect.bisect_right(starts, ts) - 1
+        return marks[index] if index >= 0 and ts <= marks[index]["ts"] + marks[index]["dur"] else None
+    return at
 
 
 def _is_marker(kernel: dict) -> bool:
@@ -156,13 +161,12 @@ def _phases(events: list[dict], kernels: list[dict]) -> list[tuple[str, int, flo
     and its kernels: those the device ran between the phase's start and end marker kernels (graphs' kernels
     included), or, in a trace without markers, those whose launch call lies inside the mark (their correlation
     id). ``kernels``: every kernel, by start time, markers included."""
-    marks = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(PHASE_PREFIX)),
-                   key=lambda e: e["ts"])
+    marks = _phase_marks(events)
     if not marks:
         return []
     launched_at = {e["args"]["correlation"]: e["ts"] for e in events
                    if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    starts = [mark["ts"] for mark in marks]
+    mark_at = _mark_at(marks)
     rows: dict[str, list] = {}
     for mark in marks:
         row = rows.setdefault(mark["name"][len(PHASE_PREFIX):], [0, 0.0, 0, 0.0])
@@ -170,13 +174,10 @@ def _phases(events: list[dict], kernels: list[dict]) -> list[tuple[str, int, flo
         row[1] += mark["dur"]
 
     def holding(kernel: dict) -> list | None:
-        """The row of the mark that holds the kernel's launch call (marks do not nest: the last one begun
-        before the launch, if it had not ended)."""
+        """The row of the mark that holds the kernel's launch call."""
         at = launched_at.get(kernel.get("args", {}).get("correlation"))
-        index = bisect.bisect_right(starts, at) - 1 if at is not None else -1
-        if index >= 0 and at <= marks[index]["ts"] + marks[index]["dur"]:
-            return rows[marks[index]["name"][len(PHASE_PREFIX):]]
-        return None
+        mark = mark_at(at) if at is not None else None
+        return None if mark is None else rows[mark["name"][len(PHASE_PREFIX):]]
 
     outside = [0, 0.0, 0, 0.0]
     is_device_order = any(_is_marker(kernel) for kernel in kernels)
@@ -218,8 +219,8 @@ def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int 
             lines.append(f"| {name} | {count} | {host_us / each:.1f} | {num_kernels / each:.1f} | "
                          f"{device_us / each:.1f} |")
     if summary.host_work:
-        lines += ["", "the host's marked work, by the phase that holds it:", "| what | a token | µs a token | µs each |",
-                  "| --- | ---: | ---: | ---: |"]
+        lines += ["", "the host's marked work, by the phase that holds it:",
+                  "| what | a token | µs a token | µs each |", "| --- | ---: | ---: | ---: |"]
         for work in summary.host_work:
             lines.append(f"| {work.name} | {work.count / per:.1f} | {work.total_us / per:.1f} | "
                          f"{work.total_us / max(work.count, 1):.1f} |")
