@@ -84,10 +84,17 @@ def main(argv=None) -> int:
     if shutil.which(args.nvcc) is None:
         print(f"attention_stamps: no nvcc at {args.nvcc!r}; install the CUDA toolkit or pass --nvcc", file=sys.stderr)
         return 2
+    try:
+        wrap = shlex.split(args.wrap)
+    except ValueError as exc:
+        parser.error(f"--wrap {args.wrap!r}: {exc}")
+    if wrap and shutil.which(wrap[0]) is None:
+        print(f"attention_stamps: --wrap names {wrap[0]!r}, which is not on PATH", file=sys.stderr)
+        return 2
     for source in args.sources:
         print(f"# {source}", flush=True)
         with tempfile.TemporaryDirectory() as folder:
-            done = subprocess.run([*shlex.split(args.wrap), str(build(source, Path(folder), args.nvcc))])
+            done = subprocess.run([*wrap, str(build(source, Path(folder), args.nvcc))])
         if done.returncode:
             return done.returncode
     return 0

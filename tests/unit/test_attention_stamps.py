@@ -48,3 +48,13 @@ def test_the_harness_runs_under_the_wrapping_command(tmp_path, monkeypatch, capf
     assert tool.main(["--nvcc", "nvcc", "--wrap", "sh -c 'echo wrapped \"$0\"; exec \"$0\"'"]) == 0
     out = capfd.readouterr().out
     assert f"wrapped {harness}\nharness ran\n" in out
+
+
+def test_a_wrapping_command_it_cannot_run_is_named(monkeypatch, capsys):
+    tool = _tool()
+    monkeypatch.setattr(tool.shutil, "which", lambda name: None if name == "nonexistent-profiler" else name)
+    assert tool.main(["--nvcc", "nvcc", "--wrap", "nonexistent-profiler --x"]) == 2
+    assert "--wrap names 'nonexistent-profiler', which is not on PATH" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # unbalanced quotes: argparse's error, naming the option
+        tool.main(["--nvcc", "nvcc", "--wrap", "ncu 'oops"])
+    assert "--wrap \"ncu 'oops\": No closing quotation" in capsys.readouterr().err
