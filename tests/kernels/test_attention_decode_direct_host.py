@@ -106,8 +106,35 @@ r"""q.data(), s.data(), k.data(), v.data());
 _FORMATS = ("F16", "Q8_0", "Q4_0")
 
 
-@pytest.fixture(scope="module")
-def lanes(tmp_path_factory):
+# argv: format (0 F16, 1 Q8_0, 2 Q4_0) head_dim; prints the O rows' pitch, then for each of the meet's stores
+# (n, e) the shared-memory float index of each lane's O value (head g's row of warp 0), then o_col of every dim
+_MEET_MAIN = r"""
+template <OctetFormat F, int D>
+void meet() {
+  printf("%d\n", ORow<F, D>::PITCH);
+  for (int n = 0; n < D / 8; ++n)
+    for (int e = 0; e < 2; ++e) {
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, t = lane % 4;
+        printf("%d ", g * ORow<F, D>::PITCH + o_col<F, D>(v_dim<F, D>(n, 2 * t + e)));
+      }
+      printf("\n");
+    }
+  for (int d = 0; d < D; ++d) printf("%d ", o_col<F, D>(d));
+  printf("\n");
+}
+
+int main(int argc, char** argv) {
+  const int fmt = atoi(argv[1]), d = atoi(argv[2]);
+  if (fmt == 0) d == 64 ? meet<kF16, 64>() : meet<kF16, 128>();
+  if (fmt == 1) d == 64 ? meet<kQ8_0, 64>() : meet<kQ8_0, 128>();
+  if (fmt == 2) d == 64 ? meet<kQ4_0, 64>() : meet<kQ4_0, 128>();
+  return 0;
+}
+"""
+
+
+def _host_program(tmp_path_factory, name, main):
     common = tensor_core.source_text("common.cuh")
     decode = tensor_core.source_text("attention_decode.cu")
     source = "\n".join([
@@ -116,11 +143,16 @@ def lanes(tmp_path_factory):
         between(common, "[[maybe_unused]] __device__ __forceinline__ unsigned scaled_half2", "// Q4_0 and Q8_0"),
         between(decode, "// ---- per format", "// ---- the KV loop of one warp"),
         between(decode, "// ---- splits ----", "__device__ __forceinline__ float weight_of"),
-        _MAIN,
+        main,
     ]).replace("[[maybe_unused]] ", "")
-    folder = tmp_path_factory.mktemp("attention_decode_host")
-    build(folder, "lanes", source)
+    folder = tmp_path_factory.mktemp(f"attention_decode_{name}")
+    build(folder, name, source)
     return folder
+
+
+@pytest.fixture(scope="module")
+def lanes(tmp_path_factory):
+    return _host_program(tmp_path_factory, "lanes", _MAIN)
 
 
 def _run(folder, fmt, head_dim, values):
@@ -178,3 +210,25 @@ def test_every_served_instantiation_compiles(tmp_path):
     ptx = (tmp_path / "x.ptx").read_text()
     for fmt, d, g, w, u in shapes:
         assert f".func strata_attention_decode_{fmt}_d{d}_g{g}_w{w}_u{u}(" in ptx
+
+
+@pytest.mark.parametrize("fmt", _FORMATS)
+@pytest.mark.parametrize("head_dim", attention_decode_direct.HEAD_DIMS)
+def test_the_meets_stores_and_loads_fall_in_32_banks(tmp_path_factory, fmt, head_dim):
+    # every store of the warps' O rows puts its 32 lanes in 32 banks (with rows head_dim apart and no permutation
+    # they shared one: 32 wavefronts a store); each dim of a head has its own float inside the row; and the loads
+    # that sum the warps' rows, 32 consecutive dims of one row a warp, stay in 32 banks
+    folder = _host_program(tmp_path_factory, "meet", _MEET_MAIN)
+    lines = subprocess.run([str(folder / "meet"), str(_FORMATS.index(fmt)), str(head_dim)], check=True,
+                           capture_output=True, text=True).stdout.strip().split("\n")
+    pitch = int(lines[0])
+    stores = np.array([line.split() for line in lines[1:-1]], np.int64)  # [head_dim / 4 stores, 32 lanes]
+    columns = np.array(lines[-1].split(), np.int64)  # o_col of dims 0 .. head_dim - 1
+    assert stores.shape == (head_dim // 4, 32)
+    for index in stores:
+        assert len(set(index % 32)) == 32, index
+    np.testing.assert_array_equal(stores // pitch, np.tile(np.arange(32) // 4, (head_dim // 4, 1)))  # head g's row
+    assert sorted(columns) == list(range(head_dim)) and pitch > head_dim
+    assert sorted(stores[:, :4].reshape(-1) % pitch) == list(range(head_dim))  # head 0's lanes: each dim once
+    for start in range(0, head_dim, 32):
+        assert len(set(columns[start:start + 32] % 32)) == 32

@@ -26,8 +26,8 @@ simulator. attention() sends other decode calls to attention_decode_mma.py or at
 and these too when asked (use_direct_decode=False).
 
 Launch config: grid (T, num_kv_heads, num_splits), 32 * warps threads; static shared memory
-4 * max(warps * group * (head_dim + 2) + group * (head_dim + 8) / 2, 2 * MAX_SPLITS * group + group) bytes
-(35,456 at 8 warps, group 8, head dim 128).
+4 * max(states + group * (head_dim + 8) / 2, 2 * MAX_SPLITS * group + group) bytes, states = warps * group *
+(head_dim + 3) rounded up to a multiple of 4 (35,712 at 8 warps, group 8, head dim 128).
 """
 
 from __future__ import annotations
@@ -82,9 +82,11 @@ DEFAULT_CONFIG = DirectDecodeConfig()
 
 
 def shared_floats(head_dim: int, group: int, warps: int) -> int:
-    """The warps' states [warps, group, head_dim + 2] and the group's Q as f16 [group, head_dim + 8], reused by
-    the last block for every split's weights."""
-    return max(warps * group * (head_dim + 2) + group * (head_dim + 8) // 2, 2 * MAX_SPLITS * group + group)
+    """The warps' states [warps, group, head_dim + 3] (O rows of head_dim + 1 floats, then m and l) and, 16-byte
+    aligned after them, the group's Q as f16 [group, head_dim + 8], reused by the last block for every split's
+    weights."""
+    states = ceil_div(warps * group * (head_dim + 3), 4) * 4
+    return max(states + group * (head_dim + 8) // 2, 2 * MAX_SPLITS * group + group)
 
 
 def is_supported(head_dim: int, group: int, k_cache: PackedMatrix | None = None,

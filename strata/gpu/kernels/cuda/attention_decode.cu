@@ -127,7 +127,8 @@ __device__ __forceinline__ void k_pairs(const unsigned (&w)[Words<F, D>::K], flo
   } else {
     const __half2 d2 = __float2half2_rn(d);
     const int base = D / 4 * t % 32;  // the lane's first element in its block: 0, or 16 at D = 64
-    const unsigned word = (w[kk % 4] >> ((base + 4 * kk) / 16 * 4)) & 0x0F0F0F0Fu;  // byte j: block element base + 4 kk + j
+    // byte j: block element base + 4 kk + j
+    const unsigned word = (w[kk % 4] >> ((base + 4 * kk) / 16 * 4)) & 0x0F0F0F0Fu;
     b0 = int_pair<F>(word, 0, d2);
     b1 = int_pair<F>(word, 1, d2);
   }
@@ -147,6 +148,18 @@ __device__ __forceinline__ unsigned v_pair(const unsigned (&w)[Words<F, D>::V], 
     return int_pair<F>((w[m / 2] >> (4 * high)) & 0x0F0F0F0Fu, m % 2, __float2half2_rn(d));
   }
 }
+
+// Where the meet keeps dim d of a warp's O row of one head: rows PITCH floats apart, each 32-dim block's dims
+// permuted by an XOR. A store of the meet puts each lane's dim v_dim(n, 2 t + e) in head g's row, 32 t + c at
+// D = 128 with c the same for the warp's lanes: unpermuted, a store's four t would share a bank (and with rows D
+// apart, all 32 lanes). The XOR's step is the format's: at D = 64 Q4_0's nibbles put its lanes' dims 8 apart.
+template <OctetFormat F, int D>
+struct ORow {
+  static constexpr int PITCH = D + 1;
+  static constexpr int SKEW = F == kQ4_0 && D == 64 ? 16 : 8;
+};
+template <OctetFormat F, int D>
+__device__ __forceinline__ int o_col(int d) { return d ^ (ORow<F, D>::SKEW * (d / 32)); }
 
 // ---- the KV loop of one warp ----
 
@@ -296,8 +309,9 @@ __device__ __forceinline__ float weight_of(float m, float m_max) { return m == n
 
 // The block: q [T, Hq * D] f32, the cache's planes, q_positions [T], out [T, Hq * D]; o_part [S, T, Hq, D],
 // ml_part [S, T, Hkv, 32] (m of head h at h, l at 16 + h), counters [T, Hkv] (zero between launches: the last
-// block resets its own). smem: max(W * G * (D + 2) + G * (D + 8) / 2, 2 * S * G + G) floats (the warps' states,
-// then the staged Q; the last block's weights reuse it). grid (T, Hkv, S), W * 32 threads.
+// block resets its own). smem: max(Q_OFFSET + G * (D + 8) / 2, 2 * S * G + G) floats, Q_OFFSET = W * G * (D + 3)
+// rounded up to a multiple of 4 (the warps' states, then the staged Q; the last block's weights reuse it).
+// grid (T, Hkv, S), W * 32 threads.
 template <OctetFormat F, int D, int G, int W, int U>
 __device__ __forceinline__ void decode_block(const float* q, const void* k_quants, const __half* k_scales,
                                              const void* v_quants, const __half* v_scales, int word_pitch,
@@ -330,7 +344,9 @@ __device__ __forceinline__ void decode_block(const float* q, const void* k_quant
   if (split >= active) return;
   const int begin = min(split * keys, span), end = min(begin + keys, span);
 
-  __half* q_s = reinterpret_cast<__half*>(smem + W * G * (D + 2));  // [G][Q_PITCH], past the warps' states
+  // [G][Q_PITCH], past the warps' states (16-byte aligned)
+  constexpr int Q_OFFSET = (W * G * (ORow<F, D>::PITCH + 2) + 3) / 4 * 4;
+  __half* q_s = reinterpret_cast<__half*>(smem + Q_OFFSET);
 #pragma unroll
   for (int i = 0; i < Q_PER_THREAD; ++i) {
     const int quad = tid + i * THREADS;
@@ -358,15 +374,16 @@ __device__ __forceinline__ void decode_block(const float* q, const void* k_quant
   WarpState<D> st;
   warp_loop<F, D, W, U>(planes, qa, begin, end, warp, g, t, st);
 
-  // the warps meet: O [W][G][D], then m [W][G] and l [W][G]
+  // the warps meet: O [W][G][PITCH] (dim d at o_col(d)), then m [W][G] and l [W][G]
+  constexpr int O_PITCH = ORow<F, D>::PITCH;
   float* o_s = smem;
-  float* m_s = smem + W * G * D;
+  float* m_s = smem + W * G * O_PITCH;
   float* l_s = m_s + W * G;
   if (g < G) {
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) o_s[(warp * G + g) * D + v_dim<F, D>(n, 2 * t + e)] = st.o[n][e];
+      for (int e = 0; e < 2; ++e) o_s[(warp * G + g) * O_PITCH + o_col<F, D>(v_dim<F, D>(n, 2 * t + e))] = st.o[n][e];
     if (t == 0) {
       m_s[warp * G + g] = st.m;
       l_s[warp * G + g] = st.l;
@@ -401,7 +418,7 @@ __device__ __forceinline__ void decode_block(const float* q, const void* k_quant
     const int h = idx / D, d = idx % D;
     float o_sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < W; ++w) o_sum += o_s[(w * G + h) * D + d] * weight_s[w * G + h];
+    for (int w = 0; w < W; ++w) o_sum += o_s[(w * G + h) * O_PITCH + o_col<F, D>(d)] * weight_s[w * G + h];
     const int head = kvh * G + h;
     if (active == 1) {
       const float l_sum = l_block_s[h];
