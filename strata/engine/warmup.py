@@ -66,7 +66,7 @@ def warm_up(engine) -> float:
         _logits(engine, hidden)
         if engine.mtp is not None:  # a draft step and a verify step of two rows
             _speculation(engine, hidden, token, num_tokens, stats)
-        if engine.runner.decode_step is not None:  # the one-graph token of a fully cached model
+        if engine.runner.decode_step is not None:  # the whole-token graphs of a fully cached model
             engine.runner.decode_step.compile_resident(token, num_tokens + 1)
             if engine.config.runtime.greedy_on_device:  # the head, bias and argmax of a greedy step
                 _compile_greedy(engine)

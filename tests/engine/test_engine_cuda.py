@@ -14,6 +14,7 @@ from numba import cuda
 from strata.backend.ops import DECODE_MAX_ROWS
 from strata.backend.select import has_cuda_device
 from strata.engine.decode.greedy_tail import BIAS_CAPACITY
+from strata.engine.decode import step as step_module
 from strata.engine.decode.step import DecodeStep
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
@@ -363,11 +364,14 @@ def test_decode_segments_replay_at_every_position_like_plain_launches(tiny_path,
 def test_a_fully_cached_model_decodes_from_segments_kept_across_requests(tiny_path, monkeypatch):
     # the budget holds every expert and the ring beside them: the fill at load caches them all, the
     # ring borrows only free slots, and decode maps routed ids to slots on the device. The segments
-    # are captured before the first request and kept: a request captures again only a greedy tail,
-    # when the output head was uploaded again or for a bias longer than the kept tail holds
+    # (here a layer each: the token's parts) are captured before the first request and kept: a request
+    # captures again only a greedy tail, when the output head was uploaded again or for a bias longer
+    # than the kept tail holds
     calls = []
     whole_token = DecodeStep._whole_token
-    monkeypatch.setattr(DecodeStep, "_whole_token", lambda self: calls.append(1) or whole_token(self))
+    monkeypatch.setattr(DecodeStep, "_whole_token",
+                        lambda self, *layers: calls.append(layers) or whole_token(self, *layers))
+    monkeypatch.setattr(step_module, "TOKEN_PART_LAYERS", 1)
     engine = Engine.load(engine_config(tiny_path, runtime={"backend": BACKEND, "vram_budget": "64MiB",
                                                             "warmup": False}), show_progress=False)
     spec = engine.spec
@@ -376,25 +380,27 @@ def test_a_fully_cached_model_decodes_from_segments_kept_across_requests(tiny_pa
     capture = engine.ops.capture
     monkeypatch.setattr(engine.ops, "capture", lambda fn, owner: captured.append(owner) or capture(fn, owner))
     engine.prepare_decode()
-    assert len(captured) == 2 and engine.runner.decode_step.is_resident  # the token's layers, the tail
+    num_parts = spec.num_layers
+    assert len(captured) == num_parts + 1 and engine.runner.decode_step.is_resident  # the token's layers, the tail
     assert engine.idle_ledger.by_owner[DECODE_GRAPHS_OWNER] > 0
     prompt, num_generated = PROMPT[:4], NUM_GENERATED + 1
     tokens, stats = greedy(engine, prompt, num_generated)
     assert tokens == reference_greedy(tiny_path, prompt, num_generated)
-    assert calls and stats.cache_misses == 0 and engine.cache.num_cached == spec.num_layers * spec.num_experts
+    assert set(calls) == {(layer, layer + 1) for layer in range(num_parts)}  # a segment a layer, recorded or rerun
+    assert stats.cache_misses == 0 and engine.cache.num_cached == spec.num_layers * spec.num_experts
     assert 0 < stats.decode_wait_seconds < stats.decode_seconds  # blocked on each step's token id
-    assert len(captured) == 2 and _lasting(engine) == dict(engine.idle_ledger.by_owner)
+    assert len(captured) == num_parts + 1 and _lasting(engine) == dict(engine.idle_ledger.by_owner)
 
     head = engine.resources["output_head"]
     head.release()
     head.restore()  # a new tensor, as after a loan: the kept tail is captured again over it
     follow_up = prompt + tokens[:1]
     assert greedy(engine, follow_up, 2)[0] == reference_greedy(tiny_path, follow_up, 2)
-    assert captured[2:] == [DECODE_GRAPHS_OWNER] and _lasting(engine) == dict(engine.idle_ledger.by_owner)
+    assert captured[num_parts + 1:] == [DECODE_GRAPHS_OWNER] and _lasting(engine) == dict(engine.idle_ledger.by_owner)
     zero_bias = {token_id: 0.0 for token_id in range(3, 3 + BIAS_CAPACITY + 1)}
     events = engine.generate(follow_up, SamplingParams(temperature=0, max_tokens=2, logit_bias=zero_bias))
     assert [e.token_id for e in events if e.token_id >= 0] == reference_greedy(tiny_path, follow_up, 2)
-    assert captured[3:] == [ACTIVATIONS_OWNER]  # a tail for this request's longer bias, dropped at its end
+    assert captured[num_parts + 2:] == [ACTIVATIONS_OWNER]  # a tail for this request's longer bias, dropped at its end
     assert _lasting(engine) == dict(engine.idle_ledger.by_owner)
 
     engine.cache.forget([engine.cache.lookup(0, 0)])  # no longer complete: the kept segments go

@@ -10,6 +10,7 @@ from numba import config as numba_config
 
 from strata.backend.select import has_cuda_device
 from strata.bench.draft_oracle import DraftOracle
+from strata.engine.decode import step
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import EngineError
@@ -49,7 +50,8 @@ def plain_tokens(tiny_path):
 
 
 @pytest.mark.parametrize("depth", DEPTHS)
-def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth):
+def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth, monkeypatch):
+    monkeypatch.setattr(step, "TOKEN_PART_LAYERS", 1)  # each layer of a whole token its own segment
     engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=depth, spec_policy="fixed")),
                          show_progress=False)
     assert engine.runner.can_pick_greedy_on_device

@@ -1,4 +1,4 @@
-"""A decode token as captured segments: one per layer and one more (one for the whole token when
+"""A decode token as captured segments: one per layer and one more (a few for the whole token when
 every expert is cached), recorded once and replayed for every token. A step of ``num_rows`` tokens
 at once (the rows of a speculative verify step, up to ``DECODE_MAX_ROWS``) is the same segments
 over [R, ...] buffers: the backend computes each row as it computes a one-token step.
@@ -40,12 +40,13 @@ prediction changes which experts are cached, never what is computed.
 
 When the cache holds every expert of every layer at a request's first token (a budget the whole
 model fits in), nothing can miss: the slots of all experts go to the device once as [L, N] tables,
-each layer maps its routed ids through its table on the device, and the whole token is one graph
-with no host round trip (``kind`` RESIDENT). Nothing is inserted or evicted during decode, so the
-tables stay true until the request ends. Where misses are read in place (``is_reading_in_place``,
-``expert_addresses.py``), a token of a model that does not fit is one graph too (``kind`` ADDRESSED):
-each layer's experts are read through a table of plane addresses, cache slots or the pinned expert
-pack (``token_tables.py``), and the host reads back only how many pairs were read from host memory.
+each layer maps its routed ids through its table on the device, and the whole token is a few graphs
+of TOKEN_PART_LAYERS layers with no host round trip (``kind`` RESIDENT). Nothing is inserted or
+evicted during decode, so the tables stay true until the request ends. Where misses are read in
+place (``is_reading_in_place``, ``expert_addresses.py``), a token of a model that does not fit is
+such graphs too (``kind`` ADDRESSED): each layer's experts are read through a table of plane
+addresses, cache slots or the pinned expert pack (``token_tables.py``), and the host reads back
+only how many pairs were read from host memory.
 
 Greedy decode (``greedy_tokens``) ends each step on the device: the output head, the request's
 logit bias and the argmax write the next token's id, the position steps, and the id is embedded
@@ -72,6 +73,11 @@ from strata.errors import EngineError, NonFiniteLogitsError
 from strata.gpu.ledger import ACTIVATIONS_OWNER, DECODE_GRAPHS_OWNER
 
 log = logging.getLogger("strata.engine")
+# a whole token's layers a segment: the device waited ~0.5 ms between a verify step's embedding and its first layer
+# while the host launched the one graph of 48 layers (device_trace, H200); a verify step is launched after its draft,
+# which the device runs in ~0.3 ms, so the device idled. In parts, it starts on the first while the host launches
+# the rest (a plain step, launched a step ahead, does not wait either way)
+TOKEN_PART_LAYERS = 12
 
 
 def can_use_segments(model: DecodeLayers) -> bool:
@@ -107,7 +113,7 @@ class DecodeStep:
         self._prefetched = None  # (ticket, experts): the copies of the next layer's predicted experts
         self._tables = TokenTables(model)  # what a whole-token step reads its experts through
         self._num_uncounted_steps = 0  # whole-token ``forward`` steps whose hits and misses are not counted yet
-        self._token = None  # a whole token's layers as one segment (resident or addressed)
+        self._token_parts: list = []  # a whole token's layers (resident or addressed), TOKEN_PART_LAYERS a segment
         self._tails = GreedyTails(model.ops, self._greedy_tail, self._capture)
         self._readback = None  # Readback, kept across requests (its pinned slots and events)
 
@@ -118,7 +124,7 @@ class DecodeStep:
 
     @property
     def is_host_free(self) -> bool:
-        """Whether a step runs its layers as one segment, the host not between them (``kind`` RESIDENT or
+        """Whether a step runs its layers as whole-token segments, the host not between them (``kind`` RESIDENT or
         ADDRESSED), as the request's first step decides it (or would, from the cache as it is now)."""
         kind = self._kind_now() if self._is_request_start or self.kind is None else self.kind
         return kind != LAYERS
@@ -136,7 +142,7 @@ class DecodeStep:
         self.is_kept, self._tails.is_kept = True, head is not None
         self._start_request()
         if self.kind != LAYERS:
-            self._token_segment()
+            self._token_segments()
         else:
             for index in range(self.model.spec.num_layers + 1):
                 self._segment(index)
@@ -156,7 +162,8 @@ class DecodeStep:
         self._begin(tokens, position, drafts)
         stats.kv_host_bytes += host_tier_bytes(self.model.kv, position, position + self.num_rows)
         if self.kind != LAYERS:
-            self._token_segment().replay()
+            for part in self._token_segments():
+                part.replay()
             self._num_uncounted_steps += 1  # counted at the end of decode (``count_reads``): no wait here
         else:
             self._layers(stats)
@@ -181,7 +188,7 @@ class DecodeStep:
         readback, error, num_launched = self._readback, None, 0
         try:
             if self.kind != LAYERS:
-                layers = self._token_segment()
+                layers = self._token_segments()
                 ahead = _launch(layers, tail.segment, readback, self._token_id) if num_steps else None
                 num_launched = min(num_steps, 1)
                 for step in range(num_steps):
@@ -308,11 +315,22 @@ class DecodeStep:
             self._drafts_in = (weakref.ref(drafts), segment)
         return segment
 
-    def _token_segment(self):
-        """A whole token's layers as one segment (resident or addressed), captured at its first use."""
-        if self._token is None:
-            self._token = self._capture(self._whole_token, self._owner)
-        return self._token
+    def _token_segments(self) -> list:
+        """A whole token's layers (resident or addressed) as segments of TOKEN_PART_LAYERS layers, captured at
+        their first use."""
+        if not self._token_parts:
+            num_layers, parts = self.model.spec.num_layers, []
+            try:
+                for first in range(0, num_layers, TOKEN_PART_LAYERS):
+                    stop = min(first + TOKEN_PART_LAYERS, num_layers)
+                    parts.append(self._capture(lambda first=first, stop=stop: self._whole_token(first, stop),
+                                               self._owner))
+            except BaseException:  # no token of some layers: the parts captured so far go
+                for part in parts:
+                    part.close()
+                raise
+            self._token_parts = parts
+        return self._token_parts
 
     def _segment(self, index: int):
         """Segment 0: layer 0's attention and routing; segment l + 1: layer l's experts, then layer
@@ -411,9 +429,9 @@ class DecodeStep:
 
     def _close_layers(self) -> None:
         drafts_in = [self._drafts_in[1]] if self._drafts_in else []
-        for segment in self._segments + ([self._token] if self._token else []) + drafts_in:
+        for segment in self._segments + self._token_parts + drafts_in:
             segment.close()
-        self._segments, self._token, self._drafts_in = [], None, None
+        self._segments, self._token_parts, self._drafts_in = [], [], None
 
     def _greedy_tail(self, head: tuple, bias) -> tuple:
         """After a step's layers: pick the next token into the token buffer, step the position, and
@@ -466,9 +484,10 @@ class DecodeStep:
         cache = model.cache
         model.ops.moe(self._x, h, self._slot_ids, weights, cache.storage, None, cache.layout.at_layer(layer))
 
-    def _whole_token(self):
+    def _whole_token(self, first: int = 0, stop: int | None = None):
+        """Layers first .. stop - 1 (default: every layer) of a whole-token step."""
         model = self.model
-        for layer in range(model.spec.num_layers):
+        for layer in range(first, model.spec.num_layers if stop is None else stop):
             model.attention_block(layer, self._x, self._positions, start=0, split_scratch=self._attention_scratch)
             h, ids, weights, slots = self._route(layer, self._tables.slot_table(self.kind, layer))
             self._tables.moe(self.kind, layer, self._x, h, ids, weights, slots)
@@ -476,9 +495,9 @@ class DecodeStep:
 
 
 def _launch(layers, tail, readback, token) -> int:
-    """Replay a greedy step (the resident layers, when given, then the tail) and queue its token's
+    """Replay a greedy step (the resident layers' segments, when given, then the tail) and queue its token's
     readback; the ticket for ``readback.read``."""
-    if layers is not None:
-        layers.replay()
+    for part in layers or ():
+        part.replay()
     tail.replay()
     return readback.queue(token)

@@ -1,4 +1,4 @@
-"""What a whole-token decode step (one graph a token) reads its routed experts through.
+"""What a whole-token decode step (graphs of whole layers, no host between them) reads its routed experts through.
 
 ``RESIDENT``: every expert is cached; [L, N] int32 slot tables map each layer's routed ids to slots on
 the device (in the routing's launch, ``ops.decode_route``). ``ADDRESSED``: misses are read in place
