@@ -77,12 +77,27 @@ class HeadOps:
 
         increment(values, stream=self._stream)
 
-    def take_draft(self, token, overrides, place, drafts) -> None:
-        """token [1] = overrides[place] where that is >= 0 (the bench's draft oracle), drafts[place] = token,
-        place += 1: a draft chain's step, on the device."""
-        from strata.gpu.kernels.elementwise import take_draft
+    def take_draft(self, token, window, place, row, drafts) -> None:
+        """token [1] = window[row + place] where that is >= 0 (the bench's draft oracle), drafts[place] = token,
+        place += 1: a draft chain's step, on the device (``kernels/drafts.py``)."""
+        from strata.gpu.kernels.drafts import take_draft
 
-        take_draft(token, overrides, place, drafts, stream=self._stream)
+        take_draft(token, window, place, row, drafts, stream=self._stream)
+
+    def take_row(self, x, row, out) -> None:
+        """out [1, D] = x [R, D] at row row[0] (device int32 [1])."""
+        from strata.gpu.kernels.drafts import take_row
+
+        take_row(x, row, out, stream=self._stream)
+
+    def accept_drafts(self, drafts, targets, depth: int, vocab_size: int, step_inputs, draft_inputs, chain,
+                      record) -> None:
+        """A greedy verify step's acceptance on the device and the next step's inputs from it
+        (``kernels/drafts.py``)."""
+        from strata.gpu.kernels.drafts import accept_drafts
+
+        accept_drafts(drafts, targets, depth, vocab_size, step_inputs, draft_inputs, chain, record,
+                      stream=self._stream)
 
     def readback(self):
         """A ``Readback`` (``strata/gpu/readback.py``): token ids and small arrays back through pinned memory."""

@@ -233,8 +233,9 @@ def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int 
 @contextlib.contextmanager
 def marked_phases(launch_markers=(lambda: None, lambda: None)):
     """While open, decode's phases are marked in a PyTorch trace: each plain greedy step's launch, each draft
-    and each verify step's launch of device speculation (``PHASE_PREFIX`` + plain, draft, verify: a verify mark's
-    host time leaves out the wait for its picks, read after the next step is launched where it runs ahead); each
+    and each verify step's launch of device speculation, and each chained step's (draft and verify) launch
+    (``PHASE_PREFIX`` + plain, draft, verify, chained: a verify mark's host time leaves out the wait for its picks,
+    read after the next step is launched where it runs ahead); each
     mark calls ``launch_markers[0]()`` first and ``[1]()`` last (``device_markers``: the phase's start and end on
     the device). Inside and between them, the host's work is marked too (``HOST_PREFIX`` + graph replay, readback,
     step inputs, speculation's read), so a phase's host time splits into its parts."""
@@ -265,19 +266,21 @@ def marked_phases(launch_markers=(lambda: None, lambda: None)):
         return owner, name, fn
 
     speculation = device_speculation.DeviceSpeculation
-    originals = (step._launch, speculation.draft, speculation.launch_verify)
+    originals = (step._launch, speculation.draft, speculation.launch_verify, speculation.launch_chained)
     step._launch = marked(step._launch, "plain")
     speculation.draft = marked(speculation.draft, "draft")
     speculation.launch_verify = marked(speculation.launch_verify, "verify")  # ``verify`` launches through it
+    speculation.launch_chained = marked(speculation.launch_chained, "chained")  # its draft and verify
     host_originals = [host_marked(graphs.GraphSegment, "replay", "graph replay"),
                       host_marked(readback.Readback, "now", "readback (now)"),
                       host_marked(readback.Readback, "read", "readback (ticket)"),
+                      host_marked(readback.Readback, "read_record", "readback (record)"),
                       host_marked(step.DecodeStep, "_begin", "step inputs"),
                       host_marked(speculative.Speculation, "_read", "speculation's read and compare")]
     try:
         yield
     finally:
-        step._launch, speculation.draft, speculation.launch_verify = originals
+        step._launch, speculation.draft, speculation.launch_verify, speculation.launch_chained = originals
         for owner, name, fn in host_originals:
             setattr(owner, name, fn)
 

@@ -5,8 +5,10 @@ nothing about what speculation can do. The oracle keeps every draft computation 
 runs; its memory and time are real) but replaces each proposed token by the target's own greedy
 continuation, recorded by plain decode from the same request's prefill before its timed decode
 (another prefill of the prompt, in other chunks, may pick other tokens where two logits nearly
-tie), with probability P, and by a token that differs from it otherwise. A measurement mode of
-the bench only: serving never passes one.
+tie), with probability P, and by a token that differs from it otherwise. Each position is drawn
+once: a position drafted again (after a refusal before it) gets the same token, so a device step
+can read the oracle's tokens for positions it only learns on the device (``window``). A
+measurement mode of the bench only: serving never passes one.
 """
 
 from __future__ import annotations
@@ -26,11 +28,20 @@ class DraftOracle:
         self.probability = probability
         self.vocab_size = vocab_size
         self._rng = np.random.default_rng(seed)
+        self._drawn: dict[int, int] = {}  # position -> the token verified there
 
     def replace(self, position: int, proposed: int) -> int:
-        """The token to verify at ``position`` instead of ``proposed``."""
+        """The token to verify at ``position`` instead of ``proposed`` (``proposed`` past the continuation)."""
         index = position - self.first_position
-        truth = self.continuation[index] if 0 <= index < len(self.continuation) else proposed
-        if self._rng.random() < self.probability:
-            return truth
-        return int((truth + 1 + self._rng.integers(self.vocab_size - 1)) % self.vocab_size)  # never the truth
+        if not 0 <= index < len(self.continuation):
+            return proposed
+        if position not in self._drawn:
+            truth = self.continuation[index]
+            is_truth = self._rng.random() < self.probability
+            wrong = (truth + 1 + self._rng.integers(self.vocab_size - 1)) % self.vocab_size  # never the truth
+            self._drawn[position] = truth if is_truth else int(wrong)
+        return self._drawn[position]
+
+    def window(self, first: int, size: int) -> list[int]:
+        """The tokens to verify at positions first .. first + size - 1, -1 where the draft stays."""
+        return [self.replace(position, -1) for position in range(first, first + size)]

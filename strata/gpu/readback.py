@@ -9,6 +9,9 @@ Two pinned slots alternate, so a copy never targets the slot the host is about t
 queued again two ``queue`` calls later: the caller reads a ticket before it queues the second one
 after it (the decode loop holds at most two tickets, the step it reads and the step running ahead).
 
+``queue_record`` and ``read_record`` do the same for a few int32s at once (a verify step's acceptance
+and picks), in two slots of their own that alternate as the tokens' do.
+
 ``now`` reads a few small arrays at once (a layer's routed and predicted expert ids): one queued
 copy each into pinned memory and one event wait, instead of a synchronous pageable copy each.
 
@@ -25,7 +28,9 @@ from strata.gpu import driver_calls
 _NUM_SLOTS = 2
 _SCRATCH_OFFSET = 64
 SCRATCH_BYTES = 4096  # what ``now`` reads at once
-PINNED_BYTES = _SCRATCH_OFFSET + SCRATCH_BYTES
+RECORD_BYTES = 64  # what ``queue_record`` reads at once
+_RECORDS_OFFSET = _SCRATCH_OFFSET + SCRATCH_BYTES
+PINNED_BYTES = _RECORDS_OFFSET + _NUM_SLOTS * RECORD_BYTES
 
 
 class Readback:
@@ -37,9 +42,10 @@ class Readback:
         # the pinned block does not move: its addresses once, not a ``.ctypes`` object each copy
         self._slots_address = self._slots.ctypes.data if pinned is not None else 0
         self._scratch_address = self._scratch.ctypes.data if pinned is not None else 0
-        # one event per slot, and one for ``now``
-        self._events = [calls.event_create() for _ in range(_NUM_SLOTS + 1)] if self._calls else []
-        self._next = 0
+        self._records = pinned[_RECORDS_OFFSET:].view(np.int32).reshape(_NUM_SLOTS, -1) if pinned is not None else None
+        # one event per slot, one for ``now``, one per record slot
+        self._events = [calls.event_create() for _ in range(2 * _NUM_SLOTS + 1)] if self._calls else []
+        self._next = self._next_record = 0
 
     def queue(self, token) -> int:
         """A ticket for the current value of ``token`` ([1] int32 on the device)."""
@@ -57,6 +63,25 @@ class Readback:
             return ticket
         self._calls.event_synchronize(self._events[ticket])
         return int(self._slots[ticket])
+
+    def queue_record(self, array):
+        """A ticket for the current values of ``array`` ([n] int32 on the device, ``RECORD_BYTES`` at most)."""
+        if array.nbytes > RECORD_BYTES:
+            raise ValueError(f"a record is at most {RECORD_BYTES} bytes, got {array.nbytes}")
+        if self._calls is None:
+            return array.copy_to_host()
+        slot, self._next_record = self._next_record, (self._next_record + 1) % _NUM_SLOTS
+        self._calls.copy_out(self._records[slot].ctypes.data, array.device_ctypes_pointer.value, array.nbytes, 0)
+        self._calls.event_record(self._events[_NUM_SLOTS + 1 + slot], 0)
+        return slot, array.shape[0]
+
+    def read_record(self, ticket) -> np.ndarray:
+        """The values of ``ticket``'s array [n] int32, once its copy has landed."""
+        if self._calls is None:
+            return ticket
+        slot, size = ticket
+        self._calls.event_synchronize(self._events[_NUM_SLOTS + 1 + slot])
+        return self._records[slot, :size].copy()
 
     def now(self, *arrays) -> list[np.ndarray]:
         """Host copies of small contiguous device arrays (``SCRATCH_BYTES`` in all), once the work

@@ -2,6 +2,7 @@
 recording fakes for the runner and the device steps: how long a run goes between two looks at the
 depth policy, what a run ends with, and that its tokens stream one at a time."""
 
+import collections
 import itertools
 import time
 
@@ -154,7 +155,8 @@ class _DraftingDevice:
     the host's calls in ``events``, which the test's consumer also writes to."""
 
     def __init__(self, events: list, is_launched_ahead: bool = True):
-        self.events, self._launched, self.is_launched_ahead = events, None, is_launched_ahead
+        self.events, self.is_launched_ahead = events, is_launched_ahead
+        self._launched = collections.deque()  # (token, depth) of the steps not read yet
         self.drafted_from = []  # (rows given or None, next tokens)
 
     def launch_ahead(self, depth):
@@ -166,15 +168,21 @@ class _DraftingDevice:
 
     def launch_verify(self, token, position, depth, head, bias, stats):
         self.events.append(("launch", token, position))
-        self._launched = (token, depth)
+        self._launched.append((token, depth))
         return np.zeros((depth + 1, 4), np.float32)
 
-    def read_verify(self, depth, stats):
-        token, launched_depth = self._launched
+    def launch_chained(self, depth, start, head, bias, stats, oracle):
+        token, launched_depth = self._launched[-1]
         assert depth == launched_depth
-        self.events.append(("read", token))
-        targets = _expected(token, depth + 1)
-        return targets[:depth], targets
+        token = _expected(token, depth + 1)[-1]  # what the step before emits last: its token
+        self.events.append(("chain", token, start))
+        self._launched.append((token, depth))
+
+    def read_verify(self, depth, stats, position):
+        token, launched_depth = self._launched.popleft()
+        assert depth == launched_depth
+        self.events.append(("read", token, position))
+        return depth, _expected(token, depth + 1)
 
 
 class _Ops:
@@ -186,24 +194,40 @@ class _Ops:
 
 
 class _TimedPolicy(DepthPolicy):
-    def __init__(self):
-        super().__init__(2, is_fixed=True)
-        self.times = []
+    def __init__(self, max_depth: int = 2):
+        super().__init__(max_depth, is_fixed=True)
+        self.times, self.limits = [], []
+
+    def depth(self, limit):
+        self.limits.append(limit)
+        return super().depth(limit)
 
     def record(self, depth, seconds, num_accepted):
         self.times.append(seconds)
         super().record(depth, seconds, num_accepted)
 
 
-def _drafting(events: list, is_launched_ahead: bool = True):
+class _ChangingPolicy(_TimedPolicy):
+    """Answers depth 2, then 1."""
+
+    def depth(self, limit):
+        self.limits.append(limit)
+        return min(limit, 2 if len(self.limits) == 1 else 1)
+
+
+def _drafting(events: list, is_launched_ahead: bool = True, policy=None):
     runner = type("Runner", (), {"ops": _Ops()})()
     device = _DraftingDevice(events, is_launched_ahead)
-    speculation = Speculation(runner, None, _TimedPolicy(), None, SamplingParams(temperature=0.0), None,
+    speculation = Speculation(runner, None, policy or _TimedPolicy(), None, SamplingParams(temperature=0.0), None,
                               StreamStats(), device=(device, None, None))
     return runner, speculation
 
 
-def test_the_next_step_is_launched_before_a_steps_tokens_are_yielded():
+def _kinds(events: list) -> list[str]:
+    return [event[0] for event in events]
+
+
+def test_the_next_step_is_chained_on_the_device_before_a_step_is_read():
     events, kv_tokens = [], []
     runner, speculation = _drafting(events)
     tokens = []
@@ -211,18 +235,46 @@ def test_the_next_step_is_launched_before_a_steps_tokens_are_yielded():
         events.append(("yield", token))
         tokens.append(token)
     assert tokens == _expected(5, 12) and kv_tokens == [5, *tokens[:-1]]
-    kinds = [event[0] for event in events]
-    # four steps of three tokens; each step's read is followed by the next step's launches, then its tokens
-    step = ["draft", "launch", "read"]
-    assert kinds == step[:2] + [*step[2:], *step[:2], *["yield"] * 3] * 3 + ["read", *["yield"] * 3]
-    assert [event[1:] for event in events if event[0] == "launch"] == [(5, 40), (tokens[2], 43), (tokens[5], 46),
-                                                                       (tokens[8], 49)]
-    # the first draft reads the prefill's row (at 39); each later one the last verify step's rows where they
-    # are (None), at their positions (the first at the step's), each followed by the token the step emitted after it
-    assert [event[1] for event in events if event[0] == "draft"] == [39, 40, 43, 46]
-    device = speculation.device[0]
-    assert device.drafted_from == [(True, [5]), (False, tokens[0:3]), (False, tokens[3:6]), (False, tokens[6:9])]
+    # four steps of three tokens: the first from the host; each later one chained before the one before it is
+    # read, while the request has room for it whatever that one takes (6 tokens left at depth 2)
+    yields = ["yield"] * 3
+    assert _kinds(events) == ["draft", "launch", "chain", "read", *yields, "chain", "read", *yields, "chain", "read",
+                              *yields, "read", *yields]
+    # a chained step is told where the step before it starts (its own start is on the device)
+    assert [event[1:] for event in events if event[0] == "chain"] == [(tokens[2], 40), (tokens[5], 43),
+                                                                      (tokens[8], 46)]
+    assert [event[2] for event in events if event[0] == "read"] == [40, 43, 46, 49]
+    assert speculation.device[0].drafted_from == [(True, [5])]  # the host drafted once: the prefill's row
+    # the policy is asked for a chained step with the fewest tokens the request may have left then, less one
+    assert speculation.policy.limits == [11, 12 - 3 - 1, 9 - 3 - 1, 6 - 3 - 1]
     assert runner.ops.num_synchronized == 0
+
+
+def test_a_step_that_could_run_past_the_request_is_launched_from_the_host_after_the_read():
+    events = []
+    _, speculation = _drafting(events)
+    tokens = []
+    for token in speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 5, []):
+        events.append(("yield", token))
+        tokens.append(token)
+    assert tokens == _expected(5, 5)
+    # 5 tokens: the first step takes up to 3, so the next is launched once its read says where, before the yield
+    assert _kinds(events) == ["draft", "launch", "read", "draft", "launch", *["yield"] * 3, "read", "yield", "yield"]
+    assert [event[1:] for event in events if event[0] == "launch"] == [(5, 40), (tokens[2], 43)]
+    assert speculation.device[0].drafted_from == [(True, [5]), (False, tokens[0:3])]
+
+
+def test_where_the_policy_answers_another_depth_the_step_is_launched_from_the_host_at_that_depth():
+    events = []
+    policy = _ChangingPolicy()
+    _, speculation = _drafting(events, policy=policy)
+    tokens = list(speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 13, []))  # 3 + 5 x 2 tokens
+    assert tokens == _expected(5, 13)
+    # the first step at 2; asked for the second before the first is read, the policy answers 1: the second
+    # is launched from the host after the read, at 1, and not asked again; later steps are chained at 1
+    assert [event for event in events if event[0] == "draft"][:2] == [("draft", 39, 2), ("draft", 40, 1)]
+    assert _kinds(events)[:7] == ["draft", "launch", "read", "draft", "launch", "chain", "read"]
+    assert policy.limits[:3] == [12, 13 - 3 - 1, 10 - 2 - 1]
 
 
 def test_a_step_launched_ahead_is_timed_without_the_callers_time():
@@ -238,12 +290,11 @@ def test_a_step_that_needs_the_host_between_its_layers_is_not_launched_ahead():
     _, speculation = _drafting(events, is_launched_ahead=False)
     for token in speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 6, []):
         events.append(("yield", token))
-    assert [event[0] for event in events] == ["draft", "launch", "read", *["yield"] * 3, "draft", "launch", "read",
-                                              *["yield"] * 3]
+    assert _kinds(events) == ["draft", "launch", "read", *["yield"] * 3, "draft", "launch", "read", *["yield"] * 3]
 
 
-def test_a_caller_that_stops_waits_for_the_step_launched_ahead():
+def test_a_caller_that_stops_waits_for_the_steps_in_flight():
     events = []
     runner, speculation = _drafting(events)
     assert _taken(speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 12, []), 4) == _expected(5, 4)
-    assert [event[0] for event in events].count("launch") == 3 and runner.ops.num_synchronized == 1
+    assert _kinds(events).count("launch") + _kinds(events).count("chain") == 3 and runner.ops.num_synchronized == 1

@@ -11,6 +11,7 @@ from numba import config as numba_config
 from strata.backend.select import has_cuda_device
 from strata.bench.draft_oracle import DraftOracle
 from strata.engine.decode import step
+from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import EngineError
@@ -74,6 +75,29 @@ def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth, 
     assert speculation.is_kept and speculation.segments == kept  # the load's, not captured again
     idle = dict(engine.idle_ledger.by_owner)
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
+
+
+def test_chained_steps_equal_plain_greedy_where_drafts_are_refused(tiny_path, plain_tokens, monkeypatch):
+    """Steps launched before the step before them is read (``launch_chained``) take their token, positions and
+    draft rows from that step's acceptance on the device; an oracle that refuses about half the drafts makes
+    the count taken vary, so the chain starts from every row and reads the oracle's window at every offset."""
+    num_tokens, depth = (NUM_GENERATED, 3) if BACKEND == "cuda" else (8, 1)
+    expected = plain_tokens if BACKEND == "cuda" else reference_greedy(tiny_path, PROMPT, num_tokens)
+    engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=depth, spec_policy="fixed")),
+                         show_progress=False)
+    chained = []
+    launch_chained = DeviceSpeculation.launch_chained
+
+    def counted(self, chained_depth, *args, **kwargs):
+        chained.append(chained_depth)
+        return launch_chained(self, chained_depth, *args, **kwargs)
+    monkeypatch.setattr(DeviceSpeculation, "launch_chained", counted)
+    oracle = DraftOracle(expected, len(PROMPT), 0.5, engine.spec.vocab_size, seed=4)
+    generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=num_tokens, seed=0),
+                                 draft_oracle=oracle)
+    assert [event.token_id for event in generation if event.token_id >= 0] == expected
+    stats = generation.stats
+    assert chained and set(chained) == {depth} and 0 < stats.spec_accepted < stats.spec_drafted
 
 
 def test_device_speculation_with_the_depth_policy_equals_plain_greedy(tiny_path, plain_tokens):

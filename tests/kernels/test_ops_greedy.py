@@ -9,7 +9,8 @@ from numba import config as numba_config
 
 from strata.backend.select import has_cuda_device, make_ops
 from strata.engine import sampling
-from strata.gpu.kernels.elementwise import increment, take_draft
+from strata.gpu.kernels.drafts import accept_drafts, take_draft, take_row
+from strata.gpu.kernels.elementwise import increment
 from strata.gpu.kernels.sample import add_logit_bias
 from strata.gpu.ledger import VramLedger
 
@@ -39,14 +40,53 @@ def test_increment_steps_every_element():
 
 
 def test_take_draft_replaces_where_asked_records_and_steps_its_place():
-    token, place = dev(np.array([7], np.int32)), dev(np.zeros(1, np.int32))
-    overrides, drafts = dev(np.array([-1, 12, 0, -1], np.int32)), dev(np.full(4, -5, np.int32))
+    token, place, row = dev(np.array([7], np.int32)), dev(np.zeros(1, np.int32)), dev(np.array([2], np.int32))
+    window, drafts = dev(np.array([30, 31, -1, 12, 0, -1], np.int32)), dev(np.full(4, -5, np.int32))
     seen = []
-    for _ in range(3):
-        take_draft(token, overrides, place, drafts)
+    for _ in range(3):  # place p reads window[row + p]
+        take_draft(token, window, place, row, drafts)
         seen.append(int(host(token)[0]))
     assert seen == [7, 12, 0] and int(host(place)[0]) == 3  # -1 keeps the draft; 0 is a token id
     assert host(drafts).tolist() == [7, 12, 0, -5]
+
+
+def test_take_row_copies_the_row_the_device_names():
+    x = np.arange(3 * 300, dtype=np.float32).reshape(3, 300)  # more columns than a block of 256 threads
+    out = dev(np.zeros((1, 300), np.float32))
+    take_row(dev(x), dev(np.array([1], np.int32)), out)
+    np.testing.assert_array_equal(host(out), x[1:2])
+
+
+@pytest.mark.parametrize(("drafts", "targets", "accepted"), [
+    ([4, 5, 6], [4, 5, 6, 7], 3),  # every draft taken
+    ([4, 9, 6], [4, 5, 6, 7], 1),  # the first refusal ends it, though a later draft agrees
+    ([8, 5, 6], [4, 5, 6, 7], 0),
+])
+def test_accept_drafts_takes_the_agreeing_prefix_and_writes_the_next_steps_inputs(drafts, targets, accepted):
+    depth, max_rows, start = 3, 5, 40
+    step_inputs = dev(np.array([1, 4, 9, 6, start, start + 1, start + 2, start + 3], np.int32))
+    draft_inputs, chain = dev(np.full(2 * max_rows, -3, np.int32)), dev(np.full(3, -3, np.int32))
+    record = dev(np.full(max_rows + 1, -3, np.int32))
+    accept_drafts(dev(np.array([*drafts, 99], np.int32)), dev(np.array([*targets, 99], np.int32)), depth, 10,
+                  step_inputs, draft_inputs, chain, record)
+    assert host(record).tolist() == [accepted, *targets, -3]
+    next_start = start + accepted + 1  # the step after emits targets[:n + 1] from start + 1 on
+    assert host(step_inputs).tolist() == [targets[accepted], 4, 9, 6, *range(next_start, next_start + 4)]
+    # every verified row's next token (rows past n draft nothing the chain reads), at its position
+    assert host(draft_inputs).tolist() == [*targets, -3, *range(start, start + 4), -3]
+    assert host(chain).tolist() == [next_start, 0, accepted]
+
+
+def test_accept_drafts_writes_no_id_outside_the_vocabulary_where_a_later_launch_reads_it():
+    step_inputs, draft_inputs = dev(np.array([1, 0, 7, 8], np.int32)), dev(np.zeros(4, np.int32))
+    record, chain = dev(np.zeros(3, np.int32)), dev(np.zeros(3, np.int32))
+    accept_drafts(dev(np.array([3], np.int32)), dev(np.array([-1, 12], np.int32)), 1, 10, step_inputs, draft_inputs,
+                  chain, record)
+    assert host(record).tolist() == [0, -1, 12]  # the host sees what the argmax wrote, and refuses it
+    assert host(step_inputs)[0] == 0 and host(draft_inputs)[:2].tolist() == [0, 0]
+    with pytest.raises(ValueError, match="does not fit"):
+        accept_drafts(dev(np.zeros(2, np.int32)), dev(np.zeros(3, np.int32)), 2, 10, dev(np.zeros(6, np.int32)),
+                      draft_inputs, chain, record)  # a record of 3 holds depth 1's
 
 
 def test_greedy_token_is_the_hosts_pick_from_the_same_biased_logits():

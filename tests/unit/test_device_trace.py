@@ -156,10 +156,11 @@ def test_phases_are_marked_while_open_and_the_functions_restored_after(monkeypat
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
     monkeypatch.setitem(sys.modules, "torch.profiler", profiler)
     speculation = device_speculation.DeviceSpeculation
-    originals = (step._launch, speculation.draft, speculation.launch_verify)
+    originals = (step._launch, speculation.draft, speculation.launch_verify, speculation.launch_chained)
     monkeypatch.setattr(speculation, "draft", lambda self, *args: "drafted")
     monkeypatch.setattr(speculation, "launch_verify", lambda self, *args: "launched")
-    monkeypatch.setattr(speculation, "read_verify", lambda self, *args: ([], [7]))
+    monkeypatch.setattr(speculation, "launch_chained", lambda self, *args: "chained")
+    monkeypatch.setattr(speculation, "read_verify", lambda self, *args: (0, [7]))
     monkeypatch.setattr(graphs.GraphSegment, "replay", lambda self: "replayed")
     replay = graphs.GraphSegment.replay
     with device_trace.marked_phases((lambda: marked.append("start"), lambda: marked.append("end"))):
@@ -167,10 +168,12 @@ def test_phases_are_marked_while_open_and_the_functions_restored_after(monkeypat
         assert marked.pop() == "strata-host:graph replay"
         assert speculation.draft(None, 1, 2) == "drafted"
         device = object.__new__(speculation)
-        assert device.verify(1, 2, 0, None, None, None) == ("launched", [], [7])  # marked once, by its launch
+        assert device.verify(1, 2, 0, None, None, None) == ("launched", 0, [7])  # marked once, by its launch
+        assert device.launch_chained(2, 40, None, None, None) == "chained"
         with pytest.raises(AttributeError):  # the real launch, marked first
             step._launch(None, None, None, None)
-    assert marked == ["strata:draft", "start", "end", "strata:verify", "start", "end", "strata:plain", "start", "end"]
+    assert marked == ["strata:draft", "start", "end", "strata:verify", "start", "end", "strata:chained", "start", "end",
+                      "strata:plain", "start", "end"]
     assert graphs.GraphSegment.replay is replay
     monkeypatch.undo()
-    assert (step._launch, speculation.draft, speculation.launch_verify) == originals
+    assert (step._launch, speculation.draft, speculation.launch_verify, speculation.launch_chained) == originals

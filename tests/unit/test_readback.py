@@ -1,8 +1,9 @@
-"""Readback's queued copies land in its pinned block: slot s of ``queue`` and the scratch of ``now``."""
+"""Readback's queued copies land in its pinned block: slot s of ``queue``, the scratch of ``now``, the records."""
 
 import numpy as np
+import pytest
 
-from strata.gpu.readback import PINNED_BYTES, Readback
+from strata.gpu.readback import PINNED_BYTES, RECORD_BYTES, SCRATCH_BYTES, Readback
 
 
 class RecordingCalls:
@@ -46,3 +47,18 @@ def test_queued_and_immediate_copies_target_the_pinned_block():
     readback.now(DeviceStandIn(2000, 24), None, DeviceStandIn(3000, 8))
     # the scratch starts 64 bytes in; each array 16-byte aligned after the one before
     assert calls.copies == [(base + 64, 2000, 24), (base + 64 + 32, 3000, 8)]
+
+
+def test_records_alternate_two_slots_of_their_own_after_the_scratch():
+    pinned = np.zeros(PINNED_BYTES, dtype=np.uint8)
+    calls = RecordingCalls()
+    readback = Readback(pinned, calls)
+    base = pinned.ctypes.data
+    tickets = [readback.queue_record(DeviceStandIn(1000, 12)) for _ in range(3)]
+    records = base + 64 + SCRATCH_BYTES
+    assert [c[0] for c in calls.copies] == [records, records + RECORD_BYTES, records]
+    assert all(c[2] == 12 for c in calls.copies)
+    pinned[64 + SCRATCH_BYTES:64 + SCRATCH_BYTES + 12] = np.array([2, 7, 9], np.int32).view(np.uint8)
+    assert readback.read_record(tickets[2]).tolist() == [2, 7, 9]
+    with pytest.raises(ValueError, match="at most 64 bytes"):
+        readback.queue_record(DeviceStandIn(1000, RECORD_BYTES + 4))

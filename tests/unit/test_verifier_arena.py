@@ -28,10 +28,12 @@ def test_parts_are_aligned_disjoint_views_of_the_buffer():
 def test_a_drafts_inputs_are_one_block_in_the_hosts_order():
     layout = VerifierLayout(hidden_size=40, vocab_size=101, max_rows=5)
     views = layout.carve(np.zeros(layout.num_bytes, np.uint8))
-    views["inputs"][:] = np.arange(17)  # one copy writes them all: 3 R + 2 ids
+    views["inputs"][:] = np.arange(23)  # one copy writes them all: 4 R + 3 ids
     assert views["tok_in"].tolist() == [0, 1, 2, 3, 4] and views["pos_in"].tolist() == [5, 6, 7, 8, 9]
-    assert views["pos_c"].tolist() == [10] and views["overrides"].tolist() == [11, 12, 13, 14, 15]
-    assert views["place_c"].tolist() == [16]
+    assert views["chain"].tolist() == [10, 11, 12]  # what a verify step's acceptance writes, at once
+    assert views["pos_c"].tolist() == [10] and views["place_c"].tolist() == [11] and views["row_c"].tolist() == [12]
+    assert views["window"].tolist() == list(range(13, 23))  # 2 R: the oracle's tokens from the first row's on
+    assert views["record"].shape == (6,)  # n, then the R picks
 
 
 def test_the_logits_rows_dominate_a_real_models_arena():

@@ -4,18 +4,24 @@ A greedy speculation step never brings logits to the host:
 
     draft:   the verified rows [R, D] (copied by the last verify's picks) and their next tokens and
              positions (one queued copy of ``inputs``) are in fixed buffers; segment first(R)
-             runs the MTP block over them and writes the argmax of its last row (draft 1) into
-             ``tok_c`` and that row into ``x_c``; segment chain runs the block on (x_c, tok_c) at
-             ``pos_c`` and writes draft j + 1 over them, d - 1 times. Each ends with ``take_draft``,
-             which records its draft in ``drafts``.
+             runs the MTP block over them and writes the argmax of its row ``row_c`` (the last
+             verified one; draft 1) into ``tok_c`` and that row into ``x_c``; segment chain runs
+             the block on (x_c, tok_c) at ``pos_c`` and writes draft j + 1 over them, d - 1 times.
+             Each ends with ``take_draft``, which records its draft in ``drafts``.
     verify:  the step of d + 1 rows (``DecodeStep``) embeds the token and the drafts from
              ``drafts``; a segment of picks (``greedy_rows``: the head, the request's bias, an argmax
-             a row) writes the model's own pick after each row into ``targets``; the host reads
-             drafts and targets (4 bytes each) in one wait.
+             a row) writes the model's own pick after each row into ``targets``, and ``accept_drafts``
+             the longest prefix of drafts equal to them, n, beside the picks into ``record`` (queued
+             back to the host: d + 2 ids).
 
-The host compares them: the longest agreeing prefix is taken, and the target after it is the next
-token. ``take_draft`` also applies the bench's draft oracle: the host writes each place's replacement
-before the chain runs (``overrides``, -1 where the draft stays: every place, outside the bench), and
+The longest agreeing prefix is taken, and the target after it is the next token. ``accept_drafts``
+also writes what the next step reads, as the host would once it had read n: the verify step's token
+``targets[n]`` and positions, and the draft's rows (all d + 1 of them: first(d + 1) runs over every
+row, and its chain starts from row n; the MTP cells of the rows after n are written again before any
+draft reads them, as the model's are). So the next step can be launched before the host reads this
+one (``launch_chained``): the device runs on while the host reads and streams. ``take_draft`` also
+applies the bench's draft oracle: the host writes the oracle's token for each position from the
+first verified row's on (``window``, -1 where the draft stays: every place, outside the bench), and
 the launch writes it over the draft on the device, so the oracle adds no host wait to a step and one
 capture serves both. Drafts are picked without the request's logit bias (they only propose); targets
 with it, from the padded bias buffers of the picks' segment (``greedy_tail.GreedyTails``, one per R).
@@ -32,11 +38,13 @@ captures what it replays, charged to its ``activations``, and ``end_request`` dr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import weakref
 
 import numpy as np
 
+from strata.backend.ops import host_tier_bytes
 from strata.engine.decode.greedy_tail import GreedyTails
 from strata.engine.decode.mtp import MtpDraft
 from strata.engine.memory.verifier_arena import VerifierLayout
@@ -56,9 +64,12 @@ class _Buffers:
     drafts: object  # [R_max] int32
     targets: object  # [R_max] int32
     logits: object  # [R_max, V] float32: the verify step's
-    overrides: object  # [R_max] int32: the draft oracle's token at each place, -1 to keep the draft
-    place_c: object  # [1] int32: the chain's place in overrides
-    inputs: object  # [3 R_max + 2] int32: tok_in, pos_in, pos_c, overrides and place_c, one block (one copy)
+    record: object  # [R_max + 1] int32: a verify step's n and picks (``accept_drafts``)
+    chain: object  # [3] int32: pos_c, place_c, row_c
+    place_c: object  # [1] int32: the chain's place in drafts
+    row_c: object  # [1] int32: the row of the first draft step the chain starts from
+    window: object  # [2 R_max] int32: the draft oracle's token at position pos_in[0] + 2 + i, -1 to keep the draft
+    inputs: object  # [4 R_max + 3] int32: tok_in, pos_in, chain and window, one block (one copy)
 
 
 class DeviceSpeculation:
@@ -79,8 +90,12 @@ class DeviceSpeculation:
         self._captured_over: list[weakref.ref] = []  # what the segments read that a loan uploads again
         self._is_pool_trimmed = False  # this request's (or the load's) first capture trimmed the allocator cache
         self._num_verified_rows = 0  # rows of the last verify that its picks copied into h_in, until a draft
-        # [3 R_max + 2] int32 pinned, as ``inputs``: next tokens, positions, the chain's position, overrides, the place
+        # [4 R_max + 3] int32 pinned, as ``inputs``: next tokens, positions, the chain's position, place and row,
+        # the oracle's window
         self._host = None
+        self._windows = None  # [2, 2 R_max] int32 pinned: the windows of chained steps, alternating
+        self._num_chained = 0
+        self._pending: collections.deque = collections.deque()  # (depth, ticket, is_chained) of steps not read
         self._readback = None
 
     @property
@@ -134,23 +149,22 @@ class DeviceSpeculation:
         # in the layout of ``inputs``; rewritten only after the previous step's readback: its queued copy has landed
         host[:num_rows] = next_tokens
         host[max_rows:max_rows + num_rows] = np.arange(start, start + num_rows)
-        host[2 * max_rows] = start + num_rows
-        overrides = host[2 * max_rows + 1:3 * max_rows + 2]  # [R_max] and the place, 0
-        overrides[:] = -1
-        if oracle is not None:  # the draft at ``place`` is verified at the position after the newest token's
-            overrides[:depth] = [oracle.replace(start + num_rows + place + 1, -1) for place in range(depth)]
-        overrides[max_rows] = 0
+        host[2 * max_rows:2 * max_rows + 3] = (start + num_rows, 0, num_rows - 1)  # the chain's position, place, row
+        window = host[2 * max_rows + 3:]  # [2 R_max]: window[i] verified at start + 2 + i
+        window[:] = -1
+        if oracle is not None:  # the draft at ``place`` (window[row + place]) follows the newest token
+            window[num_rows - 1:num_rows - 1 + depth] = oracle.window(start + num_rows + 1, depth)
         ops.copy_in(buffers.inputs, host, is_queued=True)
         self._first_segment(num_rows).replay()
         for _ in range(depth - 1):
             self._chain_segment().replay()
 
     def verify(self, token: int, position: int, depth: int, head: tuple, bias, stats: StreamStats):
-        """The rows [d + 1, D] of ``token`` and the ``depth`` drafts at ``position``.., and the host's
-        copies of the drafts [d] and of the model's greedy pick after each row [d + 1]. bias: the
-        request's logit bias on the host (ids [n] int32, values [n] float32), or None."""
+        """The rows [d + 1, D] of ``token`` and the ``depth`` drafts at ``position``.., how many drafts the
+        model took and its greedy pick after each row [d + 1]. bias: the request's logit bias on the host
+        (ids [n] int32, values [n] float32), or None."""
         rows = self.launch_verify(token, position, depth, head, bias, stats)
-        return (rows, *self.read_verify(depth, stats))
+        return (rows, *self.read_verify(depth, stats, position))
 
     def launch_ahead(self, depth: int) -> bool:
         """Whether a verify step of ``depth`` drafts runs without the host between its layers (every expert
@@ -164,26 +178,57 @@ class DeviceSpeculation:
         step = self.runner.step_of(depth + 1)
         rows = step.forward([token] + [0] * depth, position, stats, buffers.drafts if depth else None)
         self._picks(rows, head, bias).segment.replay()
-        self._num_verified_rows = depth + 1
+        self._queue_record(depth, is_chained=False)
         return rows
 
-    def read_verify(self, depth: int, stats: StreamStats) -> tuple[list[int], list[int]]:
-        """The drafts [d] and the model's picks [d + 1] of the step ``launch_verify`` launched last, once it
-        has run."""
-        buffers = self._buffers
-        drafts, targets = stats.waited(self._readback.now, buffers.drafts[:depth] if depth else None,
-                                       buffers.targets[:depth + 1])
-        vocab_size = self.runner.spec.vocab_size
+    def launch_chained(self, depth: int, start: int, head: tuple, bias, stats: StreamStats, oracle=None) -> None:
+        """The next step of ``depth`` drafts after the step launched last (of the same depth), launched before
+        the host has read that one: its draft and verify read what that step's acceptance wrote on the
+        device. start: the first position of the step launched last (the host knows it; the one launched now
+        starts n + 1 later). oracle: as ``draft`` takes it, its tokens from start + 2 on."""
+        buffers = self._allocated()
+        if not self._pending or self._pending[-1][0] != depth or not depth:
+            raise EngineError(f"a chained step of depth {depth} follows a launched step of the same depth "
+                              f"(launched: {[entry[0] for entry in self._pending]})")
+        if oracle is not None:  # for every n of the step before: the place j reads window[n + j]
+            window = self._windows[self._num_chained % 2]  # its queued copy two chained steps ago has landed
+            window[:] = -1
+            window[:2 * depth] = oracle.window(start + 2, 2 * depth)
+            self.ops.copy_in(buffers.window, window, is_queued=True)
+        self._num_chained += 1
+        self._first_segment(depth + 1).replay()
+        for _ in range(depth - 1):
+            self._chain_segment().replay()
+        rows = self.runner.step_of(depth + 1).forward_queued(stats, buffers.drafts)
+        self._picks(rows, head, bias).segment.replay()
+        self._queue_record(depth, is_chained=True)
+
+    def read_verify(self, depth: int, stats: StreamStats, position: int) -> tuple[int, list[int]]:
+        """How many drafts the oldest launched step not read yet took, n, and the model's picks [d + 1] after its
+        rows (it emits picks[:n + 1]), once it has run. position: the step's first position."""
+        if not self._pending or self._pending[0][0] != depth:
+            raise EngineError(f"a read of a step of depth {depth}, but the steps launched are of depths "
+                              f"{[entry[0] for entry in self._pending]}")
+        _, ticket, is_chained = self._pending.popleft()
+        record = stats.waited(self._readback.read_record, ticket)  # [d + 2]
+        targets, vocab_size = record[1:], self.runner.spec.vocab_size
         if np.any(targets < 0) or np.any(targets >= vocab_size):  # the argmax found no finite logit
             raise NonFiniteLogitsError(f"the device picked token id {int(targets.max())} outside the vocabulary: "
                                        "the logits were not finite (NaN); check the model file, or decode with "
                                        "runtime.greedy_on_device = false")
-        return ([] if drafts is None else drafts.tolist()), targets.tolist()
+        if is_chained:  # its positions were the device's: counted now, as ``forward`` counts the host's
+            stats.kv_host_bytes += host_tier_bytes(self.runner.kv, position, position + depth + 1)
+        return int(record[0]), targets.tolist()
+
+    def _queue_record(self, depth: int, is_chained: bool) -> None:
+        self._num_verified_rows = depth + 1
+        self._pending.append((depth, self._readback.queue_record(self._buffers.record[:depth + 2]), is_chained))
 
     def end_request(self) -> None:
         """A request's speculation is over: kept segments wait for the next one, others are dropped."""
         self._is_pool_trimmed, self._num_verified_rows = False, 0
         self._biased = {}
+        self._pending.clear()
         for _, tails in self._tails.values():
             tails.end_request()
         if not self.is_kept:
@@ -195,6 +240,7 @@ class DeviceSpeculation:
         self._buffers = self._carved_from = None
         self.is_kept = self._is_pool_trimmed = False
         self._num_verified_rows = 0
+        self._pending.clear()
 
     def _close_segments(self) -> None:
         for segment in self.segments:
@@ -224,9 +270,12 @@ class DeviceSpeculation:
         return tail
 
     def _pick_rows(self, rows, head: tuple, bias) -> tuple:
-        num_rows, buffers = rows.shape[0], self._buffers
-        self.ops.greedy_rows(rows, *head, bias, buffers.targets[:num_rows], logits=buffers.logits[:num_rows])
-        self.ops.copy_array(buffers.h_in[:num_rows], rows)  # what the next draft reads (of them, the verified)
+        num_rows, buffers, ops = rows.shape[0], self._buffers, self.ops
+        ops.greedy_rows(rows, *head, bias, buffers.targets[:num_rows], logits=buffers.logits[:num_rows])
+        ops.copy_array(buffers.h_in[:num_rows], rows)  # what the next draft reads (of them, the verified)
+        ops.accept_drafts(buffers.drafts, buffers.targets, num_rows - 1, self.runner.spec.vocab_size,
+                          self.runner.step_of(num_rows).inputs, buffers.inputs[:2 * self.max_rows], buffers.chain,
+                          buffers.record)
         return ()
 
     def _reads(self) -> list:
@@ -268,7 +317,8 @@ class DeviceSpeculation:
             self._buffers = _Buffers(**layout.carve(self.arena.buffer))
             self._carved_from = weakref.ref(self.arena.buffer)
             if self._host is None:
-                self._host = ops.host_buffer(4 * (3 * rows + 2)).view(np.int32)
+                self._host = ops.host_buffer(4 * (4 * rows + 3)).view(np.int32)
+                self._windows = ops.host_buffer(4 * 4 * rows).view(np.int32).reshape(2, 2 * rows)
                 self._readback = ops.readback()
         return self._buffers
 
@@ -288,9 +338,9 @@ class DeviceSpeculation:
         buffers, ops = self._buffers, self.ops
         x = self.mtp.hidden(buffers.h_in[:num_rows], buffers.tok_in[:num_rows], 0,
                             positions=buffers.pos_in[:num_rows])  # [R, D]
-        ops.copy_array(buffers.x_c, x[num_rows - 1:])
+        ops.take_row(x, buffers.row_c, buffers.x_c)
         ops.greedy_token(buffers.x_c, *self.mtp.head(), None, buffers.tok_c)
-        ops.take_draft(buffers.tok_c, buffers.overrides, buffers.place_c, buffers.drafts)
+        ops.take_draft(buffers.tok_c, buffers.window, buffers.place_c, buffers.row_c, buffers.drafts)
         return ()
 
     def _chain_step(self):
@@ -299,5 +349,5 @@ class DeviceSpeculation:
         ops.copy_array(buffers.x_c, x)
         ops.increment(buffers.pos_c)
         ops.greedy_token(buffers.x_c, *self.mtp.head(), None, buffers.tok_c)
-        ops.take_draft(buffers.tok_c, buffers.overrides, buffers.place_c, buffers.drafts)
+        ops.take_draft(buffers.tok_c, buffers.window, buffers.place_c, buffers.row_c, buffers.drafts)
         return ()

@@ -17,15 +17,20 @@ row as a one-token forward would, so greedy output equals plain greedy decode to
 The next step's drafting starts from the verified rows: they go through the MTP block together
 (writing its cache at p..p+n with the main model's states), and the last one drafts.
 Depth 0 (the policy found drafting slower than it saves) is a plain one-token step.
+
+On the device (greedy, captured decode) the comparison is made there too, and the step after a
+step of the same depth is launched before the host reads that one (``launch_chained``): the host
+reads, streams and launches while the device runs the step before, one step behind it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -37,6 +42,13 @@ from strata.engine.stream_stats import StreamStats
 PLAIN_RUN_TOKENS = 16  # the fewest plain steps on the device between two looks at the depth policy
 
 
+class _Launched(NamedTuple):
+    """A device step launched and not read yet."""
+
+    depth: int
+    started: float  # perf_counter at its launch
+
+
 class DraftOracle(Protocol):
     """A measurement aid of the bench: the token to verify instead of the one the MTP block proposed.
     Its ``continuation`` (the plain greedy tokens from ``first_position`` on) is recorded by the
@@ -46,6 +58,8 @@ class DraftOracle(Protocol):
     first_position: int
 
     def replace(self, position: int, proposed: int) -> int: ...
+
+    def window(self, first: int, size: int) -> list[int]: ...
 
 
 class _PlainDecode:
@@ -87,21 +101,25 @@ class Speculation:
         self.oracle = oracle
         self.device = device
         self.on_pick = on_pick
+        self._decided: int | None = None  # the policy's depth for the next step, asked before it was launched
 
     def tokens(self, token: int, hidden_row, position: int, num_steps: int, kv_tokens: list[int]) -> Iterator[int]:
         """Up to ``num_steps`` tokens after ``token`` (at ``position``; ``hidden_row`` [1, D] on the
         backend: the main model's state at position - 1). Appends each verified token to ``kv_tokens``.
 
         On the device, where a verify step needs the host only at its start (``launch_ahead``), the next
-        step's draft and verify are launched before a step yields its tokens: the caller's work between
-        tokens is then not the device's idle time, and the policy times a step without it. A caller that
-        stops early leaves that step's KV cells written past the tokens it keeps, as a greedy step
-        running ahead does (``DecodeStep.greedy_tokens``)."""
+        step is launched before a step is read: chained (``launch_chained``: it reads what this step's
+        acceptance wrote on the device) where it keeps this step's depth, cannot run past the request and the
+        policy agrees, else launched from the host once this step is read, before its tokens are yielded.
+        So neither the host's reading nor the caller's work between tokens is the device's idle time, and
+        the policy times a step without the caller's. A caller that stops early leaves the KV cells of the
+        steps in flight written past the tokens it keeps, as a greedy step running ahead does
+        (``DecodeStep.greedy_tokens``)."""
         rows, next_tokens, start = hidden_row, [token], position - 1  # what the MTP block reads next
         num_left, depth = num_steps, None
-        launched = None  # (depth, when): a device step launched ahead, its results not read yet
-        caller_seconds = 0.0  # the caller's time between the launch of the step ``launched`` and its read
-        is_in_flight, error = False, None  # launches queued that nothing has read yet; the error raised here
+        in_flight: collections.deque[_Launched] = collections.deque()  # device steps launched, not read yet
+        caller_seconds, last_read = 0.0, 0.0  # the caller's time since the last read; when that read ended
+        error = None  # the error raised here
         try:
             while num_left > 0:
                 depth = self.policy.depth(num_left - 1) if depth is None else depth
@@ -120,14 +138,17 @@ class Speculation:
                     started = time.perf_counter()
                     rows, emitted, num_accepted = self._host_step(token, position, depth, rows, next_tokens, start)
                 else:
-                    is_in_flight = True
-                    depth, started = launched or self._launch(token, position, depth, rows, next_tokens, start)
-                    started, launched = started + caller_seconds, None
-                    rows, emitted, num_accepted = self._read(depth)
-                    is_in_flight, caller_seconds = False, 0.0
+                    if not in_flight:
+                        in_flight.append(self._launch(token, position, depth, rows, next_tokens, start))
+                    step = in_flight[0]
+                    if len(in_flight) == 1 and self._is_chained_next(step.depth, num_left):
+                        in_flight.append(self._launch_chained(step.depth, position))
+                    num_accepted, emitted = self._read(in_flight.popleft(), position)
+                    started = max(step.started, last_read) + caller_seconds
                 # [n + 1, D] the verified rows; on the device None: they are where the next draft reads them
                 rows = None if self.device is not None else rows[:num_accepted + 1]
-                self.policy.record(depth, time.perf_counter() - started, num_accepted)
+                last_read = time.perf_counter()
+                self.policy.record(depth, last_read - started, num_accepted)
                 if depth:
                     self.stats.record_round(depth, num_accepted)
                 self.stats.spec_depth = depth
@@ -137,25 +158,40 @@ class Speculation:
                 next_tokens, start = emitted[-(num_accepted + 1):], position + len(verified) - num_accepted - 1
                 position += len(verified)
                 token = emitted[-1]
-                num_taken, num_left, depth = min(len(emitted), num_left), num_left - len(emitted), None
-                if self.device is not None and num_left > 0:
-                    depth = self.policy.depth(num_left - 1)
+                num_taken, num_left = min(len(emitted), num_left), num_left - len(emitted)
+                depth, self._decided = self._decided, None  # a depth the policy gave for a step not chained
+                if in_flight:
+                    depth = in_flight[0].depth
+                elif self.device is not None and num_left > 0:
+                    depth = self.policy.depth(num_left - 1) if depth is None else depth
                     if depth and self.device[0].launch_ahead(depth):  # runs while the caller takes these tokens
-                        is_in_flight = True
-                        launched = self._launch(token, position, depth, rows, next_tokens, start)
+                        in_flight.append(self._launch(token, position, depth, rows, next_tokens, start))
                 yielded = time.perf_counter()
                 yield from emitted[:num_taken]
-                caller_seconds = time.perf_counter() - yielded if launched is not None else 0.0
+                caller_seconds = time.perf_counter() - yielded if in_flight else 0.0
         except Exception as exc:
             error = exc
             raise
         finally:
-            if is_in_flight:  # what was launched finishes before the request's buffers go
+            if in_flight:  # what was launched finishes before the request's buffers go
                 if error is None:  # the caller stopped early: a device error is this request's
                     self.runner.ops.synchronize()
                 else:  # the error raised here is the one to see
                     with contextlib.suppress(Exception):
                         self.runner.ops.synchronize()
+
+    def _is_chained_next(self, depth: int, num_left: int) -> bool:
+        """Whether the step after one of ``depth`` drafts now in flight is launched before it is read, chained
+        on the device: it drafts as deep, runs without the host between its layers, and is needed and inside
+        the request whatever the step before takes (it emits at most d + 1 of the ``num_left`` tokens). The
+        policy answers for it one step early, from the records before the step in flight; where its answer
+        is another depth, that step is launched from the host and takes the answer (``_decided``)."""
+        if not depth or num_left < 2 * (depth + 1) or not self.device[0].launch_ahead(depth):
+            return False
+        decided = self.policy.depth(num_left - depth - 2)  # the fewest tokens left after the step in flight, less one
+        if decided != depth:
+            self._decided = decided
+        return decided == depth
 
     def _device_plain_run(self, token: int, position: int, num_tokens: int, is_last: bool, kv_tokens: list[int]):
         """Yields ``num_tokens`` plain greedy tokens after ``token`` picked on the device, each step queued
@@ -211,25 +247,30 @@ class Speculation:
                 self.on_pick(row_logits, picked)
         return rows, emitted, num_accepted
 
-    def _launch(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int) -> tuple:
-        """A device step's draft and verify launched, the host not waiting: (depth, when); ``_read`` reads it.
-        rows: as ``DeviceSpeculation.draft`` takes them (None: the last verify step's)."""
+    def _launch(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int) -> _Launched:
+        """A device step's draft and verify launched from the host's inputs, the host not waiting; ``_read``
+        reads it. rows: as ``DeviceSpeculation.draft`` takes them (None: the last verify step's)."""
         device, head, bias = self.device
         started = time.perf_counter()
         if depth:
             device.draft(rows, next_tokens, start, depth, self.oracle)
             self.stats.spec_draft_steps += depth
         device.launch_verify(token, position, depth, head, bias, self.stats)
-        return depth, started
+        return _Launched(depth, started)
 
-    def _read(self, depth: int):
-        """As ``_host_step``, greedy, for the step ``_launch`` launched last: drafts and picks on the device,
-        4 bytes a token read back."""
-        drafts, targets = self.device[0].read_verify(depth, self.stats)
-        num_accepted = 0
-        while num_accepted < depth and drafts[num_accepted] == targets[num_accepted]:
-            num_accepted += 1
-        return None, [*drafts[:num_accepted], targets[num_accepted]], num_accepted
+    def _launch_chained(self, depth: int, position: int) -> _Launched:
+        """The step after the one in flight (at ``position``), launched chained on the device."""
+        device, head, bias = self.device
+        started = time.perf_counter()
+        device.launch_chained(depth, position, head, bias, self.stats, self.oracle)
+        self.stats.spec_draft_steps += depth
+        return _Launched(depth, started)
+
+    def _read(self, step: _Launched, position: int) -> tuple[int, list[int]]:
+        """(drafts taken n, the n + 1 tokens to emit) of the oldest device step not read yet (at ``position``):
+        drafts and picks compared on the device, d + 2 ids read back."""
+        num_accepted, targets = self.device[0].read_verify(step.depth, self.stats, position)
+        return num_accepted, targets[:num_accepted + 1]
 
     def _pick(self, logits: np.ndarray) -> int:
         return sample(logits, self.params, self.rng)

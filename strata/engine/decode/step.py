@@ -123,6 +123,12 @@ class DecodeStep:
         return self._x
 
     @property
+    def inputs(self):
+        """[2R] int32 on the device: the step's tokens, then their positions (None until allocated). A captured
+        verify step's acceptance writes the next step's here (``forward_queued``)."""
+        return self._inputs
+
+    @property
     def is_host_free(self) -> bool:
         """Whether a step runs its layers as whole-token segments, the host not between them (``kind`` RESIDENT or
         ADDRESSED), as the request's first step decides it (or would, from the cache as it is now)."""
@@ -167,6 +173,19 @@ class DecodeStep:
             self._num_uncounted_steps += 1  # counted at the end of decode (``count_reads``): no wait here
         else:
             self._layers(stats)
+        return self._x
+
+    def forward_queued(self, stats: StreamStats, drafts):
+        """``forward`` of the tokens and positions that work queued before it writes into ``inputs`` on the device
+        (the first token there, the rest from ``drafts``), the host never knowing them: a whole-token step of a
+        request that has run a ``forward`` already. The caller counts its host-tier KV bytes once it knows the
+        position."""
+        if self._is_request_start or self.kind == LAYERS:
+            raise EngineError("a step from the device's inputs follows a whole-token step of the same request")
+        self._drafts_segment(drafts).replay()
+        for part in self._token_segments():
+            part.replay()
+        self._num_uncounted_steps += 1
         return self._x
 
     def greedy_tokens(self, token: int, position: int, num_steps: int, head: tuple, bias: tuple | None,

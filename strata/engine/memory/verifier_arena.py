@@ -6,9 +6,10 @@ prefill, allocated again before decode. A request's ``DeviceSpeculation`` carves
     h_in [R, D] float32    the verified rows the first draft step reads
     x_c [1, D] float32     the draft chain's state
     logits [R, V] float32  the verify step's logits, one row per verified position
-    drafts, targets [R] int32;  tok_c [1] int32
-    inputs [3R + 2] int32  what the host writes before a draft, in one copy: tok_in [R], pos_in [R],
-                           pos_c [1], overrides [R], place_c [1] (views of it)
+    drafts, targets [R] int32;  tok_c [1] int32;  record [R + 1] int32: a verify step's acceptance
+    inputs [4R + 3] int32  what a draft reads, written by the host in one copy or by a verify step's
+                           acceptance on the device: tok_in [R], pos_in [R], the chain's pos_c, place_c
+                           and row_c [1] each, and the draft oracle's window [2R] (views of it)
 
 R = 1 + spec_depth rows. Each part starts on a 256-byte boundary (the device allocator's, so that
 the kernels' 16-byte loads stay aligned); the views of ``inputs`` are int32 slices of it, read one id at a time.
@@ -39,7 +40,8 @@ class VerifierLayout(NamedTuple):
         rows, width = self.max_rows, self.hidden_size
         return {"h_in": ((rows, width), np.float32), "x_c": ((1, width), np.float32),
                 "logits": ((rows, self.vocab_size), np.float32), "drafts": ((rows,), np.int32),
-                "targets": ((rows,), np.int32), "tok_c": ((1,), np.int32), "inputs": ((3 * rows + 2,), np.int32)}
+                "targets": ((rows,), np.int32), "tok_c": ((1,), np.int32), "record": ((rows + 1,), np.int32),
+                "inputs": ((4 * rows + 3,), np.int32)}
 
     @property
     def num_bytes(self) -> int:
@@ -56,6 +58,8 @@ class VerifierLayout(NamedTuple):
             views[name] = buffer[offset:offset + size].view(dtype).reshape(shape)
             offset += _aligned(size)
         rows, inputs = self.max_rows, views["inputs"]
-        views.update(tok_in=inputs[:rows], pos_in=inputs[rows:2 * rows], pos_c=inputs[2 * rows:2 * rows + 1],
-                     overrides=inputs[2 * rows + 1:3 * rows + 1], place_c=inputs[3 * rows + 1:])
+        chain = 2 * rows  # where pos_c, place_c and row_c follow tok_in and pos_in
+        views.update(tok_in=inputs[:rows], pos_in=inputs[rows:chain], chain=inputs[chain:chain + 3],
+                     pos_c=inputs[chain:chain + 1], place_c=inputs[chain + 1:chain + 2],
+                     row_c=inputs[chain + 2:chain + 3], window=inputs[chain + 3:])
         return views

@@ -114,32 +114,6 @@ def increment(values, *, threads: int = _DEFAULT_ADD_THREADS, stream=0):
 
 
 @jit
-def _take_draft_kernel(token, overrides, place, drafts):  # one thread
-    if cuda.grid(1) == 0:
-        at = place[0]
-        value = overrides[at]
-        if value >= 0:
-            token[0] = value
-        drafts[at] = token[0]
-        place[0] = at + 1
-
-
-def take_draft(token, overrides, place, drafts, *, stream=0):
-    """The draft at place p = place[0] of a captured draft chain: token[0] = overrides[p] where that is >= 0
-    (the bench's draft oracle; else kept), drafts[p] = token[0], then place[0] = p + 1. token and place [1],
-    overrides and drafts [n] int32 on the device, p < n.
-
-    Launch config: one block of one thread.
-    """
-    check_array("token", token, dtypes=np.int32, shape=(1,))
-    check_array("overrides", overrides, dtypes=np.int32, ndim=1)
-    check_array("place", place, dtypes=np.int32, shape=(1,))
-    check_array("drafts", drafts, dtypes=np.int32, shape=tuple(overrides.shape))
-    _take_draft_kernel[1, 1, stream](token, overrides, place, drafts)
-    return token
-
-
-@jit
 def _to_float16_kernel(x, out):  # out [n] = x [n] rounded to float16
     i = cuda.grid(1)
     if i < x.shape[0]:
