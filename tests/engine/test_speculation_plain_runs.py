@@ -7,6 +7,7 @@ import itertools
 import time
 
 import numpy as np
+import pytest
 
 from strata.engine.decode.depth_policy import DepthPolicy
 from strata.engine.decode.speculative import PLAIN_DECODE, PLAIN_RUN_TOKENS, Speculation
@@ -158,6 +159,7 @@ class _DraftingDevice:
         self.events, self.is_launched_ahead = events, is_launched_ahead
         self._launched = collections.deque()  # (token, depth) of the steps not read yet
         self.drafted_from = []  # (rows given or None, next tokens)
+        self.failing_launch = None  # launch_verify raises when the events number this
 
     def launch_ahead(self, depth):
         return self.is_launched_ahead
@@ -167,6 +169,8 @@ class _DraftingDevice:
         self.drafted_from.append((rows is not None, list(next_tokens)))
 
     def launch_verify(self, token, position, depth, head, bias, stats):
+        if self.failing_launch == len(self.events):
+            raise RuntimeError("a capture failed")
         self.events.append(("launch", token, position))
         self._launched.append((token, depth))
         return np.zeros((depth + 1, 4), np.float32)
@@ -298,3 +302,12 @@ def test_a_caller_that_stops_waits_for_the_steps_in_flight():
     runner, speculation = _drafting(events)
     assert _taken(speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 12, []), 4) == _expected(5, 4)
     assert _kinds(events).count("launch") + _kinds(events).count("chain") == 3 and runner.ops.num_synchronized == 1
+
+
+def test_a_launch_that_fails_after_its_draft_is_waited_for():
+    events = []
+    runner, speculation = _drafting(events)
+    speculation.device[0].failing_launch = 1  # after the first draft
+    with pytest.raises(RuntimeError, match="a capture failed"):
+        list(speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 12, []))
+    assert _kinds(events) == ["draft"] and runner.ops.num_synchronized == 1  # the draft's work, queued

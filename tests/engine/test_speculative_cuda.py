@@ -12,6 +12,7 @@ from strata.backend.select import has_cuda_device
 from strata.bench.draft_oracle import DraftOracle
 from strata.engine.decode import step
 from strata.engine.decode.device_speculation import DeviceSpeculation
+from strata.engine.decode.speculative import Speculation
 from strata.engine.facade import Engine
 from strata.engine.sampling import SamplingParams
 from strata.errors import EngineError
@@ -77,11 +78,14 @@ def test_device_speculation_equals_plain_greedy(tiny_path, plain_tokens, depth, 
     assert {k: v for k, v in engine.ledger.snapshot().by_owner.items() if k not in TRANSIENT_OWNERS} == idle
 
 
-def test_chained_steps_equal_plain_greedy_where_drafts_are_refused(tiny_path, plain_tokens, monkeypatch):
+def test_chained_steps_equal_plain_greedy_and_take_what_steps_launched_from_the_host_take(tiny_path, plain_tokens,
+                                                                                           monkeypatch):
     """Steps launched before the step before them is read (``launch_chained``) take their token, positions and
     draft rows from that step's acceptance on the device; an oracle that refuses about half the drafts makes
-    the count taken vary, so the chain starts from every row and reads the oracle's window at every offset."""
-    num_tokens, depth = (NUM_GENERATED, 3) if BACKEND == "cuda" else (8, 1)
+    the count taken vary, so the chain starts from every row and reads the oracle's window at every offset.
+    The oracle draws each position once, in order: launched from the host instead, the same request takes
+    exactly the same drafts (a window read at the wrong place would not)."""
+    num_tokens, depth = (NUM_GENERATED, 3) if BACKEND == "cuda" else (6, 1)
     expected = plain_tokens if BACKEND == "cuda" else reference_greedy(tiny_path, PROMPT, num_tokens)
     engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=depth, spec_policy="fixed")),
                          show_progress=False)
@@ -91,13 +95,21 @@ def test_chained_steps_equal_plain_greedy_where_drafts_are_refused(tiny_path, pl
     def counted(self, chained_depth, *args, **kwargs):
         chained.append(chained_depth)
         return launch_chained(self, chained_depth, *args, **kwargs)
+
+    def run() -> tuple[int, int, int]:
+        oracle = DraftOracle(expected, len(PROMPT), 0.5, engine.spec.vocab_size, seed=4)
+        generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=num_tokens, seed=0),
+                                     draft_oracle=oracle)
+        assert [event.token_id for event in generation if event.token_id >= 0] == expected
+        stats = generation.stats
+        return stats.spec_drafted, stats.spec_accepted, stats.spec_rounds
+
     monkeypatch.setattr(DeviceSpeculation, "launch_chained", counted)
-    oracle = DraftOracle(expected, len(PROMPT), 0.5, engine.spec.vocab_size, seed=4)
-    generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=num_tokens, seed=0),
-                                 draft_oracle=oracle)
-    assert [event.token_id for event in generation if event.token_id >= 0] == expected
-    stats = generation.stats
-    assert chained and set(chained) == {depth} and 0 < stats.spec_accepted < stats.spec_drafted
+    drafted, accepted, rounds = run()
+    assert chained and set(chained) == {depth} and 0 < accepted < drafted
+    num_chained = len(chained)
+    monkeypatch.setattr(Speculation, "_is_chained_next", lambda self, depth, num_left: False)
+    assert run() == (drafted, accepted, rounds) and len(chained) == num_chained
 
 
 def test_device_speculation_with_the_depth_policy_equals_plain_greedy(tiny_path, plain_tokens):

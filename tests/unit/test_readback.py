@@ -10,6 +10,8 @@ class RecordingCalls:
     def __init__(self):
         self.copies: list[tuple[int, int, int]] = []  # (host destination, device source, bytes)
         self.num_events = 0
+        self.recorded: list[int] = []  # events recorded, in order
+        self.waited: list[int] = []  # events waited for
 
     def event_create(self) -> int:
         self.num_events += 1
@@ -19,10 +21,10 @@ class RecordingCalls:
         self.copies.append((destination, source, num_bytes))
 
     def event_record(self, event, stream) -> None:
-        pass
+        self.recorded.append(event)
 
     def event_synchronize(self, event) -> None:
-        pass
+        self.waited.append(event)
 
 
 class DeviceStandIn:
@@ -60,5 +62,12 @@ def test_records_alternate_two_slots_of_their_own_after_the_scratch():
     assert all(c[2] == 12 for c in calls.copies)
     pinned[64 + SCRATCH_BYTES:64 + SCRATCH_BYTES + 12] = np.array([2, 7, 9], np.int32).view(np.uint8)
     assert readback.read_record(tickets[2]).tolist() == [2, 7, 9]
+    record_events = calls.recorded[:3]  # one a queued record
+    assert record_events[0] == record_events[2] != record_events[1]  # each slot its own, in turn
+    assert calls.waited == [record_events[2]]  # the read waited for its own copy alone
+    readback.queue(DeviceStandIn(1000, 4))
+    readback.queue(DeviceStandIn(1000, 4))
+    readback.now(DeviceStandIn(2000, 8))
+    assert len(set(calls.recorded[3:])) == 3 and not set(calls.recorded[3:]) & set(record_events)
     with pytest.raises(ValueError, match="at most 64 bytes"):
         readback.queue_record(DeviceStandIn(1000, RECORD_BYTES + 4))

@@ -221,6 +221,8 @@ class DeviceSpeculation:
         return int(record[0]), targets.tolist()
 
     def _queue_record(self, depth: int, is_chained: bool) -> None:
+        if len(self._pending) >= 2:  # the readback's record slots: a third would overwrite the oldest unread
+            raise EngineError("a third verify step launched before the first was read; read it first")
         self._num_verified_rows = depth + 1
         self._pending.append((depth, self._readback.queue_record(self._buffers.record[:depth + 2]), is_chained))
 

@@ -139,10 +139,10 @@ class Speculation:
                     rows, emitted, num_accepted = self._host_step(token, position, depth, rows, next_tokens, start)
                 else:
                     if not in_flight:
-                        in_flight.append(self._launch(token, position, depth, rows, next_tokens, start))
+                        _launch_into(in_flight, self._launch, token, position, depth, rows, next_tokens, start)
                     step = in_flight[0]
                     if len(in_flight) == 1 and self._is_chained_next(step.depth, num_left):
-                        in_flight.append(self._launch_chained(step.depth, position))
+                        _launch_into(in_flight, self._launch_chained, step.depth, position)
                     num_accepted, emitted = self._read(in_flight.popleft(), position)
                     started = max(step.started, last_read) + caller_seconds
                 # [n + 1, D] the verified rows; on the device None: they are where the next draft reads them
@@ -165,7 +165,7 @@ class Speculation:
                 elif self.device is not None and num_left > 0:
                     depth = self.policy.depth(num_left - 1) if depth is None else depth
                     if depth and self.device[0].launch_ahead(depth):  # runs while the caller takes these tokens
-                        in_flight.append(self._launch(token, position, depth, rows, next_tokens, start))
+                        _launch_into(in_flight, self._launch, token, position, depth, rows, next_tokens, start)
                 yielded = time.perf_counter()
                 yield from emitted[:num_taken]
                 caller_seconds = time.perf_counter() - yielded if in_flight else 0.0
@@ -304,3 +304,10 @@ class Speculation:
             residual = np.maximum(p - q, 0.0)
             return [*drafts[:place], draw(residual if residual.sum() > 0 else p, self.rng)], place
         return [*drafts, draw(distribution(logits[len(drafts)], self.params), self.rng)], len(drafts)
+
+
+def _launch_into(in_flight: collections.deque, launch: Callable[..., _Launched], *args) -> None:
+    """Append ``launch(*args)``'s step to ``in_flight``, its place held while it launches: a launch that fails
+    halfway has queued work that the request's end must wait for before its buffers go."""
+    in_flight.append(None)
+    in_flight[-1] = launch(*args)

@@ -1,0 +1,29 @@
+"""tools/graph_launch_cost.py: the host's cost of a graph replay, untraced (it times on a GPU; here, that it
+says so instead of timing the simulator, and refuses what it cannot parse)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from numba import config as numba_config
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "graph_launch_cost.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("graph_launch_cost", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not numba_config.ENABLE_CUDASIM, reason="the simulator's refusal (on a GPU the tool times)")
+def test_without_a_gpu_it_says_so_and_fails(capsys):
+    assert _tool().main(["--nodes", "4"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_an_argument_it_cannot_parse_is_refused():
+    with pytest.raises(SystemExit) as exit_info:
+        _tool().main(["--nodes", "many"])
+    assert exit_info.value.code == 2
