@@ -219,7 +219,8 @@ def format_summary(title: str, summary: TraceSummary, num_tokens: int, top: int 
             lines.append(f"| {name} | {count} | {host_us / each:.1f} | {num_kernels / each:.1f} | "
                          f"{device_us / each:.1f} |")
     if summary.host_work:
-        lines += ["", "the host's marked work, by the phase that holds it:",
+        lines += ["", "the host's marked work, by the phase that holds it (under the profiler, which records every "
+                  "kernel a graph replays: an untraced replay cost 5-25 µs on an H100, tools/graph_launch_cost.py):",
                   "| what | a token | µs a token | µs each |", "| --- | ---: | ---: | ---: |"]
         for work in summary.host_work:
             lines.append(f"| {work.name} | {work.count / per:.1f} | {work.total_us / per:.1f} | "

@@ -149,6 +149,7 @@ def main(argv=None) -> int:
         "deterministic": engine.config.runtime.deterministic, "deterministic_arm": args.deterministic,
         "draft_oracle": args.draft_oracle, "spec_rounds": stats.spec_rounds, "spec_drafted": stats.spec_drafted,
         "spec_accepted": stats.spec_accepted, "spec_depth": stats.spec_depth,
+        "spec_launch_seconds": stats.spec_launch_seconds,
         "spec_depth_max": engine.config.runtime.spec_depth,
         "depth_policy": engine.depth_policy.summary() if engine.depth_policy is not None else "",
         # with the oracle: the measured run's tokens are the plain run's (greedy output must not change)

@@ -375,6 +375,7 @@ class Generation:
             prefetched_used_experts=stream.prefetched_used, decode_wait_seconds=stream.decode_wait_seconds,
             is_speculative=self.engine.mtp is not None, spec_rounds=stream.spec_rounds,
             spec_drafted=stream.spec_drafted, spec_accepted=stream.spec_accepted, spec_depth=stream.spec_depth,
+            spec_launch_seconds=stream.spec_launch_seconds,
             spec_drafted_by_position=tuple(stream.spec_drafted_by_position),
             spec_accepted_by_position=tuple(stream.spec_accepted_by_position),
             is_draft_oracle=self.draft_oracle is not None,

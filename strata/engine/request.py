@@ -54,6 +54,7 @@ class RequestStats:
     spec_drafted: int = 0  # draft tokens verified
     spec_accepted: int = 0  # of those, taken
     spec_depth: int = 0  # the depth the policy chose last (0: plain decode)
+    spec_launch_seconds: float = 0.0  # the host's time launching device speculation's steps
     spec_drafted_by_position: tuple[int, ...] = ()  # per place in a step's draft run
     spec_accepted_by_position: tuple[int, ...] = ()
     is_draft_oracle: bool = False  # the bench's --draft-oracle replaced the drafts: not the model's own speed
@@ -125,8 +126,10 @@ class RequestStats:
         if not self.is_speculative:
             return ""
         oracle = ", draft oracle" if self.is_draft_oracle else ""
+        launches = (f", launches {1e3 * self.spec_launch_seconds / self.spec_rounds:.2f} ms a verify step"
+                    if self.spec_launch_seconds > 0 and self.spec_rounds else "")
         return (f" | spec drafted {self.spec_drafted}, accepted {self.spec_accepted} ({self.spec_acceptance:.0%}), "
-                f"depth {self.spec_depth}{oracle}")
+                f"depth {self.spec_depth}{oracle}{launches}")
 
     def _host_share(self) -> str:
         """Per decode step: the host's waits on the device and its own work (captured decode only)."""

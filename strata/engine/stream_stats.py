@@ -26,6 +26,9 @@ class StreamStats:
     spec_drafted: int = 0  # draft tokens verified
     spec_accepted: int = 0  # of those, the ones the target model agreed with
     spec_depth: int = 0  # the depth the policy chose last (0: plain decode)
+    # speculation on the device: the host's time launching verify steps and their drafts (a graph replay costs
+    # ~5-25 us, more where it waits for room in the device's launch queue)
+    spec_launch_seconds: float = 0.0
     # [spec_depth max] drafts verified and accepted at each place of a step's draft run
     spec_drafted_by_position: list[int] = dataclasses.field(default_factory=list)
     spec_accepted_by_position: list[int] = dataclasses.field(default_factory=list)

@@ -252,6 +252,7 @@ def test_the_next_step_is_chained_on_the_device_before_a_step_is_read():
     # the policy is asked for a chained step with the fewest tokens the request may have left then, less one
     assert speculation.policy.limits == [11, 12 - 3 - 1, 9 - 3 - 1, 6 - 3 - 1]
     assert runner.ops.num_synchronized == 0
+    assert speculation.stats.spec_launch_seconds > 0  # every launch timed, chained or not
 
 
 def test_a_step_that_could_run_past_the_request_is_launched_from_the_host_after_the_read():

@@ -28,6 +28,13 @@ def test_the_timing_line_splits_decode_into_the_hosts_waits_and_its_own_work():
 
 
 
+def test_the_timing_line_gives_the_hosts_launch_time_a_verify_step_where_speculation_ran_on_the_device():
+    speculating = dict(is_speculative=True, spec_rounds=4, spec_drafted=8, spec_accepted=6, spec_depth=2)
+    line = _stats(**speculating, spec_launch_seconds=0.002).timing_line()
+    assert "| spec drafted 8, accepted 6 (75%), depth 2, launches 0.50 ms a verify step |" in line
+    assert "launches" not in _stats(**speculating).timing_line()  # on the host: nothing launched ahead
+
+
 def test_the_timing_line_names_compilations_inside_the_request_only_when_there_were_some():
     assert "compiled" not in _stats().timing_line()
     assert "| compiled 3 time(s) in 5.80 s | loan off" in _stats(num_compiles=3, compile_seconds=5.8).timing_line()

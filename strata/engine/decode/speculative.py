@@ -256,6 +256,7 @@ class Speculation:
             device.draft(rows, next_tokens, start, depth, self.oracle)
             self.stats.spec_draft_steps += depth
         device.launch_verify(token, position, depth, head, bias, self.stats)
+        self.stats.spec_launch_seconds += time.perf_counter() - started
         return _Launched(depth, started)
 
     def _launch_chained(self, depth: int, position: int) -> _Launched:
@@ -264,6 +265,7 @@ class Speculation:
         started = time.perf_counter()
         device.launch_chained(depth, position, head, bias, self.stats, self.oracle)
         self.stats.spec_draft_steps += depth
+        self.stats.spec_launch_seconds += time.perf_counter() - started
         return _Launched(depth, started)
 
     def _read(self, step: _Launched, position: int) -> tuple[int, list[int]]:
