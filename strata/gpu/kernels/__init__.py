@@ -44,6 +44,8 @@ Norms, positions, tokens:
     norm, rope     RMSNorm; per-head q/k norm fused with RoPE (NeoX and normal)
     elementwise    embedding gather from a quantized table, residual add, a counter step, float16 rounding
     sample         greedy and top-k / top-p / temperature token selection
+    drafts         greedy speculation's small steps: a draft chain's step, a verify step's acceptance and
+                   the next step's inputs, a row chosen on the device
     block_reduce   the block-wide sum through shared memory the norms reduce with (the simulator has no
                    warp shuffles)
 
