@@ -1,6 +1,6 @@
 """The cuda backend's output head (``CudaOps`` takes it from ``HeadOps``): logits of the last row or of
 a verify step's rows, greedy picks on the device with the logit bias, and the small device-side steps of
-device decode (increment, a draft chain's step, the pinned readback)."""
+device decode (increment, a draft chain's step and a verify step's acceptance, the pinned readback)."""
 
 from __future__ import annotations
 
