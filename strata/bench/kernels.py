@@ -1,7 +1,8 @@
 """Kernel benchmarks at Qwen3-30B-A3B shapes: `python -m strata.bench.kernels [--tiny] [--expert-formats F,...]`.
 
 Rows: decode GEMVs per format and path (the linked C++ rows and the Numba kernel: GB/s against the
-measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them) and,
+measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them), the dense
+layers' GEMVs over --x-rows rows of activations (default 3: a depth-2 verify step's; the weights read once) and,
 for the routed experts of each --expert-formats format (default Q4_0), one token's routed experts, the
 prefill expert products for chunks of 512 / 2,048 / 8,192 tokens routed
 top-8 (TFLOP/s of the two bound launches' GPU time, queued back to back behind a GPU wait so that no
@@ -29,6 +30,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 from numba import cuda
 
+from strata.backend.ops import DECODE_MAX_ROWS
 from strata.bench.provenance import code_identity
 from strata.gpu.graphs import capture_graph
 from strata.gpu.kernels import moe_rows, tensor_core
@@ -45,7 +47,7 @@ from strata.gpu.kernels.attention import (
 from strata.gpu.kernels.decode_route import decode_route
 from strata.gpu.kernels.gemm import staged_input
 from strata.gpu.kernels.gemm_config import GemmConfig, MmaConfig, default_config
-from strata.gpu.kernels.gemv import GemvConfig, gemv
+from strata.gpu.kernels.gemv import GemvConfig, gemv, gemv_rows
 from strata.gpu.kernels.gemv_multi import gemv_multi
 from strata.gpu.kernels.gemv_native import LAYER_CONFIG, head_config
 from strata.gpu.kernels.kvcache import append_kv, empty_kv_layer
@@ -216,6 +218,21 @@ def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfi
     num_bytes = w.nbytes + 4 * (num_cols + num_rows)
     return Row(f"decode GEMV {fmt} {num_rows}x{num_cols}, {path_name(native)}", num_bytes / ms / 1e6, "GB/s",
                HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
+
+
+def bench_gemv_x_rows(s: Shapes, fmt: str, num_rows: int, num_cols: int, num_x_rows: int, cfg: GemvConfig,
+                      native: bool, timing) -> Row:
+    """A dense layer's GEMV over ``num_x_rows`` rows of activations in one launch (a verify step's), as the engine
+    launches it: the weights read once, so against the one-row row of the same shape its GB/s says what the
+    extra rows cost."""
+    rng = np.random.default_rng(1)
+    w = random_packed(fmt, num_rows, num_cols, rng)
+    x, y = device_randn((num_x_rows, num_cols), rng), cuda.device_array((num_x_rows, num_rows), np.float32)
+    ms = graph_ms(lambda stream: gemv_rows(w, x, y, config=cfg, native=native, native_config=LAYER_CONFIG,
+                                           stream=stream), timing)
+    num_bytes = w.nbytes + 4 * num_x_rows * (num_cols + num_rows)
+    return Row(f"decode GEMV {fmt} {num_rows}x{num_cols} at {num_x_rows} rows of x, {path_name(native)}",
+               num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
 
 
 def bench_moe_decode(s: Shapes, experts, cfg: GemvConfig, native: bool, timing) -> Row:
@@ -403,17 +420,21 @@ def bench_decode_layer(s: Shapes, experts, fmt: str, gemv_cfg: GemvConfig, attn_
 
 
 def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, is_default_moe: bool = False,
-        expert_formats: tuple = ("Q4_0",), gemv_formats: tuple = ("Q4_0", "Q8_0", "Q4_K")) -> list:
+        expert_formats: tuple = ("Q4_0",), gemv_formats: tuple = ("Q4_0", "Q8_0", "Q4_K"),
+        x_rows: tuple = (3,)) -> list:
     """is_default_moe: the MoE prefill rows on the engine's kernels for each chunk (cfg None, on
     moe_block_m's tile rows), else on gemm_cfg's. expert_formats: the routed experts' formats of the
     expert rows (the decode layer's experts are the first's); gemv_formats: the head's and the dense
-    layers' GEMV rows."""
+    layers' GEMV rows; x_rows: the rows of activations of the dense layers' rows of several (a verify step's)."""
     paths = (True, False) if tensor_core.is_available() else (False,)
     q_dim = s.num_q_heads * s.head_dim
     rows = [bench_gemv(s, fmt, n, k, gemv_cfg, native, timing) for fmt in gemv_formats
             for n, k in ((s.vocab, s.gemv_cols), (q_dim, s.gemv_cols), (s.hidden, max(q_dim, 256)))
             for native in paths]
     rows += [bench_gemv(s, "F32", s.num_experts, s.gemv_cols, gemv_cfg, native, timing) for native in paths]  # router
+    rows += [bench_gemv_x_rows(s, fmt, n, k, num_x_rows, gemv_cfg, native, timing) for fmt in gemv_formats
+             for n, k in ((q_dim, s.gemv_cols), (s.hidden, max(q_dim, 256))) for num_x_rows in x_rows
+             for native in paths]
     first_experts = None
     for fmt in expert_formats:
         experts = make_experts(s, fmt, np.random.default_rng(6))
@@ -445,6 +466,19 @@ def format_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def _x_rows(text: str) -> tuple[int, ...]:
+    """--x-rows: counts in 2..DECODE_MAX_ROWS (a verify step's rows), or 0 for none."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated counts, got {text!r}") from None
+    if counts == (0,):
+        return ()
+    if not all(2 <= count <= DECODE_MAX_ROWS for count in counts):
+        raise argparse.ArgumentTypeError(f"each count in 2..{DECODE_MAX_ROWS} (0 alone: none), got {text!r}")
+    return counts
+
+
 def main(argv=None) -> list:
     parser = argparse.ArgumentParser(prog="python -m strata.bench.kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="toy shapes and configs, for the CUDA simulator")
@@ -455,6 +489,9 @@ def main(argv=None) -> list:
     parser.add_argument("--gemv-formats", default="Q4_0,Q8_0,Q4_K", type=lambda text: tuple(text.split(",")),
                         help="comma-separated formats of the head's and dense layers' GEMV rows (default "
                              "Q4_0,Q8_0,Q4_K), e.g. Q5_K,Q6_K,IQ4_XS,IQ3_XXS")
+    parser.add_argument("--x-rows", default="3", type=_x_rows,
+                        help="comma-separated rows of activations of the dense layers' GEMVs of several rows, a "
+                             "verify step's (default 3; 0: none), e.g. 2,3,5")
     args = parser.parse_args(argv)
     for option, formats in (("--expert-formats", args.expert_formats), ("--gemv-formats", args.gemv_formats)):
         unknown = [fmt for fmt in formats if fmt not in FORMATS]
@@ -473,7 +510,7 @@ def main(argv=None) -> list:
         device = name.decode() if isinstance(name, bytes) else str(name)
     print(f"# strata kernel benchmarks on {device}; median of {repeats} after {warmup} warm-up; {code_identity()}")
     rows = run(*configs, (warmup, repeats), is_default_moe=not args.tiny, expert_formats=args.expert_formats,
-               gemv_formats=args.gemv_formats)
+               gemv_formats=args.gemv_formats, x_rows=args.x_rows)
     print(format_table(rows))
     return rows
 

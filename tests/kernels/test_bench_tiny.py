@@ -8,6 +8,7 @@ def test_kernel_benchmark_runs_at_toy_sizes(capsys):
     table = capsys.readouterr().out
     names = [r.name for r in rows]
     for expected in ("decode GEMV Q4_0", "decode GEMV Q8_0", "decode GEMV Q4_K", "prefill experts Q4_0",
+                     "decode GEMV Q4_0 64x256 at 3 rows of x",
                      "  gate and up alone", "  down alone",
                      "attention prefill", "attention decode F16", "attention decode Q8_0", "decode layer",
                      "decode token"):
@@ -16,6 +17,17 @@ def test_kernel_benchmark_runs_at_toy_sizes(capsys):
     launches = next(r for r in rows if r.name == "launches per decode token")
     assert launches.figure == bench.DECODE_LAUNCHES_PER_LAYER * bench.TINY.num_layers + bench.DECODE_LAUNCHES_OUTSIDE
     assert table.count("\n| ") == len(rows) + 2  # header, rule, one line per row
+
+
+def test_a_dense_gemv_over_rows_of_x_is_timed_and_a_count_no_step_has_is_refused(capsys):
+    import pytest
+
+    row = bench.bench_gemv_x_rows(bench.TINY, "Q8_0", 64, 256, 2, bench.TINY_GEMV, False, (0, 1))
+    assert row.name == "decode GEMV Q8_0 64x256 at 2 rows of x, Numba" and math.isfinite(row.figure) and row.figure > 0
+    assert bench._x_rows("2,5") == (2, 5) and bench._x_rows("0") == ()
+    with pytest.raises(SystemExit):  # refused while parsing: nothing runs
+        bench.main(["--tiny", "--x-rows", "1"])  # one row is the plain GEMV's own row
+    assert "each count in 2..9" in capsys.readouterr().err
 
 
 def test_variant_sweeps_refuse_without_tensor_cores():
