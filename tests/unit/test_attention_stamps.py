@@ -1,19 +1,12 @@
 """tools/attention_stamps.py: the direct decode attention's phases stamped in a copy of its source (the harness
 itself runs on a GPU with nvcc; here, that the kernel as it stands still has every anchor the tool stamps at)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "attention_stamps.py"
+from project_tools import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("attention_stamps", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("attention_stamps")
 
 
 def test_every_phase_of_the_kernel_as_it_stands_is_stamped():

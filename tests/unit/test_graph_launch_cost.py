@@ -1,20 +1,13 @@
 """tools/graph_launch_cost.py: the host's cost of a graph replay, untraced (it times on a GPU; here, that it
 says so instead of timing the simulator, and refuses what it cannot parse)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 from numba import config as numba_config
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "graph_launch_cost.py"
+from project_tools import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("graph_launch_cost", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("graph_launch_cost")
 
 
 @pytest.mark.skipif(not numba_config.ENABLE_CUDASIM, reason="the simulator's refusal (on a GPU the tool times)")
