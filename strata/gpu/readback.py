@@ -43,6 +43,7 @@ class Readback:
         self._slots_address = self._slots.ctypes.data if pinned is not None else 0
         self._scratch_address = self._scratch.ctypes.data if pinned is not None else 0
         self._records = pinned[_RECORDS_OFFSET:].view(np.int32).reshape(_NUM_SLOTS, -1) if pinned is not None else None
+        self._record_addresses = [row.ctypes.data for row in self._records] if pinned is not None else []
         # one event per slot, one for ``now``, one per record slot
         self._events = [calls.event_create() for _ in range(2 * _NUM_SLOTS + 1)] if self._calls else []
         self._next = self._next_record = 0
@@ -71,7 +72,7 @@ class Readback:
         if self._calls is None:
             return array.copy_to_host()
         slot, self._next_record = self._next_record, (self._next_record + 1) % _NUM_SLOTS
-        self._calls.copy_out(self._records[slot].ctypes.data, array.device_ctypes_pointer.value, array.nbytes, 0)
+        self._calls.copy_out(self._record_addresses[slot], array.device_ctypes_pointer.value, array.nbytes, 0)
         self._calls.event_record(self._events[_NUM_SLOTS + 1 + slot], 0)
         return slot, array.shape[0]
 
