@@ -245,44 +245,40 @@ def marked_phases(launch_markers=(lambda: None, lambda: None)):
     from strata.engine.decode import device_speculation, speculative, step
     from strata.gpu import graphs, readback
 
-    def marked(fn, phase):
-        @functools.wraps(fn)
-        def in_mark(*args, **kwargs):
-            with record_function(PHASE_PREFIX + phase):
-                launch_markers[0]()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    launch_markers[1]()
-        return in_mark
-
-    def host_marked(owner, name, what):
+    def marked(owner, name, mark, markers=None):
+        """owner.name, wrapped in the mark (and between the phase's marker launches, where given); returns what
+        puts the original back."""
         fn = getattr(owner, name)
 
         @functools.wraps(fn)
         def in_mark(*args, **kwargs):
-            with record_function(HOST_PREFIX + what):
-                return fn(*args, **kwargs)
+            with record_function(mark):
+                if markers is None:
+                    return fn(*args, **kwargs)
+                markers[0]()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    markers[1]()
         setattr(owner, name, in_mark)
         return owner, name, fn
 
     speculation = device_speculation.DeviceSpeculation
-    originals = (step._launch, speculation.draft, speculation.launch_verify, speculation.launch_chained)
-    step._launch = marked(step._launch, "plain")
-    speculation.draft = marked(speculation.draft, "draft")
-    speculation.launch_verify = marked(speculation.launch_verify, "verify")  # ``verify`` launches through it
-    speculation.launch_chained = marked(speculation.launch_chained, "chained")  # its draft and verify
-    host_originals = [host_marked(graphs.GraphSegment, "replay", "graph replay"),
-                      host_marked(readback.Readback, "now", "readback (now)"),
-                      host_marked(readback.Readback, "read", "readback (ticket)"),
-                      host_marked(readback.Readback, "read_record", "readback (record)"),
-                      host_marked(step.DecodeStep, "_begin", "step inputs"),
-                      host_marked(speculative.Speculation, "_read", "speculation's read and compare")]
+    originals = [marked(step, "_launch", PHASE_PREFIX + "plain", launch_markers),
+                 marked(speculation, "draft", PHASE_PREFIX + "draft", launch_markers),
+                 # ``verify`` launches through it
+                 marked(speculation, "launch_verify", PHASE_PREFIX + "verify", launch_markers),
+                 marked(speculation, "launch_chained", PHASE_PREFIX + "chained", launch_markers),  # draft and verify
+                 marked(graphs.GraphSegment, "replay", HOST_PREFIX + "graph replay"),
+                 marked(readback.Readback, "now", HOST_PREFIX + "readback (now)"),
+                 marked(readback.Readback, "read", HOST_PREFIX + "readback (ticket)"),
+                 marked(readback.Readback, "read_record", HOST_PREFIX + "readback (record)"),
+                 marked(step.DecodeStep, "_begin", HOST_PREFIX + "step inputs"),
+                 marked(speculative.Speculation, "_read", HOST_PREFIX + "speculation's read and compare")]
     try:
         yield
     finally:
-        step._launch, speculation.draft, speculation.launch_verify, speculation.launch_chained = originals
-        for owner, name, fn in host_originals:
+        for owner, name, fn in originals:
             setattr(owner, name, fn)
 
 
