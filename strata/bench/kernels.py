@@ -208,31 +208,25 @@ def path_name(native: bool) -> str:
     return "C++ rows" if native else "Numba"
 
 
-def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfig, native: bool, timing) -> Row:
+def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfig, native: bool, timing,
+               num_x_rows: int = 1) -> Row:
+    """A decode GEMV as the engine launches it; over ``num_x_rows`` rows of activations in one launch (a verify
+    step's dense layers) where more than one: the weights read once, so against the one-row row of the same
+    shape its GB/s says what the extra rows cost."""
     rng = np.random.default_rng(1)
     w = random_packed(fmt, num_rows, num_cols, rng)
-    x, y = device_randn(num_cols, rng), cuda.device_array(num_rows, np.float32)
-    native_config = head_config(fmt) if num_rows == s.vocab else LAYER_CONFIG  # as the engine launches them
-    ms = graph_ms(lambda stream: gemv(w, x, y, config=cfg, native=native, native_config=native_config,
-                                      stream=stream), timing)
-    num_bytes = w.nbytes + 4 * (num_cols + num_rows)
-    return Row(f"decode GEMV {fmt} {num_rows}x{num_cols}, {path_name(native)}", num_bytes / ms / 1e6, "GB/s",
-               HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
-
-
-def bench_gemv_x_rows(s: Shapes, fmt: str, num_rows: int, num_cols: int, num_x_rows: int, cfg: GemvConfig,
-                      native: bool, timing) -> Row:
-    """A dense layer's GEMV over ``num_x_rows`` rows of activations in one launch (a verify step's), as the engine
-    launches it: the weights read once, so against the one-row row of the same shape its GB/s says what the
-    extra rows cost."""
-    rng = np.random.default_rng(1)
-    w = random_packed(fmt, num_rows, num_cols, rng)
-    x, y = device_randn((num_x_rows, num_cols), rng), cuda.device_array((num_x_rows, num_rows), np.float32)
-    ms = graph_ms(lambda stream: gemv_rows(w, x, y, config=cfg, native=native, native_config=LAYER_CONFIG,
-                                           stream=stream), timing)
+    if num_x_rows == 1:
+        x, y = device_randn(num_cols, rng), cuda.device_array(num_rows, np.float32)
+        native_config = head_config(fmt) if num_rows == s.vocab else LAYER_CONFIG
+        product, shape = gemv, ""
+    else:
+        x, y = device_randn((num_x_rows, num_cols), rng), cuda.device_array((num_x_rows, num_rows), np.float32)
+        native_config, product, shape = LAYER_CONFIG, gemv_rows, f" at {num_x_rows} rows of x"
+    ms = graph_ms(lambda stream: product(w, x, y, config=cfg, native=native, native_config=native_config,
+                                         stream=stream), timing)
     num_bytes = w.nbytes + 4 * num_x_rows * (num_cols + num_rows)
-    return Row(f"decode GEMV {fmt} {num_rows}x{num_cols} at {num_x_rows} rows of x, {path_name(native)}",
-               num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
+    return Row(f"decode GEMV {fmt} {num_rows}x{num_cols}{shape}, {path_name(native)}", num_bytes / ms / 1e6, "GB/s",
+               HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
 
 
 def bench_moe_decode(s: Shapes, experts, cfg: GemvConfig, native: bool, timing) -> Row:
@@ -432,7 +426,7 @@ def run(s: Shapes, gemv_cfg, gemm_cfg, prefill_cfg, decode_cfg, timing, is_defau
             for n, k in ((s.vocab, s.gemv_cols), (q_dim, s.gemv_cols), (s.hidden, max(q_dim, 256)))
             for native in paths]
     rows += [bench_gemv(s, "F32", s.num_experts, s.gemv_cols, gemv_cfg, native, timing) for native in paths]  # router
-    rows += [bench_gemv_x_rows(s, fmt, n, k, num_x_rows, gemv_cfg, native, timing) for fmt in gemv_formats
+    rows += [bench_gemv(s, fmt, n, k, gemv_cfg, native, timing, num_x_rows) for fmt in gemv_formats
              for n, k in ((q_dim, s.gemv_cols), (s.hidden, max(q_dim, 256))) for num_x_rows in x_rows
              for native in paths]
     first_experts = None

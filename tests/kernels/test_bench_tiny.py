@@ -22,7 +22,7 @@ def test_kernel_benchmark_runs_at_toy_sizes(capsys):
 def test_a_dense_gemv_over_rows_of_x_is_timed_and_a_count_no_step_has_is_refused(capsys):
     import pytest
 
-    row = bench.bench_gemv_x_rows(bench.TINY, "Q8_0", 64, 256, 2, bench.TINY_GEMV, False, (0, 1))
+    row = bench.bench_gemv(bench.TINY, "Q8_0", 64, 256, bench.TINY_GEMV, False, (0, 1), num_x_rows=2)
     assert row.name == "decode GEMV Q8_0 64x256 at 2 rows of x, Numba" and math.isfinite(row.figure) and row.figure > 0
     assert bench._x_rows("2,5") == (2, 5) and bench._x_rows("0") == ()
     with pytest.raises(SystemExit):  # refused while parsing: nothing runs
