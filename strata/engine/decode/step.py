@@ -168,9 +168,7 @@ class DecodeStep:
         self._begin(tokens, position, drafts)
         stats.kv_host_bytes += host_tier_bytes(self.model.kv, position, position + self.num_rows)
         if self.kind != LAYERS:
-            for part in self._token_segments():
-                part.replay()
-            self._num_uncounted_steps += 1  # counted at the end of decode (``count_reads``): no wait here
+            self._replay_whole_token()
         else:
             self._layers(stats)
         return self._x
@@ -183,10 +181,13 @@ class DecodeStep:
         if self._is_request_start or self.kind == LAYERS:
             raise EngineError("a step from the device's inputs follows a whole-token step of the same request")
         self._drafts_segment(drafts).replay()
+        self._replay_whole_token()
+        return self._x
+
+    def _replay_whole_token(self) -> None:
         for part in self._token_segments():
             part.replay()
-        self._num_uncounted_steps += 1
-        return self._x
+        self._num_uncounted_steps += 1  # counted at the end of decode (``count_reads``): no wait here
 
     def greedy_tokens(self, token: int, position: int, num_steps: int, head: tuple, bias: tuple | None,
                       stats: StreamStats) -> Iterator[int]:
