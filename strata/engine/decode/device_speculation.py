@@ -155,9 +155,7 @@ class DeviceSpeculation:
         if oracle is not None:  # the draft at ``place`` (window[row + place]) follows the newest token
             window[num_rows - 1:num_rows - 1 + depth] = oracle.window(start + num_rows + 1, depth)
         ops.copy_in(buffers.inputs, host, is_queued=True)
-        self._first_segment(num_rows).replay()
-        for _ in range(depth - 1):
-            self._chain_segment().replay()
+        self._replay_drafts(num_rows, depth)
 
     def verify(self, token: int, position: int, depth: int, head: tuple, bias, stats: StreamStats):
         """The rows [d + 1, D] of ``token`` and the ``depth`` drafts at ``position``.., how many drafts the
@@ -177,8 +175,7 @@ class DeviceSpeculation:
         buffers = self._allocated()
         step = self.runner.step_of(depth + 1)
         rows = step.forward([token] + [0] * depth, position, stats, buffers.drafts if depth else None)
-        self._picks(rows, head, bias).segment.replay()
-        self._queue_record(depth, is_chained=False)
+        self._replay_picks(rows, head, bias, is_chained=False)
         return rows
 
     def launch_chained(self, depth: int, start: int, head: tuple, bias, stats: StreamStats, oracle=None) -> None:
@@ -196,12 +193,9 @@ class DeviceSpeculation:
             window[:2 * depth] = oracle.window(start + 2, 2 * depth)
             self.ops.copy_in(buffers.window, window, is_queued=True)
         self._num_chained += 1
-        self._first_segment(depth + 1).replay()
-        for _ in range(depth - 1):
-            self._chain_segment().replay()
+        self._replay_drafts(depth + 1, depth)
         rows = self.runner.step_of(depth + 1).forward_queued(stats, buffers.drafts)
-        self._picks(rows, head, bias).segment.replay()
-        self._queue_record(depth, is_chained=True)
+        self._replay_picks(rows, head, bias, is_chained=True)
 
     def read_verify(self, depth: int, stats: StreamStats, position: int) -> tuple[int, list[int]]:
         """How many drafts the oldest launched step not read yet took, n, and the model's picks [d + 1] after its
@@ -220,9 +214,18 @@ class DeviceSpeculation:
             stats.kv_host_bytes += host_tier_bytes(self.runner.kv, position, position + depth + 1)
         return int(record[0]), targets.tolist()
 
-    def _queue_record(self, depth: int, is_chained: bool) -> None:
+    def _replay_drafts(self, num_rows: int, depth: int) -> None:
+        """first(num_rows), then the chain: ``depth`` drafts from the inputs in place."""
+        self._first_segment(num_rows).replay()
+        for _ in range(depth - 1):
+            self._chain_segment().replay()
+
+    def _replay_picks(self, rows, head: tuple, bias, is_chained: bool) -> None:
+        """The picks and acceptance after a verify step's ``rows`` [d + 1, D], and their record queued back."""
         if len(self._pending) >= 2:  # the readback's record slots: a third would overwrite the oldest unread
             raise EngineError("a third verify step launched before the first was read; read it first")
+        self._picks(rows, head, bias).segment.replay()
+        depth = rows.shape[0] - 1
         self._num_verified_rows = depth + 1
         self._pending.append((depth, self._readback.queue_record(self._buffers.record[:depth + 2]), is_chained))
 
