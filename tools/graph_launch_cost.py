@@ -21,10 +21,12 @@ import numpy as np
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
+    from strata.bench.soak import at_least
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=int, nargs="+", default=[100, 400], help="kernels a graph")
-    parser.add_argument("--kernel-us", type=int, default=10, help="how long each kernel waits on the device")
-    parser.add_argument("--queued", type=int, default=30, help="replays queued behind the long kernel")
+    parser.add_argument("--nodes", type=at_least(1), nargs="+", default=[100, 400], help="kernels a graph")
+    parser.add_argument("--kernel-us", type=at_least(0), default=10, help="how long each kernel waits on the device")
+    parser.add_argument("--queued", type=at_least(2), default=30, help="replays queued behind the long kernel")
     return parser.parse_args(argv)
 
 

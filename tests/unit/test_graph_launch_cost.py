@@ -16,7 +16,8 @@ def test_without_a_gpu_it_says_so_and_fails(capsys):
     assert "needs a GPU" in capsys.readouterr().err
 
 
-def test_an_argument_it_cannot_parse_is_refused():
+@pytest.mark.parametrize("argv", [["--nodes", "many"], ["--nodes", "0"], ["--kernel-us", "-1"], ["--queued", "1"]])
+def test_an_argument_it_cannot_parse_or_run_is_refused(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _tool().main(["--nodes", "many"])
-    assert exit_info.value.code == 2
+        _tool().main(argv)
+    assert exit_info.value.code == 2 and argv[0] in capsys.readouterr().err
