@@ -83,8 +83,9 @@ def test_chained_steps_equal_plain_greedy_and_take_what_steps_launched_from_the_
     """Steps launched before the step before them is read (``launch_chained``) take their token, positions and
     draft rows from that step's acceptance on the device; an oracle that refuses about half the drafts makes
     the count taken vary, so the chain starts from every row and reads the oracle's window at every offset.
-    The oracle draws each position once, in order: launched from the host instead, the same request takes
-    exactly the same drafts (a window read at the wrong place would not)."""
+    An oracle position's token depends on the position alone (a chained step's window draws positions a step
+    launched from the host skips): launched from the host instead, the same request takes exactly the same
+    drafts (a window read at the wrong place would not)."""
     num_tokens, depth = (NUM_GENERATED, 3) if BACKEND == "cuda" else (6, 1)
     expected = plain_tokens if BACKEND == "cuda" else reference_greedy(tiny_path, PROMPT, num_tokens)
     engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=depth, spec_policy="fixed")),
