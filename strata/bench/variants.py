@@ -9,8 +9,9 @@ choice for the experts ``moe_rows`` serves, its kernels on 64-pair groups; every
 MmaAttentionConfig on causal prefill at 4k and 32k per KV format; the direct decode attention's
 launch shapes at positions 2k and 32k per KV format; and the native decode GEMVs' block shapes behind
 ``gemv_native.LAYER_CONFIG`` / ``head_config``, and the decode expert kernels' launch shapes behind
-``gemv_native.EXPERTS_CONFIG`` (one token, and a verify step's five), and a decode layer's routing in four
-launches against ``decode_route``'s one. Each line also reports the
+``gemv_native.EXPERTS_CONFIG`` (one token, and a verify step's three and five; each at several register caps),
+a decode layer's routing in four launches against ``decode_route``'s one, and a verify step's dense projections
+in the GEMVs' block shapes (rows). Each line also reports the
 largest difference from a reference output (the GEMM, attention and GEMV sweeps) or from the first
 variant's output (the MoE sweep), so a fast but wrong variant shows. Needs a GPU with tensor cores.
 """
@@ -18,6 +19,7 @@ variant's output (the MoE sweep), so a fast but wrong variant shows. Needs a GPU
 from __future__ import annotations
 
 import argparse
+import itertools
 from types import MappingProxyType
 
 import numpy as np
@@ -233,8 +235,10 @@ GEMV_SHAPES = (("Q4_0", 151936, 2048, "head"), ("Q8_0", 151936, 2048, "head"), (
 GEMV_BLOCKS = ((4, 1, 0), (4, 2, 0), (8, 1, 0), (8, 2, 0), (8, 4, 0), (16, 1, 0), (16, 2, 0), (8, 2, 2), (8, 2, 3),
                (8, 2, 4), (8, 2, 5), (8, 2, 6), (4, 2, 8), (8, 1, 8), (8, 4, 2), (16, 4, 1), (16, 2, 2), (8, 1, 4),
                (8, 4, 3), (8, 4, 4), (4, 4, 8), (16, 4, 2), (4, 4, 6), (16, 2, 1))
-# (gate/up warps, down warps, most blocks per SM or 0 for a warp a row)
-EXPERT_BLOCKS = ((8, 8, 0), (8, 8, 2), (8, 8, 3), (8, 8, 4), (8, 8, 6), (4, 8, 4), (4, 4, 8))
+# (gate/up warps, down warps, most blocks per SM or 0 for a warp a row), each at every register cap of REGISTER_CAPS
+# (0: none)
+EXPERT_BLOCKS = ((8, 8, 3), (8, 8, 4), (8, 8, 6), (8, 8, 8), (4, 8, 8))
+REGISTER_CAPS = (0, 64, 56, 48, 40)
 
 
 def gemv_sweep(timing) -> None:
@@ -287,8 +291,8 @@ def experts_sweep(timing) -> None:
         out = cuda.device_array((num_tokens, s.hidden), np.float32)
         hidden = cuda.device_array((num_tokens * s.top_k, s.ffn), np.float32)
         expected = None
-        for warps, down_warps, blocks_per_sm in EXPERT_BLOCKS:
-            config = gemv_native.ExpertsConfig(warps, down_warps, blocks_per_sm)
+        for (warps, down_warps, blocks_per_sm), max_registers in itertools.product(EXPERT_BLOCKS, REGISTER_CAPS):
+            config = gemv_native.ExpertsConfig(warps, down_warps, blocks_per_sm, max_registers)
 
             def run(stream, config=config):  # adds into out
                 return gemv_native.moe_experts_native(x, ids, weights, *experts, out, hidden, config=config,
@@ -304,6 +308,7 @@ def experts_sweep(timing) -> None:
                 return f"{ms * 1e3:7.1f} us, equal to the first shape's: {np.array_equal(got, expected)}"
 
             cap = f", at most {blocks_per_sm} blocks per SM" if blocks_per_sm else ", a warp a row"
+            cap += f", at most {max_registers} registers" if max_registers else ""
             print(f"experts Q4_0 top-{s.top_k}, {num_tokens} token(s), {warps} / {down_warps} warps{cap}: "
                   f"{_attempt(line)}", flush=True)
 
@@ -354,33 +359,46 @@ def route_sweep(timing) -> None:
                   f"{np.array_equal(slots_a, slots_f)}", flush=True)
 
 
+# a verify step's dense launch shapes (warps, rows per warp, most blocks per SM): q/k/v's one launch has no cap
+ROWS_BLOCKS = ((8, 2, 0), (8, 1, 0), (4, 1, 0), (4, 2, 0), (16, 1, 0), (16, 2, 0), (8, 4, 0), (4, 4, 0), (8, 2, 1),
+               (8, 1, 2), (4, 1, 4), (4, 2, 2), (16, 1, 1))
+
+
 def rows_sweep(timing) -> None:
-    """A decode layer's projections at R rows of activations (a verify step's R = d + 1): q/k/v in one launch with
-    the norm fused, and the output projection added into the residual; microseconds a launch replayed in a CUDA
-    graph. A row's bits do not depend on R (tests/kernels/test_gemv_rows.py), so only the time is shown."""
+    """A decode layer's projections at R rows of activations (a verify step's R = d + 1) in each launch shape of
+    ROWS_BLOCKS: q/k/v in one launch with the norm fused, and the output projection added into the residual;
+    microseconds a launch replayed in a CUDA graph. A row's bits do not depend on R or the shape
+    (tests/kernels/test_gemv_rows.py), so only the time is shown."""
     from strata.bench import kernels as b
-    from strata.gpu.kernels.gemv import gemv_rows
-    from strata.gpu.kernels.gemv_multi import gemv_multi_rows
+    from strata.gpu.kernels import gemv_native
 
     s, rng = b.QWEN3_30B, np.random.default_rng(5)
     q_rows, kv_rows = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
     wq, wk, wv = (b.random_packed("Q4_0", n, s.hidden, rng) for n in (q_rows, kv_rows, kv_rows))
     wo = b.random_packed("Q4_0", s.hidden, q_rows, rng)
     norm_w = b.device_randn(s.hidden, rng)
-    for num_rows in (1, 2, 3, 5):
+    for num_rows in (1, 3, 5):
         x, attended = b.device_randn((num_rows, s.hidden), rng), b.device_randn((num_rows, q_rows), rng)
         residual = b.device_randn((num_rows, s.hidden), rng)
+        ys = tuple(b.device_randn((num_rows, w.num_rows), rng) for w in (wq, wk, wv))
+        for warps, rows_per_warp, blocks_per_sm in ROWS_BLOCKS:
+            config = gemv_native.NativeGemvConfig(warps, rows_per_warp, blocks_per_sm)
 
-        def qkv(stream, x=x):
-            return gemv_multi_rows((wq, wk, wv), x, norm_weight=norm_w, eps=1e-6, stream=stream)
+            def qkv(stream, x=x, ys=ys, config=config):
+                return gemv_native.gemv_multi_native((wq, wk, wv), x, ys, norm_weight=norm_w, eps=1e-6,
+                                                     config=config, stream=stream)
 
-        def o_proj(stream, attended=attended, residual=residual):
-            return gemv_rows(wo, attended, residual, accumulate=True, stream=stream)
+            def o_proj(stream, attended=attended, residual=residual, config=config):
+                return gemv_native.gemv_native_rows(wo, attended, residual, accumulate=True, config=config,
+                                                    stream=stream)
 
-        for name, run in (("q/k/v", qkv), ("o", o_proj)):
-            def line(run=run):
-                return f"{b.graph_ms(run, timing) * 1e3:7.1f} us"
-            print(f"rows {num_rows} Q4_0 {name}: {_attempt(line)}", flush=True)
+            runs = (("o", o_proj),) if blocks_per_sm else (("q/k/v", qkv), ("o", o_proj))
+            for name, run in runs:
+                def line(run=run):
+                    return f"{b.graph_ms(run, timing) * 1e3:7.1f} us"
+                cap = f", at most {blocks_per_sm} blocks per SM" if blocks_per_sm else ""
+                print(f"rows {num_rows} Q4_0 {name} {warps} warps x {rows_per_warp} rows{cap}: {_attempt(line)}",
+                      flush=True)
 
 
 def main(argv=None) -> int:

@@ -197,7 +197,8 @@ def test_every_experts_launch_shape_gives_the_same_bits(fmts):
         for config in (gemv_native.ExpertsConfig(blocks_per_sm=0), gemv_native.EXPERTS_CONFIG,
                        gemv_native.ExpertsConfig(warps=8, down_warps=4, blocks_per_sm=1),
                        gemv_native.ExpertsConfig(warps=1, down_warps=1, blocks_per_sm=1),
-                       gemv_native.ExpertsConfig(warps=4, down_warps=8, blocks_per_sm=3)):
+                       gemv_native.ExpertsConfig(warps=4, down_warps=8, blocks_per_sm=3),
+                       gemv_native.ExpertsConfig(blocks_per_sm=6, max_registers=40)):
             out = dev(np.zeros((num_tokens, dim), np.float32))
             hidden = dev(np.zeros((num_tokens * top_k, ffn), np.float32))
             gemv_native.moe_experts_native(dev(x), dev(ids), dev(weights), gate, up, down, out, hidden,
@@ -211,6 +212,10 @@ def test_every_experts_launch_shape_gives_the_same_bits(fmts):
         assert np.array_equal(host(one)[0], outs[0][0])
 
 
+def test_up_to_three_tokens_take_one_wave_of_expert_blocks_and_more_take_two():
+    assert [gemv_native.experts_config(n).blocks_per_sm for n in (1, 2, 3, 4, 5)] == [3, 3, 3, 6, 6]
+
+
 def test_experts_launch_shapes_are_checked():
     with pytest.raises(ValueError, match="warps must be one of"):
         gemv_native.ExpertsConfig(warps=3).validate()
@@ -218,6 +223,8 @@ def test_experts_launch_shapes_are_checked():
         gemv_native.ExpertsConfig(down_warps=16).validate()
     with pytest.raises(ValueError, match="blocks_per_sm must be 0"):
         gemv_native.ExpertsConfig(blocks_per_sm=-1).validate()
+    with pytest.raises(ValueError, match="max_registers must be 0"):
+        gemv_native.ExpertsConfig(max_registers=16).validate()
 
 
 def test_asking_for_the_native_path_where_it_cannot_run_names_the_fallback():

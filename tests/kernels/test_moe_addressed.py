@@ -78,6 +78,10 @@ def test_addressed_experts_give_the_stacked_rows_bits_wherever_their_planes_lie(
     moe_experts_addressed(dev(x), dev(ids), dev(weights), dev(table), stacks[0], stacks[2], uncounted,
                           norm_weight=dev(norm_weight))
     assert np.array_equal(host(uncounted), host(stacked))
+    capped = dev(residual)  # fewer registers a thread (spilled or not): the same sums, the same bits
+    moe_experts_addressed(dev(x), dev(ids), dev(weights), dev(table), stacks[0], stacks[2], capped,
+                          norm_weight=dev(norm_weight), config=gemv_native.ExpertsConfig(max_registers=40))
+    assert np.array_equal(host(capped), host(stacked))
     valid = (ids >= 0) & (ids < num_experts)
     assert host(host_reads)[0] == int(in_host[ids[valid]].sum())
     x_normed = reference_ops.rms_norm(x, norm_weight, 1e-6)

@@ -65,6 +65,7 @@ _MAX_WARPS = 16  # a GEMV block's warps at most (NativeGemvConfig.warps)
 _MAX_X_ROWS = _RESERVED_SHARED_BYTES // (4 * _MAX_WARPS)
 _ALIGN_BYTES = 16
 _MAX_STAGE_REGISTERS = 64  # a thread's staged activations held in registers at most (past it they would spill)
+_MIN_REGISTERS, _MAX_REGISTERS = 24, 255  # a thread's register cap where one is asked (ptxas's range)
 _U32_PTR, _U8_PTR = types.CPointer(types.uint32), types.CPointer(types.uint8)
 _I32_PTR, _I64 = types.CPointer(types.int32), types.int64
 _PLANES = (_U32_PTR, tensor_core.HALF_PTR, _U8_PTR)
@@ -197,6 +198,11 @@ def _row_strides(w) -> tuple:
     words = w.quants.shape[1] * w.quants.dtype.itemsize // 4
     return tuple(np.int32(n if p.shape[0] == num_rows else 0)
                  for p, n in ((w.quants, words), (w.scales, w.scales.shape[1]), (w.extra, w.extra.shape[1])))
+
+
+def _register_options(max_registers: int) -> dict:
+    """A kernel's jit options for a register cap (0: none)."""
+    return {"max_registers": max_registers} if max_registers else {}
 
 
 @functools.cache
@@ -602,6 +608,10 @@ class ExpertsConfig(NamedTuple):
     warps: int = 8
     down_warps: int = 8
     blocks_per_sm: int = 4
+    # a cap on each thread's registers (0: none, the compiler's choice). Uncapped, the Q4_0 kernels hold 67-72, so
+    # 3 blocks of 8 warps fit an SM of the H100 (37.5% occupancy); caps of 64 to 40 spill and were slower in every
+    # shape measured (docs/performance-log.md, 2026-12-06): for the sweep in strata.bench.variants
+    max_registers: int = 0
 
     def validate(self) -> "ExpertsConfig":
         # at most 8 warps: a loop holds two steps' items in registers, and a K-quant's (Q6_K) need more than
@@ -611,6 +621,9 @@ class ExpertsConfig(NamedTuple):
                 raise ValueError(f"{name} must be one of 1, 2, 4, 8, got {value}")
         if self.blocks_per_sm < 0:
             raise ValueError(f"blocks_per_sm must be 0 (a warp a row) or positive, got {self.blocks_per_sm}")
+        if self.max_registers and not _MIN_REGISTERS <= self.max_registers <= _MAX_REGISTERS:
+            raise ValueError(f"max_registers must be 0 (no cap) or in [{_MIN_REGISTERS}, {_MAX_REGISTERS}], got "
+                             f"{self.max_registers}")
         return self
 
     def blocks_per_token(self, num_rows: int, warps: int, num_tokens: int) -> int:
@@ -623,28 +636,32 @@ class ExpertsConfig(NamedTuple):
 
 # Measured on the H200 (graph-timed, top-8 of 128 Q4_0 experts; docs/PERFORMANCE.md, 2026-12-05): one token 20.2 us
 # in every shape within ~1.5 us (latency, not waves), a verify step's five 70.8 us against 87.4 for a warp a row, and
-# 65.7 at most 6 blocks an SM (21.2 for one token): several tokens take that shape
-EXPERTS_CONFIG = ExpertsConfig()
+# 65.7 at most 6 blocks an SM. On the H100 (2026-12-06, three sweeps): one wave of blocks (3 an SM, as many as its
+# registers let an SM hold) is the fastest for one to three tokens, 16.9-17.2 and 36.4-36.8 us against 17.6-18.3 and
+# 38.8-39.2 at 4 and 6 an SM; five tokens take two waves (6 an SM: 59.2-59.3 us against 68.8-69.3 at 3)
+EXPERTS_CONFIG = ExpertsConfig(blocks_per_sm=3)
 EXPERTS_ROWS_CONFIG = ExpertsConfig(blocks_per_sm=6)
+_ONE_WAVE_TOKENS = 3
 
 
 def experts_config(num_tokens: int) -> ExpertsConfig:
     """The launch shape of num_tokens tokens' routed experts (the grid only: one compiled kernel for both)."""
-    return EXPERTS_CONFIG if num_tokens == 1 else EXPERTS_ROWS_CONFIG
+    return EXPERTS_CONFIG if num_tokens <= _ONE_WAVE_TOKENS else EXPERTS_ROWS_CONFIG
 
 
 @functools.cache
 def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, warps: int, down_warps: int,
-                    has_norm: bool):
+                    has_norm: bool, max_registers: int = 0):
     threads, down_threads = warps * _WARP, down_warps * _WARP
     pair_fn, down_fn = _declare_pair_loop(fmt_gate_up), _declare_down_loop(fmt_down)
+    options = _register_options(max_registers)
     ffi = tensor_core.ffi()
     num_x, hidden_stride = x_floats(dim), x_floats(ffn)
     stage_x = _stage_rows_device(dim, threads, has_norm, 1, num_x)
     stage_hidden = _stage_rows_device(ffn, down_threads, False, top_k, hidden_stride)  # the token's k rows at once
     num_hidden_x = top_k * hidden_stride
 
-    @jit
+    @jit(**options)
     def gate_up_kernel(x, norm_w, eps, ids, gq, gs, ge, uq, us, ue, words, halves, extra_bytes, num_slots, hidden):
         tid = cuda.threadIdx.x  # grid (B, T): warp w of block (b, t), token t's rows b * warps + w + i * B * warps
         red = cuda.shared.array(warps, np.float32)
@@ -657,7 +674,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
                 ffi.from_buffer(ids[token]), top_k, ffn, cuda.blockIdx.x * warps + tid // _WARP,
                 cuda.gridDim.x * warps, ffi.from_buffer(xs), dim)
 
-    @jit
+    @jit(**options)
     def down_kernel(hidden, ids, weights, dq, ds, de, words, halves, extra_bytes, num_slots, out):  # out [T, H] +=
         tid = cuda.threadIdx.x
         xs = cuda.shared.array(num_hidden_x, np.float32, alignment=16)
@@ -690,7 +707,7 @@ def moe_experts_native(x, ids, weights, gate, up, down, out, hidden, *, norm_wei
     ffn = hidden.shape[1]
     has_norm = norm_weight is not None
     gate_up_kernel, down_kernel = _expert_kernels(gate.fmt, down.fmt, dim, ffn, top_k, config.warps,
-                                                  config.down_warps, has_norm)
+                                                  config.down_warps, has_norm, config.max_registers)
     num_slots = np.int32(gate.num_rows // ffn)
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     gate_up_blocks = config.blocks_per_token(top_k * ffn, config.warps, num_tokens)

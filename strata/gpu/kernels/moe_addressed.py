@@ -75,7 +75,7 @@ def moe_experts_addressed(x, ids, weights, table, gate: PackedMatrix, down: Pack
     norm_w = norm_weight if has_norm else stand_in(x, np.float32, 1)
     config = (gemv_native.experts_config(num_tokens) if config is None else config).validate()
     gate_up_kernel, down_kernel = _kernels(gate.fmt, down.fmt, dim, ffn, top_k, config.warps, config.down_warps,
-                                           has_norm)
+                                           has_norm, config.max_registers)
     num_experts = np.int32(table.shape[0])
     gate_up_blocks = config.blocks_per_token(top_k * ffn, config.warps, num_tokens)
     gate_up_kernel[(gate_up_blocks, num_tokens), config.warps * _WARP, stream](
@@ -102,9 +102,10 @@ def _declare_down_loop(fmt: str):
 
 @functools.cache
 def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, warps: int, down_warps: int,
-             has_norm: bool):
+             has_norm: bool, max_registers: int = 0):
     threads, down_threads = warps * _WARP, down_warps * _WARP
     pair_fn, down_fn = _declare_pair_loop(fmt_gate_up), _declare_down_loop(fmt_down)
+    options = gemv_native._register_options(max_registers)
     ffi = tensor_core.ffi()
     num_x, hidden_stride = gemv_native.x_floats(dim), gemv_native.x_floats(ffn)
     stage_x = gemv_native._stage_rows_device(dim, threads, has_norm, 1, num_x)
@@ -112,7 +113,7 @@ def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, wa
     num_hidden_x = top_k * hidden_stride
     columns = np.int32(TABLE_COLUMNS)
 
-    @jit
+    @jit(**options)
     def gate_up_kernel(x, norm_w, eps, ids, table, num_experts, words, halves, extra_bytes, hidden, host_reads):
         tid = cuda.threadIdx.x  # grid (blocks, T), as gemv_native's experts
         red = cuda.shared.array(warps, np.float32)
@@ -129,7 +130,7 @@ def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, wa
                 extra_bytes, ffi.from_buffer(ids[token]), top_k, ffn, cuda.blockIdx.x * warps + tid // _WARP,
                 cuda.gridDim.x * warps, ffi.from_buffer(xs), dim)
 
-    @jit
+    @jit(**options)
     def down_kernel(hidden, ids, weights, table, num_experts, words, halves, extra_bytes, out):  # out [T, H] +=
         tid = cuda.threadIdx.x
         xs = cuda.shared.array(num_hidden_x, np.float32, alignment=16)
