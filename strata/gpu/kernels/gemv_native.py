@@ -637,7 +637,7 @@ class ExpertsConfig(NamedTuple):
 # Measured on the H200 (graph-timed, top-8 of 128 Q4_0 experts; docs/PERFORMANCE.md, 2026-12-05): one token 20.2 us
 # in every shape within ~1.5 us (latency, not waves), a verify step's five 70.8 us against 87.4 for a warp a row, and
 # 65.7 at most 6 blocks an SM. On the H100 (2026-12-06, three sweeps): one wave of blocks (3 an SM, as many as its
-# registers let an SM hold) is the fastest for one to three tokens, 16.9-17.2 and 36.4-36.8 us against 17.6-18.3 and
+# registers let an SM hold) is the fastest for one to three tokens, 16.6-17.2 and 36.4-36.8 us against 17.6-18.3 and
 # 38.8-39.2 at 4 and 6 an SM; five tokens take two waves (6 an SM: 59.2-59.3 us against 68.8-69.3 at 3)
 EXPERTS_CONFIG = ExpertsConfig(blocks_per_sm=3)
 EXPERTS_ROWS_CONFIG = ExpertsConfig(blocks_per_sm=6)
