@@ -33,6 +33,9 @@ class DraftOracle:
         length); None: the request records them from its own prefill before its timed decode."""
         if not 0.0 <= probability <= 1.0:
             raise ValueError(f"the draft oracle's probability must be in [0, 1], got {probability}")
+        if vocab_size < 2:
+            raise ValueError(f"the draft oracle needs a vocabulary of at least 2 tokens (a wrong one to draw), "
+                             f"got {vocab_size}")
         self.continuation = continuation
         self.first_position = first_position
         self.probability = probability

@@ -39,7 +39,7 @@ import numpy as np
 from numba import cuda, types
 
 from . import tensor_core
-from ._common import ceil_div, is_c_contiguous, is_device_array, stand_in
+from ._common import IS_SIMULATOR, ceil_div, is_c_contiguous, is_device_array, stand_in
 from .block_reduce import device_warp_sum
 from .launcher import jit
 
@@ -201,8 +201,8 @@ def _row_strides(w) -> tuple:
 
 
 def _register_options(max_registers: int) -> dict:
-    """A kernel's jit options for a register cap (0: none)."""
-    return {"max_registers": max_registers} if max_registers else {}
+    """A kernel's jit options for a register cap (0: none; the simulator's jit takes none)."""
+    return {"max_registers": max_registers} if max_registers and not IS_SIMULATOR else {}
 
 
 @functools.cache
@@ -607,7 +607,7 @@ class ExpertsConfig(NamedTuple):
     block stages and norms its activations once for many rows, and one wave of blocks covers the launch)."""
     warps: int = 8
     down_warps: int = 8
-    blocks_per_sm: int = 4
+    blocks_per_sm: int = 3
     # a cap on each thread's registers (0: none, the compiler's choice). Uncapped, the Q4_0 kernels hold 67-72, so
     # 3 blocks of 8 warps fit an SM of the H100 (37.5% occupancy); caps of 64 to 40 spill and were slower in every
     # shape measured (docs/performance-log.md, 2026-12-06): for the sweep in strata.bench.variants
@@ -639,7 +639,7 @@ class ExpertsConfig(NamedTuple):
 # 65.7 at most 6 blocks an SM. On the H100 (2026-12-06, three sweeps): one wave of blocks (3 an SM, as many as its
 # registers let an SM hold) is the fastest for one to three tokens, 16.6-17.2 and 36.4-36.8 us against 17.6-18.3 and
 # 38.8-39.2 at 4 and 6 an SM; five tokens take two waves (6 an SM: 59.2-59.3 us against 68.8-69.3 at 3)
-EXPERTS_CONFIG = ExpertsConfig(blocks_per_sm=3)
+EXPERTS_CONFIG = ExpertsConfig()
 EXPERTS_ROWS_CONFIG = ExpertsConfig(blocks_per_sm=6)
 _ONE_WAVE_TOKENS = 3
 
