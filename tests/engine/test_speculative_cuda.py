@@ -98,7 +98,7 @@ def test_chained_steps_equal_plain_greedy_and_take_what_steps_launched_from_the_
         return launch_chained(self, chained_depth, *args, **kwargs)
 
     def run() -> tuple[int, int, int]:
-        # seed 11 refuses the simulator's draft at position 3 and takes those at 4 and 6 (19 of the GPU run's 40)
+        # seed 11: the simulator's drafts at positions 3 (refused), 4 and 6 (taken); the truth at 19 of the GPU's 40
         oracle = DraftOracle(expected, len(PROMPT), 0.5, engine.spec.vocab_size, seed=11)
         generation = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=num_tokens, seed=0),
                                      draft_oracle=oracle)
