@@ -1,7 +1,9 @@
 """Kernel benchmarks at Qwen3-30B-A3B shapes: `python -m strata.bench.kernels [--tiny] [--expert-formats F,...]`.
 
 Rows: decode GEMVs per format and path (the linked C++ rows and the Numba kernel: GB/s against the
-measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them), the dense
+measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them, each
+launch reading another copy of the weights (one token's experts: other experts) so that they come from HBM,
+not L2: ROTATION_BYTES), the dense
 layers' GEMVs over --x-rows rows of activations (default 3: a depth-2 verify step's; the weights read once) and,
 for the routed experts of each --expert-formats format (default Q4_0), one token's routed experts, the
 prefill expert products for chunks of 512 / 2,048 / 8,192 tokens routed
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 import time
 from typing import Callable, NamedTuple
@@ -72,6 +75,11 @@ LONG_DECODE_CONTEXT, SHORT_DECODE_RATIO = 32768, 0.30
 # qkv GEMV; q/k norm + rope + KV write; attention + combine; o; norm + router + route (decode_route); 2 expert
 DECODE_LAUNCHES_PER_LAYER = 8
 DECODE_LAUNCHES_OUTSIDE = 4  # embedding, final norm + head GEMV (fused), 2 sampling launches
+GRAPH_LAUNCHES = 20  # launches a graph-timed figure replays
+# A figure's launches rotate over copies of their weights (experts: over routings) this many bytes apart: the same
+# 5 MB matrix read twenty times in a row comes from L2 after the first read (50 MB on the H100, 60 on the H200),
+# which a decode token, reading each of its 1.7 GB of weights once, never does
+ROTATION_BYTES = 128 * 2**20
 
 
 class Shapes(NamedTuple):
@@ -183,7 +191,21 @@ def device_randn(shape, rng, scale=1.0, dtype=np.float32):
     return cuda.to_device((rng.standard_normal(shape) * scale).astype(dtype))
 
 
-def graph_ms(launch: Callable[[object], object], timing, count: int = 20) -> float:
+def num_copies(num_bytes: int, count: int = GRAPH_LAUNCHES) -> int:
+    """Copies of a launch's weights for ``count`` replayed launches to rotate over, so that each reads them from
+    HBM: at least ROTATION_BYTES apart, at most one a launch (one in the simulator, where nothing is timed)."""
+    if IS_SIMULATOR:
+        return 1
+    return max(1, min(count, -(-ROTATION_BYTES // num_bytes)))
+
+
+def rotating(items: list) -> Callable[[], object]:
+    """A function returning the next of ``items`` at each call, in turn."""
+    cycle = itertools.cycle(items)
+    return lambda: next(cycle)
+
+
+def graph_ms(launch: Callable[[object], object], timing, count: int = GRAPH_LAUNCHES) -> float:
     """Milliseconds per call of launch(stream) when `count` calls replay as one CUDA graph, as decode
     runs them (a plain launch costs more host time than these kernels take); plain calls in the
     simulator, which has no graphs."""
@@ -215,6 +237,7 @@ def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfi
     shape its GB/s says what the extra rows cost."""
     rng = np.random.default_rng(1)
     w = random_packed(fmt, num_rows, num_cols, rng)
+    next_w = rotating([w] + [random_packed(fmt, num_rows, num_cols, rng) for _ in range(num_copies(w.nbytes) - 1)])
     if num_x_rows == 1:
         x, y = device_randn(num_cols, rng), cuda.device_array(num_rows, np.float32)
         native_config = head_config(fmt) if num_rows == s.vocab else LAYER_CONFIG
@@ -222,7 +245,7 @@ def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfi
     else:
         x, y = device_randn((num_x_rows, num_cols), rng), cuda.device_array((num_x_rows, num_rows), np.float32)
         native_config, product, shape = LAYER_CONFIG, gemv_rows, f" at {num_x_rows} rows of x"
-    ms = graph_ms(lambda stream: product(w, x, y, config=cfg, native=native, native_config=native_config,
+    ms = graph_ms(lambda stream: product(next_w(), x, y, config=cfg, native=native, native_config=native_config,
                                          stream=stream), timing)
     num_bytes = w.nbytes + 4 * num_x_rows * (num_cols + num_rows)
     return Row(f"decode GEMV {fmt} {num_rows}x{num_cols}{shape}, {path_name(native)}", num_bytes / ms / 1e6, "GB/s",
@@ -230,17 +253,34 @@ def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfi
 
 
 def bench_moe_decode(s: Shapes, experts, cfg: GemvConfig, native: bool, timing) -> Row:
-    """One token's routed experts (gate, up, down of top_k distinct experts of the stack)."""
+    """One token's routed experts (gate, up, down of top_k distinct experts of the stack); the launches rotate over
+    routings that share no expert with the launches just before, as far as the stack allows (routed_ids)."""
     rng = np.random.default_rng(7)
     x = device_randn((1, s.hidden), rng)
-    ids = cuda.to_device(rng.choice(s.num_experts, s.top_k, replace=False).astype(np.int32).reshape(1, -1))
+    num_bytes = s.top_k * sum(w.nbytes for w in experts) // s.num_experts
+    next_ids = rotating(routed_ids(s, 1, num_copies(num_bytes), rng))
     weights = cuda.to_device(np.full((1, s.top_k), 1.0 / s.top_k, np.float32))
     out, hidden = cuda.device_array((1, s.hidden), np.float32), cuda.device_array((s.top_k, s.ffn), np.float32)
-    ms = graph_ms(lambda stream: moe_experts_decode(x, ids, weights, *experts, out, num_experts=s.num_experts,
+    ms = graph_ms(lambda stream: moe_experts_decode(x, next_ids(), weights, *experts, out, num_experts=s.num_experts,
                                                     hidden=hidden, config=cfg, native=native, stream=stream), timing)
-    num_bytes = s.top_k * sum(w.nbytes for w in experts) // s.num_experts
     return Row(f"decode experts {experts[0].fmt}, top-{s.top_k} of {s.num_experts}, {path_name(native)}",
                num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
+
+
+def routed_ids(s: Shapes, num_tokens: int, count: int, rng) -> list:
+    """``count`` routings [num_tokens, top_k] int32 on the device, each token's experts distinct, taken in turn from
+    shuffles of the whole stack: consecutive routings share no expert until a shuffle is used up."""
+    per_routing = num_tokens * s.top_k
+    order = np.concatenate([rng.permutation(s.num_experts) for _ in range(-(-count * per_routing // s.num_experts)
+                                                                             + 1)])
+    routings = []
+    for i in range(count):  # a token's experts are distinct: a run of one shuffle, or the ends of two that differ
+        chunk = order[i * per_routing:(i + 1) * per_routing].reshape(num_tokens, s.top_k)
+        for t, row in enumerate(chunk):
+            if len(set(row.tolist())) < s.top_k:
+                chunk[t] = rng.choice(s.num_experts, s.top_k, replace=False)
+        routings.append(cuda.to_device(chunk.astype(np.int32)))
+    return routings
 
 
 def make_experts(s: Shapes, fmt: str, rng) -> tuple:

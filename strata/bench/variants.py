@@ -253,9 +253,12 @@ def gemv_sweep(timing) -> None:
     rng = np.random.default_rng(0)
     for fmt, num_rows, num_cols, name in GEMV_SHAPES:
         w, x = b.random_packed(fmt, num_rows, num_cols, rng), b.device_randn(num_cols, rng)
+        ws = [w] + [b.random_packed(fmt, num_rows, num_cols, rng) for _ in range(b.num_copies(w.nbytes) - 1)]
         y = cuda.device_array(num_rows, np.float32)
         num_bytes = w.nbytes + 4 * (num_cols + num_rows)
-        ms = b.graph_ms(lambda stream: gemv(w, x, y, native=False, stream=stream), timing)
+        next_w = b.rotating(ws)
+        ms = b.graph_ms(lambda stream: gemv(next_w(), x, y, native=False, stream=stream), timing)
+        gemv(w, x, y, native=False)
         expected = y.copy_to_host()
         label = f"{fmt} {name} {num_rows}x{num_cols}"
         print(f"{label} Numba: {ms * 1e3:7.1f} us {num_bytes / ms / 1e6:6.0f} GB/s", flush=True)
@@ -263,7 +266,10 @@ def gemv_sweep(timing) -> None:
             config = gemv_native.NativeGemvConfig(warps, rows_per_warp, blocks_per_sm)
 
             def line(config=config):
-                ms = b.graph_ms(lambda stream: gemv_native.gemv_native(w, x, y, config=config, stream=stream), timing)
+                next_w = b.rotating(ws)
+                ms = b.graph_ms(lambda stream: gemv_native.gemv_native(next_w(), x, y, config=config, stream=stream),
+                                timing)
+                gemv_native.gemv_native(w, x, y, config=config)
                 diff = np.max(np.abs(y.copy_to_host() - expected)) / np.max(np.abs(expected))
                 return f"{ms * 1e3:7.1f} us {num_bytes / ms / 1e6:6.0f} GB/s  max rel diff {diff:.1e}"
 
@@ -285,8 +291,8 @@ def experts_sweep(timing) -> None:
     experts = b.make_experts(s, "Q4_0", rng)
     for num_tokens in (1, 3, 5):  # a decode token; verify steps at depths 2 and 4
         x = b.device_randn((num_tokens, s.hidden), rng)
-        ids = cuda.to_device(np.stack([rng.choice(s.num_experts, s.top_k, replace=False)
-                                       for _ in range(num_tokens)]).astype(np.int32))
+        routings = b.routed_ids(s, num_tokens, b.GRAPH_LAUNCHES, rng)  # the launches read other experts in turn
+        ids = routings[0]
         weights = cuda.to_device(np.full((num_tokens, s.top_k), 1.0 / s.top_k, np.float32))
         out = cuda.device_array((num_tokens, s.hidden), np.float32)
         hidden = cuda.device_array((num_tokens * s.top_k, s.ffn), np.float32)
@@ -294,13 +300,14 @@ def experts_sweep(timing) -> None:
         for (warps, down_warps, blocks_per_sm), max_registers in itertools.product(EXPERT_BLOCKS, REGISTER_CAPS):
             config = gemv_native.ExpertsConfig(warps, down_warps, blocks_per_sm, max_registers)
 
-            def run(stream, config=config):  # adds into out
+            def run(stream, config=config, ids=ids):  # adds into out
                 return gemv_native.moe_experts_native(x, ids, weights, *experts, out, hidden, config=config,
                                                       stream=stream)
 
             def line(run=run):
                 nonlocal expected
-                ms = b.graph_ms(run, timing)
+                next_ids = b.rotating(routings)
+                ms = b.graph_ms(lambda stream: run(stream, ids=next_ids()), timing)
                 out.copy_to_device(np.zeros(out.shape, np.float32))
                 run(0)
                 got = out.copy_to_host()
@@ -367,35 +374,42 @@ ROWS_BLOCKS = ((8, 2, 0), (8, 1, 0), (4, 1, 0), (4, 2, 0), (16, 1, 0), (16, 2, 0
 def rows_sweep(timing) -> None:
     """A decode layer's projections at R rows of activations (a verify step's R = d + 1) in each launch shape of
     ROWS_BLOCKS: q/k/v in one launch with the norm fused, and the output projection added into the residual;
-    microseconds a launch replayed in a CUDA graph. A row's bits do not depend on R or the shape
-    (tests/kernels/test_gemv_rows.py), so only the time is shown."""
+    microseconds a launch replayed in a CUDA graph, the launches reading other copies of the weights in turn (from
+    HBM, not L2). A row's bits do not depend on R or the shape (tests/kernels/test_gemv_rows.py), so only the time
+    is shown."""
     from strata.bench import kernels as b
     from strata.gpu.kernels import gemv_native
 
     s, rng = b.QWEN3_30B, np.random.default_rng(5)
     q_rows, kv_rows = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    wq, wk, wv = (b.random_packed("Q4_0", n, s.hidden, rng) for n in (q_rows, kv_rows, kv_rows))
-    wo = b.random_packed("Q4_0", s.hidden, q_rows, rng)
+
+    def layer():  # q, k, v, o
+        return (*(b.random_packed("Q4_0", n, s.hidden, rng) for n in (q_rows, kv_rows, kv_rows)),
+                b.random_packed("Q4_0", s.hidden, q_rows, rng))
+
+    first = layer()
+    layers = [first] + [layer() for _ in range(b.num_copies(first[3].nbytes) - 1)]  # read from HBM, not L2
     norm_w = b.device_randn(s.hidden, rng)
     for num_rows in (1, 3, 5):
         x, attended = b.device_randn((num_rows, s.hidden), rng), b.device_randn((num_rows, q_rows), rng)
         residual = b.device_randn((num_rows, s.hidden), rng)
-        ys = tuple(b.device_randn((num_rows, w.num_rows), rng) for w in (wq, wk, wv))
+        ys = tuple(b.device_randn((num_rows, w.num_rows), rng) for w in first[:3])
         for warps, rows_per_warp, blocks_per_sm in ROWS_BLOCKS:
             config = gemv_native.NativeGemvConfig(warps, rows_per_warp, blocks_per_sm)
 
-            def qkv(stream, x=x, ys=ys, config=config):
-                return gemv_native.gemv_multi_native((wq, wk, wv), x, ys, norm_weight=norm_w, eps=1e-6,
+            def qkv(stream, weights, x=x, ys=ys, config=config):
+                return gemv_native.gemv_multi_native(weights[:3], x, ys, norm_weight=norm_w, eps=1e-6,
                                                      config=config, stream=stream)
 
-            def o_proj(stream, attended=attended, residual=residual, config=config):
-                return gemv_native.gemv_native_rows(wo, attended, residual, accumulate=True, config=config,
+            def o_proj(stream, weights, attended=attended, residual=residual, config=config):
+                return gemv_native.gemv_native_rows(weights[3], attended, residual, accumulate=True, config=config,
                                                     stream=stream)
 
             runs = (("o", o_proj),) if blocks_per_sm else (("q/k/v", qkv), ("o", o_proj))
             for name, run in runs:
                 def line(run=run):
-                    return f"{b.graph_ms(run, timing) * 1e3:7.1f} us"
+                    next_layer = b.rotating(layers)
+                    return f"{b.graph_ms(lambda stream: run(stream, next_layer()), timing) * 1e3:7.1f} us"
                 cap = f", at most {blocks_per_sm} blocks per SM" if blocks_per_sm else ""
                 print(f"rows {num_rows} Q4_0 {name} {warps} warps x {rows_per_warp} rows{cap}: {_attempt(line)}",
                       flush=True)

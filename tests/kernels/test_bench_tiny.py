@@ -75,3 +75,19 @@ def test_the_zero_copy_benchmark_runs_at_toy_sizes(capsys):
     assert any("planes in pinned host memory" in n for n in names)
     assert all(math.isfinite(r.figure) and r.figure > 0 for r in rows)
     assert capsys.readouterr().out.count("\n| ") == len(rows) + 4  # two tables: the transfers', then the experts'
+
+
+def test_timed_launches_rotate_over_weights_more_than_l2_apart(monkeypatch):
+    import numpy as np
+
+    monkeypatch.setattr(bench, "IS_SIMULATOR", False)  # the counts a GPU run takes
+    mib = 2**20
+    assert [bench.num_copies(n * mib) for n in (5, 50, 128, 200)] == [bench.GRAPH_LAUNCHES, 3, 1, 1]
+    next_item = bench.rotating(["a", "b", "c"])
+    assert [next_item() for _ in range(5)] == ["a", "b", "c", "a", "b"]
+    shapes = bench.QWEN3_30B
+    routings = [r.copy_to_host() for r in bench.routed_ids(shapes, 3, 9, np.random.default_rng(0))]
+    assert all(r.shape == (3, shapes.top_k) for r in routings)
+    assert all(len(set(row.tolist())) == shapes.top_k for r in routings for row in r)
+    # one shuffle of 128 experts holds five routings of 24: those share no expert
+    assert len({int(e) for r in routings[:5] for e in r.ravel()}) == 5 * 3 * shapes.top_k
