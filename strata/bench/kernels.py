@@ -2,8 +2,8 @@
 
 Rows: decode GEMVs per format and path (the linked C++ rows and the Numba kernel: GB/s against the
 measured 3.9 TB/s HBM copy, timed as 20 launches replayed in one CUDA graph, as decode runs them, each
-launch reading another copy of the weights (one token's experts: other experts) so that they come from HBM,
-not L2: ROTATION_BYTES), the dense
+launch reading another copy of the weights (one token's experts: other experts; decode attention: another
+cache) so that they come from HBM, not L2: ROTATION_BYTES), the dense
 layers' GEMVs over --x-rows rows of activations (default 3: a depth-2 verify step's; the weights read once) and,
 for the routed experts of each --expert-formats format (default Q4_0), one token's routed experts, the
 prefill expert products for chunks of 512 / 2,048 / 8,192 tokens routed
@@ -372,9 +372,12 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
     """One token's attention at each decode context as the engine's captured decode step launches it: a cache
     of s.decode_cells, splits sized for all of it, the KV length read from the position on the device, a
     preallocated workspace; timed as launches replayed in a CUDA graph. The direct kernel's rows (where it
-    serves the shapes), then the tile kernels' (attention_decode_mma's, the previous path) for comparison."""
+    serves the shapes), then the tile kernels' (attention_decode_mma's, the previous path) for comparison. The
+    launches rotate over copies of the cache (num_copies), as a token's layers each read their own."""
     rng = np.random.default_rng(4)
     k_cache, v_cache = _filled_cache(s, fmt, s.decode_cells, rng)
+    caches = [(k_cache, v_cache)] + [_filled_cache(s, fmt, s.decode_cells, rng)  # from HBM, not L2
+                                     for _ in range(num_copies(2 * k_cache.nbytes) - 1)]
     q = device_randn((1, s.num_q_heads * s.head_dim), rng)
     out = cuda.device_array(q.shape, np.float32)
     group = s.num_q_heads // s.num_kv_heads
@@ -392,7 +395,8 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
         kernel = "direct" if is_direct else "tiles"
         for context in s.decode_contexts:
             positions = cuda.to_device(np.array([context - 1], np.int32))
-            ms = graph_ms(lambda stream: attention(q, k_cache, v_cache, positions, out, stream=stream, **args), timing)
+            next_cache = rotating(caches)
+            ms = graph_ms(lambda stream: attention(q, *next_cache(), positions, out, stream=stream, **args), timing)
             num_bytes = 2 * k_cache.nbytes * context / k_cache.num_rows  # the K and V rows up to the position
             target = TARGET_DECODE_ATTENTION_RATIOS[fmt] if context >= LONG_DECODE_CONTEXT else SHORT_DECODE_RATIO
             rows.append(Row(f"attention decode {fmt}, position {context} of {s.decode_cells}, {kernel}, "
