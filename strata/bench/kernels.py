@@ -191,18 +191,35 @@ def device_randn(shape, rng, scale=1.0, dtype=np.float32):
     return cuda.to_device((rng.standard_normal(shape) * scale).astype(dtype))
 
 
-def num_copies(num_bytes: int, count: int = GRAPH_LAUNCHES) -> int:
-    """Copies of a launch's weights for ``count`` replayed launches to rotate over, so that each reads them from
-    HBM: at least ROTATION_BYTES apart, at most one a launch (one in the simulator, where nothing is timed)."""
-    if IS_SIMULATOR:
-        return 1
-    return max(1, min(count, -(-ROTATION_BYTES // num_bytes)))
+def num_copies(num_bytes: int) -> int:
+    """Copies of what a launch reads (``num_bytes``) for the launches of a figure to rotate over, so that a copy
+    comes back only after ROTATION_BYTES of others: one in the simulator, where nothing is timed. A figure replays
+    at least this many launches (``num_launches``)."""
+    return 1 if IS_SIMULATOR else max(1, -(-ROTATION_BYTES // max(1, int(num_bytes))))
+
+
+def num_launches(copies: int) -> int:
+    """Launches a graph-timed figure replays to use each of ``copies`` once."""
+    return max(GRAPH_LAUNCHES, copies)
 
 
 def rotating(items: list) -> Callable[[], object]:
     """A function returning the next of ``items`` at each call, in turn."""
     cycle = itertools.cycle(items)
     return lambda: next(cycle)
+
+
+def device_copy(a):
+    """A device array with ``a``'s shape, dtype and values, at an address of its own (a device-to-device copy)."""
+    out = cuda.device_array_like(a)
+    out.copy_to_device(a)
+    return out
+
+
+def packed_copies(w: PackedMatrix, count: int) -> list:
+    """``w`` and count - 1 device copies of it: the same values at other addresses (L2 keeps addresses)."""
+    return [w] + [w._replace(quants=device_copy(w.quants), scales=device_copy(w.scales), extra=device_copy(w.extra))
+                  for _ in range(count - 1)]
 
 
 def graph_ms(launch: Callable[[object], object], timing, count: int = GRAPH_LAUNCHES) -> float:
@@ -237,7 +254,8 @@ def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfi
     shape its GB/s says what the extra rows cost."""
     rng = np.random.default_rng(1)
     w = random_packed(fmt, num_rows, num_cols, rng)
-    next_w = rotating([w] + [random_packed(fmt, num_rows, num_cols, rng) for _ in range(num_copies(w.nbytes) - 1)])
+    copies = packed_copies(w, num_copies(w.nbytes))
+    next_w = rotating(copies)
     if num_x_rows == 1:
         x, y = device_randn(num_cols, rng), cuda.device_array(num_rows, np.float32)
         native_config = head_config(fmt) if num_rows == s.vocab else LAYER_CONFIG
@@ -246,7 +264,7 @@ def bench_gemv(s: Shapes, fmt: str, num_rows: int, num_cols: int, cfg: GemvConfi
         x, y = device_randn((num_x_rows, num_cols), rng), cuda.device_array((num_x_rows, num_rows), np.float32)
         native_config, product, shape = LAYER_CONFIG, gemv_rows, f" at {num_x_rows} rows of x"
     ms = graph_ms(lambda stream: product(next_w(), x, y, config=cfg, native=native, native_config=native_config,
-                                         stream=stream), timing)
+                                         stream=stream), timing, num_launches(len(copies)))
     num_bytes = w.nbytes + 4 * num_x_rows * (num_cols + num_rows)
     return Row(f"decode GEMV {fmt} {num_rows}x{num_cols}{shape}, {path_name(native)}", num_bytes / ms / 1e6, "GB/s",
                HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
@@ -258,11 +276,13 @@ def bench_moe_decode(s: Shapes, experts, cfg: GemvConfig, native: bool, timing) 
     rng = np.random.default_rng(7)
     x = device_randn((1, s.hidden), rng)
     num_bytes = s.top_k * sum(w.nbytes for w in experts) // s.num_experts
-    next_ids = rotating(routed_ids(s, 1, num_copies(num_bytes), rng))
+    routings = routed_ids(s, 1, num_copies(num_bytes), rng)
+    next_ids = rotating(routings)
     weights = cuda.to_device(np.full((1, s.top_k), 1.0 / s.top_k, np.float32))
     out, hidden = cuda.device_array((1, s.hidden), np.float32), cuda.device_array((s.top_k, s.ffn), np.float32)
     ms = graph_ms(lambda stream: moe_experts_decode(x, next_ids(), weights, *experts, out, num_experts=s.num_experts,
-                                                    hidden=hidden, config=cfg, native=native, stream=stream), timing)
+                                                    hidden=hidden, config=cfg, native=native, stream=stream), timing,
+                  num_launches(len(routings)))
     return Row(f"decode experts {experts[0].fmt}, top-{s.top_k} of {s.num_experts}, {path_name(native)}",
                num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9, TARGET_GEMV_RATIO)
 
@@ -373,11 +393,10 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
     of s.decode_cells, splits sized for all of it, the KV length read from the position on the device, a
     preallocated workspace; timed as launches replayed in a CUDA graph. The direct kernel's rows (where it
     serves the shapes), then the tile kernels' (attention_decode_mma's, the previous path) for comparison. The
-    launches rotate over copies of the cache (num_copies), as a token's layers each read their own."""
+    launches rotate over copies of the cache (num_copies of the bytes read), as a token's layers each read their
+    own."""
     rng = np.random.default_rng(4)
     k_cache, v_cache = _filled_cache(s, fmt, s.decode_cells, rng)
-    caches = [(k_cache, v_cache)] + [_filled_cache(s, fmt, s.decode_cells, rng)  # from HBM, not L2
-                                     for _ in range(num_copies(2 * k_cache.nbytes) - 1)]
     q = device_randn((1, s.num_q_heads * s.head_dim), rng)
     out = cuda.device_array(q.shape, np.float32)
     group = s.num_q_heads // s.num_kv_heads
@@ -395,9 +414,13 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
         kernel = "direct" if is_direct else "tiles"
         for context in s.decode_contexts:
             positions = cuda.to_device(np.array([context - 1], np.int32))
-            next_cache = rotating(caches)
-            ms = graph_ms(lambda stream: attention(q, *next_cache(), positions, out, stream=stream, **args), timing)
             num_bytes = 2 * k_cache.nbytes * context / k_cache.num_rows  # the K and V rows up to the position
+            caches = list(zip(packed_copies(k_cache, num_copies(num_bytes)), packed_copies(v_cache, num_copies(
+                num_bytes))))
+            next_cache = rotating(caches)
+            ms = graph_ms(lambda stream: attention(q, *next_cache(), positions, out, stream=stream, **args), timing,
+                          num_launches(len(caches)))
+            del caches
             target = TARGET_DECODE_ATTENTION_RATIOS[fmt] if context >= LONG_DECODE_CONTEXT else SHORT_DECODE_RATIO
             rows.append(Row(f"attention decode {fmt}, position {context} of {s.decode_cells}, {kernel}, "
                             f"{splits} splits ({ms * 1e3:.1f} us)", num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9,

@@ -253,11 +253,12 @@ def gemv_sweep(timing) -> None:
     rng = np.random.default_rng(0)
     for fmt, num_rows, num_cols, name in GEMV_SHAPES:
         w, x = b.random_packed(fmt, num_rows, num_cols, rng), b.device_randn(num_cols, rng)
-        ws = [w] + [b.random_packed(fmt, num_rows, num_cols, rng) for _ in range(b.num_copies(w.nbytes) - 1)]
+        ws = b.packed_copies(w, b.num_copies(w.nbytes))  # read from HBM, not L2
+        launches = b.num_launches(len(ws))
         y = cuda.device_array(num_rows, np.float32)
         num_bytes = w.nbytes + 4 * (num_cols + num_rows)
         next_w = b.rotating(ws)
-        ms = b.graph_ms(lambda stream: gemv(next_w(), x, y, native=False, stream=stream), timing)
+        ms = b.graph_ms(lambda stream: gemv(next_w(), x, y, native=False, stream=stream), timing, launches)
         gemv(w, x, y, native=False)
         expected = y.copy_to_host()
         label = f"{fmt} {name} {num_rows}x{num_cols}"
@@ -268,7 +269,7 @@ def gemv_sweep(timing) -> None:
             def line(config=config):
                 next_w = b.rotating(ws)
                 ms = b.graph_ms(lambda stream: gemv_native.gemv_native(next_w(), x, y, config=config, stream=stream),
-                                timing)
+                                timing, launches)
                 gemv_native.gemv_native(w, x, y, config=config)
                 diff = np.max(np.abs(y.copy_to_host() - expected)) / np.max(np.abs(expected))
                 return f"{ms * 1e3:7.1f} us {num_bytes / ms / 1e6:6.0f} GB/s  max rel diff {diff:.1e}"
@@ -383,12 +384,10 @@ def rows_sweep(timing) -> None:
     s, rng = b.QWEN3_30B, np.random.default_rng(5)
     q_rows, kv_rows = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
 
-    def layer():  # q, k, v, o
-        return (*(b.random_packed("Q4_0", n, s.hidden, rng) for n in (q_rows, kv_rows, kv_rows)),
-                b.random_packed("Q4_0", s.hidden, q_rows, rng))
-
-    first = layer()
-    layers = [first] + [layer() for _ in range(b.num_copies(first[3].nbytes) - 1)]  # read from HBM, not L2
+    first = (*(b.random_packed("Q4_0", n, s.hidden, rng) for n in (q_rows, kv_rows, kv_rows)),
+             b.random_packed("Q4_0", s.hidden, q_rows, rng))  # q, k, v, o
+    num_layers = b.num_copies(first[3].nbytes)  # read from HBM, not L2
+    layers = list(zip(*(b.packed_copies(w, num_layers) for w in first)))
     norm_w = b.device_randn(s.hidden, rng)
     for num_rows in (1, 3, 5):
         x, attended = b.device_randn((num_rows, s.hidden), rng), b.device_randn((num_rows, q_rows), rng)
@@ -409,7 +408,8 @@ def rows_sweep(timing) -> None:
             for name, run in runs:
                 def line(run=run):
                     next_layer = b.rotating(layers)
-                    return f"{b.graph_ms(lambda stream: run(stream, next_layer()), timing) * 1e3:7.1f} us"
+                    ms = b.graph_ms(lambda stream: run(stream, next_layer()), timing, b.num_launches(num_layers))
+                    return f"{ms * 1e3:7.1f} us"
                 cap = f", at most {blocks_per_sm} blocks per SM" if blocks_per_sm else ""
                 print(f"rows {num_rows} Q4_0 {name} {warps} warps x {rows_per_warp} rows{cap}: {_attempt(line)}",
                       flush=True)

@@ -82,7 +82,13 @@ def test_timed_launches_rotate_over_weights_more_than_l2_apart(monkeypatch):
 
     monkeypatch.setattr(bench, "IS_SIMULATOR", False)  # the counts a GPU run takes
     mib = 2**20
-    assert [bench.num_copies(n * mib) for n in (5, 50, 128, 200)] == [bench.GRAPH_LAUNCHES, 3, 1, 1]
+    assert [bench.num_copies(n * mib) for n in (1, 5, 50, 128, 200)] == [128, 26, 3, 1, 1]
+    assert [bench.num_launches(n) for n in (1, 26, 128)] == [bench.GRAPH_LAUNCHES, 26, 128]
+    monkeypatch.setattr(bench, "IS_SIMULATOR", True)
+    w = bench.random_packed("Q8_0", 4, 64, np.random.default_rng(1))
+    copies = bench.packed_copies(w, 3)
+    assert len(copies) == 3 and copies[1].quants is not w.quants
+    assert all(np.array_equal(c.quants.copy_to_host(), w.quants.copy_to_host()) for c in copies)
     next_item = bench.rotating(["a", "b", "c"])
     assert [next_item() for _ in range(5)] == ["a", "b", "c", "a", "b"]
     shapes = bench.QWEN3_30B
