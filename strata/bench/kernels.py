@@ -294,10 +294,10 @@ def routed_ids(s: Shapes, num_tokens: int, count: int, rng) -> list:
     order = np.concatenate([rng.permutation(s.num_experts) for _ in range(-(-count * per_routing // s.num_experts)
                                                                              + 1)])
     routings = []
-    for i in range(count):  # a token's experts are distinct: a run of one shuffle, or the ends of two that differ
+    for i in range(count):
         chunk = order[i * per_routing:(i + 1) * per_routing].reshape(num_tokens, s.top_k)
         for t, row in enumerate(chunk):
-            if len(set(row.tolist())) < s.top_k:
+            if len(set(row.tolist())) < s.top_k:  # a token across two shuffles may repeat an expert: drawn again
                 chunk[t] = rng.choice(s.num_experts, s.top_k, replace=False)
         routings.append(cuda.to_device(chunk.astype(np.int32)))
     return routings
@@ -420,7 +420,6 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
             next_cache = rotating(caches)
             ms = graph_ms(lambda stream: attention(q, *next_cache(), positions, out, stream=stream, **args), timing,
                           num_launches(len(caches)))
-            del caches
             target = TARGET_DECODE_ATTENTION_RATIOS[fmt] if context >= LONG_DECODE_CONTEXT else SHORT_DECODE_RATIO
             rows.append(Row(f"attention decode {fmt}, position {context} of {s.decode_cells}, {kernel}, "
                             f"{splits} splits ({ms * 1e3:.1f} us)", num_bytes / ms / 1e6, "GB/s", HBM_BYTES_PER_S / 1e9,
