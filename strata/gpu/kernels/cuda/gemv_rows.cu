@@ -91,9 +91,9 @@ __device__ __forceinline__ float4 bytes_as_float4(u32 word, float bias) {
                      byte_as_float(word, 3, bias));
 }
 
-// The weights' 4 products with x, summed in this order (every format's rows share it).
-__device__ __forceinline__ float dot4(float4 w, float4 x) {
-  float s = w.x * x.x;
+// s plus the weights' 4 products with x, added to it in this order (every format's rows share it).
+__device__ __forceinline__ float dot4(float4 w, float4 x, float s) {
+  s = fmaf(w.x, x.x, s);
   s = fmaf(w.y, x.y, s);
   s = fmaf(w.z, x.z, s);
   return fmaf(w.w, x.w, s);
@@ -155,8 +155,8 @@ __device__ __forceinline__ void nibble_items_dot(const Item (&it)[R], u32 xs, in
       const float4 lo = load_x4(x, 4 * j), hi = load_x4(x, 16 + 4 * j);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        s[t][r] += dot4(wl[r], lo);
-        s[t][r] += dot4(wh[r], hi);
+        s[t][r] = dot4(wl[r], lo, s[t][r]);
+        s[t][r] = dot4(wh[r], hi, s[t][r]);
       }
     }
   }
@@ -207,7 +207,7 @@ struct Q80 {
       for (int t = 0; t < NX; ++t) {
         const float4 v = load_x4(xs + 4 * (t * x_stride + (i >> 1) * XSTRIDE + (i & 1) * 16), 4 * j);
 #pragma unroll
-        for (int r = 0; r < R; ++r) s[t][r] += dot4(w[r], v);
+        for (int r = 0; r < R; ++r) s[t][r] = dot4(w[r], v, s[t][r]);
       }
     }
 #pragma unroll
@@ -331,8 +331,8 @@ __device__ __forceinline__ void k_runs_dot(const u32 (&lo)[R][4], const u32 (&hi
       const float4 a = load_x4(xs, t * x_stride + xl + 4 * j), b = load_x4(xs, t * x_stride + xh + 4 * j);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        sl[t][r] += dot4(wl[r], a);
-        sh[t][r] += dot4(wh[r], b);
+        sl[t][r] = dot4(wl[r], a, sl[t][r]);
+        sh[t][r] = dot4(wh[r], b, sh[t][r]);
       }
       xsum_l[t] += sum4(a);
       xsum_h[t] += sum4(b);
@@ -506,7 +506,7 @@ __device__ __forceinline__ void grid_quads_dot(const Item (&it)[R], u32 xs, int 
     for (int t = 0; t < NX; ++t) {
       const float4 v = load_x4(xs + 4 * (t * x_stride + i * XSTRIDE), 4 * l);
 #pragma unroll
-      for (int r = 0; r < R; ++r) s[h][t][r] += dot4(w[r], v);
+      for (int r = 0; r < R; ++r) s[h][t][r] = dot4(w[r], v, s[h][t][r]);
     }
   }
 #pragma unroll
@@ -650,8 +650,8 @@ struct Q4KWide {
           const float4 a = load_x4(xs, xl + xt), b = load_x4(xs, xh + xt);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            sl[t][r] += dot4(wl[r], a);
-            sh[t][r] += dot4(wh[r], b);
+            sl[t][r] = dot4(wl[r], a, sl[t][r]);
+            sh[t][r] = dot4(wh[r], b, sh[t][r]);
           }
         }
       }
