@@ -312,3 +312,17 @@ def test_a_launch_that_fails_after_its_draft_is_waited_for():
     with pytest.raises(RuntimeError, match="a capture failed"):
         list(speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 12, []))
     assert _kinds(events) == ["draft"] and runner.ops.num_synchronized == 1  # the draft's work, queued
+
+
+def test_a_depth_the_policy_is_still_timing_is_not_chained():
+    events = []
+    policy = DepthPolicy(1)
+    for _ in range(2):
+        policy.record(0, 0.010, 0)  # plain decode timed; depth 1 not yet
+    _, speculation = _drafting(events, policy=policy)
+    tokens = list(speculation.tokens(5, np.zeros((1, 4), np.float32), 40, 10, []))
+    assert tokens == _expected(5, 10)
+    # the first two steps at depth 1 each wait for the record of the one before; from the third, chained
+    kinds = [kind for kind in _kinds(events) if kind != "draft"]
+    assert kinds[:5] == ["launch", "read", "launch", "read", "launch"] and "chain" in kinds[5:]
+    assert policy.num_steps_at[1] == 5

@@ -211,6 +211,16 @@ def test_the_policy_backs_off_when_drafts_never_pay():
     assert 2 not in depths and depths[-10:].count(0) >= 9
 
 
+def test_two_refused_drafts_end_the_trial_of_a_depth_that_costs_a_third_more():
+    policy = DepthPolicy(1)
+    depths = []
+    for _ in range(20):
+        depths.append(depth := policy.depth(100))
+        policy.record(depth, 0.0132 if depth else 0.010, num_accepted=0)  # a verify step: 1.32 plain steps
+    # a refusal leaves the draft a third of a chance, two a quarter: 1.25 tokens cannot pay 1.32 steps
+    assert depths.count(1) == 2 and depths[:4] == [0, 0, 1, 1]
+
+
 def test_probes_grow_rarer_while_the_best_depth_stays_the_same():
     policy = DepthPolicy(4, probe_every=32)
     depths = []

@@ -57,7 +57,7 @@ class DepthPolicy:
         limit = max(0, min(limit, self.max_depth))
         if self.is_fixed or limit == 0:
             return limit
-        if not self._is_timed(0):
+        if not self.is_timed(0):
             return 0
         best = self._best(limit)
         to_try = self._depth_to_try(limit, best)
@@ -75,7 +75,7 @@ class DepthPolicy:
         the best depth, the steps until the next probe; else 0 (depth 0 is not yet timed, a depth of few
         steps could still beat it, or it is probed as the neighbour of a better depth). A caller may run that many
         plain steps without asking."""
-        if self.is_fixed or not self._is_timed(0) or self._best(self.max_depth) != 0 \
+        if self.is_fixed or not self.is_timed(0) or self._best(self.max_depth) != 0 \
                 or self._depth_to_try(self.max_depth, 0) is not None:
             return 0
         return max(0, self._probe_every - (self._num_steps - self._last_probe))
@@ -99,8 +99,9 @@ class DepthPolicy:
 
     def expected_tokens(self, depth: int, is_bound: bool = False) -> float:
         """Tokens a step at ``depth`` gives on average. is_bound: what it could give, as far as the counts
-        tell: each measured place as if its next draft were taken, unmeasured ones accepting as often as
-        the last measured one does (as often as not, if none is)."""
+        tell: each measured place at (taken + 1) / (drafted + 2) (a uniform prior's mean: one refusal
+        leaves a third, two a quarter, where a draft's verify step costs ~1.35 plain steps), unmeasured
+        ones accepting as often as the last measured one does (as often as not, if none is)."""
         total, chance, last = 1.0, 1.0, 0.5
         for place in range(depth):
             rate = measured = self.acceptance(place)
@@ -109,7 +110,7 @@ class DepthPolicy:
                     return total
                 rate = last
             elif is_bound:
-                rate = (self._accepted[place] + 1) / (self._drafted[place] + 1)
+                rate = (self._accepted[place] + 1) / (self._drafted[place] + 2)
             chance *= rate
             total += chance
             last = last if measured is None else measured
@@ -129,12 +130,13 @@ class DepthPolicy:
         return next((d for d in range(1, limit + 1)
                      if self.num_steps_at[d] < _MIN_STEPS and self._bound(d) > best_rate), None)
 
-    def _is_timed(self, depth: int) -> bool:
+    def is_timed(self, depth: int) -> bool:
+        """Whether ``depth`` has a time of its own (two steps: a first may pay once-only work)."""
         return self.num_steps_at[depth] >= 2
 
     def _best(self, limit: int) -> int:
         """The timed depth up to ``limit`` with the most expected tokens per second."""
-        return max(range(limit + 1), key=lambda d: self._rate(d) if self._is_timed(d) else -1.0)
+        return max(range(limit + 1), key=lambda d: self._rate(d) if self.is_timed(d) else -1.0)
 
     def _rate(self, depth: int) -> float:
         return self.expected_tokens(depth) / max(self.seconds[depth], 1e-9)
@@ -142,6 +144,6 @@ class DepthPolicy:
     def _bound(self, depth: int) -> float:
         """Tokens a second ``depth`` could give: optimistic acceptance, its own time once timed, else the
         slowest timed depth's below it."""
-        seconds = self.seconds[depth] if self._is_timed(depth) else \
-            max(self.seconds[d] for d in range(depth) if self._is_timed(d))
+        seconds = self.seconds[depth] if self.is_timed(depth) else \
+            max(self.seconds[d] for d in range(depth) if self.is_timed(d))
         return self.expected_tokens(depth, is_bound=True) / max(seconds, 1e-9)

@@ -185,8 +185,12 @@ class Speculation:
         on the device: it drafts as deep, runs without the host between its layers, and is needed and inside
         the request whatever the step before takes (it emits at most d + 1 of the ``num_left`` tokens). The
         policy answers for it one step early, from the records before the step in flight; where its answer
-        is another depth, that step is launched from the host and takes the answer (``_decided``)."""
+        is another depth, that step is launched from the host and takes the answer (``_decided``). A depth the
+        policy is still timing is not chained: its next step waits for this one's record (drafts the model
+        refuses cost two steps, not three)."""
         if not depth or num_left < 2 * (depth + 1) or not self.device[0].launch_ahead(depth):
+            return False
+        if not self.policy.is_fixed and not self.policy.is_timed(depth):
             return False
         decided = self.policy.depth(num_left - depth - 2)  # the fewest tokens left after the step in flight, less one
         if decided != depth:
