@@ -19,20 +19,25 @@ time its own once timed, else the slowest timed depth's below it. So one refused
 first step, does not end speculation: simulated with the resident 30B's step costs (512 tokens,
 drafts taken 80% of the time, a first step at each depth 10 ms slower), the policy gets 1.36x of
 plain decode where one that judged each depth by its first step stayed at plain. Every
-``probe_every`` steps the depth next to the chosen one is timed again, so a change in the text or
-the cache is seen; a probe that finds the same depth best as the one before doubles the interval
-(up to ``_MAX_PROBE_EVERY``), since each costs a step at a worse depth: on the H200 a plain run with
-a probe every 32 tokens decoded at 0.92x plain decode. Between probes, where plain decode is best,
-``plain_steps`` says how long a caller may run plain steps without asking. ``is_fixed`` always
-drafts ``max_depth`` (the equality tests, the bench's fixed arm).
+``probe_every`` steps (more where a probe costs more than ``_PROBE_SHARE`` of the steps between:
+a verify step streams its rows' experts in a small budget) the depth next to the chosen one is timed
+again, so a change in the text or the cache is seen; a probe that finds the same depth best as the
+one before doubles the interval (up to ``_MAX_PROBE_EVERY``), since each costs a step at a worse
+depth: on the H200 a plain run with a probe every 32 tokens decoded at 0.92x plain decode. Trial
+steps count as a probe, and before any probe plain decode counts as the best found. Between
+probes, where plain decode is best, ``plain_steps`` says how long a caller may run plain steps
+without asking. ``is_fixed`` always drafts ``max_depth`` (the equality tests, the bench's fixed arm).
 """
 
 from __future__ import annotations
+
+import math
 
 _EMA = 0.2  # weight of a new step's time in the moving average
 _DECAY = 0.98  # acceptance counts fade by this per step at or beyond their place
 _MAX_PROBE_EVERY = 1024  # steps
 _MIN_STEPS = 4  # steps at a depth before only its measured rate decides (until then, what it could give)
+_PROBE_SHARE = 0.005  # of the best depth's time, what probes may lose on average (before they double)
 
 
 class DepthPolicy:
@@ -48,8 +53,8 @@ class DepthPolicy:
         self._accepted = [0.0] * max_depth
         self._num_steps = 0
         self._last_probe = 0  # _num_steps when a neighbour of the best depth was last timed
-        self._probe_every = probe_every  # steps between probes now
-        self._best_at_probe: int | None = None  # the best depth when the last probe was made
+        self._num_settled = 0  # probes in a row that found the best depth of the probe before
+        self._best_at_probe = 0  # the best depth when the last probe was made (before any: plain decode's)
         self.last_depth = 0
 
     def depth(self, limit: int) -> int:
@@ -61,13 +66,13 @@ class DepthPolicy:
             return 0
         best = self._best(limit)
         to_try = self._depth_to_try(limit, best)
-        if to_try is not None:
+        if to_try is not None:  # timing a depth, as a probe does: the next probe counts from here
+            self._last_probe = self._num_steps
             return to_try
-        if self._num_steps - self._last_probe >= self._probe_every:  # time a neighbour again
-            is_settled = best == self._best_at_probe
-            self._probe_every = min(2 * self._probe_every, _MAX_PROBE_EVERY) if is_settled else self.probe_every
+        if self._num_steps - self._last_probe >= self._probe_interval(best, limit):  # time a neighbour again
+            self._num_settled = self._num_settled + 1 if best == self._best_at_probe else 0
             self._best_at_probe, self._last_probe = best, self._num_steps
-            return min(limit, best + 1) if best < limit else best - 1
+            return _neighbour(best, limit)
         return best
 
     def plain_steps(self) -> int:
@@ -78,7 +83,7 @@ class DepthPolicy:
         if self.is_fixed or not self.is_timed(0) or self._best(self.max_depth) != 0 \
                 or self._depth_to_try(self.max_depth, 0) is not None:
             return 0
-        return max(0, self._probe_every - (self._num_steps - self._last_probe))
+        return max(0, self._probe_interval(0, self.max_depth) - (self._num_steps - self._last_probe))
 
     def record(self, depth: int, seconds: float, num_accepted: int) -> None:
         """A step at ``depth`` took ``seconds`` and its first ``num_accepted`` drafts were taken."""
@@ -134,6 +139,18 @@ class DepthPolicy:
         """Whether ``depth`` has a time of its own (two steps: a first may pay once-only work)."""
         return self.num_steps_at[depth] >= 2
 
+    def _probe_interval(self, best: int, limit: int) -> int:
+        """Steps from a probe to the next: ``probe_every``, or where more, the steps at ``best`` whose
+        time a probe's loss (its time less what ``best`` takes for the tokens it gives) is _PROBE_SHARE of;
+        doubled for each probe in a row that found the best depth unchanged, up to _MAX_PROBE_EVERY."""
+        interval = self.probe_every
+        neighbour = _neighbour(best, limit)
+        if neighbour != best and self.is_timed(neighbour):
+            seconds_a_token = self.seconds[best] / self.expected_tokens(best)
+            loss = self.seconds[neighbour] - self.expected_tokens(neighbour) * seconds_a_token
+            interval = max(interval, math.ceil(loss / (_PROBE_SHARE * self.seconds[best])))
+        return min(interval << min(self._num_settled, 16), _MAX_PROBE_EVERY)
+
     def _best(self, limit: int) -> int:
         """The timed depth up to ``limit`` with the most expected tokens per second."""
         return max(range(limit + 1), key=lambda d: self._rate(d) if self.is_timed(d) else -1.0)
@@ -147,3 +164,8 @@ class DepthPolicy:
         seconds = self.seconds[depth] if self.is_timed(depth) else \
             max(self.seconds[d] for d in range(depth) if self.is_timed(d))
         return self.expected_tokens(depth, is_bound=True) / max(seconds, 1e-9)
+
+
+def _neighbour(best: int, limit: int) -> int:
+    """The depth a probe times next to ``best``: one deeper where ``limit`` allows, else one shallower."""
+    return min(limit, best + 1) if best < limit else best - 1
