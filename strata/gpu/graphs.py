@@ -13,7 +13,8 @@ What a graph reads and writes is fixed at capture, so a segment must keep its me
 
 The simulator has no graphs: there a segment re-runs its function on each replay and copies the
 new results into the arrays returned the first time, which is what a replayed graph leaves behind.
-Either way nothing runs at capture; the first ``replay`` executes the segment.
+Either way nothing runs at capture; the first ``replay`` executes the segment. A captured graph is uploaded
+to the device at capture, where the load pays for it: else its first launch would, inside a request.
 """
 
 from __future__ import annotations
@@ -82,7 +83,21 @@ def capture_graph(fn: Callable[[], Any], launching_on: Callable, retaining: Call
         raise
     graph = builder.end_building().complete()
     builder.close()
+    try:
+        _upload(graph)
+    except BaseException:
+        graph.close()
+        raise
     return GraphSegment(graph, outputs, retained)
+
+
+def _upload(graph) -> None:
+    """Upload ``graph`` on the legacy default stream (where ``replay`` launches it), behind the work queued there."""
+    from cuda.bindings import driver
+
+    (err,) = driver.cuGraphUpload(graph.handle, driver.CUstream(0))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuGraphUpload failed: {err}")
 
 
 def _device():
