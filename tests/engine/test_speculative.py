@@ -221,6 +221,13 @@ def test_two_refused_drafts_end_the_trial_of_a_depth_that_costs_a_third_more():
     assert depths.count(1) == 2 and depths[:4] == [0, 0, 1, 1]
 
 
+def test_steps_timed_at_zero_seconds_leave_the_policy_answering():
+    policy = DepthPolicy(2)
+    for depth, seconds in ((0, 0.0), (0, 0.0), (1, 0.01), (1, 0.01), (0, 0.0)):
+        policy.record(depth, seconds, num_accepted=0)
+    assert policy.depth(10) == 0 and policy.plain_steps() > 0
+
+
 def test_probes_grow_rarer_while_the_best_depth_stays_the_same():
     policy = DepthPolicy(4, probe_every=32)
     depths = []

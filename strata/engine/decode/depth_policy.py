@@ -13,8 +13,9 @@ draft can cost more than the tokens it saves. The policy keeps, while the engine
 
 and picks the depth d (0..``max_depth``) with the most expected tokens per second,
 ``(1 + a_1 + a_1 a_2 + ... + a_1...a_d) / seconds[d]``. A depth with fewer than ``_MIN_STEPS``
-steps is tried while it could still win: its tokens what the counts allow (each measured place as
-if its next draft were taken, later places accepting as often as the last measured one does), its
+steps is tried while it could still win: its tokens what the counts allow (each measured place at
+its measured share or, where more, a uniform prior's mean, later places accepting as often as the
+last measured one does), its
 time its own once timed, else the slowest timed depth's below it. So one refused draft, or one slow
 first step, does not end speculation: simulated with the resident 30B's step costs (512 tokens,
 drafts taken 80% of the time, a first step at each depth 10 ms slower), the policy gets 1.36x of
@@ -70,8 +71,10 @@ class DepthPolicy:
             self._last_probe = self._num_steps
             return to_try
         if self._num_steps - self._last_probe >= self._probe_interval(best, limit):  # time a neighbour again
-            self._num_settled = self._num_settled + 1 if best == self._best_at_probe else 0
-            self._best_at_probe, self._last_probe = best, self._num_steps
+            if limit == self.max_depth:  # near a request's end the best is the one the request leaves room for
+                self._num_settled = self._num_settled + 1 if best == self._best_at_probe else 0
+                self._best_at_probe = best
+            self._last_probe = self._num_steps
             return _neighbour(best, limit)
         return best
 
@@ -104,9 +107,10 @@ class DepthPolicy:
 
     def expected_tokens(self, depth: int, is_bound: bool = False) -> float:
         """Tokens a step at ``depth`` gives on average. is_bound: what it could give, as far as the counts
-        tell: each measured place at (taken + 1) / (drafted + 2) (a uniform prior's mean: one refusal
-        leaves a third, two a quarter, where a draft's verify step costs ~1.35 plain steps), unmeasured
-        ones accepting as often as the last measured one does (as often as not, if none is)."""
+        tell: each measured place at its measured share or, where more, (taken + 1) / (drafted + 2) (a
+        uniform prior's mean: one refusal leaves a third, two a quarter, where a draft's verify step costs
+        ~1.35 plain steps), unmeasured ones accepting as often as the last measured one does (as often as
+        not, if none is)."""
         total, chance, last = 1.0, 1.0, 0.5
         for place in range(depth):
             rate = measured = self.acceptance(place)
@@ -115,7 +119,7 @@ class DepthPolicy:
                     return total
                 rate = last
             elif is_bound:
-                rate = (self._accepted[place] + 1) / (self._drafted[place] + 2)
+                rate = max(measured, (self._accepted[place] + 1) / (self._drafted[place] + 2))
             chance *= rate
             total += chance
             last = last if measured is None else measured
@@ -146,9 +150,9 @@ class DepthPolicy:
         interval = self.probe_every
         neighbour = _neighbour(best, limit)
         if neighbour != best and self.is_timed(neighbour):
-            seconds_a_token = self.seconds[best] / self.expected_tokens(best)
-            loss = self.seconds[neighbour] - self.expected_tokens(neighbour) * seconds_a_token
-            interval = max(interval, math.ceil(loss / (_PROBE_SHARE * self.seconds[best])))
+            best_seconds = max(self.seconds[best], 1e-9)
+            loss = self.seconds[neighbour] - self.expected_tokens(neighbour) * best_seconds / self.expected_tokens(best)
+            interval = max(interval, math.ceil(loss / (_PROBE_SHARE * best_seconds)))
         return min(interval << min(self._num_settled, 16), _MAX_PROBE_EVERY)
 
     def _best(self, limit: int) -> int:

@@ -65,8 +65,13 @@ class DraftOracle(Protocol):
 class _PlainDecode:
     """A depth policy that never drafts: plain decode through the speculation's steps."""
 
+    is_fixed = False
+
     def depth(self, limit: int) -> int:
         return 0
+
+    def is_timed(self, depth: int) -> bool:
+        return True  # nothing to time
 
     def plain_steps(self) -> int:
         return sys.maxsize
@@ -110,7 +115,8 @@ class Speculation:
         On the device, where a verify step needs the host only at its start (``launch_ahead``), the next
         step is launched before a step is read: chained (``launch_chained``: it reads what this step's
         acceptance wrote on the device) where it keeps this step's depth, cannot run past the request and the
-        policy agrees, else launched from the host once this step is read, before its tokens are yielded.
+        policy agrees (a depth it is still timing waits for this step's record), else launched from the host
+        once this step is read, before its tokens are yielded.
         So neither the host's reading nor the caller's work between tokens is the device's idle time, and
         the policy times a step without the caller's. A caller that stops early leaves the KV cells of the
         steps in flight written past the tokens it keeps, as a greedy step running ahead does

@@ -91,7 +91,7 @@ __device__ __forceinline__ float4 bytes_as_float4(u32 word, float bias) {
                      byte_as_float(word, 3, bias));
 }
 
-// s plus the weights' 4 products with x, added to it in this order (every format's rows share it).
+// s plus the weights' 4 products with x, added to it in this order (the quantized formats' rows share it).
 __device__ __forceinline__ float dot4(float4 w, float4 x, float s) {
   s = fmaf(w.x, x.x, s);
   s = fmaf(w.y, x.y, s);
