@@ -228,6 +228,16 @@ def test_steps_timed_at_zero_seconds_leave_the_policy_answering():
     assert policy.depth(10) == 0 and policy.plain_steps() > 0
 
 
+def test_a_deeper_depth_is_not_tried_where_steps_grow_with_depth_past_what_it_could_give():
+    policy = DepthPolicy(4)
+    for depth, seconds, num_accepted in ((0, 0.010, 0), (0, 0.010, 0), (1, 0.021, 1), (1, 0.021, 1)):
+        assert policy.depth(10) == depth
+        policy.record(depth, seconds, num_accepted)
+    # every draft taken, but a step costs a plain step more per row (a small budget streams each row's experts):
+    # depth 2 at the line through depths 0 and 1 (32 ms) gives at most 3 tokens, fewer a second than plain decode
+    assert policy.depth(10) == 0
+
+
 def test_probes_grow_rarer_while_the_best_depth_stays_the_same():
     policy = DepthPolicy(4, probe_every=32)
     depths = []

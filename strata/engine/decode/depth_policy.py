@@ -15,11 +15,13 @@ and picks the depth d (0..``max_depth``) with the most expected tokens per secon
 ``(1 + a_1 + a_1 a_2 + ... + a_1...a_d) / seconds[d]``. A depth with fewer than ``_MIN_STEPS``
 steps is tried while it could still win: its tokens what the counts allow (each measured place at
 its measured share or, where more, a uniform prior's mean, later places accepting as often as the
-last measured one does), its
-time its own once timed, else the slowest timed depth's below it. So one refused draft, or one slow
-first step, does not end speculation: simulated with the resident 30B's step costs (512 tokens,
-drafts taken 80% of the time, a first step at each depth 10 ms slower), the policy gets 1.36x of
-plain decode where one that judged each depth by its first step stayed at plain. Every
+last measured one does), its time its own once timed, else the slowest timed depth's below it or, if
+longer, the line through the two deepest timed (in a small budget each row's experts stream: no
+depth pays there, and trying each deeper one cost 3% of a 128-token request at 0.8 acceptance). So
+one refused draft, or one slow first step, does not end speculation: simulated with the resident
+30B's step costs (512 tokens, drafts taken 80% of the time, a first step at each depth 10 ms slower),
+the policy gets 1.36x of plain decode where one that judged each depth by its first step stayed at
+plain. Every
 ``probe_every`` steps (more where a probe costs more than ``_PROBE_SHARE`` of the steps between:
 a verify step streams its rows' experts in a small budget) the depth next to the chosen one is timed
 again, so a change in the text or the cache is seen; a probe that finds the same depth best as the
@@ -164,9 +166,16 @@ class DepthPolicy:
 
     def _bound(self, depth: int) -> float:
         """Tokens a second ``depth`` could give: optimistic acceptance, its own time once timed, else the
-        slowest timed depth's below it."""
-        seconds = self.seconds[depth] if self.is_timed(depth) else \
-            max(self.seconds[d] for d in range(depth) if self.is_timed(d))
+        slowest timed depth's below it, or where two are timed, the line through the two deepest if longer (a
+        verify step's rows each stream their experts in a small budget: a step grows ~linearly with depth)."""
+        if self.is_timed(depth):
+            seconds = self.seconds[depth]
+        else:
+            timed = [d for d in range(depth) if self.is_timed(d)]
+            seconds = max(self.seconds[d] for d in timed)
+            if len(timed) >= 2:
+                (a, b), s = timed[-2:], self.seconds
+                seconds = max(seconds, s[b] + (depth - b) * (s[b] - s[a]) / (b - a))
         return self.expected_tokens(depth, is_bound=True) / max(seconds, 1e-9)
 
 
