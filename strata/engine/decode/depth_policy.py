@@ -17,7 +17,7 @@ steps is tried while it could still win: its tokens what the counts allow (each 
 its measured share or, where more, a uniform prior's mean, later places accepting as often as the
 last measured one does), its time its own once timed, else the slowest timed depth's below it or, if
 longer, the line through the two deepest timed (in a small budget each row's experts stream: no
-depth pays there, and trying each deeper one cost 3% of a 128-token request at 0.8 acceptance). So
+depth pays there, and trying each deeper one lost ~2% of a 128-token request at 0.8 acceptance). So
 one refused draft, or one slow first step, does not end speculation: simulated with the resident
 30B's step costs (512 tokens, drafts taken 80% of the time, a first step at each depth 10 ms slower),
 the policy gets 1.36x of plain decode where one that judged each depth by its first step stayed at
