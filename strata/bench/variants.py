@@ -26,6 +26,8 @@ import numpy as np
 
 GEMM_TILES = MappingProxyType({"128x64": {"block_m": 128, "block_n": 64, "warps_m": 4, "warps_n": 2},
                                "64x64": {"block_m": 64, "block_n": 64, "warps_m": 2, "warps_n": 2}})
+# the tensor-core GEMM's weights, and moe_rows' (its FORMATS, built here to keep this module's import light)
+WEIGHT_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_XXS")
 FAST = MappingProxyType({"prefetch_w": True, "ldmatrix": True, "vector_stores": True})
 FUSED = MappingProxyType({"stages": 2, "fused": True})  # the C++ K loop; 128 x 128 gate/up tiles: dynamic shared
 GEMM_VARIANTS = MappingProxyType({
@@ -424,8 +426,9 @@ def main(argv=None) -> int:
                         help="run one sweep")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--match", default="", help="only the GEMM and MoE variants whose name contains this text")
-    parser.add_argument("--weight-format", default="Q4_0", choices=("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"),
-                        help="the GEMM and MoE sweeps' weights (default Q4_0)")
+    parser.add_argument("--weight-format", default="Q4_0", choices=WEIGHT_FORMATS,
+                        help="the GEMM and MoE sweeps' weights (default Q4_0; a variant whose kernels do not take "
+                             "the format says so on its line)")
     parser.add_argument("--kv-format", choices=("F16", "Q8_0", "Q4_0"), action="append",
                         help="the decode sweep's cache formats (repeatable; default all three)")
     args = parser.parse_args(argv)

@@ -53,6 +53,13 @@ def test_variant_sweep_refuses_a_match_that_names_no_variant(capsys):
     assert "--match 'fuzed' names no GEMM or MoE variant" in capsys.readouterr().err
 
 
+def test_the_moe_sweep_takes_every_format_the_moe_prefill_rows_run():
+    from strata.bench import variants
+    from strata.gpu.kernels import moe_rows
+
+    assert set(moe_rows.FORMATS) <= set(variants.WEIGHT_FORMATS)
+
+
 def test_kernel_benchmark_takes_the_gemv_formats_and_refuses_an_unknown_one(capsys):
     import pytest
 
