@@ -21,13 +21,12 @@ depth pays there, and trying each deeper one lost ~2% of a 128-token request at 
 one refused draft, or one slow first step, does not end speculation: simulated with the resident
 30B's step costs (512 tokens, drafts taken 80% of the time, a first step at each depth 10 ms slower),
 the policy gets 1.36x of plain decode where one that judged each depth by its first step stayed at
-plain. Every
-``probe_every`` steps (more where a probe costs more than ``_PROBE_SHARE`` of the steps between:
-a verify step streams its rows' experts in a small budget) the depth next to the chosen one is timed
-again, so a change in the text or the cache is seen; a probe that finds the same depth best as the
-one before doubles the interval (up to ``_MAX_PROBE_EVERY``), since each costs a step at a worse
-depth: on the H200 a plain run with a probe every 32 tokens decoded at 0.92x plain decode. Trial
-steps count as a probe, and before any probe plain decode counts as the best found. Between
+plain. Every ``probe_every`` steps (more where a probe costs more than ``_PROBE_SHARE`` of the steps
+between: a verify step streams its rows' experts in a small budget) the depth next to the chosen one
+is timed again, so a change in the text or the cache is seen; a probe that finds the same depth best
+as the one before doubles the interval (up to ``_MAX_PROBE_EVERY``), since each costs a step at a
+worse depth: on the H200 a plain run with a probe every 32 tokens decoded at 0.92x plain decode.
+Trial steps count as a probe, and before any probe plain decode counts as the best found. Between
 probes, where plain decode is best, ``plain_steps`` says how long a caller may run plain steps
 without asking. ``is_fixed`` always drafts ``max_depth`` (the equality tests, the bench's fixed arm).
 """
