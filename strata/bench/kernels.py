@@ -415,8 +415,8 @@ def bench_attention_decode(s: Shapes, fmt: str, cfg: AttentionConfig, timing) ->
         for context in s.decode_contexts:
             positions = cuda.to_device(np.array([context - 1], np.int32))
             num_bytes = 2 * k_cache.nbytes * context / k_cache.num_rows  # the K and V rows up to the position
-            caches = list(zip(packed_copies(k_cache, num_copies(num_bytes)), packed_copies(v_cache, num_copies(
-                num_bytes))))
+            count = num_copies(num_bytes)
+            caches = list(zip(packed_copies(k_cache, count), packed_copies(v_cache, count)))
             next_cache = rotating(caches)
             ms = graph_ms(lambda stream: attention(q, *next_cache(), positions, out, stream=stream, **args), timing,
                           num_launches(len(caches)))

@@ -200,7 +200,7 @@ def _row_strides(w) -> tuple:
                  for p, n in ((w.quants, words), (w.scales, w.scales.shape[1]), (w.extra, w.extra.shape[1])))
 
 
-def _register_options(max_registers: int) -> dict:
+def register_options(max_registers: int) -> dict:
     """A kernel's jit options for a register cap (0: none; the simulator's jit takes none)."""
     return {"max_registers": max_registers} if max_registers and not IS_SIMULATOR else {}
 
@@ -654,7 +654,7 @@ def _expert_kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: 
                     has_norm: bool, max_registers: int = 0):
     threads, down_threads = warps * _WARP, down_warps * _WARP
     pair_fn, down_fn = _declare_pair_loop(fmt_gate_up), _declare_down_loop(fmt_down)
-    options = _register_options(max_registers)
+    options = register_options(max_registers)
     ffi = tensor_core.ffi()
     num_x, hidden_stride = x_floats(dim), x_floats(ffn)
     stage_x = _stage_rows_device(dim, threads, has_norm, 1, num_x)

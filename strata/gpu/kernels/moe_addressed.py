@@ -105,7 +105,7 @@ def _kernels(fmt_gate_up: str, fmt_down: str, dim: int, ffn: int, top_k: int, wa
              has_norm: bool, max_registers: int = 0):
     threads, down_threads = warps * _WARP, down_warps * _WARP
     pair_fn, down_fn = _declare_pair_loop(fmt_gate_up), _declare_down_loop(fmt_down)
-    options = gemv_native._register_options(max_registers)
+    options = gemv_native.register_options(max_registers)
     ffi = tensor_core.ffi()
     num_x, hidden_stride = gemv_native.x_floats(dim), gemv_native.x_floats(ffn)
     stage_x = gemv_native._stage_rows_device(dim, threads, has_norm, 1, num_x)
