@@ -118,9 +118,9 @@ class ModelRunner:
         return self.decode_step is not None
 
     def greedy_tokens(self, token: int, position: int, num_steps: int, head: tuple, bias: tuple | None,
-                      stats: StreamStats):
+                      stats: StreamStats, then: Callable[[], None] | None = None):
         """Greedy decode on the device after ``token``; see ``DecodeStep.greedy_tokens``."""
-        return self.decode_step.greedy_tokens(token, position, num_steps, head, bias, stats)
+        return self.decode_step.greedy_tokens(token, position, num_steps, head, bias, stats, then)
 
     def forward(self, tokens: np.ndarray, start: int, workspace: PromptWorkspace | None, stats: StreamStats,
                 is_cancelled: Callable[[], bool] | None = None):

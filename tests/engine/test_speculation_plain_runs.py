@@ -24,27 +24,48 @@ class _Runner:
 
     def __init__(self):
         self.runs, self.closed, self.num_picked = [], 0, 0
+        self.events = []
 
-    def greedy_tokens(self, token, position, num_steps, head, bias, stats):
+    def greedy_tokens(self, token, position, num_steps, head, bias, stats, then=None):
         self.runs.append((token, position, num_steps))
         try:
-            for _ in range(num_steps):
+            for step in range(num_steps):
                 token = _next(token)
                 self.num_picked += 1
+                if step + 1 == num_steps and then is not None:  # after the last launch, before its read
+                    then()
+                self.events.append(("pick", token))
                 yield token
         finally:
             self.closed += 1
 
 
 class _Device:
-    """The one-row verify step that ends a run that is not the request's last."""
+    """The one-row verify step that ends a run that is not the request's last: launched from the host, or
+    where a step runs without the host (``is_host_free``) queued behind the run's last greedy step."""
 
-    def __init__(self):
-        self.verified = []
+    def __init__(self, runner=None, is_host_free: bool = False):
+        self.verified, self.runner, self.is_host_free = [], runner, is_host_free
+        self.queued = 0  # verify steps queued behind a greedy run, not read yet
+
+    def launch_ahead(self, depth):
+        return self.is_host_free
 
     def verify(self, token, position, depth, head, bias, stats):
         self.verified.append((token, position, depth))
         return np.zeros((1, 4), np.float32), [], [_next(token)]
+
+    def launch_after_greedy(self, head, bias, stats):
+        self.queued += 1
+        self.runner.events.append(("queued verify",))
+
+    def read_verify(self, depth, stats, position):
+        assert depth == 0 and self.queued == 1
+        self.queued -= 1
+        token = self.runner.events[-1][1]  # the last greedy step's pick, which the queued step verified
+        self.runner.events.append(("read verify", position))
+        self.verified.append((token, position, depth))
+        return 0, [_next(token)]
 
 
 class _NeverDrafts:
@@ -95,6 +116,21 @@ def test_a_run_lasts_until_the_policy_would_look_again_and_the_last_run_ends_the
     assert kv_tokens == [5, *tokens[:-1]]
     assert policy.recorded == 250  # every step timed, the last run's too, though the caller closed it
     assert runner.closed == 3
+
+
+def test_where_a_step_runs_without_the_host_a_runs_verify_step_is_queued_behind_its_last_greedy_step():
+    runner = _Runner()
+    device, policy = _Device(runner, is_host_free=True), _NeverDrafts(plain_steps=100)
+    kv_tokens = []
+    tokens = _taken(_speculation(policy, runner, device).tokens(5, None, 40, 250, kv_tokens), 250)
+    assert tokens == _expected(5, 250) and kv_tokens == [5, *tokens[:-1]]
+    assert [num for _, _, num in runner.runs] == [99, 99, 50]
+    assert [(position, depth) for _, position, depth in device.verified] == [(40 + 99, 0), (40 + 199, 0)]
+    # queued before the run's last pick is read, read after it
+    kinds = [event[0] for event in runner.events]
+    assert kinds[97:101] == ["pick", "queued verify", "pick", "read verify"]
+    assert kinds.count("queued verify") == kinds.count("read verify") == 2
+    assert policy.recorded == 250 and runner.closed == 3
 
 
 def test_a_caller_that_stops_inside_a_run_has_its_steps_recorded():

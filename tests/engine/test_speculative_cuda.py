@@ -10,7 +10,7 @@ from numba import config as numba_config
 
 from strata.backend.select import has_cuda_device
 from strata.bench.draft_oracle import DraftOracle
-from strata.engine.decode import step
+from strata.engine.decode import speculative, step
 from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.decode.speculative import Speculation
 from strata.engine.facade import Engine
@@ -114,15 +114,26 @@ def test_chained_steps_equal_plain_greedy_and_take_what_steps_launched_from_the_
     assert run() == (drafted, accepted, rounds) and len(chained) == num_chained
 
 
-def test_device_speculation_with_the_depth_policy_equals_plain_greedy(tiny_path, plain_tokens):
-    """spec_policy "auto": runs of plain steps on the device between the policy's looks (in the simulator
-    the request's 4 tokens are one run, the last, with no verify step after it), drafts where it probes."""
+def test_device_speculation_with_the_depth_policy_equals_plain_greedy(tiny_path, plain_tokens, monkeypatch):
+    """spec_policy "auto": runs of plain steps on the device between the policy's looks, drafts where it
+    probes. Runs of two tokens: the first ends in a one-row verify step queued behind its greedy step, on
+    the token that step picked on the device, and depth 1 is tried after it."""
+    monkeypatch.setattr(speculative, "PLAIN_RUN_TOKENS", 2)
+    queued = []
+    launch_after_greedy = DeviceSpeculation.launch_after_greedy
+
+    def counted(self, *args):
+        queued.append(True)
+        return launch_after_greedy(self, *args)
+
+    monkeypatch.setattr(DeviceSpeculation, "launch_after_greedy", counted)
+    num_tokens = NUM_GENERATED if BACKEND == "cuda" else 6
+    expected = plain_tokens if BACKEND == "cuda" else reference_greedy(tiny_path, PROMPT, num_tokens)
     engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=2, spec_policy="auto")),
                          show_progress=False)
-    tokens, stats = greedy(engine, PROMPT, NUM_GENERATED)
-    assert tokens == plain_tokens
-    if BACKEND == "cuda":  # 40 tokens: a first run of 16, then depth 1 tried
-        assert stats.spec_rounds > 0
+    tokens, stats = greedy(engine, PROMPT, num_tokens)
+    assert tokens == expected
+    assert queued and stats.spec_rounds > 0
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the loan on the device: GPU only (slow in the simulator)")

@@ -178,6 +178,14 @@ class DeviceSpeculation:
         self._replay_picks(rows, head, bias, is_chained=False)
         return rows
 
+    def launch_after_greedy(self, head: tuple, bias, stats: StreamStats) -> None:
+        """A verify step of no drafts, queued behind the greedy step launched last (``DecodeStep.greedy_tokens``'s
+        ``then``) on the token it picked on the device: its row is where the next draft reads it, and
+        ``read_verify(0, ...)`` reads its pick, the host never having launched from that token."""
+        self._allocated()
+        rows = self.runner.step_of(1).forward_picked(stats)
+        self._replay_picks(rows, head, bias, is_chained=True)
+
     def launch_chained(self, depth: int, start: int, head: tuple, bias, stats: StreamStats, oracle=None) -> None:
         """The next step of ``depth`` drafts after the step launched last (of the same depth), launched before
         the host has read that one: its draft and verify read what that step's acceptance wrote on the

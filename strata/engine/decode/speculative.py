@@ -206,14 +206,18 @@ class Speculation:
     def _device_plain_run(self, token: int, position: int, num_tokens: int, is_last: bool, kv_tokens: list[int]):
         """Yields ``num_tokens`` plain greedy tokens after ``token`` picked on the device, each step queued
         one ahead of the host (``ModelRunner.greedy_tokens``) but the last, a one-row verify step whose
-        hidden row [1, D] the next drafting starts from; returns (that row, or None where ``is_last``: the
-        request ends with these tokens and every step is queued ahead; the last token). Appends each token
-        whose KV cell a step wrote to ``kv_tokens``, and records the steps taken in the policy, also where
-        the caller closes the run: the host's time in them, not the caller's between tokens."""
+        hidden row [1, D] the next drafting starts from (None: where the picks left it on the device);
+        returns (that row, or None where ``is_last``: the request ends with these tokens and every step
+        is queued ahead; the last token). Where a step runs without the host between its layers, that
+        verify step is queued behind the last greedy one too, on the token it picked on the device: the
+        device does not wait for the host to read it and launch. Appends each token whose KV cell a step wrote to ``kv_tokens``, and records the steps taken in the policy,
+        also where the caller closes the run: the host's time in them, not the caller's between tokens."""
         device, head, bias = self.device
         self.stats.spec_depth = 0
         num_queued = num_tokens if is_last else num_tokens - 1
-        steps = self.runner.greedy_tokens(token, position, num_queued, head, bias, self.stats) \
+        is_verify_queued = not is_last and num_queued > 0 and device.launch_ahead(0)
+        then = (lambda: device.launch_after_greedy(head, bias, self.stats)) if is_verify_queued else None
+        steps = self.runner.greedy_tokens(token, position, num_queued, head, bias, self.stats, then=then) \
             if num_queued else None
         seconds, num_done = 0.0, 0
         try:
@@ -227,7 +231,10 @@ class Speculation:
             if is_last:
                 seconds += time.perf_counter() - started
                 return None, token
-            rows, _, targets = device.verify(token, position + num_queued, 0, head, bias, self.stats)
+            if is_verify_queued:
+                rows, (_, targets) = None, device.read_verify(0, self.stats, position + num_queued)
+            else:
+                rows, _, targets = device.verify(token, position + num_queued, 0, head, bias, self.stats)
             seconds += time.perf_counter() - started
             kv_tokens.append(token)
             token, num_done = targets[0], num_done + 1

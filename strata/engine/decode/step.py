@@ -60,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -184,13 +184,23 @@ class DecodeStep:
         self._replay_whole_token()
         return self._x
 
+    def forward_picked(self, stats: StreamStats):
+        """``forward`` of the token the greedy step queued last picked and embedded on the device, at the
+        position it stepped to (``_greedy_tail``), queued behind it: the rows [1, D]. The caller counts its
+        host-tier KV bytes once it knows the position."""
+        if self.num_rows != 1 or self._is_request_start or self.kind == LAYERS:
+            raise EngineError("a step of the token a greedy step picked follows a whole-token greedy step of the "
+                              "same request")
+        self._replay_whole_token()
+        return self._x
+
     def _replay_whole_token(self) -> None:
         for part in self._token_segments():
             part.replay()
         self._num_uncounted_steps += 1  # counted at the end of decode (``count_reads``): no wait here
 
     def greedy_tokens(self, token: int, position: int, num_steps: int, head: tuple, bias: tuple | None,
-                      stats: StreamStats) -> Iterator[int]:
+                      stats: StreamStats, then: Callable[[], None] | None = None) -> Iterator[int]:
         """The greedy continuation of ``token`` at ``position``: the id each of ``num_steps`` steps
         picks on the device (``ops.greedy_token``), which the next step embeds there too; the host
         reads 4 bytes a token. head: (output norm, head QTensor, eps). bias: host (ids [n] int32,
@@ -199,7 +209,8 @@ class DecodeStep:
         A whole-token step (every expert cached, or misses read in place) runs one step ahead: step s+1
         is queued before step s's id is read, so the GPU does not wait for the host between tokens. A
         caller that stops early leaves that step's KV cell written past the tokens it keeps; a later
-        token or request writes it again."""
+        token or request writes it again. then: launched once, right after the last step and before its
+        token is read (work queued behind the run: ``forward_picked``'s step)."""
         if self.num_rows != 1:
             raise EngineError("greedy decode on the device runs one token a step")
         self._begin([token], position)
@@ -215,6 +226,8 @@ class DecodeStep:
                     pending = ahead
                     ahead = _launch(layers, tail.segment, readback, self._token_id) if step + 1 < num_steps else None
                     num_launched += ahead is not None
+                    if ahead is None and step + 1 == num_steps and then is not None:
+                        then()
                     stats.kv_host_bytes += host_tier_bytes(self.model.kv, position + step, position + step + 1)
                     yield self._checked(stats.waited(readback.read, pending))
                 return
@@ -222,6 +235,8 @@ class DecodeStep:
                 self._layers(stats)
                 stats.kv_host_bytes += host_tier_bytes(self.model.kv, position + step, position + step + 1)
                 ticket = _launch(None, tail.segment, readback, self._token_id)
+                if step + 1 == num_steps and then is not None:
+                    then()
                 yield self._checked(stats.waited(readback.read, ticket))
         except Exception as exc:
             error = exc
