@@ -84,6 +84,13 @@ class HeadOps:
 
         take_draft(token, window, place, row, drafts, stream=self._stream)
 
+    def spread_inputs(self, inputs, wide_inputs) -> None:
+        """A one-row step's token and position (inputs [2]) as the first token and the positions of a step of R
+        rows (wide_inputs [2R]), on the device (``kernels/drafts.py``)."""
+        from strata.gpu.kernels.drafts import spread_inputs
+
+        spread_inputs(inputs, wide_inputs, stream=self._stream)
+
     def take_row(self, x, row, out) -> None:
         """out [1, D] = x [R, D] at row row[0] (device int32 [1])."""
         from strata.gpu.kernels.drafts import take_row

@@ -30,7 +30,7 @@ class _Runner:
         self.runs.append((token, position, num_steps))
         try:
             for step in range(num_steps):
-                token = _next(token)
+                token = self.last_picked = _next(token)
                 self.num_picked += 1
                 if step + 1 == num_steps and then is not None:  # after the last launch, before its read
                     then()
@@ -213,10 +213,17 @@ class _DraftingDevice:
         self._launched.append((token, depth))
         return np.zeros((depth + 1, 4), np.float32)
 
+    def can_chain(self, depth):
+        return self.is_launched_ahead and depth > 0
+
+    def launch_after_greedy(self, head, bias, stats):
+        self.events.append(("queued verify",))
+        self._launched.append((self.runner.last_picked, 0))
+
     def launch_chained(self, depth, start, head, bias, stats, oracle):
         token, launched_depth = self._launched[-1]
-        assert depth == launched_depth
-        token = _expected(token, depth + 1)[-1]  # what the step before emits last: its token
+        assert launched_depth in (0, depth)
+        token = _expected(token, launched_depth + 1)[-1]  # what the step before emits last: its token
         self.events.append(("chain", token, start))
         self._launched.append((token, depth))
 
@@ -257,9 +264,29 @@ class _ChangingPolicy(_TimedPolicy):
         return min(limit, 2 if len(self.limits) == 1 else 1)
 
 
+class _ScriptedPolicy(_TimedPolicy):
+    """Plain decode, then depth 1 from its second answer on; every depth timed."""
+
+    def __init__(self):
+        super().__init__(max_depth=1)
+        self.is_fixed = False
+
+    def depth(self, limit):
+        self.limits.append(limit)
+        return 0 if len(self.limits) == 1 else min(limit, 1)
+
+    def plain_steps(self):
+        return 0
+
+    def is_timed(self, depth):
+        return True
+
+
 def _drafting(events: list, is_launched_ahead: bool = True, policy=None):
-    runner = type("Runner", (), {"ops": _Ops()})()
+    runner = _Runner()
+    runner.ops = _Ops()
     device = _DraftingDevice(events, is_launched_ahead)
+    device.runner = runner
     speculation = Speculation(runner, None, policy or _TimedPolicy(), None, SamplingParams(temperature=0.0), None,
                               StreamStats(), device=(device, None, None))
     return runner, speculation
@@ -364,3 +391,36 @@ def test_a_depth_the_policy_is_still_timing_is_not_chained():
     kinds = [kind for kind in _kinds(events) if kind != "draft"]
     assert kinds[:5] == ["launch", "read", "launch", "read", "launch"] and "chain" in kinds[5:]
     assert policy.num_steps_at[1] == 5
+
+
+def test_the_step_after_a_plain_run_is_chained_behind_its_verify_step():
+    events, kv_tokens = [], []
+    policy = _ScriptedPolicy()
+    _, speculation = _drafting(events, policy=policy)
+    tokens = []
+    for token in speculation.tokens(5, None, 40, PLAIN_RUN_TOKENS + 4, kv_tokens):
+        events.append(("yield", token))
+        tokens.append(token)
+    assert tokens == _expected(5, PLAIN_RUN_TOKENS + 4) and kv_tokens == [5, *tokens[:-1]]
+    # the run's verify step queued behind its last greedy step before that is read; the step after it chained behind
+    # it, from the position the verify step is at, before the host reads the verify step; nothing drafted from the host
+    last_greedy = PLAIN_RUN_TOKENS - 1
+    assert _kinds(events)[last_greedy - 1:last_greedy + 4] == ["queued verify", "yield", "chain", "read", "yield"]
+    assert [event[2] for event in events if event[0] == "chain"][0] == 40 + last_greedy
+    assert speculation.device[0].drafted_from == []
+    # the policy asked for the step after the run with the run's greedy steps recorded, the verify step after
+    assert policy.limits[:2] == [PLAIN_RUN_TOKENS + 3, 3] and len(policy.times) >= PLAIN_RUN_TOKENS
+
+
+def test_a_depth_this_request_has_not_run_is_launched_from_the_host_after_a_plain_run():
+    events = []
+    _, speculation = _drafting(events, policy=_ScriptedPolicy())
+    speculation.device[0].can_chain = lambda depth: False
+    tokens = []
+    for token in speculation.tokens(5, None, 40, PLAIN_RUN_TOKENS + 4, []):
+        events.append(("yield", token))
+        tokens.append(token)
+    assert tokens == _expected(5, PLAIN_RUN_TOKENS + 4)
+    # after the verify step's read, launched from the host before its token is yielded
+    kinds = _kinds(events)
+    assert kinds[PLAIN_RUN_TOKENS:PLAIN_RUN_TOKENS + 4] == ["read", "draft", "launch", "yield"]

@@ -11,6 +11,7 @@ from numba import config as numba_config
 from strata.backend.select import has_cuda_device
 from strata.bench.draft_oracle import DraftOracle
 from strata.engine.decode import speculative, step
+from strata.engine.decode.depth_policy import DepthPolicy
 from strata.engine.decode.device_speculation import DeviceSpeculation
 from strata.engine.decode.speculative import Speculation
 from strata.engine.facade import Engine
@@ -116,9 +117,9 @@ def test_chained_steps_equal_plain_greedy_and_take_what_steps_launched_from_the_
 
 def test_device_speculation_with_the_depth_policy_equals_plain_greedy(tiny_path, plain_tokens, monkeypatch):
     """spec_policy "auto": runs of plain steps on the device between the policy's looks, drafts where it
-    probes. Runs of two tokens: the first ends in a one-row verify step queued behind its greedy step, on
-    the token that step picked on the device, and depth 1 is tried after it."""
-    monkeypatch.setattr(speculative, "PLAIN_RUN_TOKENS", 2)
+    probes. Runs of three tokens: the first ends in a one-row verify step queued behind its greedy steps, on
+    the token the last picked on the device, and depth 1 is tried after it."""
+    monkeypatch.setattr(speculative, "PLAIN_RUN_TOKENS", 3)
     queued = []
     launch_after_greedy = DeviceSpeculation.launch_after_greedy
 
@@ -134,6 +135,46 @@ def test_device_speculation_with_the_depth_policy_equals_plain_greedy(tiny_path,
     tokens, stats = greedy(engine, PROMPT, num_tokens)
     assert tokens == expected
     assert queued and stats.spec_rounds > 0
+
+
+class _ScriptedPolicy(DepthPolicy):
+    """Depth 1, then a plain run of two steps, then depth 1 again (every depth timed), then plain decode."""
+
+    def __init__(self):
+        super().__init__(1)
+        self.answers = [1, 0, 1]
+
+    def depth(self, limit):
+        return min(limit, self.answers.pop(0) if self.answers else 0)
+
+    def plain_steps(self):
+        return 0
+
+    def is_timed(self, depth):
+        return True
+
+
+def test_a_step_chained_behind_a_plain_runs_verify_step_equals_plain_greedy(tiny_path, plain_tokens, monkeypatch):
+    """After a plain run whose verify step is queued behind its greedy step, the next step of a depth the request
+    ran before is chained behind that verify step: its drafts, token and positions are what the verify step's
+    acceptance wrote on the device (``DeviceSpeculation.launch_chained`` after a step of no drafts)."""
+    monkeypatch.setattr(speculative, "PLAIN_RUN_TOKENS", 2)
+    chained = []
+    launch_chained = DeviceSpeculation.launch_chained
+
+    def counted(self, depth, *args, **kwargs):
+        chained.append((self._pending[-1][0], depth))
+        return launch_chained(self, depth, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceSpeculation, "launch_chained", counted)
+    num_tokens = NUM_GENERATED if BACKEND == "cuda" else 7  # the prefill's, depth 1 (2), the run (2), depth 1 (2)
+    expected = plain_tokens if BACKEND == "cuda" else reference_greedy(tiny_path, PROMPT, num_tokens)
+    engine = Engine.load(engine_config(tiny_path, runtime=_runtime(mtp=True, spec_depth=1, spec_policy="auto")),
+                         show_progress=False)
+    engine.depth_policy = _ScriptedPolicy()
+    tokens, stats = greedy(engine, PROMPT, num_tokens)
+    assert tokens == expected
+    assert chained[0] == (0, 1) and stats.spec_rounds >= 2
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the loan on the device: GPU only (slow in the simulator)")

@@ -9,7 +9,7 @@ from numba import config as numba_config
 
 from strata.backend.select import has_cuda_device, make_ops
 from strata.engine import sampling
-from strata.gpu.kernels.drafts import accept_drafts, take_draft, take_row
+from strata.gpu.kernels.drafts import accept_drafts, spread_inputs, take_draft, take_row
 from strata.gpu.kernels.elementwise import increment
 from strata.gpu.kernels.sample import add_logit_bias
 from strata.gpu.ledger import VramLedger
@@ -87,6 +87,16 @@ def test_accept_drafts_writes_no_id_outside_the_vocabulary_where_a_later_launch_
     with pytest.raises(ValueError, match="does not fit"):
         accept_drafts(dev(np.zeros(2, np.int32)), dev(np.zeros(3, np.int32)), 2, 10, dev(np.zeros(6, np.int32)),
                       draft_inputs, chain, record)  # a record of 3 holds depth 1's
+
+
+@pytest.mark.parametrize("num_rows", [1, 3])
+def test_spread_inputs_gives_a_wider_step_the_token_and_consecutive_positions(num_rows):
+    wide = dev(np.array([*range(-1, -1 - num_rows, -1), *[-9] * num_rows], np.int32))
+    spread_inputs(dev(np.array([17, 40], np.int32)), wide)
+    # the first token and every position; the other tokens (the drafts') untouched
+    assert host(wide).tolist() == [17, *range(-2, -1 - num_rows, -1), *range(40, 40 + num_rows)]
+    with pytest.raises(ValueError, match="tokens and positions of R rows"):
+        spread_inputs(dev(np.array([17, 40], np.int32)), dev(np.zeros(5, np.int32)))
 
 
 def test_greedy_token_is_the_hosts_pick_from_the_same_biased_logits():

@@ -186,23 +186,33 @@ class DeviceSpeculation:
         rows = self.runner.step_of(1).forward_picked(stats)
         self._replay_picks(rows, head, bias, is_chained=True)
 
+    def can_chain(self, depth: int) -> bool:
+        """Whether a step of ``depth`` drafts can be chained on the device after the step launched last: a whole-token
+        verify step that this request has run before (its first step writes its tables from the host)."""
+        step = self.runner.step_of(depth + 1)
+        return depth > 0 and step.is_host_free and step.is_started
+
     def launch_chained(self, depth: int, start: int, head: tuple, bias, stats: StreamStats, oracle=None) -> None:
-        """The next step of ``depth`` drafts after the step launched last (of the same depth), launched before
-        the host has read that one: its draft and verify read what that step's acceptance wrote on the
-        device. start: the first position of the step launched last (the host knows it; the one launched now
-        starts n + 1 later). oracle: as ``draft`` takes it, its tokens from start + 2 on."""
+        """The next step of ``depth`` drafts after the step launched last (of the same depth, or a verify step of no
+        drafts: a plain run's last), launched before the host has read that one: its draft and verify read what
+        that step's acceptance wrote on the device. start: the first position of the step launched last (the
+        host knows it; the one launched now starts n + 1 later). oracle: as ``draft`` takes it, its tokens from
+        start + 2 on."""
         buffers = self._allocated()
-        if not self._pending or self._pending[-1][0] != depth or not depth:
-            raise EngineError(f"a chained step of depth {depth} follows a launched step of the same depth "
-                              f"(launched: {[entry[0] for entry in self._pending]})")
+        previous = self._pending[-1][0] if self._pending else None
+        if previous not in (0, depth) or not self.can_chain(depth):
+            raise EngineError(f"a chained step of depth {depth} follows a launched step of the same depth or of none, "
+                              f"and a step of its rows this request ran (launched: "
+                              f"{[entry[0] for entry in self._pending]})")
         if oracle is not None:  # for every n of the step before: the place j reads window[n + j]
             window = self._windows[self._num_chained % 2]  # its queued copy two chained steps ago has landed
             window[:] = -1
             window[:2 * depth] = oracle.window(start + 2, 2 * depth)
             self.ops.copy_in(buffers.window, window, is_queued=True)
         self._num_chained += 1
-        self._replay_drafts(depth + 1, depth)
-        rows = self.runner.step_of(depth + 1).forward_queued(stats, buffers.drafts)
+        self._replay_drafts(previous + 1, depth)  # from every row of the step before
+        after = self.runner.step_of(1) if previous != depth else None  # its token and position are that step's
+        rows = self.runner.step_of(depth + 1).forward_queued(stats, buffers.drafts, after)
         self._replay_picks(rows, head, bias, is_chained=True)
 
     def read_verify(self, depth: int, stats: StreamStats, position: int) -> tuple[int, list[int]]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -133,12 +134,21 @@ class Speculation:
                     # until the policy would look again; to the request's end, where it would not before it
                     num_tokens = min(num_left, max(PLAIN_RUN_TOKENS, self.policy.plain_steps()))
                     is_last = num_tokens == num_left
-                    _, token = yield from self._device_plain_run(token, position, num_tokens, is_last, kv_tokens)
+                    launch_next = functools.partial(self._launch_after_run, in_flight, position + num_tokens - 1,
+                                                    num_left - num_tokens)
+                    _, token, depth = yield from self._device_plain_run(token, position, num_tokens, is_last,
+                                                                        kv_tokens, launch_next)
                     if is_last:  # nothing drafts after it
                         return
+                    last_read = time.perf_counter()  # the run's verify step was read
                     rows = None  # the run's last verify step's: where the next draft reads them
-                    position, num_left, depth = position + num_tokens, num_left - num_tokens, None
+                    position, num_left = position + num_tokens, num_left - num_tokens
                     next_tokens, start = [token], position - 1
+                    if not in_flight and depth and self.device[0].launch_ahead(depth):  # while the caller takes it
+                        _launch_into(in_flight, self._launch, token, position, depth, rows, next_tokens, start)
+                    yielded = time.perf_counter()
+                    yield token
+                    caller_seconds = time.perf_counter() - yielded if in_flight else 0.0
                     continue
                 if self.device is None:
                     started = time.perf_counter()
@@ -203,15 +213,21 @@ class Speculation:
             self._decided = decided
         return decided == depth
 
-    def _device_plain_run(self, token: int, position: int, num_tokens: int, is_last: bool, kv_tokens: list[int]):
-        """Yields ``num_tokens`` plain greedy tokens after ``token`` picked on the device, each step queued
-        one ahead of the host (``ModelRunner.greedy_tokens``) but the last, a one-row verify step whose
-        hidden row [1, D] the next drafting starts from (None: where the picks left it on the device);
-        returns (that row, or None where ``is_last``: the request ends with these tokens and every step
-        is queued ahead; the last token). Where a step runs without the host between its layers, that
-        verify step is queued behind the last greedy one too, on the token it picked on the device: the
-        device does not wait for the host to read it and launch. Appends each token whose KV cell a step wrote to ``kv_tokens``, and records the steps taken in the policy,
-        also where the caller closes the run: the host's time in them, not the caller's between tokens."""
+    def _device_plain_run(self, token: int, position: int, num_tokens: int, is_last: bool, kv_tokens: list[int],
+                          launch_next: Callable[[], int | None]):
+        """Yields the first ``num_tokens`` - 1 of ``num_tokens`` plain greedy tokens after ``token`` picked on
+        the device (all of them where ``is_last``: the request ends with these tokens), each step queued one
+        ahead of the host (``ModelRunner.greedy_tokens``) but the last, a one-row verify step whose hidden
+        row [1, D] the next drafting starts from; returns (that row, None where it is on the device or
+        ``is_last``; the last token, not yielded; the depth ``launch_next`` decided, or None).
+
+        Where a step runs without the host between its layers, that verify step is queued behind the last
+        greedy one, on the token it picked on the device, and ``launch_next`` (the policy's next depth, that
+        step maybe chained behind it) is called before it is read: the device does not wait for the host to
+        read and launch between a run and the step after it. Appends each token whose KV cell a step wrote to
+        ``kv_tokens``, and records the steps taken in the policy, also where the caller closes the run: the
+        host's time in them, not the caller's between tokens (the greedy steps at their average, before
+        ``launch_next`` asks the policy; the verify step at its own)."""
         device, head, bias = self.device
         self.stats.spec_depth = 0
         num_queued = num_tokens if is_last else num_tokens - 1
@@ -219,7 +235,7 @@ class Speculation:
         then = (lambda: device.launch_after_greedy(head, bias, self.stats)) if is_verify_queued else None
         steps = self.runner.greedy_tokens(token, position, num_queued, head, bias, self.stats, then=then) \
             if num_queued else None
-        seconds, num_done = 0.0, 0
+        seconds, num_done, num_recorded, depth = 0.0, 0, 0, None
         try:
             started = time.perf_counter()
             for picked in steps or ():
@@ -230,21 +246,32 @@ class Speculation:
                 started = time.perf_counter()
             if is_last:
                 seconds += time.perf_counter() - started
-                return None, token
+                return None, token, None
             if is_verify_queued:
+                for _ in range(num_done):
+                    self.policy.record(0, seconds / num_done, 0)
+                seconds, num_recorded = 0.0, num_done
+                depth = launch_next()
                 rows, (_, targets) = None, device.read_verify(0, self.stats, position + num_queued)
             else:
                 rows, _, targets = device.verify(token, position + num_queued, 0, head, bias, self.stats)
             seconds += time.perf_counter() - started
             kv_tokens.append(token)
             token, num_done = targets[0], num_done + 1
-            yield token
-            return rows, token
+            return rows, token, depth
         finally:
             if steps is not None:
                 steps.close()
-            for _ in range(num_done):
-                self.policy.record(0, seconds / num_done, 0)
+            for _ in range(num_done - num_recorded):
+                self.policy.record(0, seconds / (num_done - num_recorded), 0)
+
+    def _launch_after_run(self, in_flight: collections.deque, position: int, num_after: int) -> int:
+        """The depth of the step after a plain run whose verify step (at ``position``) is queued and not read,
+        ``num_after`` tokens left after the run; that step chained behind it on the device where it can be."""
+        depth = self.policy.depth(num_after - 1)
+        if depth and self.device[0].can_chain(depth):
+            _launch_into(in_flight, self._launch_chained, depth, position)
+        return depth
 
     def _host_step(self, token: int, position: int, depth: int, rows, next_tokens: list[int], start: int):
         """(rows [n + 1, D] verified or not, tokens to emit, drafts taken), logits read on the host."""

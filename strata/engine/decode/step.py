@@ -173,13 +173,21 @@ class DecodeStep:
             self._layers(stats)
         return self._x
 
-    def forward_queued(self, stats: StreamStats, drafts):
+    @property
+    def is_started(self) -> bool:
+        """Whether the request has run a step of these rows (its tables written, its kind decided)."""
+        return not self._is_request_start
+
+    def forward_queued(self, stats: StreamStats, drafts, after=None):
         """``forward`` of the tokens and positions that work queued before it writes into ``inputs`` on the device
         (the first token there, the rest from ``drafts``), the host never knowing them: a whole-token step of a
-        request that has run a ``forward`` already. The caller counts its host-tier KV bytes once it knows the
-        position."""
+        request that has run a ``forward`` already. after: a one-row step whose ``inputs`` that work wrote
+        instead (its token is this step's first, its position this step's first). The caller counts its
+        host-tier KV bytes once it knows the position."""
         if self._is_request_start or self.kind == LAYERS:
             raise EngineError("a step from the device's inputs follows a whole-token step of the same request")
+        if after is not None:
+            self.model.ops.spread_inputs(after.inputs, self._inputs)
         self._drafts_segment(drafts).replay()
         self._replay_whole_token()
         return self._x
@@ -216,7 +224,7 @@ class DecodeStep:
         self._begin([token], position)
         tail = self._tails.for_request(head, 0 if bias is None else len(bias[0]))
         tail.write_bias(self.model.ops, bias)
-        readback, error, num_launched = self._readback, None, 0
+        readback, error, num_launched, num_read, is_then_launched = self._readback, None, 0, 0, False
         try:
             if self.kind != LAYERS:
                 layers = self._token_segments()
@@ -228,8 +236,11 @@ class DecodeStep:
                     num_launched += ahead is not None
                     if ahead is None and step + 1 == num_steps and then is not None:
                         then()
+                        is_then_launched = True
                     stats.kv_host_bytes += host_tier_bytes(self.model.kv, position + step, position + step + 1)
-                    yield self._checked(stats.waited(readback.read, pending))
+                    token = self._checked(stats.waited(readback.read, pending))
+                    num_read += 1
+                    yield token
                 return
             for step in range(num_steps):
                 self._layers(stats)
@@ -245,8 +256,11 @@ class DecodeStep:
             # the step running ahead finishes before the request's buffers are dropped; after an
             # error, that error is the one to see
             if error is None:
-                self.model.ops.synchronize()
-                if num_launched:
+                if num_read < num_launched:  # the caller stopped early
+                    self.model.ops.synchronize()
+                if is_then_launched:  # counted at the end of decode: a count now could wait for what it queued
+                    self._num_uncounted_steps += num_launched
+                elif num_launched:
                     self._count_token_reads(stats, num_launched)
             else:
                 with contextlib.suppress(Exception):

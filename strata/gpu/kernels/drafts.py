@@ -98,6 +98,30 @@ def accept_drafts(drafts, targets, depth: int, vocab_size: int, step_inputs, dra
 
 
 @jit
+def _spread_inputs_kernel(inputs, tokens, positions):  # one thread
+    if cuda.grid(1) == 0:
+        tokens[0] = inputs[0]
+        for i in range(positions.shape[0]):
+            positions[i] = inputs[1] + i
+
+
+def spread_inputs(inputs, wide_inputs, *, stream=0):
+    """A one-row step's inputs [2] (token, position P) as the first token and the positions of a step of R rows:
+    wide_inputs [2R] (tokens, then positions) gets tokens[0] = the token and positions P..P + R - 1 (its
+    other tokens are drafts, copied in by the step). int32 on the device.
+
+    Launch config: one block of one thread.
+    """
+    check_array("inputs", inputs, dtypes=np.int32, shape=(2,))
+    check_array("wide_inputs", wide_inputs, dtypes=np.int32, ndim=1)
+    num_rows = wide_inputs.shape[0] // 2
+    if wide_inputs.shape[0] != 2 * num_rows or num_rows < 1:
+        raise ValueError(f"spread_inputs: wide_inputs holds the tokens and positions of R rows, got {wide_inputs.shape}")
+    _spread_inputs_kernel[1, 1, stream](inputs, wide_inputs[:num_rows], wide_inputs[num_rows:])
+    return wide_inputs
+
+
+@jit
 def _take_row_kernel(x, row, out):  # out [1, D] = x[row[0]]
     i = cuda.grid(1)
     if i < out.shape[1]:
