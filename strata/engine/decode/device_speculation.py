@@ -115,8 +115,8 @@ class DeviceSpeculation:
             step = self.runner.step_of(num_rows)
             if step.rows is not None:
                 self._picks(step.rows, head, None)
-                if num_rows > 1:
-                    step.prepare_drafts(self._buffers.drafts)
+                if num_rows > 1:  # also after a plain run's one-row verify step (``launch_chained``)
+                    step.prepare_drafts(self._buffers.drafts, after=self.runner.step_of(1))
         if self.max_rows > 2:  # a chain follows the first draft only from depth 2
             self._chain_segment()
         self._biased = {}

@@ -102,7 +102,8 @@ class DecodeStep:
         self._inputs = None  # [2R] int32: the tokens, then their positions (one queued copy)
         self._token_id = None  # [R] int32, a view of _inputs
         self._positions = None  # [R] int32, a view of _inputs
-        self._drafts_in = None  # (weakref to drafts, segment): the drafts copied in and the tokens embedded
+        # [is after a one-row step] (weakrefs to what it reads, segment): the drafts copied in, the tokens embedded
+        self._drafts_in: dict[bool, tuple] = {}
         self._step_row = None  # [2R] int32 in pinned host memory: the tokens and positions, queued copies
         self._slot_ids = None  # [R, k] int32
         self._route_counters = None  # [R] int32, zero between launches (``ops.decode_route``'s)
@@ -156,10 +157,13 @@ class DecodeStep:
             self._tails.for_request(head, 0)
         self._is_request_start = True  # the first request still checks what its prefill changed
 
-    def prepare_drafts(self, drafts) -> None:
-        """Capture now the segment that takes the tokens after the first from ``drafts`` (``forward``'s),
-        kept as the step's other segments are."""
+    def prepare_drafts(self, drafts, after=None) -> None:
+        """Capture now the segment that takes the tokens after the first from ``drafts`` (``forward``'s), and
+        where ``after`` (a one-row step) is given, the one that also takes the first token and the positions from
+        its inputs (``forward_queued``'s after it), kept as the step's other segments are."""
         self._drafts_segment(drafts)
+        if after is not None:
+            self._drafts_segment(drafts, after.inputs)
 
     def forward(self, tokens, position: int, stats: StreamStats, drafts=None):
         """Hidden states [R, D] of ``tokens`` [R] at ``position``.. (before the output norm); appends their KV.
@@ -186,9 +190,7 @@ class DecodeStep:
         host-tier KV bytes once it knows the position."""
         if self._is_request_start or self.kind == LAYERS:
             raise EngineError("a step from the device's inputs follows a whole-token step of the same request")
-        if after is not None:
-            self.model.ops.spread_inputs(after.inputs, self._inputs)
-        self._drafts_segment(drafts).replay()
+        self._drafts_segment(drafts, None if after is None else after.inputs).replay()
         self._replay_whole_token()
         return self._x
 
@@ -346,22 +348,27 @@ class DecodeStep:
             self._is_pool_trimmed = True
         return self.model.ops.capture(fn, owner)
 
-    def _drafts_segment(self, drafts):
+    def _drafts_segment(self, drafts, after_inputs=None):
         """The tokens after the first from ``drafts`` into the token buffer, and the step's tokens embedded
         (two launches as one segment: as two, the host's launch cost was the device's idle time between a
-        draft and its verify step). Captured again for another ``drafts`` buffer."""
-        drafts_ref, segment = self._drafts_in or (None, None)
-        if segment is None or drafts_ref() is not drafts:
+        draft and its verify step); after_inputs: a one-row step's inputs [2], whose token and position are
+        this step's first, spread into its inputs first (``ops.spread_inputs``). Captured again for another
+        buffer."""
+        reads = (drafts,) if after_inputs is None else (drafts, after_inputs)
+        refs, segment = self._drafts_in.get(after_inputs is not None, ((), None))
+        if segment is None or any(ref() is not read for ref, read in zip(refs, reads)):
             if segment is not None:
                 segment.close()
             num_rows, ops, table = self.num_rows, self.model.ops, self.model.token_embedding
 
             def record():
+                if after_inputs is not None:
+                    ops.spread_inputs(after_inputs, self._inputs)
                 ops.copy_array(self._token_id[1:], drafts[:num_rows - 1])
                 ops.embed(table, self._token_id, out=self._x)
                 return ()
             segment = self._capture(record, self._owner)
-            self._drafts_in = (weakref.ref(drafts), segment)
+            self._drafts_in[after_inputs is not None] = (tuple(weakref.ref(read) for read in reads), segment)
         return segment
 
     def _token_segments(self) -> list:
@@ -477,10 +484,10 @@ class DecodeStep:
         self._is_request_start = True
 
     def _close_layers(self) -> None:
-        drafts_in = [self._drafts_in[1]] if self._drafts_in else []
+        drafts_in = [segment for _, segment in self._drafts_in.values()]
         for segment in self._segments + self._token_parts + drafts_in:
             segment.close()
-        self._segments, self._token_parts, self._drafts_in = [], [], None
+        self._segments, self._token_parts, self._drafts_in = [], [], {}
 
     def _greedy_tail(self, head: tuple, bias) -> tuple:
         """After a step's layers: pick the next token into the token buffer, step the position, and
