@@ -133,6 +133,17 @@ def test_where_a_step_runs_without_the_host_a_runs_verify_step_is_queued_behind_
     assert policy.recorded == 250 and runner.closed == 3
 
 
+@pytest.mark.parametrize("num_taken", [99, 100])
+def test_a_caller_that_stops_at_a_runs_last_greedy_token_waits_for_its_queued_verify_step(num_taken):
+    runner = _Runner()
+    runner.ops = _Ops()
+    device, policy = _Device(runner, is_host_free=True), _NeverDrafts(plain_steps=100)
+    tokens = _taken(_speculation(policy, runner, device).tokens(5, None, 40, 250, []), num_taken)
+    assert tokens == _expected(5, num_taken) and policy.recorded == num_taken
+    # at 99 the verify step was queued and not read; at 100 it was read, its token taken
+    assert device.queued == (num_taken == 99) and runner.ops.num_synchronized == (num_taken == 99)
+
+
 def test_a_caller_that_stops_inside_a_run_has_its_steps_recorded():
     runner, device, policy = _Runner(), _Device(), _NeverDrafts(plain_steps=100)
     kv_tokens = []

@@ -227,7 +227,8 @@ class Speculation:
         read and launch between a run and the step after it. Appends each token whose KV cell a step wrote to
         ``kv_tokens``, and records the steps taken in the policy, also where the caller closes the run: the
         host's time in them, not the caller's between tokens (the greedy steps at their average, before
-        ``launch_next`` asks the policy; the verify step at its own)."""
+        ``launch_next`` asks the policy; the verify step at its own, which has the host's launch of the step
+        after it, as a step a chained one follows has)."""
         device, head, bias = self.device
         self.stats.spec_depth = 0
         num_queued = num_tokens if is_last else num_tokens - 1
@@ -235,7 +236,7 @@ class Speculation:
         then = (lambda: device.launch_after_greedy(head, bias, self.stats)) if is_verify_queued else None
         steps = self.runner.greedy_tokens(token, position, num_queued, head, bias, self.stats, then=then) \
             if num_queued else None
-        seconds, num_done, num_recorded, depth = 0.0, 0, 0, None
+        seconds, num_done, num_recorded, depth, is_verify_read = 0.0, 0, 0, None, False
         try:
             started = time.perf_counter()
             for picked in steps or ():
@@ -253,6 +254,7 @@ class Speculation:
                 seconds, num_recorded = 0.0, num_done
                 depth = launch_next()
                 rows, (_, targets) = None, device.read_verify(0, self.stats, position + num_queued)
+                is_verify_read = True
             else:
                 rows, _, targets = device.verify(token, position + num_queued, 0, head, bias, self.stats)
             seconds += time.perf_counter() - started
@@ -262,6 +264,12 @@ class Speculation:
         finally:
             if steps is not None:
                 steps.close()
+            if is_verify_queued and not is_verify_read:  # the caller stopped early, or a launch failed
+                if isinstance(sys.exc_info()[1], Exception):  # the error raised here is the one to see
+                    with contextlib.suppress(Exception):
+                        self.runner.ops.synchronize()
+                else:  # what was queued finishes before the request's buffers go
+                    self.runner.ops.synchronize()
             for _ in range(num_done - num_recorded):
                 self.policy.record(0, seconds / (num_done - num_recorded), 0)
 

@@ -226,7 +226,8 @@ class DecodeStep:
         self._begin([token], position)
         tail = self._tails.for_request(head, 0 if bias is None else len(bias[0]))
         tail.write_bias(self.model.ops, bias)
-        readback, error, num_launched, num_read, is_then_launched = self._readback, None, 0, 0, False
+        readback, error, num_launched, num_read = self._readback, None, 0, 0
+        is_then_launched = is_done = False  # is_done: every step read and its token taken
         try:
             if self.kind != LAYERS:
                 layers = self._token_segments()
@@ -243,6 +244,7 @@ class DecodeStep:
                     token = self._checked(stats.waited(readback.read, pending))
                     num_read += 1
                     yield token
+                is_done = True
                 return
             for step in range(num_steps):
                 self._layers(stats)
@@ -250,6 +252,7 @@ class DecodeStep:
                 ticket = _launch(None, tail.segment, readback, self._token_id)
                 if step + 1 == num_steps and then is not None:
                     then()
+                    is_then_launched = True
                 yield self._checked(stats.waited(readback.read, ticket))
         except Exception as exc:
             error = exc
@@ -258,7 +261,7 @@ class DecodeStep:
             # the step running ahead finishes before the request's buffers are dropped; after an
             # error, that error is the one to see
             if error is None:
-                if num_read < num_launched:  # the caller stopped early
+                if num_read < num_launched or (is_then_launched and not is_done):  # the caller stopped early
                     self.model.ops.synchronize()
                 if is_then_launched:  # counted at the end of decode: a count now could wait for what it queued
                     self._num_uncounted_steps += num_launched
