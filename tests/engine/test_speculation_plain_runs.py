@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from strata.engine.decode.depth_policy import DepthPolicy
-from strata.engine.decode.speculative import PLAIN_DECODE, PLAIN_RUN_TOKENS, Speculation
+from strata.engine.decode.speculative import FIRST_RUN_TOKENS, PLAIN_DECODE, PLAIN_RUN_TOKENS, Speculation
 from strata.engine.sampling import SamplingParams
 from strata.engine.stream_stats import StreamStats
 
@@ -80,6 +80,9 @@ class _NeverDrafts:
 
     def plain_steps(self) -> int:
         return self._plain_steps
+
+    def is_timed(self, depth) -> bool:
+        return True
 
     def record(self, depth, seconds, num_accepted):
         self.recorded += 1
@@ -157,6 +160,24 @@ def test_runs_are_never_shorter_than_the_floor():
     tokens = _taken(_speculation(_NeverDrafts(plain_steps=0), runner, device).tokens(9, None, 0, 40, []), 40)
     assert tokens == _expected(9, 40)
     assert [num for _, _, num in runner.runs] == [PLAIN_RUN_TOKENS - 1, PLAIN_RUN_TOKENS - 1, 40 - 2 * PLAIN_RUN_TOKENS]
+
+
+class _SlowFirstRunner(_Runner):
+    """A run's first greedy step takes 50 ms (the run's first launches, a request's once-only work), later ones 1."""
+
+    def greedy_tokens(self, token, position, num_steps, head, bias, stats, then=None):
+        for step, picked in enumerate(super().greedy_tokens(token, position, num_steps, head, bias, stats, then)):
+            time.sleep(0.05 if step == 0 else 0.001)
+            yield picked
+
+
+def test_the_run_that_times_plain_decode_first_is_short_and_its_first_step_is_not_timed():
+    runner, device, policy = _SlowFirstRunner(), _Device(), DepthPolicy(1)
+    policy.depth = lambda limit: 0  # plain decode throughout: the runs' floors and timing alone
+    _taken(_speculation(policy, runner, device).tokens(5, None, 40, 40, []), 40)
+    # a first run of FIRST_RUN_TOKENS while depth 0 is untimed, then runs of PLAIN_RUN_TOKENS
+    assert [num for _, _, num in runner.runs][:2] == [FIRST_RUN_TOKENS - 1, PLAIN_RUN_TOKENS - 1]
+    assert policy.seconds[0] < 0.0025  # the slow first steps left out of the average (with them: ~3.5 ms)
 
 
 def test_plain_decode_is_one_run_with_no_verify_step():

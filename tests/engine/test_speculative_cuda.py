@@ -117,9 +117,9 @@ def test_chained_steps_equal_plain_greedy_and_take_what_steps_launched_from_the_
 
 def test_device_speculation_with_the_depth_policy_equals_plain_greedy(tiny_path, plain_tokens, monkeypatch):
     """spec_policy "auto": runs of plain steps on the device between the policy's looks, drafts where it
-    probes. Runs of three tokens: the first ends in a one-row verify step queued behind its greedy steps, on
-    the token the last picked on the device, and depth 1 is tried after it."""
-    monkeypatch.setattr(speculative, "PLAIN_RUN_TOKENS", 3)
+    probes. A first run of three tokens (plain decode not timed yet) ends in a one-row verify step queued behind its
+    greedy steps, on the token the last picked on the device, and depth 1 is tried after it."""
+    monkeypatch.setattr(speculative, "FIRST_RUN_TOKENS", 3)
     queued = []
     launch_after_greedy = DeviceSpeculation.launch_after_greedy
 

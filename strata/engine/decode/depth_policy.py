@@ -6,8 +6,8 @@ draft can cost more than the tokens it saves. The policy keeps, while the engine
 - the seconds a step takes at each depth (depth 0: one plain decode step), a moving average that
   starts at a depth's second step: its first may pay once-only work (a first launch of a kernel, a
   graph captured for a request's bias), and one slow step must not keep a depth out for good (a
-  device's plain steps come in runs, each step recorded at its run's average: there the once-only
-  cost is spread over the run);
+  device's plain steps come in runs, each step recorded at its run's average, a run's first step left
+  out of it);
 - the acceptance at each place of a draft run: a_j, the share of drafts at place j taken when the
   ones before it were (counts that decay, so the estimate follows the text);
 

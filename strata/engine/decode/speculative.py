@@ -41,6 +41,8 @@ from strata.engine.sampling import SamplingParams, distribution, draw, sample
 from strata.engine.stream_stats import StreamStats
 
 PLAIN_RUN_TOKENS = 16  # the fewest plain steps on the device between two looks at the depth policy
+# the fewest of a run that times plain decode first (the policy's first look): its first step is not timed
+FIRST_RUN_TOKENS = 4
 
 
 class _Launched(NamedTuple):
@@ -132,7 +134,8 @@ class Speculation:
                 depth = self.policy.depth(num_left - 1) if depth is None else depth
                 if depth == 0 and self.device is not None:
                     # until the policy would look again; to the request's end, where it would not before it
-                    num_tokens = min(num_left, max(PLAIN_RUN_TOKENS, self.policy.plain_steps()))
+                    floor = PLAIN_RUN_TOKENS if self.policy.is_timed(0) else FIRST_RUN_TOKENS
+                    num_tokens = min(num_left, max(floor, self.policy.plain_steps()))
                     is_last = num_tokens == num_left
                     launch_next = functools.partial(self._launch_after_run, in_flight, position + num_tokens - 1,
                                                     num_left - num_tokens)
@@ -227,8 +230,9 @@ class Speculation:
         read and launch between a run and the step after it. Appends each token whose KV cell a step wrote to
         ``kv_tokens``, and records the steps taken in the policy, also where the caller closes the run: the
         host's time in them, not the caller's between tokens (the greedy steps at their average, before
-        ``launch_next`` asks the policy; the verify step at its own, which has the host's launch of the step
-        after it, as a step a chained one follows has)."""
+        ``launch_next`` asks the policy: of three or more, the first not timed, as it waits for the run's first
+        launches and a request's first may pay once-only work; the verify step at its own, which has the host's
+        launch of the step after it, as a step a chained one follows has)."""
         device, head, bias = self.device
         self.stats.spec_depth = 0
         num_queued = num_tokens if is_last else num_tokens - 1
@@ -237,10 +241,13 @@ class Speculation:
         steps = self.runner.greedy_tokens(token, position, num_queued, head, bias, self.stats, then=then) \
             if num_queued else None
         seconds, num_done, num_recorded, depth, is_verify_read = 0.0, 0, 0, None, False
+        first_seconds = 0.0  # the first greedy step's (None once the greedy steps are recorded)
         try:
             started = time.perf_counter()
             for picked in steps or ():
                 seconds += time.perf_counter() - started
+                if not num_done:
+                    first_seconds = seconds
                 kv_tokens.append(token)
                 token, num_done = picked, num_done + 1
                 yield picked
@@ -249,9 +256,8 @@ class Speculation:
                 seconds += time.perf_counter() - started
                 return None, token, None
             if is_verify_queued:
-                for _ in range(num_done):
-                    self.policy.record(0, seconds / num_done, 0)
-                seconds, num_recorded = 0.0, num_done
+                self._record_plain(num_done, seconds, first_seconds)
+                seconds, first_seconds, num_recorded = 0.0, None, num_done
                 depth = launch_next()
                 rows, (_, targets) = None, device.read_verify(0, self.stats, position + num_queued)
                 is_verify_read = True
@@ -270,8 +276,17 @@ class Speculation:
                         self.runner.ops.synchronize()
                 else:  # what was queued finishes before the request's buffers go
                     self.runner.ops.synchronize()
-            for _ in range(num_done - num_recorded):
-                self.policy.record(0, seconds / (num_done - num_recorded), 0)
+            self._record_plain(num_done - num_recorded, seconds, first_seconds)
+
+    def _record_plain(self, num_steps: int, seconds: float, first_seconds: float | None) -> None:
+        """``num_steps`` plain steps that took ``seconds`` in all, each recorded at their average; of three or
+        more, without the first's ``first_seconds`` (None: the first is timed too)."""
+        if num_steps >= 3 and first_seconds is not None:
+            seconds, num_timed = seconds - first_seconds, num_steps - 1
+        else:
+            num_timed = num_steps
+        for _ in range(num_steps):
+            self.policy.record(0, seconds / num_timed, 0)
 
     def _launch_after_run(self, in_flight: collections.deque, position: int, num_after: int) -> int:
         """The depth of the step after a plain run whose verify step (at ``position``) is queued and not read,
