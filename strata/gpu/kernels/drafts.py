@@ -1,4 +1,5 @@
-"""Greedy speculation's small steps on the device: a draft chain's step and a verify step's acceptance.
+"""Greedy speculation's small steps on the device: a draft chain's step, a verify step's acceptance, and a
+one-row step's inputs spread over a wider step's.
 
 Both run inside captured segments, one thread each: what they read and write are a few ids, and
 launching them keeps the host out of the loop between a verify step and the next draft.
@@ -116,7 +117,8 @@ def spread_inputs(inputs, wide_inputs, *, stream=0):
     check_array("wide_inputs", wide_inputs, dtypes=np.int32, ndim=1)
     num_rows = wide_inputs.shape[0] // 2
     if wide_inputs.shape[0] != 2 * num_rows or num_rows < 1:
-        raise ValueError(f"spread_inputs: wide_inputs holds the tokens and positions of R rows, got {wide_inputs.shape}")
+        raise ValueError(f"spread_inputs: wide_inputs holds the tokens and positions of R rows, "
+                         f"got {wide_inputs.shape}")
     _spread_inputs_kernel[1, 1, stream](inputs, wide_inputs[:num_rows], wide_inputs[num_rows:])
     return wide_inputs
 
