@@ -1,7 +1,7 @@
 """Greedy speculation's small steps on the device: a draft chain's step, a verify step's acceptance, and a
 one-row step's inputs spread over a wider step's.
 
-Both run inside captured segments, one thread each: what they read and write are a few ids, and
+All run inside captured segments, one thread each: what they read and write are a few ids, and
 launching them keeps the host out of the loop between a verify step and the next draft.
 """
 
