@@ -254,6 +254,7 @@ class DecodeStep:
                     then()
                     is_then_launched = True
                 yield self._checked(stats.waited(readback.read, ticket))
+            is_done = True
         except Exception as exc:
             error = exc
             raise
